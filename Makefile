@@ -1,0 +1,31 @@
+# Two entry points: `make demo` and `make test`. Both create .venv when it is missing.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.polyrl-installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-fast lint bench clean-venv
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip >/dev/null
+	# torch first and pinned: any looser spec would pull the multi-GB CUDA build.
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m polyrl.demo
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check polyrl tests benchmarks
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""polyrl: composable RL post-training for LLMs."""

@@ -1,0 +1,34 @@
+"""Shared pytest fixtures: a real local Ray cluster and per-test temp dirs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Keep Ray quiet and small on a 2-core CI box; never reach for the dashboard or usage stats.
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A real single-node Ray cluster shared by the whole test session.
+
+    Started with 4 logical CPUs (the machine has 2 cores) so tests can place a few actors.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=4,
+            include_dashboard=False,
+            log_to_driver=True,
+            object_store_memory=1 << 30,
+            configure_logging=False,
+        )
+    yield ray
+    ray.shutdown()
