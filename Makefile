@@ -18,8 +18,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m polyrl.demo
 
+# pytest exits 5 when it collected no test: that is a broken suite, not a pass.
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
