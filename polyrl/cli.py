@@ -1,0 +1,255 @@
+"""The ``polyrl`` command line.
+
+Subcommands are registered with :func:`subcommand`; a later command (``train``, ``serve``...)
+is one decorated setup function in this module::
+
+    @subcommand("train", help="Train a policy with RL.")
+    def _train(parser: argparse.ArgumentParser) -> Handler:
+        add_config_arguments(parser)
+
+        def run(args: argparse.Namespace) -> int:
+            cfg = config_from_args(args)
+            from polyrl.trainer import train  # heavy imports inside the handler keep --help fast
+            train(cfg)
+            return 0
+
+        return run
+
+User errors (:class:`CLIError`, :class:`~polyrl.config.ConfigError`) print one line on stderr
+and exit with code 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+import yaml
+
+from polyrl.config import (
+    ConfigError,
+    PolyRLConfig,
+    available_presets,
+    describe,
+    load_config,
+    to_yaml,
+)
+
+__all__ = [
+    "CLIError",
+    "Handler",
+    "add_config_arguments",
+    "build_parser",
+    "config_from_args",
+    "main",
+    "subcommand",
+]
+
+Handler = Callable[[argparse.Namespace], "int | None"]
+"""Runs a parsed command; returns the exit code (``None`` means 0)."""
+
+Setup = Callable[[argparse.ArgumentParser], "Handler | None"]
+"""Adds a command's arguments; returns its handler, or ``None`` when it sets ``handler`` on its
+own nested subparsers (``parser.set_defaults(handler=...)``)."""
+
+USAGE_ERROR = 2
+
+
+class CLIError(Exception):
+    """A user error on the command line: printed as one line, exit code 2."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Command:
+    name: str
+    help: str
+    setup: Setup
+
+
+_COMMANDS: dict[str, _Command] = {}
+
+
+def subcommand(name: str, help: str) -> Callable[[Setup], Setup]:
+    """Register a top-level ``polyrl NAME`` command.
+
+    The decorated function receives the command's ``argparse`` parser, adds its arguments and
+    returns the handler to run (see the module docstring).
+
+    Raises:
+        ValueError: when ``name`` is already registered.
+    """
+
+    def register(setup: Setup) -> Setup:
+        if name in _COMMANDS:
+            raise ValueError(f"polyrl subcommand {name!r} is already registered")
+        _COMMANDS[name] = _Command(name, help, setup)
+        return setup
+
+    return register
+
+
+class _Parser(argparse.ArgumentParser):
+    """ArgumentParser whose errors become :class:`CLIError` (one line, no usage dump)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise CLIError(f"{message} (see '{self.prog} --help')")
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("polyrl")
+    except Exception:  # an uninstalled checkout still answers --version
+        return "unknown"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the ``polyrl`` parser with every registered subcommand."""
+    parser = _Parser(
+        prog="polyrl",
+        description="polyrl: composable RL post-training for large language models.",
+    )
+    parser.add_argument("--version", action="version", version=f"polyrl {_version()}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for cmd in _COMMANDS.values():
+        sub = commands.add_parser(cmd.name, help=cmd.help, description=cmd.help)
+        handler = cmd.setup(sub)
+        if handler is not None:
+            sub.set_defaults(handler=handler)
+    return parser
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``[PRESET] [key=value ...]`` arguments shared by commands that load a config."""
+    names = ", ".join(available_presets())
+    parser.add_argument(
+        "preset",
+        nargs="?",
+        metavar="PRESET",
+        help=f"a bundled preset ({names}) or a YAML file; default: default",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="overrides such as trainer.total_steps=10 data.train_files=[a.parquet,b.parquet]",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> PolyRLConfig:
+    """Load the config named by the arguments from :func:`add_config_arguments`.
+
+    The first argument is the preset when it has no ``=`` (or names a ``.yaml`` file);
+    otherwise it is the first override.
+    """
+    preset: str | None = args.preset
+    overrides: list[str] = list(args.overrides)
+    if preset is not None and "=" in preset and not preset.endswith((".yaml", ".yml")):
+        overrides.insert(0, preset)
+        preset = None
+    return load_config(preset, overrides)
+
+
+def _inline_yaml(value: Any) -> str:
+    text = yaml.safe_dump(value, default_flow_style=True, width=1000).strip()
+    return text.removesuffix("...").strip()
+
+
+@subcommand("config", help="Show or describe the configuration.")
+def _config_command(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+
+    show = actions.add_parser(
+        "show",
+        help="Print the merged config as YAML.",
+        description="Print the config built from a preset and overrides, as YAML.",
+    )
+    add_config_arguments(show)
+    show.set_defaults(handler=_config_show)
+
+    desc = actions.add_parser(
+        "describe",
+        help="List every option with its type, default and description.",
+        description="List every option with its type, default and description.",
+    )
+    desc.add_argument(
+        "--format",
+        choices=("text", "markdown"),
+        default="text",
+        help="text (default) or a markdown table for docs",
+    )
+    desc.set_defaults(handler=_config_describe)
+
+    presets = actions.add_parser("presets", help="List the bundled presets.")
+    presets.set_defaults(handler=_config_presets)
+
+
+def _config_show(args: argparse.Namespace) -> int:
+    sys.stdout.write(to_yaml(config_from_args(args)))
+    return 0
+
+
+def _config_describe(args: argparse.Namespace) -> int:
+    rows = describe(PolyRLConfig)
+    out: list[str] = []
+    if args.format == "markdown":
+        out.append("| option | type | default | description |")
+        out.append("| --- | --- | --- | --- |")
+        for row in rows:
+            cells = [f"`{row.key}`", f"`{row.type}`", f"`{_inline_yaml(row.default)}`", row.help]
+            out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    else:
+        group = None
+        for row in rows:
+            this_group = row.key.rpartition(".")[0]
+            if out and this_group != group:
+                out.append("")
+            group = this_group
+            out.append(f"{row.key}: {row.type} = {_inline_yaml(row.default)}")
+            out.append(f"    {row.help}")
+    sys.stdout.write("\n".join(out) + "\n")
+    return 0
+
+
+def _config_presets(args: argparse.Namespace) -> int:
+    sys.stdout.write("\n".join(available_presets()) + "\n")
+    return 0
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``polyrl`` command line; return the exit code.
+
+    Args:
+        argv: Arguments without the program name; ``None`` reads ``sys.argv[1:]``.
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        code = args.handler(args)
+        sys.stdout.flush()
+        return 0 if code is None else int(code)
+    except (CLIError, ConfigError) as exc:
+        print(f"polyrl: error: {_one_line(exc)}", file=sys.stderr)
+        return USAGE_ERROR
+    except SystemExit as exc:  # --help and --version exit through argparse
+        return exc.code if isinstance(exc.code, int) else 0
+    except BrokenPipeError:
+        # The reader went away (`polyrl config describe | head`): silence the final flush.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

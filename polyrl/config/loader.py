@@ -1,0 +1,558 @@
+"""Build :class:`~polyrl.config.schema.PolyRLConfig` objects from presets, YAML and overrides.
+
+Precedence, lowest first: the dataclass defaults, the preset (a bundled name such as ``demo``
+or a YAML file holding only the keys it changes), then ``key.sub=value`` overrides in order.
+Every step validates: unknown keys name the nearest valid key, wrong types name the expected
+type, and each error says which file or override it came from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any, NamedTuple, TypeVar, Union
+
+import yaml
+
+from polyrl.config.schema import (
+    ConfigError,
+    PolyRLConfig,
+    check_value,
+    resolved_type_hints,
+    type_name,
+)
+
+__all__ = [
+    "OptionInfo",
+    "apply_overrides",
+    "available_presets",
+    "describe",
+    "from_dict",
+    "load_config",
+    "parse_override",
+    "read_preset",
+    "save_config",
+    "to_dict",
+    "to_yaml",
+]
+
+T = TypeVar("T")
+
+_PRESET_SUFFIXES = (".yaml", ".yml")
+
+
+class OptionInfo(NamedTuple):
+    """One option as listed by :func:`describe`."""
+
+    key: str
+    """Dotted path, e.g. ``data.max_prompt_length``."""
+    type: str
+    """Readable type, e.g. ``int``, ``list[str]``, or ``{a,b}`` for a choice."""
+    default: Any
+    """Default value (or current value when :func:`describe` is given an instance)."""
+    help: str
+    """One-line description."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _OverrideValue:
+    """A command-line value: its raw text and its YAML reading, picked by the target type."""
+
+    raw: str
+    parsed: Any
+    yaml_error: str | None = None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """Safe YAML loader that rejects a key repeated in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+class _Dumper(yaml.SafeDumper):
+    """Safe YAML dumper that double-quotes strings holding Unicode line breaks.
+
+    PyYAML writes a string holding NEL (U+0085) as a plain scalar and reads the NEL back as a
+    space; quoting those strings keeps ``load(dump(x)) == x``.
+    """
+
+
+def _represent_str(dumper: yaml.SafeDumper, data: str) -> yaml.ScalarNode:
+    style = '"' if any(c in data for c in ("\x85", "\u2028", "\u2029")) else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+
+_Dumper.add_representer(str, _represent_str)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """Short one-line reason for a YAML error, with its position when known."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem:
+        where = exc.problem_mark or exc.context_mark
+        pos = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        context = f"{exc.context}: " if exc.context else ""
+        return _one_line(f"{context}{exc.problem}{pos}")
+    return _one_line(str(exc))
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets
+
+
+def _preset_dir() -> Any:
+    return resources.files("polyrl.config") / "presets"
+
+
+def available_presets() -> list[str]:
+    """Names of the presets bundled with polyrl, sorted (e.g. ``['default', 'demo']``)."""
+    names = []
+    for entry in _preset_dir().iterdir():
+        if entry.is_file() and entry.name.endswith(_PRESET_SUFFIXES):
+            names.append(entry.name.rsplit(".", 1)[0])
+    return sorted(names)
+
+
+def _looks_like_path(preset: str) -> bool:
+    return os.sep in preset or "/" in preset or preset.endswith(_PRESET_SUFFIXES)
+
+
+def _parse_yaml(text: str, source: str) -> dict[str, Any]:
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"invalid YAML: {_yaml_problem(exc)}", source=source) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"expected a mapping of options at the top level, got {type(data).__name__}",
+            source=source,
+        )
+    return data
+
+
+def read_preset(preset: str | os.PathLike[str]) -> tuple[dict[str, Any], str]:
+    """Read a preset into a nested dict of the keys it sets.
+
+    Args:
+        preset: A bundled preset name (see :func:`available_presets`) or a path to a YAML file.
+
+    Returns:
+        ``(data, source)`` where ``source`` describes the preset for error messages.
+
+    Raises:
+        ConfigError: the name is not bundled and no such file exists, or the YAML is invalid.
+    """
+    if not isinstance(preset, str | os.PathLike):
+        raise ConfigError(
+            f"preset must be a preset name or a path, got {type(preset).__name__} {preset!r}"
+        )
+    if isinstance(preset, str) and not _looks_like_path(preset):
+        for suffix in _PRESET_SUFFIXES:
+            entry = _preset_dir() / f"{preset}{suffix}"
+            if entry.is_file():
+                source = f"preset '{preset}'"
+                return _parse_yaml(entry.read_text(encoding="utf-8"), source), source
+        if not Path(preset).is_file():
+            names = ", ".join(available_presets())
+            raise ConfigError(
+                f"unknown preset {preset!r}; available presets: {names} "
+                "(or give the path of a YAML file)"
+            )
+    path = Path(preset)
+    source = f"file '{path}'"
+    if not path.is_file():
+        names = ", ".join(available_presets())
+        raise ConfigError(f"preset file not found: '{path}' (bundled presets: {names})")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read preset: {_one_line(str(exc))}", source=source) from None
+    return _parse_yaml(text, source), source
+
+
+# ---------------------------------------------------------------------------------------------
+# Schema walking
+
+
+def _is_union(tp: Any) -> bool:
+    return typing.get_origin(tp) in (Union, types.UnionType)
+
+
+def _is_group(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _strip_optional(tp: Any) -> Any:
+    """``X | None`` -> ``X``; anything else unchanged."""
+    if _is_union(tp):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def _init_fields(cls: type) -> list[dataclasses.Field[Any]]:
+    return [f for f in dataclasses.fields(cls) if f.init]
+
+
+def _dotted_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every valid dotted path under ``cls``: groups and options."""
+    keys: list[str] = []
+    hints = resolved_type_hints(cls)
+    for f in _init_fields(cls):
+        path = f"{prefix}{f.name}"
+        keys.append(path)
+        sub = _strip_optional(hints[f.name])
+        if _is_group(sub):
+            keys.extend(_dotted_keys(sub, f"{path}."))
+    return keys
+
+
+def _unknown_key(path: str, root: type, source: str | None) -> ConfigError:
+    candidates = _dotted_keys(root)
+    close = difflib.get_close_matches(path, candidates, n=1, cutoff=0.6)
+    if not close:
+        # Fall back to the nearest key of the same group, then to the nearest of all.
+        parent = path.rpartition(".")[0]
+        siblings = [k for k in candidates if k.rpartition(".")[0] == parent] or candidates
+        close = difflib.get_close_matches(path, siblings, n=1, cutoff=0.0)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return ConfigError(f"unknown key '{path}'{hint}", source=source)
+
+
+def _wants_raw_text(tp: Any, value: _OverrideValue) -> bool:
+    """Whether a command-line value for type ``tp`` is taken verbatim rather than as YAML."""
+    if tp is str:
+        return True
+    if _is_union(tp) and _strip_optional(tp) is str:
+        # 'null', '~' and '' still mean None for an optional string.
+        return value.yaml_error is not None or value.parsed is not None
+    return False
+
+
+def _got(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, list | tuple):
+        return "a list"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _mismatch(tp: Any, value: Any, key: str, hint: str = "") -> ConfigError:
+    return ConfigError(f"expected {type_name(tp)}, got {_got(value)}{hint}", key=key)
+
+
+def _merge_free(current: Any, value: Any) -> Any:
+    """Merge a value into a free-form (``Any``) option: mappings merge key by key."""
+    if isinstance(value, _OverrideValue):
+        if value.yaml_error is not None:
+            # Free-form values have no type to say "this is text": keep the text as typed.
+            return value.raw
+        return value.parsed
+    if isinstance(value, Mapping) and isinstance(current, dict):
+        merged = dict(current)
+        for k, v in value.items():
+            merged[k] = _merge_free(merged.get(k), v)
+        return merged
+    if isinstance(value, Mapping):
+        return {k: _merge_free(None, v) for k, v in value.items()}
+    return value
+
+
+def _convert(value: Any, tp: Any, key: str, current: Any, root: type, source: str | None) -> Any:
+    """Convert a YAML / command-line value to type ``tp`` (merging into groups and dicts)."""
+    if isinstance(value, _OverrideValue):
+        if _wants_raw_text(tp, value):
+            value = value.raw
+        elif value.yaml_error is not None:
+            raise ConfigError(f"cannot read the value as YAML: {value.yaml_error}", key=key)
+        else:
+            value = value.parsed
+    if _is_group(tp):
+        if value is None:
+            return current
+        if not isinstance(value, Mapping):
+            raise ConfigError(
+                f"expected a mapping of {tp.__name__} options, got {_got(value)}", key=key
+            )
+        base = current if isinstance(current, tp) else tp()  # an optional group set to None
+        return _apply(base, value, f"{key}.", root, source)
+    if tp is Any:
+        return _merge_free(current, value)
+    if _is_union(tp):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = _strip_optional(tp)
+        if not _is_union(inner):
+            # X | None: X's own error (e.g. an unknown key inside a group) is the useful one.
+            return _convert(value, inner, key, current, root, source)
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, key, current, root, source)
+            except ConfigError:
+                continue
+        raise _mismatch(tp, value, key)
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (elem,) = typing.get_args(tp) or (Any,)
+        if isinstance(value, list | tuple):
+            items = list(value)
+        elif value is None:
+            raise _mismatch(tp, value, key, hint=" (write [] for an empty list)")
+        elif isinstance(value, Mapping):
+            raise _mismatch(tp, value, key)
+        else:
+            items = [value]  # a lone scalar means a one-element list: loggers=console
+        return [_convert(v, elem, f"{key}[{i}]", None, root, source) for i, v in enumerate(items)]
+    if origin is dict:
+        kt, vt = typing.get_args(tp) or (Any, Any)
+        if not isinstance(value, Mapping):
+            raise _mismatch(tp, value, key)
+        merged = dict(current) if isinstance(current, dict) else {}
+        for k, v in value.items():
+            check_value(k, kt, f"{key} (key {k!r})")
+            merged[k] = _convert(v, vt, f"{key}.{k}", merged.get(k), root, source)
+        return merged
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _mismatch(tp, value, key, hint=" (use true or false)")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _mismatch(tp, value, key)
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            # PyYAML reads '1e-6' (no dot) as a string; accept anything float() accepts.
+            try:
+                return float(value.strip())
+            except ValueError:
+                pass
+        raise _mismatch(tp, value, key)
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return str(value)
+        raise _mismatch(tp, value, key, hint=" (quote the value to pass text)")
+    return check_value(value, tp, key)
+
+
+def _apply(obj: T, patch: Mapping[Any, Any], prefix: str, root: type, source: str | None) -> T:
+    """Return a copy of group ``obj`` with ``patch`` (a nested mapping) applied and validated."""
+    cls = type(obj)
+    hints = resolved_type_hints(cls)
+    names = {f.name for f in _init_fields(cls)}
+    changes: dict[str, Any] = {}
+    for name, value in patch.items():
+        if not isinstance(name, str):
+            raise ConfigError(
+                f"option names must be strings, got {type(name).__name__} {name!r}"
+                + (f" under '{prefix[:-1]}'" if prefix else ""),
+                source=source,
+            )
+        path = f"{prefix}{name}"
+        if name not in names:
+            raise _unknown_key(path, root, source)
+        current = changes.get(name, getattr(obj, name))
+        try:
+            changes[name] = _convert(value, hints[name], path, current, root, source)
+        except ConfigError as exc:
+            raise exc.with_source(source) from None
+    try:
+        return dataclasses.replace(obj, **changes)  # type: ignore[type-var]
+    except ConfigError as exc:
+        # __post_init__ names keys relative to its own group.
+        raise exc.prefixed(prefix[:-1]).with_source(source) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+
+
+def from_dict(
+    data: Mapping[str, Any], cls: type[T] = PolyRLConfig, *, source: str | None = None
+) -> T:
+    """Build a config of type ``cls`` from a nested mapping holding only the keys it changes.
+
+    Raises:
+        ConfigError: on an unknown key, a wrong type or an invalid value.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f"expected a mapping of options, got {type(data).__name__}", source=source
+        )
+    return _apply(cls(), data, "", cls, source)
+
+
+def parse_override(text: str) -> tuple[list[str], _OverrideValue]:
+    """Split ``'key.sub=value'`` into its key path and value.
+
+    The value is read as YAML (``3`` is an int, ``[a,b]`` a list, ``true`` a bool, ``null``
+    None, ``1e-3`` a float), except that options of type ``str`` take the text after the first
+    ``=`` verbatim (``name=007`` is ``'007'``, ``name=`` is ``''``). Invalid YAML is reported
+    when the value is applied to an option that is not a string.
+
+    Raises:
+        ConfigError: when there is no ``=`` or the key is empty or malformed.
+    """
+    if not isinstance(text, str):
+        raise ConfigError(f"override must be a string 'key=value', got {type(text).__name__}")
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep:
+        raise ConfigError(
+            f"malformed override '{text}': expected key=value, e.g. trainer.total_steps=10"
+        )
+    parts = key.split(".")
+    if not key or any(not p.isidentifier() for p in parts):
+        raise ConfigError(
+            f"malformed key '{key}' in override '{text}': expected dotted option names like "
+            "data.max_prompt_length"
+        )
+    try:
+        parsed = yaml.load(raw, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as exc:
+        return parts, _OverrideValue(raw, None, yaml_error=_yaml_problem(exc))
+    return parts, _OverrideValue(raw, parsed)
+
+
+def _override_patch(parts: list[str], value: _OverrideValue, root: type, source: str) -> dict:
+    """Nest ``value`` under ``parts`` after checking each step of the path exists."""
+    cls: Any = root
+    for i, part in enumerate(parts[:-1]):
+        path = ".".join(parts[: i + 1])
+        if dataclasses.is_dataclass(cls):
+            hints = resolved_type_hints(cls)
+            if part not in {f.name for f in _init_fields(cls)}:
+                raise _unknown_key(".".join(parts), root, source)
+            cls = _strip_optional(hints[part])
+            if _is_group(cls):
+                continue
+            if typing.get_origin(cls) is dict:
+                break  # the remaining parts are keys of a free-form mapping option
+            raise ConfigError(
+                f"'{path}' is an option of type {type_name(cls)}, not a group; "
+                f"cannot set '{'.'.join(parts)}'",
+                source=source,
+            )
+    patch: Any = value
+    for part in reversed(parts):
+        patch = {part: patch}
+    return patch
+
+
+def apply_overrides(cfg: T, overrides: Sequence[str]) -> T:
+    """Return a copy of ``cfg`` with ``key.sub=value`` overrides applied in order.
+
+    Raises:
+        ConfigError: naming the bad override and key (see :func:`parse_override`).
+    """
+    if isinstance(overrides, str):
+        raise ConfigError("overrides must be a list of 'key=value' strings, not one string")
+    root = type(cfg)
+    for text in overrides:
+        parts, value = parse_override(text)
+        source = f"override '{text}'"
+        cfg = _apply(cfg, _override_patch(parts, value, root, source), "", root, source)
+    return cfg
+
+
+def load_config(
+    preset: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()
+) -> PolyRLConfig:
+    """Load the full polyrl config.
+
+    Args:
+        preset: Bundled preset name (``default``, ``demo``; see :func:`available_presets`) or a
+            YAML file path. ``None`` means ``default``.
+        overrides: ``key.sub=value`` strings applied after the preset, in order, e.g.
+            ``["trainer.total_steps=5", "data.train_files=[a.parquet,b.parquet]"]``.
+
+    Returns:
+        A validated :class:`PolyRLConfig` instance.
+
+    Raises:
+        ConfigError: unknown preset, unknown key (naming the nearest valid one), wrong type,
+            invalid value or malformed override.
+    """
+    data, source = read_preset("default" if preset is None else preset)
+    cfg = from_dict(data, PolyRLConfig, source=source)
+    return apply_overrides(cfg, overrides)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain nested dict of a config object (a deep copy)."""
+    if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
+        raise TypeError(f"to_dict expects a config dataclass instance, got {type(cfg).__name__}")
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Any) -> str:
+    """YAML text of a config; :func:`load_config` on it gives back an equal object."""
+    return yaml.dump(to_dict(cfg), Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=1000)
+
+
+def save_config(cfg: Any, path: str | os.PathLike[str]) -> Path:
+    """Write ``cfg`` as YAML to ``path`` (creating parent directories); return the path."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(to_yaml(cfg), encoding="utf-8")
+    return out
+
+
+def describe(cfg_class: Any = PolyRLConfig) -> list[OptionInfo]:
+    """List every option under a config class (or instance): key, type, default, help.
+
+    Groups are expanded, so only options appear, in declaration order. Given an instance, the
+    ``default`` column holds that instance's values.
+    """
+    obj = cfg_class() if isinstance(cfg_class, type) else cfg_class
+    if not dataclasses.is_dataclass(obj):
+        raise TypeError(f"describe expects a config dataclass, got {cfg_class!r}")
+    return _describe(obj, "")
+
+
+def _describe(obj: Any, prefix: str) -> list[OptionInfo]:
+    rows: list[OptionInfo] = []
+    hints = resolved_type_hints(type(obj))
+    for f in _init_fields(type(obj)):
+        tp = hints[f.name]
+        value = getattr(obj, f.name)
+        if _is_group(tp):
+            rows.extend(_describe(value, f"{prefix}{f.name}."))
+            continue
+        rows.append(
+            OptionInfo(
+                key=f"{prefix}{f.name}",
+                type=type_name(tp, f.metadata.get("choices")),
+                default=value,
+                help=str(f.metadata.get("help", "")),
+            )
+        )
+    return rows

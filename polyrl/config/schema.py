@@ -1,0 +1,473 @@
+"""Typed option groups for polyrl.
+
+Every option is a dataclass field built with :func:`option`, which stores a one-line description
+(and optional constraints) in the field metadata. Groups subclass :class:`ConfigGroup`, whose
+``__post_init__`` checks types, enumerated choices and numeric bounds, so a bad value fails when
+the object is built, whether it came from YAML, a command-line override or Python code.
+
+Adding a group is a new ``ConfigGroup`` dataclass plus one field on :class:`PolyRLConfig`::
+
+    @dataclasses.dataclass
+    class EngineConfig(ConfigGroup):
+        lr: float = option(1e-6, "Learning rate.", gt=0.0)
+
+    # in PolyRLConfig:
+    engine: EngineConfig = option(EngineConfig, "Model engine options.")
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import math
+import types
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Union
+
+__all__ = [
+    "ConfigError",
+    "ConfigGroup",
+    "DataConfig",
+    "ModelConfig",
+    "PolyRLConfig",
+    "RayConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "TrainerConfig",
+    "check_value",
+    "option",
+    "option_help",
+    "resolved_type_hints",
+    "type_name",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value, key, preset or override is invalid.
+
+    Attributes:
+        detail: What is wrong, without the key or source.
+        key: Dotted path of the offending option, when known (``"data.max_prompt_length"``).
+        source: Where the value came from (``"override 'a=b'"``, ``"preset file '/x.yaml'"``).
+    """
+
+    def __init__(self, detail: str, key: str | None = None, source: str | None = None) -> None:
+        self.detail = detail
+        self.key = key
+        self.source = source
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        msg = f"{self.key}: {self.detail}" if self.key else self.detail
+        if self.source:
+            msg += f" (in {self.source})"
+        return msg
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keep key and source when the error crosses a process boundary (Ray, multiprocessing).
+        return (type(self), (self.detail, self.key, self.source))
+
+    def prefixed(self, prefix: str) -> ConfigError:
+        """Return a copy whose key is nested under ``prefix`` (the group's dotted path)."""
+        if not prefix:
+            return self
+        key = f"{prefix}.{self.key}" if self.key else None
+        return ConfigError(self.detail, key=key, source=self.source)
+
+    def with_source(self, source: str | None) -> ConfigError:
+        """Return a copy that names where the bad value came from (keeps an existing source)."""
+        if self.source or not source:
+            return self
+        return ConfigError(self.detail, key=self.key, source=source)
+
+
+def option(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
+    choices: Sequence[Any] | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+) -> Any:
+    """Declare a config option: a dataclass field with a default and a one-line description.
+
+    Args:
+        default: The default value. Mutable values (lists, dicts, dataclass instances) are
+            deep-copied for each new object; a dataclass *class* means "a fresh default
+            instance of that group".
+        help: One-line description shown by ``polyrl config describe``. Required.
+        default_factory: Alternative to ``default`` (a zero-argument callable).
+        choices: Allowed values; for list options, allowed values of each element.
+        ge: Inclusive lower bound for numbers.
+        gt: Exclusive lower bound for numbers.
+        le: Inclusive upper bound for numbers.
+        lt: Exclusive upper bound for numbers.
+
+    Returns:
+        A ``dataclasses.field`` carrying ``help``, ``choices`` and bounds in its metadata.
+    """
+    if not isinstance(help, str) or not help.strip():
+        raise TypeError("option() needs a non-empty one-line help string")
+    metadata: dict[str, Any] = {"help": help.strip()}
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
+    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
+    if bounds:
+        metadata["bounds"] = bounds
+    has_default = default is not dataclasses.MISSING
+    has_factory = default_factory is not dataclasses.MISSING
+    if has_default == has_factory:
+        raise TypeError("option() needs exactly one of default or default_factory")
+    if has_factory:
+        return dataclasses.field(default_factory=default_factory, metadata=metadata)
+    if isinstance(default, type) and dataclasses.is_dataclass(default):
+        return dataclasses.field(default_factory=default, metadata=metadata)
+    if isinstance(default, list | dict | set) or dataclasses.is_dataclass(default):
+        template = copy.deepcopy(default)
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(template), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def option_help(cls: type, name: str) -> str:
+    """Return the help string of option ``name`` on config class ``cls``."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return str(f.metadata.get("help", ""))
+    raise KeyError(f"{cls.__name__} has no option {name!r}")
+
+
+@functools.cache
+def resolved_type_hints(cls: type) -> dict[str, Any]:
+    """Field annotations of a dataclass with string (``from __future__``) annotations resolved."""
+    return typing.get_type_hints(cls)
+
+
+def _is_union(tp: Any) -> bool:
+    return typing.get_origin(tp) in (Union, types.UnionType)
+
+
+def type_name(tp: Any, choices: Sequence[Any] | None = None) -> str:
+    """Readable name of an option type, e.g. ``list[str]`` or ``{qwen2,llama}`` for choices."""
+    if choices:
+        inner = "{" + ",".join(str(c) if c != "" else "''" for c in choices) + "}"
+        origin = typing.get_origin(tp)
+        if origin in (list, tuple):
+            return f"list[{inner}]"
+        return inner
+    if tp is Any:
+        return "any"
+    if tp is type(None):
+        return "None"
+    if _is_union(tp):
+        return " | ".join(type_name(a) for a in typing.get_args(tp))
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "{" + ",".join(str(a) for a in typing.get_args(tp)) + "}"
+    if origin is not None:
+        args = ", ".join(type_name(a) for a in typing.get_args(tp))
+        return f"{getattr(origin, '__name__', str(origin))}[{args}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _describe_value(value: Any) -> str:
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return f"{type(value).__name__} {value!r}"
+
+
+def check_value(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotated type ``tp`` strictly; return it (ints -> floats).
+
+    This is the no-guessing check used when a group object is built: ``True`` is not an ``int``,
+    ``"3"`` is not an ``int``. The loader converts YAML and command-line text before this runs.
+
+    Raises:
+        ConfigError: naming ``key``, the expected type and the value given.
+    """
+    expected = type_name(tp)
+    bad = ConfigError(f"expected {expected}, got {_describe_value(value)}", key=key)
+    if tp is Any:
+        return value
+    if _is_union(tp):
+        for arg in typing.get_args(tp):
+            if arg is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return check_value(value, arg, key)
+            except ConfigError:
+                continue
+        raise bad
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        args = typing.get_args(tp)
+        if any(value == a and type(value) is type(a) for a in args):
+            return value
+        raise bad
+    if origin is list:
+        if not isinstance(value, list):
+            raise bad
+        (elem,) = typing.get_args(tp) or (Any,)
+        return [check_value(v, elem, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise bad
+        kt, vt = typing.get_args(tp) or (Any, Any)
+        return {
+            check_value(k, kt, f"{key} (a key)"): check_value(v, vt, f"{key}.{k}")
+            for k, v in value.items()
+        }
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise bad
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    if isinstance(tp, type):
+        if isinstance(value, tp):
+            return value
+        raise bad
+    raise ConfigError(f"unsupported option type {tp!r}", key=key)
+
+
+def _check_bounds(value: Any, bounds: dict[str, float], key: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return
+    if isinstance(value, float) and math.isnan(value):
+        raise ConfigError("expected a number, got nan", key=key)
+    tests = {
+        "ge": (lambda v, b: v >= b, ">="),
+        "gt": (lambda v, b: v > b, ">"),
+        "le": (lambda v, b: v <= b, "<="),
+        "lt": (lambda v, b: v < b, "<"),
+    }
+    for name, bound in bounds.items():
+        ok, symbol = tests[name]
+        if not ok(value, bound):
+            raise ConfigError(f"value {value!r} out of range; expected {symbol} {bound}", key=key)
+
+
+def _check_choices(value: Any, choices: tuple[Any, ...], key: str) -> None:
+    allowed = ", ".join(repr(c) for c in choices)
+    items = value if isinstance(value, list) else [value]
+    for i, item in enumerate(items):
+        if item not in choices:
+            where = f" at index {i}" if isinstance(value, list) else ""
+            raise ConfigError(f"invalid value {item!r}{where}; expected one of: {allowed}", key=key)
+
+
+class ConfigGroup:
+    """Base class of every option group; validates fields after ``__init__``.
+
+    Subclasses are ``@dataclasses.dataclass`` classes whose fields are declared with
+    :func:`option`. For checks that involve several fields, override :meth:`validate` (raise
+    :class:`ConfigError` with ``key=`` the field name) instead of ``__post_init__``.
+    """
+
+    def __post_init__(self) -> None:
+        hints = resolved_type_hints(type(self))
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = check_value(getattr(self, f.name), hints[f.name], f.name)
+            # Normalise ints given for float options so equality and YAML output are stable.
+            object.__setattr__(self, f.name, value)
+            if "choices" in f.metadata:
+                _check_choices(value, f.metadata["choices"], f.name)
+            if "bounds" in f.metadata:
+                _check_bounds(value, f.metadata["bounds"], f.name)
+        self.validate()
+
+    def validate(self) -> None:
+        """Cross-field checks; the default has none. Raise ``ConfigError(detail, key=name)``."""
+
+
+def _require_nonempty(value: str, key: str) -> None:
+    if not value.strip():
+        raise ConfigError("must not be empty", key=key)
+
+
+TINY_ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe")
+TINY_SIZES = ("nano", "micro", "small")
+DTYPES = ("float32", "bfloat16", "float16")
+TASKS = ("", "arithmetic", "countdown", "string_reverse", "string_sort")
+TRUNCATIONS = ("error", "filter", "left", "right")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclasses.dataclass
+class ModelConfig(ConfigGroup):
+    """Which policy model to load, or which tiny random-init model to build."""
+
+    path: str = option("", "Local Hugging Face model directory; empty builds a tiny model.")
+    tiny_arch: str = option(
+        "qwen2", "Architecture of the tiny model built when path is empty.", choices=TINY_ARCHS
+    )
+    tiny_size: str = option(
+        "nano",
+        "Tiny model size preset: nano ~0.3M, micro ~2.5M, small ~100M parameters.",
+        choices=TINY_SIZES,
+    )
+    dtype: str = option("float32", "Parameter dtype of the model.", choices=DTYPES)
+    trust_remote_code: bool = option(
+        False, "Allow running modelling code shipped inside the model directory."
+    )
+
+
+@dataclasses.dataclass
+class DataConfig(ConfigGroup):
+    """Training and validation prompts: files or a built-in generated task, and batching."""
+
+    task: str = option(
+        "", "Built-in generated task to train on; empty means read train_files.", choices=TASKS
+    )
+    train_files: list[str] = option([], "Training data files (parquet or jsonl).")
+    val_files: list[str] = option([], "Validation data files (parquet or jsonl).")
+    num_train: int = option(1000, "Number of training examples to generate for a task.", ge=1)
+    num_val: int = option(100, "Number of validation examples to generate for a task.", ge=0)
+    data_dir: str = option(
+        "", "Directory for generated task files; empty means under trainer.output_dir."
+    )
+    prompt_key: str = option("prompt", "Column holding the prompt in the data files.")
+    max_prompt_length: int = option(512, "Maximum prompt length in tokens.", ge=1)
+    max_response_length: int = option(512, "Maximum response length in tokens.", ge=1)
+    train_batch_size: int = option(32, "Prompts per training step.", ge=1)
+    val_batch_size: int = option(64, "Prompts per validation batch.", ge=1)
+    truncation: str = option(
+        "error",
+        "What to do with prompts over max_prompt_length: raise, drop, or cut left/right.",
+        choices=TRUNCATIONS,
+    )
+    shuffle: bool = option(True, "Shuffle training prompts every epoch.")
+    seed: int = option(
+        -1, "Seed for data shuffling and generation; -1 uses the top-level seed.", ge=-1
+    )
+
+    def validate(self) -> None:
+        """Check the prompt column name is set."""
+        _require_nonempty(self.prompt_key, "prompt_key")
+
+
+@dataclasses.dataclass
+class RewardConfig(ConfigGroup):
+    """How responses are scored."""
+
+    custom_function: str = option(
+        "", "User reward function as 'path/to/file.py:function'; empty uses built-in scorers."
+    )
+    timeout_s: float = option(10.0, "Seconds allowed to score one response.", gt=0.0)
+    num_workers: int = option(1, "Reward worker processes; 0 scores in the calling process.", ge=0)
+    error_reward: float = option(0.0, "Reward given when scoring raises or times out.")
+
+    def validate(self) -> None:
+        """Check custom_function has the 'file.py:function' form."""
+        spec = self.custom_function
+        if spec:
+            path, sep, func = spec.rpartition(":")
+            if not sep or not path.strip() or not func.strip() or not func.isidentifier():
+                raise ConfigError(
+                    f"invalid value {spec!r}; expected 'path/to/file.py:function_name'",
+                    key="custom_function",
+                )
+
+
+@dataclasses.dataclass
+class RolloutConfig(ConfigGroup):
+    """Default sampling parameters for rollouts."""
+
+    n: int = option(1, "Responses sampled per prompt.", ge=1)
+    temperature: float = option(1.0, "Sampling temperature; 0 means greedy.", ge=0.0)
+    top_p: float = option(1.0, "Nucleus sampling probability mass.", gt=0.0, le=1.0)
+    top_k: int = option(-1, "Sample from the k most likely tokens; -1 turns it off.", ge=-1)
+    min_p: float = option(
+        0.0, "Drop tokens below this fraction of the top token's probability.", ge=0.0, le=1.0
+    )
+    max_new_tokens: int = option(512, "Maximum tokens generated per response.", ge=1)
+    repetition_penalty: float = option(
+        1.0, "Penalty on already generated tokens; 1 turns it off.", gt=0.0
+    )
+    seed: int = option(-1, "Sampling seed; -1 uses the top-level seed.", ge=-1)
+
+    def validate(self) -> None:
+        """Reject top_k == 0, which some engines read as 'off' and others as 'nothing'."""
+        if self.top_k == 0:
+            raise ConfigError("invalid value 0; use -1 to turn top_k off, or k >= 1", key="top_k")
+
+
+@dataclasses.dataclass
+class TrainerConfig(ConfigGroup):
+    """Run length, bookkeeping and logging."""
+
+    project_name: str = option("polyrl", "Project name used by loggers.")
+    experiment_name: str = option("default", "Experiment (run) name used by loggers.")
+    output_dir: str = option("outputs", "Directory for checkpoints, logs and generated files.")
+    total_steps: int = option(0, "Training steps; 0 runs total_epochs over the data.", ge=0)
+    total_epochs: int = option(1, "Passes over the training data when total_steps is 0.", ge=1)
+    loggers: list[str] = option(["console"], "Metric sinks to write to.", choices=LOGGERS)
+    save_freq: int = option(0, "Save a checkpoint every N steps; 0 never saves.", ge=0)
+    test_freq: int = option(0, "Validate every N steps; 0 never validates.", ge=0)
+    device: str = option(
+        "auto", "Device to train on; auto picks cuda when available.", choices=DEVICES
+    )
+    resume: bool = option(False, "Resume from the latest checkpoint in output_dir.")
+
+    def validate(self) -> None:
+        """Check names are set and loggers are not repeated."""
+        _require_nonempty(self.project_name, "project_name")
+        _require_nonempty(self.experiment_name, "experiment_name")
+        _require_nonempty(self.output_dir, "output_dir")
+        dupes = sorted({x for x in self.loggers if self.loggers.count(x) > 1})
+        if dupes:
+            raise ConfigError(f"repeated logger(s): {', '.join(dupes)}", key="loggers")
+
+
+@dataclasses.dataclass
+class RayConfig(ConfigGroup):
+    """Where and how to start or join Ray."""
+
+    address: str = option("", "Ray cluster address to join; empty starts a local Ray.")
+    num_cpus: int = option(0, "CPUs for a local Ray; 0 detects them.", ge=0)
+    num_gpus: int = option(-1, "GPUs for a local Ray; -1 detects them.", ge=-1)
+    namespace: str = option("polyrl", "Ray namespace for named actors.")
+
+    def validate(self) -> None:
+        """Check the namespace is set."""
+        _require_nonempty(self.namespace, "namespace")
+
+
+@dataclasses.dataclass
+class PolyRLConfig(ConfigGroup):
+    """The whole polyrl configuration: one field per option group."""
+
+    seed: int = option(42, "Global random seed; groups with seed -1 use it.", ge=0)
+    model: ModelConfig = option(ModelConfig, "Policy model.")
+    data: DataConfig = option(DataConfig, "Training and validation data.")
+    reward: RewardConfig = option(RewardConfig, "Reward computation.")
+    rollout: RolloutConfig = option(RolloutConfig, "Rollout sampling defaults.")
+    trainer: TrainerConfig = option(TrainerConfig, "Run length, checkpoints and logging.")
+    ray: RayConfig = option(RayConfig, "Ray cluster.")
+
+    def seed_for(self, group: str) -> int:
+        """Effective seed of a group that has a ``seed`` option (``-1`` falls back to ``seed``)."""
+        sub = getattr(self, group, None)
+        if not dataclasses.is_dataclass(sub) or not hasattr(sub, "seed"):
+            raise ConfigError(f"group {group!r} has no seed option")
+        value = sub.seed
+        return self.seed if value < 0 else value
