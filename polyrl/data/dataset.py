@@ -1,0 +1,299 @@
+"""Prompt datasets: rows -> chat-templated token ids -> left-padded :class:`~polyrl.batch.Batch`."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from polyrl.data.io import read_rows
+from polyrl.data.schema import RowValidationError, ground_truth_of, row_uid, validate_row
+
+if TYPE_CHECKING:
+    from polyrl.batch import Batch
+
+logger = logging.getLogger(__name__)
+
+TruncationPolicy = Literal["error", "filter", "left", "right"]
+TRUNCATION_POLICIES: tuple[str, ...] = ("error", "filter", "left", "right")
+
+# apply_chat_template arguments the dataset sets itself; letting callers override them would
+# silently change what the prompt looks like (or what type comes back).
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "tokenize", "return_dict", "return_tensors", "add_generation_prompt"}
+)
+
+
+class PromptTooLongError(ValueError):
+    """A prompt is longer than ``max_prompt_length`` under ``truncation="error"``."""
+
+
+def _load(rows_or_paths: Any) -> list[dict[str, Any]]:
+    if isinstance(rows_or_paths, str | os.PathLike):
+        return read_rows(rows_or_paths)
+    if isinstance(rows_or_paths, Mapping) or not isinstance(rows_or_paths, Sequence):
+        raise TypeError(
+            "rows_or_paths must be a path, a list of paths or a list of row dicts, got "
+            f"{type(rows_or_paths).__name__}"
+        )
+    items = list(rows_or_paths)
+    if all(isinstance(x, Mapping) for x in items):
+        return [dict(x) for x in items]
+    if all(isinstance(x, str | os.PathLike) for x in items):
+        rows: list[dict[str, Any]] = []
+        for p in items:
+            rows.extend(read_rows(p))
+        return rows
+    kinds = sorted({type(x).__name__ for x in items})
+    raise TypeError(f"rows_or_paths must be all row dicts or all file paths, got a mix of {kinds}")
+
+
+class RLDataset(Dataset):
+    """Rows tokenized through the tokenizer's chat template, with a prompt-length policy.
+
+    Each prompt is rendered with ``tokenizer.apply_chat_template(messages,
+    add_generation_prompt=True, tools=row["extra_info"].get("tools"), tokenize=False,
+    **apply_chat_template_kwargs)`` and then encoded without extra special tokens (the template
+    already places them).  All rows are tokenized up front so the length policy is applied once:
+
+    * ``"error"``: a prompt longer than ``max_prompt_length`` raises :class:`PromptTooLongError`
+      naming the row and its length;
+    * ``"filter"``: such rows are dropped; :attr:`num_filtered` counts them and a log line
+      ``"filtered N of M prompts longer than L tokens"`` is emitted;
+    * ``"left"``: keep the last ``max_prompt_length`` tokens (drop from the start);
+    * ``"right"``: keep the first ``max_prompt_length`` tokens (drop from the end).
+
+    ``dataset[i]`` is a fresh copy of the row's own fields plus ``input_ids`` (1-D
+    ``torch.long``, unpadded), ``raw_prompt`` (the chat messages) and ``uid`` (stable string id
+    of the prompt, see :func:`polyrl.data.schema.row_uid`; made unique within the dataset).
+
+    Args:
+        rows_or_paths: Row dicts, or one or more ``.parquet`` / ``.jsonl`` / ``.json`` files.
+        tokenizer: A Hugging Face tokenizer with a chat template.
+        max_prompt_length: Token budget for a prompt.
+        prompt_key: Row field holding the chat messages (a bare string is taken as one user
+            message).
+        truncation: One of ``"error"``, ``"filter"``, ``"left"``, ``"right"``.
+        apply_chat_template_kwargs: Extra keyword arguments for ``apply_chat_template``
+            (e.g. ``{"enable_thinking": False}``).
+    """
+
+    def __init__(
+        self,
+        rows_or_paths: Sequence[Mapping[str, Any]] | str | os.PathLike[str] | Sequence[str | Path],
+        tokenizer: Any,
+        max_prompt_length: int,
+        prompt_key: str = "prompt",
+        truncation: TruncationPolicy = "error",
+        apply_chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        if isinstance(max_prompt_length, bool) or not isinstance(max_prompt_length, int):
+            raise TypeError(f"max_prompt_length must be an int, got {max_prompt_length!r}")
+        if max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
+        if truncation not in TRUNCATION_POLICIES:
+            raise ValueError(f"truncation must be one of {TRUNCATION_POLICIES}, got {truncation!r}")
+        kwargs = dict(apply_chat_template_kwargs or {})
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
+        if reserved:
+            raise ValueError(
+                f"apply_chat_template_kwargs may not set {reserved}: the dataset sets them itself"
+            )
+        if not hasattr(tokenizer, "apply_chat_template"):
+            raise TypeError(
+                f"tokenizer must provide apply_chat_template, got {type(tokenizer).__name__}"
+            )
+        self.tokenizer = tokenizer
+        self.max_prompt_length = max_prompt_length
+        self.prompt_key = prompt_key
+        self.truncation: str = truncation
+        self.apply_chat_template_kwargs = kwargs
+        pad = getattr(tokenizer, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(tokenizer, "eos_token_id", None)
+        self.pad_token_id: int | None = pad
+
+        raw_rows = _load(rows_or_paths)
+        self.num_rows_total = len(raw_rows)
+        self.rows: list[dict[str, Any]] = []
+        self.input_ids: list[list[int]] = []
+        self.source_indices: list[int] = []  # position of each kept row in the input
+        self.filtered_indices: list[int] = []
+        self.num_truncated = 0
+        for i, row in enumerate(raw_rows):
+            row = self._prepare(row, i)
+            ids = self._tokenize(row, i)
+            if len(ids) > max_prompt_length:
+                if truncation == "error":
+                    raise PromptTooLongError(
+                        f"row {i} (data_source={row['data_source']!r}): prompt is {len(ids)} "
+                        f"tokens, longer than max_prompt_length={max_prompt_length}; raise the "
+                        "limit or pick truncation='filter'/'left'/'right'"
+                    )
+                if truncation == "filter":
+                    self.filtered_indices.append(i)
+                    continue
+                self.num_truncated += 1
+                ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
+            self.rows.append(row)
+            self.input_ids.append(ids)
+            self.source_indices.append(i)
+        self.num_filtered = len(self.filtered_indices)
+        if truncation == "filter":
+            log = logger.warning if self.num_filtered else logger.info
+            log(
+                "filtered %d of %d prompts longer than %d tokens",
+                self.num_filtered,
+                self.num_rows_total,
+                max_prompt_length,
+            )
+        self.uids = self._unique_uids()
+
+    def _prepare(self, row: Any, index: int) -> dict[str, Any]:
+        if not isinstance(row, Mapping):
+            raise RowValidationError(f"row {index} must be a dict, got {type(row).__name__}")
+        row = dict(row)
+        if isinstance(row.get(self.prompt_key), str):
+            row[self.prompt_key] = [{"role": "user", "content": row[self.prompt_key]}]
+        validate_row(row, index, prompt_key=self.prompt_key)
+        if row.get("extra_info") is None:
+            row["extra_info"] = {}
+        return row
+
+    def _tokenize(self, row: Mapping[str, Any], index: int) -> list[int]:
+        tools = row["extra_info"].get("tools")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                list(row[self.prompt_key]),
+                add_generation_prompt=True,
+                tokenize=False,
+                tools=tools,
+                **self.apply_chat_template_kwargs,
+            )
+        except Exception as err:
+            raise ValueError(
+                f"row {index}: the chat template failed on this prompt: {err}"
+            ) from err
+        if not isinstance(text, str):
+            raise TypeError(
+                f"row {index}: apply_chat_template(tokenize=False) returned "
+                f"{type(text).__name__}, expected str"
+            )
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if not ids:
+            raise ValueError(f"row {index}: the prompt tokenized to zero tokens")
+        return ids
+
+    def _unique_uids(self) -> list[str]:
+        seen: dict[str, int] = {}
+        uids = []
+        for row, src in zip(self.rows, self.source_indices, strict=True):
+            uid = row_uid(row, src)
+            count = seen.get(uid, 0)
+            seen[uid] = count + 1
+            uids.append(uid if count == 0 else f"{uid}#{count}")
+        return uids
+
+    @property
+    def prompt_lengths(self) -> list[int]:
+        """Token count of each kept prompt (after truncation)."""
+        return [len(ids) for ids in self.input_ids]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        """Return the row's fields plus ``input_ids`` (1-D long tensor), ``raw_prompt``, ``uid``."""
+        if isinstance(index, bool) or not isinstance(index, int | np.integer):
+            raise TypeError(f"RLDataset index must be an int, got {type(index).__name__}")
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} out of range for RLDataset of length {len(self)}")
+        # A deep copy: agent loops append to the messages and edit extra_info in place, which
+        # must not leak into the next epoch's prompts.
+        item = copy.deepcopy(self.rows[index])
+        item["input_ids"] = torch.tensor(self.input_ids[index], dtype=torch.long)
+        item["raw_prompt"] = copy.deepcopy(item[self.prompt_key])
+        item["uid"] = self.uids[index]
+        return item
+
+    def collate(self, items: Sequence[Mapping[str, Any]]) -> Batch:
+        """``collate_fn`` for a ``DataLoader``: :func:`collate_prompts` with this pad token."""
+        if self.pad_token_id is None:
+            raise ValueError(
+                "the tokenizer has neither pad_token_id nor eos_token_id; call "
+                "collate_prompts(items, pad_token_id=...) with an explicit pad id"
+            )
+        return collate_prompts(items, self.pad_token_id)
+
+
+def _object_array(values: list[Any]) -> np.ndarray:
+    out = np.empty(len(values), dtype=object)
+    for i, v in enumerate(values):
+        out[i] = v
+    return out
+
+
+def collate_prompts(items: Sequence[Mapping[str, Any]], pad_token_id: int) -> Batch:
+    """Stack dataset items into a left-padded prompt :class:`~polyrl.batch.Batch`.
+
+    Tensors (all ``(B, L)`` with ``L`` the longest prompt, ``torch.long``):
+    ``input_ids`` left-padded with ``pad_token_id``; ``attention_mask`` 1 on real tokens, 0 on
+    padding; ``position_ids`` counting 0, 1, ... from each prompt's first real token (0 on
+    padding).  Non-tensor columns: ``data_source``, ``ground_truth`` (from ``reward_model``),
+    ``extra_info``, ``raw_prompt``, ``uid``, ``ability``.
+
+    Args:
+        items: Items from :class:`RLDataset` (or dicts with the same fields).
+        pad_token_id: Token id used for padding.
+
+    Raises:
+        ValueError: On an empty list, an empty prompt, or a missing field (naming the item).
+    """
+    from polyrl.batch import Batch  # deferred: keeps `import polyrl.data` light
+
+    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int | np.integer):
+        raise TypeError(f"pad_token_id must be an int, got {pad_token_id!r}")
+    items = list(items)
+    if not items:
+        raise ValueError("collate_prompts needs at least one item, got an empty list")
+    seqs: list[torch.Tensor] = []
+    for i, item in enumerate(items):
+        for field in ("input_ids", "data_source", "reward_model", "raw_prompt", "uid"):
+            if field not in item:
+                raise ValueError(f"item {i} has no {field!r} field; got {sorted(item)}")
+        ids = torch.as_tensor(item["input_ids"], dtype=torch.long)
+        if ids.ndim != 1 or ids.numel() == 0:
+            raise ValueError(
+                f"item {i}: input_ids must be a non-empty 1-D sequence, got shape "
+                f"{tuple(ids.shape)}"
+            )
+        seqs.append(ids)
+    length = max(len(s) for s in seqs)
+    batch_size = len(seqs)
+    input_ids = torch.full((batch_size, length), int(pad_token_id), dtype=torch.long)
+    attention_mask = torch.zeros((batch_size, length), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        input_ids[i, length - len(s) :] = s
+        attention_mask[i, length - len(s) :] = 1
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    non_tensors = {
+        "data_source": _object_array([it["data_source"] for it in items]),
+        "ground_truth": _object_array([ground_truth_of(it) for it in items]),
+        "extra_info": _object_array([it.get("extra_info") or {} for it in items]),
+        "raw_prompt": _object_array([it["raw_prompt"] for it in items]),
+        "uid": _object_array([str(it["uid"]) for it in items]),
+        "ability": _object_array([it.get("ability", "unknown") for it in items]),
+    }
+    tensors = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+    }
+    return Batch(tensors, non_tensors, meta={})
