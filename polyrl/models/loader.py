@@ -1,0 +1,173 @@
+"""Load any local Hugging Face causal-LM directory: tokenizer and model, never from the network."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+__all__ = ["DTYPES", "load_causal_lm", "load_tokenizer", "resolve_dtype"]
+
+logger = logging.getLogger(__name__)
+
+#: Accepted dtype names and the torch dtype each stands for.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+# Any one of these is enough for a tokenizer; vocab.json needs merges.txt beside it.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tekken.json", "vocab.json", "vocab.txt")
+_WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin")
+
+
+def _model_dir(path: str | os.PathLike[str], what: str) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{what} path must be a str or os.PathLike, got {type(path).__name__}")
+    directory = Path(path).expanduser()
+    if not directory.exists():
+        raise FileNotFoundError(
+            f"{what} directory {str(directory)!r} does not exist; expected a local Hugging Face "
+            "model directory (models are never downloaded)"
+        )
+    if not directory.is_dir():
+        raise NotADirectoryError(
+            f"{what} path {str(directory)!r} is a file; expected a Hugging Face model directory"
+        )
+    return directory
+
+
+def _check_tokenizer_files(directory: Path) -> None:
+    present = [name for name in _TOKENIZER_FILES if (directory / name).is_file()]
+    if present == ["vocab.json"] and not (directory / "merges.txt").is_file():
+        raise FileNotFoundError(
+            f"tokenizer directory {str(directory)!r} has vocab.json but no merges.txt"
+        )
+    if not present:
+        found = sorted(p.name for p in directory.iterdir())[:20]
+        raise FileNotFoundError(
+            f"tokenizer directory {str(directory)!r} lacks tokenizer files: expected one of "
+            f"{', '.join(_TOKENIZER_FILES)} (with merges.txt for vocab.json); found {found}"
+        )
+
+
+def load_tokenizer(
+    path: str | os.PathLike[str], trust_remote_code: bool = False
+) -> PreTrainedTokenizerBase:
+    """Load the tokenizer of a local model directory with ``AutoTokenizer``.
+
+    The tokenizer is returned as saved (``padding_side`` included: callers set left padding
+    for prompts themselves), except that a missing pad token is set to the eos token, which
+    is logged.
+
+    Args:
+        path: local directory holding the tokenizer files.
+        trust_remote_code: allow tokenizer code shipped inside the directory to run.
+
+    Raises:
+        FileNotFoundError: the directory or its tokenizer files are missing.
+        ValueError: the tokenizer has neither a pad nor an eos token.
+    """
+    directory = _model_dir(path, "tokenizer")
+    _check_tokenizer_files(directory)
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(directory), local_files_only=True, trust_remote_code=trust_remote_code
+    )
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(
+                f"tokenizer in {str(directory)!r} has neither a pad token nor an eos token; "
+                "set pad_token in its tokenizer_config.json"
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+        logger.warning(
+            "tokenizer in %s has no pad token; using eos token %r (id %d) for padding",
+            directory,
+            tokenizer.eos_token,
+            tokenizer.eos_token_id,
+        )
+    return tokenizer
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Turn a dtype name from :data:`DTYPES` (or a floating torch dtype) into a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ValueError(f"model dtype must be a floating point type, got {dtype}")
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in DTYPES:
+        return DTYPES[dtype.lower()]
+    raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(
+            f"invalid device {device!r}; expected e.g. 'cpu', 'cuda' or 'cuda:0'"
+        ) from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} requested but CUDA is not available here")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {device!r} requested but only {torch.cuda.device_count()} CUDA "
+                "device(s) are visible"
+            )
+    return dev
+
+
+def load_causal_lm(
+    path: str | os.PathLike[str],
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    trust_remote_code: bool = False,
+) -> PreTrainedModel:
+    """Load a causal LM from a local Hugging Face directory with ``AutoModelForCausalLM``.
+
+    Args:
+        path: local directory with ``config.json`` and weights (safetensors or ``.bin``).
+        dtype: parameter dtype, a name from :data:`DTYPES` or a floating torch dtype.
+        device: where to put the model, e.g. ``"cpu"`` or ``"cuda:0"``.
+        trust_remote_code: allow modelling code shipped inside the directory to run.
+
+    Returns:
+        The model, in eval mode as ``from_pretrained`` leaves it.
+
+    Raises:
+        FileNotFoundError: the directory, its ``config.json`` or its weights are missing.
+        ValueError: unknown dtype or unusable device.
+    """
+    directory = _model_dir(path, "model")
+    torch_dtype = resolve_dtype(dtype)
+    dev = _resolve_device(device)
+    missing = []
+    if not (directory / "config.json").is_file():
+        missing.append("config.json")
+    if not any(any(directory.glob(p)) for p in _WEIGHT_PATTERNS):
+        missing.append(f"weights ({' or '.join(_WEIGHT_PATTERNS)})")
+    if missing:
+        raise FileNotFoundError(
+            f"model directory {str(directory)!r} lacks {' and '.join(missing)}; expected a "
+            "Hugging Face causal-LM directory as written by save_pretrained"
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        str(directory),
+        dtype=torch_dtype,
+        local_files_only=True,
+        trust_remote_code=trust_remote_code,
+    )
+    return model.to(dev)

@@ -1,0 +1,445 @@
+"""Tiny random-init causal LMs with a locally trained tokenizer, saved as plain HF directories.
+
+Command line::
+
+    python -m polyrl.models.tiny --arch qwen2 --out /tmp/tiny-qwen2 [--size nano|micro|small]
+        [--hidden H --layers L --heads N --kv-heads K --intermediate I --head-dim D
+         --vocab-extra E --max-position P --experts X --experts-per-tok T --moe-intermediate M
+         --no-tie-embeddings] [--seed S] [--force]
+
+The directory it writes loads with the stock ``AutoModelForCausalLM.from_pretrained(DIR)`` and
+``AutoTokenizer.from_pretrained(DIR)`` without network. A ``polyrl_tiny_spec.json`` file
+records what was built; asking for the same spec again reuses the directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+)
+
+from polyrl.models.tokenizer import (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    GENERIC_TOKENIZER_CLASS,
+    PAD_TOKEN,
+    TOKENIZER_VOCAB_SIZE,
+    build_tokenizer,
+    save_tokenizer,
+    tokenizer_recipe_hash,
+)
+
+__all__ = [
+    "SPEC_FILE",
+    "TINY_ARCHS",
+    "TINY_SIZES",
+    "build_tiny_model",
+    "count_parameters",
+    "main",
+    "resolve_tiny_spec",
+    "tiny_config",
+    "tiny_tokenizer",
+]
+
+TINY_ARCHS: tuple[str, ...] = ("qwen2", "llama", "qwen3", "qwen3_moe")
+
+#: Size presets. Parameter counts (tied embeddings, 1024-token vocabulary, all experts counted):
+#: nano ~0.31M, micro ~2.56M, small ~97.5M for every architecture.
+TINY_SIZES: dict[str, dict[str, int]] = {
+    "nano": {"hidden": 64, "layers": 4, "heads": 4, "kv_heads": 2, "intermediate": 256},
+    "micro": {"hidden": 192, "layers": 6, "heads": 6, "kv_heads": 2, "intermediate": 512},
+    "small": {"hidden": 768, "layers": 12, "heads": 12, "kv_heads": 4, "intermediate": 2816},
+}
+
+#: Parameter counts the presets aim at (the tests check they land within 40%).
+TINY_TARGET_PARAMS: dict[str, int] = {"nano": 300_000, "micro": 2_500_000, "small": 100_000_000}
+
+SPEC_FILE = "polyrl_tiny_spec.json"
+_INIT_LOCK = threading.Lock()
+_SPEC_FORMAT = 1
+
+# Defaults for the keys presets do not set; MoE experts split the dense MLP width between them
+# so a MoE preset has about the same total parameter count as the dense one.
+_DEFAULTS: dict[str, Any] = {
+    "head_dim": None,
+    "vocab_extra": 0,
+    "max_position": 8192,
+    "tie_embeddings": True,
+    "experts": 4,
+    "experts_per_tok": 2,
+    "moe_intermediate": None,
+}
+_MOE_KEYS = ("experts", "experts_per_tok", "moe_intermediate")
+_INT_KEYS = (
+    "hidden",
+    "layers",
+    "heads",
+    "kv_heads",
+    "intermediate",
+    "head_dim",
+    "vocab_extra",
+    "max_position",
+    "experts",
+    "experts_per_tok",
+    "moe_intermediate",
+)
+OVERRIDE_KEYS: tuple[str, ...] = (*TINY_SIZES["nano"].keys(), *_DEFAULTS.keys())
+
+
+def resolve_tiny_spec(
+    arch: str, size: str = "nano", seed: int = 0, **overrides: Any
+) -> dict[str, Any]:
+    """Validate the request and return the full spec that determines the built directory.
+
+    Args:
+        arch: one of :data:`TINY_ARCHS`.
+        size: one of :data:`TINY_SIZES`; explicit ``overrides`` win over the preset.
+        seed: seed of the random weight initialisation.
+        **overrides: any of ``hidden, layers, heads, kv_heads, intermediate, head_dim,
+            vocab_extra, max_position, tie_embeddings`` and, for ``qwen3_moe`` only,
+            ``experts, experts_per_tok, moe_intermediate``. ``None`` means "use the preset".
+
+    Raises:
+        ValueError: unknown arch, size or override key, or dimensions that do not fit together.
+    """
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {', '.join(TINY_ARCHS)}")
+    if size not in TINY_SIZES:
+        raise ValueError(f"unknown size {size!r}; expected one of {', '.join(TINY_SIZES)}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+    unknown = sorted(set(overrides) - set(OVERRIDE_KEYS))
+    if unknown:
+        raise ValueError(
+            f"unknown override(s) {unknown}; expected some of {', '.join(OVERRIDE_KEYS)}"
+        )
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if arch != "qwen3_moe":
+        moe_given = sorted(k for k in _MOE_KEYS if k in given)
+        if moe_given:
+            raise ValueError(f"{moe_given} only apply to arch 'qwen3_moe', not {arch!r}")
+
+    dims: dict[str, Any] = {**TINY_SIZES[size], **_DEFAULTS, **given}
+    for key in _INT_KEYS:
+        value = dims[key]
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{key} must be an int, got {value!r}")
+        minimum = 0 if key == "vocab_extra" else 1
+        if value < minimum:
+            raise ValueError(f"{key} must be >= {minimum}, got {value}")
+    if not isinstance(dims["tie_embeddings"], bool):
+        raise ValueError(f"tie_embeddings must be a bool, got {dims['tie_embeddings']!r}")
+
+    if dims["heads"] % dims["kv_heads"]:
+        raise ValueError(
+            f"heads ({dims['heads']}) must be a multiple of kv_heads ({dims['kv_heads']})"
+        )
+    natural_head_dim = dims["hidden"] // dims["heads"]
+    if dims["head_dim"] is None:
+        if dims["hidden"] % dims["heads"]:
+            raise ValueError(
+                f"hidden ({dims['hidden']}) must be divisible by heads ({dims['heads']}) "
+                "unless head_dim is given"
+            )
+        dims["head_dim"] = natural_head_dim
+    elif arch == "qwen2" and dims["head_dim"] * dims["heads"] != dims["hidden"]:
+        raise ValueError(
+            f"qwen2 derives head_dim from hidden/heads; head_dim={dims['head_dim']} "
+            f"does not equal {dims['hidden']}/{dims['heads']}"
+        )
+    if dims["head_dim"] % 2:
+        raise ValueError(f"head_dim must be even for rotary embeddings, got {dims['head_dim']}")
+
+    if arch == "qwen3_moe":
+        if dims["moe_intermediate"] is None:
+            dims["moe_intermediate"] = max(1, dims["intermediate"] // dims["experts"])
+        if dims["experts_per_tok"] > dims["experts"]:
+            raise ValueError(
+                f"experts_per_tok ({dims['experts_per_tok']}) must be <= experts "
+                f"({dims['experts']})"
+            )
+    else:
+        for key in _MOE_KEYS:
+            dims.pop(key)
+
+    return {
+        "format": _SPEC_FORMAT,
+        "arch": arch,
+        "size": size,
+        "seed": seed,
+        "dims": dims,
+        "tokenizer": tokenizer_recipe_hash(TOKENIZER_VOCAB_SIZE),
+    }
+
+
+def tiny_tokenizer(spec: dict[str, Any]) -> PreTrainedTokenizerFast:
+    """Build the tokenizer of a resolved spec (trained vocabulary plus ``vocab_extra`` reserved)."""
+    dims = spec["dims"]
+    return build_tokenizer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        reserved_tokens=dims["vocab_extra"],
+        model_max_length=dims["max_position"],
+    )
+
+
+def tiny_config(spec: dict[str, Any], tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
+    """Build the HF model config of a resolved spec; vocabulary and ids come from ``tokenizer``."""
+    dims = spec["dims"]
+    arch = spec["arch"]
+    ids = {
+        "bos_token_id": tokenizer.convert_tokens_to_ids(BOS_TOKEN),
+        "eos_token_id": tokenizer.convert_tokens_to_ids(EOS_TOKEN),
+        "pad_token_id": tokenizer.convert_tokens_to_ids(PAD_TOKEN),
+    }
+    kwargs: dict[str, Any] = {
+        # The model's vocabulary is exactly the tokenizer's: every sampled id decodes.
+        "vocab_size": len(tokenizer),
+        "hidden_size": dims["hidden"],
+        "num_hidden_layers": dims["layers"],
+        "num_attention_heads": dims["heads"],
+        "num_key_value_heads": dims["kv_heads"],
+        "intermediate_size": dims["intermediate"],
+        "max_position_embeddings": dims["max_position"],
+        "tie_word_embeddings": dims["tie_embeddings"],
+        "rms_norm_eps": 1e-6,
+        "initializer_range": 0.02,
+        "dtype": "float32",
+        # Read by AutoTokenizer when tokenizer_config.json lacks it; see polyrl.models.tokenizer.
+        "tokenizer_class": GENERIC_TOKENIZER_CLASS,
+        **ids,
+    }
+    if arch != "qwen2":
+        kwargs["head_dim"] = dims["head_dim"]
+    if arch == "qwen3_moe":
+        kwargs.update(
+            num_experts=dims["experts"],
+            num_experts_per_tok=dims["experts_per_tok"],
+            moe_intermediate_size=dims["moe_intermediate"],
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    return AutoConfig.for_model(arch, **kwargs)
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Count distinct parameters (tied embeddings are counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def _read_spec(directory: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((directory / SPEC_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _spec_key(spec: dict[str, Any]) -> dict[str, Any]:
+    # num_parameters is a result, not part of the request.
+    return {k: v for k, v in spec.items() if k != "num_parameters"}
+
+
+def _spec_diff(found: dict[str, Any], wanted: dict[str, Any]) -> str:
+    def flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        items: dict[str, Any] = {}
+        for k, v in d.items():
+            if isinstance(v, dict):
+                items.update(flat(v, f"{prefix}{k}."))
+            else:
+                items[f"{prefix}{k}"] = v
+        return items
+
+    a, b = flat(_spec_key(found)), flat(_spec_key(wanted))
+    keys = sorted(set(a) | set(b))
+    return ", ".join(
+        f"{k}: {a.get(k)!r} there, {b.get(k)!r} wanted" for k in keys if a.get(k) != b.get(k)
+    )
+
+
+def _is_complete(directory: Path) -> bool:
+    names = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+    has_weights = any(directory.glob("*.safetensors"))
+    return has_weights and all((directory / n).is_file() for n in names)
+
+
+def _reusable(directory: Path, spec: dict[str, Any]) -> bool:
+    found = _read_spec(directory)
+    return found is not None and _spec_key(found) == _spec_key(spec) and _is_complete(directory)
+
+
+def _write_model(spec: dict[str, Any], target: Path) -> int:
+    tokenizer = tiny_tokenizer(spec)
+    config = tiny_config(spec, tokenizer)
+    # fork_rng keeps the caller's global RNG untouched while making init depend on seed only;
+    # the lock stops two threads of one process from interleaving draws from that global RNG.
+    with _INIT_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec["seed"])
+        model: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+    )
+    num_params = count_parameters(model)
+    model.save_pretrained(str(target))
+    save_tokenizer(tokenizer, target)
+    record = {**spec, "num_parameters": num_params}
+    # Written last: its presence marks a complete directory.
+    (target / SPEC_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    return num_params
+
+
+def build_tiny_model(
+    arch: str,
+    out_dir: str | os.PathLike[str],
+    size: str = "nano",
+    seed: int = 0,
+    overwrite: bool = False,
+    **overrides: Any,
+) -> Path:
+    """Build a tiny random-init model and its tokenizer into ``out_dir`` (or reuse it).
+
+    Idempotent: when ``out_dir`` already holds a complete model built from the same spec it is
+    returned untouched. The directory is written under a temporary name and renamed into
+    place, so concurrent builders of the same spec never see a half-written directory.
+
+    Args:
+        arch: one of :data:`TINY_ARCHS`.
+        out_dir: directory to create.
+        size: preset from :data:`TINY_SIZES`.
+        seed: weight initialisation seed.
+        overwrite: replace ``out_dir`` when it holds something else; otherwise that is an error.
+        **overrides: dimension overrides, see :func:`resolve_tiny_spec`.
+
+    Returns:
+        The resolved path of the model directory.
+
+    Raises:
+        ValueError: bad arch, size or overrides.
+        FileExistsError: ``out_dir`` holds other content and ``overwrite`` is false.
+    """
+    spec = resolve_tiny_spec(arch, size=size, seed=seed, **overrides)
+    out = Path(out_dir).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} exists and is not a directory")
+    if out.is_dir():
+        if _reusable(out, spec):
+            return out
+        if any(out.iterdir()) and not overwrite:
+            found = _read_spec(out)
+            if found is None:
+                what = "other files (no " + SPEC_FILE + ")"
+            elif _spec_key(found) == _spec_key(spec):
+                what = "an incomplete tiny model"
+            else:
+                what = f"a tiny model with a different spec ({_spec_diff(found, spec)})"
+            raise FileExistsError(
+                f"{out} already holds {what}. Pass overwrite=True (CLI: --force) to replace "
+                "it, or choose another directory"
+            )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the final directory should not be
+    try:
+        _write_model(spec, tmp)
+        if out.is_dir():
+            if _reusable(out, spec):  # another process finished the same build first
+                return out
+            if any(out.iterdir()):
+                shutil.rmtree(out)
+            else:
+                out.rmdir()
+        try:
+            tmp.rename(out)
+        except OSError:
+            if _reusable(out, spec):  # lost a rename race against an identical build
+                return out
+            raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m polyrl.models.tiny",
+        description="Build a tiny random-init causal LM plus a locally trained tokenizer.",
+    )
+    p.add_argument("--arch", required=True, choices=TINY_ARCHS)
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--size", default="nano", choices=tuple(TINY_SIZES))
+    p.add_argument("--seed", type=int, default=0)
+    for flag, help_text in (
+        ("--hidden", "hidden size"),
+        ("--layers", "number of decoder layers"),
+        ("--heads", "attention heads"),
+        ("--kv-heads", "key/value heads (GQA)"),
+        ("--intermediate", "MLP width"),
+        ("--head-dim", "attention head size (default hidden/heads)"),
+        ("--vocab-extra", "reserved special tokens appended to the vocabulary"),
+        ("--max-position", "max_position_embeddings"),
+        ("--experts", "qwen3_moe: number of experts"),
+        ("--experts-per-tok", "qwen3_moe: experts routed per token"),
+        ("--moe-intermediate", "qwen3_moe: MLP width of one expert"),
+    ):
+        p.add_argument(flag, type=int, default=None, help=help_text)
+    p.add_argument(
+        "--tie-embeddings",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="share input and output embeddings (default: yes)",
+    )
+    p.add_argument("--force", action="store_true", help="replace a directory with other content")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the process exit status."""
+    args = _parser().parse_args(argv)
+    overrides = {
+        key: getattr(args, key) for key in OVERRIDE_KEYS if getattr(args, key, None) is not None
+    }
+    try:
+        path = build_tiny_model(
+            args.arch,
+            args.out,
+            size=args.size,
+            seed=args.seed,
+            overwrite=args.force,
+            **overrides,
+        )
+    except (ValueError, FileExistsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    spec = _read_spec(path) or {}
+    dims = spec.get("dims", {})
+    print(
+        f"{spec.get('arch')} {spec.get('size')}: {spec.get('num_parameters', 0):,} parameters "
+        f"(hidden={dims.get('hidden')} layers={dims.get('layers')} heads={dims.get('heads')} "
+        f"kv_heads={dims.get('kv_heads')} intermediate={dims.get('intermediate')}) -> {path}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
