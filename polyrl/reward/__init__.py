@@ -1,0 +1,65 @@
+"""Rewards: registered rule-based scorers, user reward functions and a robust manager.
+
+``RewardManager`` / ``RewardResult`` are imported lazily so that reward worker processes,
+which import this package, do not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from polyrl.reward.registry import SCORERS, extract_answer, get_scorer, register_scorer
+from polyrl.reward.scorers import (
+    ExpressionError,
+    arithmetic_score,
+    countdown_score,
+    evaluate_expression,
+    gsm8k_extract,
+    gsm8k_score,
+    math_score,
+    set_math_verify_timeout,
+    string_reverse_score,
+    string_sort_score,
+)
+from polyrl.reward.user_fn import (
+    GarbageResultError,
+    bind_scorer,
+    call_scorer,
+    load_user_function,
+    normalize_result,
+)
+
+if TYPE_CHECKING:
+    from polyrl.reward.manager import RewardManager, RewardResult
+
+__all__ = [
+    "SCORERS",
+    "ExpressionError",
+    "GarbageResultError",
+    "RewardManager",
+    "RewardResult",
+    "arithmetic_score",
+    "bind_scorer",
+    "call_scorer",
+    "countdown_score",
+    "evaluate_expression",
+    "extract_answer",
+    "get_scorer",
+    "gsm8k_extract",
+    "gsm8k_score",
+    "load_user_function",
+    "math_score",
+    "normalize_result",
+    "register_scorer",
+    "set_math_verify_timeout",
+    "string_reverse_score",
+    "string_sort_score",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("RewardManager", "RewardResult"):
+        from polyrl.reward import manager
+
+        return getattr(manager, name)
+    raise AttributeError(f"module 'polyrl.reward' has no attribute {name!r}")

@@ -1,0 +1,717 @@
+"""A reward manager that scores batches in a pool of worker processes, robustly.
+
+Each sample is scored by the user's custom function or by the scorer registered for its
+``data_source``. Scoring runs in ``num_workers`` long-lived processes with a per-sample
+timeout: a scorer that hangs, raises, returns garbage or kills its process yields
+``error_reward`` for that sample and bumps a counter in the metrics; the worker is
+replaced when needed and the run goes on.
+
+``num_workers=0`` scores in the calling process instead. That is meant for debugging
+(breakpoints, tracebacks, profilers): exceptions and garbage are still caught, but no
+timeout is enforced and a scorer that kills its process kills the caller.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from polyrl.reward._worker import (
+    Item,
+    Outcome,
+    Payload,
+    ScorerResolver,
+    make_payload,
+    score_one,
+    worker_main,
+)
+from polyrl.reward.registry import get_scorer
+from polyrl.reward.user_fn import bind_scorer, load_user_function
+
+if TYPE_CHECKING:
+    from polyrl.batch import Batch
+
+__all__ = ["RewardManager", "RewardResult"]
+
+logger = logging.getLogger(__name__)
+
+#: Per-sample statuses reported in :attr:`RewardResult.statuses`.
+STATUSES = ("ok", "error", "timeout", "garbage")
+_METRIC_FOR_STATUS = {
+    "error": "reward/errors",
+    "timeout": "reward/timeouts",
+    "garbage": "reward/garbage",
+}
+_MAX_BOOT_FAILURES = 3
+_BUILTIN_MODULE = "polyrl.reward.scorers"
+
+
+@dataclass
+class RewardResult:
+    """Scores for one batch.
+
+    Attributes:
+        scores: ``(B,)`` float32 sequence-level rewards (``error_reward`` for failures).
+        extras: Per-sample extra metrics from dict results, as float arrays of length B
+            (NaN where a sample did not report that key).
+        metrics: Aggregates: ``reward/score/{mean,std,min,max}``, counters
+            ``reward/errors``, ``reward/timeouts``, ``reward/garbage``, per data source
+            ``reward/<data_source>/mean``, per extra ``reward/extra/<key>/mean`` and
+            ``reward/time_s``.
+        statuses: Per-sample status: ``"ok"``, ``"error"``, ``"timeout"`` or ``"garbage"``.
+        failures: Failure message by sample index, for samples whose status is not ``ok``.
+    """
+
+    scores: torch.Tensor
+    extras: dict[str, np.ndarray]
+    metrics: dict[str, float]
+    statuses: list[str] = field(default_factory=list)
+    failures: dict[int, str] = field(default_factory=dict)
+
+    def token_level_scores(self, response_mask: torch.Tensor) -> torch.Tensor:
+        """Place each score on the last valid token of its response (zeros elsewhere).
+
+        Args:
+            response_mask: ``(B, R)`` mask of valid response tokens.
+
+        Raises:
+            ValueError: If the mask is not 2-D with B rows.
+        """
+        if response_mask.dim() != 2 or response_mask.shape[0] != self.scores.shape[0]:
+            raise ValueError(
+                f"response_mask must have shape (B={self.scores.shape[0]}, R), got "
+                f"{tuple(response_mask.shape)}"
+            )
+        mask = response_mask.bool()
+        out = torch.zeros(mask.shape, dtype=torch.float32, device=response_mask.device)
+        lengths = mask.sum(dim=1)
+        rows = torch.nonzero(lengths > 0, as_tuple=True)[0]
+        # Index of the last True per row (masks may be left- or right-aligned).
+        positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+        last = torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=1).values
+        out[rows, last[rows]] = self.scores.to(out.device)[rows]
+        return out
+
+
+class _Worker:
+    """Book-keeping for one worker process in the pool."""
+
+    def __init__(self, proc: Any, conn: Connection, boot_deadline: float):
+        self.proc = proc
+        self.conn = conn
+        self.ready = False
+        self.boot_deadline = boot_deadline
+        self.chunk: list[Item] | None = None
+        self.pos = 0
+        self.deadline = math.inf
+
+    def kill(self) -> None:
+        pid = self.proc.pid
+        if pid is not None and hasattr(os, "killpg"):
+            # The worker leads its own process group (see worker_main): this also ends
+            # processes its scorer started. Before it has set that up, no such group exists.
+            try:
+                if os.getpgid(pid) == pid:
+                    os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(timeout=5)
+        self.conn.close()
+
+
+def _stop_workers(workers: list[_Worker | None]) -> None:
+    for w in workers:
+        if w is None:
+            continue
+        try:
+            w.conn.send(("stop",))
+        except (OSError, ValueError):
+            pass
+    for w in workers:
+        if w is None:
+            continue
+        w.proc.join(timeout=2)
+        w.kill()
+    workers.clear()
+
+
+class RewardManager:
+    """Score batches with registered scorers or a custom reward function.
+
+    Args:
+        custom_function: ``"path/to/file.py:function"`` (loaded inside each worker by path),
+            a picklable module-level callable, or ``None`` to use the scorer registered for
+            each sample's ``data_source``. Its parameters are bound by name (see
+            :mod:`polyrl.reward.user_fn`).
+        num_workers: Worker processes; ``0`` scores in-process (debugging only: no timeout
+            is enforced and a crashing scorer takes the caller down with it).
+        timeout_s: Per-sample time limit in seconds (``None``: unlimited). A sample over it
+            gets ``error_reward`` and its worker is killed and replaced.
+        error_reward: Reward for samples whose scoring failed, timed out or returned garbage.
+        tokenizer: Used to decode ``responses`` token ids when a batch has no
+            ``response_text`` column (special tokens are skipped).
+        mp_context: ``"spawn"`` or ``"forkserver"``; how worker processes are started.
+        chunk_size: Samples sent to a worker at a time (default: adaptive, at most 32).
+        startup_timeout_s: Longest a new worker may take to start before it is an error.
+
+    Workers are started in the constructor and reused; call :meth:`close` (or use the
+    manager as a context manager) to stop them. Concurrent ``score`` calls from several
+    threads are serialised. Workers are daemonic processes, so a scorer cannot start
+    ``multiprocessing`` children of its own (``subprocess`` works).
+    """
+
+    def __init__(
+        self,
+        custom_function: str | Callable[..., Any] | None = None,
+        num_workers: int = 2,
+        timeout_s: float | None = 10.0,
+        error_reward: float = 0.0,
+        tokenizer: Any = None,
+        mp_context: str = "spawn",
+        chunk_size: int | None = None,
+        startup_timeout_s: float = 120.0,
+    ):
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
+        if timeout_s is not None and not (
+            isinstance(timeout_s, int | float) and math.isfinite(timeout_s) and timeout_s > 0
+        ):
+            raise ValueError(f"timeout_s must be a positive number or None, got {timeout_s!r}")
+        if not isinstance(error_reward, int | float) or not math.isfinite(error_reward):
+            raise ValueError(f"error_reward must be a finite number, got {error_reward!r}")
+        if mp_context not in ("spawn", "forkserver"):
+            raise ValueError(f"mp_context must be 'spawn' or 'forkserver', got {mp_context!r}")
+        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+            raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+        if not startup_timeout_s > 0:
+            raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s!r}")
+
+        self.num_workers = num_workers
+        self.timeout_s = float(timeout_s) if timeout_s is not None else None
+        self.error_reward = float(error_reward)
+        self.tokenizer = tokenizer
+        self.chunk_size = chunk_size
+        self.startup_timeout_s = float(startup_timeout_s)
+        self.has_custom_function = custom_function is not None
+        self._custom_payload: Payload | None = None
+        custom_fn = self._resolve_custom(custom_function)
+        self._resolver = ScorerResolver(custom_fn) if num_workers == 0 else None
+
+        self._ctx = mp.get_context(mp_context)
+        self._scorer_payloads: dict[str, Payload] = {}
+        self._shipped_fns: dict[str, Any] = {}
+        self._workers: list[_Worker | None] = []
+        self._boot_failures = 0
+        self._closed = False
+        self._lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
+        for _ in range(num_workers):
+            self._workers.append(self._start_worker())
+
+    # ------------------------------------------------------------------ setup
+
+    def _resolve_custom(self, custom_function: Any) -> Callable[..., Any] | None:
+        if custom_function is None:
+            return None
+        if isinstance(custom_function, str):
+            custom_function = load_user_function(custom_function)
+        elif not callable(custom_function):
+            raise TypeError(
+                "custom_function must be a 'path/to/file.py:function' string, a callable or "
+                f"None, got {type(custom_function).__name__}"
+            )
+        bind_scorer(custom_function)  # fail now, in the caller, on an unsupported signature
+        if self.num_workers > 0:
+            self._custom_payload = make_payload(custom_function)
+        return custom_function
+
+    def _start_worker(self) -> _Worker:
+        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
+        proc = self._ctx.Process(
+            target=worker_main,
+            args=(child_conn, self._custom_payload, dict(self._scorer_payloads)),
+            daemon=True,
+            name="polyrl-reward-worker",
+        )
+        proc.start()
+        child_conn.close()
+        return _Worker(proc, parent_conn, time.monotonic() + self.startup_timeout_s)
+
+    def _ship_scorers(self, data_sources: set[Any]) -> None:
+        """Make sure workers score each data source with the scorer registered here."""
+        updates: dict[str, Payload] = {}
+        for source in data_sources:
+            fn = get_scorer(source)  # raises KeyError listing the registered sources
+            if self._shipped_fns.get(source) is fn:
+                continue
+            bind_scorer(fn)
+            # Built-ins are registered in every worker already; anything else is sent (and a
+            # built-in is sent back if a replaced scorer was shipped under its name earlier).
+            builtin = getattr(fn, "__module__", None) == _BUILTIN_MODULE
+            if self.num_workers > 0 and (not builtin or source in self._scorer_payloads):
+                try:
+                    payload = make_payload(fn)
+                except TypeError as exc:
+                    raise TypeError(
+                        f"the scorer registered for data_source {source!r}: {exc}"
+                    ) from None
+                updates[source] = payload
+                self._scorer_payloads[source] = payload
+            self._shipped_fns[source] = fn
+        if self._resolver is not None:
+            self._resolver.update(
+                {s: self._shipped_fns[s] for s in data_sources if s in self._shipped_fns}
+            )
+        if updates:
+            for w in self._workers:
+                if w is not None:
+                    try:
+                        w.conn.send(("scorers", updates))
+                    except (OSError, ValueError):
+                        pass  # a dead worker is noticed and replaced by the scoring loop
+
+    # ------------------------------------------------------------------ public API
+
+    def score(self, batch: Batch) -> RewardResult:
+        """Score a :class:`polyrl.batch.Batch`.
+
+        Uses non-tensor columns ``data_source``, ``ground_truth`` (or verl's
+        ``reward_model[i]["ground_truth"]``), optional ``extra_info`` and ``prompt_text``,
+        and ``response_text``; without ``response_text`` the ``responses`` tensor is
+        decoded with the tokenizer, masked by ``response_mask`` (or the response part of
+        ``attention_mask``).
+
+        Raises:
+            ValueError: If required columns are missing or cannot be derived.
+            KeyError: If a ``data_source`` has no registered scorer (and no custom function).
+        """
+        return self._score_items(self._items_from_batch(batch))
+
+    def score_samples(self, samples: Sequence[Mapping[str, Any]]) -> RewardResult:
+        """Score a list of dict samples.
+
+        Each sample has ``response`` (or ``response_text`` / ``solution_str``),
+        ``ground_truth`` and ``data_source`` (both optional with a custom function), and
+        optionally ``prompt`` (or ``prompt_text``) and ``extra_info``.
+
+        Raises:
+            ValueError: If a sample is not a mapping or lacks a required key.
+        """
+        if isinstance(samples, Mapping) or not isinstance(samples, Sequence):
+            raise ValueError(f"score_samples expects a list of dicts, got {type(samples).__name__}")
+        items: list[Item] = []
+        for i, sample in enumerate(samples):
+            if not isinstance(sample, Mapping):
+                raise ValueError(f"sample {i} must be a dict, got {type(sample).__name__}")
+            response = _first_present(sample, ("response", "response_text", "solution_str"))
+            if response is _MISSING:
+                raise ValueError(
+                    f"sample {i} has no 'response' (or 'response_text' / 'solution_str') key; "
+                    f"keys: {sorted(map(str, sample))}"
+                )
+            missing = [k for k in ("data_source", "ground_truth") if k not in sample]
+            if missing and not self.has_custom_function:
+                raise ValueError(
+                    f"sample {i} lacks {missing}, required to pick and run a registered "
+                    "scorer (only a custom_function can do without them)"
+                )
+            prompt = _first_present(sample, ("prompt", "prompt_text"))
+            items.append(
+                (
+                    i,
+                    sample.get("data_source"),
+                    None if prompt is _MISSING else prompt,
+                    response,
+                    sample.get("ground_truth"),
+                    sample.get("extra_info"),
+                )
+            )
+        return self._score_items(items)
+
+    def close(self) -> None:
+        """Stop the worker processes. Idempotent; the manager cannot score afterwards."""
+        with self._lock:
+            self._closed = True
+            self._finalizer()
+
+    def __enter__(self) -> RewardManager:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """PIDs of the current worker processes (changes when workers are replaced)."""
+        return [w.proc.pid for w in self._workers if w is not None]
+
+    # ------------------------------------------------------------------ batch input
+
+    def _items_from_batch(self, batch: Batch) -> list[Item]:
+        non_tensors = getattr(batch, "non_tensors", None)
+        tensors = getattr(batch, "tensors", None)
+        if non_tensors is None or tensors is None:
+            raise TypeError(
+                "RewardManager.score expects a polyrl.batch.Batch (with .non_tensors and "
+                f".tensors); got {type(batch).__name__}. Use score_samples for a list of dicts."
+            )
+        n = len(batch)
+        tensor_keys = set(tensors.keys())
+
+        def column(name: str) -> list[Any] | None:
+            if name not in non_tensors:
+                return None
+            values = list(non_tensors[name])
+            if len(values) != n:
+                raise ValueError(f"column {name!r} has {len(values)} rows, batch has {n}")
+            return values
+
+        missing: list[str] = []
+        data_sources = column("data_source")
+        ground_truths = column("ground_truth")
+        if ground_truths is None and "reward_model" in non_tensors:
+            reward_model = column("reward_model")
+            assert reward_model is not None
+            if all(isinstance(r, Mapping) and "ground_truth" in r for r in reward_model):
+                ground_truths = [r["ground_truth"] for r in reward_model]
+        if not self.has_custom_function:
+            if data_sources is None:
+                missing.append("data_source")
+            if ground_truths is None:
+                missing.append("ground_truth (or reward_model[i]['ground_truth'])")
+        responses = column("response_text")
+        if responses is None:
+            if "responses" not in tensor_keys:
+                missing.append("response_text (or tensor 'responses' plus a tokenizer)")
+            elif self.tokenizer is None:
+                missing.append(
+                    "response_text (tensor 'responses' is present but no tokenizer was "
+                    "given to RewardManager to decode it)"
+                )
+        if missing:
+            raise ValueError(
+                f"batch lacks columns needed for scoring: {', '.join(missing)}; it has "
+                f"non-tensor columns {sorted(non_tensors)} and tensors {sorted(tensor_keys)}"
+            )
+        if responses is None:
+            responses = self._decode_responses(tensors, tensor_keys)
+        prompts = column("prompt_text")
+        if prompts is None and self.tokenizer is not None and "prompts" in tensor_keys:
+            prompts = self._decode_prompts(tensors, tensor_keys)
+        extra_info = column("extra_info")
+        return [
+            (
+                i,
+                data_sources[i] if data_sources is not None else None,
+                prompts[i] if prompts is not None else None,
+                responses[i],
+                ground_truths[i] if ground_truths is not None else None,
+                extra_info[i] if extra_info is not None else None,
+            )
+            for i in range(n)
+        ]
+
+    def _decode(self, ids: torch.Tensor, mask: torch.Tensor | None) -> list[str]:
+        rows: list[list[int]] = []
+        for r in range(ids.shape[0]):
+            row = ids[r] if mask is None else ids[r][mask[r].bool()]
+            rows.append(row.tolist())
+        if hasattr(self.tokenizer, "batch_decode"):
+            return list(self.tokenizer.batch_decode(rows, skip_special_tokens=True))
+        return [self.tokenizer.decode(row, skip_special_tokens=True) for row in rows]
+
+    def _decode_responses(self, tensors: Any, keys: set[str]) -> list[str]:
+        responses = tensors["responses"]
+        if responses.dim() != 2:
+            raise ValueError(f"tensor 'responses' must be (B, R), got {tuple(responses.shape)}")
+        width = responses.shape[1]
+        mask = None
+        if "response_mask" in keys:
+            mask = tensors["response_mask"]
+        elif "attention_mask" in keys and tensors["attention_mask"].shape[-1] >= width:
+            # verl layout: attention_mask covers prompt + response; the response is the tail.
+            mask = tensors["attention_mask"][:, -width:]
+        if mask is not None and tuple(mask.shape) != tuple(responses.shape):
+            raise ValueError(
+                f"response mask shape {tuple(mask.shape)} does not match 'responses' "
+                f"{tuple(responses.shape)}"
+            )
+        return self._decode(responses.cpu(), None if mask is None else mask.cpu())
+
+    def _decode_prompts(self, tensors: Any, keys: set[str]) -> list[str]:
+        prompts = tensors["prompts"]
+        width = prompts.shape[-1]
+        mask = None
+        if "attention_mask" in keys:
+            attention = tensors["attention_mask"]
+            total = width + (tensors["responses"].shape[-1] if "responses" in keys else 0)
+            if attention.shape[-1] == total:
+                mask = attention[:, :width]
+        return self._decode(prompts.cpu(), None if mask is None else mask.cpu())
+
+    # ------------------------------------------------------------------ scoring
+
+    def _score_items(self, items: list[Item]) -> RewardResult:
+        # One batch at a time: the pool's book-keeping is not shared between callers.
+        with self._lock:
+            return self._score_items_locked(items)
+
+    def _score_items_locked(self, items: list[Item]) -> RewardResult:
+        if self._closed:
+            raise RuntimeError("this RewardManager is closed; create a new one to score")
+        start = time.perf_counter()
+        if not self.has_custom_function:
+            self._ship_scorers({item[1] for item in items})
+        if self.num_workers == 0:
+            assert self._resolver is not None
+            outcomes: list[tuple[str, float, dict[str, float], str]] = [
+                score_one(item, self._resolver) for item in items
+            ]
+        else:
+            outcomes = self._run_pool(items)
+        return self._assemble(items, outcomes, time.perf_counter() - start)
+
+    def _ensure_workers(self) -> None:
+        for i, w in enumerate(self._workers):
+            if w is None:
+                self._workers[i] = self._start_worker()
+
+    def _replace(self, slot: int, *, booted: bool) -> None:
+        worker = self._workers[slot]
+        if worker is not None:
+            worker.kill()
+        if not booted:
+            self._boot_failures += 1
+            if self._boot_failures > _MAX_BOOT_FAILURES:
+                self._workers[slot] = None
+                raise RuntimeError(
+                    f"reward worker processes died during start-up {self._boot_failures} "
+                    "times in a row; see the worker's stderr above"
+                )
+        self._workers[slot] = self._start_worker()
+
+    def _run_pool(self, items: list[Item]) -> list[Outcome]:
+        self._ensure_workers()
+        n = len(items)
+        outcomes: list[Outcome | None] = [None] * n
+        position = {item[0]: p for p, item in enumerate(items)}
+        size = self.chunk_size or max(1, min(32, math.ceil(n / (self.num_workers * 4))))
+        pending: collections.deque[list[Item]] = collections.deque(
+            items[i : i + size] for i in range(0, n, size)
+        )
+        remaining = n
+
+        def record(worker: _Worker, outcome: Outcome) -> None:
+            nonlocal remaining
+            assert worker.chunk is not None
+            outcomes[position[worker.chunk[worker.pos][0]]] = outcome
+            remaining -= 1
+            worker.pos += 1
+            if worker.pos == len(worker.chunk):
+                worker.chunk = None
+                worker.deadline = math.inf
+            elif self.timeout_s is not None:
+                worker.deadline = time.monotonic() + self.timeout_s
+
+        def fail_current(slot: int, status: str, message: str, *, booted: bool) -> None:
+            worker = self._workers[slot]
+            assert worker is not None
+            if worker.chunk is not None:
+                rest = worker.chunk[worker.pos + 1 :]
+                record(worker, (status, 0.0, {}, message))
+                if rest:
+                    pending.appendleft(rest)
+            worker.chunk = None
+            self._replace(slot, booted=booted)
+
+        def drain(slot: int) -> bool:
+            """Handle every message waiting from a worker; False if its pipe is closed."""
+            worker = self._workers[slot]
+            assert worker is not None
+            try:
+                while worker.conn.poll():
+                    message = worker.conn.recv()
+                    kind = message[0]
+                    if kind == "result":
+                        _, index, status, score, extras, text = message
+                        expected = worker.chunk[worker.pos][0] if worker.chunk else None
+                        if index != expected:
+                            raise RuntimeError(
+                                f"reward worker protocol error: got a result for sample "
+                                f"{index}, expected {expected}"
+                            )
+                        record(worker, (status, score, extras, text))
+                    elif kind == "ready":
+                        worker.ready = True
+                        self._boot_failures = 0
+                    elif kind == "init_error":
+                        worker.kill()
+                        self._workers[slot] = None
+                        raise RuntimeError(f"a reward worker failed to start:\n{message[1]}")
+            except (EOFError, OSError):
+                return False
+            return True
+
+        try:
+            while remaining:
+                now = time.monotonic()
+                for worker in self._workers:
+                    if worker is not None and worker.ready and worker.chunk is None and pending:
+                        chunk = pending.popleft()
+                        worker.chunk, worker.pos = chunk, 0
+                        worker.deadline = (
+                            now + self.timeout_s if self.timeout_s is not None else math.inf
+                        )
+                        try:
+                            worker.conn.send(("score", chunk))
+                        except (OSError, ValueError):
+                            pass  # dead worker: its sentinel fires below
+
+                waiting: dict[Any, tuple[int, bool]] = {}
+                horizon = math.inf
+                for slot, worker in enumerate(self._workers):
+                    assert worker is not None
+                    waiting[worker.conn] = (slot, False)
+                    waiting[worker.proc.sentinel] = (slot, True)
+                    horizon = min(
+                        horizon, worker.deadline if worker.ready else worker.boot_deadline
+                    )
+                timeout = None if horizon == math.inf else max(0.0, horizon - time.monotonic())
+                ready = wait(list(waiting), timeout=timeout)
+
+                died: set[int] = set()
+                for obj in ready:
+                    slot, is_sentinel = waiting[obj]
+                    if slot in died:
+                        continue
+                    if is_sentinel or not drain(slot):
+                        died.add(slot)
+                for slot in sorted(died):
+                    worker = self._workers[slot]
+                    assert worker is not None
+                    drain(slot)  # results sent just before dying still count
+                    worker.proc.join(timeout=5)
+                    code = worker.proc.exitcode
+                    fail_current(
+                        slot,
+                        "error",
+                        f"reward worker process died (exit code {code}) while scoring",
+                        booted=worker.ready,
+                    )
+
+                now = time.monotonic()
+                for slot, worker in enumerate(self._workers):
+                    assert worker is not None
+                    if not worker.ready:
+                        if now >= worker.boot_deadline:
+                            raise RuntimeError(
+                                f"a reward worker did not start within {self.startup_timeout_s}"
+                                " s (startup_timeout_s)"
+                            )
+                        continue
+                    if worker.chunk is not None and now >= worker.deadline:
+                        drain(slot)  # the result may have arrived in the meantime
+                        if worker.chunk is not None and time.monotonic() >= worker.deadline:
+                            fail_current(
+                                slot,
+                                "timeout",
+                                f"scoring took longer than timeout_s={self.timeout_s}; the "
+                                "worker was killed",
+                                booted=True,
+                            )
+        except BaseException:
+            # A worker still holding a chunk would send stale results later: discard it.
+            for slot, worker in enumerate(self._workers):
+                if worker is not None and worker.chunk is not None:
+                    worker.kill()
+                    self._workers[slot] = None
+            raise
+        return [o for o in outcomes if o is not None]
+
+    def _assemble(self, items: list[Item], outcomes: list[Outcome], elapsed: float) -> RewardResult:
+        n = len(items)
+        scores = np.full(n, self.error_reward, dtype=np.float64)
+        statuses: list[str] = []
+        failures: dict[int, str] = {}
+        extras: dict[str, np.ndarray] = {}
+        for p, (item, (status, score, item_extras, message)) in enumerate(
+            zip(items, outcomes, strict=True)
+        ):
+            statuses.append(status)
+            if status == "ok":
+                scores[p] = score
+                for key, value in item_extras.items():
+                    if key not in extras:
+                        extras[key] = np.full(n, np.nan, dtype=np.float64)
+                    extras[key][p] = value
+            else:
+                failures[item[0]] = message
+
+        metrics: dict[str, float] = {
+            "reward/errors": float(statuses.count("error")),
+            "reward/timeouts": float(statuses.count("timeout")),
+            "reward/garbage": float(statuses.count("garbage")),
+            "reward/time_s": float(elapsed),
+        }
+        if n:
+            metrics.update(
+                {
+                    "reward/score/mean": float(scores.mean()),
+                    "reward/score/std": float(scores.std()),
+                    "reward/score/min": float(scores.min()),
+                    "reward/score/max": float(scores.max()),
+                }
+            )
+            by_source: dict[str, list[int]] = {}
+            for p, item in enumerate(items):
+                if item[1] is not None:
+                    by_source.setdefault(str(item[1]), []).append(p)
+            for source, positions in sorted(by_source.items()):
+                metrics[f"reward/{source}/mean"] = float(scores[positions].mean())
+            for key, values in extras.items():
+                metrics[f"reward/extra/{key}/mean"] = float(np.nanmean(values))
+        if failures:
+            first = next(iter(failures.items()))
+            logger.warning(
+                "reward scoring: %d errors, %d timeouts, %d garbage results out of %d samples; "
+                "first failure (sample %d): %s",
+                statuses.count("error"),
+                statuses.count("timeout"),
+                statuses.count("garbage"),
+                n,
+                first[0],
+                first[1],
+            )
+        return RewardResult(
+            scores=torch.from_numpy(scores.astype(np.float32)),
+            extras=extras,
+            metrics=metrics,
+            statuses=statuses,
+            failures=failures,
+        )
+
+
+_MISSING = object()
+
+
+def _first_present(sample: Mapping[str, Any], keys: Sequence[str]) -> Any:
+    for key in keys:
+        if key in sample:
+            return sample[key]
+    return _MISSING

@@ -1,0 +1,581 @@
+"""Built-in rule-based scorers: arithmetic, countdown, string tasks, GSM8K and MATH.
+
+Every scorer follows the registry signature ``fn(response, ground_truth, extra_info=None,
+prompt=None)`` and is pure Python except ``math``, which uses the ``math-verify`` library.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import re
+import threading
+from collections.abc import Mapping, Sequence
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
+from typing import Any
+
+from polyrl.reward.registry import extract_answer, register_scorer
+
+__all__ = [
+    "ExpressionError",
+    "arithmetic_score",
+    "countdown_score",
+    "evaluate_expression",
+    "gsm8k_extract",
+    "gsm8k_score",
+    "math_score",
+    "set_math_verify_timeout",
+    "string_reverse_score",
+    "string_sort_score",
+]
+
+
+# --------------------------------------------------------------------------------------
+# arithmetic
+# --------------------------------------------------------------------------------------
+
+# A number with optional thousands separators and decimals; decimals are matched so that
+# "19.5" is read as one non-integer rather than as the integer 5.
+_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+
+
+def _parse_int_ground_truth(ground_truth: Any, task: str) -> int:
+    if isinstance(ground_truth, bool):
+        raise ValueError(f"{task}: ground_truth must be an integer string like '19', got a bool")
+    if isinstance(ground_truth, int):
+        return ground_truth
+    if isinstance(ground_truth, str):
+        text = ground_truth.strip().replace(",", "")
+        if re.fullmatch(r"[-+]?\d+", text):
+            return int(text)
+    raise ValueError(
+        f"{task}: ground_truth must be an integer or an integer string like '19' or '-3', "
+        f"got {ground_truth!r}"
+    )
+
+
+def _last_integer(text: str) -> int | None:
+    matches = _NUMBER.findall(text)
+    if not matches:
+        return None
+    value = Decimal(matches[-1].replace(",", ""))
+    if value != value.to_integral_value():
+        return None
+    return int(value)
+
+
+@register_scorer("arithmetic")
+def arithmetic_score(
+    response: str,
+    ground_truth: Any,
+    extra_info: dict | None = None,
+    prompt: str | None = None,
+) -> float:
+    """Exact match of the integer answer.
+
+    The answer is taken with :func:`extract_answer`, then its last number; a non-integer
+    last number (``"19.5"``) is wrong, ``"19.0"`` counts as ``19``.
+
+    Raises:
+        ValueError: If ``ground_truth`` is not an integer or an integer string.
+    """
+    expected = _parse_int_ground_truth(ground_truth, "arithmetic")
+    answer = extract_answer(response)
+    if answer is None:
+        return 0.0
+    got = _last_integer(answer)
+    return 1.0 if got is not None and got == expected else 0.0
+
+
+# --------------------------------------------------------------------------------------
+# countdown: a tokenizer + recursive-descent parser over integers, + - * / and parentheses
+# --------------------------------------------------------------------------------------
+
+#: Longest expression (characters) the countdown parser accepts.
+MAX_EXPR_CHARS = 256
+#: Deepest nesting of parentheses / unary minus accepted.
+MAX_EXPR_DEPTH = 32
+#: Most digits in one integer literal.
+MAX_LITERAL_DIGITS = 12
+#: Largest bit length of any intermediate numerator or denominator.
+MAX_VALUE_BITS = 256
+
+_OPERATOR_ALIASES = {"×": "*", "÷": "/", "−": "-"}
+
+
+class ExpressionError(ValueError):
+    """An expression that is malformed, uses disallowed tokens, or exceeds a safety limit."""
+
+
+def _tokenize(text: str) -> list[tuple[str, int | None]]:
+    tokens: list[tuple[str, int | None]] = []
+    i, n = 0, len(text)
+    while i < n:
+        ch = text[i]
+        if ch.isspace():
+            i += 1
+            continue
+        if ch.isdigit() and ch.isascii():
+            j = i
+            while j < n and text[j].isdigit() and text[j].isascii():
+                j += 1
+            literal = text[i:j]
+            if len(literal) > MAX_LITERAL_DIGITS:
+                raise ExpressionError(
+                    f"integer literal at position {i} has {len(literal)} digits; "
+                    f"at most {MAX_LITERAL_DIGITS} are allowed"
+                )
+            tokens.append(("num", int(literal)))
+            i = j
+            continue
+        op = _OPERATOR_ALIASES.get(ch, ch)
+        if op in "+-*/()":
+            tokens.append((op, None))
+            i += 1
+            continue
+        raise ExpressionError(
+            f"disallowed character {ch!r} at position {i}; only integers, + - * / and "
+            "parentheses are allowed"
+        )
+    return tokens
+
+
+class _Parser:
+    """Recursive-descent parser that evaluates while parsing.
+
+    Grammar: ``expr := term (('+'|'-') term)*``, ``term := factor (('*'|'/') factor)*``,
+    ``factor := '-' factor | '(' expr ')' | INT``.
+    """
+
+    def __init__(self, tokens: list[tuple[str, int | None]]):
+        self.tokens = tokens
+        self.pos = 0
+        self.numbers: list[int] = []
+
+    def peek(self) -> str | None:
+        return self.tokens[self.pos][0] if self.pos < len(self.tokens) else None
+
+    def take(self) -> tuple[str, int | None]:
+        tok = self.tokens[self.pos]
+        self.pos += 1
+        return tok
+
+    def parse(self) -> Fraction:
+        if not self.tokens:
+            raise ExpressionError("empty expression")
+        value = self.expr(0)
+        if self.pos != len(self.tokens):
+            raise ExpressionError(f"unexpected token {self.peek()!r} after a complete expression")
+        return value
+
+    def expr(self, depth: int) -> Fraction:
+        value = self.term(depth)
+        while self.peek() in ("+", "-"):
+            op = self.take()[0]
+            rhs = self.term(depth)
+            value = _checked(value + rhs if op == "+" else value - rhs)
+        return value
+
+    def term(self, depth: int) -> Fraction:
+        value = self.factor(depth)
+        while self.peek() in ("*", "/"):
+            op = self.take()[0]
+            rhs = self.factor(depth)
+            if op == "*":
+                value = _checked(value * rhs)
+            else:
+                if rhs == 0:
+                    raise ExpressionError("division by zero")
+                value = _checked(value / rhs)
+        return value
+
+    def factor(self, depth: int) -> Fraction:
+        if depth > MAX_EXPR_DEPTH:
+            raise ExpressionError(f"expression nested deeper than {MAX_EXPR_DEPTH} levels")
+        kind = self.peek()
+        if kind is None:
+            raise ExpressionError("expression ends where a number or '(' was expected")
+        if kind == "-":
+            self.take()
+            return -self.factor(depth + 1)
+        if kind == "(":
+            self.take()
+            value = self.expr(depth + 1)
+            if self.peek() != ")":
+                raise ExpressionError("missing closing parenthesis")
+            self.take()
+            return value
+        if kind == "num":
+            literal = self.take()[1]
+            assert literal is not None
+            self.numbers.append(literal)
+            return Fraction(literal)
+        raise ExpressionError(f"unexpected token {kind!r} where a number or '(' was expected")
+
+
+def _checked(value: Fraction) -> Fraction:
+    if (
+        abs(value.numerator).bit_length() > MAX_VALUE_BITS
+        or value.denominator.bit_length() > MAX_VALUE_BITS
+    ):
+        raise ExpressionError(f"intermediate result exceeds {MAX_VALUE_BITS} bits")
+    return value
+
+
+def evaluate_expression(text: str) -> tuple[Fraction, list[int]]:
+    """Safely evaluate an integer arithmetic expression with exact fractions.
+
+    Only non-negative integer literals, ``+ - * /``, unary minus and parentheses are
+    allowed (``×``, ``÷`` and ``−`` are read as ``*``, ``/`` and ``-``). Nothing is ever
+    passed to ``eval``.
+
+    Returns:
+        The exact value and the integer literals in the order they appear.
+
+    Raises:
+        ExpressionError: For an empty or malformed expression, a disallowed character, a
+            division by zero, or an expression over the length / depth / size limits.
+    """
+    if not isinstance(text, str):
+        raise ExpressionError(f"expression must be a str, got {type(text).__name__}")
+    if len(text) > MAX_EXPR_CHARS:
+        raise ExpressionError(
+            f"expression has {len(text)} characters; at most {MAX_EXPR_CHARS} are allowed"
+        )
+    parser = _Parser(_tokenize(text))
+    return parser.parse(), parser.numbers
+
+
+def _countdown_ground_truth(ground_truth: Any) -> tuple[int, list[int]]:
+    if (
+        not isinstance(ground_truth, Mapping)
+        or "target" not in ground_truth
+        or ("numbers" not in ground_truth)
+    ):
+        raise ValueError(
+            "countdown: ground_truth must be a dict {'target': int, 'numbers': [int, ...]}, "
+            f"got {ground_truth!r}"
+        )
+    try:
+        target = _as_int(ground_truth["target"])
+        numbers = [_as_int(x) for x in ground_truth["numbers"]]
+    except (TypeError, ValueError):
+        raise ValueError(
+            "countdown: ground_truth 'target' must be an int and 'numbers' a list of ints, "
+            f"got {ground_truth!r}"
+        ) from None
+    return target, numbers
+
+
+def _as_int(x: Any) -> int:
+    if isinstance(x, bool):
+        raise TypeError("bool is not an integer here")
+    if isinstance(x, str):
+        return int(x.strip())
+    # Accepts int and numpy integers, rejects floats (TypeError).
+    return operator.index(x)
+
+
+@register_scorer("countdown")
+def countdown_score(
+    response: str,
+    ground_truth: Any,
+    extra_info: dict | None = None,
+    prompt: str | None = None,
+    *,
+    format_score: float = 0.0,
+) -> dict[str, Any]:
+    """Score a countdown answer: an expression using each given number exactly once.
+
+    The expression comes from :func:`extract_answer`; a trailing ``= <target>`` is allowed
+    (any other right-hand side makes the answer malformed). ``extra_info["format_score"]``,
+    when present, overrides ``format_score``: the credit for a well-formed but wrong
+    expression.
+
+    Returns:
+        ``{"score": 1.0 if correct, format_score if a valid expression but wrong, else
+        0.0, "valid_expr": bool}``.
+
+    Raises:
+        ValueError: If ``ground_truth`` is not ``{"target": int, "numbers": [int, ...]}``.
+    """
+    target, numbers = _countdown_ground_truth(ground_truth)
+    if extra_info and extra_info.get("format_score") is not None:
+        format_score = float(extra_info["format_score"])
+    answer = extract_answer(response)
+    if answer is None:
+        return {"score": 0.0, "valid_expr": False}
+    expression = answer
+    if "=" in answer:
+        lhs, _, rhs = answer.partition("=")
+        # Only "<expr> = <target>" is accepted; anything else after '=' is malformed.
+        claimed = rhs.strip().rstrip(".").strip()
+        if not re.fullmatch(r"-?\d{1,18}", claimed) or int(claimed) != target:
+            return {"score": 0.0, "valid_expr": False}
+        expression = lhs
+    try:
+        value, used = evaluate_expression(expression)
+    except ExpressionError:
+        return {"score": 0.0, "valid_expr": False}
+    correct = value == target and sorted(used) == sorted(numbers)
+    return {"score": 1.0 if correct else float(format_score), "valid_expr": True}
+
+
+# --------------------------------------------------------------------------------------
+# string tasks
+# --------------------------------------------------------------------------------------
+
+
+def _string_match(response: str, ground_truth: Any, task: str) -> float:
+    if not isinstance(ground_truth, str):
+        raise ValueError(f"{task}: ground_truth must be a str, got {type(ground_truth).__name__}")
+    answer = extract_answer(response)
+    return 1.0 if answer is not None and answer == ground_truth.strip() else 0.0
+
+
+@register_scorer("string_reverse")
+def string_reverse_score(
+    response: str,
+    ground_truth: Any,
+    extra_info: dict | None = None,
+    prompt: str | None = None,
+) -> float:
+    """Exact match of the extracted answer with the reversed string in ``ground_truth``."""
+    return _string_match(response, ground_truth, "string_reverse")
+
+
+@register_scorer("string_sort")
+def string_sort_score(
+    response: str,
+    ground_truth: Any,
+    extra_info: dict | None = None,
+    prompt: str | None = None,
+) -> float:
+    """Exact match of the extracted answer with the sorted string in ``ground_truth``."""
+    return _string_match(response, ground_truth, "string_sort")
+
+
+# --------------------------------------------------------------------------------------
+# GSM8K
+# --------------------------------------------------------------------------------------
+
+_GSM8K_STRICT = re.compile(r"####\s*(-?[$0-9.,]+)")
+_GSM8K_FLEXIBLE = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
+# Like verl, only the tail of a long response is searched so a stray "####" early in a
+# rambling answer does not count.
+_GSM8K_TAIL_CHARS = 300
+
+
+def _clean_number(text: str) -> str | None:
+    cleaned = text.replace(",", "").replace("$", "").strip().rstrip(".")
+    return cleaned if re.fullmatch(r"-?\d+(?:\.\d+)?", cleaned) else None
+
+
+def gsm8k_extract(response: str, method: str = "strict") -> str | None:
+    """Extract the final number from a GSM8K-style response.
+
+    ``strict``: the number after the last ``####`` (commas and ``$`` removed).
+    ``flexible``: the last number anywhere in the response.
+
+    Raises:
+        ValueError: If ``method`` is not ``"strict"`` or ``"flexible"``.
+    """
+    if method not in ("strict", "flexible"):
+        raise ValueError(f"gsm8k method must be 'strict' or 'flexible', got {method!r}")
+    if not isinstance(response, str):
+        raise TypeError(f"response must be a str, got {type(response).__name__}")
+    tail = response[-_GSM8K_TAIL_CHARS:]
+    pattern = _GSM8K_STRICT if method == "strict" else _GSM8K_FLEXIBLE
+    for candidate in reversed(pattern.findall(tail)):
+        cleaned = _clean_number(candidate)
+        if cleaned is not None:
+            return cleaned
+        if method == "strict":
+            return None
+    return None
+
+
+def _gsm8k_ground_truth(ground_truth: Any) -> Decimal:
+    text = str(ground_truth) if isinstance(ground_truth, int | float) else ground_truth
+    if isinstance(text, str):
+        if "####" in text:
+            text = text.rsplit("####", 1)[1]
+        cleaned = _clean_number(text)
+        if cleaned is not None:
+            return Decimal(cleaned)
+    raise ValueError(
+        "gsm8k: ground_truth must be a number, a numeric string, or a solution ending in "
+        f"'#### <number>', got {ground_truth!r}"
+    )
+
+
+def gsm8k_score(
+    response: str,
+    ground_truth: Any,
+    extra_info: dict | None = None,
+    prompt: str | None = None,
+    *,
+    method: str = "strict",
+    format_score: float = 0.0,
+) -> float:
+    """Exact numeric match of the GSM8K answer.
+
+    ``extra_info["method"]`` (``"strict"`` / ``"flexible"``) overrides ``method``; see
+    :func:`gsm8k_extract`. A wrong but extractable answer earns ``format_score``.
+
+    Raises:
+        ValueError: If ``ground_truth`` holds no number or ``method`` is unknown.
+    """
+    expected = _gsm8k_ground_truth(ground_truth)
+    if extra_info and extra_info.get("method") is not None:
+        method = extra_info["method"]
+    answer = gsm8k_extract(response, method)
+    if answer is None:
+        return 0.0
+    try:
+        return 1.0 if Decimal(answer) == expected else float(format_score)
+    except InvalidOperation:
+        return 0.0
+
+
+@register_scorer("gsm8k", "openai/gsm8k")
+def gsm8k_strict_score(
+    response: str,
+    ground_truth: Any,
+    extra_info: dict | None = None,
+    prompt: str | None = None,
+) -> float:
+    """GSM8K with strict ``#### <number>`` extraction (see :func:`gsm8k_score`)."""
+    return gsm8k_score(response, ground_truth, extra_info, prompt, method="strict")
+
+
+@register_scorer("gsm8k_flexible")
+def gsm8k_flexible_score(
+    response: str,
+    ground_truth: Any,
+    extra_info: dict | None = None,
+    prompt: str | None = None,
+) -> float:
+    """GSM8K taking the last number in the response (see :func:`gsm8k_score`)."""
+    return gsm8k_score(response, ground_truth, extra_info, prompt, method="flexible")
+
+
+# --------------------------------------------------------------------------------------
+# MATH via math-verify
+# --------------------------------------------------------------------------------------
+
+# math-verify guards parse/verify with signal.alarm, which only works in a process's main
+# thread (elsewhere it raises ValueError). This timeout is used only in the main thread;
+# reward workers disable it because the RewardManager kills a worker that overruns.
+_math_verify_timeout_s: int | None = 5
+_math_verify_logging_configured = False
+
+
+def set_math_verify_timeout(seconds: int | None) -> None:
+    """Set math-verify's own (signal-based) timeout, used only in the main thread.
+
+    ``None`` or ``0`` disables it; reward worker processes do that because the
+    ``RewardManager`` enforces its own per-sample timeout by killing the worker.
+
+    Raises:
+        ValueError: If ``seconds`` is negative or not an integer.
+    """
+    global _math_verify_timeout_s
+    if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, int)):
+        raise ValueError(
+            f"math-verify timeout must be an int number of seconds or None, got {seconds!r}"
+        )
+    if seconds is not None and seconds < 0:
+        raise ValueError(f"math-verify timeout must be >= 0, got {seconds}")
+    _math_verify_timeout_s = seconds or None
+
+
+def _effective_math_timeout() -> int | None:
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return _math_verify_timeout_s
+
+
+class _DropTimeoutDisabledWarning(logging.Filter):
+    # math-verify warns once per module when its timeout is off; we disable it on purpose.
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+def _math_verify():
+    global _math_verify_logging_configured
+    import math_verify  # imported lazily: it pulls in sympy (~1 s)
+
+    if not _math_verify_logging_configured:
+        for name in ("math_verify.parser", "math_verify.grader"):
+            logging.getLogger(name).addFilter(_DropTimeoutDisabledWarning())
+        _math_verify_logging_configured = True
+    return math_verify
+
+
+def _parse_gold(mv: Any, gold: str, timeout: int | None) -> list:
+    text = gold.strip()
+    if "\\boxed" not in text and "$" not in text:
+        # Bare answers like "\dfrac{3}{4}" or "B" only parse reliably inside \boxed{}.
+        text = f"\\boxed{{{text}}}"
+    return mv.parse(text, parsing_timeout=timeout)
+
+
+@register_scorer(
+    "math",
+    "lighteval/MATH",
+    "DigitalLearningGmbH/MATH-lighteval",
+    "HuggingFaceH4/MATH-500",
+)
+def math_score(
+    response: str,
+    ground_truth: Any,
+    extra_info: dict | None = None,
+    prompt: str | None = None,
+) -> dict[str, float]:
+    r"""Mathematical equivalence of the final answer via ``math-verify``.
+
+    ``ground_truth`` is a LaTeX answer (``"\frac{1}{2}"``), a full solution containing
+    ``\boxed{...}``, a number, or a list of acceptable answers. The response is parsed
+    ``\boxed{}``-aware; if it has ``<answer>`` tags only their content is used.
+
+    Returns:
+        ``{"score": 1.0 or 0.0, "answer_found": 1.0 if an answer was parsed else 0.0}``.
+
+    Raises:
+        ValueError: If ``ground_truth`` is empty or math-verify cannot parse it.
+    """
+    if isinstance(ground_truth, bool) or ground_truth is None:
+        raise ValueError(f"math: ground_truth must be a str or number, got {ground_truth!r}")
+    golds: Sequence[Any]
+    if isinstance(ground_truth, list | tuple):
+        golds = ground_truth
+    else:
+        golds = [ground_truth]
+    if not golds:
+        raise ValueError("math: ground_truth is an empty list")
+    if not isinstance(response, str):
+        raise TypeError(f"response must be a str, got {type(response).__name__}")
+
+    mv = _math_verify()
+    timeout = _effective_math_timeout()
+    parsed_golds = []
+    for gold in golds:
+        valid = isinstance(gold, str | int | float) and not isinstance(gold, bool)
+        if not valid or not str(gold).strip():
+            raise ValueError(
+                f"math: each ground_truth must be a non-empty str or number, got {gold!r}"
+            )
+        parsed = _parse_gold(mv, str(gold), timeout)
+        if not parsed:
+            raise ValueError(f"math: math-verify could not parse ground_truth {gold!r}")
+        parsed_golds.append(parsed)
+
+    tagged = re.findall(r"<answer>(.*?)</answer>", response, re.DOTALL | re.IGNORECASE)
+    text = tagged[-1] if tagged else response
+    pred = mv.parse(text, parsing_timeout=timeout)
+    if not pred:
+        return {"score": 0.0, "answer_found": 0.0}
+    correct = any(mv.verify(gold, pred, timeout_seconds=timeout) for gold in parsed_golds)
+    return {"score": 1.0 if correct else 0.0, "answer_found": 1.0}
