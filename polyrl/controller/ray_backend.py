@@ -1,0 +1,265 @@
+"""The ``ray`` backend: one Ray actor per rank, placed in the bundles of a resource pool.
+
+Each actor hosts a :class:`~polyrl.controller.worker.WorkerHost`. Calls run in the actor's
+default concurrency group (one at a time, in submission order); health checks are served by a
+separate ``health`` concurrency group so a rank busy in a long call (or blocked in a collective)
+still answers. Results stay in Ray's object store as ``ObjectRef`` handles until someone asks.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray import cloudpickle
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from polyrl.controller.backend import Backend
+from polyrl.controller.errors import ControllerError, WorkerDiedError, WorkerError
+from polyrl.controller.resource_pool import ResourcePool
+from polyrl.controller.worker import (
+    HostSetup,
+    WorkerHost,
+    WorkerInfo,
+    WorkerSpec,
+    driver_import_path,
+    extend_import_path,
+)
+
+__all__ = ["RayBackend"]
+
+
+class _RayHost(WorkerHost):
+    """WorkerHost as a Ray actor: ``call`` takes user arguments top-level so Ray resolves refs."""
+
+    def call(self, _polyrl_call: tuple[str, str, str, bool], *args: Any, **kwargs: Any) -> Any:
+        role, method, label, discard = _polyrl_call
+        return self.execute(role, method, label, discard, args, kwargs)
+
+    @ray.method(concurrency_group="health")
+    def ping(self) -> int:
+        return os.getpid()
+
+
+_RayHostActor = ray.remote(concurrency_groups={"health": 1})(_RayHost)
+
+
+class _HandleSlot:
+    """Marks where a resolved handle goes back among a remote op's inputs."""
+
+
+_SLOT = _HandleSlot()
+
+
+def _apply(sys_path: tuple[str, ...], blob: bytes, *handle_values: Any) -> Any:
+    """Run a pickled ``fn(*inputs)``; handle inputs arrive resolved, top-level, in order.
+
+    The function and plain inputs travel pickled and are loaded only after the driver's import
+    path is in place, so functions from driver-side modules (e.g. tests) load here too.
+    """
+    extend_import_path(sys_path)
+    fn, inputs = cloudpickle.loads(blob)
+    values = iter(handle_values)
+    return fn(*[next(values) if isinstance(x, _HandleSlot) else x for x in inputs])
+
+
+_apply_remote = ray.remote(num_cpus=0, max_retries=0)(_apply)
+
+
+def _convert(exc: BaseException, rank: int | None, label: str) -> BaseException:
+    """Turn a Ray error into the controller's error for the driver."""
+    if isinstance(exc, RayTaskError):
+        cause = exc.cause
+        if isinstance(cause, ControllerError):
+            return cause
+        if isinstance(cause, RayActorError):
+            return WorkerDiedError(rank if rank is not None else -1, label, str(cause))
+        tb = str(exc)
+        return WorkerError(
+            rank if rank is not None else -1,
+            label,
+            type(cause).__qualname__ if cause is not None else "RayTaskError",
+            str(cause),
+            tb,
+            getattr(exc, "pid", None),
+            None,
+        )
+    if isinstance(exc, RayActorError):
+        return WorkerDiedError(rank if rank is not None else -1, label, _first_line(str(exc)))
+    return exc
+
+
+def _first_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return " ".join(lines[:3]) if lines else "actor died"
+
+
+class RayBackend(Backend):
+    """Ranks as Ray actors in a placement group."""
+
+    kind = "ray"
+
+    def __init__(self, group_name: str, **kwargs: Any) -> None:
+        super().__init__(group_name, **kwargs)
+        self.actors: list[Any] = []
+        self._pool: ResourcePool | None = None
+
+    def start(
+        self,
+        roles: dict[str, WorkerSpec],
+        pool: ResourcePool,
+        *,
+        init_distributed: bool,
+        dist_timeout_s: float,
+        start_timeout_s: float,
+    ) -> list[WorkerInfo]:
+        """Place one actor per bundle, rendezvous, init ``torch.distributed``, build roles."""
+        if not ray.is_initialized():
+            raise ControllerError(
+                "Ray is not initialised: call ray.init(...) before creating a WorkerGroup with "
+                "backend='ray' (or use backend='local')"
+            )
+        self._pool = pool
+        order = pool.rank_bundles()
+        world = len(order)
+        per_node: dict[str, list[int]] = {}
+        for rank, (_, node) in enumerate(order):
+            per_node.setdefault(node, []).append(rank)
+        options = pool.actor_resources()
+        roles_blob = cloudpickle.dumps(roles)
+        sys_path = driver_import_path()
+        try:
+            for rank, (bundle, node) in enumerate(order):
+                setup = HostSetup(
+                    group_name=self.group_name,
+                    rank=rank,
+                    world_size=world,
+                    local_rank=per_node[node].index(rank),
+                    local_world_size=len(per_node[node]),
+                    roles_blob=roles_blob,
+                    sys_path=sys_path,
+                    init_distributed=init_distributed,
+                    dist_timeout_s=dist_timeout_s,
+                    use_gpu=pool.use_gpu,
+                    backend_kind="ray",
+                )
+                actor = _RayHostActor.options(
+                    **options,
+                    max_restarts=0,
+                    max_task_retries=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=pool.placement_group(),
+                        placement_group_bundle_index=bundle,
+                        placement_group_capture_child_tasks=False,
+                    ),
+                ).remote(setup)
+                self.actors.append(actor)
+            deadline = time.monotonic() + start_timeout_s
+            self.infos = self._get_all([a.info.remote() for a in self.actors], "<start>", deadline)
+            self.alive = True
+            if init_distributed:
+                addr, port = self._get_all(
+                    [self.actors[0].rendezvous.remote()], "<rendezvous>", deadline
+                )[0]
+                backends = self._get_all(
+                    [a.init_distributed.remote(addr, port) for a in self.actors],
+                    "<init_distributed>",
+                    time.monotonic() + dist_timeout_s,
+                )
+                self.infos = [
+                    _with_backend(info, b) for info, b in zip(self.infos, backends, strict=True)
+                ]
+            self._get_all([a.construct.remote() for a in self.actors], "<construct>", None)
+        except BaseException:
+            self.shutdown()
+            raise
+        return self.infos
+
+    def _get_all(self, refs: list[Any], label: str, deadline: float | None) -> list[Any]:
+        """Start-up waits: fail fast on the first error, bounded by ``deadline``."""
+        from polyrl.controller.futures import Watch, await_handles
+
+        timeout = None if deadline is None else max(0.1, deadline - time.monotonic())
+        watches = [Watch(self, rank, label, ref) for rank, ref in enumerate(refs)]
+        try:
+            # A rank still starting (importing, placing) cannot answer pings yet.
+            return await_handles(watches, timeout, health=label != "<start>")
+        except TimeoutError as exc:
+            raise ControllerError(
+                f"group {self.group_name!r}: {label} did not finish within the start-up timeout "
+                "(not enough free resources for the actors, or a rank is stuck)"
+            ) from exc
+
+    # ------------------------------------------------------------------------------- calls
+    def submit(self, rank, role, method, label, discard, args, kwargs):  # noqa: D102
+        return self.actors[rank].call.remote((role, method, label, discard), *args, **kwargs)
+
+    def host_call(self, rank: int, name: str, *args: Any) -> Any:  # noqa: D102
+        return getattr(self.actors[rank], name).remote(*args)
+
+    def put(self, value: Any) -> Any:  # noqa: D102
+        return ray.put(value)
+
+    def apply(self, fn, inputs, num_returns):  # noqa: D102
+        handles = [x for x in inputs if isinstance(x, ray.ObjectRef)]
+        plain = [_SLOT if isinstance(x, ray.ObjectRef) else x for x in inputs]
+        blob = cloudpickle.dumps((fn, plain))
+        refs = _apply_remote.options(num_returns=num_returns).remote(
+            driver_import_path(), blob, *handles
+        )
+        return list(refs) if num_returns > 1 else [refs]
+
+    def is_handle(self, value: Any) -> bool:  # noqa: D102
+        return isinstance(value, ray.ObjectRef)
+
+    def wait(self, handles: Sequence[Any], timeout: float) -> list[int]:  # noqa: D102
+        if not handles:
+            return []
+        handles = list(handles)
+        # One wait for everything: returns as soon as all are done, or with what finished by the
+        # timeout (the caller's health-check interval bounds how late an error is noticed).
+        ready, _ = ray.wait(handles, num_returns=len(handles), timeout=timeout, fetch_local=False)
+        if not ready:
+            return []
+        ready_set = set(ready)
+        return [i for i, h in enumerate(handles) if h in ready_set]
+
+    def fetch(self, handle: Any, rank: int | None, label: str) -> Any:  # noqa: D102
+        try:
+            return ray.get(handle)
+        except (RayTaskError, RayActorError) as exc:
+            raise _convert(exc, rank, label) from None
+
+    def ping(self, rank: int) -> Any:  # noqa: D102
+        return self.actors[rank].ping.remote()
+
+    def check_ping(self, handle: Any, rank: int, label: str | None) -> None:  # noqa: D102
+        try:
+            ray.get(handle, timeout=0)
+        except GetTimeoutError:
+            return
+        except RayActorError as exc:
+            raise WorkerDiedError(rank, label, _first_line(str(exc))) from None
+
+    def pids(self) -> list[int]:  # noqa: D102
+        return [info.pid for info in self.infos]
+
+    def shutdown(self) -> None:
+        """Kill every actor (a rank stuck in a collective cannot exit gracefully)."""
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead, or Ray already shut down
+                pass
+        self.actors = []
+        self.alive = False
+
+
+def _with_backend(info: WorkerInfo, backend: str) -> WorkerInfo:
+    from dataclasses import replace
+
+    return replace(info, dist_backend=backend)
