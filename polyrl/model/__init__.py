@@ -1,0 +1,47 @@
+"""The model engine: one interface for SFT/DPO/reward/actor/critic training, pluggable backends.
+
+See :mod:`polyrl.model.engine` for the interface and the batch column contract,
+:mod:`polyrl.model.fsdp2` for the FSDP2 backend, and :mod:`polyrl.model.losses` for the loss
+plug-in signature.
+"""
+
+from polyrl.model.config import (
+    CheckpointConfig,
+    EngineConfig,
+    MixedPrecisionConfig,
+    ModelSpec,
+    OptimizerConfig,
+    ParallelismConfig,
+)
+from polyrl.model.engine import (
+    ModelOutput,
+    TrainingEngine,
+    available_engines,
+    build_engine,
+    compute_entropy,
+    compute_log_probs,
+    compute_log_probs_and_entropy,
+    compute_values,
+    register_engine,
+)
+from polyrl.model.losses import aggregate_loss, sft_loss
+
+__all__ = [
+    "CheckpointConfig",
+    "EngineConfig",
+    "MixedPrecisionConfig",
+    "ModelOutput",
+    "ModelSpec",
+    "OptimizerConfig",
+    "ParallelismConfig",
+    "TrainingEngine",
+    "aggregate_loss",
+    "available_engines",
+    "build_engine",
+    "compute_entropy",
+    "compute_log_probs",
+    "compute_log_probs_and_entropy",
+    "compute_values",
+    "register_engine",
+    "sft_loss",
+]

@@ -1,0 +1,352 @@
+"""Micro-batch planning and padding removal for the model engine.
+
+Three pieces:
+
+* **Balancing across data-parallel ranks** (:func:`balance_rows_across_ranks`,
+  :func:`balance_batch_for_dp`): reorder a mini-batch so that splitting it into ``dp_size`` equal
+  row chunks gives every rank about the same number of tokens.
+* **Micro-batch plans** (:func:`plan_micro_batches`): which rows go into which micro-batch, either
+  fixed ``micro_batch_size`` rows or groups under a token budget.  Every rank must run the same
+  number of micro-batches (each forward/backward of a sharded model is a collective), so plans are
+  built for an exact count ``k`` agreed by all ranks beforehand (:func:`min_micro_batches`).
+* **Layouts** (:class:`MicroBatchLayout`): gather a micro-batch's real tokens into a compact
+  "compute" tensor (rows trimmed to the longest sequence, or all sequences packed into one row)
+  and scatter per-token results back to the batch's own ``(rows, T)`` layout.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "MicroBatchLayout",
+    "balance_batch_for_dp",
+    "balance_rows_across_ranks",
+    "min_micro_batches",
+    "plan_micro_batches",
+    "row_spans",
+]
+
+
+def row_spans(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Start index and length of each row's single run of real tokens.
+
+    Raises ``ValueError`` if a row's ``attention_mask`` ones are not contiguous (padding may sit on
+    the left, the right or both sides, but not in between) or if a row has no real token.
+    """
+    if attention_mask.ndim != 2:
+        raise ValueError(f"attention_mask must be (B, T), got shape {tuple(attention_mask.shape)}")
+    mask = attention_mask.bool()
+    lengths = mask.sum(dim=1)
+    if mask.shape[0] == 0:
+        return lengths.new_zeros(0), lengths
+    if bool((lengths == 0).any()):
+        row = int(torch.nonzero(lengths == 0)[0, 0])
+        raise ValueError(f"row {row} of attention_mask has no real token (all padding)")
+    t = mask.shape[1]
+    starts = torch.argmax(mask.int(), dim=1)
+    last = t - 1 - torch.argmax(mask.flip(1).int(), dim=1)
+    holes = (last - starts + 1) != lengths
+    if bool(holes.any()):
+        row = int(torch.nonzero(holes)[0, 0])
+        raise ValueError(
+            f"row {row} of attention_mask has padding between real tokens; each row must hold "
+            "one contiguous run of ones"
+        )
+    return starts, lengths
+
+
+def balance_rows_across_ranks(lengths: Sequence[int], dp_size: int) -> list[list[int]]:
+    """Split row indices into ``dp_size`` groups of equal size with balanced token sums.
+
+    Greedy longest-first: each row goes to the lightest group that still has room.  Requires
+    ``len(lengths) % dp_size == 0`` (ranks must see the same number of rows).  Each group's rows
+    come back in ascending order.
+    """
+    n = len(lengths)
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    if n % dp_size:
+        raise ValueError(
+            f"cannot split {n} rows evenly over {dp_size} data-parallel ranks; pad the batch "
+            "to a multiple of the dp size (Batch.pad_to_multiple)"
+        )
+    cap = n // dp_size
+    order = sorted(range(n), key=lambda i: (-int(lengths[i]), i))
+    heap = [(0, g) for g in range(dp_size)]
+    groups: list[list[int]] = [[] for _ in range(dp_size)]
+    for i in order:
+        load, g = heapq.heappop(heap)
+        groups[g].append(i)
+        if len(groups[g]) < cap:
+            heapq.heappush(heap, (load + int(lengths[i]), g))
+    return [sorted(g) for g in groups]
+
+
+def balance_batch_for_dp(batch, dp_size: int):  # noqa: ANN001, ANN201 - Batch is imported lazily
+    """Reorder ``batch`` so ``batch.chunk(dp_size)`` gives ranks balanced token counts.
+
+    Token counts come from ``attention_mask``.  Returns ``(reordered_batch, permutation)`` where
+    ``reordered[i] = batch[permutation[i]]``.
+    """
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    groups = balance_rows_across_ranks(lengths, dp_size)
+    perm = [i for g in groups for i in g]
+    return batch.reorder(perm), perm
+
+
+def _group_cost(lengths: Sequence[int], rows: Sequence[int], packed: bool) -> int:
+    if not rows:
+        return 0
+    if packed:
+        return sum(int(lengths[i]) for i in rows)
+    return len(rows) * max(int(lengths[i]) for i in rows)
+
+
+def _greedy_groups(lengths: Sequence[int], budget: int, packed: bool) -> list[list[int]]:
+    """Fewest groups under ``budget`` found greedily (longest rows first)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    if packed:
+        # First-fit decreasing bin packing.
+        bins: list[list[int]] = []
+        loads: list[int] = []
+        for i in order:
+            length = int(lengths[i])
+            for b, load in enumerate(loads):
+                if load + length <= budget:
+                    bins[b].append(i)
+                    loads[b] += length
+                    break
+            else:
+                bins.append([i])
+                loads.append(length)
+        return bins
+    # Trimmed rows: a group costs rows * longest; in descending order the first row is the longest,
+    # so filling consecutive runs is optimal for this cost.
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * int(lengths[groups[-1][0]]) <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def min_micro_batches(
+    lengths: Sequence[int],
+    *,
+    dynamic: bool,
+    micro_batch_size: int = 1,
+    max_tokens: int = 0,
+    packed: bool = False,
+) -> int:
+    """Smallest number of micro-batches this rank needs for its rows (0 for no rows)."""
+    n = len(lengths)
+    if n == 0:
+        return 0
+    if not dynamic:
+        return -(-n // micro_batch_size)
+    longest = max(int(x) for x in lengths)
+    if longest > max_tokens:
+        raise ValueError(
+            f"a sequence of {longest} tokens exceeds max_tokens_per_micro_batch={max_tokens}; "
+            "raise the budget to at least the longest sequence"
+        )
+    return len(_greedy_groups(lengths, max_tokens, packed))
+
+
+def plan_micro_batches(
+    lengths: Sequence[int],
+    k: int,
+    *,
+    dynamic: bool,
+    micro_batch_size: int = 1,
+    max_tokens: int = 0,
+    packed: bool = False,
+) -> list[list[int]]:
+    """Exactly ``k`` micro-batches (lists of row indices) covering every row once.
+
+    ``k`` must be at least :func:`min_micro_batches` for these rows.  When there are fewer rows
+    than ``k`` the trailing micro-batches are empty lists (the engine runs a zero-weight dummy
+    forward/backward for them so collectives stay matched across ranks).
+
+    Fixed mode keeps the row order and cuts ``micro_batch_size`` rows at a time.  Dynamic mode
+    starts from greedy groups under ``max_tokens`` and splits the costliest group in two until
+    there are ``k`` groups; splitting never raises a group's cost, so the budget still holds.
+    """
+    n = len(lengths)
+    need = min_micro_batches(
+        lengths,
+        dynamic=dynamic,
+        micro_batch_size=micro_batch_size,
+        max_tokens=max_tokens,
+        packed=packed,
+    )
+    if k < need:
+        raise ValueError(f"{n} rows need at least {need} micro-batches, asked for {k}")
+    if not dynamic:
+        groups = [
+            list(range(s, min(s + micro_batch_size, n))) for s in range(0, n, micro_batch_size)
+        ]
+        # Spread rows over extra micro-batches rather than leaving ranks idle.
+        while len(groups) < k and any(len(g) > 1 for g in groups):
+            big = max(range(len(groups)), key=lambda j: (len(groups[j]), -j))
+            g = groups.pop(big)
+            half = (len(g) + 1) // 2
+            groups[big:big] = [g[:half], g[half:]]
+    else:
+        groups = _greedy_groups(lengths, max_tokens, packed) if n else []
+        while len(groups) < k and any(len(g) > 1 for g in groups):
+            big = max(
+                (j for j in range(len(groups)) if len(groups[j]) > 1),
+                key=lambda j: (_group_cost(lengths, groups[j], packed), -j),
+            )
+            g = groups.pop(big)
+            if packed:
+                # Alternate rows (already longest-first) so the halves carry similar token sums.
+                halves = [g[0::2], g[1::2]]
+            else:
+                half = (len(g) + 1) // 2
+                halves = [g[:half], g[half:]]
+            groups[big:big] = halves
+    groups += [[] for _ in range(k - len(groups))]
+    return groups
+
+
+@dataclass
+class MicroBatchLayout:
+    """Index maps between a micro-batch's ``(b, T)`` layout and its compact compute layout.
+
+    Attributes:
+        mode: ``"identity"`` (compute on the padded rows as given), ``"trim"`` (each row
+            left-aligned and trimmed to the longest row) or ``"pack"`` (all rows concatenated
+            into a single row).
+        batch_shape: ``(b, T)`` of the micro-batch's own columns.
+        compute_shape: ``(R, W)`` of the compute tensors.
+        src: flat indices into ``b * T`` of every real token.
+        dst: flat indices into ``R * W`` where each of those tokens sits in the compute layout.
+        starts: per-row index of the first real token in the ``(b, T)`` layout.
+        lengths: per-row number of real tokens.
+    """
+
+    mode: str
+    batch_shape: tuple[int, int]
+    compute_shape: tuple[int, int]
+    src: torch.Tensor
+    dst: torch.Tensor
+    starts: torch.Tensor
+    lengths: torch.Tensor
+
+    @classmethod
+    def build(cls, attention_mask: torch.Tensor, mode: str) -> MicroBatchLayout:
+        """Layout for a micro-batch whose padding is described by ``attention_mask`` ``(b, T)``."""
+        if mode not in ("identity", "trim", "pack"):
+            raise ValueError(f"layout mode must be 'identity', 'trim' or 'pack', got {mode!r}")
+        starts, lengths = row_spans(attention_mask)
+        b, t = attention_mask.shape
+        device = attention_mask.device
+        # Rank of each real token inside its row (0 .. length-1), row by row.
+        row_of_tok = torch.repeat_interleave(torch.arange(b, device=device), lengths)
+        offsets = torch.cumsum(lengths, 0) - lengths
+        rank_in_row = torch.arange(row_of_tok.numel(), device=device) - offsets[row_of_tok]
+        src = row_of_tok * t + starts[row_of_tok] + rank_in_row
+        if mode == "identity":
+            shape = (b, t)
+            dst = src
+        elif mode == "trim":
+            width = int(lengths.max()) if b else 0
+            shape = (b, width)
+            dst = row_of_tok * width + rank_in_row
+        else:
+            shape = (1, int(lengths.sum()))
+            dst = torch.arange(row_of_tok.numel(), device=device)
+        return cls(mode, (b, t), shape, src, dst, starts, lengths)
+
+    def to_compute(self, column: torch.Tensor, fill: int | float = 0) -> torch.Tensor:
+        """Gather a per-token ``(b, T)`` column into the compute layout (``fill`` elsewhere)."""
+        if tuple(column.shape[:2]) != self.batch_shape:
+            raise ValueError(
+                f"column shape {tuple(column.shape)} does not match the micro-batch "
+                f"{self.batch_shape}"
+            )
+        if self.mode == "identity":
+            return column
+        flat = column.reshape(self.batch_shape[0] * self.batch_shape[1], *column.shape[2:])
+        out = flat.new_full(
+            (self.compute_shape[0] * self.compute_shape[1], *column.shape[2:]), fill
+        )
+        out[self.dst] = flat[self.src]
+        return out.view(*self.compute_shape, *column.shape[2:])
+
+    def compute_attention_mask(self, attention_mask: torch.Tensor) -> torch.Tensor | None:
+        """Attention mask for the compute layout (``None`` when packed: position ids separate)."""
+        if self.mode == "identity":
+            return attention_mask
+        if self.mode == "pack":
+            return None
+        out = torch.zeros(
+            self.compute_shape[0] * self.compute_shape[1],
+            dtype=attention_mask.dtype,
+            device=attention_mask.device,
+        )
+        out[self.dst] = 1
+        return out.view(self.compute_shape)
+
+    def to_batch(self, values: torch.Tensor) -> torch.Tensor:
+        """Scatter a per-token compute-layout tensor ``(R, W, ...)`` back to ``(b, T, ...)``.
+
+        Padding positions are 0.  Differentiable with respect to ``values``.
+        """
+        if tuple(values.shape[:2]) != self.compute_shape:
+            raise ValueError(
+                f"values shape {tuple(values.shape)} does not match the compute layout "
+                f"{self.compute_shape}"
+            )
+        rest = values.shape[2:]
+        n = self.compute_shape[0] * self.compute_shape[1]
+        if self.mode == "identity":
+            flat = values.reshape(n, *rest)
+            keep = torch.zeros(n, dtype=torch.bool, device=values.device)
+            keep[self.src] = True
+            keep = keep.view(n, *([1] * len(rest)))
+            out = torch.where(keep, flat, torch.zeros((), dtype=values.dtype, device=values.device))
+            return out.view(*self.batch_shape, *rest)
+        flat = values.reshape(n, *rest)
+        out = flat.new_zeros(self.batch_shape[0] * self.batch_shape[1], *rest)
+        out = out.index_copy(0, self.src, flat.index_select(0, self.dst))
+        return out.view(*self.batch_shape, *rest)
+
+    def first_token_mask(self) -> torch.Tensor:
+        """``(b, T)`` bool mask of each row's first real token (it has no causal prediction)."""
+        b, t = self.batch_shape
+        mask = torch.zeros(b, t, dtype=torch.bool, device=self.starts.device)
+        if b:
+            mask[torch.arange(b, device=self.starts.device), self.starts] = True
+        return mask
+
+    def check_packable(self, compute_position_ids: torch.Tensor) -> None:
+        """Ensure packed sequences stay separable by their position ids.
+
+        Attention implementations find packed-sequence boundaries where a position id does not
+        follow the previous one by +1.  So inside a sequence ids must count up by 1, and a
+        sequence must not continue its predecessor's count.
+        """
+        if self.mode != "pack":
+            return
+        pos = compute_position_ids.reshape(-1)
+        if pos.numel() < 2:
+            return
+        step_one = (pos[1:] - pos[:-1]) == 1
+        boundary = torch.zeros_like(step_one)
+        ends = torch.cumsum(self.lengths, 0)[:-1] - 1
+        boundary[ends] = True
+        if bool((step_one == boundary).any()):
+            raise ValueError(
+                "cannot pack these sequences: packing needs position_ids that count up by 1 "
+                "within each sequence and restart (e.g. at 0) for the next one; fix position_ids "
+                "or turn off pack_sequences"
+            )

@@ -1,0 +1,430 @@
+"""The backend-agnostic model-engine interface, its registry, and per-micro-batch outputs.
+
+An engine owns one model (a causal LM or a value model), its optimizer and LR schedule, sharded
+over the data-parallel ranks of ``torch.distributed``.  Trainers differ only in the data and the
+loss function they hand to :meth:`TrainingEngine.train_batch`; backends (FSDP2 now) plug in with
+``@register_engine(name)`` and are built with :func:`build_engine`.
+
+Batch column contract
+---------------------
+Engine inputs are :class:`polyrl.batch.Batch` objects with these tensor columns, all ``(B, T)``:
+
+* ``input_ids`` (int): token ids; padding positions must still hold a valid id (e.g. pad id);
+* ``attention_mask`` (0/1): 1 on real tokens.  Each row's ones must be one contiguous run
+  (left, right or both-sided padding are fine) and every row needs at least one real token;
+* ``position_ids`` (int, optional): positions of the tokens; derived from ``attention_mask``
+  (0, 1, 2, ... over the real tokens) when absent;
+* ``loss_mask`` (0/1 or float weights; needed by :meth:`~TrainingEngine.forward_backward` and
+  :meth:`~TrainingEngine.train_batch`): tokens the loss covers.  Only tokens that have a causal
+  prediction can be learned, so the engine zeroes it on padding and on each row's first real
+  token before counting; loss functions see that cleaned mask.
+
+Any other tensor / non-tensor columns (advantages, old log-probs, rewards, ...) travel with their
+rows into the micro-batches.  ``batch.meta["temperature"]`` (default 1) is the sampling
+temperature applied to log-probs and entropies.
+
+Each rank passes **its own share** of the mini-batch (the controller dispatches shares; a
+standalone script can use :meth:`TrainingEngine.shard_batch`).  Loss normalisation counts are
+summed over all ranks before the micro-batch loop, so results do not depend on the split.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import importlib
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from polyrl.batch import Batch
+from polyrl.model.batching import MicroBatchLayout, balance_batch_for_dp
+from polyrl.model.config import CheckpointConfig, EngineConfig, ModelSpec, OptimizerConfig
+from polyrl.model.losses import LossFn
+from polyrl.model.numerics import shifted_token_log_probs
+
+__all__ = [
+    "InferFn",
+    "ModelOutput",
+    "TrainingEngine",
+    "available_engines",
+    "build_engine",
+    "compute_entropy",
+    "compute_log_probs",
+    "compute_log_probs_and_entropy",
+    "compute_values",
+    "register_engine",
+]
+
+InferFn = Callable[["ModelOutput", Batch], Mapping[str, torch.Tensor]]
+
+_ENGINES: dict[str, type[TrainingEngine]] = {}
+# Backends shipped with polyrl, imported on first use so importing the interface stays light.
+_BUILTIN_BACKENDS: dict[str, str] = {"fsdp2": "polyrl.model.fsdp2"}
+
+
+def register_engine(name: str) -> Callable[[type[TrainingEngine]], type[TrainingEngine]]:
+    """Class decorator registering a :class:`TrainingEngine` backend under ``name``."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"engine name must be a non-empty str, got {name!r}")
+
+    def deco(cls: type[TrainingEngine]) -> type[TrainingEngine]:
+        if not (isinstance(cls, type) and issubclass(cls, TrainingEngine)):
+            raise TypeError(
+                f"@register_engine({name!r}) needs a TrainingEngine subclass, got {cls}"
+            )
+        existing = _ENGINES.get(name)
+        if existing is not None and existing.__qualname__ != cls.__qualname__:
+            raise ValueError(f"engine backend {name!r} is already registered by {existing}")
+        _ENGINES[name] = cls
+        cls.backend_name = name
+        return cls
+
+    return deco
+
+
+def available_engines() -> list[str]:
+    """Names of the registered and built-in backends."""
+    return sorted(set(_ENGINES) | set(_BUILTIN_BACKENDS))
+
+
+def _engine_class(name: str) -> type[TrainingEngine]:
+    if name not in _ENGINES and name in _BUILTIN_BACKENDS:
+        importlib.import_module(_BUILTIN_BACKENDS[name])
+    if name not in _ENGINES:
+        raise ValueError(f"unknown engine backend {name!r}; available: {available_engines()}")
+    return _ENGINES[name]
+
+
+def _as_config(value: Any, cls: type, what: str) -> Any:
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        return cls(**value)
+    raise TypeError(f"{what} must be a {cls.__name__} or a dict, got {type(value).__name__}")
+
+
+def build_engine(
+    model: ModelSpec | Mapping[str, Any] | str,
+    engine: EngineConfig | Mapping[str, Any] | None = None,
+    optimizer: OptimizerConfig | Mapping[str, Any] | None = None,
+    checkpoint: CheckpointConfig | Mapping[str, Any] | None = None,
+    *,
+    initialize: bool = True,
+) -> TrainingEngine:
+    """Construct the backend named by ``engine.backend`` (and initialise it by default).
+
+    ``model`` may be a :class:`ModelSpec`, a dict of its fields, or just the model directory.
+    """
+    spec = (
+        ModelSpec(path=model) if isinstance(model, str) else _as_config(model, ModelSpec, "model")
+    )
+    eng_cfg = _as_config(engine, EngineConfig, "engine")
+    opt_cfg = _as_config(optimizer, OptimizerConfig, "optimizer")
+    ckpt_cfg = _as_config(checkpoint, CheckpointConfig, "checkpoint")
+    obj = _engine_class(eng_cfg.backend)(spec, eng_cfg, opt_cfg, ckpt_cfg)
+    if initialize:
+        obj.initialize()
+    return obj
+
+
+class ModelOutput:
+    """What the model produced for one micro-batch, aligned with the micro-batch's columns.
+
+    Per-token tensors are ``(b, T)`` fp32 with zeros on padding, and are computed lazily on first
+    access (entropy costs an extra pass over the vocabulary, so it is only computed when read):
+
+    * :attr:`log_probs` -- ``log p(input_ids[t] | tokens before t)`` at the sampling temperature;
+      0 on each row's first real token (nothing predicts it);
+    * :attr:`entropy` -- entropy of the distribution that predicted token ``t`` (same alignment);
+    * :attr:`values` -- value-model output at each real token.
+
+    :attr:`logits` gives the raw ``(R, W, V)`` logits in the engine's compute layout (padding
+    removed or packed; see :attr:`layout`), for losses that need more than these.
+    """
+
+    def __init__(
+        self,
+        *,
+        kind: str,
+        raw: torch.Tensor,
+        layout: MicroBatchLayout,
+        compute_input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        temperature: float = 1.0,
+        chunk_size: int = 1024,
+    ) -> None:
+        self.kind = kind
+        self.layout = layout
+        self.temperature = float(temperature)
+        self._raw = raw
+        self._ids = compute_input_ids
+        self._chunk = chunk_size
+        valid = attention_mask.bool()
+        self._valid = valid
+        self._predicted = valid & ~layout.first_token_mask()
+        self._cache: dict[str, torch.Tensor] = {}
+
+    def _need(self, kind: str, what: str) -> None:
+        if self.kind != kind:
+            raise AttributeError(
+                f"{what} is only available for a {kind!r} model, not {self.kind!r}"
+            )
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """Raw logits ``(R, W, V)`` in the compute layout (causal LM only)."""
+        self._need("causal_lm", "logits")
+        return self._raw
+
+    def _token_stats(self, with_entropy: bool) -> None:
+        self._need("causal_lm", "log_probs/entropy")
+        logp, ent = shifted_token_log_probs(
+            self._raw, self._ids, self.temperature, self._chunk, with_entropy
+        )
+        zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+        self._cache["log_probs"] = torch.where(self._predicted, self.layout.to_batch(logp), zero)
+        if ent is not None:
+            self._cache["entropy"] = torch.where(self._predicted, self.layout.to_batch(ent), zero)
+
+    def log_probs_and_entropy(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both, computed in one pass over the vocabulary."""
+        if "entropy" not in self._cache:
+            self._token_stats(with_entropy=True)
+        return self._cache["log_probs"], self._cache["entropy"]
+
+    @property
+    def log_probs(self) -> torch.Tensor:
+        """Token log-probs ``(b, T)``."""
+        if "log_probs" not in self._cache:
+            self._token_stats(with_entropy=False)
+        return self._cache["log_probs"]
+
+    @property
+    def entropy(self) -> torch.Tensor:
+        """Per-token entropy ``(b, T)``."""
+        return self.log_probs_and_entropy()[1]
+
+    @property
+    def values(self) -> torch.Tensor:
+        """Per-token values ``(b, T)`` (value model only)."""
+        self._need("value", "values")
+        if "values" not in self._cache:
+            zero = torch.zeros((), dtype=self._raw.dtype, device=self._raw.device)
+            self._cache["values"] = torch.where(self._valid, self.layout.to_batch(self._raw), zero)
+        return self._cache["values"]
+
+
+def compute_log_probs(output: ModelOutput, batch: Batch) -> dict[str, torch.Tensor]:
+    """``infer_batch`` function: ``{"log_probs": (b, T)}``."""
+    return {"log_probs": output.log_probs}
+
+
+def compute_entropy(output: ModelOutput, batch: Batch) -> dict[str, torch.Tensor]:
+    """``infer_batch`` function: ``{"entropy": (b, T)}``."""
+    return {"entropy": output.entropy}
+
+
+def compute_log_probs_and_entropy(output: ModelOutput, batch: Batch) -> dict[str, torch.Tensor]:
+    """``infer_batch`` function: ``{"log_probs", "entropy"}`` from one pass."""
+    logp, ent = output.log_probs_and_entropy()
+    return {"log_probs": logp, "entropy": ent}
+
+
+def compute_values(output: ModelOutput, batch: Batch) -> dict[str, torch.Tensor]:
+    """``infer_batch`` function: ``{"values": (b, T)}``."""
+    return {"values": output.values}
+
+
+class TrainingEngine(abc.ABC):
+    """One model + optimizer, sharded over the data-parallel ranks.
+
+    Construction only stores the configs; :meth:`initialize` joins (or creates) the
+    ``torch.distributed`` process group, loads and shards the model and builds the optimizer, so a
+    controller worker can construct the engine first and initialise it once its process group is
+    up.  Every method that touches the model is collective: all ranks must call it, in the same
+    order, each with its own share of the data.
+    """
+
+    backend_name: str = ""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        engine: EngineConfig,
+        optimizer: OptimizerConfig,
+        checkpoint: CheckpointConfig,
+    ) -> None:
+        self.model_spec = _as_config(model, ModelSpec, "model")
+        self.engine_config = _as_config(engine, EngineConfig, "engine")
+        self.optimizer_config = _as_config(optimizer, OptimizerConfig, "optimizer")
+        self.checkpoint_config = _as_config(checkpoint, CheckpointConfig, "checkpoint")
+
+    # ------------------------------------------------------------------------------ lifecycle
+    @abc.abstractmethod
+    def initialize(self) -> None:
+        """Join/create the process group, load and shard the model, build optimizer + scheduler."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the model and, if the engine created it, the process group."""
+
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int:
+        """Data-parallel rank of this process."""
+
+    @property
+    @abc.abstractmethod
+    def world_size(self) -> int:
+        """Number of data-parallel ranks."""
+
+    @property
+    @abc.abstractmethod
+    def device(self) -> torch.device:
+        """Device the model computes on."""
+
+    # ------------------------------------------------------------------------------ training
+    @abc.abstractmethod
+    def forward_backward(
+        self, batch: Batch, loss_fn: LossFn, forward_only: bool = False
+    ) -> dict[str, float]:
+        """Run ``loss_fn`` over this rank's micro-batches and accumulate gradients.
+
+        Gradients are added to any already present (call :meth:`zero_grad` first for a fresh
+        step).  With ``forward_only`` nothing is back-propagated (e.g. validation loss).
+
+        Returns metrics reduced over all ranks: ``loss`` (sum of the micro-batch contributions),
+        the loss function's metrics (token-weighted means), ``num_tokens`` (global loss tokens),
+        ``num_seqs`` and ``num_micro_batches``.
+        """
+
+    @abc.abstractmethod
+    def zero_grad(self) -> None:
+        """Drop accumulated gradients."""
+
+    @abc.abstractmethod
+    def optimizer_step(self) -> float:
+        """Clip gradients (``EngineConfig.grad_clip``) and step the optimizer.
+
+        Returns the global gradient norm before clipping.  A non-finite norm skips the update
+        (gradients are dropped) so one bad batch cannot poison the weights.
+        """
+
+    @abc.abstractmethod
+    def lr_scheduler_step(self) -> float:
+        """Advance the LR schedule one step; returns the new learning rate."""
+
+    @property
+    @abc.abstractmethod
+    def lr(self) -> float:
+        """Current learning rate."""
+
+    def train_batch(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on this mini-batch: zero grad, forward/backward, clip, step.
+
+        The LR schedule is not advanced (call :meth:`lr_scheduler_step` once per training step).
+        Returns :meth:`forward_backward`'s metrics plus ``grad_norm``, ``lr`` and
+        ``update_skipped`` (1.0 when a non-finite gradient norm skipped the step).
+        """
+        with self.train_mode():
+            self.zero_grad()
+            metrics = self.forward_backward(batch, loss_fn)
+            lr = self.lr
+            grad_norm = self.optimizer_step()
+        metrics["grad_norm"] = grad_norm
+        metrics["lr"] = lr
+        metrics["update_skipped"] = 0.0 if math.isfinite(grad_norm) else 1.0
+        return metrics
+
+    @abc.abstractmethod
+    def infer_batch(self, batch: Batch, fn: InferFn = compute_log_probs) -> Batch:
+        """Forward without gradients (eval mode) and collect ``fn``'s per-row outputs.
+
+        ``fn(model_output, micro_batch)`` returns a mapping of tensors with one leading entry per
+        micro-batch row; the result Batch holds them for this rank's rows in input order, on the
+        device of the input's ``input_ids``.
+        """
+
+    # ------------------------------------------------------------------------------ modes
+    @abc.abstractmethod
+    def _set_training(self, mode: bool) -> bool:
+        """Switch train/eval mode; return the previous mode."""
+
+    @contextlib.contextmanager
+    def train_mode(self) -> Iterator[None]:
+        """Context in which the model is in training mode (dropout on); restores the old mode."""
+        previous = self._set_training(True)
+        try:
+            yield
+        finally:
+            self._set_training(previous)
+
+    @contextlib.contextmanager
+    def eval_mode(self) -> Iterator[None]:
+        """Context in which the model is in eval mode; restores the old mode."""
+        previous = self._set_training(False)
+        try:
+            yield
+        finally:
+            self._set_training(previous)
+
+    # ------------------------------------------------------------------------------ weights
+    @abc.abstractmethod
+    def named_tensors(
+        self, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, full_tensor)`` one parameter/buffer at a time.
+
+        Only one full tensor is gathered at a time, so the whole model is never materialised.
+        Collective: every rank must exhaust the iterator.  Tied weights appear once (under the
+        first name, as Hugging Face checkpoints store them).  Tensors may share memory with the
+        live parameters; copy them if they must outlive the next optimizer step.
+        """
+
+    @abc.abstractmethod
+    def save_checkpoint(
+        self, directory: str, step: int, extra_state: Mapping[str, Any] | None = None
+    ) -> str:
+        """Atomically write ``<directory>/global_step_<step>``; returns its path.
+
+        Holds the sharded model, optimizer (per :class:`CheckpointConfig`), LR scheduler, every
+        rank's RNG states and the opaque ``extra_state`` (e.g. the data sampler).
+        """
+
+    @abc.abstractmethod
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        """Restore from a step directory, or the newest complete one under a root directory.
+
+        Returns ``{"step": int, "extra_state": dict, "path": str}``.
+        """
+
+    @abc.abstractmethod
+    def export_hf(
+        self, directory: str, tokenizer: Any = None, dtype: torch.dtype | None = None
+    ) -> str:
+        """Write a Hugging Face model directory (config, safetensors, tokenizer if any)."""
+
+    @abc.abstractmethod
+    def offload(self, params: bool = True, optimizer: bool = True) -> None:
+        """Move parameters and/or optimizer state to CPU memory (e.g. while rollout runs)."""
+
+    @abc.abstractmethod
+    def reload(self, params: bool = True, optimizer: bool = True) -> None:
+        """Bring offloaded parameters and/or optimizer state back to the compute device."""
+
+    # ------------------------------------------------------------------------------ data
+    def shard_batch(self, batch: Batch) -> Batch:
+        """Return this rank's share of a full mini-batch, token counts balanced across ranks.
+
+        For scripts where every rank holds the whole mini-batch; the number of rows must divide
+        by :attr:`world_size`.
+        """
+        if self.world_size == 1:
+            return batch
+        balanced, _ = balance_batch_for_dp(batch, self.world_size)
+        return balanced.chunk(self.world_size)[self.rank]

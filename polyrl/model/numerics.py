@@ -1,0 +1,242 @@
+"""Token log-probabilities and entropies from logits, computed in chunks of tokens.
+
+A plain ``log_softmax(logits.float())`` over a ``(tokens, vocab)`` tensor materialises the whole
+fp32 softmax, and autograd keeps it alive until backward.  With a 150k vocabulary that is the
+largest tensor of an RL step.  :func:`token_log_probs_and_entropy` instead walks over chunks of
+tokens: forward keeps only one chunk's fp32 softmax at a time and saves nothing of that size
+for backward, which recomputes each chunk's softmax from the (low-precision) logits.
+
+All functions take a ``temperature``: logits are divided by it before the softmax, matching how a
+sampler with that temperature drew the tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "masked_mean",
+    "masked_sum",
+    "shifted_token_log_probs",
+    "token_entropy",
+    "token_log_probs",
+    "token_log_probs_and_entropy",
+]
+
+
+def _check_temperature(temperature: float) -> float:
+    if isinstance(temperature, torch.Tensor):
+        temperature = float(temperature)
+    if not isinstance(temperature, int | float) or not temperature > 0:
+        raise ValueError(f"temperature must be a number > 0, got {temperature!r}")
+    return float(temperature)
+
+
+def _check_chunk(chunk_size: int) -> int:
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    return chunk_size
+
+
+class _ChunkedLogProbEntropy(torch.autograd.Function):
+    """Autograd function over flat ``(N, V)`` logits; see :func:`token_log_probs_and_entropy`."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        temperature: float,
+        chunk_size: int,
+        with_entropy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = logits.shape[0]
+        # fp32 at least (bf16/fp16 logits are upcast chunk by chunk); fp64 stays fp64.
+        cdt = torch.promote_types(logits.dtype, torch.float32)
+        logp = torch.empty(n, dtype=cdt, device=logits.device)
+        ent = torch.empty(n if with_entropy else 0, dtype=cdt, device=logits.device)
+        inv_t = 1.0 / temperature
+        for start in range(0, n, chunk_size):
+            stop = min(start + chunk_size, n)
+            z = logits[start:stop].to(cdt)
+            if temperature != 1.0:
+                z = z * inv_t
+            chunk_lse = torch.logsumexp(z, dim=-1)
+            logp[start:stop] = z.gather(-1, labels[start:stop, None]).squeeze(-1) - chunk_lse
+            if with_entropy:
+                p = torch.exp(z - chunk_lse[:, None])
+                ent[start:stop] = chunk_lse - (p * z).sum(-1)
+        ctx.save_for_backward(logits, labels, ent)
+        ctx.compute_dtype = cdt
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        ctx.with_entropy = with_entropy
+        return logp, ent
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        grad_logp: torch.Tensor | None,
+        grad_ent: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, None, None, None, None]:
+        logits, labels, ent = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        temperature, chunk_size = ctx.temperature, ctx.chunk_size
+        inv_t = 1.0 / temperature
+        cdt = ctx.compute_dtype
+        use_ent = ctx.with_entropy and grad_ent is not None
+        grad = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], chunk_size):
+            stop = min(start + chunk_size, logits.shape[0])
+            z = logits[start:stop].to(cdt)
+            if temperature != 1.0:
+                z = z * inv_t
+            if grad_logp is not None:
+                gl = grad_logp[start:stop].to(cdt)[:, None]
+            else:
+                gl = torch.zeros(stop - start, 1, dtype=cdt, device=z.device)
+            # Fused (in-place) forms of
+            #   d logp_label / dz_j = 1[j = label] - p_j
+            #   d H / dz_j          = -p_j (log p_j + H)
+            if use_ent:
+                ge = grad_ent[start:stop].to(cdt)[:, None]
+                log_p = torch.log_softmax(z, dim=-1)
+                p = log_p.exp()
+                g = log_p.add_(ent[start:stop, None]).mul_(ge).add_(gl).mul_(p).neg_()
+            else:
+                g = torch.softmax(z, dim=-1).mul_(gl.neg())
+            g.scatter_add_(-1, labels[start:stop, None], gl)
+            if temperature != 1.0:
+                g.mul_(inv_t)
+            grad[start:stop] = g
+        return grad, None, None, None, None
+
+
+def _flatten(logits: torch.Tensor, labels: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    if not isinstance(logits, torch.Tensor) or logits.ndim < 1:
+        raise ValueError("logits must be a tensor of shape (..., vocab)")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be floating point, got {logits.dtype}")
+    vocab = logits.shape[-1]
+    flat = logits.reshape(-1, vocab)
+    if labels is None:
+        return (flat,)
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"labels shape {tuple(labels.shape)} must equal logits shape without the vocab "
+            f"dimension {tuple(logits.shape[:-1])}"
+        )
+    if labels.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise ValueError(f"labels must be an integer tensor, got {labels.dtype}")
+    flat_labels = labels.reshape(-1).long()
+    if flat_labels.numel() and (flat_labels.min() < 0 or flat_labels.max() >= vocab):
+        bad = flat_labels[(flat_labels < 0) | (flat_labels >= vocab)][0].item()
+        raise ValueError(
+            f"label {bad} is outside the vocabulary [0, {vocab}); padding positions must hold "
+            "a valid token id (mask them out instead)"
+        )
+    return flat, flat_labels
+
+
+def token_log_probs_and_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probability of each label and the entropy of each position's distribution.
+
+    Args:
+        logits: ``(..., V)`` logits in any float dtype (bf16 logits stay bf16 in memory).
+        labels: ``(...)`` integer token ids in ``[0, V)``.
+        temperature: logits are divided by it before the softmax (> 0).
+        chunk_size: tokens per chunk; bounds the fp32 working set to ``chunk_size * V``.
+        with_entropy: also compute the entropy (else the second result is ``None``).
+
+    Returns:
+        ``(log_probs, entropy)``, both fp32 (fp64 for fp64 logits) with the shape of
+        ``labels``; differentiable with respect to ``logits``.
+    """
+    temperature = _check_temperature(temperature)
+    chunk_size = _check_chunk(chunk_size)
+    flat, flat_labels = _flatten(logits, labels)
+    logp, ent = _ChunkedLogProbEntropy.apply(
+        flat, flat_labels, temperature, chunk_size, bool(with_entropy)
+    )
+    shape = labels.shape
+    return logp.view(shape), (ent.view(shape) if with_entropy else None)
+
+
+def token_log_probs(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024
+) -> torch.Tensor:
+    """``log softmax(logits / temperature)[label]`` per position, in fp32, chunked."""
+    return token_log_probs_and_entropy(logits, labels, temperature, chunk_size, False)[0]
+
+
+def token_entropy(
+    logits: torch.Tensor, temperature: float = 1.0, chunk_size: int = 1024
+) -> torch.Tensor:
+    """Entropy of ``softmax(logits / temperature)`` per position, in fp32, chunked."""
+    labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)
+    ent = token_log_probs_and_entropy(logits, labels, temperature, chunk_size, True)[1]
+    assert ent is not None
+    return ent
+
+
+def shifted_token_log_probs(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal-LM log-probs aligned with the tokens they score.
+
+    ``out[:, t] = log p(input_ids[:, t] | input_ids[:, :t])`` from ``logits[:, t - 1]``;
+    column 0 (no prediction) is 0.  The entropy, when asked for, is aligned the same way.
+
+    Args:
+        logits: ``(B, T, V)``.
+        input_ids: ``(B, T)``.
+        temperature: sampling temperature (logits are divided by it).
+        chunk_size: tokens per chunk (see :func:`token_log_probs_and_entropy`).
+        with_entropy: also return the aligned entropy (else ``None``).
+    """
+    if logits.ndim != 3 or input_ids.ndim != 2 or logits.shape[:2] != input_ids.shape:
+        raise ValueError(
+            f"expected logits (B, T, V) and input_ids (B, T), got {tuple(logits.shape)} and "
+            f"{tuple(input_ids.shape)}"
+        )
+    b = input_ids.shape[0]
+    # Score every position against the next token (a dummy for the last one) instead of slicing
+    # logits[:, :-1]: flattening that slice would copy the whole logits tensor.
+    labels = torch.zeros_like(input_ids)
+    labels[:, :-1] = input_ids[:, 1:]
+    logp, ent = token_log_probs_and_entropy(logits, labels, temperature, chunk_size, with_entropy)
+    zero = logp.new_zeros(b, 1)
+    logp = torch.cat([zero, logp[:, :-1]], dim=1)
+    if ent is not None:
+        ent = torch.cat([zero, ent[:, :-1]], dim=1)
+    return logp, ent
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of ``values`` where ``mask`` is true (masked entries may hold NaN/inf safely)."""
+    if values.shape != mask.shape:
+        raise ValueError(
+            f"values shape {tuple(values.shape)} and mask shape {tuple(mask.shape)} differ"
+        )
+    kept = torch.where(
+        mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device)
+    )
+    return kept.sum() if dim is None else kept.sum(dim)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``values`` over true ``mask`` entries; 0 where the mask is empty."""
+    total = masked_sum(values, mask, dim)
+    count = mask.bool().sum() if dim is None else mask.bool().sum(dim)
+    return total / count.clamp(min=1).to(total.dtype)

@@ -1,0 +1,85 @@
+"""One rank of the world-size-2 equivalence check (launched by tests/test_model_engine.py).
+
+Usage: ``equivalence.py MODEL_DIR OUT_JSON`` with RANK/WORLD_SIZE/MASTER_* in the environment.
+
+The process group is created here, before any engine, the way a controller worker would host
+an engine.  For several engine configurations every rank trains on its own share of one batch;
+rank 0 compares the loss, the full gradients and inferred log-probs against a plain
+single-process Hugging Face model on the whole batch and writes the largest differences.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from engine_common import (
+    engine_grads,
+    make_batch,
+    reference_log_probs,
+    reference_sft,
+)
+
+from polyrl.model import EngineConfig, OptimizerConfig, build_engine, sft_loss
+from polyrl.model.engine import compute_log_probs
+
+
+def main() -> None:
+    model_dir, out_path = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    batch = make_batch(9, 16, 1000, seed=3, left_pad_rows=3)
+    ref_loss, ref_grads, ref_model = reference_sft(model_dir, batch)
+    ref_model.eval()
+    ref_logp = reference_log_probs(ref_model, batch)
+
+    # Uneven shares (6 vs 3 rows) force different micro-batch counts and dummy passes.
+    share = {0: list(range(0, 6)), 1: list(range(6, 9))}[rank]
+    cases = {
+        "padded_mbs2": dict(dynamic_batching=False, micro_batch_size=2),
+        # 6 vs 3 micro-batches of one row: rank 1 runs 3 dummy forward/backward passes.
+        "padded_mbs1": dict(dynamic_batching=False, micro_batch_size=1),
+        "dynamic_trim": dict(max_tokens_per_micro_batch=33),
+        "dynamic_pack": dict(max_tokens_per_micro_batch=40, pack_sequences=True),
+        "dynamic_trim_gc_hsdp": dict(
+            max_tokens_per_micro_batch=48,
+            gradient_checkpointing=True,
+            parallelism={"fsdp_size": 1},
+        ),
+    }
+    results = {}
+    for name, kwargs in cases.items():
+        engine = build_engine(
+            model_dir, EngineConfig(grad_clip=1e9, **kwargs), OptimizerConfig(lr=1e-3)
+        )
+        local = batch[share]
+        inferred = engine.infer_batch(local, compute_log_probs)["log_probs"]
+        metrics = engine.train_batch(local, sft_loss)
+        grads = engine_grads(engine)
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, (share, inferred))
+        if rank == 0:
+            logp = torch.zeros_like(ref_logp)
+            for rows, values in gathered:
+                logp[rows] = values
+            results[name] = {
+                "loss_diff": abs(metrics["loss"] - ref_loss),
+                "grad_diff": max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
+                "grad_names_match": sorted(grads) == sorted(ref_grads),
+                "logp_diff": (logp - ref_logp).abs().max().item(),
+                "num_tokens": metrics["num_tokens"],
+                "num_micro_batches": metrics["num_micro_batches"],
+            }
+        engine.close()
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
