@@ -221,6 +221,25 @@ def _config_presets(args: argparse.Namespace) -> int:
     return 0
 
 
+@subcommand("sft", help="Supervised fine-tuning on chat data (loss on assistant tokens only).")
+def _sft_command(parser: argparse.ArgumentParser) -> Handler:
+    add_config_arguments(parser)
+
+    def run(args: argparse.Namespace) -> int:
+        cfg = config_from_args(args)
+        from polyrl.trainer.sft import run_sft
+        from polyrl.trainer.sft_data import SFTDataError
+        from polyrl.trainer.tracking import TrackerUnavailableError
+
+        try:
+            run_sft(cfg)
+        except (SFTDataError, TrackerUnavailableError, FileNotFoundError) as exc:
+            raise CLIError(str(exc)) from exc
+        return 0
+
+    return run
+
+
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 

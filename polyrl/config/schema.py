@@ -35,6 +35,7 @@ __all__ = [
     "RayConfig",
     "RewardConfig",
     "RolloutConfig",
+    "SFTConfig",
     "TrainerConfig",
     "check_value",
     "option",
@@ -310,6 +311,10 @@ TASKS = ("", "arithmetic", "countdown", "string_reverse", "string_sort")
 TRUNCATIONS = ("error", "filter", "left", "right")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 DEVICES = ("auto", "cpu", "cuda")
+WORKER_BACKENDS = ("ray", "local")
+OPTIMIZERS = ("adamw", "adam", "sgd")
+LR_SCHEDULERS = ("constant", "linear", "cosine")
+SFT_TRUNCATIONS = ("error", "filter", "right")
 
 
 @dataclasses.dataclass
@@ -427,6 +432,34 @@ class TrainerConfig(ConfigGroup):
         "auto", "Device to train on; auto picks cuda when available.", choices=DEVICES
     )
     resume: bool = option(False, "Resume from the latest checkpoint in output_dir.")
+    resume_mode: str = option(
+        "",
+        "'auto' (latest checkpoint in output_dir, if any), 'never', or a checkpoint path; "
+        "empty follows trainer.resume (true means auto).",
+    )
+    max_ckpt_to_keep: int = option(
+        0, "Keep only the newest N checkpoints in output_dir; 0 keeps all.", ge=0
+    )
+    val_before_train: bool = option(
+        True, "Validate once before the first step (when validation is on and not resuming)."
+    )
+    plot_metrics: list[str] = option(
+        [], "Metric keys drawn in the learning-curve PNG at the end; empty uses the defaults."
+    )
+    nnodes: int = option(1, "Nodes to train on; world size is nnodes * n_gpus_per_node.", ge=1)
+    n_gpus_per_node: int = option(
+        1, "Ranks per node: GPUs, or CPU worker processes when training on CPU.", ge=1
+    )
+    worker_backend: str = option(
+        "ray",
+        "Controller backend when the world size is > 1: Ray actors, or local subprocesses.",
+        choices=WORKER_BACKENDS,
+    )
+
+    @property
+    def world_size(self) -> int:
+        """Training ranks: ``nnodes * n_gpus_per_node``."""
+        return self.nnodes * self.n_gpus_per_node
 
     def validate(self) -> None:
         """Check names are set and loggers are not repeated."""
@@ -436,6 +469,51 @@ class TrainerConfig(ConfigGroup):
         dupes = sorted({x for x in self.loggers if self.loggers.count(x) > 1})
         if dupes:
             raise ConfigError(f"repeated logger(s): {', '.join(dupes)}", key="loggers")
+
+
+@dataclasses.dataclass
+class SFTConfig(ConfigGroup):
+    """Supervised fine-tuning on chat data (``polyrl sft``): sequence layout and optimisation."""
+
+    messages_key: str = option(
+        "messages", "Column holding the chat messages (list of role/content dicts) in SFT files."
+    )
+    max_length: int = option(
+        0,
+        "Longest conversation in tokens; 0 uses data.max_prompt_length + data.max_response_length.",
+        ge=0,
+    )
+    truncation: str = option(
+        "error",
+        "Conversations over max_length: raise, drop them, or cut the end off.",
+        choices=SFT_TRUNCATIONS,
+    )
+    optimizer: str = option("adamw", "Optimizer.", choices=OPTIMIZERS)
+    lr: float = option(1e-5, "Peak learning rate.", ge=0.0)
+    weight_decay: float = option(0.01, "Decoupled weight decay.", ge=0.0)
+    lr_scheduler: str = option("cosine", "Learning-rate shape after warmup.", choices=LR_SCHEDULERS)
+    warmup_ratio: float = option(
+        0.0, "Linear warmup as a fraction of the total steps.", ge=0.0, lt=1.0
+    )
+    min_lr_ratio: float = option(
+        0.0, "Floor of the decayed learning rate as a fraction of lr.", ge=0.0, le=1.0
+    )
+    grad_clip: float = option(1.0, "Max global gradient norm; 0 disables clipping.", ge=0.0)
+    dynamic_batching: bool = option(
+        True, "Form micro-batches by token budget with padding removed (else fixed rows)."
+    )
+    micro_batch_size: int = option(4, "Rows per micro-batch when dynamic_batching is off.", ge=1)
+    max_tokens_per_micro_batch: int = option(
+        8192, "Token budget of a micro-batch with dynamic batching (>= max_length).", ge=1
+    )
+    gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass.")
+    export_hf: bool = option(
+        True, "Write the final model as a Hugging Face directory to output_dir/hf_model."
+    )
+
+    def validate(self) -> None:
+        """Check the messages column name is set."""
+        _require_nonempty(self.messages_key, "messages_key")
 
 
 @dataclasses.dataclass
@@ -463,6 +541,7 @@ class PolyRLConfig(ConfigGroup):
     rollout: RolloutConfig = option(RolloutConfig, "Rollout sampling defaults.")
     trainer: TrainerConfig = option(TrainerConfig, "Run length, checkpoints and logging.")
     ray: RayConfig = option(RayConfig, "Ray cluster.")
+    sft: SFTConfig = option(SFTConfig, "Supervised fine-tuning (polyrl sft).")
 
     def seed_for(self, group: str) -> int:
         """Effective seed of a group that has a ``seed`` option (``-1`` falls back to ``seed``)."""

@@ -1,0 +1,513 @@
+"""Controller workers that host a model engine: the actor, critic and reference roles.
+
+An :class:`EngineWorker` is a :class:`~polyrl.controller.Worker` holding one
+:class:`~polyrl.model.engine.TrainingEngine`.  A :class:`~polyrl.controller.WorkerGroup` drives
+it from the driver; the engine joins the ``torch.distributed`` group the controller already
+initialised (gloo on CPU, NCCL on GPUs), so every engine collective spans the group's ranks::
+
+    from polyrl.controller import ResourcePool, WorkerGroup, WorkerSpec
+    from polyrl.model.workers import EngineWorker
+
+    spec = WorkerSpec(EngineWorker, kwargs={"role": "actor", "model": model_dir,
+                                            "optimizer": {"lr": 1e-5}})
+    actor = WorkerGroup(spec, pool=ResourcePool("actor", 2))
+    actor.init_model()
+    batch = batch.union(actor.compute_log_prob(batch))        # adds "old_log_probs"
+    metrics = actor.update_actor(batch, "sft")                 # loss by registry name
+
+Colocated roles share one process per rank, so their models share the device and the driver
+calls role-prefixed methods::
+
+    group = WorkerGroup({"actor": actor_spec, "ref": ref_spec}, pool=pool)
+    group.actor_init_model(); group.ref_init_model()
+    ref = group.ref_compute_ref_log_prob(batch)                # adds "ref_log_probs"
+
+Loss functions travel by name (plus keyword arguments), never as closures: a name registered
+with :func:`register_loss` in the worker process (``"sft"`` is built in) or an import path
+``"package.module:function"`` that the worker imports.  See :func:`resolve_loss`.
+
+Data-parallel calls (``compute_*``, ``update_*``, ``evaluate_loss``) split a Batch into one
+contiguous shard per rank.  When its length does not divide the number of ranks the dispatcher
+pads it with copies of the first rows, and an update would weigh those copies like real rows:
+pad with :func:`pad_batch_for_dp` first (it adds rows with an all-zero loss mask) or pass a
+batch whose length divides the world size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib
+import inspect
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from polyrl.batch import Batch
+from polyrl.controller import Dispatch, Worker, register
+from polyrl.model.config import CheckpointConfig, EngineConfig, ModelSpec, OptimizerConfig
+from polyrl.model.engine import (
+    TrainingEngine,
+    build_engine,
+    compute_log_probs,
+    compute_log_probs_and_entropy,
+    compute_values,
+)
+from polyrl.model.losses import LossFn, sft_loss
+
+__all__ = [
+    "ENTROPY_KEY",
+    "LOG_PROBS_KEY",
+    "REF_LOG_PROBS_KEY",
+    "ROLES",
+    "VALUES_KEY",
+    "EngineWorker",
+    "available_losses",
+    "pad_batch_for_dp",
+    "register_loss",
+    "resolve_loss",
+]
+
+#: Column added by :meth:`EngineWorker.compute_log_prob` (the behaviour policy's log-probs).
+LOG_PROBS_KEY = "old_log_probs"
+#: Column added by :meth:`EngineWorker.compute_log_prob` with ``with_entropy=True``.
+ENTROPY_KEY = "entropy"
+#: Column added by :meth:`EngineWorker.compute_ref_log_prob`.
+REF_LOG_PROBS_KEY = "ref_log_probs"
+#: Column added by :meth:`EngineWorker.compute_values`.
+VALUES_KEY = "values"
+
+#: Engine roles: what the hosted model is and which methods it serves.
+ROLES: tuple[str, ...] = ("actor", "critic", "reference")
+_ROLE_ALIASES = {"ref": "reference"}
+_TRAINABLE = ("actor", "critic")
+_MODEL_KIND = {"actor": "causal_lm", "reference": "causal_lm", "critic": "value"}
+
+_LOSSES: dict[str, Callable[..., Any]] = {}
+
+
+# ------------------------------------------------------------------------------ loss registry
+def register_loss(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register ``fn(model_output, batch, **kwargs) -> (loss, metrics)`` under ``name``.
+
+    The registration must happen in the worker process too (e.g. at import of the module that
+    defines the loss); otherwise pass the loss as ``"module:function"``.
+    """
+    if not isinstance(name, str) or not name or ":" in name:
+        raise ValueError(f"loss name must be a non-empty str without ':', got {name!r}")
+
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if not callable(fn):
+            raise TypeError(f"@register_loss({name!r}) must decorate a callable, got {fn!r}")
+        existing = _LOSSES.get(name)
+        if existing is not None and existing is not fn:
+            same = getattr(existing, "__qualname__", None) == getattr(fn, "__qualname__", None)
+            if not same:
+                raise ValueError(f"loss {name!r} is already registered by {existing!r}")
+        _LOSSES[name] = fn
+        return fn
+
+    return deco
+
+
+register_loss("sft")(sft_loss)
+
+
+def available_losses() -> list[str]:
+    """Names of the registered loss functions (import paths work too)."""
+    return sorted(_LOSSES)
+
+
+def _import_loss(path: str) -> Callable[..., Any]:
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"loss import path must look like 'package.module:function', got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import the module of loss {path!r}: {exc}") from exc
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"loss {path!r}: {module_name} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"loss {path!r} is not callable (got {type(obj).__name__})")
+    return obj
+
+
+def resolve_loss(name: str, kwargs: Mapping[str, Any] | None = None) -> LossFn:
+    """Return the loss function ``name`` with ``kwargs`` bound.
+
+    Args:
+        name: a registered name (see :func:`available_losses`) or ``"package.module:function"``.
+        kwargs: keyword arguments of the loss beyond ``(model_output, batch)``.
+
+    Raises:
+        ValueError: unknown name, unimportable path, or ``kwargs`` the function does not accept.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"loss must be a registered name or 'module:function', got {name!r}")
+    if name in _LOSSES:
+        fn = _LOSSES[name]
+    elif ":" in name:
+        fn = _import_loss(name)
+    else:
+        raise ValueError(
+            f"unknown loss {name!r}; registered: {available_losses()}, or give an import path "
+            "'package.module:function'"
+        )
+    kwargs = dict(kwargs or {})
+    if kwargs:
+        try:
+            inspect.signature(fn).bind(None, None, **kwargs)
+        except TypeError as exc:
+            raise ValueError(
+                f"loss {name!r} does not accept kwargs {sorted(kwargs)}: {exc}"
+            ) from None
+        except ValueError:
+            pass  # no introspectable signature (a builtin): let the call report bad kwargs
+        return functools.partial(fn, **kwargs)
+    return fn
+
+
+# ------------------------------------------------------------------------------ helpers
+def pad_batch_for_dp(
+    batch: Batch, dp_size: int, zero_keys: Sequence[str] = ("loss_mask",)
+) -> tuple[Batch, int]:
+    """Pad ``batch`` to a multiple of ``dp_size`` with rows that carry no loss.
+
+    The added rows copy the first rows with the ``zero_keys`` columns set to zero, so a
+    token-weighted loss (and its token counts) ignores them.  Returns ``(padded, num_added)``;
+    drop the last ``num_added`` rows of any per-row result.
+    """
+    if not isinstance(dp_size, int) or isinstance(dp_size, bool) or dp_size < 1:
+        raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
+    if len(batch) == 0:
+        raise ValueError("cannot pad an empty Batch for data parallelism")
+    missing = [k for k in zero_keys if k not in batch.tensor_keys]
+    if missing:
+        raise KeyError(f"pad_batch_for_dp: zero_keys {missing} are not tensor columns of the batch")
+    pad = (-len(batch)) % dp_size
+    if pad == 0:
+        return batch, 0
+    index = torch.arange(pad) % len(batch)
+    extra = batch[index.tolist()].clone()
+    for key in zero_keys:
+        extra[key] = torch.zeros_like(extra[key])
+    return Batch.concat([batch, extra]), pad
+
+
+def _canonical_role(role: str) -> str:
+    role = _ROLE_ALIASES.get(role, role)
+    if role not in ROLES:
+        raise ValueError(f"EngineWorker role must be one of {list(ROLES)} (or 'ref'), got {role!r}")
+    return role
+
+
+def _model_spec(model: ModelSpec | Mapping[str, Any] | str, role: str) -> ModelSpec:
+    kind = _MODEL_KIND[role]
+    if isinstance(model, str):
+        return ModelSpec(path=model, kind=kind)
+    if isinstance(model, Mapping):
+        return ModelSpec(**{"kind": kind, **dict(model)})
+    if isinstance(model, ModelSpec):
+        return model
+    raise TypeError(
+        f"model must be a ModelSpec, a dict of its fields or a model directory, got "
+        f"{type(model).__name__}"
+    )
+
+
+def _to_float(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.item())
+    return None
+
+
+# ------------------------------------------------------------------------------ the worker
+class EngineWorker(Worker):
+    """Hosts one training engine for the ``actor``, ``critic`` or ``reference`` role.
+
+    Args:
+        role: ``"actor"`` (causal LM, trained), ``"critic"`` (value model, trained) or
+            ``"reference"`` / ``"ref"`` (causal LM, inference only).
+        model: a :class:`~polyrl.model.ModelSpec`, a dict of its fields or a model directory;
+            the model kind defaults to the role's (a value model for the critic).
+        engine: :class:`~polyrl.model.EngineConfig` (or dict).  ``device="auto"`` follows the
+            device the controller gave this worker.
+        optimizer: :class:`~polyrl.model.OptimizerConfig` (or dict); unused by the reference.
+        checkpoint: :class:`~polyrl.model.CheckpointConfig` (or dict).
+
+    Construction is cheap; :meth:`init_model` builds the engine (all ranks, collectively).
+    """
+
+    def __init__(
+        self,
+        role: str = "actor",
+        model: ModelSpec | Mapping[str, Any] | str = "",
+        engine: EngineConfig | Mapping[str, Any] | None = None,
+        optimizer: OptimizerConfig | Mapping[str, Any] | None = None,
+        checkpoint: CheckpointConfig | Mapping[str, Any] | None = None,
+    ) -> None:
+        self._engine_role = _canonical_role(role)
+        spec = _model_spec(model, self._engine_role)
+        expected = _MODEL_KIND[self._engine_role]
+        if spec.kind != expected:
+            raise ValueError(
+                f"the {self._engine_role} role needs a {expected!r} model, got ModelSpec.kind="
+                f"{spec.kind!r}"
+            )
+        self._model_spec = spec
+        eng = engine if isinstance(engine, EngineConfig) else EngineConfig(**dict(engine or {}))
+        if eng.device == "auto":
+            # The controller decided whether this rank owns a GPU; the process group matches it.
+            eng = dataclasses.replace(eng, device=self.device.type)
+        self._engine_config = eng
+        self._optimizer_config = optimizer
+        self._checkpoint_config = checkpoint
+        self._engine: TrainingEngine | None = None
+
+    # ------------------------------------------------------------------ plain (in-process) API
+    @property
+    def engine_role(self) -> str:
+        """``"actor"``, ``"critic"`` or ``"reference"``."""
+        return self._engine_role
+
+    @property
+    def engine(self) -> TrainingEngine:
+        """The hosted engine (for colocated roles and the weight transfer engine)."""
+        if self._engine is None:
+            raise RuntimeError(
+                f"{self._engine_role} worker (rank {self.rank}): the model is not built; call "
+                "init_model() first"
+            )
+        return self._engine
+
+    def named_tensors(
+        self, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, full_tensor)`` one at a time (collective over the group's ranks).
+
+        For in-process consumers such as a colocated rollout's weight transfer engine; see
+        :meth:`polyrl.model.engine.TrainingEngine.named_tensors`.
+        """
+        return self.engine.named_tensors(dtype=dtype, device=device)
+
+    def _require_role(self, method: str, *roles: str) -> None:
+        if self._engine_role not in roles:
+            raise RuntimeError(
+                f"{method} is not available on a {self._engine_role} worker; it needs the "
+                f"{' or '.join(roles)} role"
+            )
+
+    # ------------------------------------------------------------------ lifecycle
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> dict[str, Any]:
+        """Build and shard the model (and optimizer) on every rank; returns where it lives."""
+        if self._engine is None:
+            self._engine = build_engine(
+                self._model_spec,
+                self._engine_config,
+                self._optimizer_config,
+                self._checkpoint_config,
+            )
+        engine = self._engine
+        return {
+            "role": self._engine_role,
+            "rank": engine.rank,
+            "world_size": engine.world_size,
+            "device": str(engine.device),
+        }
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def close_model(self) -> None:
+        """Release the engine (the controller's process group stays up)."""
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
+    # ------------------------------------------------------------------ inference
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def compute_log_prob(self, batch: Batch, with_entropy: bool = False) -> Batch:
+        """Token log-probs of ``input_ids`` (``old_log_probs``; ``entropy`` on request).
+
+        Honours ``batch.meta["temperature"]``.  Actor or reference role.
+        """
+        self._require_role("compute_log_prob", "actor", "reference")
+        fn = compute_log_probs_and_entropy if with_entropy else compute_log_probs
+        out = self.engine.infer_batch(batch, fn)
+        tensors = {LOG_PROBS_KEY: out["log_probs"]}
+        if with_entropy:
+            tensors[ENTROPY_KEY] = out["entropy"]
+        return Batch(tensors=tensors)
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        """Token log-probs under the reference model (``ref_log_probs``)."""
+        self._require_role("compute_ref_log_prob", "reference", "actor")
+        out = self.engine.infer_batch(batch, compute_log_probs)
+        return Batch(tensors={REF_LOG_PROBS_KEY: out["log_probs"]})
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def compute_values(self, batch: Batch) -> Batch:
+        """Per-token values of the critic (``values``)."""
+        self._require_role("compute_values", "critic")
+        out = self.engine.infer_batch(batch, compute_values)
+        return Batch(tensors={VALUES_KEY: out["values"]})
+
+    # ------------------------------------------------------------------ training
+    def _update(
+        self,
+        batch: Batch,
+        loss: str,
+        loss_kwargs: Mapping[str, Any] | None,
+        num_mini_batches: int,
+        epochs: int,
+        step_scheduler: bool,
+    ) -> dict[str, Any]:
+        loss_fn = resolve_loss(loss, loss_kwargs)
+        for name, value in (("num_mini_batches", num_mini_batches), ("epochs", epochs)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if len(batch) < num_mini_batches:
+            raise ValueError(
+                f"this rank's shard has {len(batch)} rows, fewer than num_mini_batches="
+                f"{num_mini_batches}"
+            )
+        engine = self.engine
+        minis = batch.chunk(num_mini_batches) if num_mini_batches > 1 else [batch]
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+        for _ in range(epochs):
+            for mini in minis:
+                metrics = engine.train_batch(mini, loss_fn)
+                for key, value in metrics.items():
+                    number = _to_float(value)
+                    # A skipped update reports a non-finite grad_norm; keep that visible, but
+                    # never let it poison the other averages.
+                    if number is None or (not math.isfinite(number) and key != "grad_norm"):
+                        continue
+                    sums[key] = sums.get(key, 0.0) + number
+                    counts[key] = counts.get(key, 0) + 1
+        prefix = self._engine_role
+        out: dict[str, Any] = {f"{prefix}/{k}": sums[k] / counts[k] for k in sums}
+        out[f"{prefix}/num_updates"] = float(epochs * len(minis))
+        if step_scheduler:
+            out[f"{prefix}/lr_next"] = engine.lr_scheduler_step()
+        return out
+
+    @register(dispatch=Dispatch.DP_COMPUTE_METRIC)
+    def update_actor(
+        self,
+        batch: Batch,
+        loss: str = "sft",
+        loss_kwargs: Mapping[str, Any] | None = None,
+        num_mini_batches: int = 1,
+        epochs: int = 1,
+        step_scheduler: bool = True,
+    ) -> dict[str, Any]:
+        """Train the actor on this rank's shard: ``epochs`` passes over ``num_mini_batches``.
+
+        Each mini-batch is one optimizer step (:meth:`TrainingEngine.train_batch`); the LR
+        schedule advances once per call when ``step_scheduler``.  ``loss`` is a registered name
+        or ``"module:function"`` and ``loss_kwargs`` its keyword arguments.  Returns the step
+        metrics averaged over the optimizer steps, prefixed ``actor/``.
+        """
+        self._require_role("update_actor", "actor")
+        return self._update(batch, loss, loss_kwargs, num_mini_batches, epochs, step_scheduler)
+
+    @register(dispatch=Dispatch.DP_COMPUTE_METRIC)
+    def update_critic(
+        self,
+        batch: Batch,
+        loss: str,
+        loss_kwargs: Mapping[str, Any] | None = None,
+        num_mini_batches: int = 1,
+        epochs: int = 1,
+        step_scheduler: bool = True,
+    ) -> dict[str, Any]:
+        """Train the critic like :meth:`update_actor`; metrics are prefixed ``critic/``."""
+        self._require_role("update_critic", "critic")
+        return self._update(batch, loss, loss_kwargs, num_mini_batches, epochs, step_scheduler)
+
+    @register(dispatch=Dispatch.DP_COMPUTE_METRIC)
+    def evaluate_loss(
+        self, batch: Batch, loss: str = "sft", loss_kwargs: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Forward-only loss over this rank's shard (eval mode, no gradients, no update).
+
+        Returns the engine's globally reduced metrics: ``loss`` (mean over the whole batch's
+        loss tokens for token-mean losses) and ``num_tokens`` among them.
+        """
+        engine = self.engine
+        with engine.eval_mode():
+            metrics = engine.forward_backward(batch, resolve_loss(loss, loss_kwargs), True)
+        return {k: v for k, v in metrics.items() if _to_float(v) is not None}
+
+    # ------------------------------------------------------------------ checkpoints and weights
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(
+        self, directory: str, step: int, extra_state: Mapping[str, Any] | None = None
+    ) -> str:
+        """Atomically write ``<directory>/global_step_<step>``; returns its path."""
+        return self.engine.save_checkpoint(directory, step, extra_state)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        """Restore a step directory (or the newest under a root); returns step + extra_state."""
+        return self.engine.load_checkpoint(path)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def export_hf(self, directory: str, tokenizer: Any = None) -> str:
+        """Write a Hugging Face model directory (rank 0 writes; every rank gathers)."""
+        return self.engine.export_hf(directory, tokenizer=tokenizer)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def offload(self, params: bool = True, optimizer: bool = True) -> None:
+        """Move parameters and/or optimizer state to CPU memory."""
+        self.engine.offload(params=params, optimizer=optimizer)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def reload(self, params: bool = True, optimizer: bool = True) -> None:
+        """Bring offloaded parameters and/or optimizer state back to the device."""
+        self.engine.reload(params=params, optimizer=optimizer)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def weight_digest(self) -> str:
+        """SHA-256 over every (name, full tensor) as this rank sees it; collective.
+
+        Equal digests on all ranks show the replicas agree; comparing with another engine's
+        digest checks two models hold the same weights bit for bit.
+        """
+        digest = hashlib.sha256()
+        for name, tensor in self.engine.named_tensors(device="cpu"):
+            digest.update(name.encode())
+            digest.update(str(tensor.dtype).encode())
+            digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def gather_weights(
+        self, names: Sequence[str] | None = None, dtype: torch.dtype | None = None
+    ) -> dict[str, torch.Tensor] | None:
+        """Full tensors (by Hugging Face name) on rank 0, ``None`` on the other ranks.
+
+        Collective.  Meant for small models and tests; large models should stream
+        :meth:`named_tensors` in-process instead.
+        """
+        wanted = None if names is None else set(names)
+        found: dict[str, torch.Tensor] = {}
+        for name, tensor in self.engine.named_tensors(dtype=dtype, device="cpu"):
+            if wanted is None or name in wanted:
+                found[name] = tensor.clone() if self.rank == 0 else tensor
+        if wanted is not None and wanted - set(found):
+            raise KeyError(f"gather_weights: unknown tensor names {sorted(wanted - set(found))}")
+        return found if self.rank == 0 else None

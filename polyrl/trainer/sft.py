@@ -1,0 +1,462 @@
+"""The SFT trainer behind ``polyrl sft [PRESET] key=value ...``.
+
+Supervised fine-tuning on multi-turn chats with the loss on assistant tokens only (see
+:mod:`polyrl.trainer.sft_data`), on the model engine (:mod:`polyrl.model`) with the built-in
+``sft_loss``.  One run:
+
+1. builds the tiny model when ``model.path`` is empty (as the demo does);
+2. reads chats from ``data.train_files`` / ``data.val_files``, or generates ``data.task`` and
+   turns each prompt plus its ground-truth answer into a two-turn chat;
+3. trains ``trainer.total_steps`` steps (or ``trainer.total_epochs`` epochs) of
+   ``data.train_batch_size`` conversations drawn by a resumable sampler, with a tqdm progress
+   bar and one metrics line per step sent to ``trainer.loggers`` (:class:`Tracker`);
+4. measures the validation loss (token-mean NLL over the whole validation set) every
+   ``trainer.test_freq`` steps and at the end;
+5. saves engine checkpoints (model, optimizer, scheduler, RNG, and the sampler position in
+   ``extra_state``; atomic) every ``trainer.save_freq`` steps and at the end, under
+   ``<output_dir>/checkpoints``; ``trainer.resume_mode=auto`` continues from the newest one;
+6. writes a PNG of the loss curves, ``sft_summary.json`` and (``sft.export_hf``) the final model
+   as a Hugging Face directory in ``<output_dir>/hf_model``.
+
+World size 1 (``trainer.nnodes * trainer.n_gpus_per_node``) trains in this process.  A larger
+world drives :class:`~polyrl.model.workers.EngineWorker` ranks through a controller
+:class:`~polyrl.controller.WorkerGroup` (``trainer.worker_backend``: Ray actors, or local
+subprocesses); batches are padded with zero-loss rows to a multiple of the world size, so the
+loss is exactly that of the mini-batch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from polyrl.batch import Batch
+from polyrl.config import ConfigError, PolyRLConfig, save_config, to_dict
+from polyrl.trainer.checkpointing import checkpoint_root, resolve_resume_path
+from polyrl.trainer.sft_data import SFTDataError, SFTDataset, chats_from_rows, collate_chats
+
+__all__ = [
+    "DEFAULT_PLOT_METRICS",
+    "SFTRunner",
+    "load_sft_datasets",
+    "resolve_model_dir",
+    "run_sft",
+]
+
+#: Metrics drawn in ``learning_curves.png`` when ``trainer.plot_metrics`` is empty.
+DEFAULT_PLOT_METRICS = ("train/loss", "val/loss")
+PLOT_FILE = "learning_curves.png"
+SUMMARY_FILE = "sft_summary.json"
+HF_DIR = "hf_model"
+
+
+def _log(message: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(f"[sft] {message}", file=sys.stdout)
+    sys.stdout.flush()
+
+
+# ------------------------------------------------------------------------------ inputs
+def resolve_model_dir(cfg: PolyRLConfig, out_dir: Path) -> Path:
+    """``model.path``, or a tiny model built (once) under ``<out_dir>/model``."""
+    if cfg.model.path:
+        path = Path(cfg.model.path)
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"{str(path)!r} is not a Hugging Face model directory (no config.json)",
+                key="model.path",
+            )
+        return path
+    from polyrl.models.tiny import build_tiny_model
+
+    return build_tiny_model(
+        cfg.model.tiny_arch, out_dir / "model", size=cfg.model.tiny_size, seed=cfg.seed
+    )
+
+
+def _read_chats(files: list[str], cfg: PolyRLConfig) -> list[dict[str, Any]]:
+    from polyrl.data.io import read_rows
+
+    chats: list[dict[str, Any]] = []
+    for name in files:
+        rows = read_rows(name)
+        chats += chats_from_rows(rows, cfg.sft.messages_key, cfg.data.prompt_key, source=name)
+    return chats
+
+
+def load_sft_datasets(
+    cfg: PolyRLConfig, tokenizer: Any, max_length: int, out_dir: Path
+) -> tuple[SFTDataset, SFTDataset | None]:
+    """Train and (when there is validation data) validation datasets for ``cfg``.
+
+    With ``data.task`` the task's train/test splits are generated under ``data.data_dir``
+    (default ``<out_dir>/data``) and each row becomes a chat ending in its ground truth;
+    ``data.val_files``, when given, replace the generated test split.
+    """
+    data = cfg.data
+    if data.task:
+        from polyrl.data.tasks import write_task_splits
+
+        data_dir = Path(data.data_dir) if data.data_dir else out_dir / "data"
+        train_path, test_path = write_task_splits(
+            data.task, data_dir, data.num_train, data.num_val, seed=cfg.seed_for("data")
+        )
+        train_files = [str(train_path)]
+        if data.val_files:
+            val_files = list(data.val_files)
+        else:
+            val_files = [str(test_path)] if data.num_val > 0 else []
+    else:
+        if not data.train_files:
+            raise ConfigError("no training data files", key="data.train_files")
+        train_files, val_files = list(data.train_files), list(data.val_files)
+    kwargs = {"max_length": max_length, "truncation": cfg.sft.truncation}
+    train = SFTDataset(_read_chats(train_files, cfg), tokenizer, source="train data", **kwargs)
+    val = None
+    if val_files:
+        val = SFTDataset(_read_chats(val_files, cfg), tokenizer, source="val data", **kwargs)
+    return train, val
+
+
+# ------------------------------------------------------------------------------ runners
+class SFTRunner:
+    """Runs SFT steps on an in-process engine (world size 1) or on a controller worker group.
+
+    Args:
+        model, engine, optimizer, checkpoint: the engine configs (see :mod:`polyrl.model`).
+        world_size: number of data-parallel ranks; 1 trains in this process.
+        worker_backend: ``"ray"`` or ``"local"`` for ``world_size > 1``.
+        use_gpu: give each rank a GPU (``world_size > 1``).
+        ray_options: ``ray.init`` keyword arguments used when Ray is not running yet.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        engine: Any,
+        optimizer: Any,
+        checkpoint: Any,
+        *,
+        world_size: int = 1,
+        worker_backend: str = "ray",
+        use_gpu: bool = False,
+        ray_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.world_size = world_size
+        self._engine: Any = None
+        self._group: Any = None
+        self._started_ray = False
+        if world_size == 1:
+            from polyrl.model import build_engine
+
+            self._engine = build_engine(model, engine, optimizer, checkpoint)
+            return
+        from polyrl.controller import ResourcePool, WorkerGroup, WorkerSpec
+        from polyrl.model.workers import EngineWorker
+
+        if worker_backend == "ray":
+            import ray
+
+            if not ray.is_initialized():
+                ray.init(**dict(ray_options or {}))
+                self._started_ray = True
+        pool = ResourcePool(
+            "sft", world_size, cpus_per_worker=1.0, gpus_per_worker=1.0 if use_gpu else 0.0
+        )
+        spec = WorkerSpec(
+            EngineWorker,
+            kwargs={
+                "role": "actor",
+                "model": model,
+                "engine": engine,
+                "optimizer": optimizer,
+                "checkpoint": checkpoint,
+            },
+        )
+        try:
+            self._group = WorkerGroup(spec, pool=pool, backend=worker_backend, name="sft")
+            self._group.init_model()
+        except BaseException:
+            self.close()
+            raise
+
+    def _padded(self, batch: Batch) -> Batch:
+        from polyrl.model.workers import pad_batch_for_dp
+
+        return pad_batch_for_dp(batch, self.world_size)[0]
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step on ``batch`` plus one LR-schedule step; the engine's metrics."""
+        if self._engine is not None:
+            from polyrl.model import sft_loss
+
+            metrics = self._engine.train_batch(batch, sft_loss)
+            self._engine.lr_scheduler_step()
+            return metrics
+        out = self._group.update_actor(self._padded(batch), "sft")
+        return {k.removeprefix("actor/"): v for k, v in out.items()}
+
+    def eval_loss(self, batch: Batch) -> dict[str, float]:
+        """Forward-only SFT loss (eval mode): ``loss`` and ``num_tokens`` among the metrics."""
+        if self._engine is not None:
+            from polyrl.model import sft_loss
+
+            with self._engine.eval_mode():
+                return self._engine.forward_backward(batch, sft_loss, forward_only=True)
+        return self._group.evaluate_loss(self._padded(batch), "sft")
+
+    def save(self, root: str, step: int, extra_state: Mapping[str, Any]) -> str:
+        """Atomic engine checkpoint ``<root>/global_step_<step>``."""
+        if self._engine is not None:
+            return self._engine.save_checkpoint(root, step, extra_state)
+        return self._group.save_checkpoint(root, step, dict(extra_state))[0]
+
+    def load(self, path: str) -> dict[str, Any]:
+        """Restore a checkpoint; ``{"step", "extra_state", "path"}``."""
+        if self._engine is not None:
+            return self._engine.load_checkpoint(path)
+        return self._group.load_checkpoint(path)[0]
+
+    def export_hf(self, directory: str) -> str:
+        """Write the model as a Hugging Face directory (tokenizer copied from the model dir)."""
+        if self._engine is not None:
+            return self._engine.export_hf(directory)
+        return self._group.export_hf(directory)[0]
+
+    def close(self) -> None:
+        """Release the engine, the worker group and a Ray runtime this runner started."""
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+        if self._group is not None:
+            try:
+                if self._group.is_alive:
+                    self._group.close_model()
+            finally:
+                self._group.shutdown()
+                self._group = None
+        if self._started_ray:
+            import ray
+
+            ray.shutdown()
+            self._started_ray = False
+
+
+def _ray_options(cfg: PolyRLConfig) -> dict[str, Any]:
+    opts: dict[str, Any] = {
+        "namespace": cfg.ray.namespace,
+        "include_dashboard": False,
+        "configure_logging": False,
+    }
+    if cfg.ray.address:
+        opts["address"] = cfg.ray.address
+    else:
+        if cfg.ray.num_cpus:
+            opts["num_cpus"] = cfg.ray.num_cpus
+        if cfg.ray.num_gpus >= 0:
+            opts["num_gpus"] = cfg.ray.num_gpus
+    return opts
+
+
+# ------------------------------------------------------------------------------ the loop
+def _validate(runner: SFTRunner, val: SFTDataset, batch_size: int, pad_id: int) -> dict[str, float]:
+    weighted = 0.0
+    tokens = 0.0
+    for start in range(0, len(val), batch_size):
+        batch = collate_chats(val.items[start : start + batch_size], pad_id)
+        metrics = runner.eval_loss(batch)
+        weighted += metrics["loss"] * metrics["num_tokens"]
+        tokens += metrics["num_tokens"]
+    return {"val/loss": weighted / max(tokens, 1.0), "val/num_tokens": tokens}
+
+
+def _check_config(cfg: PolyRLConfig, max_length: int) -> None:
+    sft = cfg.sft
+    if not cfg.data.task and not cfg.data.train_files:
+        raise ConfigError(
+            "no training data: set data.task (a generated task) or data.train_files "
+            "(parquet/jsonl rows with a messages column, or prompt + ground truth)",
+            key="data.train_files",
+        )
+    if sft.dynamic_batching and sft.max_tokens_per_micro_batch < max_length:
+        raise ConfigError(
+            f"{sft.max_tokens_per_micro_batch} is below the longest allowed conversation "
+            f"({max_length} tokens); raise it to at least sft.max_length",
+            key="sft.max_tokens_per_micro_batch",
+        )
+    if max_length < 2:
+        raise ConfigError(f"must be >= 2 tokens, got {max_length}", key="sft.max_length")
+
+
+def run_sft(cfg: PolyRLConfig) -> dict[str, Any]:
+    """Run SFT as configured (see the module docstring); returns the summary it writes."""
+    from tqdm import tqdm
+
+    from polyrl.data.sampler import StatefulSampler
+    from polyrl.model import CheckpointConfig, EngineConfig, ModelSpec, OptimizerConfig
+    from polyrl.models.loader import load_tokenizer
+    from polyrl.trainer.plotting import plot_learning_curves
+    from polyrl.trainer.tracking import Tracker, read_metrics
+
+    started = time.perf_counter()
+    trainer, sft, data = cfg.trainer, cfg.sft, cfg.data
+    max_length = sft.max_length or data.max_prompt_length + data.max_response_length
+    _check_config(cfg, max_length)
+    out_dir = Path(trainer.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out_dir / "sft_config.yaml")
+
+    model_dir = resolve_model_dir(cfg, out_dir)
+    tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    train_ds, val_ds = load_sft_datasets(cfg, tokenizer, max_length, out_dir)
+    if len(train_ds) < data.train_batch_size:
+        raise ConfigError(
+            f"{data.train_batch_size} exceeds the {len(train_ds)} training conversations",
+            key="data.train_batch_size",
+        )
+    sampler = StatefulSampler(
+        len(train_ds), data.train_batch_size, shuffle=data.shuffle, seed=cfg.seed_for("data")
+    )
+    total = trainer.total_steps or trainer.total_epochs * sampler.batches_per_epoch
+    dropped = train_ds.num_filtered + (val_ds.num_filtered if val_ds else 0)
+    _log(
+        f"model {model_dir} | {len(train_ds)} train / {len(val_ds) if val_ds else 0} val chats "
+        f"(max_length {max_length}, {dropped} filtered) | {total} steps of "
+        f"{data.train_batch_size} | world size {trainer.world_size}"
+    )
+
+    root = checkpoint_root(out_dir)
+    # Before the engine is built: a bad resume path should fail fast.
+    resume_from = resolve_resume_path(trainer.resume_mode, trainer.resume, root)
+    import torch
+
+    use_gpu = trainer.device == "cuda" or (trainer.device == "auto" and torch.cuda.is_available())
+    runner = SFTRunner(
+        ModelSpec(
+            path=str(model_dir),
+            dtype=cfg.model.dtype,
+            trust_remote_code=cfg.model.trust_remote_code,
+        ),
+        EngineConfig(
+            device=trainer.device,
+            dynamic_batching=sft.dynamic_batching,
+            micro_batch_size=sft.micro_batch_size,
+            max_tokens_per_micro_batch=sft.max_tokens_per_micro_batch,
+            gradient_checkpointing=sft.gradient_checkpointing,
+            grad_clip=sft.grad_clip,
+            seed=cfg.seed,
+        ),
+        OptimizerConfig(
+            name=sft.optimizer,
+            lr=sft.lr,
+            weight_decay=sft.weight_decay,
+            scheduler=sft.lr_scheduler,
+            warmup_ratio=sft.warmup_ratio,
+            total_steps=total,
+            min_lr_ratio=sft.min_lr_ratio,
+        ),
+        CheckpointConfig(max_to_keep=trainer.max_ckpt_to_keep),
+        world_size=trainer.world_size,
+        worker_backend=trainer.worker_backend,
+        use_gpu=use_gpu,
+        ray_options=_ray_options(cfg),
+    )
+    pad_id = int(tokenizer.pad_token_id)
+    validate = val_ds is not None and trainer.test_freq > 0
+    history: list[dict[str, Any]] = []
+    tracker = None
+    try:
+        step = 0
+        if resume_from is not None:
+            info = runner.load(resume_from)
+            step = int(info["step"])
+            state = info["extra_state"].get("sampler")
+            if state is None:
+                raise SFTDataError(f"checkpoint {resume_from} holds no data-sampler state")
+            try:
+                sampler.load_state_dict(state)
+            except ValueError as exc:
+                raise ConfigError(
+                    f"cannot resume from {resume_from}: {exc}; resume with the data settings "
+                    "of the original run (data.*, seed) or start a new output_dir",
+                    key="trainer.resume_mode",
+                ) from None
+            _log(f"resumed from {resume_from} at step {step}")
+        tracker = Tracker(
+            trainer.loggers,
+            out_dir,
+            project=trainer.project_name,
+            experiment=trainer.experiment_name,
+            config=to_dict(cfg),
+            resume_step=step if resume_from is not None else None,
+            total_steps=total,
+        )
+
+        def record(metrics: dict[str, float], at: int) -> None:
+            history.append({"step": at, **tracker.log(metrics, at)})
+
+        if validate and trainer.val_before_train and resume_from is None:
+            record(_validate(runner, val_ds, data.val_batch_size, pad_id), step)
+        last_ckpt = resume_from
+        bar = tqdm(
+            total=total, initial=step, desc="sft", unit="step", dynamic_ncols=True, file=sys.stderr
+        )
+        with bar:
+            while step < total:
+                batch = collate_chats([train_ds[i] for i in sampler.next_batch()], pad_id)
+                tick = time.perf_counter()
+                out = runner.train_step(batch)
+                elapsed = time.perf_counter() - tick
+                step += 1
+                metrics = {
+                    "train/loss": out["loss"],
+                    "train/grad_norm": out["grad_norm"],
+                    "train/lr": out["lr"],
+                    "train/loss_tokens": out["num_tokens"],
+                    "train/tokens_per_s": float(batch["attention_mask"].sum()) / elapsed,
+                    "train/epoch": sampler.epoch + sampler.position / sampler.batches_per_epoch,
+                }
+                if validate and (step % trainer.test_freq == 0 or step == total):
+                    metrics.update(_validate(runner, val_ds, data.val_batch_size, pad_id))
+                # Log before saving: a crash in between re-runs the step from the previous
+                # checkpoint, and resuming drops the records logged after that checkpoint.
+                record(metrics, step)
+                bar.update(1)
+                bar.set_postfix(loss=f"{out['loss']:.4f}")
+                if trainer.save_freq and (step % trainer.save_freq == 0 or step == total):
+                    last_ckpt = runner.save(str(root), step, {"sampler": sampler.state_dict()})
+        hf_dir = runner.export_hf(str(out_dir / HF_DIR)) if sft.export_hf else None
+    finally:
+        if tracker is not None:
+            tracker.finish()
+        runner.close()
+
+    keys = list(trainer.plot_metrics) or list(DEFAULT_PLOT_METRICS)
+    metrics_file = tracker.metrics_path
+    if metrics_file is None:
+        metrics_file = out_dir / ".sft_history.jsonl"
+        metrics_file.write_text("".join(json.dumps(r) + "\n" for r in history))
+    plot = plot_learning_curves(metrics_file, out_dir / PLOT_FILE, keys, title="polyrl sft")
+    # The metrics file spans the whole run, including the steps before a resume.
+    records = read_metrics(metrics_file)
+    val_losses = [r["val/loss"] for r in records if r.get("val/loss") is not None]
+    train_losses = [r["train/loss"] for r in records if r.get("train/loss") is not None]
+    summary = {
+        "steps": step,
+        "resumed_from": str(resume_from) if resume_from else None,
+        "first_val_loss": val_losses[0] if val_losses else None,
+        "last_val_loss": val_losses[-1] if val_losses else None,
+        "last_train_loss": train_losses[-1] if train_losses else None,
+        "checkpoint": str(last_ckpt) if last_ckpt else None,
+        "hf_model": hf_dir,
+        "plot": str(plot) if plot else None,
+        "elapsed_s": round(time.perf_counter() - started, 2),
+    }
+    (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    _log("done: " + " ".join(f"{k}={v}" for k, v in summary.items()))
+    return summary

@@ -1,0 +1,269 @@
+"""SFT data: multi-turn chats rendered with the chat template, loss on assistant tokens only.
+
+A conversation is rendered turn by turn.  Chat templates used for training must be
+*prefix-stable*: rendering ``messages[:k]`` is a string prefix of rendering ``messages[:k+1]``
+(the polyrl tiny-model template is, like Qwen's ChatML).  For an assistant message ``k`` the
+text up to the generation prompt, ``render(messages[:k], add_generation_prompt=True)``, is
+context; what ``render(messages[:k+1])`` adds after it is the assistant's turn and is learned,
+up to and including its last end-of-turn (eos) token -- the newline after it is never sampled.
+Each segment is tokenised on its own, which is exactly how a rollout sees a prompt followed by
+generated tokens.
+
+Rows come either as chats (a ``messages`` column) or as RL rows (``prompt`` + ground truth),
+which become chats by appending the ground truth as the assistant turn
+(:func:`chat_from_rl_row`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from polyrl.batch import Batch
+from polyrl.data.schema import RowValidationError, ground_truth_of, validate_messages
+
+__all__ = [
+    "SFTDataError",
+    "SFTDataset",
+    "TokenizedChat",
+    "chat_from_rl_row",
+    "chats_from_rows",
+    "collate_chats",
+    "tokenize_chat",
+]
+
+
+class SFTDataError(ValueError):
+    """SFT rows or their rendering are unusable; the message names the row and the problem."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizedChat:
+    """One tokenised conversation.
+
+    Attributes:
+        input_ids: token ids of the whole rendered conversation.
+        loss_mask: 1 on tokens the model learns (assistant turns), else 0.
+    """
+
+    input_ids: list[int]
+    loss_mask: list[int]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def _render(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Any,
+    add_generation_prompt: bool,
+) -> str:
+    kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
+    if tools:
+        kwargs["tools"] = tools
+    text = tokenizer.apply_chat_template(list(messages), **kwargs)
+    if not isinstance(text, str):
+        raise SFTDataError(f"apply_chat_template returned {type(text).__name__}, expected a str")
+    return text
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    if not text:
+        return []
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _not_prefix(what: str, k: int, before: str, after: str) -> SFTDataError:
+    return SFTDataError(
+        f"the chat template is not prefix-stable: rendering {what} (message {k}) does not start "
+        f"with the rendering of the earlier messages ({before[-60:]!r} vs {after[:80]!r}...); "
+        "SFT needs a template where rendering messages[:k] is a prefix of messages[:k+1]"
+    )
+
+
+def tokenize_chat(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> TokenizedChat:
+    """Tokenise a conversation and mark its assistant tokens (see the module docstring).
+
+    Raises:
+        SFTDataError: the template is not prefix-stable, or there is no assistant message.
+    """
+    if not any(m.get("role") == "assistant" for m in messages):
+        raise SFTDataError("the conversation has no assistant message, so nothing to learn")
+    if messages[0].get("role") == "assistant":
+        # Its context would be the empty conversation, which chat templates cannot render.
+        raise SFTDataError(
+            "the conversation starts with an assistant message; put a system or user message "
+            "before it"
+        )
+    eos = getattr(tokenizer, "eos_token_id", None)
+    ids: list[int] = []
+    mask: list[int] = []
+    done = ""  # rendered text already tokenised
+    for k, message in enumerate(messages):
+        if message.get("role") == "assistant":
+            head = _render(tokenizer, messages[:k], tools, add_generation_prompt=True)
+            if not head.startswith(done):
+                raise _not_prefix("the generation prompt", k, done, head)
+            context = _encode(tokenizer, head[len(done) :])
+            ids += context
+            mask += [0] * len(context)
+            full = _render(tokenizer, messages[: k + 1], tools, add_generation_prompt=False)
+            if not full.startswith(head):
+                raise _not_prefix("an assistant turn", k, head, full)
+            turn = _encode(tokenizer, full[len(head) :])
+            learn = len(turn)
+            if eos is not None and eos in turn:
+                learn = len(turn) - turn[::-1].index(eos)
+            ids += turn
+            mask += [1] * learn + [0] * (len(turn) - learn)
+            done = full
+        else:
+            full = _render(tokenizer, messages[: k + 1], tools, add_generation_prompt=False)
+            if not full.startswith(done):
+                raise _not_prefix(f"a {message.get('role')} message", k, done, full)
+            piece = _encode(tokenizer, full[len(done) :])
+            ids += piece
+            mask += [0] * len(piece)
+            done = full
+    return TokenizedChat(ids, mask)
+
+
+def chat_from_rl_row(row: Mapping[str, Any], prompt_key: str = "prompt") -> list[dict[str, Any]]:
+    """``row[prompt_key]`` messages plus the ground truth as the assistant's answer."""
+    if prompt_key not in row:
+        raise SFTDataError(f"row has no {prompt_key!r} column (columns: {sorted(row)})")
+    prompt = row[prompt_key]
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    answer = ground_truth_of(row)
+    if not isinstance(answer, str | int | float) or isinstance(answer, bool):
+        raise SFTDataError(
+            f"ground truth {answer!r} ({type(answer).__name__}) cannot be an assistant answer; "
+            "expected a string or a number"
+        )
+    return [dict(m) for m in prompt] + [{"role": "assistant", "content": str(answer)}]
+
+
+def chats_from_rows(
+    rows: Sequence[Mapping[str, Any]],
+    messages_key: str = "messages",
+    prompt_key: str = "prompt",
+    source: str = "rows",
+) -> list[dict[str, Any]]:
+    """Normalise rows to ``{"messages": [...], "tools": [...] | None}``.
+
+    A row with ``messages_key`` is a chat; otherwise a row with ``prompt_key`` and
+    ``reward_model.ground_truth`` becomes one (:func:`chat_from_rl_row`).  Tools come from a
+    ``tools`` column or ``extra_info.tools``.
+    """
+    chats = []
+    for i, row in enumerate(rows):
+        where = f"{source}: row {i}"
+        try:
+            if messages_key in row and row[messages_key] is not None:
+                messages = [dict(m) for m in row[messages_key]]
+            elif prompt_key in row:
+                messages = chat_from_rl_row(row, prompt_key)
+            else:
+                raise SFTDataError(
+                    f"has neither a {messages_key!r} column (chat messages) nor a {prompt_key!r} "
+                    f"column with reward_model.ground_truth; columns: {sorted(row)}"
+                )
+            validate_messages(messages, index=i, field=messages_key)
+        except (SFTDataError, RowValidationError, TypeError) as exc:
+            raise SFTDataError(f"{where}: {exc}") from None
+        if not any(m["role"] == "assistant" for m in messages):
+            raise SFTDataError(f"{where}: the conversation has no assistant message to learn")
+        tools = row.get("tools")
+        if tools is None:
+            extra = row.get("extra_info") or {}
+            tools = extra.get("tools") if isinstance(extra, Mapping) else None
+        chats.append({"messages": messages, "tools": tools or None})
+    return chats
+
+
+class SFTDataset:
+    """Tokenised conversations, truncated or filtered to ``max_length`` tokens.
+
+    Args:
+        chats: from :func:`chats_from_rows`.
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        max_length: longest allowed conversation in tokens.
+        truncation: ``"error"`` (raise naming the row), ``"filter"`` (drop it) or ``"right"``
+            (cut the end off).
+        source: name used in error messages.
+    """
+
+    def __init__(
+        self,
+        chats: Sequence[Mapping[str, Any]],
+        tokenizer: Any,
+        max_length: int,
+        truncation: str = "error",
+        source: str = "data",
+    ) -> None:
+        if truncation not in ("error", "filter", "right"):
+            raise ValueError(f"truncation must be 'error', 'filter' or 'right', got {truncation!r}")
+        if not isinstance(max_length, int) or max_length < 2:
+            raise ValueError(f"max_length must be an int >= 2, got {max_length!r}")
+        self.max_length = max_length
+        self.items: list[TokenizedChat] = []
+        self.num_filtered = 0
+        self.num_truncated = 0
+        for i, chat in enumerate(chats):
+            try:
+                item = tokenize_chat(tokenizer, chat["messages"], chat.get("tools"))
+            except SFTDataError as exc:
+                raise SFTDataError(f"{source}: row {i}: {exc}") from None
+            if len(item) > max_length:
+                if truncation == "error":
+                    raise SFTDataError(
+                        f"{source}: row {i} has {len(item)} tokens, more than max_length="
+                        f"{max_length}; raise sft.max_length or set sft.truncation to 'filter' or "
+                        "'right'"
+                    )
+                if truncation == "filter":
+                    self.num_filtered += 1
+                    continue
+                item = TokenizedChat(item.input_ids[:max_length], item.loss_mask[:max_length])
+                self.num_truncated += 1
+            self.items.append(item)
+        if not self.items:
+            raise SFTDataError(
+                f"{source}: no conversation left ({self.num_filtered} filtered as longer than "
+                f"max_length={max_length})"
+            )
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> TokenizedChat:
+        return self.items[index]
+
+    def loss_tokens(self) -> int:
+        """Tokens the loss covers over the whole dataset."""
+        return sum(sum(item.loss_mask) for item in self.items)
+
+
+def collate_chats(items: Sequence[TokenizedChat], pad_token_id: int) -> Batch:
+    """Right-padded engine batch: ``input_ids``, ``attention_mask`` and float ``loss_mask``."""
+    if not items:
+        raise ValueError("collate_chats needs at least one conversation")
+    width = max(len(item) for item in items)
+    ids = torch.full((len(items), width), int(pad_token_id), dtype=torch.long)
+    attn = torch.zeros((len(items), width), dtype=torch.long)
+    loss = torch.zeros((len(items), width), dtype=torch.float32)
+    for row, item in enumerate(items):
+        n = len(item)
+        ids[row, :n] = torch.tensor(item.input_ids, dtype=torch.long)
+        attn[row, :n] = 1
+        loss[row, :n] = torch.tensor(item.loss_mask, dtype=torch.float32)
+    return Batch(tensors={"input_ids": ids, "attention_mask": attn, "loss_mask": loss})
