@@ -221,6 +221,46 @@ def _config_presets(args: argparse.Namespace) -> int:
     return 0
 
 
+@subcommand("serve", help="Serve a model for rollout over HTTP (generate, OpenAI API, control).")
+def _serve_command(parser: argparse.ArgumentParser) -> Handler:
+    from polyrl.rollout.options import add_backend_arguments, add_listen_arguments
+
+    add_listen_arguments(parser)
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="engine replicas behind one port (default 1)"
+    )
+    add_backend_arguments(parser)
+
+    def run(args: argparse.Namespace) -> int:
+        if args.replicas < 1:
+            raise CLIError(f"--replicas must be >= 1, got {args.replicas}")
+        from polyrl.rollout.base import available_backends
+
+        if args.backend not in available_backends():
+            raise CLIError(
+                f"unknown backend {args.backend!r}; available: {', '.join(available_backends())}"
+            )
+        from polyrl.rollout.launcher import serve_command
+        from polyrl.rollout.options import api_key_from_env, backend_options
+
+        try:
+            return serve_command(
+                args.model_dir,
+                host=args.host,
+                port=args.port,
+                replicas=args.replicas,
+                backend=args.backend,
+                api_key=api_key_from_env(),
+                ready_file=args.ready_file,
+                log_level=args.log_level,
+                options=backend_options(args),
+            )
+        except (ValueError, TypeError, OSError, RuntimeError) as exc:
+            raise CLIError(str(exc)) from exc
+
+    return run
+
+
 @subcommand("sft", help="Supervised fine-tuning on chat data (loss on assistant tokens only).")
 def _sft_command(parser: argparse.ArgumentParser) -> Handler:
     add_config_arguments(parser)

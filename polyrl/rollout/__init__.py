@@ -1,0 +1,54 @@
+"""Rollout as an HTTP service: engines behind one server/client abstraction.
+
+* :mod:`polyrl.rollout.base` -- requests, sampling parameters, outputs, the
+  :class:`~polyrl.rollout.base.RolloutBackend` protocol and the backend registry;
+* :mod:`polyrl.rollout.native` -- our own continuous-batching engine (paged KV cache);
+* :mod:`polyrl.rollout.server` -- the FastAPI server of one replica (token-in/token-out
+  ``/generate``, OpenAI-compatible endpoints, control and metrics);
+* :mod:`polyrl.rollout.client` -- :class:`~polyrl.rollout.client.RolloutClient`, the async
+  replica manager (balancing, sticky sessions, health checks, retries, backpressure);
+* :mod:`polyrl.rollout.router` -- one port in front of several replicas;
+* :mod:`polyrl.rollout.launcher` -- replica subprocesses and ``polyrl serve``.
+
+Names are imported lazily so that ``import polyrl.rollout`` does not load torch or FastAPI.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "GenerateRequest",
+    "GenerateResult",
+    "InvalidRequestError",
+    "RolloutBackend",
+    "RolloutClient",
+    "RolloutHTTPError",
+    "SamplingParams",
+    "ServerProcess",
+    "available_backends",
+    "create_backend",
+    "register_backend",
+]
+
+_WHERE = {
+    "GenerateRequest": "polyrl.rollout.base",
+    "InvalidRequestError": "polyrl.rollout.base",
+    "RolloutBackend": "polyrl.rollout.base",
+    "SamplingParams": "polyrl.rollout.base",
+    "available_backends": "polyrl.rollout.base",
+    "create_backend": "polyrl.rollout.base",
+    "register_backend": "polyrl.rollout.base",
+    "GenerateResult": "polyrl.rollout.client",
+    "RolloutClient": "polyrl.rollout.client",
+    "RolloutHTTPError": "polyrl.rollout.client",
+    "ServerProcess": "polyrl.rollout.launcher",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'polyrl.rollout' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

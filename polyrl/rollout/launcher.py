@@ -1,0 +1,265 @@
+"""Replica subprocesses and the ``polyrl serve`` command.
+
+:class:`ServerProcess` runs ``python -m polyrl.rollout.server`` as a child process on a port the
+child picks itself (no race for a "free" port) and waits until it accepts requests.
+:func:`serve_command` is what ``polyrl serve`` runs: one replica in-process, or several replica
+processes behind a router on the requested port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from polyrl.rollout.options import API_KEY_ENV
+
+__all__ = ["ServerProcess", "option_flags", "serve_command", "start_replicas"]
+
+
+def option_flags(options: Mapping[str, Any]) -> list[str]:
+    """Turn backend options (``EngineConfig`` field names) into server command-line flags."""
+    flags: list[str] = []
+    for key, value in options.items():
+        if value is None:
+            continue
+        if key == "enable_prefix_caching":
+            if not value:
+                flags.append("--no-prefix-caching")
+        elif key == "trust_remote_code":
+            if value:
+                flags.append("--trust-remote-code")
+        elif key == "num_threads":
+            flags += ["--threads", str(value)]
+        else:
+            flags += [f"--{key.replace('_', '-')}", str(value)]
+    return flags
+
+
+class ServerProcess:
+    """One rollout server replica in a child process.
+
+    Args:
+        model_dir: local HF model directory.
+        backend: registered backend name.
+        host: address the replica binds.
+        port: port (0: the child picks a free one).
+        api_key: bearer token the replica requires (passed through the environment).
+        options: backend options (``EngineConfig`` fields for ``native``).
+        log_path: where the child's stdout/stderr go (default: a temporary file).
+        env: extra environment variables for the child.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        *,
+        backend: str = "native",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        options: Mapping[str, Any] | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        env: Mapping[str, str] | None = None,
+    ):
+        self.model_dir = str(model_dir)
+        self.backend = backend
+        self.host = host
+        self.port = port
+        self.api_key = api_key
+        self.options = dict(options or {})
+        self.env = dict(env or {})
+        self._tmp = tempfile.mkdtemp(prefix="polyrl-replica-")
+        self.log_path = Path(log_path) if log_path else Path(self._tmp) / "server.log"
+        self.ready_file = Path(self._tmp) / "ready.json"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.url: str | None = None
+
+    @property
+    def command(self) -> list[str]:
+        """The child's command line."""
+        return [
+            sys.executable,
+            "-m",
+            "polyrl.rollout.server",
+            self.model_dir,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--backend",
+            self.backend,
+            "--ready-file",
+            str(self.ready_file),
+            *option_flags(self.options),
+        ]
+
+    def spawn(self) -> ServerProcess:
+        """Start the child without waiting for it (see :meth:`wait_ready`)."""
+        if self.process is not None:
+            raise RuntimeError("this replica was already started")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        env.pop(API_KEY_ENV, None)
+        if self.api_key:
+            env[API_KEY_ENV] = self.api_key
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, env=env
+            )
+        return self
+
+    def log_tail(self, chars: int = 4000) -> str:
+        """Return the end of the child's log."""
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float = 300.0) -> str:
+        """Wait until the child accepts requests; return its URL.
+
+        Raises:
+            RuntimeError: the child exited first (its log tail is in the message).
+            TimeoutError: it did not get ready in time.
+        """
+        if self.process is None:
+            raise RuntimeError("spawn() the replica first")
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.ready_file.exists():
+                info = json.loads(self.ready_file.read_text())
+                self.url = str(info["url"])
+                return self.url
+            code = self.process.poll()
+            if code is not None:
+                raise RuntimeError(
+                    f"rollout server exited with code {code} before getting ready; log tail:\n"
+                    f"{self.log_tail()}"
+                )
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(
+                    f"rollout server not ready after {timeout} s; log tail:\n{self.log_tail()}"
+                )
+            time.sleep(0.05)
+
+    def start(self, timeout: float = 300.0) -> ServerProcess:
+        """Spawn the child and wait until it accepts requests."""
+        self.spawn()
+        self.wait_ready(timeout)
+        return self
+
+    @property
+    def alive(self) -> bool:
+        """Whether the child process is running."""
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """Ask the child to shut down (SIGTERM), kill it if it lingers; return its exit code."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def kill(self) -> None:
+        """Kill the child at once (SIGKILL), as a crash would."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_replicas(
+    model_dir: str | os.PathLike[str],
+    count: int,
+    *,
+    timeout: float = 300.0,
+    **kwargs: Any,
+) -> list[ServerProcess]:
+    """Start ``count`` replicas in parallel and wait for all of them.
+
+    Keyword arguments go to :class:`ServerProcess`. On failure every started child is stopped.
+    """
+    if not isinstance(count, int) or count < 1:
+        raise ValueError(f"replica count must be an int >= 1, got {count!r}")
+    replicas = [ServerProcess(model_dir, **kwargs) for _ in range(count)]
+    try:
+        for r in replicas:
+            r.spawn()
+        for r in replicas:
+            r.wait_ready(timeout)
+    except BaseException:
+        for r in replicas:
+            r.stop()
+        raise
+    return replicas
+
+
+def serve_command(
+    model_dir: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    replicas: int = 1,
+    backend: str = "native",
+    api_key: str | None = None,
+    ready_file: str | None = None,
+    log_level: str = "warning",
+    options: Mapping[str, Any] | None = None,
+) -> int:
+    """Run ``polyrl serve``: one replica here, or ``replicas`` children behind a router.
+
+    Returns the exit code once interrupted.
+    """
+    from polyrl.rollout.server import serve, serve_app
+
+    opts = dict(options or {})
+    if replicas == 1:
+        serve(
+            model_dir,
+            host=host,
+            port=port,
+            backend=backend,
+            api_key=api_key,
+            ready_file=ready_file,
+            log_level=log_level,
+            **opts,
+        )
+        return 0
+    if backend == "native" and "num_threads" not in opts:
+        # Replicas share the machine's cores instead of each claiming all of them.
+        opts["num_threads"] = max(1, (os.cpu_count() or 1) // replicas)
+    children = start_replicas(model_dir, replicas, backend=backend, api_key=api_key, options=opts)
+    try:
+        from polyrl.rollout.client import RolloutClient
+        from polyrl.rollout.router import create_router_app
+
+        urls = [c.url for c in children if c.url]
+        client = RolloutClient(urls, api_key=api_key)
+        app = create_router_app(client, api_key=api_key)
+        asyncio.run(serve_app(app, host, port, ready_file, log_level))
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        for child in children:
+            child.stop()
+    return 0

@@ -1,0 +1,9 @@
+"""polyrl's own rollout engine: continuous batching over a paged KV cache for HF causal LMs.
+
+Importing this package loads torch and transformers; the HTTP layer reaches it through the
+``native`` entry of :func:`polyrl.rollout.base.create_backend`.
+"""
+
+from polyrl.rollout.native.engine import EngineConfig, NativeEngine
+
+__all__ = ["EngineConfig", "NativeEngine"]

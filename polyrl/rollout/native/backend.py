@@ -1,0 +1,178 @@
+"""The ``native`` rollout backend: :class:`NativeEngine` behind the async backend interface."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from polyrl.rollout.base import (
+    BackendStats,
+    GenerateRequest,
+    ModelInfo,
+    RolloutError,
+    SampleDelta,
+    register_backend,
+)
+from polyrl.rollout.native.engine import EngineConfig, NativeEngine, Sink
+
+__all__ = ["NativeBackend"]
+
+
+class _EngineFailure(RolloutError):
+    """The engine failed while running a request (HTTP 500)."""
+
+
+@register_backend("native")
+class NativeBackend:
+    """Async face of the native engine; see :class:`polyrl.rollout.base.RolloutBackend`.
+
+    Args:
+        model_dir: local HF model directory.
+        **options: :class:`EngineConfig` fields.
+
+    Raises:
+        TypeError: an option that is not an :class:`EngineConfig` field.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike[str], **options: Any):
+        names = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise TypeError(
+                f"unknown native engine option(s) {unknown}; expected some of {sorted(names)}"
+            )
+        self.model_dir = str(model_dir)
+        self.config = EngineConfig(**options)
+        self.engine: NativeEngine | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _engine(self) -> NativeEngine:
+        if self.engine is None:
+            raise RuntimeError("the native backend is not started; await start() first")
+        return self.engine
+
+    @property
+    def info(self) -> ModelInfo:
+        """The served model."""
+        return self._engine().info
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights in use."""
+        return self._engine().weight_version
+
+    def _deliver(self, items: list[tuple[Sink, Any]]) -> None:
+        # Called on the engine thread once per step: one hop to the event loop for all.
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(_run_sinks, items)
+
+    async def start(self) -> None:
+        """Load the model (in a worker thread) and start the engine thread."""
+        if self.engine is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self.engine = await asyncio.to_thread(
+            NativeEngine, self.model_dir, self.config, self._deliver
+        )
+        self.engine.start()
+
+    async def shutdown(self) -> None:
+        """Abort in-flight requests and stop the engine thread."""
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)
+
+    async def generate(
+        self, request: GenerateRequest, stream: bool = True
+    ) -> AsyncIterator[SampleDelta]:
+        """Submit ``request`` and return its delta stream.
+
+        Validation errors raise here, before anything is queued. Closing the stream
+        (``aclose``) before every sample finished aborts the request.
+
+        Args:
+            request: the request.
+            stream: deliver tokens as they come; ``False`` delivers each sample once, finished
+                (far fewer wake-ups when nobody reads partial output).
+        """
+        engine = self._engine()
+        deltas = _DeltaStream(engine, request)
+        engine.submit(request, deltas.inbox.put_nowait, stream=stream)
+        return deltas
+
+    async def abort(self, request_ids: Sequence[str] | None = None) -> int:
+        """End in-flight requests (all when ``None``) with ``abort``."""
+        return await asyncio.wrap_future(self._engine().abort(request_ids))
+
+    async def pause(self) -> None:
+        """Stop stepping once the current step ends."""
+        await asyncio.wrap_future(self._engine().pause())
+
+    async def resume(self) -> None:
+        """Resume stepping."""
+        await asyncio.wrap_future(self._engine().resume())
+
+    async def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Release KV cache (and weights); see :meth:`NativeEngine.sleep`."""
+        return await asyncio.wrap_future(self._engine().sleep(level))
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
+        """Restore what sleep released; see :meth:`NativeEngine.wake_up`."""
+        return await asyncio.wrap_future(self._engine().wake_up(tags))
+
+    async def update_weights(self, path: str, version: int | None = None) -> int:
+        """Load a safetensors directory and switch to it between two steps."""
+        return await asyncio.to_thread(self._engine().update_weights_from_dir, path, version)
+
+    def stats(self) -> BackendStats:
+        """Counters and gauges of the engine."""
+        return self._engine().stats()
+
+
+class _DeltaStream:
+    """Async iterator over one request's deltas; closing it early aborts the request."""
+
+    def __init__(self, engine: NativeEngine, request: GenerateRequest):
+        self.engine = engine
+        self.request_id = request.request_id
+        self.left = request.params.n
+        self.inbox: asyncio.Queue[list[SampleDelta] | BaseException] = asyncio.Queue()
+        self._pending: deque[SampleDelta] = deque()
+        self._closed = False
+
+    def __aiter__(self) -> _DeltaStream:
+        return self
+
+    async def __anext__(self) -> SampleDelta:
+        while not self._pending:
+            if self.left == 0 or self._closed:
+                raise StopAsyncIteration
+            try:
+                payload = await self.inbox.get()
+            except asyncio.CancelledError:
+                await self.aclose()
+                raise
+            if isinstance(payload, BaseException):
+                self.left = 0
+                raise _EngineFailure(f"the engine failed on this request: {payload}")
+            self._pending.extend(payload)
+        delta = self._pending.popleft()
+        if delta.finish_reason is not None:
+            self.left -= 1
+        return delta
+
+    async def aclose(self) -> None:
+        """Stop reading; abort the request if some sample is still running."""
+        if not self._closed:
+            self._closed = True
+            if self.left:
+                self.engine.abort([self.request_id])
+
+
+def _run_sinks(items: list[tuple[Sink, Any]]) -> None:
+    for sink, payload in items:
+        sink(payload)

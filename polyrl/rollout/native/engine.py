@@ -1,0 +1,822 @@
+"""The native rollout engine: a background thread stepping a continuous batch.
+
+:class:`NativeEngine` ties the pieces together: the :class:`~.scheduler.Scheduler` picks what
+runs, :meth:`_build_inputs` packs it (decode tokens first, then prefill chunks) for the paged
+attention of :mod:`.attention`, the :class:`~.runner.ModelRunner` runs the HF model once, and the
+:class:`~.sampler.Sampler` draws one token per finished chunk.
+
+Threading: one engine thread owns the model, the KV cache and every sequence. Other threads talk
+to it through a command queue that is drained *between* steps, which is what makes ``pause``,
+``abort``, weight switches and sleep atomic with respect to decoding. Results leave through
+``sink`` callbacks, batched per step (see :meth:`NativeEngine.submit`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from polyrl.models.loader import load_tokenizer
+from polyrl.rollout.base import (
+    BackendStats,
+    EngineUnavailableError,
+    GenerateRequest,
+    InvalidRequestError,
+    ModelInfo,
+    SampleDelta,
+)
+from polyrl.rollout.native.attention import AttentionGroup, StepMetadata
+from polyrl.rollout.native.kv_cache import BlockAllocator, PagedKVCache
+from polyrl.rollout.native.runner import ModelRunner, StepInputs
+from polyrl.rollout.native.sampler import Sampler, SamplingRow
+from polyrl.rollout.native.scheduler import Chunk, Scheduler, SeqStatus
+from polyrl.rollout.native.scheduler import Sequence as Seq
+
+__all__ = ["EngineConfig", "NativeEngine", "Sink"]
+
+logger = logging.getLogger(__name__)
+
+Sink = Callable[["list[SampleDelta] | BaseException"], None]
+"""Receives a request's deltas (a list per step) or the exception that ended it."""
+
+Deliver = Callable[[list[tuple[Sink, Any]]], None]
+"""Hands a step's ``(sink, payload)`` pairs over to whoever runs the sinks."""
+
+_TPS_WINDOW_S = 5.0
+
+
+def _decode_buckets(n: int) -> int:
+    """How many length buckets ``n`` decoding sequences are split into for attention."""
+    return 1 if n < 8 else 2 if n < 32 else 4
+
+
+def _deliver_inline(items: list[tuple[Sink, Any]]) -> None:
+    for sink, payload in items:
+        sink(payload)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """Settings of the native engine.
+
+    Attributes:
+        dtype: parameter and KV-cache dtype (``float32``, ``bfloat16``, ``float16``).
+        device: ``cpu`` or ``cuda[:i]``.
+        max_num_seqs: most sequences decoding at once.
+        max_num_batched_tokens: most tokens per step (prefill chunks included).
+        kv_cache_tokens: KV-cache token budget (rounded up to whole blocks).
+        block_size: tokens per KV block.
+        max_model_len: longest prompt + output; default: the model's
+            ``max_position_embeddings``, capped by ``kv_cache_tokens``.
+        enable_prefix_caching: reuse KV blocks of shared prompt prefixes.
+        seed: seed of the generator shared by requests without a seed.
+        num_threads: torch intra-op threads (``None`` leaves torch's default).
+        trust_remote_code: allow modelling code shipped with the model.
+        served_model_name: model name reported to clients (default: the directory name).
+    """
+
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    kv_cache_tokens: int = 131072
+    block_size: int = 16
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    num_threads: int | None = None
+    trust_remote_code: bool = False
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("kv_cache_tokens", self.kv_cache_tokens, 1)
+        _check_int("block_size", self.block_size, 1)
+        _check_int("seed", self.seed, 0)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 2)
+        if self.num_threads is not None:
+            _check_int("num_threads", self.num_threads, 1)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}) so every running sequence can decode "
+                "in each step"
+            )
+
+
+@dataclasses.dataclass(eq=False)
+class _Group:
+    """The sequences of one request."""
+
+    request: GenerateRequest
+    seqs: list[Seq]
+    sink: Sink
+    stream: bool
+    arrival: float
+    unfinished: int
+    first_token_time: float | None = None
+
+
+class NativeEngine:
+    """Continuous-batching inference over a paged KV cache for any HF causal LM.
+
+    Args:
+        model_dir: local HF model directory.
+        config: engine settings.
+        deliver: how sink calls leave the engine thread; the default calls each sink directly
+            on the engine thread. The async backend passes one that hops to its event loop
+            once per step.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        config: EngineConfig | None = None,
+        deliver: Deliver | None = None,
+    ):
+        self.config = config = config or EngineConfig()
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.model_dir = str(model_dir)
+        self.tokenizer = load_tokenizer(model_dir, trust_remote_code=config.trust_remote_code)
+        self.runner = ModelRunner(model_dir, config.dtype, config.device, config.trust_remote_code)
+        bs = config.block_size
+        num_blocks = -(-config.kv_cache_tokens // bs)
+        self.kv_capacity = num_blocks * bs
+        model_max = int(getattr(self.runner.config, "max_position_embeddings", 0) or 0)
+        max_len = config.max_model_len or model_max or self.kv_capacity
+        self.max_model_len = min(max_len, self.kv_capacity)
+        self.allocator = BlockAllocator(num_blocks, bs, config.enable_prefix_caching)
+        self.cache = PagedKVCache(
+            self.runner.num_layers,
+            num_blocks,
+            bs,
+            self.runner.num_kv_heads,
+            self.runner.head_dim,
+            self.runner.dtype,
+            self.runner.device,
+        )
+        self.sampler = Sampler(self.runner.device, config.seed)
+        self.scheduler = Scheduler(
+            self.allocator,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            on_preempt=self._on_preempt,
+        )
+        self.eos_token_ids = self._eos_ids()
+        self.vocab_size = self.runner.vocab_size
+        self.info = ModelInfo(
+            model=config.served_model_name or os.path.basename(os.path.normpath(self.model_dir)),
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            eos_token_ids=tuple(sorted(self.eos_token_ids)),
+            backend="native",
+        )
+        self._deliver: Deliver = deliver or _deliver_inline
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._active_ids: set[str] = set()
+        self._groups: dict[str, _Group] = {}
+        self._outbox: list[tuple[Sink, Any]] = []
+        self._next_seq_id = 0
+        self._paused = False
+        self._kv_released = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.weight_version = 0
+        self._stats = BackendStats(kv_cache_blocks_total=num_blocks)
+        self._tps_window: deque[tuple[float, int]] = deque()
+        self._tps_lock = threading.Lock()
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (self.runner.config, getattr(self.runner.model, "generation_config", None)):
+            eos = getattr(source, "eos_token_id", None)
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, list | tuple):
+                ids.update(int(e) for e in eos)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        return ids
+
+    # ------------------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="polyrl-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        """Abort everything in flight and stop the engine thread."""
+        if self._thread is None:
+            return
+        try:
+            self.abort().result(timeout=30)
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            logger.warning("engine did not abort in-flight requests within 30 s")
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+        self._thread = None
+
+    @property
+    def paused(self) -> bool:
+        """Whether stepping is paused."""
+        return self._paused
+
+    @property
+    def sleeping(self) -> bool:
+        """Whether KV cache or weights are released."""
+        return self._kv_released or self.runner.weights_discarded or self.runner.offloaded
+
+    # --------------------------------------------------------------------------- requests
+
+    def validate(self, request: GenerateRequest) -> int:
+        """Check a request against the model and budgets; return its ``max_new_tokens``.
+
+        Raises:
+            InvalidRequestError: prompt too long, unknown token id, bad stop token id.
+            EngineUnavailableError: the engine is asleep or has no weights.
+        """
+        if self._kv_released:
+            raise EngineUnavailableError(
+                "the engine is asleep (KV cache released); call /wake_up first"
+            )
+        if self.runner.weights_discarded:
+            raise EngineUnavailableError(
+                "the weights were discarded by sleep(level=2); load new ones with "
+                "/update_weights first"
+            )
+        prompt = request.prompt_ids
+        vocab = self.vocab_size
+        for pos, tok in enumerate(prompt):
+            if not 0 <= tok < vocab:
+                raise InvalidRequestError(
+                    f"unknown token id {tok} at prompt position {pos}: expected ids in "
+                    f"[0, {vocab})",
+                    param="input_ids",
+                    code="invalid_token_id",
+                )
+        for tok in request.params.stop_token_ids:
+            if tok >= vocab:
+                raise InvalidRequestError(
+                    f"unknown stop token id {tok}: expected ids in [0, {vocab})",
+                    param="stop_token_ids",
+                    code="invalid_token_id",
+                )
+        n_prompt = len(prompt)
+        room = self.max_model_len - n_prompt
+        if room < 1:
+            raise InvalidRequestError(
+                f"prompt has {n_prompt} tokens; the context length (max_model_len) is "
+                f"{self.max_model_len}, leaving no room to generate",
+                param="input_ids",
+                code="context_length_exceeded",
+            )
+        max_new = request.params.max_new_tokens
+        if max_new is None:
+            return room
+        if max_new > room:
+            raise InvalidRequestError(
+                f"prompt has {n_prompt} tokens and max_new_tokens is {max_new}: "
+                f"{n_prompt + max_new} exceeds the context length (max_model_len) "
+                f"{self.max_model_len}",
+                param="max_new_tokens",
+                code="context_length_exceeded",
+            )
+        return max_new
+
+    def submit(self, request: GenerateRequest, sink: Sink, stream: bool = True) -> None:
+        """Queue a request; its deltas go to ``sink`` until every sample has finished.
+
+        With ``stream`` the sink gets each step's new tokens; without it, one delta per sample
+        when that sample finishes. A sink may also receive the exception that failed the
+        request (then nothing follows).
+
+        Raises:
+            InvalidRequestError: see :meth:`validate`; or ``request_id`` already in flight.
+            EngineUnavailableError: see :meth:`validate`.
+        """
+        max_new = self.validate(request)
+        with self._lock:
+            if self._stopping:
+                raise EngineUnavailableError("the engine is shutting down")
+            if request.request_id in self._active_ids:
+                raise InvalidRequestError(
+                    f"request_id {request.request_id!r} is already in flight",
+                    param="request_id",
+                )
+            self._active_ids.add(request.request_id)
+        self._command(lambda: self._add_or_fail(request, sink, stream, max_new))
+
+    def _add_or_fail(
+        self, request: GenerateRequest, sink: Sink, stream: bool, max_new: int
+    ) -> None:
+        try:
+            self._add(request, sink, stream, max_new)
+        except Exception as exc:  # the request fails; the engine goes on
+            logger.exception("could not queue request %s", request.request_id)
+            group = self._groups.pop(request.request_id, None)
+            for seq in group.seqs if group is not None else []:
+                self.scheduler.remove(seq)
+            with self._lock:
+                self._active_ids.discard(request.request_id)
+            self._outbox.append((sink, exc))
+
+    def _add(self, request: GenerateRequest, sink: Sink, stream: bool, max_new: int) -> None:
+        params = request.params
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        group = _Group(request, [], sink, stream, time.perf_counter(), params.n)
+        prompt = list(request.prompt_ids)
+        for i in range(params.n):
+            if params.seed is None or params.greedy:
+                gen = None
+            else:
+                # Sample i of a seeded request gets its own stream derived from (seed, i).
+                gen = self.sampler.make_generator((params.seed + 0x9E3779B97F4A7C15 * i) % 2**63)
+            row = SamplingRow(
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k,
+                min_p=params.min_p,
+                repetition_penalty=params.repetition_penalty,
+                generator=gen,
+                logprobs=params.logprobs,
+                top_logprobs=params.top_logprobs,
+            )
+            seq = Seq(self._next_seq_id, group, i, prompt, params, max_new, row)
+            self._next_seq_id += 1
+            seq.stop_ids = frozenset(stop_ids)
+            if params.repetition_penalty != 1.0:
+                row.seen_tokens = seq.tokens
+            if i > 0:
+                seq.leader = group.seqs[0]
+            group.seqs.append(seq)
+            self.scheduler.add(seq)
+        self._groups[request.request_id] = group
+        self._stats.prompt_tokens_total += len(prompt)
+
+    def abort(self, request_ids: Sequence[str] | None = None) -> concurrent.futures.Future[int]:
+        """End requests (all when ``None``) with ``abort``; the future gives how many."""
+        ids = None if request_ids is None else list(request_ids)
+
+        def run() -> int:
+            groups = (
+                list(self._groups.values())
+                if ids is None
+                else [self._groups[i] for i in ids if i in self._groups]
+            )
+            for group in groups:
+                for seq in group.seqs:
+                    if seq.status is not SeqStatus.FINISHED:
+                        self._finish(seq, "abort", None)
+            return len(groups)
+
+        return self._command(run)
+
+    def pause(self) -> concurrent.futures.Future[None]:
+        """Stop stepping; resolves once no step is running. Requests stay in flight."""
+        return self._command(lambda: setattr(self, "_paused", True))
+
+    def resume(self) -> concurrent.futures.Future[None]:
+        """Resume stepping after :meth:`pause`."""
+        return self._command(lambda: setattr(self, "_paused", False))
+
+    # ---------------------------------------------------------------------------- weights
+
+    def load_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int | None = None,
+        partial: bool = False,
+    ) -> int:
+        """Stage new weights, then switch to them atomically between two decode steps.
+
+        This is the hook weight-transfer transports feed: tensors are validated and copied to
+        a staging area while decoding continues; the switch itself is one in-place copy done
+        on the engine thread between steps, after which every new token reports the new
+        version. The prefix cache is dropped (its keys and values belong to the old weights);
+        in-flight sequences keep their KV and continue under the new weights.
+
+        Args:
+            named_tensors: ``(name, tensor)`` pairs named like ``model.named_parameters()``.
+            version: the new weight version (default: current + 1).
+            partial: allow updating a subset of the parameters.
+
+        Returns:
+            The new weight version.
+
+        Raises:
+            InvalidRequestError: unknown names, wrong shapes, missing parameters, bad version.
+        """
+        if version is not None and (
+            not isinstance(version, int) or isinstance(version, bool) or version < 0
+        ):
+            raise InvalidRequestError(
+                f"weight version must be an int >= 0, got {version!r}", param="version"
+            )
+        if partial and self.runner.weights_discarded:
+            raise InvalidRequestError(
+                "the weights were discarded by sleep(level=2); a partial update cannot "
+                "restore them, send every parameter",
+                param="partial",
+            )
+        staged = self.runner.stage_weights(named_tensors, partial=partial)
+        return self._switch(staged, version)
+
+    def update_weights_from_dir(
+        self, path: str | os.PathLike[str], version: int | None = None
+    ) -> int:
+        """Load all weights of a HF model directory (safetensors) and switch to them.
+
+        Returns:
+            The new weight version.
+        """
+        staged = self.runner.load_dir(path)
+        return self._switch(staged, version)
+
+    def _switch(self, staged: dict[str, torch.Tensor], version: int | None) -> int:
+        def run() -> int:
+            self.runner.apply_weights(staged)
+            self.weight_version = self.weight_version + 1 if version is None else version
+            self.allocator.reset_prefix_cache()
+            return self.weight_version
+
+        return self._command(run).result()
+
+    # ------------------------------------------------------------------------------ sleep
+
+    def sleep(self, level: int = 1) -> concurrent.futures.Future[dict[str, Any]]:
+        """Release memory: the KV cache, and the weights (offloaded at 1, discarded at 2).
+
+        In-flight requests end with ``abort``.
+        """
+        if level not in (1, 2):
+            raise InvalidRequestError(f"sleep level must be 1 or 2, got {level!r}", param="level")
+
+        def run() -> dict[str, Any]:
+            aborted = 0
+            for group in list(self._groups.values()):
+                aborted += 1
+                for seq in group.seqs:
+                    if seq.status is not SeqStatus.FINISHED:
+                        self._finish(seq, "abort", None)
+            self.allocator.reset_prefix_cache()
+            kv = self.cache.nbytes
+            self.cache.release()
+            self._kv_released = True
+            weights = self.runner.offload() if level == 1 else self.runner.discard()
+            return {
+                "level": level,
+                "aborted_requests": aborted,
+                "kv_cache_bytes_released": kv,
+                "weight_bytes_released": weights,
+            }
+
+        return self._command(run)
+
+    def wake_up(
+        self, tags: Sequence[str] | None = None
+    ) -> concurrent.futures.Future[dict[str, Any]]:
+        """Restore what :meth:`sleep` released; ``tags`` picks ``kv_cache`` and/or ``weights``.
+
+        Weights discarded at level 2 come back only through :meth:`load_weights` or
+        :meth:`update_weights_from_dir`.
+        """
+        wanted = {"kv_cache", "weights"} if tags is None else set(tags)
+        unknown = wanted - {"kv_cache", "weights"}
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown wake_up tag(s) {sorted(unknown)}; expected 'kv_cache' and/or 'weights'",
+                param="tags",
+            )
+
+        def run() -> dict[str, Any]:
+            if "weights" in wanted:
+                self.runner.reload()
+            if "kv_cache" in wanted:
+                self.cache.allocate()
+                self._kv_released = False
+            return {
+                "kv_cache_bytes": self.cache.nbytes,
+                "weight_bytes": self.runner.weight_bytes,
+                "needs_weights": self.runner.weights_discarded,
+            }
+
+        return self._command(run)
+
+    # ------------------------------------------------------------------------------ stats
+
+    def stats(self) -> BackendStats:
+        """Return a snapshot of the engine's counters and gauges."""
+        s = dataclasses.replace(self._stats, finished_total=dict(self._stats.finished_total))
+        s.running = len(self.scheduler.running)
+        s.waiting = len(self.scheduler.waiting)
+        s.paused = self._paused
+        s.sleeping = self.sleeping
+        s.weight_version = self.weight_version
+        s.kv_cache_blocks_used = self.allocator.num_used
+        s.kv_cache_bytes = self.cache.nbytes
+        s.weight_bytes = self.runner.weight_bytes
+        s.prefix_cache_hit_tokens_total = self.allocator.hit_tokens_total
+        with self._tps_lock:
+            window = list(self._tps_window)
+        now = time.perf_counter()
+        recent = [(t, n) for t, n in window if now - t <= _TPS_WINDOW_S]
+        if recent:
+            span = max(now - recent[0][0], 1e-3)
+            s.generated_tokens_per_s = sum(n for _, n in recent) / span
+        return s
+
+    # ------------------------------------------------------------------------ engine loop
+
+    def _command(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def run() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # handed to the caller, not raised on the engine
+                fut.set_exception(exc)
+
+        if self._stopping:
+            fut.set_exception(EngineUnavailableError("the engine is shutting down"))
+            return fut
+        self._commands.put(run)
+        self._wake.set()
+        return fut
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            cmd()
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._wake.clear()
+            self._run_commands()
+            if self._paused or self._kv_released or not self.scheduler.has_work:
+                self._flush()
+                self._wake.wait(timeout=1.0)
+                continue
+            try:
+                self._step()
+            except Exception as exc:  # a failed step fails its requests, not the server
+                logger.exception("engine step failed")
+                self._fail_all(exc)
+            self._flush()
+        self._run_commands()
+        self._flush()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for group in list(self._groups.values()):
+            for seq in group.seqs:
+                if seq.status is not SeqStatus.FINISHED:
+                    self.scheduler.remove(seq)
+            self._drop_group(group)
+            self._outbox.append((group.sink, exc))
+
+    def _flush(self) -> None:
+        if not self._outbox:
+            return
+        items, self._outbox = self._outbox, []
+        # One call per request and step: its deltas merged, or the exception that ended it.
+        merged: dict[int, tuple[Sink, Any]] = {}
+        for sink, payload in items:
+            key = id(sink)
+            current = merged.get(key)
+            if isinstance(payload, BaseException):
+                merged[key] = (sink, payload)
+            elif current is None:
+                merged[key] = (sink, list(payload))
+            elif isinstance(current[1], list):
+                current[1].extend(payload)
+        try:
+            self._deliver(list(merged.values()))
+        except Exception:
+            logger.exception("delivering engine outputs failed")
+
+    def _on_preempt(self, seq: Seq) -> None:
+        self._stats.preemptions_total += 1
+
+    # -------------------------------------------------------------------------------- step
+
+    def _build_inputs(
+        self, decode: list[Chunk], prefill: list[Chunk]
+    ) -> tuple[StepInputs, list[Chunk]]:
+        """Pack a step; return its inputs and the chunks in packed order.
+
+        Packed order: decode tokens sorted by context length (so each length bucket pads
+        little), then prefill chunks that start a sequence (attended causally among
+        themselves, no cache read), then chunks continuing a partly computed sequence.
+        """
+        bs = self.config.block_size
+        dev = self.runner.device
+        decode = sorted(decode, key=lambda c: c.start)
+        fresh = [c for c in prefill if c.start == 0]
+        cont = [c for c in prefill if c.start > 0]
+        ordered = decode + fresh + cont
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        logits_index: list[int] = []
+        for c in decode:
+            seq = c.seq
+            p = c.start
+            ids.append(seq.tokens[p])
+            pos.append(p)
+            slots.append(seq.blocks[p // bs] * bs + p % bs)
+            if c.samples:
+                logits_index.append(len(ids) - 1)
+        fresh_spans: list[tuple[int, int]] = []
+        for c in fresh + cont:
+            seq = c.seq
+            end = c.start + c.length
+            if c.start == 0:
+                fresh_spans.append((len(ids), c.length))
+            ids.extend(seq.tokens[c.start : end])
+            rng = range(c.start, end)
+            pos.extend(rng)
+            blocks = seq.blocks
+            slots.extend(blocks[p // bs] * bs + p % bs for p in rng)
+            if c.samples:
+                logits_index.append(len(ids) - 1)
+
+        decode_groups = []
+        buckets = _decode_buckets(len(decode))
+        for i in range(buckets):
+            lo, hi = len(decode) * i // buckets, len(decode) * (i + 1) // buckets
+            if hi > lo:
+                decode_groups.append(self._group(decode[lo:hi], with_index=False, offset=lo))
+        offset = len(ids) - sum(c.length for c in cont)
+        meta = StepMetadata(
+            self.cache,
+            torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
+            decode_groups,
+            fresh_spans,
+            self._group(cont, with_index=True, offset=offset) if cont else None,
+        )
+        inputs = StepInputs(
+            input_ids=torch.tensor([ids], dtype=torch.long).to(dev, non_blocking=True),
+            position_ids=torch.tensor([pos], dtype=torch.long).to(dev, non_blocking=True),
+            logits_index=torch.tensor(logits_index, dtype=torch.long).to(dev, non_blocking=True),
+            meta=meta,
+        )
+        return inputs, ordered
+
+    def _group(self, chunks: list[Chunk], with_index: bool, offset: int = 0) -> AttentionGroup:
+        bs = self.config.block_size
+        dev = self.runner.device
+        kv_lens = [c.start + c.length for c in chunks]
+        q_lens = [c.length for c in chunks]
+        kv_len = max(kv_lens)
+        nb = -(-kv_len // bs)
+        table = [c.seq.blocks[:nb] + [0] * (nb - min(nb, len(c.seq.blocks))) for c in chunks]
+        q_len = max(q_lens)
+        q_lens_t = torch.tensor(q_lens, dtype=torch.long)
+        q_index = valid_index = None
+        if with_index:
+            starts = torch.tensor([0, *q_lens[:-1]], dtype=torch.long).cumsum(0) + offset
+            ar = torch.arange(q_len)
+            q_index = (starts[:, None] + torch.minimum(ar[None, :], q_lens_t[:, None] - 1)).to(dev)
+            valid = (ar[None, :] < q_lens_t[:, None]).reshape(-1)
+            valid_index = valid.nonzero().squeeze(1).to(dev)
+        return AttentionGroup(
+            block_table=torch.tensor(table, dtype=torch.long).to(dev, non_blocking=True),
+            kv_lens=torch.tensor(kv_lens, dtype=torch.long).to(dev, non_blocking=True),
+            q_lens=q_lens_t.to(dev),
+            q_len=q_len,
+            kv_len=kv_len,
+            q_index=q_index,
+            valid_index=valid_index,
+            offset=offset,
+        )
+
+    def _step(self) -> None:
+        plan = self.scheduler.schedule()
+        if not plan:
+            return
+        decode = [c for c in plan if c.length == 1]
+        prefill = [c for c in plan if c.length > 1]
+        inputs, ordered = self._build_inputs(decode, prefill)
+        logits = self.runner.forward(inputs)
+        sampling = [c for c in ordered if c.samples]
+        for c in plan:
+            self.scheduler.commit(c)
+        self._stats.steps_total += 1
+        if not sampling:
+            return
+        out = self.sampler(logits, [c.seq.row for c in sampling])
+        now = time.perf_counter()
+        for i, c in enumerate(sampling):
+            self._append(c.seq, out.tokens[i], out.logprobs[i], out.top_logprobs[i], now)
+        self._stats.generated_tokens_total += len(sampling)
+        with self._tps_lock:
+            self._tps_window.append((now, len(sampling)))
+            while self._tps_window and now - self._tps_window[0][0] > _TPS_WINDOW_S:
+                self._tps_window.popleft()
+
+    def _append(
+        self,
+        seq: Seq,
+        token: int,
+        logprob: float | None,
+        top: list[tuple[int, float]] | None,
+        now: float,
+    ) -> None:
+        seq.tokens.append(token)
+        if seq.logprobs is not None:
+            seq.logprobs.append(float(logprob) if logprob is not None else float("nan"))
+        if seq.top_logprobs is not None:
+            seq.top_logprobs.append(top or [])
+        if seq.num_output == 1:
+            seq.first_weight_version = self.weight_version
+        seq.weight_version = self.weight_version
+        group: _Group = seq.group
+        if group.first_token_time is None:
+            group.first_token_time = now
+            self._stats.ttft_seconds_sum += now - group.arrival
+            self._stats.ttft_count += 1
+        if token in seq.stop_ids:
+            self._finish(seq, "stop", token)
+        elif seq.params.stop and (hit := self._stop_string(seq)) is not None:
+            self._finish(seq, "stop", hit)
+        elif seq.num_output >= seq.max_new_tokens or len(seq.tokens) >= self.max_model_len:
+            self._finish(seq, "length", None)
+        elif group.stream:
+            self._emit(seq, None, None)
+
+    def _stop_string(self, seq: Seq) -> str | None:
+        stops = seq.params.stop
+        window = max(len(s) for s in stops) + 8
+        tail = self.tokenizer.decode(seq.output_ids()[-window:], skip_special_tokens=True)
+        for s in stops:
+            if s in tail:
+                return s
+        return None
+
+    def _emit(self, seq: Seq, finish_reason: str | None, stop_reason: int | str | None) -> None:
+        new = seq.tokens[seq.prompt_len + seq.emitted :]
+        start = seq.emitted
+        seq.emitted += len(new)
+        delta = SampleDelta(
+            index=seq.index,
+            token_ids=new,
+            logprobs=None if seq.logprobs is None else seq.logprobs[start : seq.emitted],
+            top_logprobs=None
+            if seq.top_logprobs is None
+            else seq.top_logprobs[start : seq.emitted],
+            finish_reason=finish_reason,
+            stop_reason=stop_reason,
+            weight_version=seq.weight_version,
+            first_weight_version=seq.first_weight_version,
+            cached_prompt_tokens=seq.cached_prompt_tokens,
+        )
+        self._outbox.append((seq.group.sink, [delta]))
+
+    def _finish(self, seq: Seq, reason: str, stop_reason: int | str | None) -> None:
+        self.scheduler.remove(seq)
+        if seq.num_output == 0:
+            seq.weight_version = self.weight_version
+        self._emit(seq, reason, stop_reason)
+        totals = self._stats.finished_total
+        totals[reason] = totals.get(reason, 0) + 1
+        group: _Group = seq.group
+        group.unfinished -= 1
+        if group.unfinished == 0:
+            self._drop_group(group)
+
+    def _drop_group(self, group: _Group) -> None:
+        rid = group.request.request_id
+        if self._groups.get(rid) is group:
+            del self._groups[rid]
+        with self._lock:
+            self._active_ids.discard(rid)

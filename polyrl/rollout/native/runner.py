@@ -1,0 +1,268 @@
+"""The model side of the native engine: a HF causal LM run on packed batches, and its weights.
+
+:class:`ModelRunner` loads any local HF causal LM whose attention goes through transformers'
+``AttentionInterface`` (Llama, Qwen2/3, Qwen3-MoE, Mistral, ...), switches it to the paged
+attention of :mod:`polyrl.rollout.native.attention`, and runs one packed forward per engine
+step. It also owns the weights: validating and staging new ones, copying them in, and
+releasing/restoring them for sleep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from polyrl.models.loader import load_causal_lm, resolve_dtype
+from polyrl.rollout.base import InvalidRequestError
+from polyrl.rollout.native.attention import ATTENTION_NAME, StepMetadata
+
+__all__ = ["ModelRunner", "StepInputs"]
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """Tensors of one packed forward.
+
+    Attributes:
+        input_ids: ``(1, T)`` new tokens of all scheduled sequences, decode tokens first.
+        position_ids: ``(1, T)`` their positions within their own sequences.
+        logits_index: ``(S,)`` packed index of each token whose next-token logits are needed.
+        meta: paged-attention metadata (slots, block tables, masks).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    logits_index: torch.Tensor
+    meta: StepMetadata
+
+
+def _model_geometry(config: object) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a HF text config."""
+    text = getattr(config, "get_text_config", lambda: config)()
+    layers = getattr(text, "num_hidden_layers", None)
+    heads = getattr(text, "num_attention_heads", None)
+    if layers is None or heads is None:
+        raise ValueError(
+            f"model config {type(config).__name__} lacks num_hidden_layers/num_attention_heads; "
+            "the native rollout engine serves decoder-only causal LMs"
+        )
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    return int(layers), int(kv_heads), int(head_dim)
+
+
+class ModelRunner:
+    """A HF causal LM prepared for packed paged-attention forwards.
+
+    Args:
+        model_dir: local HF model directory.
+        dtype: parameter dtype name or torch dtype.
+        device: ``cpu`` or ``cuda[:i]``.
+        trust_remote_code: allow code shipped with the model.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        trust_remote_code: bool = False,
+    ):
+        self.model_dir = str(model_dir)
+        self.dtype = resolve_dtype(dtype)
+        self.trust_remote_code = trust_remote_code
+        model = load_causal_lm(model_dir, self.dtype, device, trust_remote_code)
+        model.eval()
+        model.requires_grad_(False)
+        model.set_attn_implementation(ATTENTION_NAME)
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.config = model.config
+        self.num_layers, self.num_kv_heads, self.head_dim = _model_geometry(model.config)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        # Every name a parameter answers to (tied weights answer to both of theirs).
+        self._params: dict[str, torch.nn.Parameter] = dict(
+            model.named_parameters(remove_duplicate=False)
+        )
+        self._unique_names = [n for n, _ in model.named_parameters()]
+        self._offloaded: dict[str, torch.Tensor] | None = None
+        # Shapes of discarded parameters (sleep level 2), by id of the parameter.
+        self._shapes: dict[int, tuple[int, ...]] = {}
+        self.weights_discarded = False
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether the weights sit in host memory (sleep level 1 on an accelerator)."""
+        return self._offloaded is not None
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of parameters now held on the model's device."""
+        if self.weights_discarded or self._offloaded is not None:
+            return 0
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Run one packed step; return ``(S, vocab)`` logits of the requested positions."""
+        out = self.model(
+            input_ids=inputs.input_ids,
+            position_ids=inputs.position_ids,
+            use_cache=False,
+            logits_to_keep=inputs.logits_index,
+            polyrl_step=inputs.meta,
+        )
+        return out.logits[0]
+
+    # ----------------------------------------------------------------------------- weights
+
+    def stage_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], partial: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Check new weights against the model and copy them to its device and dtype.
+
+        Args:
+            named_tensors: ``(name, tensor)`` pairs named like ``model.named_parameters()``.
+            partial: accept a subset of the parameters (others keep their values).
+
+        Returns:
+            Staged tensors by parameter name, ready for :meth:`apply_weights`.
+
+        Raises:
+            InvalidRequestError: unknown name, wrong shape, non-tensor, or (unless ``partial``)
+                a missing parameter.
+        """
+        staged: dict[str, torch.Tensor] = {}
+        for name, tensor in named_tensors:
+            param = self._params.get(name)
+            if param is None:
+                close = [n for n in self._unique_names if n.endswith(name.split(".")[-1])][:3]
+                raise InvalidRequestError(
+                    f"weight {name!r} is not a parameter of {type(self.model).__name__}; "
+                    f"expected names as in model.named_parameters() (e.g. {close})",
+                    param="weights",
+                )
+            if not isinstance(tensor, torch.Tensor):
+                raise InvalidRequestError(
+                    f"weight {name!r} is a {type(tensor).__name__}, expected a torch.Tensor",
+                    param="weights",
+                )
+            expected = self._shapes.get(id(param), tuple(param.shape))
+            if tuple(tensor.shape) != expected:
+                raise InvalidRequestError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects "
+                    f"{expected}",
+                    param="weights",
+                )
+            if not tensor.is_floating_point():
+                raise InvalidRequestError(
+                    f"weight {name!r} has dtype {tensor.dtype}; expected a floating point tensor",
+                    param="weights",
+                )
+            staged[name] = tensor.detach().to(device=self.device, dtype=param.dtype, copy=True)
+        if not partial:
+            covered = {id(self._params[n]) for n in staged}
+            missing = [n for n in self._unique_names if id(self._params[n]) not in covered]
+            if missing:
+                raise InvalidRequestError(
+                    f"{len(missing)} parameter(s) missing from the new weights, e.g. "
+                    f"{missing[:3]}; send every parameter or use partial=True",
+                    param="weights",
+                )
+        if not staged:
+            raise InvalidRequestError("no weights were given", param="weights")
+        return staged
+
+    @torch.inference_mode()
+    def apply_weights(self, staged: dict[str, torch.Tensor]) -> None:
+        """Copy staged tensors into the parameters (call between steps only)."""
+        if self.weights_discarded:
+            self._restore_storage()
+            self.weights_discarded = False
+        for name, tensor in staged.items():
+            self._params[name].data.copy_(tensor)
+
+    def load_dir(self, path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+        """Read and stage all weights of a HF model directory (safetensors or ``.bin``).
+
+        The directory is loaded with the same model class as the served model, so checkpoint
+        key conversions (fused MoE experts, renamed keys) apply exactly as at start-up.
+        """
+        directory = Path(path)
+        if not directory.is_dir():
+            raise InvalidRequestError(
+                f"weights path {str(path)!r} is not a directory; expected a Hugging Face model "
+                "directory with safetensors files",
+                param="path",
+            )
+        if not any(directory.glob("*.safetensors")):
+            raise InvalidRequestError(
+                f"weights directory {str(path)!r} has no *.safetensors file", param="path"
+            )
+        try:
+            source = load_causal_lm(directory, self.dtype, "cpu", self.trust_remote_code)
+        except (OSError, ValueError) as exc:
+            raise InvalidRequestError(
+                f"cannot load weights from {str(path)!r}: {exc}", param="path"
+            ) from exc
+        if type(source) is not type(self.model):
+            raise InvalidRequestError(
+                f"weights in {str(path)!r} are for {type(source).__name__}, the served model is "
+                f"{type(self.model).__name__}",
+                param="path",
+            )
+        return self.stage_weights(source.named_parameters())
+
+    # ------------------------------------------------------------------------------- sleep
+
+    def offload(self) -> int:
+        """Move weights to host memory (sleep level 1); returns bytes freed on the device.
+
+        On a CPU device there is nothing to free and the weights stay where they are.
+        """
+        if self.device.type == "cpu" or self._offloaded is not None or self.weights_discarded:
+            return 0
+        freed = self.weight_bytes
+        self._offloaded = {}
+        for name in self._unique_names:
+            param = self._params[name]
+            self._offloaded[name] = param.data.to("cpu", copy=True)
+            param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+        torch.cuda.empty_cache()
+        return freed
+
+    def discard(self) -> int:
+        """Drop the weights entirely (sleep level 2); returns bytes freed.
+
+        New weights must be loaded (``update_weights``) before the next forward.
+        """
+        if self.weights_discarded:
+            return 0
+        freed = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self._offloaded = None
+        self._shapes = {id(p): tuple(p.shape) for p in self._params.values()}
+        for name in self._unique_names:
+            param = self._params[name]
+            param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+        self.weights_discarded = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return freed
+
+    def _restore_storage(self) -> None:
+        for name in self._unique_names:
+            param = self._params[name]
+            param.data = torch.empty(self._shapes[id(param)], dtype=param.dtype, device=self.device)
+        self._shapes = {}
+
+    def reload(self) -> None:
+        """Bring offloaded weights back to the device (wake-up after sleep level 1)."""
+        if self._offloaded is None:
+            return
+        for name, tensor in self._offloaded.items():
+            self._params[name].data = tensor.to(self.device)
+        self._offloaded = None

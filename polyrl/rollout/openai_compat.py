@@ -1,0 +1,611 @@
+"""OpenAI-compatible request parsing and response building for the rollout server.
+
+``/v1/completions`` and ``/v1/chat/completions`` follow the OpenAI wire format, so the official
+``openai`` client works unchanged. Extra request fields (``top_k``, ``min_p``,
+``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens``,
+``chat_template_kwargs``, ``add_generation_prompt``, ``session_id``) pass through
+``extra_body``; every choice also carries ``token_ids`` (the completion's token ids),
+``prompt_token_ids`` and ``weight_version``, reachable from the client as ``model_extra``.
+Unknown request fields are rejected (a typo such as ``temprature`` must not pass silently).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from polyrl.rollout.base import (
+    MAX_TOP_LOGPROBS,
+    InvalidRequestError,
+    ModelInfo,
+    SampleOutput,
+    SamplingParams,
+)
+
+__all__ = [
+    "OpenAIJob",
+    "TextAssembler",
+    "chat_chunk",
+    "chat_response",
+    "completion_chunk",
+    "completion_response",
+    "parse_chat_request",
+    "parse_completion_request",
+    "usage_chunk",
+]
+
+# Fields of the OpenAI APIs accepted but without effect here (their values are checked below
+# where a non-default value would change the meaning of the request).
+_IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "tool_choice"}
+_EXTRA_SAMPLING = ("top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos")
+_COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "skip_special_tokens",
+    "session_id",
+    "request_id",
+    "return_token_ids",
+    *_EXTRA_SAMPLING,
+}
+_COMPLETION_FIELDS = _COMMON | _IGNORED | {"prompt", "logprobs", "echo", "best_of", "suffix"}
+_CHAT_FIELDS = (
+    _COMMON
+    | _IGNORED
+    | {
+        "messages",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "tools",
+        "response_format",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+    }
+)
+
+
+@dataclasses.dataclass
+class OpenAIJob:
+    """A parsed OpenAI request: prompts as token ids and how to sample them."""
+
+    kind: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    skip_special_tokens: bool
+    top_logprobs: int | None
+    request_id: str
+    created: int
+    model: str
+
+
+def _fail(message: str, param: str | None = None, code: str | None = None) -> InvalidRequestError:
+    return InvalidRequestError(message, param=param, code=code)
+
+
+def _check_fields(body: Mapping[str, Any], allowed: set[str], endpoint: str) -> None:
+    for key in body:
+        if key not in allowed:
+            close = difflib.get_close_matches(key, sorted(allowed), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise _fail(f"unknown field {key!r} for {endpoint}{hint}", param=key)
+
+
+def _check_model(body: Mapping[str, Any], info: ModelInfo) -> str:
+    model = body.get("model")
+    if model is None:
+        return info.model
+    if not isinstance(model, str):
+        raise _fail(f"model must be a string, got {type(model).__name__}", param="model")
+    return model
+
+
+def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _fail(f"{name} must be true or false, got {value!r}", param=name)
+    return value
+
+
+def _unsupported_zero(body: Mapping[str, Any], name: str) -> None:
+    value = body.get(name)
+    if value not in (None, 0, 0.0, {}):
+        raise _fail(
+            f"{name}={value!r} is not supported by this server; use repetition_penalty instead"
+            if name.endswith("penalty")
+            else f"{name}={value!r} is not supported by this server",
+            param=name,
+        )
+
+
+def _sampling(body: Mapping[str, Any], max_new: Any, logprobs: bool, top: int) -> SamplingParams:
+    raw: dict[str, Any] = {
+        "max_new_tokens": max_new,
+        "logprobs": logprobs,
+        "top_logprobs": top,
+    }
+    for name in ("temperature", "top_p", "n", "seed", "stop", *_EXTRA_SAMPLING):
+        if body.get(name) is not None:
+            raw[name] = body[name]
+    for name in ("presence_penalty", "frequency_penalty", "logit_bias"):
+        _unsupported_zero(body, name)
+    if raw.get("max_new_tokens") is not None and not isinstance(raw["max_new_tokens"], int):
+        raise _fail(f"max_tokens must be an int >= 1, got {max_new!r}", param="max_tokens")
+    try:
+        return SamplingParams.from_dict(raw)
+    except InvalidRequestError as exc:
+        if exc.param == "max_new_tokens":
+            raise _fail(exc.message.replace("max_new_tokens", "max_tokens"), "max_tokens") from exc
+        raise
+
+
+def _stream_options(body: Mapping[str, Any], stream: bool) -> bool:
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, Mapping):
+        raise _fail("stream_options must be an object", param="stream_options")
+    if not stream:
+        raise _fail("stream_options is only allowed with stream=true", param="stream_options")
+    return bool(opts.get("include_usage", False))
+
+
+def _check_token_list(values: Sequence[Any], param: str) -> list[int]:
+    for pos, tok in enumerate(values):
+        if not isinstance(tok, int) or isinstance(tok, bool):
+            raise _fail(f"{param}[{pos}] is {tok!r}; expected an int token id", param=param)
+    return list(values)
+
+
+def _request_id(body: Mapping[str, Any], prefix: str) -> str:
+    rid = body.get("request_id")
+    if rid is None:
+        return f"{prefix}-{uuid.uuid4().hex}"
+    if not isinstance(rid, str) or not rid:
+        raise _fail("request_id must be a non-empty string", param="request_id")
+    return rid
+
+
+def parse_completion_request(body: Any, tokenizer: Any, info: ModelInfo) -> OpenAIJob:
+    """Parse a ``/v1/completions`` body.
+
+    ``prompt`` may be a string, a list of strings, a list of token ids or a list of such lists.
+
+    Raises:
+        InvalidRequestError: on any malformed or unsupported field.
+    """
+    if not isinstance(body, Mapping):
+        raise _fail("the request body must be a JSON object")
+    _check_fields(body, _COMPLETION_FIELDS, "/v1/completions")
+    model = _check_model(body, info)
+    if body.get("echo"):
+        raise _fail("echo=true is not supported", param="echo")
+    if body.get("suffix") is not None:
+        raise _fail("suffix is not supported", param="suffix")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != body.get("n", 1):
+        raise _fail("best_of must equal n (or be left out)", param="best_of")
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise _fail("missing required field 'prompt'", param="prompt")
+    prompts: list[list[int]]
+    if isinstance(prompt, str):
+        prompts = [tokenizer(prompt).input_ids]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = [tokenizer(p).input_ids for p in prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        prompts = [_check_token_list(p, "prompt") for p in prompt]
+    elif isinstance(prompt, list) and prompt:
+        prompts = [_check_token_list(prompt, "prompt")]
+    else:
+        raise _fail(
+            "prompt must be a non-empty string, list of strings, list of token ids or list of "
+            "token-id lists",
+            param="prompt",
+        )
+    if any(not p for p in prompts):
+        raise _fail("prompt must not be empty", param="prompt")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (
+        not isinstance(logprobs, int) or isinstance(logprobs, bool) or not 0 <= logprobs
+    ):
+        raise _fail(f"logprobs must be an int in [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
+    if logprobs is not None and logprobs > MAX_TOP_LOGPROBS:
+        raise _fail(f"logprobs must be an int in [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
+    max_tokens = body.get("max_tokens", 16)
+    params = _sampling(body, max_tokens, logprobs is not None, logprobs or 0)
+    stream = _flag(body, "stream", False)
+    return OpenAIJob(
+        kind="text_completion",
+        prompts=prompts,
+        params=params,
+        stream=stream,
+        include_usage=_stream_options(body, stream),
+        skip_special_tokens=_flag(body, "skip_special_tokens", True),
+        top_logprobs=logprobs,
+        request_id=_request_id(body, "cmpl"),
+        created=int(time.time()),
+        model=model,
+    )
+
+
+def _message_text(content: Any, index: int) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, Mapping) or part.get("type") != "text":
+                raise _fail(
+                    f"messages[{index}].content: only text parts are supported, got {part!r}",
+                    param="messages",
+                )
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    raise _fail(
+        f"messages[{index}].content must be a string or a list of text parts", param="messages"
+    )
+
+
+def parse_chat_request(body: Any, tokenizer: Any, info: ModelInfo) -> OpenAIJob:
+    """Parse a ``/v1/chat/completions`` body; the prompt is rendered by the chat template.
+
+    ``tools`` are handed to the template (which lists them in the system turn).
+
+    Raises:
+        InvalidRequestError: malformed messages or fields, or a template that fails on them.
+    """
+    if not isinstance(body, Mapping):
+        raise _fail("the request body must be a JSON object")
+    _check_fields(body, _CHAT_FIELDS, "/v1/chat/completions")
+    model = _check_model(body, info)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _fail("messages must be a non-empty list", param="messages")
+    rendered: list[dict[str, Any]] = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, Mapping) or not isinstance(msg.get("role"), str):
+            raise _fail(f"messages[{i}] must be an object with a string 'role'", param="messages")
+        item = dict(msg)
+        item["content"] = _message_text(msg.get("content"), i)
+        rendered.append(item)
+    tools = body.get("tools")
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, Mapping) for t in tools)
+    ):
+        raise _fail("tools must be a list of objects", param="tools")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, Mapping) or fmt.get("type") != "text"):
+        raise _fail("only response_format {'type': 'text'} is supported", param="response_format")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, Mapping):
+        raise _fail("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    add_gen = _flag(body, "add_generation_prompt", True)
+    cont = _flag(body, "continue_final_message", False)
+    if add_gen and cont and "add_generation_prompt" in body:
+        raise _fail(
+            "add_generation_prompt and continue_final_message cannot both be true",
+            param="continue_final_message",
+        )
+    try:
+        text = tokenizer.apply_chat_template(
+            rendered,
+            tools=tools,
+            add_generation_prompt=add_gen and not cont,
+            continue_final_message=cont,
+            tokenize=False,
+            **kwargs,
+        )
+    except Exception as exc:  # jinja errors of any kind are the request's fault
+        raise _fail(f"the chat template failed on these messages: {exc}", "messages") from exc
+    prompt_ids = tokenizer(text, add_special_tokens=False).input_ids
+    logprobs = _flag(body, "logprobs", False)
+    top = body.get("top_logprobs")
+    if top is not None:
+        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise _fail(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+        if not logprobs and top:
+            raise _fail("top_logprobs needs logprobs=true", param="top_logprobs")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    params = _sampling(body, max_tokens, logprobs, top or 0)
+    stream = _flag(body, "stream", False)
+    return OpenAIJob(
+        kind="chat.completion",
+        prompts=[prompt_ids],
+        params=params,
+        stream=stream,
+        include_usage=_stream_options(body, stream),
+        skip_special_tokens=_flag(body, "skip_special_tokens", True),
+        top_logprobs=top if logprobs else None,
+        request_id=_request_id(body, "chatcmpl"),
+        created=int(time.time()),
+        model=model,
+    )
+
+
+class TextAssembler:
+    """Incremental detokenisation of one choice, honouring stop strings.
+
+    Text that could still turn into a stop string, or that ends in an incomplete UTF-8
+    sequence, is held back until it can no longer change.
+    """
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str], skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.skip = skip_special_tokens
+        self.ids: list[int] = []
+        self.sent = ""
+        self._holdback = max((len(s) for s in self.stop), default=1) - 1
+
+    def _decode(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=self.skip)
+
+    def final_text(self, stop_reason: Any = None) -> str:
+        """Return the whole text, cut before the stop string that ended it."""
+        text = self._decode()
+        if isinstance(stop_reason, str):
+            cut = text.find(stop_reason)
+            if cut >= 0:
+                text = text[:cut]
+        return text
+
+    def push(self, token_ids: Sequence[int], finished: bool, stop_reason: Any = None) -> str:
+        """Add tokens; return the text that is now safe to send."""
+        self.ids.extend(token_ids)
+        if finished:
+            text = self.final_text(stop_reason)
+        else:
+            text = self._decode()
+            if text.endswith("\ufffd"):
+                return ""
+            if self.stop and self._holdback:
+                text = text[: max(len(self.sent), len(text) - self._holdback)]
+        if not text.startswith(self.sent):
+            # A later token changed how earlier bytes decode; never resend, only append.
+            return ""
+        delta = text[len(self.sent) :]
+        self.sent = text
+        return delta
+
+    def token_text(self, token_id: int) -> str:
+        """Decode one token, as logprob entries show it."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _completion_logprobs(
+    asm: TextAssembler, sample: SampleOutput, k: int | None, offset: int = 0
+) -> dict[str, Any]:
+    tokens = [asm.token_text(t) for t in sample.output_ids]
+    offsets = []
+    pos = offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    top = None
+    if k:
+        top = [
+            {asm.token_text(tid): lp for tid, lp in alts}
+            for alts in (sample.top_logprobs or [[] for _ in tokens])
+        ]
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(sample.logprobs or []),
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(
+    asm: TextAssembler, ids: Sequence[int], lps: Sequence[float], tops: Any
+) -> dict[str, Any]:
+    content = []
+    for i, (tid, lp) in enumerate(zip(ids, lps, strict=False)):
+        text = asm.token_text(tid)
+        alts = tops[i] if tops else []
+        content.append(
+            {
+                "token": text,
+                "logprob": lp,
+                "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [
+                    {
+                        "token": asm.token_text(a),
+                        "logprob": v,
+                        "bytes": list(asm.token_text(a).encode("utf-8")),
+                    }
+                    for a, v in alts
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def _usage(prompts: list[list[int]], samples: list[SampleOutput], n: int) -> dict[str, int]:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion = sum(len(s.output_ids) for s in samples)
+    cached = max((s.cached_prompt_tokens for s in samples), default=0)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def completion_response(
+    job: OpenAIJob, tokenizer: Any, samples: list[list[SampleOutput]]
+) -> dict[str, Any]:
+    """Build the ``text_completion`` body; ``samples[p]`` are the ``n`` samples of prompt ``p``."""
+    choices = []
+    flat: list[SampleOutput] = []
+    n = job.params.n
+    for p, per_prompt in enumerate(samples):
+        for s in per_prompt:
+            asm = TextAssembler(tokenizer, job.params.stop, job.skip_special_tokens)
+            asm.ids = list(s.output_ids)
+            choices.append(
+                {
+                    "index": p * n + s.index,
+                    "text": asm.final_text(s.stop_reason),
+                    "logprobs": _completion_logprobs(asm, s, job.top_logprobs)
+                    if job.top_logprobs is not None
+                    else None,
+                    "finish_reason": s.finish_reason,
+                    "stop_reason": s.stop_reason,
+                    "prompt_token_ids": job.prompts[p],
+                    "token_ids": s.output_ids,
+                    "weight_version": s.weight_version,
+                }
+            )
+            flat.append(s)
+    return {
+        "id": job.request_id,
+        "object": "text_completion",
+        "created": job.created,
+        "model": job.model,
+        "choices": choices,
+        "usage": _usage(job.prompts, flat, n),
+        "weight_version": max((s.weight_version for s in flat), default=0),
+    }
+
+
+def chat_response(job: OpenAIJob, tokenizer: Any, samples: list[SampleOutput]) -> dict[str, Any]:
+    """Build the ``chat.completion`` body for the ``n`` samples of the one prompt."""
+    choices = []
+    for s in samples:
+        asm = TextAssembler(tokenizer, job.params.stop, job.skip_special_tokens)
+        asm.ids = list(s.output_ids)
+        choices.append(
+            {
+                "index": s.index,
+                "message": {"role": "assistant", "content": asm.final_text(s.stop_reason)},
+                "logprobs": _chat_logprobs(asm, s.output_ids, s.logprobs or [], s.top_logprobs)
+                if job.params.logprobs
+                else None,
+                "finish_reason": s.finish_reason,
+                "stop_reason": s.stop_reason,
+                "token_ids": s.output_ids,
+                "weight_version": s.weight_version,
+            }
+        )
+    return {
+        "id": job.request_id,
+        "object": "chat.completion",
+        "created": job.created,
+        "model": job.model,
+        "choices": choices,
+        "prompt_token_ids": job.prompts[0],
+        "usage": _usage(job.prompts, samples, job.params.n),
+        "weight_version": max((s.weight_version for s in samples), default=0),
+    }
+
+
+def usage_chunk(job: OpenAIJob, samples: list[SampleOutput]) -> dict[str, Any]:
+    """Build the final streamed chunk carrying ``usage`` (``stream_options.include_usage``)."""
+    return {
+        "id": job.request_id,
+        "object": "chat.completion.chunk" if job.kind == "chat.completion" else job.kind,
+        "created": job.created,
+        "model": job.model,
+        "choices": [],
+        "usage": _usage(job.prompts, samples, job.params.n),
+    }
+
+
+def completion_chunk(
+    job: OpenAIJob,
+    index: int,
+    text: str,
+    token_ids: list[int],
+    finish_reason: str | None,
+    weight_version: int,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One streamed ``text_completion`` chunk."""
+    return {
+        "id": job.request_id,
+        "object": "text_completion",
+        "created": job.created,
+        "model": job.model,
+        "choices": [
+            {
+                "index": index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+                "token_ids": token_ids,
+                "weight_version": weight_version,
+            }
+        ],
+    }
+
+
+def chat_chunk(
+    job: OpenAIJob,
+    index: int,
+    delta: dict[str, Any],
+    token_ids: list[int],
+    finish_reason: str | None,
+    weight_version: int,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One streamed ``chat.completion.chunk``."""
+    return {
+        "id": job.request_id,
+        "object": "chat.completion.chunk",
+        "created": job.created,
+        "model": job.model,
+        "choices": [
+            {
+                "index": index,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+                "token_ids": token_ids,
+                "weight_version": weight_version,
+            }
+        ],
+    }
+
+
+def chat_logprobs_delta(
+    asm: TextAssembler, ids: Sequence[int], lps: Sequence[float] | None, tops: Any
+) -> dict[str, Any] | None:
+    """Chat ``logprobs`` object for the tokens of one streamed delta."""
+    if lps is None:
+        return None
+    return _chat_logprobs(asm, ids, lps, tops)
+
+
+def completion_logprobs_delta(
+    asm: TextAssembler,
+    ids: Sequence[int],
+    lps: Sequence[float] | None,
+    tops: Any,
+    k: int | None,
+    offset: int,
+) -> dict[str, Any] | None:
+    """Completions ``logprobs`` object for the tokens of one streamed delta."""
+    if lps is None or k is None:
+        return None
+    sample = SampleOutput(index=0, output_ids=list(ids), logprobs=list(lps), top_logprobs=tops)
+    return _completion_logprobs(asm, sample, k, offset)

@@ -1,0 +1,97 @@
+"""Command-line options shared by ``polyrl serve`` and ``python -m polyrl.rollout.server``.
+
+Kept free of heavy imports so ``polyrl --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+__all__ = [
+    "API_KEY_ENV",
+    "add_backend_arguments",
+    "add_listen_arguments",
+    "backend_options",
+]
+
+#: Environment variable holding the bearer token (kept out of argv, where ``ps`` shows it).
+API_KEY_ENV = "POLYRL_API_KEY"
+
+# (flag, engine option, type, help); only flags given on the command line reach the backend.
+_BACKEND_FLAGS: tuple[tuple[str, str, Any, str], ...] = (
+    ("--dtype", "dtype", str, "weights and KV-cache dtype: float32 (default), bfloat16, float16"),
+    ("--device", "device", str, "cpu (default) or cuda[:i]"),
+    ("--max-num-seqs", "max_num_seqs", int, "most sequences decoding at once (default 256)"),
+    (
+        "--max-num-batched-tokens",
+        "max_num_batched_tokens",
+        int,
+        "most tokens per engine step, prefill chunks included (default 2048)",
+    ),
+    ("--kv-cache-tokens", "kv_cache_tokens", int, "KV-cache token budget (default 131072)"),
+    ("--block-size", "block_size", int, "tokens per KV-cache block (default 16)"),
+    ("--max-model-len", "max_model_len", int, "longest prompt + output (default: the model's)"),
+    ("--seed", "seed", int, "seed for requests that bring none (default 0)"),
+    ("--threads", "num_threads", int, "torch threads of each replica (default: cores/replicas)"),
+    ("--served-model-name", "served_model_name", str, "model name reported to clients"),
+)
+
+
+def add_listen_arguments(parser: argparse.ArgumentParser, default_port: int = 8000) -> None:
+    """Add ``MODEL_DIR``, ``--host``, ``--port``, ``--backend`` and ``--ready-file``."""
+    parser.add_argument("model_dir", metavar="MODEL_DIR", help="local Hugging Face model directory")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1: this machine only)",
+    )
+    parser.add_argument(
+        "--port", type=int, default=default_port, help=f"port (default {default_port}; 0 = any)"
+    )
+    parser.add_argument(
+        "--backend", default="native", help="inference backend: native (default) or vllm"
+    )
+    parser.add_argument(
+        "--ready-file",
+        default=None,
+        help="write {'url': ..., 'pid': ...} as JSON here once the server accepts requests",
+    )
+    parser.add_argument(
+        "--log-level", default="warning", help="uvicorn log level (default warning)"
+    )
+
+
+def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the engine flags (dtype, budgets, ...) and ``--no-prefix-caching``."""
+    group = parser.add_argument_group("engine")
+    for flag, dest, typ, text in _BACKEND_FLAGS:
+        group.add_argument(flag, dest=dest, type=typ, default=None, help=text)
+    group.add_argument(
+        "--no-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        default=None,
+        help="do not reuse KV blocks of shared prompt prefixes",
+    )
+    group.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        default=None,
+        help="allow modelling code shipped inside the model directory",
+    )
+
+
+def backend_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Return the engine options given on the command line (flags left out are not included)."""
+    names = [dest for _, dest, _, _ in _BACKEND_FLAGS] + [
+        "enable_prefix_caching",
+        "trust_remote_code",
+    ]
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def api_key_from_env() -> str | None:
+    """Return the bearer token from :data:`API_KEY_ENV`, or ``None`` when unset or empty."""
+    return os.environ.get(API_KEY_ENV) or None
