@@ -10,7 +10,7 @@ import pytest
 
 
 @pytest.mark.slow
-def test_demo_job_runs_end_to_end(tmp_path):
+def test_demo_job_serves_scores_trains_and_updates_the_server(tmp_path):
     out = tmp_path / "demo"
     proc = subprocess.run(
         [
@@ -19,19 +19,23 @@ def test_demo_job_runs_end_to_end(tmp_path):
             "polyrl.demo",
             "demo",
             f"trainer.output_dir={out}",
-            "data.val_batch_size=4",
+            "data.val_batch_size=8",
             "rollout.n=2",
-            "data.task=countdown",
+            "trainer.total_steps=40",
         ],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "demo_summary.json").read_text())
-    assert summary["prompts"] == 4
+    assert summary["prompts"] == 8
     assert summary["samples_per_prompt"] == 2
-    assert 0.0 <= summary["score_mean"] <= 1.0
-    assert summary["reward_errors"] == 0
-    assert (out / "data" / "test.parquet").exists()
+    # The server really switched to the SFT weights, and SFT really learned something.
+    assert summary["before"]["weight_version"] == 0
+    assert summary["after"]["weight_version"] == 1
+    assert summary["val_loss_last"] < summary["val_loss_first"] - 1.0
+    for phase in ("before", "after"):
+        assert 0.0 <= summary[phase]["score_mean"] <= 1.0
+    assert (out / "learning_curves.png").stat().st_size > 1000
     assert "[demo] summary:" in proc.stdout
