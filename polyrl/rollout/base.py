@@ -33,6 +33,7 @@ __all__ = [
     "SampleOutput",
     "SamplingParams",
     "available_backends",
+    "check_request_fits",
     "collect_outputs",
     "create_backend",
     "register_backend",
@@ -250,6 +251,54 @@ class GenerateRequest:
                     f"prompt token at position {pos} is {tok!r}; expected an int token id",
                     param="input_ids",
                 )
+
+
+def check_request_fits(request: GenerateRequest, vocab_size: int, max_model_len: int) -> int:
+    """Check a request's token ids and length against a model; return its ``max_new_tokens``.
+
+    Shared by every backend so that the same bad input gets the same 400 everywhere.
+
+    Raises:
+        InvalidRequestError: unknown prompt or stop token id, or a prompt that leaves no room
+            (or not ``max_new_tokens`` of room) in the context length.
+    """
+    prompt = request.prompt_ids
+    for pos, tok in enumerate(prompt):
+        if not 0 <= tok < vocab_size:
+            raise InvalidRequestError(
+                f"unknown token id {tok} at prompt position {pos}: "
+                f"expected ids in [0, {vocab_size})",
+                param="input_ids",
+                code="invalid_token_id",
+            )
+    for tok in request.params.stop_token_ids:
+        if tok >= vocab_size:
+            raise InvalidRequestError(
+                f"unknown stop token id {tok}: expected ids in [0, {vocab_size})",
+                param="stop_token_ids",
+                code="invalid_token_id",
+            )
+    n_prompt = len(prompt)
+    room = max_model_len - n_prompt
+    if room < 1:
+        raise InvalidRequestError(
+            f"prompt has {n_prompt} tokens; the context length (max_model_len) is "
+            f"{max_model_len}, leaving no room to generate",
+            param="input_ids",
+            code="context_length_exceeded",
+        )
+    max_new = request.params.max_new_tokens
+    if max_new is None:
+        return room
+    if max_new > room:
+        raise InvalidRequestError(
+            f"prompt has {n_prompt} tokens and max_new_tokens is {max_new}: "
+            f"{n_prompt + max_new} exceeds the context length (max_model_len) "
+            f"{max_model_len}",
+            param="max_new_tokens",
+            code="context_length_exceeded",
+        )
+    return max_new
 
 
 @dataclasses.dataclass

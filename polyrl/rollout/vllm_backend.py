@@ -85,6 +85,7 @@ from polyrl.rollout.base import (
     ModelInfo,
     RolloutError,
     SampleDelta,
+    check_request_fits,
     register_backend,
 )
 
@@ -1092,44 +1093,7 @@ class VLLMBackend:
 
     def _validate(self, request: GenerateRequest) -> int:
         info = self.info
-        prompt = request.prompt_ids
-        vocab = info.vocab_size
-        for pos, tok in enumerate(prompt):
-            if not 0 <= tok < vocab:
-                raise InvalidRequestError(
-                    f"unknown token id {tok} at prompt position {pos}: "
-                    f"expected ids in [0, {vocab})",
-                    param="input_ids",
-                    code="invalid_token_id",
-                )
-        for tok in request.params.stop_token_ids:
-            if tok >= vocab:
-                raise InvalidRequestError(
-                    f"unknown stop token id {tok}: expected ids in [0, {vocab})",
-                    param="stop_token_ids",
-                    code="invalid_token_id",
-                )
-        n_prompt = len(prompt)
-        room = info.max_model_len - n_prompt
-        if room < 1:
-            raise InvalidRequestError(
-                f"prompt has {n_prompt} tokens; the context length (max_model_len) is "
-                f"{info.max_model_len}, leaving no room to generate",
-                param="input_ids",
-                code="context_length_exceeded",
-            )
-        max_new = request.params.max_new_tokens
-        if max_new is None:
-            return room
-        if max_new > room:
-            raise InvalidRequestError(
-                f"prompt has {n_prompt} tokens and max_new_tokens is {max_new}: "
-                f"{n_prompt + max_new} exceeds the context length (max_model_len) "
-                f"{info.max_model_len}",
-                param="max_new_tokens",
-                code="context_length_exceeded",
-            )
-        return max_new
+        return check_request_fits(request, info.vocab_size, info.max_model_len)
 
     async def generate(
         self, request: GenerateRequest, stream: bool = True

@@ -34,6 +34,7 @@ from polyrl.rollout.base import (
     InvalidRequestError,
     ModelInfo,
     SampleDelta,
+    check_request_fits,
 )
 from polyrl.rollout.native.attention import AttentionGroup, StepMetadata
 from polyrl.rollout.native.kv_cache import BlockAllocator, PagedKVCache
@@ -268,44 +269,7 @@ class NativeEngine:
                 "the weights were discarded by sleep(level=2); load new ones with "
                 "/update_weights first"
             )
-        prompt = request.prompt_ids
-        vocab = self.vocab_size
-        for pos, tok in enumerate(prompt):
-            if not 0 <= tok < vocab:
-                raise InvalidRequestError(
-                    f"unknown token id {tok} at prompt position {pos}: expected ids in "
-                    f"[0, {vocab})",
-                    param="input_ids",
-                    code="invalid_token_id",
-                )
-        for tok in request.params.stop_token_ids:
-            if tok >= vocab:
-                raise InvalidRequestError(
-                    f"unknown stop token id {tok}: expected ids in [0, {vocab})",
-                    param="stop_token_ids",
-                    code="invalid_token_id",
-                )
-        n_prompt = len(prompt)
-        room = self.max_model_len - n_prompt
-        if room < 1:
-            raise InvalidRequestError(
-                f"prompt has {n_prompt} tokens; the context length (max_model_len) is "
-                f"{self.max_model_len}, leaving no room to generate",
-                param="input_ids",
-                code="context_length_exceeded",
-            )
-        max_new = request.params.max_new_tokens
-        if max_new is None:
-            return room
-        if max_new > room:
-            raise InvalidRequestError(
-                f"prompt has {n_prompt} tokens and max_new_tokens is {max_new}: "
-                f"{n_prompt + max_new} exceeds the context length (max_model_len) "
-                f"{self.max_model_len}",
-                param="max_new_tokens",
-                code="context_length_exceeded",
-            )
-        return max_new
+        return check_request_fits(request, self.vocab_size, self.max_model_len)
 
     def submit(self, request: GenerateRequest, sink: Sink, stream: bool = True) -> None:
         """Queue a request; its deltas go to ``sink`` until every sample has finished.
