@@ -345,7 +345,7 @@ def test_bundled_presets():
     assert (demo.model.tiny_arch, demo.model.tiny_size) == ("qwen2", "nano")
     assert demo.data.task == "arithmetic"
     assert demo.data.train_batch_size <= 16
-    assert 0 < demo.trainer.total_steps <= 50
+    assert 0 < demo.trainer.total_steps <= 500  # a CPU demo of a minute or so
     assert demo.trainer.device == "cpu"
 
 
