@@ -645,6 +645,10 @@ def create_app(
             raise InvalidRequestError(f"version must be an int >= 0, got {version!r}", "version")
         return {"weight_version": await backend.update_weights(path, version)}
 
+    # Deferred import: polyrl.weights builds on this module's backends, not the reverse.
+    from polyrl.weights.server_routes import register_weight_routes
+
+    register_weight_routes(app, backend)
     return app
 
 

@@ -128,6 +128,17 @@ class NativeBackend:
         """Load a safetensors directory and switch to it between two steps."""
         return await asyncio.to_thread(self._engine().update_weights_from_dir, path, version)
 
+    async def load_weights(
+        self,
+        named_tensors: list[tuple[str, Any]],
+        version: int | None = None,
+        partial: bool = False,
+    ) -> int:
+        """Stage tensors and switch to them atomically; see :meth:`NativeEngine.load_weights`."""
+        return await asyncio.to_thread(
+            self._engine().load_weights, named_tensors, version, partial
+        )
+
     def stats(self) -> BackendStats:
         """Counters and gauges of the engine."""
         return self._engine().stats()

@@ -1,0 +1,26 @@
+"""Weight transfer from a model engine to rollout servers: bucketed, versioned, atomic."""
+
+from polyrl.weights.base import (
+    BucketMeta,
+    TensorMeta,
+    Transport,
+    WeightTransferError,
+    create_transport,
+    register_transport,
+    registered_transports,
+)
+from polyrl.weights.receiver import WeightReceiver
+from polyrl.weights.sender import SendStats, WeightSender
+
+__all__ = [
+    "BucketMeta",
+    "SendStats",
+    "TensorMeta",
+    "Transport",
+    "WeightReceiver",
+    "WeightSender",
+    "WeightTransferError",
+    "create_transport",
+    "register_transport",
+    "registered_transports",
+]

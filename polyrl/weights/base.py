@@ -1,0 +1,213 @@
+"""Weight-transfer interface: bucket metadata, checksums, errors and the transport registry.
+
+A transfer moves ``(name, tensor)`` pairs from a model engine to rollout replicas in fixed-size
+*buckets*: contiguous byte buffers holding several whole tensors back to back. Metadata (names,
+shapes, dtypes, byte offsets, version, checksum) travels over a control channel (HTTP to the
+rollout server); the bytes travel over a :class:`Transport`.
+"""
+
+from __future__ import annotations
+
+import abc
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = [
+    "BucketMeta",
+    "TensorMeta",
+    "Transport",
+    "WeightTransferError",
+    "bucket_checksum",
+    "create_transport",
+    "dtype_from_name",
+    "dtype_name",
+    "register_transport",
+    "registered_transports",
+]
+
+
+class WeightTransferError(RuntimeError):
+    """A weight transfer failed; the message names the tensors or bucket involved."""
+
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Return the wire name of ``dtype`` (e.g. ``"float32"``)."""
+    for key, value in _DTYPES.items():
+        if value == dtype:
+            return key
+    raise WeightTransferError(
+        f"dtype {dtype} cannot be transferred; expected one of {list(_DTYPES)}"
+    )
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_name`."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise WeightTransferError(
+            f"unknown dtype {name!r} in bucket metadata; expected one of {list(_DTYPES)}"
+        ) from None
+
+
+def bucket_checksum(data: memoryview | bytes) -> int:
+    """CRC32 of a bucket's bytes (cheap enough to leave on in tests)."""
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Where one tensor lives inside a bucket."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+    nbytes: int
+    start: int = 0
+
+    @property
+    def total_nbytes(self) -> int:
+        """Size of the whole tensor (a chunk of a split tensor is smaller)."""
+        numel = 1
+        for dim in self.shape:
+            numel *= dim
+        return numel * torch.empty((), dtype=dtype_from_name(self.dtype)).element_size()
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TensorMeta:
+        """Parse the JSON form, rejecting malformed entries with a clear message."""
+        try:
+            return cls(
+                name=str(data["name"]),
+                shape=tuple(int(s) for s in data["shape"]),
+                dtype=str(data["dtype"]),
+                offset=int(data["offset"]),
+                nbytes=int(data["nbytes"]),
+                start=int(data.get("start", 0)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WeightTransferError(
+                f"malformed tensor metadata {dict(data)!r}: {exc}; expected name, shape, dtype, "
+                "offset, nbytes"
+            ) from exc
+
+
+@dataclass(frozen=True)
+class BucketMeta:
+    """One bucket of a transfer: its tensors, size, index, version and optional checksum."""
+
+    transfer_id: str
+    version: int
+    index: int
+    nbytes: int
+    tensors: tuple[TensorMeta, ...]
+    checksum: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable form."""
+        out = asdict(self)
+        out["tensors"] = [asdict(t) for t in self.tensors]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> BucketMeta:
+        """Parse the JSON form sent over the control channel."""
+        try:
+            return cls(
+                transfer_id=str(data["transfer_id"]),
+                version=int(data["version"]),
+                index=int(data["index"]),
+                nbytes=int(data["nbytes"]),
+                tensors=tuple(TensorMeta.from_dict(t) for t in data["tensors"]),
+                checksum=None if data.get("checksum") is None else int(data["checksum"]),
+                extra=dict(data.get("extra") or {}),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WeightTransferError(
+                f"malformed bucket metadata: {exc}; expected transfer_id, version, index, "
+                "nbytes, tensors[, checksum, extra]"
+            ) from exc
+
+
+class Transport(abc.ABC):
+    """Moves bucket bytes from the sender to every replica; one instance per sender.
+
+    The sender calls :meth:`begin`, then :meth:`send_bucket` for each bucket (at most two
+    in flight: the returned callable waits for one), then :meth:`commit` or :meth:`abort`.
+    """
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def begin(self, transfer_id: str, version: int) -> list[int]:
+        """Tell every replica a transfer at ``version`` starts; return their current versions."""
+
+    @abc.abstractmethod
+    def buffer(self, slot: int, nbytes: int) -> memoryview:
+        """Return writable staging memory of at least ``nbytes`` for buffer ``slot`` (0 or 1)."""
+
+    @abc.abstractmethod
+    def send_bucket(self, slot: int, meta: BucketMeta) -> Callable[[], None]:
+        """Start delivering buffer ``slot`` described by ``meta``; return a wait function."""
+
+    @abc.abstractmethod
+    def commit(self, transfer_id: str, version: int, buckets: int) -> list[int]:
+        """Ask every replica to switch atomically after ``buckets``; return their versions."""
+
+    @abc.abstractmethod
+    def abort(self, transfer_id: str) -> None:
+        """Ask every replica to drop the staged tensors of ``transfer_id``."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most transports hold nothing
+        """Release transport resources."""
+
+
+_REGISTRY: dict[str, type[Transport]] = {}
+
+
+def register_transport(name: str) -> Callable[[type[Transport]], type[Transport]]:
+    """Class decorator registering a :class:`Transport` under ``name``."""
+
+    def wrap(cls: type[Transport]) -> type[Transport]:
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"transport {name!r} is already registered by {_REGISTRY[name]}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def registered_transports() -> list[str]:
+    """Names of the registered transports."""
+    import polyrl.weights.transports  # noqa: F401 - registers the built-in transports
+
+    return sorted(_REGISTRY)
+
+
+def create_transport(name: str, **options: Any) -> Transport:
+    """Instantiate the transport registered as ``name``."""
+    import polyrl.weights.transports  # noqa: F401 - registers the built-in transports
+
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown weight transport {name!r}; expected one of {sorted(_REGISTRY)}")
+    return _REGISTRY[name](**options)

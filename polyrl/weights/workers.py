@@ -1,0 +1,78 @@
+"""Engine-side entry point: a controller worker that pushes its weights to rollout replicas."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from polyrl.controller import Dispatch, register
+from polyrl.model.workers import EngineWorker
+from polyrl.weights.base import create_transport
+from polyrl.weights.sender import WeightSender
+
+__all__ = ["WeightSyncWorker", "sync_engine_weights"]
+
+
+def sync_engine_weights(
+    engine: Any,
+    rank: int,
+    transport: str,
+    urls: Sequence[str],
+    *,
+    bucket_mb: float = 64.0,
+    dtype: torch.dtype | None = None,
+    checksum: bool = False,
+    version: int | None = None,
+    transport_options: dict[str, Any] | None = None,
+) -> dict[str, Any] | None:
+    """Stream ``engine.named_tensors()`` to ``urls``; only rank 0 sends.
+
+    ``named_tensors`` is collective, so every other rank still walks it (gathering each full
+    tensor) and discards the tensors. Returns rank 0's send statistics, ``None`` elsewhere.
+    """
+    tensors = engine.named_tensors(dtype=dtype, device="cpu")
+    if rank != 0:
+        for _ in tensors:
+            pass
+        return None
+    sender_transport = create_transport(transport, urls=list(urls), **(transport_options or {}))
+    try:
+        stats = WeightSender(
+            sender_transport, bucket_mb=bucket_mb, dtype=dtype, checksum=checksum
+        ).send(tensors, version=version)
+    finally:
+        sender_transport.close()
+    return {
+        "version": stats.version,
+        "buckets": stats.buckets,
+        "bytes": stats.bytes,
+        "seconds": stats.seconds,
+        "buffer_bytes": stats.buffer_bytes,
+        "replica_versions": stats.replica_versions,
+    }
+
+
+class WeightSyncWorker(EngineWorker):
+    """An :class:`EngineWorker` that can push its weights to rollout replicas."""
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def sync_weights(
+        self,
+        transport: str,
+        urls: Sequence[str],
+        bucket_mb: float = 64.0,
+        checksum: bool = False,
+        version: int | None = None,
+    ) -> dict[str, Any] | None:
+        """Send this group's weights to ``urls`` over ``transport`` (collective)."""
+        return sync_engine_weights(
+            self.engine,
+            self.rank,
+            transport,
+            urls,
+            bucket_mb=bucket_mb,
+            checksum=checksum,
+            version=version,
+        )
