@@ -1,0 +1,266 @@
+"""Advantage estimators for RL post-training, kept in a name-keyed registry.
+
+Every estimator takes ``token_level_rewards (B, T)`` and ``response_mask (B, T)`` plus, where it
+needs them, ``index`` (group id per row), ``values (B, T)`` or ``baseline_rewards (B,)``, and
+returns ``(advantages, returns)``, both ``(B, T)`` and zero wherever the mask is zero.
+Let ``s_i = sum_t r_{i,t}`` be the sequence score.
+
+- ``gae``: ``delta_t = r_t + gamma * V_{t+1} - V_t``, ``A_t = delta_t + gamma * lam * A_{t+1}``,
+  ``R_t = A_t + V_t``; optionally whitened over the batch.
+- ``grpo``: ``A_i = (s_i - mean_g(s)) / (std_g(s) + eps)`` within a group g (Bessel std);
+  ``norm_adv_by_std=False`` is the Dr. GRPO variant ``A_i = s_i - mean_g(s)``.
+- ``rloo``: ``A_i = s_i - mean_{j in g, j != i} s_j``.
+- ``reinforce_plus_plus``: ``G_t = r_t + gamma * G_{t+1}``, ``A = whiten(G)`` over the batch.
+- ``reinforce_plus_plus_baseline``: ``A = whiten(s_i - mean_g(s))`` broadcast over tokens.
+- ``remax``: ``G_t = sum_{k>=t} r_k``, ``A_t = G_t - b_i`` with ``b_i`` the greedy rollout's score.
+
+Groups of size 1 carry no relative signal, so group-based estimators give them advantage 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+_ADVANTAGES: dict[str, AdvantageFn] = {}
+
+
+def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Register an advantage estimator under ``name`` (decorator)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"advantage estimator name must be a non-empty str, got {name!r}")
+
+    def deco(fn: AdvantageFn) -> AdvantageFn:
+        if name in _ADVANTAGES and _ADVANTAGES[name] is not fn:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        _ADVANTAGES[name] = fn
+        return fn
+
+    return deco
+
+
+def get_advantage_estimator(name: str) -> AdvantageFn:
+    """Return the estimator registered under ``name``; raise ``KeyError`` listing known names."""
+    try:
+        return _ADVANTAGES[name]
+    except KeyError:
+        raise KeyError(
+            f"unknown advantage estimator {name!r}; expected one of {sorted(_ADVANTAGES)}"
+        ) from None
+
+
+def list_advantage_estimators() -> list[str]:
+    """Names of all registered advantage estimators."""
+    return sorted(_ADVANTAGES)
+
+
+def _check(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    if rewards.dim() != 2:
+        raise ValueError(f"token_level_rewards must be (B, T), got shape {tuple(rewards.shape)}")
+    if mask.shape != rewards.shape:
+        raise ValueError(
+            f"response_mask shape {tuple(mask.shape)} must equal token_level_rewards shape "
+            f"{tuple(rewards.shape)}"
+        )
+    return mask.to(rewards.dtype)
+
+
+def _group_ids(index: Any, batch: int) -> torch.Tensor:
+    """Map arbitrary hashable group ids (list/array/tensor) to dense int64 ids."""
+    if index is None:
+        raise ValueError("this estimator needs `index` (one group id per row), got None")
+    if isinstance(index, torch.Tensor):
+        items: Sequence[Any] = index.tolist()
+    else:
+        items = list(index)
+    if len(items) != batch:
+        raise ValueError(f"index has {len(items)} entries, expected one per row ({batch})")
+    dense: dict[Any, int] = {}
+    ids = [dense.setdefault(x if not isinstance(x, list) else tuple(x), len(dense)) for x in items]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``x`` over positions where ``mask`` is 1 (0 when the mask is empty)."""
+    mask = mask.to(x.dtype)
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1.0)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + eps)`` over masked positions (Bessel variance); zero off-mask."""
+    mask = mask.to(x.dtype)
+    n = mask.sum()
+    mean = masked_mean(x, mask)
+    var = (((x - mean) ** 2) * mask).sum() / (n - 1).clamp(min=1.0)
+    return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+def _group_stats(
+    scores: torch.Tensor, gid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row group size, group mean and group Bessel std (std 0 for singletons)."""
+    ngroups = int(gid.max().item()) + 1 if gid.numel() else 0
+    count = torch.zeros(ngroups, dtype=scores.dtype).index_add_(0, gid, torch.ones_like(scores))
+    total = torch.zeros(ngroups, dtype=scores.dtype).index_add_(0, gid, scores)
+    mean = total / count
+    sq = torch.zeros(ngroups, dtype=scores.dtype).index_add_(0, gid, (scores - mean[gid]) ** 2)
+    std = (sq / (count - 1).clamp(min=1.0)).sqrt()
+    return count[gid], mean[gid], std[gid]
+
+
+@register_advantage("gae")
+def gae(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any = None,
+    values: torch.Tensor | None = None,
+    baseline_rewards: torch.Tensor | None = None,
+    *,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation; ``values`` (B, T) from the critic are required.
+
+    Masked positions are skipped: the recursion carries through them unchanged, so a gap in
+    the mask behaves as if the masked tokens were absent. Values after the last token are 0.
+    """
+    mask = _check(token_level_rewards, response_mask)
+    if values is None or values.shape != token_level_rewards.shape:
+        raise ValueError(
+            "gae needs `values` with the same (B, T) shape as token_level_rewards, got "
+            f"{None if values is None else tuple(values.shape)}"
+        )
+    with torch.no_grad():
+        B, T = token_level_rewards.shape
+        lastgae = torch.zeros(B, dtype=token_level_rewards.dtype)
+        nextvalue = torch.zeros(B, dtype=token_level_rewards.dtype)
+        out = torch.zeros_like(token_level_rewards)
+        for t in reversed(range(T)):
+            m = mask[:, t]
+            delta = token_level_rewards[:, t] + gamma * nextvalue - values[:, t]
+            new = delta + gamma * lam * lastgae
+            lastgae = m * new + (1 - m) * lastgae
+            nextvalue = m * values[:, t] + (1 - m) * nextvalue
+            out[:, t] = lastgae
+        returns = (out + values) * mask
+        adv = masked_whiten(out, mask) if whiten else out * mask
+    return adv, returns
+
+
+@register_advantage("grpo")
+def grpo(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any = None,
+    values: torch.Tensor | None = None,
+    baseline_rewards: torch.Tensor | None = None,
+    *,
+    norm_adv_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-relative outcome advantage; ``norm_adv_by_std=False`` gives Dr. GRPO."""
+    mask = _check(token_level_rewards, response_mask)
+    with torch.no_grad():
+        scores = token_level_rewards.sum(-1)
+        count, mean, std = _group_stats(scores, _group_ids(index, scores.shape[0]))
+        adv = scores - mean
+        if norm_adv_by_std:
+            adv = adv / (std + eps)
+        adv = torch.where(count > 1, adv, torch.zeros_like(adv))
+        out = adv.unsqueeze(-1) * mask
+    return out, out.clone()
+
+
+@register_advantage("rloo")
+def rloo(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any = None,
+    values: torch.Tensor | None = None,
+    baseline_rewards: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE leave-one-out: baseline is the mean score of the other group members."""
+    mask = _check(token_level_rewards, response_mask)
+    with torch.no_grad():
+        scores = token_level_rewards.sum(-1)
+        count, mean, _ = _group_stats(scores, _group_ids(index, scores.shape[0]))
+        # s_i - (n*mean - s_i)/(n-1) == n/(n-1) * (s_i - mean)
+        adv = count / (count - 1).clamp(min=1.0) * (scores - mean)
+        adv = torch.where(count > 1, adv, torch.zeros_like(adv))
+        out = adv.unsqueeze(-1) * mask
+    return out, out.clone()
+
+
+def _discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    B, T = rewards.shape
+    running = torch.zeros(B, dtype=rewards.dtype)
+    out = torch.zeros_like(rewards)
+    for t in reversed(range(T)):
+        running = rewards[:, t] * mask[:, t] + gamma * running
+        out[:, t] = running
+    return out * mask
+
+
+@register_advantage("reinforce_plus_plus")
+def reinforce_plus_plus(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any = None,
+    values: torch.Tensor | None = None,
+    baseline_rewards: torch.Tensor | None = None,
+    *,
+    gamma: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: discounted token returns, whitened over all masked tokens of the batch."""
+    mask = _check(token_level_rewards, response_mask)
+    with torch.no_grad():
+        returns = _discounted_returns(token_level_rewards, mask, gamma)
+        adv = masked_whiten(returns, mask)
+    return adv, returns
+
+
+@register_advantage("reinforce_plus_plus_baseline")
+def reinforce_plus_plus_baseline(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any = None,
+    values: torch.Tensor | None = None,
+    baseline_rewards: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with a group-mean baseline, then whitening over the batch's tokens."""
+    mask = _check(token_level_rewards, response_mask)
+    with torch.no_grad():
+        scores = token_level_rewards.sum(-1)
+        count, mean, _ = _group_stats(scores, _group_ids(index, scores.shape[0]))
+        centred = torch.where(count > 1, scores - mean, torch.zeros_like(scores))
+        adv = masked_whiten(centred.unsqueeze(-1) * mask, mask)
+    return adv, adv.clone()
+
+
+@register_advantage("remax")
+def remax(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any = None,
+    values: torch.Tensor | None = None,
+    baseline_rewards: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax: undiscounted return-to-go minus the greedy rollout's score ``baseline_rewards``."""
+    mask = _check(token_level_rewards, response_mask)
+    B = token_level_rewards.shape[0]
+    if baseline_rewards is None or baseline_rewards.reshape(-1).shape[0] != B:
+        raise ValueError(
+            f"remax needs `baseline_rewards` with one value per row ({B}), got "
+            f"{None if baseline_rewards is None else tuple(baseline_rewards.shape)}"
+        )
+    with torch.no_grad():
+        returns = _discounted_returns(token_level_rewards, mask, 1.0)
+        adv = (returns - baseline_rewards.reshape(B, 1).to(returns.dtype)) * mask
+    return adv, returns

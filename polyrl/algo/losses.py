@@ -1,0 +1,230 @@
+"""Loss aggregation, policy losses (registry), entropy bonus and clipped value loss.
+
+Aggregation of a per-token loss ``L (B, T)`` under mask ``M``:
+
+- ``token-mean``: ``sum(L*M) / sum(M)``
+- ``seq-mean-token-sum``: mean over non-empty rows of ``sum_t L*M``
+- ``seq-mean-token-mean``: mean over non-empty rows of ``sum_t L*M / sum_t M``
+- ``seq-mean-token-sum-norm``: ``sum(L*M) / (B * H)`` with a constant horizon ``H``
+  (default ``T``), the Dr. GRPO normalisation without length bias.
+
+``ppo_clip``: ``r = exp(logp - logp_old)``,
+``L = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` and, for ``A < 0`` only (dual clip),
+``L = min(L, -A c)``.
+``gspo``: ``s_i = exp(mean_t (logp - logp_old))``, token ratio
+``r_{i,t} = sg[s_i] * exp(logp - sg[logp])`` (value ``s_i``, gradient of the token), then the
+same clipped surrogate, aggregated by default with ``seq-mean-token-mean``.
+Value loss: ``0.5 * agg(max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2))``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+
+_POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Register a policy loss under ``name`` (decorator)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"policy loss name must be a non-empty str, got {name!r}")
+
+    def deco(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in _POLICY_LOSSES and _POLICY_LOSSES[name] is not fn:
+            raise ValueError(f"policy loss {name!r} is already registered")
+        _POLICY_LOSSES[name] = fn
+        return fn
+
+    return deco
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    """Return the policy loss registered under ``name``; raise ``KeyError`` listing known names."""
+    try:
+        return _POLICY_LOSSES[name]
+    except KeyError:
+        raise KeyError(
+            f"unknown policy loss {name!r}; expected one of {sorted(_POLICY_LOSSES)}"
+        ) from None
+
+
+def list_policy_losses() -> list[str]:
+    """Names of all registered policy losses."""
+    return sorted(_POLICY_LOSSES)
+
+
+def _same_shape(mask: torch.Tensor, **tensors: torch.Tensor) -> None:
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be (B, T), got shape {tuple(mask.shape)}")
+    for name, t in tensors.items():
+        if t.shape != mask.shape:
+            raise ValueError(
+                f"{name} shape {tuple(t.shape)} must equal mask shape {tuple(mask.shape)}"
+            )
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token-mean",
+    horizon: int | float | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token ``loss_mat (B, T)`` to a scalar under ``mask`` using ``mode``."""
+    _same_shape(mask, loss_mat=loss_mat)
+    m = mask.to(loss_mat.dtype)
+    masked = loss_mat * m
+    if mode == "token-mean":
+        return masked.sum() / m.sum().clamp(min=1.0)
+    lengths = m.sum(-1)
+    nonempty = (lengths > 0).to(loss_mat.dtype)
+    if mode == "seq-mean-token-sum":
+        return (masked.sum(-1) * nonempty).sum() / nonempty.sum().clamp(min=1.0)
+    if mode == "seq-mean-token-mean":
+        per_seq = masked.sum(-1) / lengths.clamp(min=1.0)
+        return (per_seq * nonempty).sum() / nonempty.sum().clamp(min=1.0)
+    if mode == "seq-mean-token-sum-norm":
+        h = loss_mat.shape[-1] if horizon is None else horizon
+        if h <= 0:
+            raise ValueError(f"horizon must be positive, got {h}")
+        return masked.sum() / (loss_mat.shape[0] * h)
+    raise ValueError(f"unknown loss_agg_mode {mode!r}; expected one of {AGG_MODES}")
+
+
+def _clipped_surrogate(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    clip_ratio_c: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token clipped loss, clip indicator, and lower (dual) clip indicator."""
+    l1 = -advantages * ratio
+    l2 = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    clipped = torch.maximum(l1, l2)
+    clip_hit = (l2 > l1).to(ratio.dtype)
+    if clip_ratio_c is None:
+        return clipped, clip_hit, torch.zeros_like(clip_hit)
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 for dual clip, got {clip_ratio_c}")
+    l3 = -advantages * clip_ratio_c
+    lower_hit = ((clipped > l3) & (advantages < 0)).to(ratio.dtype)
+    loss = torch.where(advantages < 0, torch.minimum(clipped, l3), clipped)
+    return loss, clip_hit, lower_hit
+
+
+@register_policy_loss("ppo_clip")
+def ppo_clip(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float | None = 3.0,
+    loss_agg_mode: str = "token-mean",
+    horizon: int | float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clipped surrogate with clip-higher (asymmetric range) and dual clip.
+
+    Returns the scalar loss and metrics ``pg_loss``, ``pg_clipfrac``, ``pg_clipfrac_lower``,
+    ``ppo_kl`` (token mean of ``logp_old - logp``). ``clip_ratio_c=None`` disables dual clip.
+    """
+    _same_shape(response_mask, log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages)
+    # Clamping the log-ratio keeps exp() finite when policies drift far apart.
+    log_ratio = torch.clamp(log_prob - old_log_prob, -20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    loss_mat, hit, lower = _clipped_surrogate(
+        ratio, advantages, response_mask, clip_ratio_low, clip_ratio_high, clip_ratio_c
+    )
+    loss = agg_loss(loss_mat, response_mask, loss_agg_mode, horizon)
+    metrics = {
+        "pg_loss": float(loss.detach()),
+        "pg_clipfrac": float(agg_loss(hit, response_mask)),
+        "pg_clipfrac_lower": float(agg_loss(lower, response_mask)),
+        "ppo_kl": float(agg_loss(-log_ratio.detach(), response_mask)),
+    }
+    return loss, metrics
+
+
+@register_policy_loss("gspo")
+def gspo(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 3e-4,
+    clip_ratio_high: float = 4e-4,
+    clip_ratio_c: float | None = None,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    horizon: int | float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO: clipped surrogate on the sequence-level geometric-mean importance ratio.
+
+    Same return contract as :func:`ppo_clip`; ``ppo_kl`` is the token mean of the log-ratio.
+    """
+    _same_shape(response_mask, log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages)
+    m = response_mask.to(log_prob.dtype)
+    log_ratio = log_prob - old_log_prob
+    seq_log_ratio = (log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+    # Value equals the sequence ratio; gradient flows through each token's log-prob.
+    token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + log_prob - log_prob.detach()
+    ratio = torch.exp(torch.clamp(token_log_ratio, max=10.0))
+    loss_mat, hit, lower = _clipped_surrogate(
+        ratio, advantages, response_mask, clip_ratio_low, clip_ratio_high, clip_ratio_c
+    )
+    loss = agg_loss(loss_mat, response_mask, loss_agg_mode, horizon)
+    metrics = {
+        "pg_loss": float(loss.detach()),
+        "pg_clipfrac": float(agg_loss(hit, response_mask)),
+        "pg_clipfrac_lower": float(agg_loss(lower, response_mask)),
+        "ppo_kl": float(agg_loss(-log_ratio.detach(), response_mask)),
+    }
+    return loss, metrics
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Per-position entropy ``-sum_v p log p`` of categorical ``logits (..., V)``."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def entropy_bonus(
+    entropy: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token-mean",
+    horizon: int | float | None = None,
+) -> torch.Tensor:
+    """Return the aggregated entropy, to be subtracted from the policy loss times a coefficient."""
+    return agg_loss(entropy, mask, mode, horizon)
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    cliprange_value: float,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped value loss; returns ``(loss, {"vf_loss", "vf_clipfrac"})``."""
+    _same_shape(mask, values=values, old_values=old_values, returns=returns)
+    if cliprange_value < 0:
+        raise ValueError(f"cliprange_value must be >= 0, got {cliprange_value}")
+    clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    vf1 = (values - returns) ** 2
+    vf2 = (clipped - returns) ** 2
+    loss = 0.5 * agg_loss(torch.maximum(vf1, vf2), mask, loss_agg_mode)
+    metrics = {
+        "vf_loss": float(loss.detach()),
+        "vf_clipfrac": float(agg_loss((vf2 > vf1).to(values.dtype), mask)),
+    }
+    return loss, metrics
