@@ -7,6 +7,7 @@ the sender only reuses a buffer once all replicas answered for it.
 
 from __future__ import annotations
 
+import abc
 import os
 import shutil
 import socket
@@ -68,8 +69,9 @@ class HttpControlTransport(Transport):
         answers = self._all("/weights/begin", {"transfer_id": transfer_id, "version": version})
         return [int(a["weight_version"]) for a in answers]
 
+    @abc.abstractmethod
     def _source(self, slot: int, meta: BucketMeta) -> dict[str, Any]:
-        raise NotImplementedError  # pragma: no cover - every subclass overrides it
+        """Where the replica reads bucket ``slot`` from (transport-specific JSON)."""
 
     def send_bucket(self, slot: int, meta: BucketMeta) -> Callable[[], None]:
         """Post the bucket to every replica in the background; the callable waits for all."""
