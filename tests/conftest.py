@@ -32,3 +32,20 @@ def ray_session():
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory):
+    """A nano qwen2 tiny model (seed 0), built once per session; treat it as read-only."""
+    from polyrl.models.tiny import build_tiny_model
+
+    return build_tiny_model("qwen2", tmp_path_factory.mktemp("tiny") / "qwen2-nano", size="nano")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_seed1_dir(tmp_path_factory):
+    """The same architecture as ``tiny_qwen2_dir`` with other weights (seed 1); read-only."""
+    from polyrl.models.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny")
+    return build_tiny_model("qwen2", root / "qwen2-nano-seed1", size="nano", seed=1)

@@ -73,13 +73,13 @@ def hf_greedy(model, prompt: list[int], n: int, **kw) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model("qwen2", tmp_path_factory.mktemp("m") / "nano", size="nano")
+def model_dir(tiny_qwen2_dir):
+    return tiny_qwen2_dir
 
 
 @pytest.fixture(scope="module")
-def other_dir(tmp_path_factory):
-    return build_tiny_model("qwen2", tmp_path_factory.mktemp("m") / "nano-seed1", seed=1)
+def other_dir(tiny_qwen2_seed1_dir):
+    return tiny_qwen2_seed1_dir
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import time
 import httpx
 import pytest
 
-from polyrl.models.tiny import build_tiny_model
 from polyrl.rollout.client import NoReplicaAvailableError, RolloutClient
 from polyrl.rollout.launcher import start_replicas
 
@@ -22,8 +21,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model("qwen2", tmp_path_factory.mktemp("rep") / "nano", size="nano")
+def model_dir(tiny_qwen2_dir):
+    return tiny_qwen2_dir
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import torch
 
 from polyrl.model.numerics import token_log_probs
 from polyrl.models.loader import load_causal_lm, load_tokenizer
-from polyrl.models.tiny import build_tiny_model
 from polyrl.rollout.client import RolloutClient
 from polyrl.rollout.launcher import ServerProcess
 
@@ -31,13 +30,13 @@ OPTIONS = {
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model("qwen2", tmp_path_factory.mktemp("srv") / "nano", size="nano")
+def model_dir(tiny_qwen2_dir):
+    return tiny_qwen2_dir
 
 
 @pytest.fixture(scope="module")
-def other_dir(tmp_path_factory):
-    return build_tiny_model("qwen2", tmp_path_factory.mktemp("srv") / "nano1", seed=1)
+def other_dir(tiny_qwen2_seed1_dir):
+    return tiny_qwen2_seed1_dir
 
 
 @pytest.fixture(scope="module")
