@@ -12,16 +12,20 @@ this module stays cheap (no torch).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import difflib
 import importlib
+import inspect
 import math
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
 __all__ = [
     "FINISH_REASONS",
     "BackendStats",
+    "DeltaStream",
     "EngineUnavailableError",
     "GenerateRequest",
     "InvalidRequestError",
@@ -318,6 +322,69 @@ class SampleDelta:
     weight_version: int = 0
     first_weight_version: int | None = None
     cached_prompt_tokens: int = 0
+
+
+class DeltaStream:
+    """Async iterator over one request's deltas, fed through :attr:`inbox` by a backend.
+
+    The backend puts lists of :class:`SampleDelta` (or an exception) into ``inbox``; the stream
+    ends once all ``n`` samples have finished. Closing it early (or cancelling the reader)
+    calls ``cancel`` when some sample is still running, so an abandoned request never keeps
+    decoding.
+
+    Args:
+        n: number of samples of the request.
+        cancel: aborts the request; whatever it returns is awaited when awaitable.
+        wrap_error: turns an exception from the backend into the one the reader sees.
+        inbox: the queue the backend feeds (default: a new one).
+    """
+
+    def __init__(
+        self,
+        n: int,
+        cancel: Callable[[], Awaitable[Any] | Any],
+        wrap_error: Callable[[BaseException], BaseException] = lambda exc: exc,
+        inbox: asyncio.Queue[list[SampleDelta] | BaseException] | None = None,
+    ):
+        self.inbox: asyncio.Queue[list[SampleDelta] | BaseException] = (
+            asyncio.Queue() if inbox is None else inbox
+        )
+        self.left = n
+        self._cancel = cancel
+        self._wrap_error = wrap_error
+        self._pending: deque[SampleDelta] = deque()
+        self._closed = False
+
+    def __aiter__(self) -> DeltaStream:
+        return self
+
+    async def __anext__(self) -> SampleDelta:
+        while not self._pending:
+            if self.left == 0 or self._closed:
+                raise StopAsyncIteration
+            try:
+                payload = await self.inbox.get()
+            except asyncio.CancelledError:
+                await self.aclose()
+                raise
+            if isinstance(payload, BaseException):
+                self.left = 0
+                raise self._wrap_error(payload)
+            self._pending.extend(payload)
+        delta = self._pending.popleft()
+        if delta.finish_reason is not None:
+            self.left -= 1
+        return delta
+
+    async def aclose(self) -> None:
+        """Stop reading; cancel the request if some sample is still running."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.left:
+            result = self._cancel()
+            if inspect.isawaitable(result):
+                await result
 
 
 @dataclasses.dataclass

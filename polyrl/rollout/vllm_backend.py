@@ -79,6 +79,7 @@ import httpx
 
 from polyrl.rollout.base import (
     BackendStats,
+    DeltaStream,
     EngineUnavailableError,
     GenerateRequest,
     InvalidRequestError,
@@ -606,45 +607,6 @@ class _Job:
             self.inbox.put_nowait(deltas)
 
 
-class _DeltaStream:
-    """Async iterator over one request's deltas; closing it early aborts the request."""
-
-    def __init__(self, job: _Job):
-        self.job = job
-        self.left = job.request.params.n
-        self._pending: deque[SampleDelta] = deque()
-        self._closed = False
-
-    def __aiter__(self) -> _DeltaStream:
-        return self
-
-    async def __anext__(self) -> SampleDelta:
-        while not self._pending:
-            if self.left == 0 or self._closed:
-                raise StopAsyncIteration
-            try:
-                payload = await self.job.inbox.get()
-            except asyncio.CancelledError:
-                await self.aclose()
-                raise
-            if isinstance(payload, BaseException):
-                self.left = 0
-                raise payload
-            self._pending.extend(payload)
-        delta = self._pending.popleft()
-        if delta.finish_reason is not None:
-            self.left -= 1
-        return delta
-
-    async def aclose(self) -> None:
-        """Stop reading; abort the request if some sample is still running."""
-        if self._closed:
-            return
-        self._closed = True
-        if self.left:
-            await self.job.cancel()
-
-
 @register_backend("vllm")
 class VLLMBackend:
     """A vLLM OpenAI server subprocess behind :class:`~polyrl.rollout.base.RolloutBackend`.
@@ -1126,7 +1088,7 @@ class VLLMBackend:
         job = _Job(self, request, max_new, stream)
         self._jobs[request.request_id] = job
         job.task = asyncio.ensure_future(job.run())
-        return _DeltaStream(job)
+        return DeltaStream(job.request.params.n, cancel=job.cancel, inbox=job.inbox)
 
     async def abort(self, request_ids: Sequence[str] | None = None) -> int:
         """End in-flight requests (all when ``None``) with ``abort``; returns how many."""

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from polyrl.rollout.base import (
     BackendStats,
+    DeltaStream,
     GenerateRequest,
     ModelInfo,
     RolloutError,
@@ -100,7 +100,11 @@ class NativeBackend:
                 (far fewer wake-ups when nobody reads partial output).
         """
         engine = self._engine()
-        deltas = _DeltaStream(engine, request)
+        deltas = DeltaStream(
+            request.params.n,
+            cancel=lambda: engine.abort([request.request_id]),
+            wrap_error=lambda exc: _EngineFailure(f"the engine failed on this request: {exc}"),
+        )
         engine.submit(request, deltas.inbox.put_nowait, stream=stream)
         return deltas
 
@@ -142,46 +146,6 @@ class NativeBackend:
     def stats(self) -> BackendStats:
         """Counters and gauges of the engine."""
         return self._engine().stats()
-
-
-class _DeltaStream:
-    """Async iterator over one request's deltas; closing it early aborts the request."""
-
-    def __init__(self, engine: NativeEngine, request: GenerateRequest):
-        self.engine = engine
-        self.request_id = request.request_id
-        self.left = request.params.n
-        self.inbox: asyncio.Queue[list[SampleDelta] | BaseException] = asyncio.Queue()
-        self._pending: deque[SampleDelta] = deque()
-        self._closed = False
-
-    def __aiter__(self) -> _DeltaStream:
-        return self
-
-    async def __anext__(self) -> SampleDelta:
-        while not self._pending:
-            if self.left == 0 or self._closed:
-                raise StopAsyncIteration
-            try:
-                payload = await self.inbox.get()
-            except asyncio.CancelledError:
-                await self.aclose()
-                raise
-            if isinstance(payload, BaseException):
-                self.left = 0
-                raise _EngineFailure(f"the engine failed on this request: {payload}")
-            self._pending.extend(payload)
-        delta = self._pending.popleft()
-        if delta.finish_reason is not None:
-            self.left -= 1
-        return delta
-
-    async def aclose(self) -> None:
-        """Stop reading; abort the request if some sample is still running."""
-        if not self._closed:
-            self._closed = True
-            if self.left:
-                self.engine.abort([self.request_id])
 
 
 def _run_sinks(items: list[tuple[Sink, Any]]) -> None:
