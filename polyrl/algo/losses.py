@@ -119,6 +119,27 @@ def _clipped_surrogate(
     return loss, clip_hit, lower_hit
 
 
+def _policy_loss_and_metrics(
+    ratio: torch.Tensor,
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip: tuple[float, float, float | None],
+    loss_agg_mode: str,
+    horizon: int | float | None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped surrogate of ``ratio`` aggregated to a scalar, with the shared PG metrics."""
+    loss_mat, hit, lower = _clipped_surrogate(ratio, advantages, response_mask, *clip)
+    loss = agg_loss(loss_mat, response_mask, loss_agg_mode, horizon)
+    metrics = {
+        "pg_loss": float(loss.detach()),
+        "pg_clipfrac": float(agg_loss(hit, response_mask)),
+        "pg_clipfrac_lower": float(agg_loss(lower, response_mask)),
+        "ppo_kl": float(agg_loss(-log_ratio.detach(), response_mask)),
+    }
+    return loss, metrics
+
+
 @register_policy_loss("ppo_clip")
 def ppo_clip(
     log_prob: torch.Tensor,
@@ -141,17 +162,15 @@ def ppo_clip(
     # Clamping the log-ratio keeps exp() finite when policies drift far apart.
     log_ratio = torch.clamp(log_prob - old_log_prob, -20.0, 20.0)
     ratio = torch.exp(log_ratio)
-    loss_mat, hit, lower = _clipped_surrogate(
-        ratio, advantages, response_mask, clip_ratio_low, clip_ratio_high, clip_ratio_c
+    return _policy_loss_and_metrics(
+        ratio,
+        log_ratio,
+        advantages,
+        response_mask,
+        (clip_ratio_low, clip_ratio_high, clip_ratio_c),
+        loss_agg_mode,
+        horizon,
     )
-    loss = agg_loss(loss_mat, response_mask, loss_agg_mode, horizon)
-    metrics = {
-        "pg_loss": float(loss.detach()),
-        "pg_clipfrac": float(agg_loss(hit, response_mask)),
-        "pg_clipfrac_lower": float(agg_loss(lower, response_mask)),
-        "ppo_kl": float(agg_loss(-log_ratio.detach(), response_mask)),
-    }
-    return loss, metrics
 
 
 @register_policy_loss("gspo")
@@ -178,17 +197,15 @@ def gspo(
     # Value equals the sequence ratio; gradient flows through each token's log-prob.
     token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + log_prob - log_prob.detach()
     ratio = torch.exp(torch.clamp(token_log_ratio, max=10.0))
-    loss_mat, hit, lower = _clipped_surrogate(
-        ratio, advantages, response_mask, clip_ratio_low, clip_ratio_high, clip_ratio_c
+    return _policy_loss_and_metrics(
+        ratio,
+        log_ratio,
+        advantages,
+        response_mask,
+        (clip_ratio_low, clip_ratio_high, clip_ratio_c),
+        loss_agg_mode,
+        horizon,
     )
-    loss = agg_loss(loss_mat, response_mask, loss_agg_mode, horizon)
-    metrics = {
-        "pg_loss": float(loss.detach()),
-        "pg_clipfrac": float(agg_loss(hit, response_mask)),
-        "pg_clipfrac_lower": float(agg_loss(lower, response_mask)),
-        "ppo_kl": float(agg_loss(-log_ratio.detach(), response_mask)),
-    }
-    return loss, metrics
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
