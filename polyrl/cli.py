@@ -280,6 +280,24 @@ def _sft_command(parser: argparse.ArgumentParser) -> Handler:
     return run
 
 
+@subcommand("train", help="RL training (GRPO, PPO, RLOO, REINFORCE++, ReMax) on a preset.")
+def _train_command(parser: argparse.ArgumentParser) -> Handler:
+    add_config_arguments(parser)
+
+    def run(args: argparse.Namespace) -> int:
+        cfg = config_from_args(args)
+        from polyrl.trainer.rl import run_rl
+        from polyrl.trainer.tracking import TrackerUnavailableError
+
+        try:
+            run_rl(cfg)
+        except (TrackerUnavailableError, FileNotFoundError) as exc:
+            raise CLIError(str(exc)) from exc
+        return 0
+
+    return run
+
+
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 

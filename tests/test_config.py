@@ -138,7 +138,7 @@ def test_describe_lists_every_leaf_option_once():
     assert all(r.help for r in rows)
     # An instance reports its own values.
     cfg = load_config("demo")
-    assert {r.key: r.default for r in describe(cfg)}["data.task"] == "arithmetic"
+    assert {r.key: r.default for r in describe(cfg)}["data.task"] == cfg.data.task != ""
 
 
 def test_mutable_defaults_are_not_shared():
@@ -261,7 +261,7 @@ def test_override_value_forms():
 def test_later_overrides_win_and_apply_over_the_preset():
     cfg = load_config("demo", ["trainer.total_steps=1", "trainer.total_steps=4"])
     assert cfg.trainer.total_steps == 4
-    assert cfg.data.task == "arithmetic"  # from the preset
+    assert cfg.data.task != "" and cfg.data.task == load_config("demo").data.task
 
 
 @pytest.mark.parametrize(
@@ -337,16 +337,20 @@ def test_overrides_must_be_a_list():
 
 
 def test_bundled_presets():
-    assert {"default", "demo"} <= set(available_presets())
+    assert {"default", "demo", "grpo", "ppo"} <= set(available_presets())
     assert load_config() == PolyRLConfig()
     assert load_config("default") == PolyRLConfig()
     demo = load_config("demo")
     assert demo.model.path == ""
     assert (demo.model.tiny_arch, demo.model.tiny_size) == ("qwen2", "nano")
-    assert demo.data.task == "arithmetic"
-    assert demo.data.train_batch_size <= 16
-    assert 0 < demo.trainer.total_steps <= 500  # a CPU demo of a minute or so
+    assert demo.data.task in ("arithmetic", "string_reverse")
+    assert demo.algorithm.adv_estimator == "grpo"
+    # A CPU demo of a few minutes: a short SFT warm-up, then a bounded number of RL steps.
+    assert 0 < demo.sft.total_steps <= 500
+    assert 0 < demo.trainer.total_steps <= 200
     assert demo.trainer.device == "cpu"
+    assert load_config("ppo").algorithm.adv_estimator == "gae"
+    assert load_config("grpo").algorithm.adv_estimator == "grpo"
 
 
 def test_partial_yaml_file_keeps_other_defaults(tmp_path):

@@ -45,9 +45,21 @@ def kl_loss(
     mask: torch.Tensor,
     kind: str = "k3",
     loss_agg_mode: str = "token-mean",
+    *,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
 ) -> torch.Tensor:
-    """Return the aggregated per-token KL, to be added to the policy loss times a coefficient."""
-    return agg_loss(kl_penalty(logp, ref_logp, kind), mask, loss_agg_mode)
+    """Return the aggregated per-token KL, to be added to the policy loss times a coefficient.
+
+    ``num_tokens`` / ``num_seqs``: mini-batch-wide counts (see :func:`~.losses.agg_loss`).
+    """
+    return agg_loss(
+        kl_penalty(logp, ref_logp, kind),
+        mask,
+        loss_agg_mode,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+    )
 
 
 class FixedKLController:

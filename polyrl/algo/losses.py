@@ -74,25 +74,36 @@ def agg_loss(
     mask: torch.Tensor,
     mode: str = "token-mean",
     horizon: int | float | None = None,
+    *,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
 ) -> torch.Tensor:
-    """Reduce a per-token ``loss_mat (B, T)`` to a scalar under ``mask`` using ``mode``."""
+    """Reduce a per-token ``loss_mat (B, T)`` to a scalar under ``mask`` using ``mode``.
+
+    ``num_tokens`` / ``num_seqs`` replace the local token / non-empty row counts in the
+    denominators. A model engine that splits one mini-batch into micro-batches passes the
+    mini-batch-wide counts, so the micro-batch losses sum to the mini-batch loss.
+    """
     _same_shape(mask, loss_mat=loss_mat)
     m = mask.to(loss_mat.dtype)
     masked = loss_mat * m
     if mode == "token-mean":
-        return masked.sum() / m.sum().clamp(min=1.0)
+        n = m.sum().clamp(min=1.0) if num_tokens is None else max(float(num_tokens), 1.0)
+        return masked.sum() / n
     lengths = m.sum(-1)
     nonempty = (lengths > 0).to(loss_mat.dtype)
+    s = nonempty.sum().clamp(min=1.0) if num_seqs is None else max(float(num_seqs), 1.0)
     if mode == "seq-mean-token-sum":
-        return (masked.sum(-1) * nonempty).sum() / nonempty.sum().clamp(min=1.0)
+        return (masked.sum(-1) * nonempty).sum() / s
     if mode == "seq-mean-token-mean":
         per_seq = masked.sum(-1) / lengths.clamp(min=1.0)
-        return (per_seq * nonempty).sum() / nonempty.sum().clamp(min=1.0)
+        return (per_seq * nonempty).sum() / s
     if mode == "seq-mean-token-sum-norm":
         h = loss_mat.shape[-1] if horizon is None else horizon
         if h <= 0:
             raise ValueError(f"horizon must be positive, got {h}")
-        return masked.sum() / (loss_mat.shape[0] * h)
+        rows = loss_mat.shape[0] if num_seqs is None else max(float(num_seqs), 1.0)
+        return masked.sum() / (rows * h)
     raise ValueError(f"unknown loss_agg_mode {mode!r}; expected one of {AGG_MODES}")
 
 
@@ -127,10 +138,13 @@ def _policy_loss_and_metrics(
     clip: tuple[float, float, float | None],
     loss_agg_mode: str,
     horizon: int | float | None,
+    counts: tuple[float | None, float | None] = (None, None),
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate of ``ratio`` aggregated to a scalar, with the shared PG metrics."""
     loss_mat, hit, lower = _clipped_surrogate(ratio, advantages, response_mask, *clip)
-    loss = agg_loss(loss_mat, response_mask, loss_agg_mode, horizon)
+    loss = agg_loss(
+        loss_mat, response_mask, loss_agg_mode, horizon, num_tokens=counts[0], num_seqs=counts[1]
+    )
     metrics = {
         "pg_loss": float(loss.detach()),
         "pg_clipfrac": float(agg_loss(hit, response_mask)),
@@ -152,11 +166,15 @@ def ppo_clip(
     clip_ratio_c: float | None = 3.0,
     loss_agg_mode: str = "token-mean",
     horizon: int | float | None = None,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate with clip-higher (asymmetric range) and dual clip.
 
     Returns the scalar loss and metrics ``pg_loss``, ``pg_clipfrac``, ``pg_clipfrac_lower``,
     ``ppo_kl`` (token mean of ``logp_old - logp``). ``clip_ratio_c=None`` disables dual clip.
+    ``num_tokens`` / ``num_seqs``: mini-batch-wide counts for the aggregation (see
+    :func:`agg_loss`).
     """
     _same_shape(response_mask, log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages)
     # Clamping the log-ratio keeps exp() finite when policies drift far apart.
@@ -170,6 +188,7 @@ def ppo_clip(
         (clip_ratio_low, clip_ratio_high, clip_ratio_c),
         loss_agg_mode,
         horizon,
+        (num_tokens, num_seqs),
     )
 
 
@@ -185,6 +204,8 @@ def gspo(
     clip_ratio_c: float | None = None,
     loss_agg_mode: str = "seq-mean-token-mean",
     horizon: int | float | None = None,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO: clipped surrogate on the sequence-level geometric-mean importance ratio.
 
@@ -205,6 +226,7 @@ def gspo(
         (clip_ratio_low, clip_ratio_high, clip_ratio_c),
         loss_agg_mode,
         horizon,
+        (num_tokens, num_seqs),
     )
 
 
@@ -219,9 +241,12 @@ def entropy_bonus(
     mask: torch.Tensor,
     mode: str = "token-mean",
     horizon: int | float | None = None,
+    *,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
 ) -> torch.Tensor:
     """Return the aggregated entropy, to be subtracted from the policy loss times a coefficient."""
-    return agg_loss(entropy, mask, mode, horizon)
+    return agg_loss(entropy, mask, mode, horizon, num_tokens=num_tokens, num_seqs=num_seqs)
 
 
 def value_loss(
@@ -231,15 +256,24 @@ def value_loss(
     mask: torch.Tensor,
     cliprange_value: float,
     loss_agg_mode: str = "token-mean",
+    *,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped value loss; returns ``(loss, {"vf_loss", "vf_clipfrac"})``."""
+    """Clipped value loss; returns ``(loss, {"vf_loss", "vf_clipfrac"})``.
+
+    ``num_tokens`` / ``num_seqs``: mini-batch-wide counts for the aggregation (see
+    :func:`agg_loss`).
+    """
     _same_shape(mask, values=values, old_values=old_values, returns=returns)
     if cliprange_value < 0:
         raise ValueError(f"cliprange_value must be >= 0, got {cliprange_value}")
     clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
     vf1 = (values - returns) ** 2
     vf2 = (clipped - returns) ** 2
-    loss = 0.5 * agg_loss(torch.maximum(vf1, vf2), mask, loss_agg_mode)
+    loss = 0.5 * agg_loss(
+        torch.maximum(vf1, vf2), mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs
+    )
     metrics = {
         "vf_loss": float(loss.detach()),
         "vf_clipfrac": float(agg_loss((vf2 > vf1).to(values.dtype), mask)),

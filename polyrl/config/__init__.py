@@ -20,29 +20,43 @@ from polyrl.config.loader import (
     to_yaml,
 )
 from polyrl.config.schema import (
+    ActorConfig,
+    AlgorithmConfig,
     ConfigError,
     ConfigGroup,
+    CriticConfig,
     DataConfig,
     ModelConfig,
     PolyRLConfig,
     RayConfig,
     RewardConfig,
     RolloutConfig,
+    SFTConfig,
     TrainerConfig,
     option,
     option_help,
 )
 
+#: The configuration of an RL run (``polyrl train``, :class:`polyrl.GRPOTrainer`): the same
+#: dataclass as every other job's, whose ``algorithm``, ``actor`` and ``critic`` groups are the
+#: RL-specific ones.
+RLConfig = PolyRLConfig
+
 __all__ = [
+    "ActorConfig",
+    "AlgorithmConfig",
     "ConfigError",
     "ConfigGroup",
+    "CriticConfig",
     "DataConfig",
     "ModelConfig",
     "OptionInfo",
     "PolyRLConfig",
+    "RLConfig",
     "RayConfig",
     "RewardConfig",
     "RolloutConfig",
+    "SFTConfig",
     "TrainerConfig",
     "apply_overrides",
     "available_presets",

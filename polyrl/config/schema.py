@@ -27,7 +27,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, Union
 
 __all__ = [
+    "ActorConfig",
+    "AlgorithmConfig",
     "ConfigError",
+    "CriticConfig",
     "ConfigGroup",
     "DataConfig",
     "ModelConfig",
@@ -315,6 +318,26 @@ WORKER_BACKENDS = ("ray", "local")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 SFT_TRUNCATIONS = ("error", "filter", "right")
+ROLLOUT_BACKENDS = ("native", "vllm")
+WEIGHT_TRANSPORTS = ("shm", "dist", "disk")
+ADV_ESTIMATORS = (
+    "gae",
+    "grpo",
+    "rloo",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "remax",
+)
+KL_ESTIMATORS = ("k1", "k2", "k3", "kl", "mse", "low_var_kl")
+KL_CONTROLLERS = ("fixed", "adaptive")
+POLICY_LOSSES = ("ppo_clip", "gspo")
+LOSS_AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+PLACEMENTS = ("colocated", "separate")
 
 
 @dataclasses.dataclass
@@ -345,6 +368,9 @@ class DataConfig(ConfigGroup):
     )
     train_files: list[str] = option([], "Training data files (parquet or jsonl).")
     val_files: list[str] = option([], "Validation data files (parquet or jsonl).")
+    task_options: dict[str, Any] = option(
+        {}, "Keyword options of the generated task, e.g. {max_digits: 1, ops: '+'}."
+    )
     num_train: int = option(1000, "Number of training examples to generate for a task.", ge=1)
     num_val: int = option(100, "Number of validation examples to generate for a task.", ge=0)
     data_dir: str = option(
@@ -409,6 +435,21 @@ class RolloutConfig(ConfigGroup):
         1.0, "Penalty on already generated tokens; 1 turns it off.", gt=0.0
     )
     seed: int = option(-1, "Sampling seed; -1 uses the top-level seed.", ge=-1)
+    backend: str = option("native", "Rollout server backend.", choices=ROLLOUT_BACKENDS)
+    replicas: int = option(1, "Rollout server replicas (processes) the RL trainer starts.", ge=1)
+    urls: list[str] = option(
+        [], "Already running rollout servers to use instead of starting replicas."
+    )
+    max_num_seqs: int = option(256, "Most sequences a native replica decodes at once.", ge=1)
+    weight_transport: str = option(
+        "shm", "How the trainer pushes new weights to the replicas.", choices=WEIGHT_TRANSPORTS
+    )
+    weight_bucket_mb: float = option(64.0, "Bucket size of a weight transfer in MiB.", gt=0.0)
+    sleep_during_training: bool = option(
+        False, "Release the replicas' KV cache while the engines train (colocated placement)."
+    )
+    val_n: int = option(1, "Responses per validation prompt (k of mean@k / pass@k).", ge=1)
+    val_temperature: float = option(0.0, "Validation sampling temperature; 0 means greedy.", ge=0.0)
 
     def validate(self) -> None:
         """Reject top_k == 0, which some engines read as 'off' and others as 'nothing'."""
@@ -455,6 +496,17 @@ class TrainerConfig(ConfigGroup):
         "Controller backend when the world size is > 1: Ray actors, or local subprocesses.",
         choices=WORKER_BACKENDS,
     )
+    placement: str = option(
+        "colocated",
+        "RL engines (actor, reference, critic) in one process per rank, or one group each.",
+        choices=PLACEMENTS,
+    )
+    export_hf: bool = option(
+        False, "RL: write the final policy as a Hugging Face directory to output_dir/hf_model."
+    )
+    critic_warmup: int = option(
+        0, "RL steps that train only the critic before the actor starts updating.", ge=0
+    )
 
     @property
     def world_size(self) -> int:
@@ -488,6 +540,9 @@ class SFTConfig(ConfigGroup):
         "Conversations over max_length: raise, drop them, or cut the end off.",
         choices=SFT_TRUNCATIONS,
     )
+    total_steps: int = option(
+        0, "SFT steps; 0 follows trainer.total_steps (the demo sets its warm-up length here).", ge=0
+    )
     optimizer: str = option("adamw", "Optimizer.", choices=OPTIMIZERS)
     lr: float = option(1e-5, "Peak learning rate.", ge=0.0)
     weight_decay: float = option(0.01, "Decoupled weight decay.", ge=0.0)
@@ -517,6 +572,87 @@ class SFTConfig(ConfigGroup):
 
 
 @dataclasses.dataclass
+class AlgorithmConfig(ConfigGroup):
+    """RL algorithm: advantage estimator and KL-in-reward settings (``polyrl train``)."""
+
+    adv_estimator: str = option(
+        "grpo",
+        "Advantage estimator (gae needs a critic; remax a greedy rollout).",
+        choices=ADV_ESTIMATORS,
+    )
+    norm_adv_by_std: bool = option(
+        True, "GRPO: divide by the group std (false with seq-mean-token-sum-norm is Dr. GRPO)."
+    )
+    gamma: float = option(1.0, "Discount factor (gae, reinforce_plus_plus).", ge=0.0, le=1.0)
+    lam: float = option(1.0, "GAE lambda.", ge=0.0, le=1.0)
+    use_kl_in_reward: bool = option(False, "Subtract a KL penalty to the reference from rewards.")
+    kl_penalty: str = option("k1", "KL estimator of the reward penalty.", choices=KL_ESTIMATORS)
+    kl_ctrl: str = option("fixed", "KL coefficient controller.", choices=KL_CONTROLLERS)
+    kl_coef: float = option(0.001, "(Initial) KL coefficient of the reward penalty.", ge=0.0)
+    target_kl: float = option(0.1, "Adaptive controller: target KL.", gt=0.0)
+    kl_horizon: int = option(10000, "Adaptive controller: horizon in samples.", ge=1)
+
+
+@dataclasses.dataclass
+class ActorConfig(ConfigGroup):
+    """Policy (actor) optimisation in RL: loss, clipping, mini-batches and optimizer."""
+
+    policy_loss: str = option("ppo_clip", "Policy loss.", choices=POLICY_LOSSES)
+    loss_agg_mode: str = option(
+        "token-mean", "How per-token losses are reduced.", choices=LOSS_AGG_MODES
+    )
+    clip_ratio_low: float = option(0.2, "Lower clip range of the ratio (1 - low).", ge=0.0)
+    clip_ratio_high: float = option(
+        0.2, "Upper clip range of the ratio (1 + high); above low is clip-higher.", ge=0.0
+    )
+    clip_ratio_c: float = option(
+        3.0, "Dual-clip bound on the loss for negative advantages; 0 turns it off.", ge=0.0
+    )
+    entropy_coeff: float = option(0.0, "Weight of the entropy bonus.", ge=0.0)
+    use_kl_loss: bool = option(False, "Add a KL-to-reference term to the policy loss.")
+    kl_loss_coef: float = option(0.001, "Weight of the KL loss term.", ge=0.0)
+    kl_loss_type: str = option("k3", "KL estimator of the loss term.", choices=KL_ESTIMATORS)
+    ppo_mini_batch_size: int = option(
+        0, "Prompts per optimizer step (times rollout.n rows); 0 is the whole batch.", ge=0
+    )
+    ppo_epochs: int = option(1, "Passes over each step's batch.", ge=1)
+    optimizer: str = option("adamw", "Optimizer.", choices=OPTIMIZERS)
+    lr: float = option(1e-6, "Learning rate.", ge=0.0)
+    weight_decay: float = option(0.0, "Decoupled weight decay.", ge=0.0)
+    lr_scheduler: str = option("constant", "Learning-rate shape.", choices=LR_SCHEDULERS)
+    warmup_ratio: float = option(0.0, "Linear warmup fraction of the steps.", ge=0.0, lt=1.0)
+    grad_clip: float = option(1.0, "Max global gradient norm; 0 disables clipping.", ge=0.0)
+    max_tokens_per_micro_batch: int = option(
+        16384, "Token budget of a micro-batch (dynamic batching).", ge=1
+    )
+    gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass.")
+
+    def validate(self) -> None:
+        """Reject a dual-clip bound that would not be above 1."""
+        if 0.0 < self.clip_ratio_c <= 1.0:
+            raise ConfigError(
+                f"invalid value {self.clip_ratio_c}; dual clip needs > 1 (or 0 to turn it off)",
+                key="clip_ratio_c",
+            )
+
+
+@dataclasses.dataclass
+class CriticConfig(ConfigGroup):
+    """Value model (critic) optimisation, used by the gae estimator (PPO)."""
+
+    model_path: str = option("", "Critic initialisation; empty starts from the policy model.")
+    cliprange_value: float = option(0.5, "Clip range of the value update.", ge=0.0)
+    loss_agg_mode: str = option(
+        "token-mean", "How per-token value losses are reduced.", choices=LOSS_AGG_MODES
+    )
+    ppo_epochs: int = option(1, "Passes over each step's batch.", ge=1)
+    optimizer: str = option("adamw", "Optimizer.", choices=OPTIMIZERS)
+    lr: float = option(1e-5, "Learning rate.", ge=0.0)
+    weight_decay: float = option(0.0, "Decoupled weight decay.", ge=0.0)
+    grad_clip: float = option(1.0, "Max global gradient norm; 0 disables clipping.", ge=0.0)
+
+
+@dataclasses.dataclass
 class RayConfig(ConfigGroup):
     """Where and how to start or join Ray."""
 
@@ -542,6 +678,9 @@ class PolyRLConfig(ConfigGroup):
     trainer: TrainerConfig = option(TrainerConfig, "Run length, checkpoints and logging.")
     ray: RayConfig = option(RayConfig, "Ray cluster.")
     sft: SFTConfig = option(SFTConfig, "Supervised fine-tuning (polyrl sft).")
+    algorithm: AlgorithmConfig = option(AlgorithmConfig, "RL algorithm (polyrl train).")
+    actor: ActorConfig = option(ActorConfig, "RL policy optimisation (polyrl train).")
+    critic: CriticConfig = option(CriticConfig, "RL value model (polyrl train, gae).")
 
     def seed_for(self, group: str) -> int:
         """Effective seed of a group that has a ``seed`` option (``-1`` falls back to ``seed``)."""

@@ -104,7 +104,12 @@ def load_sft_datasets(
 
         data_dir = Path(data.data_dir) if data.data_dir else out_dir / "data"
         train_path, test_path = write_task_splits(
-            data.task, data_dir, data.num_train, data.num_val, seed=cfg.seed_for("data")
+            data.task,
+            data_dir,
+            data.num_train,
+            data.num_val,
+            seed=cfg.seed_for("data"),
+            **data.task_options,
         )
         train_files = [str(train_path)]
         if data.val_files:
@@ -322,7 +327,9 @@ def run_sft(cfg: PolyRLConfig) -> dict[str, Any]:
     sampler = StatefulSampler(
         len(train_ds), data.train_batch_size, shuffle=data.shuffle, seed=cfg.seed_for("data")
     )
-    total = trainer.total_steps or trainer.total_epochs * sampler.batches_per_epoch
+    total = (
+        sft.total_steps or trainer.total_steps or trainer.total_epochs * sampler.batches_per_epoch
+    )
     dropped = train_ds.num_filtered + (val_ds.num_filtered if val_ds else 0)
     _log(
         f"model {model_dir} | {len(train_ds)} train / {len(val_ds) if val_ds else 0} val chats "

@@ -1,0 +1,1038 @@
+"""The RL trainer behind ``polyrl train PRESET key=value ...`` and :class:`polyrl.GRPOTrainer`.
+
+One step, driven from this (controller) process and readable top to bottom in
+:meth:`RLTrainer.step`:
+
+1. **generate** -- ``rollout.n`` responses per prompt from the rollout servers (HTTP,
+   token-in/token-out, per-prompt seeds derived from the step);
+2. **reward** -- the reward manager scores the decoded responses (sandboxed worker processes);
+3. **old log-probs** (actor), **reference log-probs** (when a KL term is used) and **values**
+   (critic, for ``gae``) -- data-parallel calls on the engine worker groups;
+4. **advantages** on the driver with the estimator registered under
+   ``algorithm.adv_estimator`` (KL penalty folded into the rewards first when configured);
+5. **update** the critic, then the actor (``actor.ppo_epochs`` passes over mini-batches of
+   ``actor.ppo_mini_batch_size`` prompts);
+6. **sync** the actor's weights to every rollout replica (bucketed transfer; the replicas
+   report the new version);
+7. **validate** (mean@k / pass@k on the held-out split), **log** (verl metric names),
+   **checkpoint** (actor, critic, sampler, KL controller; atomic).
+
+Placement: ``trainer.placement=colocated`` runs the actor, reference and critic engines in one
+process per rank (and, with ``rollout.sleep_during_training``, the rollout servers release their
+KV cache while the engines train); ``separate`` gives each engine its own worker group. Engine
+workers are Ray actors (``trainer.worker_backend=ray``) or local processes (``local``; at world
+size 1 the engines then run inside this process).
+
+Resuming (``trainer.resume_mode=auto``) restores the engines, the data sampler and the KL
+controller from the newest checkpoint, pushes the restored weights to the replicas, and drops
+the metric records logged after that checkpoint, so a resumed run logs what an uninterrupted
+one would have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from polyrl.batch import Batch
+from polyrl.config import ConfigError, PolyRLConfig, save_config, to_dict
+
+__all__ = [
+    "DEFAULT_PLOT_METRICS",
+    "RLTrainer",
+    "build_rollout_batch",
+    "place_on_last_token",
+    "run_rl",
+]
+
+#: Metrics drawn in ``learning_curves.png`` when ``trainer.plot_metrics`` is empty.
+DEFAULT_PLOT_METRICS = (
+    "critic/score/mean",
+    "val/acc/mean@{k}",
+    "actor/ppo_kl",
+    "actor/kl_loss",
+    "actor/entropy",
+    "response_length/mean",
+)
+PLOT_FILE = "learning_curves.png"
+SUMMARY_FILE = "rl_summary.json"
+HF_DIR = "hf_model"
+ACTOR_LOSS = "polyrl.trainer.rl_losses:actor_loss"
+CRITIC_LOSS = "polyrl.trainer.rl_losses:critic_loss"
+_SEED_MOD = 2**63
+
+
+def _log(message: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(f"[rl] {message}", file=sys.stdout)
+    sys.stdout.flush()
+
+
+# ------------------------------------------------------------------------------ pure helpers
+def build_rollout_batch(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    pad_token_id: int,
+    rollout_log_probs: Sequence[Sequence[float] | None] | None = None,
+) -> Batch:
+    """Pack prompt/response pairs into one engine batch (prompts left-, responses right-padded).
+
+    Tensors ``(B, P + R)``: ``input_ids``, ``attention_mask``, ``position_ids`` and the float
+    ``loss_mask`` (1 on response tokens); ``prompt_length`` and ``response_length`` ``(B,)``;
+    ``rollout_log_probs`` (the server's per-token log-probs, aligned like the engine's) when given.
+    """
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    if not prompts:
+        raise ValueError("build_rollout_batch needs at least one prompt/response pair")
+    width_p = max(len(p) for p in prompts)
+    width_r = max(1, max(len(r) for r in responses))
+    rows = len(prompts)
+    ids = torch.full((rows, width_p + width_r), int(pad_token_id), dtype=torch.long)
+    attn = torch.zeros((rows, width_p + width_r), dtype=torch.long)
+    loss = torch.zeros((rows, width_p + width_r), dtype=torch.float32)
+    old = torch.zeros((rows, width_p + width_r), dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        ids[i, width_p - len(p) : width_p] = torch.as_tensor(list(p), dtype=torch.long)
+        attn[i, width_p - len(p) : width_p + len(r)] = 1
+        if r:
+            ids[i, width_p : width_p + len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+            loss[i, width_p : width_p + len(r)] = 1.0
+            lp = rollout_log_probs[i] if rollout_log_probs is not None else None
+            if lp is not None:
+                old[i, width_p : width_p + len(r)] = torch.as_tensor(list(lp), dtype=torch.float32)
+    tensors = {
+        "input_ids": ids,
+        "attention_mask": attn,
+        "position_ids": (attn.cumsum(1) - 1).clamp(min=0),
+        "loss_mask": loss,
+        "prompt_length": torch.as_tensor([len(p) for p in prompts], dtype=torch.long),
+        "response_length": torch.as_tensor([len(r) for r in responses], dtype=torch.long),
+    }
+    if rollout_log_probs is not None:
+        tensors["rollout_log_probs"] = old
+    return Batch(tensors=tensors)
+
+
+def place_on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``(B, T)`` zeros with each row's score on its last masked token (rows without one: 0)."""
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(mask != 0, positions, torch.full_like(positions, -1)).max(dim=1).values
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    rows = torch.nonzero(last >= 0).flatten()
+    out[rows, last[rows]] = scores[rows].float()
+    return out
+
+
+def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    if values.numel() == 0:
+        return {}
+    v = values.float()
+    return {
+        f"{prefix}/mean": float(v.mean()),
+        f"{prefix}/max": float(v.max()),
+        f"{prefix}/min": float(v.min()),
+    }
+
+
+def _masked_stats(prefix: str, values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    return _stats(prefix, values[mask != 0])
+
+
+def _accuracy(scores: torch.Tensor, extras: Mapping[str, np.ndarray]) -> torch.Tensor:
+    """Per-sample correctness: the scorer's ``acc`` extra when it reports one, else score >= 1."""
+    acc = extras.get("acc")
+    if acc is not None and not np.isnan(acc.astype(float)).any():
+        return torch.as_tensor(acc.astype(float), dtype=torch.float32)
+    return (scores >= 1.0 - 1e-6).float()
+
+
+def _seed(base: int, *parts: int) -> int:
+    value = base
+    for part in parts:
+        value = (value * 1_000_003 + part + 1) % _SEED_MOD
+    return value
+
+
+@contextlib.contextmanager
+def _timer(timing: dict[str, float], name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timing[f"timing_s/{name}"] = timing.get(f"timing_s/{name}", 0.0) + (
+            time.perf_counter() - start
+        )
+
+
+def _ray_options(cfg: PolyRLConfig) -> dict[str, Any]:
+    opts: dict[str, Any] = {
+        "namespace": cfg.ray.namespace,
+        "include_dashboard": False,
+        "configure_logging": False,
+    }
+    if cfg.ray.address:
+        opts["address"] = cfg.ray.address
+    else:
+        if cfg.ray.num_cpus:
+            opts["num_cpus"] = cfg.ray.num_cpus
+        if cfg.ray.num_gpus >= 0:
+            opts["num_gpus"] = cfg.ray.num_gpus
+    return opts
+
+
+def _check_config(cfg: PolyRLConfig) -> None:
+    algo, actor = cfg.algorithm, cfg.actor
+    if not cfg.data.task and not cfg.data.train_files:
+        raise ConfigError(
+            "no training data: set data.task (a generated task) or data.train_files",
+            key="data.train_files",
+        )
+    if algo.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and (
+        cfg.rollout.n < 2
+    ):
+        raise ConfigError(
+            f"{algo.adv_estimator} compares the responses of one prompt and needs rollout.n >= 2, "
+            f"got {cfg.rollout.n}",
+            key="rollout.n",
+        )
+    batch = cfg.data.train_batch_size
+    if actor.ppo_mini_batch_size and batch % actor.ppo_mini_batch_size:
+        raise ConfigError(
+            f"{actor.ppo_mini_batch_size} must divide data.train_batch_size ({batch})",
+            key="actor.ppo_mini_batch_size",
+        )
+    world = cfg.trainer.world_size
+    minis = batch // actor.ppo_mini_batch_size if actor.ppo_mini_batch_size else 1
+    if (batch * cfg.rollout.n) // world < minis:
+        raise ConfigError(
+            f"{batch} prompts x {cfg.rollout.n} responses over {world} ranks leave fewer rows per "
+            f"rank than the {minis} mini-batches; raise data.train_batch_size",
+            key="actor.ppo_mini_batch_size",
+        )
+    if actor.max_tokens_per_micro_batch < cfg.data.max_prompt_length + cfg.rollout.max_new_tokens:
+        raise ConfigError(
+            f"{actor.max_tokens_per_micro_batch} is below the longest sequence "
+            f"(data.max_prompt_length + rollout.max_new_tokens = "
+            f"{cfg.data.max_prompt_length + cfg.rollout.max_new_tokens})",
+            key="actor.max_tokens_per_micro_batch",
+        )
+
+
+# ------------------------------------------------------------------------------ the trainer
+class RLTrainer:
+    """Runs RL post-training as configured by a :class:`~polyrl.config.PolyRLConfig`.
+
+    Args:
+        cfg: the run's configuration (``algorithm``, ``actor``, ``critic``, ``rollout``, ``data``,
+            ``reward``, ``trainer`` groups).
+        reward_fn: overrides ``reward.custom_function``: a ``"file.py:function"`` string or a
+            picklable module-level callable (see :class:`~polyrl.reward.RewardManager`).
+        train_rows / val_rows: prompt rows (dicts with ``prompt``, ``data_source``,
+            ``reward_model.ground_truth``) used instead of ``data.*`` files or tasks.
+        model_dir: a Hugging Face model directory used instead of ``model.path``.
+
+    :meth:`fit` runs the whole job and returns its summary; :meth:`step` is one training step,
+    for users composing their own loop after :meth:`setup`.
+    """
+
+    def __init__(
+        self,
+        cfg: PolyRLConfig,
+        *,
+        reward_fn: str | Callable[..., Any] | None = None,
+        train_rows: Sequence[Mapping[str, Any]] | None = None,
+        val_rows: Sequence[Mapping[str, Any]] | None = None,
+        model_dir: str | Path | None = None,
+    ) -> None:
+        _check_config_with_rows(cfg, train_rows is not None)
+        self.cfg = cfg
+        self.reward_fn = reward_fn
+        self._train_rows = train_rows
+        self._val_rows = val_rows
+        self._model_dir = Path(model_dir) if model_dir is not None else None
+        self.out_dir = Path(cfg.trainer.output_dir)
+        self.step_count = 0
+        self._closers: list[Callable[[], None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._client: Any = None
+        self.actor: Any = None
+        self.ref: Any = None
+        self.critic: Any = None
+        self._groups: list[Any] = []
+        algo = cfg.algorithm
+        self.use_critic = algo.adv_estimator == "gae"
+        self.use_ref = algo.use_kl_in_reward or cfg.actor.use_kl_loss
+        minis = (
+            cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
+            if cfg.actor.ppo_mini_batch_size
+            else 1
+        )
+        self.num_mini_batches = minis
+        # Old log-probs equal the current ones when each step makes exactly one optimizer
+        # update; they are only computed when the update is off-policy or the KL penalty needs
+        # them (the loss then takes the detached current log-probs, ratio 1).
+        self.need_old_log_probs = cfg.actor.ppo_epochs > 1 or minis > 1 or algo.use_kl_in_reward
+        from polyrl.algo.kl import AdaptiveKLController, FixedKLController
+
+        if algo.kl_ctrl == "adaptive":
+            self.kl_ctrl: Any = AdaptiveKLController(algo.kl_coef, algo.target_kl, algo.kl_horizon)
+        else:
+            self.kl_ctrl = FixedKLController(algo.kl_coef)
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self) -> None:
+        """Build the model (if tiny), data, reward manager, rollout replicas and engine groups."""
+        from polyrl.data.sampler import StatefulSampler
+        from polyrl.models.loader import load_tokenizer
+        from polyrl.reward.manager import RewardManager
+        from polyrl.trainer.sft import resolve_model_dir
+
+        cfg = self.cfg
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.out_dir / "rl_config.yaml")
+        self.model_dir = self._model_dir or resolve_model_dir(cfg, self.out_dir)
+        self.tokenizer = load_tokenizer(
+            self.model_dir, trust_remote_code=cfg.model.trust_remote_code
+        )
+        self.pad_id = int(
+            self.tokenizer.pad_token_id
+            if self.tokenizer.pad_token_id is not None
+            else self.tokenizer.eos_token_id
+        )
+        self.train_ds, self.val_ds = self._datasets()
+        if len(self.train_ds) < cfg.data.train_batch_size:
+            raise ConfigError(
+                f"{cfg.data.train_batch_size} exceeds the {len(self.train_ds)} training prompts",
+                key="data.train_batch_size",
+            )
+        self.sampler = StatefulSampler(
+            len(self.train_ds),
+            cfg.data.train_batch_size,
+            shuffle=cfg.data.shuffle,
+            seed=cfg.seed_for("data"),
+        )
+        self.total_steps = (
+            cfg.trainer.total_steps or cfg.trainer.total_epochs * self.sampler.batches_per_epoch
+        )
+        reward_fn = self.reward_fn if self.reward_fn is not None else cfg.reward.custom_function
+        self.rewards = RewardManager(
+            custom_function=reward_fn or None,
+            num_workers=cfg.reward.num_workers,
+            timeout_s=cfg.reward.timeout_s,
+            error_reward=cfg.reward.error_reward,
+        )
+        self._closers.append(self.rewards.close)
+        self._start_rollout()
+        self._start_engines()
+
+    def _datasets(self) -> tuple[Any, Any]:
+        from polyrl.data.dataset import RLDataset
+
+        cfg, data = self.cfg, self.cfg.data
+        kwargs = {
+            "max_prompt_length": data.max_prompt_length,
+            "prompt_key": data.prompt_key,
+            "truncation": data.truncation,
+        }
+        if self._train_rows is not None:
+            train = RLDataset(list(self._train_rows), self.tokenizer, **kwargs)
+            val = (
+                RLDataset(list(self._val_rows), self.tokenizer, **kwargs)
+                if self._val_rows
+                else None
+            )
+            return train, val
+        if data.task:
+            from polyrl.data.tasks import write_task_splits
+
+            data_dir = Path(data.data_dir) if data.data_dir else self.out_dir / "data"
+            train_path, test_path = write_task_splits(
+                data.task,
+                data_dir,
+                data.num_train,
+                data.num_val,
+                seed=cfg.seed_for("data"),
+                **data.task_options,
+            )
+            train_files = [str(train_path)]
+            val_files = list(data.val_files) or ([str(test_path)] if data.num_val > 0 else [])
+        else:
+            train_files, val_files = list(data.train_files), list(data.val_files)
+        train = RLDataset(train_files, self.tokenizer, **kwargs)
+        val = RLDataset(val_files, self.tokenizer, **kwargs) if val_files else None
+        return train, val
+
+    def _run(self, coro: Any) -> Any:
+        assert self._loop is not None
+        return self._loop.run_until_complete(coro)
+
+    def _start_rollout(self) -> None:
+        from polyrl.rollout.client import RolloutClient
+        from polyrl.rollout.launcher import start_replicas
+
+        cfg = self.cfg
+        urls = list(cfg.rollout.urls)
+        if not urls:
+            options: dict[str, Any] = {"dtype": cfg.model.dtype, "seed": cfg.seed_for("rollout")}
+            if cfg.rollout.backend == "native":
+                options["max_num_seqs"] = cfg.rollout.max_num_seqs
+            replicas = start_replicas(
+                self.model_dir, cfg.rollout.replicas, backend=cfg.rollout.backend, options=options
+            )
+            for replica in replicas:
+                self._closers.append(replica.stop)
+            urls = [str(r.url) for r in replicas]
+        self.rollout_urls = urls
+        self._loop = asyncio.new_event_loop()
+        self._client = RolloutClient(urls, max_concurrency=512)
+        self._run(self._client.start())
+        self._run(self._client.wait_ready(timeout=300.0))
+        _log(f"rollout: {len(urls)} {cfg.rollout.backend} replica(s) at {', '.join(urls)}")
+
+    def _engine_specs(self) -> dict[str, Any]:
+        from polyrl.controller import WorkerSpec
+        from polyrl.model import CheckpointConfig, EngineConfig, ModelSpec, OptimizerConfig
+        from polyrl.model.workers import EngineWorker
+        from polyrl.weights.workers import WeightSyncWorker
+
+        cfg, actor, critic = self.cfg, self.cfg.actor, self.cfg.critic
+        model = ModelSpec(
+            path=str(self.model_dir),
+            dtype=cfg.model.dtype,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
+        engine = EngineConfig(
+            device=cfg.trainer.device,
+            dynamic_batching=True,
+            max_tokens_per_micro_batch=actor.max_tokens_per_micro_batch,
+            gradient_checkpointing=actor.gradient_checkpointing,
+            grad_clip=actor.grad_clip,
+            seed=cfg.seed,
+        )
+        ckpt = CheckpointConfig(max_to_keep=cfg.trainer.max_ckpt_to_keep)
+        specs: dict[str, Any] = {
+            "actor": WorkerSpec(
+                WeightSyncWorker,
+                kwargs={
+                    "role": "actor",
+                    "model": model,
+                    "engine": engine,
+                    "optimizer": OptimizerConfig(
+                        name=actor.optimizer,
+                        lr=actor.lr,
+                        weight_decay=actor.weight_decay,
+                        scheduler=actor.lr_scheduler,
+                        warmup_ratio=actor.warmup_ratio,
+                        total_steps=max(self.total_steps, 1),
+                    ),
+                    "checkpoint": ckpt,
+                },
+            )
+        }
+        if self.use_ref:
+            specs["ref"] = WorkerSpec(
+                EngineWorker, kwargs={"role": "reference", "model": model, "engine": engine}
+            )
+        if self.use_critic:
+            critic_model = dataclasses.replace(
+                model, path=critic.model_path or str(self.model_dir), kind="value"
+            )
+            specs["critic"] = WorkerSpec(
+                EngineWorker,
+                kwargs={
+                    "role": "critic",
+                    "model": critic_model,
+                    "engine": dataclasses.replace(engine, grad_clip=critic.grad_clip),
+                    "optimizer": OptimizerConfig(
+                        name=critic.optimizer,
+                        lr=critic.lr,
+                        weight_decay=critic.weight_decay,
+                        total_steps=max(self.total_steps, 1),
+                    ),
+                    "checkpoint": ckpt,
+                },
+            )
+        return specs
+
+    def _start_engines(self) -> None:
+        from polyrl.controller import ResourcePool, WorkerGroup
+
+        cfg = self.cfg
+        world = cfg.trainer.world_size
+        backend = cfg.trainer.worker_backend
+        use_gpu = cfg.trainer.device == "cuda" or (
+            cfg.trainer.device == "auto" and torch.cuda.is_available()
+        )
+        if backend == "ray":
+            import ray
+
+            if not ray.is_initialized():
+                ray.init(**_ray_options(cfg))
+                self._closers.append(ray.shutdown)
+        specs = self._engine_specs()
+        layouts = (
+            [specs] if cfg.trainer.placement == "colocated" else [{k: v} for k, v in specs.items()]
+        )
+        views: dict[str, Any] = {}
+        for layout in layouts:
+            name = "+".join(layout)
+            kwargs: dict[str, Any] = {"backend": backend, "name": f"rl-{name}"}
+            if backend == "ray":
+                # Separate groups on CPU share the cores: each asks for a fraction of one, so a
+                # two-core machine can still place actor, reference and critic.
+                kwargs["pool"] = ResourcePool(
+                    f"rl-{name}",
+                    world,
+                    cpus_per_worker=1.0 if use_gpu else 1.0 / len(layouts),
+                    gpus_per_worker=1.0 if use_gpu else 0.0,
+                )
+            else:
+                kwargs["world_size"] = world
+            group = WorkerGroup(layout, **kwargs)
+            self._groups.append(group)
+            for role in layout:
+                views[role] = group.role(role)
+        self.actor, self.ref, self.critic = views["actor"], views.get("ref"), views.get("critic")
+        for view in views.values():
+            view.init_model()
+        _log(
+            f"engines: {', '.join(views)} on {world} rank(s), {cfg.trainer.placement} "
+            f"({backend}); old log-probs {'computed' if self.need_old_log_probs else 'skipped'}"
+        )
+
+    # ------------------------------------------------------------------ phases
+    def _sampling_params(self, n: int, temperature: float, seed: int) -> dict[str, Any]:
+        ro = self.cfg.rollout
+        greedy = temperature == 0.0
+        return {
+            "n": n,
+            "temperature": temperature,
+            "top_p": 1.0 if greedy else ro.top_p,
+            "top_k": -1 if greedy else ro.top_k,
+            "min_p": 0.0 if greedy else ro.min_p,
+            "repetition_penalty": ro.repetition_penalty,
+            "max_new_tokens": min(ro.max_new_tokens, self.cfg.data.max_response_length),
+            "seed": seed,
+            "logprobs": True,
+        }
+
+    def generate(
+        self, items: Sequence[Mapping[str, Any]], n: int, temperature: float, seed: int
+    ) -> tuple[Batch, dict[str, float]]:
+        """Sample ``n`` responses per item and return the engine batch (prompt-major rows).
+
+        Non-tensor columns: ``uid`` (the prompt's group), ``data_source``, ``ground_truth``,
+        ``extra_info``, ``response_text``, ``finish_reason``.
+        """
+        from polyrl.data.dataset import ground_truth_of
+
+        prompts = [item["input_ids"].tolist() for item in items]
+
+        async def run() -> list[Any]:
+            return list(
+                await asyncio.gather(
+                    *(
+                        self._client.generate(
+                            p, self._sampling_params(n, temperature, _seed(seed, i))
+                        )
+                        for i, p in enumerate(prompts)
+                    )
+                )
+            )
+
+        results = self._run(run())
+        rows_p, rows_r, rows_lp, rows_finish, versions = [], [], [], [], set()
+        for prompt, result in zip(prompts, results, strict=True):
+            for out in result.outputs:
+                rows_p.append(prompt)
+                rows_r.append(list(out.output_ids))
+                rows_lp.append(out.logprobs)
+                rows_finish.append(out.finish_reason)
+                versions.add(int(out.weight_version))
+        have_lp = all(lp is not None for lp in rows_lp)
+        batch = build_rollout_batch(rows_p, rows_r, self.pad_id, rows_lp if have_lp else None)
+        texts = self.tokenizer.batch_decode(rows_r, skip_special_tokens=True)
+
+        def per_row(values: Sequence[Any]) -> np.ndarray:
+            out = np.empty(len(values) * n, dtype=object)
+            for i, value in enumerate(values):
+                for j in range(n):
+                    out[i * n + j] = value
+            return out
+
+        batch.non_tensors.update(
+            {
+                "uid": per_row([str(item["uid"]) for item in items]),
+                "data_source": per_row([item["data_source"] for item in items]),
+                "ground_truth": per_row([ground_truth_of(item) for item in items]),
+                "extra_info": per_row([item.get("extra_info") or {} for item in items]),
+                "response_text": np.array(texts, dtype=object),
+                "finish_reason": np.array(rows_finish, dtype=object),
+            }
+        )
+        return batch, {"rollout/weight_version": float(max(versions))}
+
+    def score(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Score every row: ``(scores (B,), accuracy (B,), reward metrics)``."""
+        scoring = Batch(
+            non_tensors={
+                k: batch.non_tensors[k]
+                for k in ("data_source", "ground_truth", "extra_info", "response_text")
+            }
+        )
+        result = self.rewards.score(scoring)
+        return result.scores.float(), _accuracy(result.scores, result.extras), result.metrics
+
+    def _padded(self, batch: Batch) -> tuple[Batch, int]:
+        from polyrl.model.workers import pad_batch_for_dp
+
+        return pad_batch_for_dp(batch, self.cfg.trainer.world_size)
+
+    def _dp(self, method: Any, batch: Batch, **kwargs: Any) -> Batch:
+        """Run a data-parallel call on ``batch`` padded to the world size; drop the padding."""
+        padded, extra = self._padded(batch)
+        out = method(padded, **kwargs)
+        return out[: len(batch)] if extra else out
+
+    def compute_advantages(self, batch: Batch, baseline: torch.Tensor | None) -> dict[str, float]:
+        """Fill ``token_level_rewards``, ``advantages`` and ``returns`` (KL penalty first)."""
+        from polyrl.algo import apply_kl_penalty, get_advantage_estimator
+
+        algo = self.cfg.algorithm
+        mask = batch["loss_mask"]
+        metrics: dict[str, float] = {}
+        rewards = batch["token_level_scores"]
+        if algo.use_kl_in_reward:
+            rewards, kl_metrics = apply_kl_penalty(
+                rewards,
+                batch["old_log_probs"],
+                batch["ref_log_probs"],
+                mask,
+                self.kl_ctrl,
+                algo.kl_penalty,
+            )
+            metrics.update(kl_metrics)
+        kwargs: dict[str, Any] = {}
+        if algo.adv_estimator == "gae":
+            kwargs = {"gamma": algo.gamma, "lam": algo.lam}
+        elif algo.adv_estimator == "grpo":
+            kwargs = {"norm_adv_by_std": algo.norm_adv_by_std}
+        elif algo.adv_estimator == "reinforce_plus_plus":
+            kwargs = {"gamma": algo.gamma}
+        estimator = get_advantage_estimator(algo.adv_estimator)
+        advantages, returns = estimator(
+            rewards,
+            mask,
+            index=list(batch.non_tensors["uid"]),
+            values=batch["values"] if "values" in batch.tensor_keys else None,
+            baseline_rewards=baseline,
+            **kwargs,
+        )
+        batch["token_level_rewards"] = rewards
+        batch["advantages"] = advantages.float()
+        batch["returns"] = returns.float()
+        return metrics
+
+    def _actor_loss_kwargs(self) -> dict[str, Any]:
+        actor = self.cfg.actor
+        return {
+            "policy_loss": actor.policy_loss,
+            "clip_ratio_low": actor.clip_ratio_low,
+            "clip_ratio_high": actor.clip_ratio_high,
+            "clip_ratio_c": actor.clip_ratio_c or None,
+            "loss_agg_mode": actor.loss_agg_mode,
+            "horizon": self.cfg.rollout.max_new_tokens,
+            "entropy_coeff": actor.entropy_coeff,
+            "use_kl_loss": actor.use_kl_loss,
+            "kl_loss_coef": actor.kl_loss_coef,
+            "kl_loss_type": actor.kl_loss_type,
+        }
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Push the actor's weights to every replica as ``version``; returns timing metrics."""
+        ro = self.cfg.rollout
+        if ro.sleep_during_training:
+            self._run(self._client.wake_up())
+        stats = self.actor.sync_weights(
+            ro.weight_transport, self.rollout_urls, ro.weight_bucket_mb, False, version
+        )
+        first = next(s for s in stats if s is not None)
+        return {
+            "perf/weight_sync_bytes": float(first["bytes"]),
+            "perf/weight_sync_buckets": float(first["buckets"]),
+        }
+
+    # ------------------------------------------------------------------ one step
+    def step(self, step: int) -> dict[str, float]:
+        """Run training step ``step`` (1-based) and return its metrics."""
+        cfg, algo = self.cfg, self.cfg.algorithm
+        timing: dict[str, float] = {}
+        metrics: dict[str, float] = {}
+        items = [self.train_ds[i] for i in self.sampler.next_batch()]
+        with _timer(timing, "step"):
+            # 1. generate
+            with _timer(timing, "gen"):
+                seed = _seed(cfg.seed_for("rollout"), step)
+                batch, gen_metrics = self.generate(
+                    items, cfg.rollout.n, cfg.rollout.temperature, seed
+                )
+                metrics.update(gen_metrics)
+            if cfg.rollout.sleep_during_training:
+                self._run(self._client.sleep())
+            # 2. reward (ReMax: also the greedy response's reward, as the baseline)
+            with _timer(timing, "reward"):
+                scores, acc, reward_metrics = self.score(batch)
+                baseline = None
+                if algo.adv_estimator == "remax":
+                    greedy, _ = self.generate(items, 1, 0.0, seed)
+                    greedy_scores = self.score(greedy)[0]
+                    baseline = greedy_scores.repeat_interleave(cfg.rollout.n)
+            mask = batch["loss_mask"]
+            batch["token_level_scores"] = place_on_last_token(scores, mask)
+            # 3. old log-probs, reference log-probs, values
+            if self.need_old_log_probs:
+                with _timer(timing, "old_log_prob"):
+                    batch = batch.union(
+                        self._dp(self.actor.compute_log_prob, batch, with_entropy=True)
+                    )
+            if self.use_ref:
+                with _timer(timing, "ref"):
+                    batch = batch.union(self._dp(self.ref.compute_ref_log_prob, batch))
+            if self.use_critic:
+                with _timer(timing, "values"):
+                    from polyrl.trainer.rl_losses import state_values
+
+                    values = self._dp(self.critic.compute_values, batch)["values"]
+                    batch["values"] = state_values(values) * mask
+            # 4. advantages
+            with _timer(timing, "adv"):
+                metrics.update(self.compute_advantages(batch, baseline))
+            # 5. updates
+            update_batch, _ = self._padded(batch)
+            if self.use_critic:
+                with _timer(timing, "update_critic"):
+                    metrics.update(
+                        self.critic.update_critic(
+                            update_batch,
+                            CRITIC_LOSS,
+                            {
+                                "cliprange_value": cfg.critic.cliprange_value,
+                                "loss_agg_mode": cfg.critic.loss_agg_mode,
+                            },
+                            self.num_mini_batches,
+                            cfg.critic.ppo_epochs,
+                        )
+                    )
+            if step > cfg.trainer.critic_warmup:
+                with _timer(timing, "update_actor"):
+                    metrics.update(
+                        self.actor.update_actor(
+                            update_batch,
+                            ACTOR_LOSS,
+                            self._actor_loss_kwargs(),
+                            self.num_mini_batches,
+                            cfg.actor.ppo_epochs,
+                        )
+                    )
+                # 6. weight sync
+                with _timer(timing, "update_weights"):
+                    metrics.update(self.sync_weights(step))
+            elif cfg.rollout.sleep_during_training:
+                self._run(self._client.wake_up())
+        metrics.update(self._step_metrics(batch, scores, acc, reward_metrics, timing))
+        metrics.update(timing)
+        return metrics
+
+    def _step_metrics(
+        self,
+        batch: Batch,
+        scores: torch.Tensor,
+        acc: torch.Tensor,
+        reward_metrics: Mapping[str, float],
+        timing: Mapping[str, float],
+    ) -> dict[str, float]:
+        mask = batch["loss_mask"]
+        resp_len = batch["response_length"].float()
+        max_len = min(self.cfg.rollout.max_new_tokens, self.cfg.data.max_response_length)
+        out: dict[str, float] = {}
+        out.update(_stats("critic/score", scores))
+        out["critic/acc/mean"] = float(acc.mean())
+        out.update(_stats("critic/rewards", batch["token_level_rewards"].sum(1)))
+        out.update(_masked_stats("critic/advantages", batch["advantages"], mask))
+        out.update(_masked_stats("critic/returns", batch["returns"], mask))
+        if "values" in batch.tensor_keys:
+            out.update(_masked_stats("critic/values", batch["values"], mask))
+        out.update(_stats("response_length", resp_len))
+        out["response_length/clip_ratio"] = float((resp_len >= max_len).float().mean())
+        out.update(_stats("prompt_length", batch["prompt_length"].float()))
+        if "entropy" in batch.tensor_keys:
+            m = mask.float()
+            out["actor/entropy"] = float((batch["entropy"] * m).sum() / m.sum().clamp(min=1.0))
+        if "old_log_probs" in batch.tensor_keys and "rollout_log_probs" in batch.tensor_keys:
+            gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
+            out["rollout/log_prob_gap"] = float((gap * mask).sum() / mask.sum().clamp(min=1.0))
+        for key in ("reward/errors", "reward/timeouts"):
+            if key in reward_metrics:
+                out[key] = float(reward_metrics[key])
+        tokens = float(batch["attention_mask"].sum())
+        step_s = timing.get("timing_s/step", 0.0)
+        out["perf/total_num_tokens"] = tokens
+        out["perf/response_tokens"] = float(resp_len.sum())
+        out["perf/throughput"] = tokens / step_s / self.cfg.trainer.world_size if step_s else 0.0
+        out["training/epoch"] = self.sampler.epoch + self.sampler.position / max(
+            self.sampler.batches_per_epoch, 1
+        )
+        return out
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> dict[str, float]:
+        """mean@k and pass@k of the held-out prompts (``k = rollout.val_n``)."""
+        if self.val_ds is None:
+            return {}
+        cfg = self.cfg
+        k = cfg.rollout.val_n
+        scores, accs, sources, lengths = [], [], [], []
+        for start in range(0, len(self.val_ds), cfg.data.val_batch_size):
+            stop = min(start + cfg.data.val_batch_size, len(self.val_ds))
+            items = [self.val_ds[i] for i in range(start, stop)]
+            batch, _ = self.generate(
+                items, k, cfg.rollout.val_temperature, _seed(cfg.seed_for("rollout"), -1, start)
+            )
+            s, a, _ = self.score(batch)
+            scores.append(s)
+            accs.append(a)
+            lengths.append(batch["response_length"].float())
+            sources += list(batch.non_tensors["data_source"])
+        score = torch.cat(scores).view(-1, k)
+        acc = torch.cat(accs).view(-1, k)
+        out = {
+            f"val/score/mean@{k}": float(score.mean()),
+            f"val/acc/mean@{k}": float(acc.mean()),
+            f"val/pass@{k}": float((acc.max(dim=1).values > 0).float().mean()),
+            "val/response_length/mean": float(torch.cat(lengths).mean()),
+        }
+        names = np.array(sources[::k], dtype=object)
+        for source in sorted(set(names)):
+            rows = torch.as_tensor(names == source)
+            out[f"val/{source}/acc/mean@{k}"] = float(acc[rows].mean())
+            out[f"val/{source}/pass@{k}"] = float((acc[rows].max(dim=1).values > 0).float().mean())
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def _roots(self) -> tuple[Path, Path]:
+        from polyrl.trainer.checkpointing import checkpoint_root
+
+        root = checkpoint_root(self.out_dir)
+        return root / "actor", root / "critic"
+
+    def save(self, step: int) -> str:
+        """Checkpoint the actor (with the trainer state) and the critic at ``step``."""
+        actor_root, critic_root = self._roots()
+        if self.critic is not None:
+            self.critic.save_checkpoint(str(critic_root), step, {})
+        state = {
+            "sampler": self.sampler.state_dict(),
+            "kl_coef": float(self.kl_ctrl.value),
+            "step": step,
+        }
+        # The actor goes last: its checkpoint marks the step as complete for resume.
+        return self.actor.save_checkpoint(str(actor_root), step, state)[0]
+
+    def load(self, path: str) -> int:
+        """Restore the engines and trainer state from the actor checkpoint ``path``."""
+        info = self.actor.load_checkpoint(path)[0]
+        step = int(info["step"])
+        state = info["extra_state"]
+        if self.critic is not None:
+            critic_path = self._roots()[1] / Path(path).name
+            if not critic_path.is_dir():
+                raise ConfigError(
+                    f"checkpoint {path} has no critic counterpart {critic_path}",
+                    key="trainer.resume_mode",
+                )
+            self.critic.load_checkpoint(str(critic_path))
+        try:
+            self.sampler.load_state_dict(state["sampler"])
+        except (KeyError, ValueError) as exc:
+            raise ConfigError(
+                f"cannot resume from {path}: {exc}; resume with the original data settings",
+                key="trainer.resume_mode",
+            ) from None
+        self.kl_ctrl.value = float(state.get("kl_coef", self.kl_ctrl.value))
+        return step
+
+    # ------------------------------------------------------------------ the run
+    def fit(self) -> dict[str, Any]:
+        """Run the configured job; return the summary written to ``rl_summary.json``."""
+        from tqdm import tqdm
+
+        from polyrl.trainer.checkpointing import resolve_resume_path
+        from polyrl.trainer.tracking import Tracker
+
+        started = time.perf_counter()
+        cfg, trainer = self.cfg, self.cfg.trainer
+        # A bad resume path fails before anything is started.
+        resume_from = resolve_resume_path(trainer.resume_mode, trainer.resume, self._roots()[0])
+        tracker = None
+        history: list[dict[str, Any]] = []
+        last_ckpt = resume_from
+        try:
+            self.setup()
+            step = 0
+            if resume_from is not None:
+                step = self.load(resume_from)
+                self.sync_weights(step)
+                _log(f"resumed from {resume_from} at step {step}")
+            validate = self.val_ds is not None and trainer.test_freq > 0
+            _log(
+                f"model {self.model_dir} | {len(self.train_ds)} train / "
+                f"{len(self.val_ds) if self.val_ds else 0} val prompts | {self.total_steps} steps "
+                f"of {cfg.data.train_batch_size} prompts x {cfg.rollout.n} | "
+                f"{cfg.algorithm.adv_estimator} / {cfg.actor.policy_loss}"
+            )
+            tracker = Tracker(
+                trainer.loggers,
+                self.out_dir,
+                project=trainer.project_name,
+                experiment=trainer.experiment_name,
+                config=to_dict(cfg),
+                resume_step=step if resume_from is not None else None,
+                total_steps=self.total_steps,
+            )
+
+            def record(metrics: dict[str, float], at: int) -> None:
+                history.append({"step": at, **tracker.log(metrics, at)})
+
+            if validate and trainer.val_before_train and resume_from is None:
+                tick = time.perf_counter()
+                val = self.validate()
+                val["timing_s/testing"] = time.perf_counter() - tick
+                record(val, step)
+            bar = tqdm(
+                total=self.total_steps,
+                initial=step,
+                desc="rl",
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
+            with bar:
+                while step < self.total_steps:
+                    step += 1
+                    self.step_count = step
+                    metrics = self.step(step)
+                    if validate and (step % trainer.test_freq == 0 or step == self.total_steps):
+                        tick = time.perf_counter()
+                        metrics.update(self.validate())
+                        metrics["timing_s/testing"] = time.perf_counter() - tick
+                    metrics["training/global_step"] = float(step)
+                    # Log before saving: a crash in between re-runs the step from the previous
+                    # checkpoint, and resuming drops the records logged after it.
+                    record(metrics, step)
+                    bar.update(1)
+                    bar.set_postfix(score=f"{metrics.get('critic/score/mean', math.nan):.3f}")
+                    if trainer.save_freq and (
+                        step % trainer.save_freq == 0 or step == self.total_steps
+                    ):
+                        last_ckpt = self.save(step)
+            hf_dir = self.export_hf(self.out_dir / HF_DIR) if trainer.export_hf else None
+        finally:
+            if tracker is not None:
+                tracker.finish()
+            self.close()
+        summary = self._summary(tracker, history, step, resume_from, last_ckpt, started)
+        summary["hf_model"] = hf_dir
+        (self.out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+    def _summary(
+        self,
+        tracker: Any,
+        history: list[dict[str, Any]],
+        step: int,
+        resume_from: str | None,
+        last_ckpt: str | None,
+        started: float,
+    ) -> dict[str, Any]:
+        from polyrl.trainer.plotting import plot_learning_curves
+        from polyrl.trainer.tracking import read_metrics
+
+        trainer = self.cfg.trainer
+        k = self.cfg.rollout.val_n
+        metrics_file = tracker.metrics_path if tracker is not None else None
+        if metrics_file is None:
+            metrics_file = self.out_dir / ".rl_history.jsonl"
+            metrics_file.write_text("".join(json.dumps(r) + "\n" for r in history))
+        keys = list(trainer.plot_metrics) or [m.format(k=k) for m in DEFAULT_PLOT_METRICS]
+        plot = plot_learning_curves(metrics_file, self.out_dir / PLOT_FILE, keys, title="polyrl rl")
+        records = read_metrics(metrics_file)
+
+        def series(key: str) -> list[float]:
+            return [r[key] for r in records if r.get(key) is not None]
+
+        val_acc = series(f"val/acc/mean@{k}")
+        scores = series("critic/score/mean")
+        summary = {
+            "steps": step,
+            "resumed_from": resume_from,
+            "first_val_acc": val_acc[0] if val_acc else None,
+            "last_val_acc": val_acc[-1] if val_acc else None,
+            "first_score": scores[0] if scores else None,
+            "last_score": scores[-1] if scores else None,
+            "checkpoint": last_ckpt,
+            "metrics": str(metrics_file),
+            "plot": str(plot) if plot else None,
+            "elapsed_s": round(time.perf_counter() - started, 2),
+        }
+        (self.out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        _log("done: " + " ".join(f"{k}={v}" for k, v in summary.items()))
+        return summary
+
+    def export_hf(self, directory: str | Path) -> str:
+        """Write the actor as a Hugging Face model directory (call before the run closes)."""
+        return self.actor.export_hf(str(directory))[0]
+
+    def close(self) -> None:
+        """Stop the worker groups, the rollout client and replicas, and the reward workers."""
+        for group in self._groups:
+            with contextlib.suppress(Exception):
+                if group.is_alive:
+                    group.shutdown()
+        self._groups.clear()
+        if self._client is not None and self._loop is not None:
+            with contextlib.suppress(Exception):
+                self._run(self._client.close())
+            self._client = None
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
+        while self._closers:
+            closer = self._closers.pop()
+            with contextlib.suppress(Exception):
+                closer()
+
+
+def _check_config_with_rows(cfg: PolyRLConfig, has_rows: bool) -> None:
+    if has_rows:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, task="arithmetic"))
+    _check_config(cfg)
+
+
+def run_rl(cfg: PolyRLConfig, **kwargs: Any) -> dict[str, Any]:
+    """Run RL training for ``cfg`` (see :class:`RLTrainer` for ``kwargs``); returns the summary."""
+    return RLTrainer(cfg, **kwargs).fit()

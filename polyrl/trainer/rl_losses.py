@@ -1,0 +1,175 @@
+"""The RL losses as model-engine loss functions: ``fn(model_output, batch, **kwargs)``.
+
+The engine calls a loss once per micro-batch; these adapters read the RL columns of the batch,
+call the pure functions of :mod:`polyrl.algo`, and normalise by the mini-batch-wide counts the
+engine puts in ``batch.meta`` so that the micro-batch losses add up to the mini-batch loss
+whatever the split. The controller sends them to the workers by import path
+(``"polyrl.trainer.rl_losses:actor_loss"``); they are also registered as ``"rl_actor"`` and
+``"rl_critic"`` in :func:`polyrl.model.workers.register_loss`.
+
+Batch columns, all ``(B, T)`` over the whole sequence (prompt and response), zero off the
+response: ``loss_mask`` (1 on response tokens), ``advantages``, ``old_log_probs`` (optional:
+without it the update is taken as exactly on-policy and the ratio is 1), ``ref_log_probs`` (KL
+loss), ``returns`` and ``values`` (critic, state-aligned: see :func:`state_values`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from polyrl.algo.kl import kl_loss as _kl_loss
+from polyrl.algo.losses import entropy_bonus, get_policy_loss, value_loss
+from polyrl.model.losses import GLOBAL_SEQS_KEY, GLOBAL_TOKENS_KEY
+from polyrl.model.workers import register_loss
+
+if TYPE_CHECKING:
+    from polyrl.batch import Batch
+    from polyrl.model.engine import ModelOutput
+
+__all__ = ["actor_loss", "critic_loss", "state_values"]
+
+
+def state_values(token_values: torch.Tensor) -> torch.Tensor:
+    """Shift a value head's per-token outputs to the state *before* each token.
+
+    A value model's output at position ``t`` has read tokens ``0..t``; the value of the state in
+    which token ``t`` is chosen is its output at ``t - 1``. Column 0 gets 0 (no state precedes
+    it; it is never a response token).
+    """
+    out = torch.zeros_like(token_values)
+    out[:, 1:] = token_values[:, :-1]
+    return out
+
+
+def _counts(batch: Batch) -> tuple[float | None, float | None]:
+    tokens = batch.meta.get(GLOBAL_TOKENS_KEY)
+    seqs = batch.meta.get(GLOBAL_SEQS_KEY)
+    return (
+        None if tokens is None else float(tokens),
+        None if seqs is None else float(seqs),
+    )
+
+
+def _local_scale(mode: str, mask: torch.Tensor, counts: tuple[float | None, float | None]) -> float:
+    """Factor turning a loss normalised by global counts into this micro-batch's own mean."""
+    tokens, seqs = counts
+    if mode == "token-mean":
+        local = float((mask != 0).sum())
+        return 1.0 if tokens is None or local == 0 else max(tokens, 1.0) / local
+    local = float((mask != 0).any(dim=1).sum())
+    if mode == "seq-mean-token-sum-norm":
+        local = float(mask.shape[0])
+    return 1.0 if seqs is None or local == 0 else max(seqs, 1.0) / local
+
+
+def _require(batch: Batch, *keys: str, loss: str) -> None:
+    missing = [k for k in keys if k not in batch.tensor_keys]
+    if missing:
+        raise KeyError(f"{loss} needs batch columns {missing}; got {sorted(batch.tensor_keys)}")
+
+
+def actor_loss(
+    output: ModelOutput,
+    batch: Batch,
+    *,
+    policy_loss: str = "ppo_clip",
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float | None = 3.0,
+    loss_agg_mode: str = "token-mean",
+    horizon: int | None = None,
+    entropy_coeff: float = 0.0,
+    use_kl_loss: bool = False,
+    kl_loss_coef: float = 0.001,
+    kl_loss_type: str = "k3",
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Policy-gradient loss of one micro-batch (PPO clip or GSPO, plus entropy and KL terms).
+
+    Metrics (the engine averages them over micro-batches): ``pg_loss``, ``pg_clipfrac``,
+    ``pg_clipfrac_lower``, ``ppo_kl``, and ``entropy_loss`` / ``kl_loss`` when those terms are on.
+    """
+    _require(batch, "loss_mask", "advantages", loss="actor_loss")
+    mask = batch["loss_mask"]
+    counts = _counts(batch)
+    if entropy_coeff > 0:
+        log_prob, entropy = output.log_probs_and_entropy()
+    else:
+        log_prob, entropy = output.log_probs, None
+    if "old_log_probs" in batch.tensor_keys:
+        old_log_prob = batch["old_log_probs"].to(log_prob.dtype)
+    else:
+        old_log_prob = log_prob.detach()
+    loss, pg_metrics = get_policy_loss(policy_loss)(
+        log_prob,
+        old_log_prob,
+        batch["advantages"].to(log_prob.dtype),
+        mask,
+        clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high,
+        clip_ratio_c=clip_ratio_c,
+        loss_agg_mode=loss_agg_mode,
+        horizon=horizon,
+        num_tokens=counts[0],
+        num_seqs=counts[1],
+    )
+    metrics: dict[str, Any] = dict(pg_metrics)
+    metrics["pg_loss"] = pg_metrics["pg_loss"] * _local_scale(loss_agg_mode, mask, counts)
+    if entropy is not None:
+        ent = entropy_bonus(
+            entropy, mask, loss_agg_mode, horizon, num_tokens=counts[0], num_seqs=counts[1]
+        )
+        loss = loss - entropy_coeff * ent
+        metrics["entropy_loss"] = float(ent.detach()) * _local_scale(loss_agg_mode, mask, counts)
+    if use_kl_loss:
+        _require(batch, "ref_log_probs", loss="actor_loss with use_kl_loss")
+        kl = _kl_loss(
+            log_prob,
+            batch["ref_log_probs"].to(log_prob.dtype),
+            mask,
+            kl_loss_type,
+            loss_agg_mode,
+            num_tokens=counts[0],
+            num_seqs=counts[1],
+        )
+        loss = loss + kl_loss_coef * kl
+        metrics["kl_loss"] = float(kl.detach()) * _local_scale(loss_agg_mode, mask, counts)
+        metrics["kl_coef"] = kl_loss_coef
+    return loss, metrics
+
+
+def critic_loss(
+    output: ModelOutput,
+    batch: Batch,
+    *,
+    cliprange_value: float = 0.5,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Clipped value loss of one micro-batch against ``returns``.
+
+    Metrics: ``vf_loss``, ``vf_clipfrac`` and ``vpred_mean``.
+    """
+    _require(batch, "loss_mask", "returns", "values", loss="critic_loss")
+    mask = batch["loss_mask"]
+    counts = _counts(batch)
+    values = state_values(output.values)
+    loss, metrics = value_loss(
+        values,
+        batch["values"].to(values.dtype),
+        batch["returns"].to(values.dtype),
+        mask,
+        cliprange_value,
+        loss_agg_mode,
+        num_tokens=counts[0],
+        num_seqs=counts[1],
+    )
+    metrics = dict(metrics)
+    metrics["vf_loss"] = metrics["vf_loss"] * _local_scale(loss_agg_mode, mask, counts)
+    m = mask.to(values.dtype)
+    metrics["vpred_mean"] = float((values.detach() * m).sum() / m.sum().clamp(min=1.0))
+    return loss, metrics
+
+
+register_loss("rl_actor")(actor_loss)
+register_loss("rl_critic")(critic_loss)

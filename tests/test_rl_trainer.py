@@ -1,0 +1,340 @@
+"""The RL trainer: batch assembly, engine losses, config checks, and end-to-end runs.
+
+The end-to-end tests start real rollout server subprocesses, real reward worker processes and
+real engine workers (Ray actors, or local processes), on the nano tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from polyrl.batch import Batch
+from polyrl.config import ConfigError, load_config
+from polyrl.model.losses import GLOBAL_SEQS_KEY, GLOBAL_TOKENS_KEY
+from polyrl.trainer.rl import RLTrainer, build_rollout_batch, place_on_last_token
+from polyrl.trainer.rl_losses import actor_loss, critic_loss, state_values
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------ pure parts
+def test_build_rollout_batch_left_pads_prompts_and_right_pads_responses():
+    batch = build_rollout_batch(
+        [[5, 6, 7], [8]],
+        [[1, 2], [3, 4, 9]],
+        pad_token_id=0,
+        rollout_log_probs=[[-0.5, -0.25], [-1.0, -2.0, -3.0]],
+    )
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 1, 2, 0], [0, 0, 8, 3, 4, 9]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
+    assert batch["loss_mask"].tolist() == [[0, 0, 0, 1, 1, 0], [0, 0, 0, 1, 1, 1]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 4], [0, 0, 0, 1, 2, 3]]
+    assert batch["rollout_log_probs"][1].tolist() == [0, 0, 0, -1.0, -2.0, -3.0]
+    assert batch["response_length"].tolist() == [2, 3]
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        build_rollout_batch([[]], [[1]], 0)
+
+
+def test_place_on_last_token_handles_empty_responses():
+    mask = torch.tensor([[0, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.float32)
+    out = place_on_last_token(torch.tensor([2.0, 5.0, -1.0]), mask)
+    assert out.tolist() == [[0, 0, 2.0, 0], [0, 0, 0, 0], [0, 0, 0, -1.0]]
+
+
+class _Output:
+    """Stand-in for the engine's ModelOutput: per-token tensors a loss reads (no model)."""
+
+    def __init__(self, log_probs=None, entropy=None, values=None):
+        self.log_probs = log_probs
+        self._entropy = entropy
+        self.values = values
+
+    def log_probs_and_entropy(self):
+        return self.log_probs, self._entropy
+
+
+def _rl_batch(adv, mask, **extra):
+    return Batch(tensors={"advantages": adv, "loss_mask": mask, **extra})
+
+
+def test_actor_loss_on_policy_is_minus_mean_advantage_and_split_invariant():
+    mask = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 0], [1, 1, 0, 0]], dtype=torch.float32)
+    adv = torch.tensor([[0, 1.0, 1.0, 1.0], [0, 0, -2.0, 0], [0.5, 0.5, 0, 0]])
+    logp = torch.full((3, 4), -1.0, requires_grad=True)
+    whole, metrics = actor_loss(_Output(logp), _rl_batch(adv, mask), clip_ratio_c=None)
+    # Ratio 1 everywhere: token-mean of -A over the 6 masked tokens.
+    assert whole.item() == pytest.approx(-(3 * 1.0 - 2.0 + 2 * 0.5) / 6)
+    assert metrics["pg_clipfrac"] == 0.0
+    # Two micro-batches with the mini-batch-wide counts add up to the whole loss, per mode.
+    for mode in (
+        "token-mean",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-sum-norm",
+    ):
+        ref, _ = actor_loss(_Output(logp), _rl_batch(adv, mask), loss_agg_mode=mode, horizon=4)
+        parts = []
+        for rows in ([0], [1, 2]):
+            mb = _rl_batch(adv[rows], mask[rows])
+            mb.meta[GLOBAL_TOKENS_KEY] = 6.0
+            mb.meta[GLOBAL_SEQS_KEY] = 3.0
+            parts.append(actor_loss(_Output(logp[rows]), mb, loss_agg_mode=mode, horizon=4)[0])
+        assert sum(parts).item() == pytest.approx(ref.item(), abs=1e-6), mode
+
+
+def test_actor_loss_clips_and_adds_kl_and_entropy_terms():
+    mask = torch.ones(1, 2)
+    old = torch.log(torch.tensor([[0.5, 0.5]]))
+    logp = torch.log(torch.tensor([[0.9, 0.5]]))  # ratio 1.8 on token 0, 1 on token 1
+    adv = torch.tensor([[1.0, 1.0]])
+    batch = _rl_batch(adv, mask, old_log_probs=old, ref_log_probs=logp.clone())
+    loss, m = actor_loss(_Output(logp), batch, clip_ratio_high=0.2, clip_ratio_c=None)
+    assert loss.item() == pytest.approx(-(1.2 + 1.0) / 2)
+    assert m["pg_clipfrac"] == pytest.approx(0.5)
+    ent = torch.tensor([[2.0, 4.0]])
+    loss2, m2 = actor_loss(
+        _Output(logp, entropy=ent),
+        batch,
+        clip_ratio_high=0.2,
+        clip_ratio_c=None,
+        entropy_coeff=0.1,
+        use_kl_loss=True,
+        kl_loss_coef=0.5,
+    )
+    # KL to an identical reference is 0; the entropy bonus subtracts 0.1 * mean(2, 4).
+    assert loss2.item() == pytest.approx(loss.item() - 0.3)
+    assert m2["kl_loss"] == pytest.approx(0.0) and m2["entropy_loss"] == pytest.approx(3.0)
+    with pytest.raises(KeyError, match="ref_log_probs"):
+        actor_loss(_Output(logp), _rl_batch(adv, mask), use_kl_loss=True)
+
+
+def test_critic_loss_reads_state_aligned_values():
+    assert state_values(torch.tensor([[1.0, 2.0, 3.0]])).tolist() == [[0.0, 1.0, 2.0]]
+    mask = torch.tensor([[0, 1.0, 1.0]])
+    # The head's outputs at positions 0 and 1 are the values of response tokens 1 and 2.
+    head = torch.tensor([[0.5, 1.5, 9.0]], requires_grad=True)
+    batch = Batch(
+        tensors={
+            "loss_mask": mask,
+            "returns": torch.tensor([[0, 1.0, 1.0]]),
+            "values": torch.tensor([[0, 0.5, 1.5]]),
+        }
+    )
+    loss, metrics = critic_loss(_Output(values=head), batch, cliprange_value=10.0)
+    assert loss.item() == pytest.approx(0.5 * ((0.5 - 1) ** 2 + (1.5 - 1) ** 2) / 2)
+    assert metrics["vpred_mean"] == pytest.approx(1.0)
+
+
+def test_engine_actor_loss_does_not_depend_on_micro_batching(tiny_qwen2_dir):
+    from polyrl.model import EngineConfig, build_engine
+    from polyrl.trainer.rl_losses import actor_loss as loss_fn
+
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(20, 200, (n,), generator=gen).tolist() for n in (3, 5, 2, 4)]
+    responses = [torch.randint(20, 200, (n,), generator=gen).tolist() for n in (4, 1, 6, 3)]
+    batch = build_rollout_batch(prompts, responses, 0)
+    batch["advantages"] = torch.randn(batch["loss_mask"].shape, generator=gen) * batch["loss_mask"]
+    losses = []
+    for budget in (64, 12):
+        engine = build_engine(
+            str(tiny_qwen2_dir), EngineConfig(device="cpu", max_tokens_per_micro_batch=budget)
+        )
+        try:
+            with engine.eval_mode():
+                out = engine.forward_backward(batch, loss_fn, forward_only=True)
+            losses.append((out["loss"], out.get("num_micro_batches")))
+        finally:
+            engine.close()
+    assert losses[0][1] != losses[1][1]
+    assert losses[0][0] == pytest.approx(losses[1][0], abs=1e-6)
+
+
+def test_rl_config_errors_name_the_option():
+    with pytest.raises(ConfigError, match="rollout.n"):
+        RLTrainer(load_config("demo", ["rollout.n=1"]))
+    with pytest.raises(ConfigError, match="actor.ppo_mini_batch_size"):
+        RLTrainer(load_config("demo", ["actor.ppo_mini_batch_size=5"]))
+    with pytest.raises(ConfigError, match="max_tokens_per_micro_batch"):
+        RLTrainer(load_config("demo", ["actor.max_tokens_per_micro_batch=8"]))
+    with pytest.raises(ConfigError, match="clip_ratio_c"):
+        load_config("demo", ["actor.clip_ratio_c=0.5"])
+
+
+# ------------------------------------------------------------------------------ end to end
+SHORT_TEXT_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    # Dense and easy to learn from a random model: shorter decoded text scores higher.
+    return -len(solution_str) / 50.0
+"""
+
+
+def _e2e_overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
+    reward = tmp_path / "reward.py"
+    reward.write_text(SHORT_TEXT_REWARD)
+    return [
+        f"trainer.output_dir={tmp_path / name}",
+        f"reward.custom_function={reward}:compute_score",
+        "data.num_train=64",
+        "data.num_val=8",
+        "data.train_batch_size=8",
+        "data.val_batch_size=8",
+        "rollout.n=4",
+        "rollout.max_new_tokens=8",
+        "data.max_response_length=8",
+        "trainer.loggers=[jsonl]",
+        "trainer.test_freq=0",
+        "trainer.val_before_train=false",
+        "reward.num_workers=1",
+        *extra,
+    ]
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_grpo_on_ray_raises_the_reward(tmp_path, ray_session):
+    cfg = load_config(
+        "demo",
+        _e2e_overrides(
+            tmp_path,
+            "grpo",
+            "trainer.worker_backend=ray",
+            "trainer.total_steps=10",
+            "actor.lr=0.01",
+            "trainer.test_freq=5",
+            "trainer.val_before_train=true",
+            "rollout.n=8",
+            "actor.ppo_mini_batch_size=4",
+            "actor.ppo_epochs=2",
+        ),
+    )
+    summary = RLTrainer(cfg).fit()
+    records = [r for r in _records(tmp_path / "grpo") if "critic/score/mean" in r]
+    assert [r["step"] for r in records] == list(range(1, 11))
+    scores = [r["critic/score/mean"] for r in records]
+    # Four optimizer steps per RL step (2 mini-batches x 2 epochs) on a dense reward.
+    assert sum(scores[-3:]) / 3 > sum(scores[:3]) / 3 + 0.05, scores
+    assert records[-1]["actor/num_updates"] == 4
+    for key in (
+        "actor/pg_loss",
+        "actor/grad_norm",
+        "actor/entropy",
+        "timing_s/gen",
+        "timing_s/update_actor",
+        "perf/throughput",
+        "response_length/mean",
+    ):
+        assert all(key in r for r in records), key
+    assert records[-1]["rollout/weight_version"] == 9  # generated by the weights of step 9
+    assert summary["first_val_acc"] is not None and Path(summary["plot"]).is_file()
+
+
+@pytest.mark.slow
+def test_ppo_with_critic_on_ray_separate_placement(tmp_path, ray_session):
+    cfg = load_config(
+        "ppo",
+        _e2e_overrides(
+            tmp_path,
+            "ppo",
+            "trainer.worker_backend=ray",
+            "trainer.total_steps=3",
+            "trainer.placement=separate",
+            "model.tiny_size=nano",
+            "actor.ppo_mini_batch_size=4",
+            "trainer.save_freq=0",
+            "actor.lr=0.001",
+        ),
+    )
+    RLTrainer(cfg).fit()
+    records = [r for r in _records(tmp_path / "ppo") if "critic/score/mean" in r]
+    assert len(records) == 3
+    for r in records:
+        for key in (
+            "critic/vf_loss",
+            "critic/values/mean",
+            "actor/reward_kl_penalty",
+            "actor/ppo_kl",
+            "timing_s/update_critic",
+            "timing_s/values",
+        ):
+            assert key in r and r[key] == r[key], key  # present and not NaN
+    assert records[-1]["critic/vf_loss"] != records[0]["critic/vf_loss"]
+
+
+def _train_cmd(overrides: list[str]) -> list[str]:
+    return [sys.executable, "-m", "polyrl.cli", "train", "demo", *overrides]
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_with_identical_metrics(tmp_path):
+    common = [
+        "trainer.worker_backend=local",
+        "trainer.total_steps=4",
+        "trainer.save_freq=2",
+        "actor.ppo_epochs=2",
+        "actor.lr=0.003",
+        "algorithm.use_kl_in_reward=true",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    full = _e2e_overrides(tmp_path, "full", *common)
+    subprocess.run(
+        _train_cmd(full), check=True, env=env, cwd=tmp_path, timeout=600, stdout=subprocess.DEVNULL
+    )
+    broken = _e2e_overrides(tmp_path, "broken", *common)
+    proc = subprocess.Popen(
+        _train_cmd(broken),
+        env=env,
+        cwd=tmp_path,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    marker = tmp_path / "broken" / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    # Kill it (with its rollout server and reward workers) once step 3 has been logged: after
+    # the step-2 checkpoint, before the step-4 one.
+    while time.monotonic() < deadline:
+        if marker.exists() and '"step": 3' in marker.read_text():
+            break
+        assert proc.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    subprocess.run(
+        _train_cmd([*broken, "trainer.resume_mode=auto"]),
+        check=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
+        stdout=subprocess.DEVNULL,
+    )
+
+    def comparable(path: Path) -> dict[int, dict]:
+        out = {}
+        for r in _records(path):
+            out[r["step"]] = {
+                k: v
+                for k, v in r.items()
+                if not k.startswith(("timing_s/", "perf/throughput")) and k != "time"
+            }
+        return out
+
+    a, b = comparable(tmp_path / "full"), comparable(tmp_path / "broken")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for step in a:
+        # The server's own log-probs depend (in the last bits) on which requests it happened to
+        # batch together; everything the trainer computes must match exactly.
+        gap_a, gap_b = a[step].pop("rollout/log_prob_gap"), b[step].pop("rollout/log_prob_gap")
+        assert gap_a == pytest.approx(gap_b, abs=1e-6)
+        assert a[step] == b[step], step
