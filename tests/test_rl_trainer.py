@@ -217,6 +217,7 @@ def test_grpo_on_ray_raises_the_reward(tmp_path, ray_session):
             "rollout.n=8",
             "actor.ppo_mini_batch_size=4",
             "actor.ppo_epochs=2",
+            "rollout.sleep_during_training=true",
         ),
     )
     summary = RLTrainer(cfg).fit()
@@ -338,3 +339,85 @@ def test_killed_run_resumes_with_identical_metrics(tmp_path):
         gap_a, gap_b = a[step].pop("rollout/log_prob_gap"), b[step].pop("rollout/log_prob_gap")
         assert gap_a == pytest.approx(gap_b, abs=1e-6)
         assert a[step] == b[step], step
+
+
+@pytest.mark.slow
+def test_python_api_trains_from_rows_with_a_named_reward(tmp_path, tiny_qwen2_dir):
+    from polyrl import GRPOTrainer, RLConfig
+    from polyrl.config import load_config
+    from polyrl.data.tasks import TASKS
+
+    assert RLConfig is type(load_config("demo"))
+    rows = TASKS["string_reverse"](24, seed=1, alphabet="abcjoqxz", max_length=4)
+    config = load_config(
+        "demo",
+        [
+            f"trainer.output_dir={tmp_path / 'api'}",
+            "trainer.total_steps=2",
+            "trainer.test_freq=1",
+            "data.train_batch_size=4",
+            "data.val_batch_size=8",
+            "rollout.n=2",
+            "trainer.loggers=[jsonl]",
+        ],
+    )
+    trainer = GRPOTrainer(
+        model=str(tiny_qwen2_dir),
+        config=config,
+        reward_fn="string_reverse",  # a registered scorer, by name
+        train_dataset=rows[:16],
+        eval_dataset=rows[16:],
+    )
+    assert trainer.config.data.task == "" and trainer.config.algorithm.adv_estimator == "grpo"
+    summary = trainer.train()
+    assert summary["steps"] == 2 and summary["first_val_acc"] is not None
+    records = _records(tmp_path / "api")
+    assert any("val/acc/mean@1" in r for r in records)
+    with pytest.raises(ConfigError, match="no training data"):
+        GRPOTrainer(model=str(tiny_qwen2_dir), config=load_config("demo", ["data.task="]))
+
+
+@pytest.mark.slow
+def test_every_estimator_and_policy_loss_runs_a_step(tmp_path):
+    import dataclasses
+
+    cfg = load_config(
+        "demo",
+        _e2e_overrides(
+            tmp_path,
+            "estimators",
+            "trainer.worker_backend=local",
+            "trainer.total_steps=8",
+            "actor.use_kl_loss=true",
+        ),
+    )
+    trainer = RLTrainer(cfg)
+    variants = [
+        ("grpo", "ppo_clip", False),
+        ("grpo", "gspo", False),
+        ("rloo", "ppo_clip", False),
+        ("reinforce_plus_plus", "ppo_clip", False),
+        ("reinforce_plus_plus_baseline", "ppo_clip", True),
+        ("remax", "ppo_clip", False),
+    ]
+    try:
+        trainer.setup()
+        for step, (estimator, loss, norm) in enumerate(variants, start=1):
+            trainer.cfg = dataclasses.replace(
+                cfg,
+                algorithm=dataclasses.replace(
+                    cfg.algorithm, adv_estimator=estimator, norm_adv_by_std=norm
+                ),
+                actor=dataclasses.replace(
+                    cfg.actor, policy_loss=loss, loss_agg_mode="seq-mean-token-sum-norm"
+                ),
+            )
+            metrics = trainer.step(step)
+            assert metrics["rollout/weight_version"] == step - 1, estimator
+            assert "actor/kl_loss" in metrics and metrics["actor/kl_loss"] >= 0.0
+            assert torch.isfinite(torch.tensor(metrics["actor/pg_loss"])), (estimator, loss)
+            if estimator != "remax":
+                # Every estimator here centres the rewards (remax uses the greedy baseline).
+                assert abs(metrics["critic/advantages/mean"]) < 1.0
+    finally:
+        trainer.close()
