@@ -707,9 +707,7 @@ class RLTrainer:
             # 3. old log-probs, reference log-probs, values
             if self.need_old_log_probs:
                 with _timer(timing, "old_log_prob"):
-                    batch = batch.union(
-                        self._dp(self.actor.compute_log_prob, batch, with_entropy=True)
-                    )
+                    batch = batch.union(self._dp(self.actor.compute_log_prob, batch))
             if self.use_ref:
                 with _timer(timing, "ref"):
                     batch = batch.union(self._dp(self.ref.compute_ref_log_prob, batch))
@@ -780,9 +778,6 @@ class RLTrainer:
         out.update(_stats("response_length", resp_len))
         out["response_length/clip_ratio"] = float((resp_len >= max_len).float().mean())
         out.update(_stats("prompt_length", batch["prompt_length"].float()))
-        if "entropy" in batch.tensor_keys:
-            m = mask.float()
-            out["actor/entropy"] = float((batch["entropy"] * m).sum() / m.sum().clamp(min=1.0))
         if "old_log_probs" in batch.tensor_keys and "rollout_log_probs" in batch.tensor_keys:
             gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
             out["rollout/log_prob_gap"] = float((gap * mask).sum() / mask.sum().clamp(min=1.0))

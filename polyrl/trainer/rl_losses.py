@@ -88,15 +88,14 @@ def actor_loss(
     """Policy-gradient loss of one micro-batch (PPO clip or GSPO, plus entropy and KL terms).
 
     Metrics (the engine averages them over micro-batches): ``pg_loss``, ``pg_clipfrac``,
-    ``pg_clipfrac_lower``, ``ppo_kl``, and ``entropy_loss`` / ``kl_loss`` when those terms are on.
+    ``pg_clipfrac_lower``, ``ppo_kl``, ``entropy`` (token mean of the current policy's entropy),
+    and ``entropy_loss`` / ``kl_loss`` when those terms are on.
     """
     _require(batch, "loss_mask", "advantages", loss="actor_loss")
     mask = batch["loss_mask"]
     counts = _counts(batch)
-    if entropy_coeff > 0:
-        log_prob, entropy = output.log_probs_and_entropy()
-    else:
-        log_prob, entropy = output.log_probs, None
+    # One pass over the vocabulary gives both; the entropy is always reported as a metric.
+    log_prob, entropy = output.log_probs_and_entropy()
     if "old_log_probs" in batch.tensor_keys:
         old_log_prob = batch["old_log_probs"].to(log_prob.dtype)
     else:
@@ -117,6 +116,10 @@ def actor_loss(
     metrics: dict[str, Any] = dict(pg_metrics)
     metrics["pg_loss"] = pg_metrics["pg_loss"] * _local_scale(loss_agg_mode, mask, counts)
     if entropy is not None:
+        with torch.no_grad():
+            m = mask.to(entropy.dtype)
+            metrics["entropy"] = float((entropy.detach() * m).sum() / m.sum().clamp(min=1.0))
+    if entropy is not None and entropy_coeff > 0:
         ent = entropy_bonus(
             entropy, mask, loss_agg_mode, horizon, num_tokens=counts[0], num_seqs=counts[1]
         )
