@@ -2,15 +2,20 @@
 
 A ~100M-parameter tiny Qwen2 (``size="small"``) is built from its config; the engine
 (``build_engine``, world size 1, CPU) streams ``named_tensors()`` through each transport into a
-native rollout server in another process, timed from the first bucket to the replica's atomic
-switch, after one untimed warm-up update. In the same run the plain memory-copy bandwidth of
-the same bytes is measured (each tensor copied into a bucket-sized buffer), giving
-``ratio = shm_GBps / memcpy_GBps``.
+native rollout server in another process, timed from ``begin`` to the replica's switch, in both
+receiver staging modes (``staged``: atomic, into reused shadows, pointer swap; ``inplace``:
+paused, straight into the live parameters). Transports are created once and reused, as a
+trainer would; every (transport, mode) gets one untimed warm-up update. In the same run, in
+alternating rounds, the plain memory-copy bandwidth of the same bytes is measured (each tensor
+copied into a bucket-sized buffer); figures are medians over rounds.
 
-Run: ``python benchmarks/weight_sync.py [--size small] [--bucket-mb 64 16 256]``. With several
-bucket sizes a markdown table row per size is printed; the last stdout line is the JSON of the
-first size: ``{"name": "weight_sync", "model_bytes", "memcpy_GBps", "transports": {"shm":
-{"seconds", "GBps"}, "dist": {...}, "disk": {...}}, "ratio"}``.
+Run: ``python benchmarks/weight_sync.py [--size small] [--bucket-mb 64 16 256] [--rounds 3]
+[--threads 1]`` (torch threads of the benchmark process and of the replica).
+A markdown table row per bucket size is printed; the last stdout line is the JSON of the first
+size: ``{"name": "weight_sync", "model_bytes", "memcpy_GBps", "transports": {"shm":
+{"seconds", "GBps"}, "dist": {...}, "disk": {...}}, "ratio", "default_mode": "staged",
+"inplace": {"shm": {...}, ...}, "ratio_inplace"}`` where ``transports``/``ratio`` are the
+default ``staged`` mode and ``ratio = shm_GBps / memcpy_GBps``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -33,71 +39,88 @@ from polyrl.rollout.launcher import ServerProcess  # noqa: E402
 from polyrl.weights import WeightSender, create_transport  # noqa: E402
 
 TRANSPORTS = ("shm", "dist", "disk")
+MODES = ("staged", "inplace")
 
 
-def memcpy_gbps(engine: Any, bucket_bytes: int, repeats: int = 3) -> tuple[int, float]:
-    """Copy every tensor's bytes into a bucket-sized buffer; return (bytes, best GB/s)."""
-    tensors = [
-        t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in engine.named_tensors()
-    ]
-    total = sum(t.numel() for t in tensors)
-    dst = torch.empty(bucket_bytes, dtype=torch.uint8)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for src in tensors:
-            for start in range(0, src.numel(), bucket_bytes):
-                piece = src[start : start + bucket_bytes]
-                dst[: piece.numel()].copy_(piece)
-        best = min(best, time.perf_counter() - t0)
-    return total, total / best / 1e9
+def memcpy_seconds(tensors: list[torch.Tensor], dst: torch.Tensor) -> float:
+    """Copy every tensor's bytes into the bucket-sized ``dst``, piece by piece; return seconds."""
+    bucket = dst.numel()
+    t0 = time.perf_counter()
+    for src in tensors:
+        for start in range(0, src.numel(), bucket):
+            piece = src[start : start + bucket]
+            dst[: piece.numel()].copy_(piece)
+    return time.perf_counter() - t0
 
 
-def run(size: str, bucket_mbs: list[float], workdir: Path) -> dict[str, Any]:
+def run(
+    size: str, bucket_mbs: list[float], workdir: Path, rounds: int, threads: int
+) -> dict[str, Any]:
     """Run the benchmark for each bucket size; return the result of the first."""
+    # The same intra-op threads for the baseline and the sender; on a small shared machine
+    # more than one thread per process makes every copy wait on OpenMP barriers.
+    torch.set_num_threads(threads)
     model_dir = build_tiny_model("qwen2", workdir / f"qwen2-{size}", size=size)
     engine = build_engine(str(model_dir))
-    replica = ServerProcess(model_dir, options={"num_threads": 2}).start(timeout=600)
+    replica = ServerProcess(model_dir, options={"num_threads": threads}).start(timeout=600)
+    transports = {k: create_transport(k, urls=[replica.url], timeout=600) for k in TRANSPORTS}
     results = []
     try:
-        # One untimed update first: the replica's first switch pays one-off allocation costs
-        # that would otherwise be charged to whichever transport happens to run first.
-        warm = create_transport("shm", urls=[replica.url], timeout=600)
-        try:
-            WeightSender(warm, bucket_mb=bucket_mbs[0]).send(engine.named_tensors())
-        finally:
-            warm.close()
         for mb in bucket_mbs:
-            nbytes, memcpy = memcpy_gbps(engine, int(mb * 2**20))
+            flat = [
+                t.detach().contiguous().reshape(-1).view(torch.uint8)
+                for _, t in engine.named_tensors()
+            ]
+            nbytes = sum(t.numel() for t in flat)
+            dst = torch.empty(int(mb * 2**20), dtype=torch.uint8)
+            senders = {
+                (k, m): WeightSender(transports[k], bucket_mb=mb, mode=m)
+                for k in TRANSPORTS
+                for m in MODES
+            }
+            for sender in senders.values():  # warm-up: buffers, groups, shadows
+                sender.send(engine.named_tensors())
+            memcpy_seconds(flat, dst)  # warm-up
+            copies: list[float] = []
+            times: dict[tuple[str, str], list[float]] = {key: [] for key in senders}
+            for _ in range(rounds):  # alternate: baseline, then every transport and mode
+                copies.append(memcpy_seconds(flat, dst))
+                for key, sender in senders.items():
+                    times[key].append(sender.send(engine.named_tensors()).seconds)
+            memcpy = nbytes / statistics.median(copies) / 1e9
+
+            def figures(key: tuple[str, str], times=times, nbytes=nbytes) -> dict[str, float]:
+                sec = statistics.median(times[key])
+                return {"seconds": round(sec, 4), "GBps": round(nbytes / sec / 1e9, 3)}
+
             row: dict[str, Any] = {
                 "name": "weight_sync",
                 "model_bytes": nbytes,
                 "memcpy_GBps": round(memcpy, 3),
-                "transports": {},
+                "transports": {k: figures((k, "staged")) for k in TRANSPORTS},
+                "default_mode": "staged",
+                "inplace": {k: figures((k, "inplace")) for k in TRANSPORTS},
                 "bucket_mb": mb,
+                "rounds": rounds,
+                "threads": threads,
             }
-            for kind in TRANSPORTS:
-                transport = create_transport(kind, urls=[replica.url], timeout=600)
-                try:
-                    stats = WeightSender(transport, bucket_mb=mb).send(engine.named_tensors())
-                finally:
-                    transport.close()
-                row["transports"][kind] = {
-                    "seconds": round(stats.seconds, 3),
-                    "GBps": round(stats.bytes / stats.seconds / 1e9, 3),
-                }
             row["ratio"] = round(row["transports"]["shm"]["GBps"] / memcpy, 4)
+            row["ratio_inplace"] = round(row["inplace"]["shm"]["GBps"] / memcpy, 4)
             results.append(row)
+            cells = [
+                f"{row[group][k]['seconds']:.3f} s / {row[group][k]['GBps']:.2f}"
+                for group in ("transports", "inplace")
+                for k in TRANSPORTS
+            ]
             print(
                 f"| {mb:g} | {nbytes / 1e6:.0f} MB | {memcpy:.2f} | "
-                + " | ".join(
-                    f"{row['transports'][k]['seconds']:.2f} s / {row['transports'][k]['GBps']:.2f}"
-                    for k in TRANSPORTS
-                )
-                + f" | {row['ratio']:.3f} |",
+                + " | ".join(cells)
+                + f" | {row['ratio']:.3f} | {row['ratio_inplace']:.3f} |",
                 flush=True,
             )
     finally:
+        for t in transports.values():
+            t.close()
         replica.stop()
         engine.close()
     first = dict(results[0])
@@ -110,13 +133,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", default="small", help="tiny model preset (default: small)")
     parser.add_argument("--bucket-mb", type=float, nargs="+", default=[64.0])
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds (medians)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads of this process and the replica"
+    )
     parser.add_argument("--workdir", default=None, help="where the model is built")
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="polyrl-wsync-"))
-    cols = ["bucket MiB", "model", "memcpy GB/s", *(f"{k} s / GB/s" for k in TRANSPORTS), "ratio"]
+    cols = [
+        "bucket MiB",
+        "model",
+        "memcpy GB/s",
+        *(f"{k} staged s / GB/s" for k in TRANSPORTS),
+        *(f"{k} inplace s / GB/s" for k in TRANSPORTS),
+        "ratio staged",
+        "ratio inplace",
+    ]
     print("| " + " | ".join(cols) + " |")
-    print("|---|---|---|---|---|---|---|")
-    print(json.dumps(run(args.size, args.bucket_mb, workdir)))
+    print("|" + "---|" * len(cols))
+    print(json.dumps(run(args.size, args.bucket_mb, workdir, args.rounds, args.threads)))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+import uuid
 from collections.abc import Callable
 
 import pytest
@@ -9,8 +12,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from polyrl.models.loader import load_causal_lm
+from polyrl.rollout.base import (
+    EngineUnavailableError,
+    GenerateRequest,
+    SamplingParams,
+)
+from polyrl.rollout.native.engine import EngineConfig, NativeEngine
 from polyrl.weights import (
     BucketMeta,
+    LoadFnTarget,
     Transport,
     WeightReceiver,
     WeightSender,
@@ -18,6 +29,8 @@ from polyrl.weights import (
     create_transport,
     registered_transports,
 )
+from polyrl.weights.base import align_up
+from polyrl.weights.server_routes import EngineTarget
 
 
 class LoopbackTransport(Transport):
@@ -26,22 +39,22 @@ class LoopbackTransport(Transport):
     def __init__(self, receiver: WeightReceiver, corrupt_bucket: int | None = None):
         self.receiver = receiver
         self.corrupt_bucket = corrupt_bucket
-        self.buffers: dict[int, bytearray] = {}
+        self.buffers: dict[int, torch.Tensor] = {}
         self.in_flight = 0
         self.max_in_flight = 0
 
-    def begin(self, transfer_id: str, version: int) -> list[int]:
-        return [self.receiver.begin(transfer_id, version)]
+    def begin(self, transfer_id: str, version: int, options=None) -> list[int]:
+        return [self.receiver.begin(transfer_id, version, **dict(options or {}))]
 
-    def buffer(self, slot: int, nbytes: int) -> memoryview:
+    def buffer(self, slot: int, nbytes: int) -> torch.Tensor:
         assert slot in (0, 1)
-        buf = self.buffers.setdefault(slot, bytearray(nbytes))
-        return memoryview(buf)
+        buf = self.buffers.setdefault(slot, torch.empty(nbytes, dtype=torch.uint8))
+        return buf[:nbytes]
 
     def send_bucket(self, slot: int, meta: BucketMeta) -> Callable[[], None]:
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        data = bytearray(self.buffers[slot][: meta.nbytes])
+        data = bytearray(self.buffers[slot][: meta.nbytes].numpy().tobytes())
         if meta.index == self.corrupt_bucket and data:
             data[0] ^= 0xFF
 
@@ -73,7 +86,7 @@ class Store:
 
 def make(corrupt: int | None = None):
     store = Store()
-    receiver = WeightReceiver(store.load, lambda: store.version)
+    receiver = WeightReceiver(LoadFnTarget(store.load, lambda: store.version))
     return store, receiver, LoopbackTransport(receiver, corrupt)
 
 
@@ -97,7 +110,7 @@ def test_roundtrip_any_shapes_and_bucket_sizes(shapes, bucket, bf16):
         assert store.weights[name].dtype == want.dtype
         assert torch.equal(store.weights[name], want), name
     # Two staging buffers of one bucket each, never more than two buckets in flight.
-    assert stats.buffer_bytes <= 2 * max(bucket, 64)
+    assert stats.buffer_bytes <= 2 * align_up(max(bucket, 64))  # buckets are 16-byte aligned
     assert transport.max_in_flight <= 2
     assert stats.bytes == sum(
         (v.to(dtype) if dtype and v.is_floating_point() else v).numel()
@@ -156,7 +169,7 @@ def test_incomplete_transfer_is_refused_by_name():
 def test_name_map_hook_and_registry():
     store = Store()
     receiver = WeightReceiver(
-        store.load, lambda: store.version, name_map=lambda n, t: [(n.upper(), t * 2)]
+        LoadFnTarget(store.load, lambda: store.version), name_map=lambda n, t: [(n.upper(), t * 2)]
     )
     WeightSender(LoopbackTransport(receiver)).send([("w", torch.ones(3))])
     assert torch.equal(store.weights["W"], torch.full((3,), 2.0))
@@ -168,3 +181,156 @@ def test_name_map_hook_and_registry():
         create_transport("nope")
     with pytest.raises(ValueError, match="bucket_mb must be > 0"):
         WeightSender(LoopbackTransport(receiver), bucket_mb=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# A real native engine behind the receiver: staging modes and in-flight policies.
+
+OPTS = {"num_threads": 1, "max_num_seqs": 8, "max_num_batched_tokens": 64}
+LONG = SamplingParams(max_new_tokens=4000, temperature=0, ignore_eos=True)
+
+
+class _Backend:
+    """What the weight routes see of the native backend: ``engine`` and ``weight_version``."""
+
+    def __init__(self, engine: NativeEngine):
+        self.engine = engine
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+
+@pytest.fixture
+def native(tiny_qwen2_dir, tiny_qwen2_seed1_dir):
+    engine = NativeEngine(tiny_qwen2_dir, EngineConfig(**OPTS))
+    engine.start()
+    receiver = WeightReceiver(EngineTarget(_Backend(engine)))
+    new = dict(load_causal_lm(tiny_qwen2_seed1_dir).named_parameters())
+    try:
+        yield engine, receiver, new
+    finally:
+        engine.shutdown()
+
+
+def _stream(engine: NativeEngine, rid: str, params: SamplingParams = LONG):
+    """Submit a request; return (deltas list, finished event)."""
+    deltas, done = [], threading.Event()
+
+    def sink(payload):
+        if isinstance(payload, BaseException):
+            done.set()
+            return
+        for d in payload:
+            deltas.append(d)
+            if d.finish_reason:
+                done.set()
+
+    engine.submit(GenerateRequest(rid, (3, 14, 15, 92, 65), params), sink, stream=True)
+    while not deltas and not done.wait(0.01):
+        pass
+    return deltas, done
+
+
+def _greedy(engine: NativeEngine) -> list[int]:
+    deltas, done = _stream(
+        engine, uuid.uuid4().hex, SamplingParams(max_new_tokens=6, temperature=0)
+    )
+    assert done.wait(30)
+    return [t for d in deltas for t in d.token_ids]
+
+
+def test_staged_keep_decodes_through_the_update_and_swaps_without_copies(native):
+    engine, receiver, new = native
+    deltas, done = _stream(engine, "long")
+    before = {n: p.data_ptr() for n, p in engine.runner.model.named_parameters()}
+    sender = WeightSender(LoopbackTransport(receiver), bucket_mb=0.05, checksum=True)
+    stats = sender.send(iter(new.items()))
+    assert stats.replica_versions == [1] and engine.weight_version == 1
+    assert not done.is_set()  # kept running through the transfer
+    engine.abort(["long"]).result()
+    assert done.wait(30)
+    assert deltas[0].weight_version == 0 and deltas[-1].weight_version == 1
+    # The switch swapped storage (no copy), and the old storage became the next shadow.
+    after = {n: p.data_ptr() for n, p in engine.runner.model.named_parameters()}
+    assert all(before[n] != after[n] for n in before)
+    held = receiver.status()["held_bytes"]
+    assert held == sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    for name, param in engine.runner.model.named_parameters():
+        assert torch.equal(param, new[name]), name
+    # Transfer memory beyond the shadows: none (loopback hands over its own bytes).
+    assert receiver.status()["last"]["peak_extra_bytes"] == 0
+
+
+def test_abort_policy_ends_inflight_requests(native):
+    engine, receiver, new = native
+    deltas, done = _stream(engine, "long")
+    WeightSender(LoopbackTransport(receiver), inflight="abort").send(iter(new.items()))
+    assert done.wait(30) and deltas[-1].finish_reason == "abort"
+    assert deltas[-1].weight_version == 0 and engine.weight_version == 1
+    assert not engine.paused
+
+
+def test_inplace_pauses_refuses_and_an_interrupted_update_blocks_until_a_retry(native):
+    engine, receiver, new = native
+    old = {n: p.detach().clone() for n, p in engine.runner.model.named_parameters()}
+    deltas, done = _stream(engine, "long")
+    seen = []
+
+    def during(meta):
+        seen.append(engine.paused)
+        with pytest.raises(EngineUnavailableError, match="in-place weight update"):
+            engine.submit(GenerateRequest("x", (1, 2)), lambda p: None)
+
+    transport = LoopbackTransport(receiver)
+    ptrs = {n: p.data_ptr() for n, p in engine.runner.model.named_parameters()}
+    WeightSender(transport, bucket_mb=0.05, mode="inplace", on_bucket=during).send(
+        iter(new.items())
+    )
+    assert seen and all(seen)  # paused for the whole transfer
+    assert engine.weight_version == 1 and not engine.paused and not done.is_set()
+    assert {n: p.data_ptr() for n, p in engine.runner.model.named_parameters()} == ptrs
+    assert receiver.status()["held_bytes"] == 0  # no shadow: bounded memory
+    engine.abort(["long"]).result()
+
+    # Interrupted: the live weights are mixed, so requests get a clear 503 until a retry.
+    def die(meta):
+        if meta.index == 2:
+            raise KeyboardInterrupt  # the sender dies after two buckets
+
+    with pytest.raises(KeyboardInterrupt):
+        WeightSender(transport, bucket_mb=0.05, mode="inplace", on_bucket=die).send(
+            iter(old.items())
+        )
+    assert engine.weight_version == 1
+    with pytest.raises(EngineUnavailableError, match="interrupted.*still version 1"):
+        _greedy(engine)
+    WeightSender(transport, bucket_mb=0.05, mode="inplace").send(iter(old.items()))
+    assert engine.weight_version == 2 and not engine.paused
+    for name, param in engine.runner.model.named_parameters():
+        assert torch.equal(param, old[name]), name
+    assert len(_greedy(engine)) == 6
+
+
+def test_stalled_transfer_is_dropped_and_unknown_tensor_is_named(native):
+    engine, receiver, new = native
+    receiver.begin("t1", -1, inflight="pause", stall_timeout=0.3)
+    assert engine.paused
+    deadline = time.monotonic() + 10
+    while receiver.status()["transfer_id"] is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert receiver.status()["last"]["outcome"].startswith("aborted: no bucket")
+    assert not engine.paused and engine.weight_version == 0
+    bad = iter([("model.nope.weight", torch.zeros(3)), *new.items()])
+    with pytest.raises(Exception, match="model.nope.weight"):
+        WeightSender(LoopbackTransport(receiver)).send(bad)
+    missing = iter(list(new.items())[:-1])
+    with pytest.raises(Exception, match=r"parameter\(s\) missing"):
+        WeightSender(LoopbackTransport(receiver)).send(missing)
+    assert engine.weight_version == 0 and not engine.paused
+    # bf16 on the wire into fp32 parameters converts while copying (no extra staging).
+    WeightSender(LoopbackTransport(receiver), dtype=torch.bfloat16, bucket_mb=0.01).send(
+        iter(new.items())
+    )
+    for name, param in engine.runner.model.named_parameters():
+        assert torch.equal(param, new[name].to(torch.bfloat16).float()), name

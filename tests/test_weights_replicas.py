@@ -1,13 +1,15 @@
-"""Engine → two rollout replicas (separate processes) over ``shm`` and ``disk``.
+"""Engine → two rollout replicas (separate processes) over ``shm``, ``dist`` and ``disk``.
 
 After an update every replica's greedy tokens and log-probs equal, bit for bit, those of a
 reference replica started directly from the engine's weights; a sender killed mid-transfer
-leaves the replicas on the previous version and a retry succeeds.
+leaves the replicas on the previous version (staged) or refusing requests (inplace) and a
+retry succeeds; peak extra memory on both sides is measured (process RSS) and bounded.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -73,12 +75,16 @@ def checkpoint_tensors(model_dir):
                 yield name, f.get_tensor(name)
 
 
-def send(kind: str, urls: list[str], tensors) -> object:
-    transport = create_transport(kind, urls=urls)
+def send(kind: str, urls: list[str], tensors, bucket_mb: float = BUCKET_MB, **kw) -> object:
+    transport = create_transport(kind, urls=urls, timeout=60)
     try:
-        return WeightSender(transport, bucket_mb=BUCKET_MB, checksum=True).send(tensors)
+        return WeightSender(transport, bucket_mb=bucket_mb, checksum=True, **kw).send(tensors)
     finally:
         transport.close()
+
+
+def last(url: str) -> dict:
+    return httpx.get(url + "/weights/status").json()["last"]
 
 
 def test_shm_update_from_the_engine_matches_the_reference(servers, dirs):
@@ -98,6 +104,7 @@ def test_shm_update_from_the_engine_matches_the_reference(servers, dirs):
     assert stats.buckets > 2
     for url in urls:
         assert outputs(url) == want  # tokens and fp32 log-probs exactly equal
+        assert last(url)["peak_extra_bytes"] == 0  # shm is read in place, no receive buffer
 
 
 def test_disk_update_switches_back_and_forth(servers, dirs):
@@ -109,6 +116,8 @@ def test_disk_update_switches_back_and_forth(servers, dirs):
     old_out = outputs(urls[1])
     stats = send("disk", urls, checkpoint_tensors(new_dir))
     assert versions(urls) == [start + 2] * 2
+    for url in urls:  # two reused receive buffers of one bucket each
+        assert 0 < last(url)["peak_extra_bytes"] <= 2 * int(BUCKET_MB * 2**20)
     want = outputs(ref)
     assert old_out != want
     for url in urls:
@@ -116,28 +125,24 @@ def test_disk_update_switches_back_and_forth(servers, dirs):
 
 
 KILLED_SENDER = """
-import sys, time
+import json, sys, time
 from safetensors import safe_open
 from polyrl.weights import WeightSender, create_transport
-urls, path = sys.argv[1].split(","), sys.argv[2]
+urls, path, kind, opts = sys.argv[1].split(","), sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 def tensors():
     with safe_open(path, "pt") as f:
         for name in f.keys():
             yield name, f.get_tensor(name)
-sender = WeightSender(create_transport("shm", urls=urls), bucket_mb=0.05,
-                      on_bucket=lambda meta: time.sleep(0.3))
+transport = create_transport(kind, urls=urls, **opts.pop("transport", {}))
+sender = WeightSender(transport, bucket_mb=0.05, on_bucket=lambda meta: time.sleep(0.3), **opts)
 sender.send(tensors())
 """
 
 
-def test_sender_killed_mid_transfer_keeps_old_version_then_retry(servers, dirs):
-    urls, _ = servers
-    old_dir = dirs[0]
-    start = versions(urls)
-    serving = outputs(urls[0])
-    weights = str(next(iter(sorted(old_dir.glob("*.safetensors")))))
+def start_and_kill_sender(urls, weights, kind, opts):
+    """Run a sender in a subprocess, SIGKILL it once every replica holds two buckets."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", KILLED_SENDER, ",".join(urls), weights],
+        [sys.executable, "-c", KILLED_SENDER, ",".join(urls), weights, kind, json.dumps(opts)],
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
@@ -155,13 +160,47 @@ def test_sender_killed_mid_transfer_keeps_old_version_then_retry(servers, dirs):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("kind", ["shm", "dist", "disk"])
+def test_sender_killed_mid_transfer_keeps_old_version_then_retry(servers, dirs, kind, tmp_path):
+    urls, _ = servers
+    old_dir = dirs[0]
+    start = versions(urls)
+    serving = outputs(urls[0])
+    weights = str(next(iter(sorted(old_dir.glob("*.safetensors")))))
+    opts = {"transport": {"directory": str(tmp_path)}} if kind == "disk" else {}
+    start_and_kill_sender(urls, weights, kind, opts)
     time.sleep(0.5)
     assert versions(urls) == start
     for url in urls:
         assert outputs(url) == serving  # still the old weights, still serving
-    stats = send("shm", urls, checkpoint_tensors(old_dir))
+    stats = send(kind, urls, checkpoint_tensors(old_dir))
     assert stats.replica_versions == [start[0] + 1] * 2
     assert all(httpx.get(u + "/weights/status").json()["transfer_id"] is None for u in urls)
+
+
+def test_inplace_sender_killed_refuses_requests_until_a_retry(servers, dirs, tmp_path):
+    urls, ref = servers
+    old_dir, new_dir = dirs
+    send("disk", urls, checkpoint_tensors(new_dir))  # serving the "new" weights
+    start = versions(urls)
+    weights = str(next(iter(sorted(old_dir.glob("*.safetensors")))))
+    start_and_kill_sender(urls, weights, "shm", {"mode": "inplace", "stall_timeout": 1.0})
+    deadline = time.monotonic() + 20
+    while any(httpx.get(u + "/weights/status").json()["transfer_id"] for u in urls):
+        assert time.monotonic() < deadline, "the stalled transfer was never dropped"
+        time.sleep(0.1)
+    assert versions(urls) == start
+    for url in urls:
+        r = httpx.post(url + "/generate", json={"input_ids": PROMPTS[0], "sampling_params": {}})
+        assert r.status_code == 503
+        assert "interrupted" in r.json()["error"]["message"]
+    stats = send("shm", urls, checkpoint_tensors(new_dir), mode="inplace")
+    assert stats.replica_versions == [start[0] + 1] * 2
+    want = outputs(ref)
+    for url in urls:
+        assert outputs(url) == want
 
 
 def test_dist_group_is_created_once_and_reused(servers, dirs):
@@ -195,8 +234,7 @@ def test_world_size_two_engine_group_updates_both_replicas(ray_session, servers,
 
     urls, ref = servers
     old_dir, new_dir = dirs
-    send("shm", urls, checkpoint_tensors(old_dir))  # start from the other weights
-    start = versions(urls)[0]
+    want = outputs(ref)
     spec = WorkerSpec(
         WeightSyncWorker,
         kwargs={"role": "actor", "model": str(new_dir), "engine": {"device": "cpu"}},
@@ -205,12 +243,78 @@ def test_world_size_two_engine_group_updates_both_replicas(ray_session, servers,
     try:
         infos = group.init_model()
         assert [i["world_size"] for i in infos] == [2, 2]
-        results = group.sync_weights("shm", urls, BUCKET_MB, True)
+        for kind, mode in (("shm", "staged"), ("dist", "inplace"), ("disk", "staged")):
+            send("disk", urls, checkpoint_tensors(old_dir))  # start from the other weights
+            start = versions(urls)[0]
+            results = group.sync_weights(kind, urls, BUCKET_MB, True, mode=mode)
+            assert results[1] is None
+            assert results[0]["replica_versions"] == [start + 1] * 2 == versions(urls), kind
+            assert results[0]["buffer_bytes"] <= 2 * int(BUCKET_MB * 2**20)
+            for url in urls:
+                assert outputs(url) == want, kind
     finally:
         group.shutdown()
-    assert results[1] is None
-    assert results[0]["replica_versions"] == [start + 1] * 2 == versions(urls)
-    assert results[0]["buffer_bytes"] <= 2 * int(BUCKET_MB * 2**20)
-    want = outputs(ref)
-    for url in urls:
-        assert outputs(url) == want
+
+
+@pytest.fixture(scope="module")
+def micro(tmp_path_factory):
+    """One replica serving a ~10 MB model, for memory measurements."""
+    root = tmp_path_factory.mktemp("weights-micro")
+    old = build_tiny_model("qwen2", root / "old", size="micro", seed=0)
+    new = build_tiny_model("qwen2", root / "new", size="micro", seed=1)
+    proc = ServerProcess(old, options=OPTIONS)
+    try:
+        proc.start(timeout=180)
+        yield proc.url, dict(checkpoint_tensors(old)), dict(checkpoint_tensors(new))
+    finally:
+        proc.stop()
+
+
+MIB = 2**20
+
+
+def test_peak_extra_memory_is_bounded_on_both_sides(micro):
+    url, old, new = micro
+    model = sum(t.numel() * t.element_size() for t in old.values())
+    bucket = 1 * MIB
+    slack = 1 * MIB  # allocator and HTTP noise in the RSS
+    assert model > 2 * bucket + 2 * slack  # the bounds below could not hold by accident
+    transports = {k: create_transport(k, urls=[url], timeout=60) for k in ("shm", "dist", "disk")}
+    try:
+
+        def update(kind: str, mode: str, tensors: dict, measure: bool = True):
+            sender = WeightSender(
+                transports[kind], bucket_mb=1, mode=mode, checksum=True, measure_memory=measure
+            )
+            stats = sender.send(iter(tensors.items()))
+            got = last(url)
+            assert got["outcome"] == "committed"
+            assert stats.buffer_bytes == 2 * bucket and stats.peak_temp_bytes == 0
+            assert got["peak_extra_bytes"] <= 2 * bucket  # counted receive buffers
+            return stats.rss_peak_delta, got["rss_peak_delta"]
+
+        # Unmeasured warm-up per transport: one-off process costs (thread pools, the gloo
+        # group, lazily imported modules) are not per-update memory.
+        for kind in transports:
+            update(kind, "inplace", new, measure=False)
+        rows = {}
+        for kind, mode, tensors in [
+            ("shm", "inplace", old),
+            ("dist", "inplace", new),
+            ("disk", "inplace", old),
+            ("shm", "staged", new),  # first staged update: allocates the shadows (one model)
+            ("dist", "staged", old),  # later ones reuse them
+        ]:
+            rows[(kind, mode, len(rows))] = update(kind, mode, tensors)
+    finally:
+        for t in transports.values():
+            t.close()
+    print(rows)
+    for (kind, mode, i), (sender, replica) in rows.items():
+        # The sender's two bucket buffers were touched in the warm-up: nothing new here.
+        assert sender is not None and sender <= 2 * bucket + slack, (kind, mode, sender)
+        if i == 3:
+            assert replica >= 0.9 * model, (kind, mode, replica)  # the shadow copy
+        else:
+            assert replica is not None and replica <= 2 * bucket + slack, (kind, mode, replica)
+    assert httpx.get(url + "/weights/status").json()["held_bytes"] == model

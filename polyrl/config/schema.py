@@ -445,6 +445,12 @@ class RolloutConfig(ConfigGroup):
         "shm", "How the trainer pushes new weights to the replicas.", choices=WEIGHT_TRANSPORTS
     )
     weight_bucket_mb: float = option(64.0, "Bucket size of a weight transfer in MiB.", gt=0.0)
+    weight_sync_mode: str = option(
+        "staged",
+        "staged: atomic switch, one model of extra replica memory; inplace: two buckets, "
+        "replica paused during the transfer.",
+        choices=("staged", "inplace"),
+    )
     sleep_during_training: bool = option(
         False, "Release the replicas' KV cache while the engines train (colocated placement)."
     )

@@ -669,7 +669,12 @@ class RLTrainer:
         if ro.sleep_during_training:
             self._run(self._client.wake_up())
         stats = self.actor.sync_weights(
-            ro.weight_transport, self.rollout_urls, ro.weight_bucket_mb, False, version
+            ro.weight_transport,
+            self.rollout_urls,
+            ro.weight_bucket_mb,
+            False,
+            version,
+            ro.weight_sync_mode,
         )
         first = next(s for s in stats if s is not None)
         return {

@@ -9,16 +9,18 @@ from polyrl.weights.base import (
     register_transport,
     registered_transports,
 )
-from polyrl.weights.receiver import WeightReceiver
+from polyrl.weights.receiver import LoadFnTarget, WeightReceiver, WeightTarget
 from polyrl.weights.sender import SendStats, WeightSender
 
 __all__ = [
     "BucketMeta",
+    "LoadFnTarget",
     "SendStats",
     "TensorMeta",
     "Transport",
     "WeightReceiver",
     "WeightSender",
+    "WeightTarget",
     "WeightTransferError",
     "create_transport",
     "register_transport",

@@ -17,8 +17,10 @@ from typing import Any
 import torch
 
 __all__ = [
+    "ALIGN",
     "BucketMeta",
     "TensorMeta",
+    "align_up",
     "Transport",
     "WeightTransferError",
     "bucket_checksum",
@@ -67,9 +69,20 @@ def dtype_from_name(name: str) -> torch.dtype:
         ) from None
 
 
-def bucket_checksum(data: memoryview | bytes) -> int:
+def bucket_checksum(data: memoryview | bytes | torch.Tensor) -> int:
     """CRC32 of a bucket's bytes (cheap enough to leave on in tests)."""
+    if isinstance(data, torch.Tensor):
+        data = memoryview(data.detach().to("cpu").contiguous().view(torch.uint8).numpy())
     return zlib.crc32(data) & 0xFFFFFFFF
+
+
+#: Byte alignment of every tensor inside a bucket, so chunks can be viewed as any dtype.
+ALIGN = 16
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    """Round ``n`` up to a multiple of ``align``."""
+    return -(-n // align) * align
 
 
 @dataclass(frozen=True)
@@ -153,17 +166,28 @@ class Transport(abc.ABC):
 
     The sender calls :meth:`begin`, then :meth:`send_bucket` for each bucket (at most two
     in flight: the returned callable waits for one), then :meth:`commit` or :meth:`abort`.
+    A transport is reusable across transfers (its buffers and process group are kept).
     """
 
     name: str = ""
 
     @abc.abstractmethod
-    def begin(self, transfer_id: str, version: int) -> list[int]:
-        """Tell every replica a transfer at ``version`` starts; return their current versions."""
+    def begin(
+        self, transfer_id: str, version: int, options: Mapping[str, Any] | None = None
+    ) -> list[int]:
+        """Tell every replica a transfer at ``version`` starts; return their current versions.
+
+        ``options`` go to each replica's receiver (``mode``, ``inflight``, ``stall_timeout``,
+        ``measure_memory``; see :meth:`polyrl.weights.receiver.WeightReceiver.begin`).
+        """
 
     @abc.abstractmethod
-    def buffer(self, slot: int, nbytes: int) -> memoryview:
-        """Return writable staging memory of at least ``nbytes`` for buffer ``slot`` (0 or 1)."""
+    def buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        """Return a 1-D uint8 staging tensor of ``nbytes`` for buffer ``slot`` (0 or 1).
+
+        The same memory is returned for a slot across buckets and transfers (no page faults
+        after the first use); it may live on an accelerator (NCCL, CUDA IPC).
+        """
 
     @abc.abstractmethod
     def send_bucket(self, slot: int, meta: BucketMeta) -> Callable[[], None]:

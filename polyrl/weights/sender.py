@@ -1,10 +1,13 @@
 """Model-engine side of a weight transfer: pack ``named_tensors()`` into fixed-size buckets.
 
-Memory stays bounded by two buckets (the transport's two staging buffers) plus the one full
-tensor currently being packed, whatever the model size: while bucket *k* is in flight, bucket
-*k+1* is packed into the other buffer, and buffer *k* is only reused once every replica has
-acknowledged it. A tensor larger than the bucket is *split* across consecutive buckets
-(each chunk carries its byte ``start`` inside the tensor), so no oversize buffer is ever needed.
+Memory stays bounded by two buckets (the transport's two staging buffers, reused across
+buckets and transfers), whatever the model size: while bucket *k* is in flight, bucket *k+1*
+is packed into the other buffer, and buffer *k* is only reused once every replica has
+acknowledged it. A dtype cast or device-to-host move happens chunk by chunk while copying into
+the bucket, so no per-tensor temporary is made. A tensor larger than the bucket is *split*
+across consecutive buckets (each chunk carries its byte ``start`` inside the tensor, whole
+elements only), so no oversize buffer is ever needed. Every tensor starts at a 16-byte aligned
+offset, so a replica can view any chunk as its dtype and convert while copying.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -21,16 +25,23 @@ from polyrl.weights.base import (
     TensorMeta,
     Transport,
     WeightTransferError,
+    align_up,
     bucket_checksum,
     dtype_name,
 )
+from polyrl.weights.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
 __all__ = ["SendStats", "WeightSender"]
 
 
 @dataclass
 class SendStats:
-    """What one :meth:`WeightSender.send` did."""
+    """What one :meth:`WeightSender.send` did.
+
+    ``buffer_bytes``: the two bucket buffers; ``peak_temp_bytes``: the largest temporary made
+    while packing (a contiguous copy of a non-contiguous tensor, else 0); ``rss_peak_delta``:
+    the process's peak RSS over its RSS at the start (with ``measure_memory``).
+    """
 
     version: int
     buckets: int = 0
@@ -38,6 +49,8 @@ class SendStats:
     bytes: int = 0
     seconds: float = 0.0
     buffer_bytes: int = 0
+    peak_temp_bytes: int = 0
+    rss_peak_delta: int | None = None
     replica_versions: list[int] = field(default_factory=list)
 
 
@@ -45,11 +58,18 @@ class WeightSender:
     """Packs tensors into buckets and hands them to a :class:`Transport`.
 
     Args:
-        transport: where the buckets go.
+        transport: where the buckets go (reusable: keep one per sender for repeated updates).
         bucket_mb: bucket size in MiB (may be fractional, e.g. for tests).
-        dtype: cast floating-point tensors to this dtype before sending (``None``: keep).
+        dtype: cast floating-point tensors to this dtype on the wire (``None``: keep); the
+            cast happens chunk by chunk while packing, so no cast copy of a tensor is made.
         checksum: attach a CRC32 per bucket that the receiver verifies.
         on_bucket: called with each bucket's metadata after it was handed to the transport.
+        mode: receiver staging, ``staged`` (atomic, one model of extra memory on the replica)
+            or ``inplace`` (~2 buckets; the replica pauses and refuses requests until commit).
+        inflight: in-flight requests during the transfer: ``keep`` (async RL), ``pause`` or
+            ``abort`` (on-policy).
+        stall_timeout: seconds without a bucket after which replicas drop the transfer.
+        measure_memory: have the replicas (and this process) measure their peak RSS.
     """
 
     def __init__(
@@ -59,20 +79,38 @@ class WeightSender:
         dtype: torch.dtype | None = None,
         checksum: bool = False,
         on_bucket: Callable[[BucketMeta], None] | None = None,
+        mode: str = "staged",
+        inflight: str = "keep",
+        stall_timeout: float | None = None,
+        measure_memory: bool = False,
     ):
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb!r}")
+        if mode not in ("staged", "inplace"):
+            raise ValueError(f"mode must be 'staged' or 'inplace', got {mode!r}")
+        if inflight not in ("keep", "pause", "abort"):
+            raise ValueError(f"inflight must be 'keep', 'pause' or 'abort', got {inflight!r}")
         self.transport = transport
-        self.bucket_bytes = max(64, int(bucket_mb * 1024 * 1024))
+        self.bucket_bytes = align_up(max(64, int(bucket_mb * 1024 * 1024)))
         self.dtype = dtype
         self.checksum = checksum
         self.on_bucket = on_bucket
+        self.options: dict[str, Any] = {"mode": mode, "inflight": inflight}
+        if stall_timeout is not None:
+            self.options["stall_timeout"] = float(stall_timeout)
+        self.measure_memory = measure_memory
+        if measure_memory:
+            self.options["measure_memory"] = True
 
-    def _flat(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _source(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.dtype, int]:
+        """Flat view of ``tensor`` (no copy when contiguous), its wire dtype, extra bytes."""
         tensor = tensor.detach()
-        if self.dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(self.dtype)
-        return tensor.to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        extra = 0
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+            extra = tensor.numel() * tensor.element_size()
+        wire = self.dtype if (self.dtype is not None and tensor.is_floating_point()) else None
+        return tensor.reshape(-1), wire or tensor.dtype, extra
 
     def send(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
@@ -87,10 +125,16 @@ class WeightSender:
             Counters of the transfer, with the versions the replicas switched to.
         """
         transfer_id = uuid.uuid4().hex
+        rss0 = None
+        if self.measure_memory and reset_peak_rss():
+            rss0 = rss_bytes()
         t0 = time.perf_counter()
-        current = self.transport.begin(transfer_id, -1 if version is None else version)
+        current = self.transport.begin(
+            transfer_id, -1 if version is None else version, self.options
+        )
         if version is None:
             if len(set(current)) > 1:
+                self.transport.abort(transfer_id)
                 raise WeightTransferError(
                     f"replicas disagree on their weight version {current}; pass version="
                 )
@@ -101,32 +145,29 @@ class WeightSender:
         entries: list[TensorMeta] = []
         fill = 0
         view: torch.Tensor | None = None
-        buffers: set[int] = set()
+        buffers: dict[int, int] = {}
+        bucket = self.bucket_bytes
 
         def acquire() -> torch.Tensor:
             wait = pending[slot]
             if wait is not None:
                 pending[slot] = None
                 wait()
-            mem = self.transport.buffer(slot, self.bucket_bytes)
-            if slot not in buffers:
-                buffers.add(slot)
-                stats.buffer_bytes += len(mem)
-            return torch.frombuffer(mem, dtype=torch.uint8, count=self.bucket_bytes)
+            mem = self.transport.buffer(slot, bucket)
+            buffers[slot] = max(buffers.get(slot, 0), mem.numel())
+            stats.buffer_bytes = sum(buffers.values())
+            return mem
 
         def flush() -> None:
             nonlocal slot, entries, fill, view
             if not entries or view is None:
                 return
-            check = None
-            if self.checksum:
-                check = bucket_checksum(memoryview(view[:fill].numpy()))
+            check = bucket_checksum(view[:fill]) if self.checksum else None
             meta = BucketMeta(
                 transfer_id, version, stats.buckets, fill, tuple(entries), checksum=check
             )
             pending[slot] = self.transport.send_bucket(slot, meta)
             stats.buckets += 1
-            stats.bytes += fill
             if self.on_bucket is not None:
                 self.on_bucket(meta)
             slot ^= 1
@@ -138,29 +179,44 @@ class WeightSender:
                     raise WeightTransferError(
                         f"tensor {name!r} is a {type(tensor).__name__}; expected a torch.Tensor"
                     )
-                flat = self._flat(tensor)
-                wire = dtype_name(
-                    self.dtype if (self.dtype and tensor.is_floating_point()) else tensor.dtype
-                )
+                flat, wire, extra = self._source(tensor)
+                stats.peak_temp_bytes = max(stats.peak_temp_bytes, extra)
+                wire_name = dtype_name(wire)
+                size = torch.empty((), dtype=wire).element_size()
                 shape = tuple(tensor.shape)
+                total = flat.numel()  # elements
                 start = 0
-                total = flat.numel()
                 stats.tensors += 1
-                while start < total or (total == 0 and start == 0):
+                if view is None:
+                    view = acquire()
+                fill = align_up(fill)  # every tensor starts aligned: chunks view as any dtype
+                if total == 0:
+                    if fill > bucket:
+                        flush()
+                        view = acquire()
+                    entries.append(TensorMeta(name, shape, wire_name, min(fill, bucket), 0, 0))
+                    continue
+                while start < total:
                     if view is None:
                         view = acquire()
-                    take = min(total - start, self.bucket_bytes - fill)
-                    if take == 0 and total > 0:
+                    room = (bucket - fill) // size  # whole elements only
+                    if room <= 0:
                         flush()
                         continue
-                    view[fill : fill + take].copy_(flat[start : start + take])
-                    entries.append(TensorMeta(name, shape, wire, fill, take, start))
-                    fill += take
+                    take = min(total - start, room)
+                    dst = view[fill : fill + take * size].view(wire)
+                    # One copy: casts and moves device→host on the way into the bucket.
+                    dst.copy_(flat[start : start + take])
+                    entries.append(
+                        TensorMeta(name, shape, wire_name, fill, take * size, start * size)
+                    )
+                    fill += take * size
+                    stats.bytes += take * size  # payload only, not the alignment padding
                     start += take
-                    if fill >= self.bucket_bytes:
+                    if fill >= bucket:
                         flush()
-                    if total == 0:
-                        break
+                    elif start < total:
+                        fill = align_up(fill)
                 del flat
             flush()
             for i in (0, 1):
@@ -182,4 +238,7 @@ class WeightSender:
                 pass
             raise
         stats.seconds = time.perf_counter() - t0
+        if rss0 is not None:
+            peak = peak_rss_bytes()
+            stats.rss_peak_delta = None if peak is None else max(0, peak - rss0)
         return stats

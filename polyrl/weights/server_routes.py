@@ -1,11 +1,17 @@
 """Weight-transfer endpoints registered onto the rollout server's FastAPI app.
 
-``POST /weights/begin`` ``{"transfer_id", "version"}`` → ``{"weight_version"}`` (now serving);
-``POST /weights/bucket`` ``{"meta": BucketMeta, "source": {"kind": "shm", "name"} |
-{"kind": "disk", "path"}}`` → ``{"buckets": n}``; ``POST /weights/commit``
-``{"transfer_id", "version"}`` → ``{"weight_version"}``; ``POST /weights/abort``
-``{"transfer_id"?}``; ``GET /weights/status``; ``POST /weights/dist/init``
-``{"host", "port", "rank", "world_size", "timeout"?}`` joins the sender's gloo group (``dist``).
+``POST /weights/begin`` ``{"transfer_id", "version", "mode"?, "inflight"?, "stall_timeout"?,
+"measure_memory"?}`` → ``{"weight_version"}`` (now serving); ``POST /weights/bucket``
+``{"meta": BucketMeta, "source": {"kind": "shm", "name"} | {"kind": "disk", "path"} |
+{"kind": "dist"} | {"kind": "cuda_ipc", "handle"}}`` → ``{"buckets": n}``;
+``POST /weights/commit`` ``{"transfer_id", "version", "buckets"}`` → ``{"weight_version"}``;
+``POST /weights/abort`` ``{"transfer_id"?, "reason"?}``; ``GET /weights/status`` (the transfer
+in progress, the last one with its measured memory); ``POST /weights/dist/init``
+``{"host", "port", "rank", "world_size", "timeout"?, "backend"?}`` joins the sender's group.
+
+Backends with a streaming interface (the native engine: ``begin_weight_update``,
+``weight_destination``, ``commit_weight_update``, ``abort_weight_update``) receive every chunk
+straight into place; others with an atomic ``load_weights`` get the whole set at commit.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import json
 import os
 import sys
 import threading
+from collections.abc import Sequence
 from datetime import timedelta
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
@@ -24,9 +31,53 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from polyrl.weights.base import BucketMeta, WeightTransferError
-from polyrl.weights.receiver import NameMap, WeightReceiver
+from polyrl.weights.receiver import LoadFnTarget, NameMap, WeightReceiver, WeightTarget
+from polyrl.weights.transports import make_group, read_bucket_file
 
-__all__ = ["register_weight_routes"]
+__all__ = ["EngineTarget", "register_weight_routes"]
+
+
+class EngineTarget(WeightTarget):
+    """:class:`WeightTarget` over a backend whose ``engine`` streams updates (native)."""
+
+    def __init__(self, backend: Any):
+        self.backend = backend
+
+    @property
+    def engine(self) -> Any:
+        """The backend's engine (created when the backend starts)."""
+        engine = getattr(self.backend, "engine", None)
+        if engine is None:
+            raise WeightTransferError("the rollout backend is not started yet")
+        return engine
+
+    def current_version(self) -> int:
+        """Return the engine's version."""
+        return int(self.backend.weight_version)
+
+    def begin(self, transfer_id: str, mode: str, inflight: str) -> None:
+        """Apply the in-flight policy; pause for inplace."""
+        self.engine.begin_weight_update(transfer_id, mode, inflight)
+
+    def destination(
+        self, transfer_id: str, name: str, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Shadow (staged) or live (inplace) storage of parameter ``name``."""
+        return self.engine.weight_destination(transfer_id, name)
+
+    def commit(self, transfer_id: str, names: Sequence[str], version: int) -> int:
+        """Swap in (staged) or finish (inplace) between two steps."""
+        return int(
+            self.engine.commit_weight_update(transfer_id, names, None if version < 0 else version)
+        )
+
+    def abort(self, transfer_id: str, reason: str) -> None:
+        """Drop the update (inplace: refuse requests until a later one commits)."""
+        self.engine.abort_weight_update(transfer_id, reason)
+
+    def held_bytes(self) -> int:
+        """Bytes of the parameter shadows."""
+        return int(self.engine.runner.shadow_bytes)
 
 
 def _open_shm(name: str) -> shared_memory.SharedMemory:
@@ -38,28 +89,67 @@ def _open_shm(name: str) -> shared_memory.SharedMemory:
     return seg
 
 
+class _ShmCache:
+    """The sender's segments, mapped once per transfer instead of once per bucket."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.segments: dict[str, shared_memory.SharedMemory] = {}
+
+    def get(self, name: str) -> shared_memory.SharedMemory:
+        with self.lock:
+            seg = self.segments.get(name)
+            if seg is None:
+                seg = self.segments[name] = _open_shm(name)
+            return seg
+
+    def close(self) -> None:
+        with self.lock:
+            for seg in self.segments.values():
+                try:
+                    seg.close()
+                except BufferError:  # a bucket copy still holds it: the mapping dies with it
+                    pass
+            self.segments.clear()
+
+
 class _DistState:
-    """A replica's end of the sender's gloo group, and the broadcast order within it."""
+    """A replica's end of the sender's group, and the broadcast order within it."""
 
     def __init__(self) -> None:
         self.group: Any = None
         self.store: Any = None
         self.timeout = 120.0
+        self.device = torch.device("cpu")
         self.next_index = 0
+        self.transfer: str | None = None
         self.cond = threading.Condition()
 
-    def init(self, host: str, port: int, rank: int, world_size: int, timeout: float) -> None:
+    def init(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        timeout: float,
+        backend: str = "gloo",
+        device: str | None = None,
+    ) -> None:
         import torch.distributed as dist
 
         delta = timedelta(seconds=timeout)
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=delta)
-        group = dist.ProcessGroupGloo(store, rank, world_size, delta)
+        group = make_group(backend, store, rank, world_size, delta, device)
         with self.cond:
             self.group, self.store, self.timeout, self.next_index = group, store, timeout, 0
+            self.device = (
+                torch.device(device or "cuda") if backend == "nccl" else torch.device("cpu")
+            )
 
-    def reset(self) -> None:
+    def reset(self, transfer_id: str | None = None) -> None:
         with self.cond:
             self.next_index = 0
+            self.transfer = transfer_id
             self.cond.notify_all()
 
     def receive(self, receiver: WeightReceiver, meta: BucketMeta) -> None:
@@ -70,20 +160,40 @@ class _DistState:
                 raise WeightTransferError(
                     "no dist group on this replica; the sender must POST /weights/dist/init first"
                 )
-            if not self.cond.wait_for(lambda: self.next_index == meta.index, self.timeout):
+            turn = lambda: self.next_index == meta.index or self.transfer != meta.transfer_id  # noqa: E731
+            if not self.cond.wait_for(turn, self.timeout):
                 raise WeightTransferError(
                     f"bucket {meta.index}: timed out waiting for bucket {self.next_index}"
                 )
-            buf = torch.empty(meta.nbytes, dtype=torch.uint8)
+            if self.transfer != meta.transfer_id:
+                # A bucket of a superseded transfer must not take a broadcast of the new one.
+                raise WeightTransferError(
+                    f"bucket {meta.index} belongs to transfer {meta.transfer_id}, which was "
+                    f"superseded by {self.transfer}"
+                )
+            # Two reused receive buffers (by bucket parity): the sender never has more than
+            # two buckets in flight, and reuses a slot only after this replica answered.
+            buf = receiver.scratch(meta.index % 2, meta.nbytes, self.device)
             work = self.group.broadcast(buf, 0)
             self.next_index += 1
             self.cond.notify_all()
-        work.wait()
-        receiver.receive(meta, memoryview(buf.numpy()))
+        try:
+            work.wait()
+        except Exception as exc:
+            with self.cond:
+                self.group = None  # a broken group (sender died): the next sender re-inits
+            raise WeightTransferError(f"bucket {meta.index}: broadcast failed: {exc}") from exc
+        receiver.receive(meta, buf)
+        if buf.is_cuda:
+            torch.cuda.current_stream(buf.device).synchronize()
 
 
 def _read_source(
-    receiver: WeightReceiver, meta: BucketMeta, source: dict[str, Any], dist_state: _DistState
+    receiver: WeightReceiver,
+    meta: BucketMeta,
+    source: dict[str, Any],
+    dist_state: _DistState,
+    shm: _ShmCache,
 ) -> None:
     kind = source.get("kind")
     if kind == "dist":
@@ -100,29 +210,24 @@ def _read_source(
         import pickle
 
         rebuild, args = pickle.loads(base64.b64decode(str(source["handle"])))  # noqa: S301
-        gpu = rebuild(*args)
-        receiver.receive(meta, memoryview(gpu[: meta.nbytes].cpu().numpy()))
+        gpu = rebuild(*args)  # torch caches the mapping of a handle it has opened before
+        receiver.receive(meta, gpu[: meta.nbytes])
+        torch.cuda.current_stream(gpu.device).synchronize()  # done before the sender reuses it
     elif kind == "shm":
         try:
-            seg = _open_shm(str(source["name"]))
+            seg = shm.get(str(source["name"]))
         except (FileNotFoundError, KeyError) as exc:
             raise WeightTransferError(
                 f"bucket {meta.index}: shared memory {source.get('name')!r} is gone: {exc}"
             ) from exc
-        try:
-            receiver.receive(meta, seg.buf)
-        finally:
-            seg.close()
+        receiver.receive(meta, seg.buf)
     elif kind == "disk":
-        from safetensors.torch import load_file
-
+        path = str(source.get("path"))
         try:
-            data = load_file(str(source["path"]))["bucket"]
-        except (OSError, KeyError) as exc:
-            raise WeightTransferError(
-                f"bucket {meta.index}: cannot read {source.get('path')!r}: {exc}"
-            ) from exc
-        receiver.receive(meta, memoryview(data.numpy()))
+            data = read_bucket_file(path, lambda n: receiver.scratch(meta.index % 2, n))
+        except (OSError, KeyError, ValueError) as exc:
+            raise WeightTransferError(f"bucket {meta.index}: cannot read {path!r}: {exc}") from exc
+        receiver.receive(meta, data)
     else:
         raise WeightTransferError(
             f"unknown bucket source kind {kind!r}; expected shm, dist, cuda_ipc or disk"
@@ -130,22 +235,33 @@ def _read_source(
 
 
 def register_weight_routes(
-    app: FastAPI, backend: Any, name_map: NameMap | None = None
+    app: FastAPI,
+    backend: Any,
+    name_map: NameMap | None = None,
+    stall_timeout: float = 120.0,
 ) -> WeightReceiver | None:
-    """Add the ``/weights/*`` endpoints for ``backend`` (one with ``load_weights``).
+    """Add the ``/weights/*`` endpoints for ``backend``.
 
-    Returns the receiver, or ``None`` when the backend cannot load tensors directly.
+    Streams into the backend's engine when it supports streamed updates, else collects the
+    tensors for its atomic ``load_weights``. Returns the receiver, or ``None`` when the
+    backend can do neither.
     """
-    if not hasattr(backend, "load_weights"):
-        return None
     loop_holder: dict[str, asyncio.AbstractEventLoop] = {}
+    target: WeightTarget
+    if hasattr(backend, "load_weights") and hasattr(backend, "engine"):
+        target = EngineTarget(backend)
+    elif hasattr(backend, "load_weights"):
 
-    def load(pairs: list[tuple[str, torch.Tensor]], version: int) -> int:
-        coro = backend.load_weights(pairs, None if version < 0 else version)
-        return asyncio.run_coroutine_threadsafe(coro, loop_holder["loop"]).result()
+        def load(pairs: list[tuple[str, torch.Tensor]], version: int) -> int:
+            coro = backend.load_weights(pairs, None if version < 0 else version)
+            return asyncio.run_coroutine_threadsafe(coro, loop_holder["loop"]).result()
 
-    receiver = WeightReceiver(load, lambda: int(backend.weight_version), name_map)
+        target = LoadFnTarget(load, lambda: int(backend.weight_version))
+    else:
+        return None
+    receiver = WeightReceiver(target, name_map, stall_timeout=stall_timeout)
     dist_state = _DistState()
+    shm = _ShmCache()
     app.state.weight_receiver = receiver
 
     async def body_of(request: Request) -> dict[str, Any]:
@@ -161,7 +277,7 @@ def register_weight_routes(
         return JSONResponse(
             {
                 "error": {
-                    "message": str(exc),
+                    "message": str(getattr(exc, "message", None) or exc),
                     "type": "weight_transfer_error",
                     "param": None,
                     "code": None,
@@ -172,11 +288,22 @@ def register_weight_routes(
 
     @app.post("/weights/begin")
     async def begin(request: Request) -> Any:
+        loop_holder["loop"] = asyncio.get_running_loop()
         try:
             body = await body_of(request)
-            current = receiver.begin(str(body["transfer_id"]), int(body.get("version", -1)))
-            dist_state.reset()
-        except (WeightTransferError, KeyError, ValueError, TypeError) as exc:
+            timeout = body.get("stall_timeout")
+            current = await asyncio.to_thread(
+                receiver.begin,
+                str(body["transfer_id"]),
+                int(body.get("version", -1)),
+                str(body.get("mode", "staged")),
+                str(body.get("inflight", "keep")),
+                None if timeout is None else float(timeout),
+                bool(body.get("measure_memory", False)),
+            )
+            shm.close()
+            dist_state.reset(str(body["transfer_id"]))
+        except Exception as exc:  # noqa: BLE001 - engine validation errors name the problem
             return fail(exc)
         return {"weight_version": current}
 
@@ -185,8 +312,10 @@ def register_weight_routes(
         try:
             body = await body_of(request)
             meta = BucketMeta.from_dict(body["meta"])
-            await asyncio.to_thread(_read_source, receiver, meta, dict(body["source"]), dist_state)
-        except (WeightTransferError, KeyError, ValueError, TypeError) as exc:
+            await asyncio.to_thread(
+                _read_source, receiver, meta, dict(body["source"]), dist_state, shm
+            )
+        except Exception as exc:  # noqa: BLE001 - unknown names, shapes, checksums, sources
             return fail(exc)
         return {"buckets": meta.index + 1}
 
@@ -203,6 +332,8 @@ def register_weight_routes(
             )
         except Exception as exc:  # noqa: BLE001 - engine validation errors name the tensors
             return fail(exc)
+        finally:
+            shm.close()
         return {"weight_version": version}
 
     @app.post("/weights/dist/init")
@@ -216,6 +347,8 @@ def register_weight_routes(
                 int(body["rank"]),
                 int(body["world_size"]),
                 float(body.get("timeout", 120.0)),
+                str(body.get("backend", "gloo")),
+                body.get("device"),
             )
         except (WeightTransferError, KeyError, ValueError, TypeError, RuntimeError) as exc:
             return fail(exc)
@@ -223,8 +356,14 @@ def register_weight_routes(
 
     @app.post("/weights/abort")
     async def abort(request: Request) -> Any:
-        body = await body_of(request)
-        return {"aborted": receiver.abort(body.get("transfer_id"))}
+        try:
+            body = await body_of(request)
+        except WeightTransferError as exc:
+            return fail(exc)
+        reason = str(body.get("reason") or "aborted by the sender")
+        aborted = await asyncio.to_thread(receiver.abort, body.get("transfer_id"), reason)
+        shm.close()
+        return {"aborted": aborted}
 
     @app.get("/weights/status")
     async def status() -> Any:

@@ -1,18 +1,25 @@
-"""Built-in transports: ``shm`` (shared memory), ``dist`` (gloo broadcast), ``disk`` (files).
+"""Built-in transports: ``shm``, ``dist`` (gloo or NCCL broadcast), ``disk``, ``cuda_ipc``.
 
-Both use HTTP to the rollout servers as control channel (routes in
-:mod:`polyrl.weights.server_routes`); each bucket is posted to every replica concurrently and
-the sender only reuses a buffer once all replicas answered for it.
+All use HTTP to the rollout servers as control channel (routes in
+:mod:`polyrl.weights.server_routes`, one persistent keep-alive connection per replica and one
+small JSON message per bucket); each bucket is posted to every replica concurrently and the
+sender only reuses a buffer once all replicas answered for it. Every transport keeps its two
+bucket buffers (and its process group) across transfers: reuse one transport per sender.
+
+``cuda_ipc`` and the NCCL flavour of ``dist`` are written for GPU machines and are
+**untested** (no GPU was lent to this project when they were written).
 """
 
 from __future__ import annotations
 
 import abc
+import json
 import os
 import shutil
 import socket
+import struct
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from multiprocessing import shared_memory
@@ -64,9 +71,12 @@ class HttpControlTransport(Transport):
         futures = [self._pool.submit(self._post, u, path, body) for u in self.urls]
         return [f.result() for f in futures]
 
-    def begin(self, transfer_id: str, version: int) -> list[int]:
+    def begin(
+        self, transfer_id: str, version: int, options: Mapping[str, Any] | None = None
+    ) -> list[int]:
         """Start the transfer on every replica; return their serving versions."""
-        answers = self._all("/weights/begin", {"transfer_id": transfer_id, "version": version})
+        body = {**(options or {}), "transfer_id": transfer_id, "version": version}
+        answers = self._all("/weights/begin", body)
         return [int(a["weight_version"]) for a in answers]
 
     @abc.abstractmethod
@@ -113,17 +123,24 @@ class ShmTransport(HttpControlTransport):
     def __init__(self, urls: Sequence[str], timeout: float = 120.0, api_key: str | None = None):
         super().__init__(urls, timeout, api_key)
         self._segments: dict[int, shared_memory.SharedMemory] = {}
+        self._views: dict[int, torch.Tensor] = {}
 
-    def buffer(self, slot: int, nbytes: int) -> memoryview:
-        """Return the shared segment of ``slot``, created on first use."""
+    def _drop(self, slot: int) -> None:
+        self._views.pop(slot, None)  # the tensor exports the buffer: release it before close
+        seg = self._segments.pop(slot, None)
+        if seg is not None:
+            seg.close()
+            seg.unlink()
+
+    def buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        """Return the shared segment of ``slot`` as a tensor, created on first use."""
         seg = self._segments.get(slot)
         if seg is None or seg.size < nbytes:
-            if seg is not None:
-                seg.close()
-                seg.unlink()
+            self._drop(slot)
             seg = shared_memory.SharedMemory(create=True, size=nbytes)
             self._segments[slot] = seg
-        return seg.buf
+            self._views[slot] = torch.frombuffer(seg.buf, dtype=torch.uint8, count=seg.size)
+        return self._views[slot][:nbytes]
 
     def _source(self, slot: int, meta: BucketMeta) -> dict[str, Any]:
         return {"kind": "shm", "name": self._segments[slot].name}
@@ -131,10 +148,8 @@ class ShmTransport(HttpControlTransport):
     def close(self) -> None:
         """Unlink the segments and close the control channel."""
         super().close()
-        for seg in self._segments.values():
-            seg.close()
-            seg.unlink()
-        self._segments.clear()
+        for slot in list(self._segments):
+            self._drop(slot)
 
 
 @register_transport("disk")
@@ -157,25 +172,22 @@ class DiskTransport(HttpControlTransport):
         self._own = directory is None
         self.directory = Path(directory or tempfile.mkdtemp(prefix="polyrl-weights-"))
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._buffers: dict[int, bytearray] = {}
+        self._buffers: dict[int, torch.Tensor] = {}
 
-    def buffer(self, slot: int, nbytes: int) -> memoryview:
-        """Return an in-memory buffer for ``slot``; its bytes go to a file on send."""
+    def buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        """Return the in-memory buffer of ``slot``; its bytes go to a file on send."""
         buf = self._buffers.get(slot)
-        if buf is None or len(buf) < nbytes:
-            buf = self._buffers[slot] = bytearray(nbytes)
-        return memoryview(buf)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8)
+        return buf[:nbytes]
 
     def _path(self, meta: BucketMeta) -> Path:
         return self.directory / f"{meta.transfer_id}-{meta.index:05d}.safetensors"
 
     def _source(self, slot: int, meta: BucketMeta) -> dict[str, Any]:
-        from safetensors.torch import save_file
-
-        data = torch.frombuffer(self._buffers[slot], dtype=torch.uint8, count=meta.nbytes)
         path = self._path(meta)
         tmp = path.with_suffix(".tmp")
-        save_file({"bucket": data}, str(tmp))
+        write_bucket_file(tmp, self._buffers[slot][: meta.nbytes])
         os.replace(tmp, path)
         return {"kind": "disk", "path": str(path)}
 
@@ -195,14 +207,76 @@ def _free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
+def write_bucket_file(path: str | os.PathLike[str], data: torch.Tensor) -> None:
+    """Write ``data`` (1-D uint8, CPU) as a safetensors file with one tensor ``bucket``.
+
+    Written by hand (the format is an 8-byte header length, a JSON header, the bytes) so the
+    bucket goes from its buffer to the file with no serialised copy in memory.
+    """
+    n = int(data.numel())
+    header = json.dumps({"bucket": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]}})
+    raw = header.encode()
+    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        if n:
+            f.write(memoryview(data.contiguous().numpy()))
+
+
+def read_bucket_file(path: str | os.PathLike[str], into: Callable[[int], torch.Tensor]):
+    """Read the bucket of a file written by :func:`write_bucket_file` (or safetensors).
+
+    ``into(nbytes)`` returns the (reused) uint8 tensor to read into; returns it filled.
+    """
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+        entry = header.get("bucket")
+        if not entry or entry.get("dtype") != "U8":
+            raise WeightTransferError(
+                f"{path}: expected one uint8 tensor 'bucket', found {sorted(header)}"
+            )
+        begin, end = (int(x) for x in entry["data_offsets"])
+        out = into(end - begin)
+        f.seek(8 + size + begin)
+        got = f.readinto(memoryview(out.numpy())) if end > begin else 0
+        if got != end - begin:
+            raise WeightTransferError(f"{path}: truncated, {got} of {end - begin} bytes")
+    return out
+
+
+def make_group(
+    backend: str, store: Any, rank: int, world: int, timeout: timedelta, device: str | None
+) -> Any:
+    """Create a private process group over ``store`` (gloo on CPU, NCCL on ``device``)."""
+    import torch.distributed as dist
+
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world, timeout)
+    if backend == "nccl":
+        # UNTESTED (no GPU lent): a private NCCL communicator on the given CUDA device.
+        if not dist.is_nccl_available() or not torch.cuda.is_available():
+            raise WeightTransferError(
+                "the dist transport with backend='nccl' needs CUDA and NCCL; neither is "
+                "available here (use backend='gloo')"
+            )
+        torch.cuda.set_device(torch.device(device or "cuda"))
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world, opts)
+    raise WeightTransferError(f"unknown dist backend {backend!r}; expected 'gloo' or 'nccl'")
+
+
 @register_transport("dist")
 class DistTransport(HttpControlTransport):
-    """Buckets broadcast over a gloo group spanning this sender (rank 0) and every replica.
+    """Buckets broadcast over a group spanning this sender (rank 0) and every replica.
 
     The group is created on the first transfer and reused; it is private (a
-    ``ProcessGroupGloo`` over its own TCP store), so it coexists with the engine's default
-    process group. Buckets are broadcast in index order; each replica issues its matching
-    broadcasts in the same order (see :mod:`polyrl.weights.server_routes`).
+    ``ProcessGroupGloo``, or ``ProcessGroupNCCL`` with ``backend="nccl"``, over its own TCP
+    store), so it coexists with the engine's default process group. Buckets are broadcast in
+    index order; each replica issues its matching broadcasts in the same order into two reused
+    receive buffers (see :mod:`polyrl.weights.server_routes`).
 
     Args:
         urls: rollout server base URLs.
@@ -210,6 +284,8 @@ class DistTransport(HttpControlTransport):
         port: its port (0: a free one).
         timeout: seconds per control request and per collective.
         api_key: bearer token for the servers.
+        backend: ``gloo`` (CPU buffers) or ``nccl`` (GPU buffers; untested, no GPU lent).
+        device: the CUDA device of the buffers with NCCL (replicas use their own device).
     """
 
     def __init__(
@@ -219,11 +295,17 @@ class DistTransport(HttpControlTransport):
         port: int = 0,
         timeout: float = 120.0,
         api_key: str | None = None,
+        backend: str = "gloo",
+        device: str | None = None,
     ):
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"dist backend must be 'gloo' or 'nccl', got {backend!r}")
         super().__init__(urls, timeout, api_key)
         self.host = host
         self.port = port
         self.timeout = timeout
+        self.backend = backend
+        self.device = torch.device(device or "cuda") if backend == "nccl" else torch.device("cpu")
         self._group: Any = None
         self._store: Any = None
         self._buffers: dict[int, torch.Tensor] = {}
@@ -250,25 +332,30 @@ class DistTransport(HttpControlTransport):
                     "rank": i + 1,
                     "world_size": world,
                     "timeout": self.timeout,
+                    "backend": self.backend,
                 },
             )
             for i, url in enumerate(self.urls)
         ]
-        self._group = dist.ProcessGroupGloo(self._store, 0, world, timeout)
-        for f in futures:
-            f.result()
+        try:
+            self._group = make_group(self.backend, self._store, 0, world, timeout, str(self.device))
+        finally:
+            for f in futures:
+                f.result()
 
-    def begin(self, transfer_id: str, version: int) -> list[int]:
+    def begin(
+        self, transfer_id: str, version: int, options: Mapping[str, Any] | None = None
+    ) -> list[int]:
         """Create the group on first use, then start the transfer on every replica."""
         self._ensure_group()
-        return super().begin(transfer_id, version)
+        return super().begin(transfer_id, version, options)
 
-    def buffer(self, slot: int, nbytes: int) -> memoryview:
-        """Return the (pinnable) CPU buffer of ``slot``."""
+    def buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        """Return the buffer of ``slot`` (CPU for gloo, the CUDA device for NCCL)."""
         buf = self._buffers.get(slot)
         if buf is None or buf.numel() < nbytes:
-            buf = self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8)
-        return memoryview(buf.numpy())
+            buf = self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return buf[:nbytes]
 
     def _source(self, slot: int, meta: BucketMeta) -> dict[str, Any]:
         return {"kind": "dist"}
@@ -297,9 +384,11 @@ class DistTransport(HttpControlTransport):
 class CudaIpcTransport(HttpControlTransport):
     """Two CUDA buffers shared with same-host replicas through CUDA IPC handles.
 
-    UNTESTED: written for GPU machines; no GPU was available when it was written. Each bucket's
-    IPC handle (``torch.multiprocessing`` reduction, pickled) goes over the control channel;
-    the replica maps the buffer and copies the bucket out before answering.
+    UNTESTED: written for GPU machines; no GPU was available when it was written. The sender
+    packs straight into two GPU buffers (casts happen on the device); each bucket's IPC handle
+    (``torch.multiprocessing`` reduction, pickled) goes over the control channel; the replica
+    maps the buffer and copies the bucket into its destinations (device to device when the
+    replica serves on a GPU) before answering.
 
     Args:
         urls: rollout server base URLs.
@@ -323,15 +412,15 @@ class CudaIpcTransport(HttpControlTransport):
         super().__init__(urls, timeout, api_key)
         self.device = torch.device(device)
         self._gpu: dict[int, torch.Tensor] = {}
-        self._host: dict[int, torch.Tensor] = {}
+        self._handles: dict[int, str] = {}
 
-    def buffer(self, slot: int, nbytes: int) -> memoryview:
-        """Return a pinned host buffer for ``slot``; its bytes are copied to the GPU on send."""
-        host = self._host.get(slot)
-        if host is None or host.numel() < nbytes:
-            host = self._host[slot] = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-            self._gpu[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return memoryview(host.numpy())
+    def buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        """Return the GPU buffer of ``slot`` (allocated once; its IPC handle is cached)."""
+        gpu = self._gpu.get(slot)
+        if gpu is None or gpu.numel() < nbytes:
+            gpu = self._gpu[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self._handles.pop(slot, None)
+        return gpu[:nbytes]
 
     def _source(self, slot: int, meta: BucketMeta) -> dict[str, Any]:
         import base64
@@ -339,8 +428,9 @@ class CudaIpcTransport(HttpControlTransport):
 
         from torch.multiprocessing.reductions import reduce_tensor
 
-        gpu = self._gpu[slot]
-        gpu[: meta.nbytes].copy_(self._host[slot][: meta.nbytes])
+        # The packing copies run on this stream: the replica must see them finished.
         torch.cuda.current_stream(self.device).synchronize()
-        handle = pickle.dumps(reduce_tensor(gpu))
-        return {"kind": "cuda_ipc", "handle": base64.b64encode(handle).decode()}
+        if slot not in self._handles:
+            handle = pickle.dumps(reduce_tensor(self._gpu[slot]))
+            self._handles[slot] = base64.b64encode(handle).decode()
+        return {"kind": "cuda_ipc", "handle": self._handles[slot]}

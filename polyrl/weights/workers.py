@@ -26,13 +26,17 @@ def sync_engine_weights(
     checksum: bool = False,
     version: int | None = None,
     transport_options: dict[str, Any] | None = None,
+    mode: str = "staged",
+    inflight: str = "keep",
 ) -> dict[str, Any] | None:
     """Stream ``engine.named_tensors()`` to ``urls``; only rank 0 sends.
 
     ``named_tensors`` is collective, so every other rank still walks it (gathering each full
-    tensor) and discards the tensors. Returns rank 0's send statistics, ``None`` elsewhere.
+    tensor) and discards the tensors. The sender casts to ``dtype`` and moves to the host chunk
+    by chunk while packing. ``mode``/``inflight``: see :class:`WeightSender`. Returns rank 0's
+    send statistics, ``None`` elsewhere.
     """
-    tensors = engine.named_tensors(dtype=dtype, device="cpu")
+    tensors = engine.named_tensors()
     if rank != 0:
         for _ in tensors:
             pass
@@ -40,7 +44,12 @@ def sync_engine_weights(
     sender_transport = create_transport(transport, urls=list(urls), **(transport_options or {}))
     try:
         stats = WeightSender(
-            sender_transport, bucket_mb=bucket_mb, dtype=dtype, checksum=checksum
+            sender_transport,
+            bucket_mb=bucket_mb,
+            dtype=dtype,
+            checksum=checksum,
+            mode=mode,
+            inflight=inflight,
         ).send(tensors, version=version)
     finally:
         sender_transport.close()
@@ -65,6 +74,8 @@ class WeightSyncWorker(EngineWorker):
         bucket_mb: float = 64.0,
         checksum: bool = False,
         version: int | None = None,
+        mode: str = "staged",
+        inflight: str = "keep",
     ) -> dict[str, Any] | None:
         """Send this group's weights to ``urls`` over ``transport`` (collective)."""
         return sync_engine_weights(
@@ -75,4 +86,6 @@ class WeightSyncWorker(EngineWorker):
             bucket_mb=bucket_mb,
             checksum=checksum,
             version=version,
+            mode=mode,
+            inflight=inflight,
         )

@@ -16,10 +16,15 @@ function. They build no mask of their own for an attention implementation that h
 registered mask function, so ``attention_mask`` arrives as ``None``.
 
 Sequences are attended in separate groups so that no one pays for another's padding:
-*decode* sequences (one new token each, packed first, sorted by context length and split into
-a few length buckets), *fresh* prefill chunks that start a sequence (plain causal attention over
-their own new keys, no cache read) and *continued* prefill chunks of partly computed sequences
-(queries padded to the longest chunk, keys gathered from the cache).
+*decode* sequences (one new token each, packed first, sorted by context length; on CPU in
+float32 one call of the C kernel in :mod:`.cpu_kernels` reads their keys in place, otherwise
+they are split into a few length buckets and gathered), *fresh* prefill chunks that start a
+sequence (plain causal attention over their own new keys, no cache read) and *continued*
+prefill chunks of partly computed sequences (queries padded to the longest chunk, keys gathered
+from the cache).
+
+:func:`paged_attention` is the packed core, also called directly by the engine's own forward
+(:mod:`.fast_forward`); :func:`paged_attention_forward` adapts it to HF's attention interface.
 """
 
 from __future__ import annotations
@@ -31,9 +36,16 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from polyrl.rollout.native import cpu_kernels
 from polyrl.rollout.native.kv_cache import PagedKVCache
 
-__all__ = ["ATTENTION_NAME", "AttentionGroup", "StepMetadata", "paged_attention_forward"]
+__all__ = [
+    "ATTENTION_NAME",
+    "AttentionGroup",
+    "StepMetadata",
+    "paged_attention",
+    "paged_attention_forward",
+]
 
 ATTENTION_NAME = "polyrl_paged"
 
@@ -93,27 +105,74 @@ class AttentionGroup:
 class StepMetadata:
     """What the paged attention function needs for one engine step.
 
+    Decode sequences (one new token each) come first in packed order, sorted by context
+    length. With the C kernel (:mod:`.cpu_kernels`) they are attended in one call that reads
+    the cache in place; otherwise they are split into a few length buckets (:attr:`decode`)
+    so that short sequences do not pay for the padding of long ones.
+
     Attributes:
         cache: the KV cache.
         slot_mapping: ``(T,)`` cache slot of each packed token.
-        decode: decode length buckets, in packed order.
+        decode_table: ``(B, n)`` block table of the decode sequences (padded with block 0).
+        decode_kv_lens: ``(B,)`` their cached lengths after this step's write.
+        decode_lens: the same lengths as Python ints, ascending.
         fresh: ``(packed start, length)`` of each prefill chunk starting a sequence.
         prefill: continued prefill chunks, or ``None``.
+        use_kernel: attend decode tokens with the C kernel.
     """
 
     def __init__(
         self,
         cache: PagedKVCache,
         slot_mapping: torch.Tensor,
-        decode: list[AttentionGroup],
+        decode_table: torch.Tensor | None,
+        decode_kv_lens: torch.Tensor | None,
+        decode_lens: list[int],
         fresh: list[tuple[int, int]],
         prefill: AttentionGroup | None,
+        use_kernel: bool = False,
     ):
         self.cache = cache
         self.slot_mapping = slot_mapping
-        self.decode = decode
+        self.decode_table = decode_table
+        self.decode_kv_lens = decode_kv_lens
+        self.decode_lens = decode_lens
         self.fresh = fresh
         self.prefill = prefill
+        self.use_kernel = use_kernel
+        self._buckets: list[AttentionGroup] | None = None
+
+    @property
+    def num_decode(self) -> int:
+        """Number of decode tokens (packed first)."""
+        return len(self.decode_lens)
+
+    @property
+    def decode(self) -> list[AttentionGroup]:
+        """Decode length buckets in packed order (built on first use, for the torch path)."""
+        if self._buckets is None:
+            self._buckets = []
+            n = len(self.decode_lens)
+            if n:
+                assert self.decode_table is not None and self.decode_kv_lens is not None
+                buckets = 1 if n < 8 else 2 if n < 32 else 4
+                bs = self.cache.shape[3]
+                ones = torch.ones(n, dtype=torch.long, device=self.decode_table.device)
+                for i in range(buckets):
+                    lo, hi = n * i // buckets, n * (i + 1) // buckets
+                    if hi > lo:
+                        kv_len = self.decode_lens[hi - 1]
+                        self._buckets.append(
+                            AttentionGroup(
+                                block_table=self.decode_table[lo:hi, : -(-kv_len // bs)],
+                                kv_lens=self.decode_kv_lens[lo:hi],
+                                q_lens=ones[lo:hi],
+                                q_len=1,
+                                kv_len=kv_len,
+                                offset=lo,
+                            )
+                        )
+        return self._buckets
 
 
 def _gather_kv(cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
@@ -144,6 +203,94 @@ def _attend(
         scale=scaling,
         enable_gqa=q.shape[1] != k.shape[1],
     )
+
+
+def paged_attention(
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: StepMetadata,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    store: bool = True,
+) -> torch.Tensor:
+    """Write a packed step's keys and values to the cache and attend every query.
+
+    Args:
+        layer: cache layer.
+        q: ``(T, heads, head_dim)`` rotated queries in packed order.
+        k: ``(T, kv_heads, head_dim)`` rotated keys.
+        v: ``(T, kv_heads, head_dim)`` values.
+        meta: the step's metadata.
+        scaling: softmax scale (``None``: ``1/sqrt(head_dim)``).
+        sliding_window: window of a sliding-attention layer, else ``None``.
+        store: write ``k`` and ``v`` to their slots first (``False``: already written, e.g.
+            by :func:`.cpu_kernels.rope_and_store`).
+
+    Returns:
+        ``(T, heads, head_dim)`` attention output in ``q``'s dtype.
+    """
+    k_cache = meta.cache.k(layer)
+    v_cache = meta.cache.v(layer)
+    if k.shape[1] != k_cache.shape[2] or k.shape[2] != k_cache.shape[3]:
+        raise RuntimeError(
+            f"layer {layer} produced keys with {k.shape[1]} heads of size {k.shape[2]} but "
+            f"the KV cache was sized for {k_cache.shape[2]} heads of size {k_cache.shape[3]}"
+        )
+    if store:
+        flat_k = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
+        flat_v = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
+        # (T, kv_heads, head_dim) in packed order, written to each token's slot.
+        flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
+        flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
+
+    gqa = q.shape[1] != k.shape[1]
+    parts: list[torch.Tensor] = []
+    n_dec = meta.num_decode
+    if n_dec and meta.use_kernel:
+        assert meta.decode_table is not None and meta.decode_kv_lens is not None
+        scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+        parts.append(
+            cpu_kernels.paged_decode_attention(
+                q[:n_dec].contiguous(),
+                k_cache,
+                v_cache,
+                meta.decode_table,
+                meta.decode_kv_lens,
+                scale,
+                sliding_window,
+            )
+        )
+    elif n_dec:
+        for group in meta.decode:
+            qg = q[group.offset : group.offset + group.size].unsqueeze(2)  # (B, heads, 1, dim)
+            out = _attend(qg, k_cache, v_cache, group, scaling, sliding_window)
+            parts.append(out.squeeze(2))
+    for start, length in meta.fresh:
+        # A sequence's first chunk only sees its own new keys: plain causal attention.
+        qf = q[start : start + length].transpose(0, 1).unsqueeze(0)
+        kf = k[start : start + length].transpose(0, 1).unsqueeze(0)
+        vf = v[start : start + length].transpose(0, 1).unsqueeze(0)
+        mask = None
+        if sliding_window is not None and length > sliding_window:
+            ar = torch.arange(length, device=q.device)
+            diff = ar[:, None] - ar[None, :]
+            mask = (diff >= 0) & (diff < sliding_window)
+        out = F.scaled_dot_product_attention(
+            qf, kf, vf, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=gqa
+        )
+        parts.append(out[0].transpose(0, 1))
+    if meta.prefill is not None:
+        group = meta.prefill
+        assert group.q_index is not None and group.valid_index is not None
+        qp = q[group.q_index].transpose(1, 2)  # (B, heads, q_len, head_dim)
+        out = _attend(qp, k_cache, v_cache, group, scaling, sliding_window)
+        heads, dim = out.shape[1], out.shape[3]
+        out = out.transpose(1, 2).reshape(group.size * group.q_len, heads, dim)
+        parts.append(out[group.valid_index])
+    attn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    return attn.to(q.dtype)
 
 
 def paged_attention_forward(
@@ -184,50 +331,16 @@ def paged_attention_forward(
     layer = getattr(module, "layer_idx", None)
     if layer is None:
         raise RuntimeError(f"{type(module).__name__} has no layer_idx; cannot address KV cache")
-    k_cache = meta.cache.k(layer)
-    v_cache = meta.cache.v(layer)
-    if key.shape[1] != k_cache.shape[2] or key.shape[3] != k_cache.shape[3]:
-        raise RuntimeError(
-            f"layer {layer} produced keys with {key.shape[1]} heads of size {key.shape[3]} but "
-            f"the KV cache was sized for {k_cache.shape[2]} heads of size {k_cache.shape[3]}"
-        )
-    flat_k = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
-    flat_v = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
-    # (T, kv_heads, head_dim) in packed order, written to each token's slot.
-    flat_k.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1).to(flat_k.dtype))
-    flat_v.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1).to(flat_v.dtype))
-
-    q_all = query[0].transpose(0, 1)  # (T, heads, head_dim)
-    gqa = query.shape[1] != key.shape[1]
-    parts: list[torch.Tensor] = []
-    for group in meta.decode:
-        q = q_all[group.offset : group.offset + group.size].unsqueeze(2)  # (B, heads, 1, dim)
-        out = _attend(q, k_cache, v_cache, group, scaling, sliding_window)
-        parts.append(out.squeeze(2))
-    for start, length in meta.fresh:
-        # A sequence's first chunk only sees its own new keys: plain causal attention.
-        q = query[:, :, start : start + length]
-        k = key[:, :, start : start + length]
-        v = value[:, :, start : start + length]
-        mask = None
-        if sliding_window is not None and length > sliding_window:
-            ar = torch.arange(length, device=q.device)
-            diff = ar[:, None] - ar[None, :]
-            mask = (diff >= 0) & (diff < sliding_window)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, enable_gqa=gqa
-        )
-        parts.append(out[0].transpose(0, 1))
-    if meta.prefill is not None:
-        group = meta.prefill
-        assert group.q_index is not None and group.valid_index is not None
-        q = q_all[group.q_index].transpose(1, 2)  # (B, heads, q_len, head_dim)
-        out = _attend(q, k_cache, v_cache, group, scaling, sliding_window)
-        heads, dim = out.shape[1], out.shape[3]
-        out = out.transpose(1, 2).reshape(group.size * group.q_len, heads, dim)
-        parts.append(out[group.valid_index])
-    attn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-    return attn.unsqueeze(0).to(query.dtype), None
+    attn = paged_attention(
+        layer,
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        meta,
+        scaling,
+        sliding_window,
+    )
+    return attn.unsqueeze(0), None
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

@@ -139,9 +139,7 @@ class NativeBackend:
         partial: bool = False,
     ) -> int:
         """Stage tensors and switch to them atomically; see :meth:`NativeEngine.load_weights`."""
-        return await asyncio.to_thread(
-            self._engine().load_weights, named_tensors, version, partial
-        )
+        return await asyncio.to_thread(self._engine().load_weights, named_tensors, version, partial)
 
     def stats(self) -> BackendStats:
         """Counters and gauges of the engine."""

@@ -36,6 +36,7 @@ from polyrl.rollout.base import (
     SampleDelta,
     check_request_fits,
 )
+from polyrl.rollout.native import cpu_kernels
 from polyrl.rollout.native.attention import AttentionGroup, StepMetadata
 from polyrl.rollout.native.kv_cache import BlockAllocator, PagedKVCache
 from polyrl.rollout.native.runner import ModelRunner, StepInputs
@@ -54,11 +55,7 @@ Deliver = Callable[[list[tuple[Sink, Any]]], None]
 """Hands a step's ``(sink, payload)`` pairs over to whoever runs the sinks."""
 
 _TPS_WINDOW_S = 5.0
-
-
-def _decode_buckets(n: int) -> int:
-    """How many length buckets ``n`` decoding sequences are split into for attention."""
-    return 1 if n < 8 else 2 if n < 32 else 4
+_STAGE_LOCK = threading.Lock()  # serialises staging into the shadows
 
 
 def _deliver_inline(items: list[tuple[Sink, Any]]) -> None:
@@ -90,6 +87,12 @@ class EngineConfig:
         num_threads: torch intra-op threads (``None`` leaves torch's default).
         trust_remote_code: allow modelling code shipped with the model.
         served_model_name: model name reported to clients (default: the directory name).
+        cpu_kernels: on CPU with float32, attend decode tokens with the compiled C kernel of
+            :mod:`.cpu_kernels` (built with the system compiler on first use; the torch path
+            is used when it cannot be built).
+        fast_forward: run Llama/Qwen2/Qwen3-family models through the engine's own packed
+            forward (:mod:`.fast_forward`, same weights, fewer ops); other models, and this
+            flag off, use the HF module forward.
     """
 
     dtype: str = "float32"
@@ -104,6 +107,8 @@ class EngineConfig:
     num_threads: int | None = None
     trust_remote_code: bool = False
     served_model_name: str | None = None
+    cpu_kernels: bool = True
+    fast_forward: bool = True
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -159,6 +164,7 @@ class NativeEngine:
         self.model_dir = str(model_dir)
         self.tokenizer = load_tokenizer(model_dir, trust_remote_code=config.trust_remote_code)
         self.runner = ModelRunner(model_dir, config.dtype, config.device, config.trust_remote_code)
+        self.runner.enable_fast_forward(config.fast_forward)
         bs = config.block_size
         num_blocks = -(-config.kv_cache_tokens // bs)
         self.kv_capacity = num_blocks * bs
@@ -176,6 +182,12 @@ class NativeEngine:
             self.runner.device,
         )
         self.sampler = Sampler(self.runner.device, config.seed)
+        self._use_kernel = (
+            config.cpu_kernels
+            and self.runner.device.type == "cpu"
+            and self.runner.dtype == torch.float32
+            and cpu_kernels.available()
+        )
         self.scheduler = Scheduler(
             self.allocator,
             config.max_num_seqs,
@@ -269,6 +281,8 @@ class NativeEngine:
                 "the weights were discarded by sleep(level=2); load new ones with "
                 "/update_weights first"
             )
+        if self._weights_blocked is not None:
+            raise EngineUnavailableError(self._weights_blocked)
         return check_request_fits(request, self.vocab_size, self.max_model_len)
 
     def submit(self, request: GenerateRequest, sink: Sink, stream: bool = True) -> None:
@@ -408,8 +422,10 @@ class NativeEngine:
                 "restore them, send every parameter",
                 param="partial",
             )
-        staged = self.runner.stage_weights(named_tensors, partial=partial)
-        return self._switch(staged, version)
+        self._check_not_streaming()
+        with _STAGE_LOCK:  # the shadows are shared by every staging path
+            staged = self.runner.stage_weights(named_tensors, partial=partial)
+            return self._switch(staged, version)
 
     def update_weights_from_dir(
         self, path: str | os.PathLike[str], version: int | None = None
@@ -419,17 +435,193 @@ class NativeEngine:
         Returns:
             The new weight version.
         """
-        staged = self.runner.load_dir(path)
-        return self._switch(staged, version)
+        self._check_not_streaming()
+        with _STAGE_LOCK:
+            staged = self.runner.load_dir(path)
+            return self._switch(staged, version)
 
     def _switch(self, staged: dict[str, torch.Tensor], version: int | None) -> int:
         def run() -> int:
             self.runner.apply_weights(staged)
             self.weight_version = self.weight_version + 1 if version is None else version
             self.allocator.reset_prefix_cache()
+            if self._weights_blocked is not None and self._update is None:
+                params = self.runner._params
+                if len({id(params[n]) for n in staged}) == len({id(p) for p in params.values()}):
+                    self._unblock()  # a complete set repairs an interrupted in-place update
             return self.weight_version
 
         return self._command(run).result()
+
+    # Streamed updates (polyrl.weights): begin -> destination() per tensor -> commit | abort.
+    # ``staged``: tensors land in the shadows while decoding goes on, commit swaps pointers.
+    # ``inplace``: the engine is paused and tensors land in the live parameters; an update that
+    # does not commit leaves the replica refusing requests (503) until one does.
+
+    _update: tuple[str, str, bool] | None = None  # (transfer id, mode, paused by the update)
+    _weights_blocked: str | None = None  # why requests are refused (interrupted inplace update)
+    _blocked_resume = False  # whether repairing the weights should resume stepping
+
+    def _unblock(self) -> None:
+        self._weights_blocked = None
+        if self._blocked_resume:
+            self._paused = False
+        self._blocked_resume = False
+
+    def _check_not_streaming(self) -> None:
+        if self._update is not None:
+            raise InvalidRequestError(
+                f"streamed weight transfer {self._update[0]} is in progress; retry after it "
+                "commits or aborts",
+                param="weights",
+            )
+
+    def begin_weight_update(self, transfer_id: str, mode: str = "staged", inflight: str = "keep"):
+        """Start a streamed update (superseding any unfinished one).
+
+        Args:
+            transfer_id: the transfer's id.
+            mode: ``staged`` (atomic: shadows, decoding goes on) or ``inplace`` (bounded
+                memory: the engine is paused and the live parameters are overwritten).
+            inflight: ``keep`` running requests (async RL; ``inplace`` can only pause them),
+                ``pause`` stepping until the switch, or ``abort`` in-flight requests (on-policy).
+        """
+        if mode not in ("staged", "inplace"):
+            raise InvalidRequestError(
+                f"weight update mode {mode!r}; expected 'staged' or 'inplace'", param="mode"
+            )
+        if inflight not in ("keep", "pause", "abort"):
+            raise InvalidRequestError(
+                f"in-flight policy {inflight!r}; expected 'keep', 'pause' or 'abort'",
+                param="inflight",
+            )
+        if self.runner.offloaded:
+            raise InvalidRequestError(
+                "the weights are offloaded (sleep level 1); wake_up(tags=['weights']) first",
+                param="weights",
+            )
+        pause = mode == "inplace" or inflight != "keep"
+
+        def run() -> None:
+            if inflight == "abort":
+                for group in list(self._groups.values()):
+                    for seq in group.seqs:
+                        if seq.status is not SeqStatus.FINISHED:
+                            self._finish(seq, "abort", None)
+            previous = self._update
+            # Whether stepping was paused before any update paused it (by the user).
+            user_paused = False if (previous and previous[2]) else self._paused
+            if self._weights_blocked is not None:
+                # Mixed weights from an interrupted in-place update: nothing may step on them.
+                user_paused = user_paused and not self._blocked_resume
+                self._blocked_resume = False
+                stop = True
+            else:
+                stop = pause
+            if mode == "inplace":
+                self._weights_blocked = (
+                    f"an in-place weight update ({transfer_id}) is in progress; retry once it "
+                    "commits"
+                )
+            # Remember whether *we* paused, so commit/abort resumes only what they stopped.
+            self._update = (transfer_id, mode, not user_paused)
+            self._paused = True if stop else user_paused
+
+        self._command(run).result()
+
+    def weight_destination(self, transfer_id: str, name: str) -> torch.Tensor:
+        """Where the bytes of parameter ``name`` go in update ``transfer_id`` (contiguous)."""
+        update = self._update
+        if update is None or update[0] != transfer_id:
+            raise InvalidRequestError(
+                f"weight transfer {transfer_id} is not in progress on this engine "
+                f"(current: {update[0] if update else None})",
+                param="weights",
+            )
+        if update[1] == "staged":
+            return self.runner.shadow(name)
+        return self.runner.live(name)
+
+    def commit_weight_update(
+        self,
+        transfer_id: str,
+        names: Sequence[str],
+        version: int | None = None,
+        partial: bool = False,
+    ) -> int:
+        """Switch to the update's tensors between two steps; return the new version.
+
+        Raises:
+            InvalidRequestError: not the update in progress, or parameters missing (named).
+        """
+        update = self._update
+        if update is None or update[0] != transfer_id:
+            raise InvalidRequestError(
+                f"weight transfer {transfer_id} is not in progress on this engine",
+                param="weights",
+            )
+        params = self.runner._params
+        covered = {id(params[n]) for n in names if n in params}
+        missing = [n for n in self.runner._unique_names if id(params[n]) not in covered]
+        if missing and not partial:
+            self.abort_weight_update(transfer_id, f"{len(missing)} parameter(s) never arrived")
+            raise InvalidRequestError(
+                f"{len(missing)} parameter(s) missing from weight transfer {transfer_id}, e.g. "
+                f"{missing[:3]}; the old weights keep serving"
+                + (
+                    " (in-place: requests are refused until an update completes)"
+                    if update[1] == "inplace"
+                    else ""
+                ),
+                param="weights",
+            )
+
+        def run() -> int:
+            if self._update is None or self._update[0] != transfer_id:
+                raise InvalidRequestError(
+                    f"weight transfer {transfer_id} was superseded", param="weights"
+                )
+            if update[1] == "staged":
+                self.runner.swap_in(names)
+            self.weight_version = self.weight_version + 1 if version is None else version
+            self.allocator.reset_prefix_cache()
+            resume = self._update[2]
+            self._update = None
+            if self._weights_blocked is not None and (update[1] == "inplace" or not missing):
+                self._weights_blocked = None
+            if resume and self._weights_blocked is None:
+                self._paused = False
+            elif self._weights_blocked is not None:
+                self._blocked_resume = resume
+            return self.weight_version
+
+        return self._command(run).result()
+
+    def abort_weight_update(self, transfer_id: str | None, reason: str) -> bool:
+        """Drop update ``transfer_id`` (any when ``None``); True if one was in progress.
+
+        Staged: the old weights keep serving. In-place: the live weights may be partly
+        overwritten, so requests are refused (503, with ``reason``) until an update commits.
+        """
+
+        def run() -> bool:
+            update = self._update
+            if update is None or (transfer_id is not None and update[0] != transfer_id):
+                return False
+            self._update = None
+            if update[1] == "inplace" or self._weights_blocked is not None:
+                if update[1] == "inplace":
+                    self._weights_blocked = (
+                        f"the in-place weight update {update[0]} was interrupted ({reason}); "
+                        "the weights are incomplete, so this replica refuses requests until a "
+                        f"weight update completes (still version {self.weight_version})"
+                    )
+                self._blocked_resume = update[2]
+            elif update[2]:
+                self._paused = False
+            return True
+
+        return bool(self._command(run).result())
 
     # ------------------------------------------------------------------------------ sleep
 
@@ -634,19 +826,26 @@ class NativeEngine:
             if c.samples:
                 logits_index.append(len(ids) - 1)
 
-        decode_groups = []
-        buckets = _decode_buckets(len(decode))
-        for i in range(buckets):
-            lo, hi = len(decode) * i // buckets, len(decode) * (i + 1) // buckets
-            if hi > lo:
-                decode_groups.append(self._group(decode[lo:hi], with_index=False, offset=lo))
+        decode_lens = [c.start + 1 for c in decode]
+        decode_table = decode_kv_lens = None
+        if decode:
+            nb = -(-decode_lens[-1] // bs)
+            table = []
+            for c in decode:
+                row = c.seq.blocks[:nb]
+                table.append(row + [0] * (nb - len(row)) if len(row) < nb else row)
+            decode_table = torch.tensor(table, dtype=torch.long).to(dev, non_blocking=True)
+            decode_kv_lens = torch.tensor(decode_lens, dtype=torch.long).to(dev, non_blocking=True)
         offset = len(ids) - sum(c.length for c in cont)
         meta = StepMetadata(
             self.cache,
             torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
-            decode_groups,
+            decode_table,
+            decode_kv_lens,
+            decode_lens,
             fresh_spans,
             self._group(cont, with_index=True, offset=offset) if cont else None,
+            use_kernel=self._use_kernel,
         )
         inputs = StepInputs(
             input_ids=torch.tensor([ids], dtype=torch.long).to(dev, non_blocking=True),

@@ -19,6 +19,7 @@ import torch
 from polyrl.models.loader import load_causal_lm, resolve_dtype
 from polyrl.rollout.base import InvalidRequestError
 from polyrl.rollout.native.attention import ATTENTION_NAME, StepMetadata
+from polyrl.rollout.native.fast_forward import FastForward, build_fast_forward
 
 __all__ = ["ModelRunner", "StepInputs"]
 
@@ -93,6 +94,17 @@ class ModelRunner:
         # Shapes of discarded parameters (sleep level 2), by id of the parameter.
         self._shapes: dict[int, tuple[int, ...]] = {}
         self.weights_discarded = False
+        # The engine's own packed forward (set by enable_fast_forward), else the HF forward.
+        self.fast: FastForward | None = None
+
+    def enable_fast_forward(self, enabled: bool = True) -> bool:
+        """Use the packed forward of :mod:`.fast_forward` where the model allows it.
+
+        Returns:
+            Whether the fast forward is now in use.
+        """
+        self.fast = build_fast_forward(self.model) if enabled else None
+        return self.fast is not None
 
     @property
     def offloaded(self) -> bool:
@@ -109,6 +121,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Run one packed step; return ``(S, vocab)`` logits of the requested positions."""
+        if self.fast is not None:
+            return self.fast(
+                inputs.input_ids[0], inputs.position_ids[0], inputs.logits_index, inputs.meta
+            )
         out = self.model(
             input_ids=inputs.input_ids,
             position_ids=inputs.position_ids,
@@ -163,7 +179,10 @@ class ModelRunner:
                     f"weight {name!r} has dtype {tensor.dtype}; expected a floating point tensor",
                     param="weights",
                 )
-            staged[name] = tensor.detach().to(device=self.device, dtype=param.dtype, copy=True)
+            # One copy, into the parameter's reusable shadow (see :meth:`swap_in`).
+            shadow = self.shadow(name)
+            shadow.copy_(tensor.detach())
+            staged[name] = shadow
         if not partial:
             covered = {id(self._params[n]) for n in staged}
             missing = [n for n in self._unique_names if id(self._params[n]) not in covered]
@@ -179,12 +198,117 @@ class ModelRunner:
 
     @torch.inference_mode()
     def apply_weights(self, staged: dict[str, torch.Tensor]) -> None:
-        """Copy staged tensors into the parameters (call between steps only)."""
+        """Switch to staged tensors (call between steps only).
+
+        Shadows (from :meth:`shadow`) are swapped in without a copy; other tensors are copied.
+        """
+        shadows = self._shadow_map()
+        if all(shadows.get(id(self._params[n])) is t for n, t in staged.items()):
+            self.swap_in(list(staged))
+            return
         if self.weights_discarded:
             self._restore_storage()
             self.weights_discarded = False
         for name, tensor in staged.items():
             self._params[name].data.copy_(tensor)
+
+    # Shadows: one reusable buffer per parameter that receives the next weights while the
+    # current ones keep serving; the switch swaps storage pointers, and the old storage becomes
+    # the next update's shadow. Costs one model of memory, allocated on the first update.
+
+    def _shadow_map(self) -> dict[int, torch.Tensor]:
+        return self.__dict__.setdefault("_shadows", {})
+
+    def expected_shape(self, name: str) -> tuple[int, ...]:
+        """Shape the model expects for parameter ``name`` (even while its weights are dropped).
+
+        Raises:
+            InvalidRequestError: ``name`` is not a parameter of the model.
+        """
+        param = self._params.get(name)
+        if param is None:
+            close = [n for n in self._unique_names if n.endswith(name.split(".")[-1])][:3]
+            raise InvalidRequestError(
+                f"weight {name!r} is not a parameter of {type(self.model).__name__}; "
+                f"expected names as in model.named_parameters() (e.g. {close})",
+                param="weights",
+            )
+        return self._shapes.get(id(param), tuple(param.shape))
+
+    def shadow(self, name: str) -> torch.Tensor:
+        """Return the reusable shadow buffer of parameter ``name`` (allocated on first use)."""
+        shape = self.expected_shape(name)
+        param = self._params[name]
+        shadows = self._shadow_map()
+        buf = shadows.get(id(param))
+        if buf is None or tuple(buf.shape) != shape:
+            buf = shadows[id(param)] = self._aligned_like(param.data, shape)
+        return buf
+
+    def _aligned_like(self, live: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        # CPU kernels pick code paths by address alignment, and fp32 results differ in the
+        # last bits between them: give the shadow the live storage's alignment (mod 64), so a
+        # replica computes bit for bit what a replica freshly loaded with the same weights does.
+        size = live.element_size()
+        numel = 1
+        for d in shape:
+            numel *= d
+        raw = torch.empty(numel * size + 64, dtype=torch.uint8, device=self.device)
+        want = live.data_ptr() % 64 if live.numel() else 0
+        skip = (want - raw.data_ptr()) % 64
+        return raw[skip : skip + numel * size].view(live.dtype).view(shape)
+
+    def live(self, name: str) -> torch.Tensor:
+        """Return the serving storage of parameter ``name`` (in-place loading, engine paused)."""
+        if self._offloaded is not None:
+            raise InvalidRequestError(
+                "the weights are offloaded (sleep level 1); wake_up(tags=['weights']) before an "
+                "in-place weight update",
+                param="weights",
+            )
+        if self.weights_discarded:
+            self._restore_storage()
+            self.weights_discarded = False
+        self.expected_shape(name)
+        return self._params[name].data
+
+    @property
+    def shadow_bytes(self) -> int:
+        """Bytes held by shadows (the staged mode's extra model copy)."""
+        return sum(t.numel() * t.element_size() for t in self._shadow_map().values())
+
+    def release_shadows(self) -> int:
+        """Free the shadows; returns the bytes released."""
+        freed = self.shadow_bytes
+        self._shadow_map().clear()
+        return freed
+
+    @torch.inference_mode()
+    def swap_in(self, names: Iterable[str]) -> None:
+        """Make the shadows of ``names`` the parameters; call between steps only."""
+        if self._offloaded is not None:
+            raise InvalidRequestError(
+                "the weights are offloaded (sleep level 1); wake_up(tags=['weights']) first",
+                param="weights",
+            )
+        shadows = self._shadow_map()
+        params = {id(self._params[n]): self._params[n] for n in names}
+        for key, param in params.items():
+            new = shadows[key]
+            old = param.data
+            param.data = new
+            if tuple(old.shape) == tuple(new.shape):
+                shadows[key] = old
+            else:  # a dropped (sleep level 2) placeholder: no use as a shadow
+                del shadows[key]
+        if self.weights_discarded:
+            if len(params) != len({id(p) for p in self._params.values()}):
+                raise InvalidRequestError(
+                    "the weights were discarded; a partial update cannot restore them",
+                    param="weights",
+                )
+            self._shapes = {}
+            self.weights_discarded = False
 
     def load_dir(self, path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         """Read and stage all weights of a HF model directory (safetensors or ``.bin``).
@@ -226,7 +350,7 @@ class ModelRunner:
         """
         if self.device.type == "cpu" or self._offloaded is not None or self.weights_discarded:
             return 0
-        freed = self.weight_bytes
+        freed = self.weight_bytes + self.release_shadows()
         self._offloaded = {}
         for name in self._unique_names:
             param = self._params[name]
@@ -243,6 +367,7 @@ class ModelRunner:
         if self.weights_discarded:
             return 0
         freed = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        freed += self.release_shadows()
         self._offloaded = None
         self._shapes = {id(p): tuple(p.shape) for p in self._params.values()}
         for name in self._unique_names:

@@ -145,8 +145,9 @@ class Sampler:
             else (penalised * inv_t if inv_t is not None else penalised)
         )
 
-        tokens = z.argmax(dim=-1)
         sampled = [i for i, t in enumerate(temps) if t > 0]
+        # Greedy rows take the argmax; with none, skip it (the usual all-sampled batch).
+        tokens = z.argmax(dim=-1) if len(sampled) < len(rows) else None
         if sampled:
             if len(sampled) == len(rows):
                 sel_rows, zs = rows, z
@@ -155,10 +156,11 @@ class Sampler:
                 zs = z[torch.tensor(sampled, device=dev)]
             zs = self._filter(zs, sel_rows)
             drawn = (zs + self._noise(sel_rows, zs.shape[-1])).argmax(dim=-1)
-            if len(sampled) == len(rows):
+            if tokens is None:
                 tokens = drawn
             else:
                 tokens[torch.tensor(sampled, device=dev)] = drawn
+        assert tokens is not None
 
         token_list = tokens.tolist()
         logprobs: list[float | None] = [None] * len(rows)

@@ -193,15 +193,24 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         plan: list[Chunk] = []
         planned: set[int] = set()
-        decoding = [s for s in self.running if s.remaining == 1]
-        prefilling = [s for s in self.running if s.remaining > 1]
+        bs = self.block_size
+        decoding: list[Sequence] = []
+        prefilling: list[Sequence] = []
+        for s in self.running:
+            left = len(s.tokens) - s.num_computed
+            if left == 1:
+                decoding.append(s)
+            elif left > 1:
+                prefilling.append(s)
         for seq in decoding + prefilling:
             if budget <= 0:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            length = min(seq.remaining, budget)
-            while not self._grow(seq, seq.num_computed + length):
+            length = min(len(seq.tokens) - seq.num_computed, budget)
+            # Most decode steps write into a block the sequence already holds.
+            fits = len(seq.blocks) * bs >= seq.num_computed + length
+            while not fits and not self._grow(seq, seq.num_computed + length):
                 # The most recently admitted sequence yields, even if already planned.
                 victim = max(self.running, key=lambda s: s.admit_order)
                 if victim is not seq and victim.seq_id in planned:

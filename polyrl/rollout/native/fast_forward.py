@@ -1,0 +1,256 @@
+"""The engine's own packed forward for Llama-family decoders, on the HF module's weights.
+
+A HF model forward costs a few hundred Python-level module calls, decorators and output
+objects per step; on small models and short decode steps that overhead, not the arithmetic,
+sets the step time. :class:`FastForward` walks the same modules but calls the tensor ops
+directly (``F.linear`` on each projection's ``weight``/``bias``, fused RMSNorm, one rotary
+embedding per step, the paged attention of :mod:`.attention`), keeps the packed tokens as a
+2-D ``(T, hidden)`` batch, and normalises and projects only the rows whose logits are sampled.
+When the step uses the C kernels (CPU, float32; see :mod:`.cpu_kernels`), RoPE and the KV-cache
+store are one call per layer and each residual add is fused into the following RMSNorm.
+
+It reads every weight from its module at call time, so in-place weight updates, pointer swaps
+and sleep/wake need no bookkeeping here. :func:`build_fast_forward` returns ``None`` for any
+model whose structure it does not recognise exactly (the runner then keeps the HF forward);
+mixture-of-experts and other non-standard MLP blocks are called as modules.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from polyrl.rollout.native import cpu_kernels
+from polyrl.rollout.native.attention import StepMetadata, paged_attention
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "FastForward", "build_fast_forward"]
+
+logger = logging.getLogger(__name__)
+
+#: ``config.model_type`` values whose decoder layers this forward reproduces.
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe"})
+
+
+def _is_rms_norm(module: Any) -> bool:
+    return (
+        isinstance(module, nn.Module)
+        and type(module).__name__.endswith("RMSNorm")
+        and isinstance(getattr(module, "weight", None), torch.Tensor)
+        and isinstance(getattr(module, "variance_epsilon", None), float)
+    )
+
+
+def _is_linear(module: Any) -> bool:
+    return type(module) is nn.Linear
+
+
+def _is_silu(module: Any) -> bool:
+    return isinstance(module, nn.SiLU) or type(module).__name__ == "SiLUActivation"
+
+
+def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+    # Low precision: normalise in fp32 exactly as the HF modules do.
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * h.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` for ``x`` of shape ``(T, heads, head_dim)``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class _Layer:
+    """The modules of one decoder layer, looked up once."""
+
+    def __init__(self, layer: nn.Module):
+        attn = layer.self_attn
+        self.input_norm = layer.input_layernorm
+        self.post_norm = layer.post_attention_layernorm
+        self.q_proj, self.k_proj = attn.q_proj, attn.k_proj
+        self.v_proj, self.o_proj = attn.v_proj, attn.o_proj
+        self.q_norm = getattr(attn, "q_norm", None)
+        self.k_norm = getattr(attn, "k_norm", None)
+        self.layer_idx = int(attn.layer_idx)
+        self.scaling = float(attn.scaling)
+        self.sliding_window = getattr(attn, "sliding_window", None)
+        self.head_dim = int(attn.head_dim)
+        mlp = layer.mlp
+        self.dense = all(
+            _is_linear(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")
+        ) and _is_silu(getattr(mlp, "act_fn", None))
+        self.mlp = mlp
+
+
+def _check_layer(layer: nn.Module) -> str | None:
+    """Why ``layer`` is not a decoder layer this forward reproduces (``None``: it is)."""
+    attn = getattr(layer, "self_attn", None)
+    if attn is None:
+        return "no self_attn"
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        if not _is_linear(getattr(attn, name, None)):
+            return f"self_attn.{name} is not an nn.Linear"
+    for name in ("input_layernorm", "post_attention_layernorm"):
+        if not _is_rms_norm(getattr(layer, name, None)):
+            return f"{name} is not an RMSNorm"
+    for name in ("q_norm", "k_norm"):
+        if getattr(attn, name, None) is not None and not _is_rms_norm(getattr(attn, name)):
+            return f"self_attn.{name} is not an RMSNorm"
+    for name in ("layer_idx", "scaling", "head_dim"):
+        if getattr(attn, name, None) is None:
+            return f"self_attn has no {name}"
+    if getattr(layer, "mlp", None) is None:
+        return "no mlp"
+    return None
+
+
+class FastForward:
+    """Packed forward of a Llama/Qwen-family causal LM over the paged KV cache.
+
+    Args:
+        model: the HF causal LM (its modules and weights are used as they are).
+    """
+
+    def __init__(self, model: nn.Module):
+        base = model.model
+        self.embed = base.embed_tokens
+        self.norm = base.norm
+        self.rotary = base.rotary_emb
+        self.lm_head = model.lm_head
+        self.layers = [_Layer(layer) for layer in base.layers]
+
+    def _attention(self, layer: _Layer, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        hd = layer.head_dim
+        q = F.linear(x, layer.q_proj.weight, layer.q_proj.bias).view(t, -1, hd)
+        k = F.linear(x, layer.k_proj.weight, layer.k_proj.bias).view(t, -1, hd)
+        v = F.linear(x, layer.v_proj.weight, layer.v_proj.bias).view(t, -1, hd)
+        if layer.q_norm is not None:
+            q = _rms_norm(q, layer.q_norm)
+        if layer.k_norm is not None:
+            k = _rms_norm(k, layer.k_norm)
+        if meta.use_kernel:
+            # One C call rotates q and k in place and stores k and v in the cache.
+            cache = meta.cache
+            k_cache, v_cache = cache.k(layer.layer_idx), cache.v(layer.layer_idx)
+            q, k = q.contiguous(), k.contiguous()
+            cpu_kernels.rope_and_store(
+                q, k, v, self._cos2d, self._sin2d, meta.slot_mapping, k_cache, v_cache
+            )
+            store = False
+        else:
+            q = _rope(q, self._cos, self._sin)
+            k = _rope(k, self._cos, self._sin)
+            store = True
+        out = paged_attention(
+            layer.layer_idx, q, k, v, meta, layer.scaling, layer.sliding_window, store
+        ).reshape(t, -1)
+        return F.linear(out, layer.o_proj.weight, layer.o_proj.bias)
+
+    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        if not layer.dense:
+            return layer.mlp(x.unsqueeze(0))[0]
+        mlp = layer.mlp
+        gate = F.silu(F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias))
+        up = F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias)
+        return F.linear(gate * up, mlp.down_proj.weight, mlp.down_proj.bias)
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        logits_index: torch.Tensor,
+        meta: StepMetadata,
+    ) -> torch.Tensor:
+        """Run one packed step.
+
+        Args:
+            input_ids: ``(T,)`` packed token ids.
+            position_ids: ``(T,)`` their positions.
+            logits_index: ``(S,)`` packed rows whose next-token logits are wanted.
+            meta: the step's paged-attention metadata.
+
+        Returns:
+            ``(S, vocab)`` logits.
+        """
+        h = F.embedding(input_ids, self.embed.weight)
+        cos, sin = self.rotary(h.unsqueeze(0), position_ids.unsqueeze(0))
+        self._cos2d, self._sin2d = cos[0].contiguous(), sin[0].contiguous()  # (T, head_dim)
+        # (T, 1, head_dim): broadcast over heads.
+        self._cos, self._sin = self._cos2d.unsqueeze(1), self._sin2d.unsqueeze(1)
+        try:
+            if meta.use_kernel:
+                return self._layers_fused(h, logits_index, meta)
+            for layer in self.layers:
+                h = h + self._attention(layer, _rms_norm(h, layer.input_norm), meta)
+                h = h + self._mlp(layer, _rms_norm(h, layer.post_norm))
+        finally:
+            self._cos = self._sin = self._cos2d = self._sin2d = None
+        # Norm and head only for the rows that are sampled (the norm is row-wise).
+        h = _rms_norm(h.index_select(0, logits_index), self.norm)
+        return F.linear(h, self.lm_head.weight, self.lm_head.bias)
+
+    def _layers_fused(
+        self, h: torch.Tensor, logits_index: torch.Tensor, meta: StepMetadata
+    ) -> torch.Tensor:
+        """Run the layers, each residual add fused into the next RMSNorm (one C call each)."""
+        delta: torch.Tensor | None = None
+        for layer in self.layers:
+            norm = layer.input_norm
+            x = cpu_kernels.add_rms_norm(h, delta, norm.weight, norm.variance_epsilon)
+            attn = self._attention(layer, x, meta).contiguous()
+            norm = layer.post_norm
+            x = cpu_kernels.add_rms_norm(h, attn, norm.weight, norm.variance_epsilon)
+            delta = self._mlp(layer, x).contiguous()
+        rows = h.index_select(0, logits_index)
+        last = None if delta is None else delta.index_select(0, logits_index)
+        x = cpu_kernels.add_rms_norm(rows, last, self.norm.weight, self.norm.variance_epsilon)
+        return F.linear(x, self.lm_head.weight, self.lm_head.bias)
+
+    _cos: torch.Tensor | None = None
+    _sin: torch.Tensor | None = None
+    _cos2d: torch.Tensor | None = None
+    _sin2d: torch.Tensor | None = None
+
+
+def build_fast_forward(model: nn.Module) -> FastForward | None:
+    """Return a :class:`FastForward` for ``model``, or ``None`` where it does not apply."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return None
+    base = getattr(model, "model", None)
+    problem = None
+    if base is None:
+        problem = "no .model"
+    elif type(getattr(base, "embed_tokens", None)) is not nn.Embedding:
+        problem = "embed_tokens is not an nn.Embedding"
+    elif not _is_rms_norm(getattr(base, "norm", None)):
+        problem = "final norm is not an RMSNorm"
+    elif getattr(base, "rotary_emb", None) is None:
+        problem = "no rotary_emb"
+    elif not _is_linear(getattr(model, "lm_head", None)):
+        problem = "lm_head is not an nn.Linear"
+    elif getattr(config, "final_logit_softcapping", None) or getattr(
+        config, "attn_logit_softcapping", None
+    ):
+        problem = "logit soft-capping"
+    else:
+        for i, layer in enumerate(base.layers):
+            why = _check_layer(layer)
+            if why is not None:
+                problem = f"layer {i}: {why}"
+                break
+    if problem is not None:
+        logger.info("fast forward not used for %s (%s); using the HF forward", model_type, problem)
+        return None
+    return FastForward(model)
