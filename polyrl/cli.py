@@ -298,6 +298,60 @@ def _train_command(parser: argparse.ArgumentParser) -> Handler:
     return run
 
 
+@subcommand(
+    "agent-proxy",
+    help="OpenAI-compatible recording proxy: agents' calls become drift-free trajectories.",
+)
+def _agent_proxy_command(parser: argparse.ArgumentParser) -> Handler:
+    parser.add_argument(
+        "--rollout",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="rollout server (or router) URL; repeat for several replicas",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="local directory of the served model's tokenizer (default: the model id the "
+        "rollout server reports in /v1/models, when it is a local directory)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8100, help="port (default 8100; 0 = any)")
+    parser.add_argument("--model-name", default="polyrl", help="model name shown in answers")
+    parser.add_argument("--ready-file", default=None, help="write {'url', 'pid'} here when up")
+    parser.add_argument("--log-level", default="warning", help="uvicorn log level")
+
+    def run(args: argparse.Namespace) -> int:
+        from polyrl.agent.proxy import serve_proxy, tokenizer_dir_from_server
+        from polyrl.rollout.options import api_key_from_env
+
+        for url in args.rollout:
+            if not url.startswith(("http://", "https://")):
+                raise CLIError(f"--rollout {url!r} must start with http:// or https://")
+        api_key = api_key_from_env()
+        try:
+            tokenizer = args.tokenizer or tokenizer_dir_from_server(args.rollout[0], api_key)
+        except ValueError as exc:
+            raise CLIError(str(exc)) from exc
+        if not os.path.isdir(tokenizer):
+            raise CLIError(f"--tokenizer {tokenizer!r} is not a directory")
+        serve_proxy(
+            args.rollout,
+            tokenizer,
+            host=args.host,
+            port=args.port,
+            api_key=api_key,
+            model_name=args.model_name,
+            ready_file=args.ready_file,
+            log_level=args.log_level,
+        )
+        return 0
+
+    return run
+
+
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 

@@ -1,0 +1,116 @@
+"""The environment loop: a Gym-style text environment answers each model turn.
+
+The environment's first observation is appended to the sample's prompt messages as a user turn
+(part of the prompt); then each model turn is passed to ``env.step`` and, unless the episode is
+done, the next observation is appended as a user message through the chat template's token delta
+(mask 0). Per-step rewards go to ``turn_rewards``; the final reward is their sum.
+
+A sample names its environment with ``extra_info["env_name"]`` (else the loop's default), its
+reset arguments with ``extra_info["env_kwargs"]`` and its seed with ``extra_info["seed"]``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from polyrl.agent.base import (
+    AgentLoop,
+    GenerateClient,
+    Trajectory,
+    chat_delta_ids,
+    register_agent_loop,
+)
+from polyrl.agent.envs import create_env
+from polyrl.rollout.base import SamplingParams
+
+__all__ = ["EnvAgentLoop"]
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+@register_agent_loop("env")
+class EnvAgentLoop(AgentLoop):
+    """Multi-turn interaction with a registered environment (see the module docstring).
+
+    Args:
+        tokenizer: the policy's tokenizer.
+        env: default environment name.
+        env_kwargs: default reset kwargs (a sample's ``env_kwargs`` override them).
+        max_turns: most model turns.
+        max_response_length: budget of response tokens in all.
+        sampling_params: per-turn sampling.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        env: str = "guess_number",
+        env_kwargs: Mapping[str, Any] | None = None,
+        max_turns: int = 8,
+        max_response_length: int = 1024,
+        sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+    ):
+        super().__init__(
+            tokenizer,
+            sampling_params=sampling_params,
+            max_response_length=max_response_length,
+            max_turns=max_turns,
+        )
+        self.env_name = env
+        self.env_kwargs = dict(env_kwargs or {})
+
+    async def run(self, sample: Mapping[str, Any], client: GenerateClient) -> Trajectory:
+        """Play one episode."""
+        extra = sample.get("extra_info") or {}
+        env = create_env(str(extra.get("env_name", self.env_name)))
+        kwargs = {**self.env_kwargs, **dict(extra.get("env_kwargs") or {})}
+        obs = await _maybe_await(env.reset(seed=extra.get("seed"), **kwargs))
+        messages = sample.get("raw_prompt", sample.get("prompt")) or []
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        messages = [dict(m) for m in messages]
+        if obs:
+            messages.append({"role": "user", "content": str(obs)})
+        if not messages:
+            raise ValueError("the environment gave no observation and the sample has no prompt")
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        prompt_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        traj = Trajectory(prompt_ids=prompt_ids, messages=messages, seed=sample.get("seed"))
+        session = str(sample.get("session_id") or f"env-{uuid.uuid4().hex}")
+        info: Mapping[str, Any] = {}
+        while True:
+            ids, action = await self.generate_turn(traj, client, session)
+            obs, reward, done, info = await _maybe_await(env.step(action))
+            traj.turn_rewards.append(float(reward))
+            if done:
+                traj.finish_reason = "done"
+                break
+            if traj.finish_reason in ("length", "abort"):
+                break
+            if len(traj.response_ids) >= self.max_response_length:
+                traj.finish_reason = "length"
+                break
+            if traj.num_turns >= self.max_turns:
+                traj.finish_reason = "max_turns"
+                break
+            traj.messages.append({"role": "user", "content": str(obs)})
+            delta = chat_delta_ids(
+                self.tokenizer, traj.messages, 1, last_ended_with_eos=self.ended_with_eos(ids)
+            )
+            if len(traj.response_ids) + len(delta) >= self.max_response_length:
+                traj.finish_reason = "length"
+                break
+            traj.append_env(delta)
+        traj.reward = float(sum(traj.turn_rewards))
+        for key, value in dict(info or {}).items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                traj.metrics[f"env/{key}"] = float(value)
+        return traj

@@ -1,0 +1,457 @@
+"""An OpenAI-compatible recording proxy: train agents written for the OpenAI API without drift.
+
+Point an unmodified agent (``openai.OpenAI(base_url=PROXY + "/v1")``) at the proxy. Each
+``/v1/chat/completions`` call names its session with the ``X-Session-Id`` header or the ``user``
+field. The proxy forwards the call token-in/token-out to the rollout servers' ``/generate`` and
+records, per session, the exact prompt and completion token ids:
+
+* the first call renders the messages with the chat template (``tools`` included);
+* a later call whose messages extend the conversation the proxy already answered (same earlier
+  messages, its own reply echoed back, then new tool/user messages) reuses the recorded ids and
+  appends only the chat template's delta for the new messages, so the model's tokens are never
+  re-tokenised (decode-then-encode is not reversible);
+* a call that rewrites the history starts a new segment (rendered afresh).
+
+``GET /sessions/{id}/trajectory`` assembles the recorded ids into a training trajectory
+(``prompt_ids``, ``response_ids``, ``response_mask``: 1 on model tokens, ``rollout_log_probs``),
+``DELETE /sessions/{id}`` ends a session. Run it with ``polyrl agent-proxy --rollout URL``;
+it binds 127.0.0.1 by default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from polyrl.agent.base import Trajectory, chat_delta_ids
+from polyrl.agent.tool_loop import HermesToolParser
+from polyrl.rollout.base import InvalidRequestError, RolloutError, SamplingParams
+
+__all__ = ["RecordingProxy", "create_proxy_app", "serve_proxy", "tokenizer_dir_from_server"]
+
+SESSION_HEADER = "X-Session-Id"
+_FIELDS = {
+    "model",
+    "messages",
+    "tools",
+    "tool_choice",
+    "temperature",
+    "top_p",
+    "max_tokens",
+    "max_completion_tokens",
+    "stop",
+    "seed",
+    "n",
+    "stream",
+    "user",
+    "parallel_tool_calls",
+    "frequency_penalty",
+    "presence_penalty",
+    "logprobs",
+    "top_logprobs",
+}
+
+
+def _text(content: Any, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for part in content:
+            if not isinstance(part, Mapping) or part.get("type") != "text":
+                raise InvalidRequestError(
+                    f"messages[{index}].content: only text parts are supported", param="messages"
+                )
+            out.append(str(part.get("text", "")))
+        return "".join(out)
+    raise InvalidRequestError(
+        f"messages[{index}].content must be a string, null or a list of text parts",
+        param="messages",
+    )
+
+
+def _canonical_args(args: Any) -> str:
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError:
+            return args
+    return json.dumps(args, sort_keys=True)
+
+
+def _clean_messages(messages: Any) -> list[dict[str, Any]]:
+    """Validate request messages and reduce them to what the chat template reads."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise InvalidRequestError(
+                f"messages[{i}] must be an object with a string 'role'", param="messages"
+            )
+        msg: dict[str, Any] = {"role": m["role"], "content": _text(m.get("content"), i)}
+        calls = m.get("tool_calls")
+        if calls:
+            if not isinstance(calls, list):
+                raise InvalidRequestError(
+                    f"messages[{i}].tool_calls must be a list", param="messages"
+                )
+            msg["tool_calls"] = []
+            for c in calls:
+                fn = c.get("function", c) if isinstance(c, Mapping) else None
+                if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+                    raise InvalidRequestError(
+                        f"messages[{i}].tool_calls entries need function.name", param="messages"
+                    )
+                msg["tool_calls"].append(
+                    {
+                        "type": "function",
+                        "function": {"name": fn["name"], "arguments": fn.get("arguments", {})},
+                    }
+                )
+        out.append(msg)
+    return out
+
+
+def _key(msg: Mapping[str, Any]) -> tuple[Any, ...]:
+    """Return what must match for two messages to be the same (ids, outer spaces aside)."""
+    calls = tuple(
+        (c["function"]["name"], _canonical_args(c["function"]["arguments"]))
+        for c in msg.get("tool_calls") or ()
+    )
+    return (msg["role"], (msg.get("content") or "").strip(), calls)
+
+
+@dataclasses.dataclass
+class _Segment:
+    """One contiguous token history of a session."""
+
+    tools: Any
+    messages: list[dict[str, Any]]
+    traj: Trajectory
+    last_eos: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        t = self.traj
+        return {
+            "prompt_ids": t.prompt_ids,
+            "response_ids": t.response_ids,
+            "response_mask": t.response_mask,
+            "rollout_log_probs": t.rollout_log_probs,
+            "num_turns": t.num_turns,
+            "finish_reason": t.finish_reason,
+            "weight_versions": t.weight_versions,
+            "messages": self.messages,
+        }
+
+
+class RecordingProxy:
+    """The proxy's state and logic (the HTTP layer is :func:`create_proxy_app`).
+
+    Args:
+        client: a started-on-demand :class:`~polyrl.rollout.client.RolloutClient` (or any
+            object with its ``generate``, ``start`` and ``close``).
+        tokenizer: the served model's tokenizer (chat template, eos).
+        model_name: the ``model`` reported in responses.
+        max_sessions: oldest sessions are forgotten beyond this many.
+    """
+
+    def __init__(
+        self, client: Any, tokenizer: Any, *, model_name: str = "polyrl", max_sessions: int = 10000
+    ):
+        self.client = client
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_sessions = max_sessions
+        self.sessions: OrderedDict[str, list[_Segment]] = OrderedDict()
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._parser = HermesToolParser()
+        eos = tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list | tuple) else [eos])
+
+    def _params(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        if body.get("stream"):
+            raise InvalidRequestError("the recording proxy does not stream; set stream=false")
+        if body.get("n", 1) != 1:
+            raise InvalidRequestError("the recording proxy samples n=1 per call", param="n")
+        stop = body.get("stop")
+        params: dict[str, Any] = {"logprobs": True}
+        for src, dst in (("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed")):
+            if body.get(src) is not None:
+                params[dst] = body[src]
+        max_new = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_new is not None:
+            params["max_new_tokens"] = max_new
+        if stop is not None:
+            params["stop"] = [stop] if isinstance(stop, str) else stop
+        return SamplingParams.from_dict(params).to_dict()
+
+    def _find_segment(
+        self, segments: list[_Segment], messages: list[dict[str, Any]], tools: Any
+    ) -> _Segment | None:
+        keys = [_key(m) for m in messages]
+        for seg in reversed(segments):
+            n = len(seg.messages)
+            if (
+                seg.tools == tools
+                and n < len(messages)
+                and [_key(m) for m in seg.messages] == keys[:n]
+            ):
+                return seg
+        return None
+
+    async def chat(self, body: Any, session_id: str | None) -> tuple[dict[str, Any], str]:
+        """Answer one ``/v1/chat/completions`` body; return ``(response, session_id)``.
+
+        Raises:
+            InvalidRequestError: malformed request (HTTP 400).
+        """
+        if not isinstance(body, Mapping):
+            raise InvalidRequestError("the request body must be a JSON object")
+        unknown = sorted(set(body) - _FIELDS)
+        if unknown:
+            raise InvalidRequestError(
+                f"unsupported fields {unknown} for the recording proxy", param=unknown[0]
+            )
+        sid = session_id or body.get("user") or f"session-{uuid.uuid4().hex}"
+        if not isinstance(sid, str):
+            raise InvalidRequestError("the session id ('user' or X-Session-Id) must be a string")
+        messages = _clean_messages(body.get("messages"))
+        tools = body.get("tools") or None
+        if tools is not None and not (
+            isinstance(tools, list) and all(isinstance(t, Mapping) for t in tools)
+        ):
+            raise InvalidRequestError("tools must be a list of objects", param="tools")
+        params = self._params(body)
+        lock = self._locks.setdefault(sid, asyncio.Lock())
+        async with lock:
+            segments = self.sessions.setdefault(sid, [])
+            self.sessions.move_to_end(sid)
+            while len(self.sessions) > self.max_sessions:
+                old, _ = self.sessions.popitem(last=False)
+                self._locks.pop(old, None)
+            seg = self._find_segment(segments, messages, tools)
+            try:
+                if seg is not None:
+                    delta = chat_delta_ids(
+                        self.tokenizer,
+                        messages,
+                        len(messages) - len(seg.messages),
+                        tools=tools,
+                        last_ended_with_eos=seg.last_eos,
+                    )
+                else:
+                    text = self.tokenizer.apply_chat_template(
+                        messages, tools=tools, add_generation_prompt=True, tokenize=False
+                    )
+                    prompt = list(self.tokenizer.encode(text, add_special_tokens=False))
+                    seg = _Segment(tools, [], Trajectory(prompt_ids=prompt))
+                    segments.append(seg)
+                    delta = []
+            except RolloutError:
+                raise
+            except Exception as exc:  # template errors are the request's fault
+                raise InvalidRequestError(
+                    f"the chat template failed on these messages: {exc}", param="messages"
+                ) from exc
+            traj = seg.traj
+            result = await self.client.generate(
+                traj.prompt_ids + traj.response_ids + delta, params, session_id=sid
+            )
+            out = result.outputs[0]
+            # Recorded only once the server answered: a failed call leaves the session as it was.
+            traj.append_env(delta)
+            traj.append_model(out.output_ids, out.logprobs)
+            traj.num_turns += 1
+            traj.finish_reason = str(out.finish_reason or "")
+            traj.weight_versions.append(int(out.weight_version or 0))
+            seg.last_eos = bool(out.output_ids) and int(out.output_ids[-1]) in self.eos_ids
+            text = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
+            reply = self._reply(text, tools is not None)
+            seg.messages = messages + [reply]
+        return self._response(
+            reply, out, result, len(traj.prompt_ids) + len(traj.response_ids)
+        ), sid
+
+    def _reply(self, text: str, with_tools: bool) -> dict[str, Any]:
+        calls = [c for c in self._parser.parse(text) if c.error is None] if with_tools else []
+        if not calls:
+            return {"role": "assistant", "content": text}
+        content = text[: text.find("<tool_call>")].strip()
+        return {
+            "role": "assistant",
+            "content": content or None,
+            "tool_calls": [
+                {
+                    "id": f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+                }
+                for c in calls
+            ],
+        }
+
+    def _response(self, reply: dict[str, Any], out: Any, result: Any, total: int) -> dict[str, Any]:
+        finish = "tool_calls" if reply.get("tool_calls") else out.finish_reason
+        completion = len(out.output_ids)
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [{"index": 0, "message": reply, "finish_reason": finish, "logprobs": None}],
+            "usage": {
+                "prompt_tokens": total - completion,
+                "completion_tokens": completion,
+                "total_tokens": total,
+            },
+            "token_ids": list(out.output_ids),
+            "weight_version": int(result.weight_version or 0),
+        }
+
+    def trajectory(self, session_id: str) -> dict[str, Any]:
+        """Return the assembled session: the latest segment's fields plus every segment.
+
+        Raises:
+            KeyError: unknown session.
+        """
+        segments = self.sessions.get(session_id)
+        if not segments:
+            raise KeyError(session_id)
+        return {
+            "session_id": session_id,
+            **segments[-1].to_json(),
+            "num_segments": len(segments),
+            "segments": [s.to_json() for s in segments],
+        }
+
+    def trajectories(self, session_id: str) -> list[Trajectory]:
+        """Return the session's segments as :class:`Trajectory` objects (in-process use)."""
+        return [s.traj for s in self.sessions.get(session_id, [])]
+
+    def end(self, session_id: str) -> bool:
+        """Forget a session; return whether it existed."""
+        self._locks.pop(session_id, None)
+        return self.sessions.pop(session_id, None) is not None
+
+
+def _error(status: int, message: str, kind: str, param: Any = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return JSONResponse(body, status_code=status)
+
+
+def create_proxy_app(proxy: RecordingProxy) -> FastAPI:
+    """Build the FastAPI app serving ``proxy``."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await proxy.client.start()
+        try:
+            yield
+        finally:
+            await proxy.client.close()
+
+    app = FastAPI(title="polyrl agent proxy", lifespan=lifespan)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "sessions": len(proxy.sessions)}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"id": proxy.model_name, "object": "model", "owned_by": "polyrl"}],
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(400, "the request body is not valid JSON", "invalid_request_error")
+        try:
+            answer, sid = await proxy.chat(body, request.headers.get(SESSION_HEADER))
+        except RolloutError as exc:
+            status = int(getattr(exc, "status", 500))
+            return _error(status, str(exc), getattr(exc, "error_type", "server_error"), exc.param)
+        return JSONResponse(answer, headers={SESSION_HEADER: sid})
+
+    @app.get("/sessions/{session_id}/trajectory")
+    async def trajectory(session_id: str) -> Any:
+        try:
+            return proxy.trajectory(session_id)
+        except KeyError:
+            return _error(404, f"unknown session {session_id!r}", "not_found_error")
+
+    @app.delete("/sessions/{session_id}")
+    async def end(session_id: str) -> Any:
+        if not proxy.end(session_id):
+            return _error(404, f"unknown session {session_id!r}", "not_found_error")
+        return {"session_id": session_id, "ended": True}
+
+    return app
+
+
+def serve_proxy(
+    rollout_urls: Sequence[str],
+    tokenizer_dir: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8100,
+    api_key: str | None = None,
+    model_name: str = "polyrl",
+    ready_file: str | None = None,
+    log_level: str = "warning",
+) -> None:
+    """Serve the recording proxy until SIGINT/SIGTERM.
+
+    Args:
+        rollout_urls: rollout replica (or router) URLs.
+        tokenizer_dir: local directory of the served model's tokenizer.
+        host: address to bind (default: this machine only).
+        port: port (0 picks a free one; see ``ready_file``).
+        api_key: bearer token for the rollout servers.
+        model_name: the ``model`` reported in responses.
+        ready_file: where to write ``{"url", "pid"}`` once requests are accepted.
+        log_level: uvicorn log level.
+    """
+    from polyrl.models.loader import load_tokenizer
+    from polyrl.rollout.client import RolloutClient
+    from polyrl.rollout.server import serve_app
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    client = RolloutClient(list(rollout_urls), api_key=api_key)
+    app = create_proxy_app(RecordingProxy(client, tokenizer, model_name=model_name))
+    asyncio.run(serve_app(app, host, port, ready_file, log_level))
+
+
+def tokenizer_dir_from_server(url: str, api_key: str | None = None) -> str:
+    """Return the model id a rollout server reports in ``/v1/models`` (a local dir for ours).
+
+    Raises:
+        ValueError: the server cannot be reached or reports no model.
+    """
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(f"{url.rstrip('/')}/v1/models", headers=headers, timeout=10)
+        r.raise_for_status()
+        return str(r.json()["data"][0]["id"])
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        raise ValueError(
+            f"cannot ask {url} for its model ({exc}); pass --tokenizer DIR explicitly"
+        ) from exc

@@ -1,0 +1,28 @@
+"""The single-turn loop: one model response per prompt (what the RL trainer samples today)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from polyrl.agent.base import (
+    AgentLoop,
+    GenerateClient,
+    Trajectory,
+    prompt_ids_of,
+    register_agent_loop,
+)
+
+__all__ = ["SingleTurnAgentLoop"]
+
+
+@register_agent_loop("single_turn")
+class SingleTurnAgentLoop(AgentLoop):
+    """Generate once from the sample's prompt; every response token is a model token."""
+
+    async def run(self, sample: Mapping[str, Any], client: GenerateClient) -> Trajectory:
+        """Roll out one sample with a single model turn."""
+        prompt_ids, messages = prompt_ids_of(sample, self.tokenizer)
+        traj = Trajectory(prompt_ids=prompt_ids, messages=messages, seed=sample.get("seed"))
+        await self.generate_turn(traj, client, session_id=sample.get("session_id"))
+        return traj
