@@ -218,6 +218,7 @@ def test_grpo_on_ray_raises_the_reward(tmp_path, ray_session):
             "actor.ppo_mini_batch_size=4",
             "actor.ppo_epochs=2",
             "rollout.sleep_during_training=true",
+            "trainer.n_gpus_per_node=2",  # two CPU ranks (gloo): data-parallel updates
         ),
     )
     summary = RLTrainer(cfg).fit()
@@ -421,3 +422,47 @@ def test_every_estimator_and_policy_loss_runs_a_step(tmp_path):
                 assert abs(metrics["critic/advantages/mean"]) < 1.0
     finally:
         trainer.close()
+
+
+@pytest.mark.slow
+def test_grpo_with_the_tool_loop_runs_multi_turn_steps(tmp_path):
+    import dataclasses
+
+    from polyrl.agent.tool_loop import ParsedToolCall, ToolParser, register_tool_parser
+
+    @register_tool_parser("test_rl_always_calc")
+    class AlwaysCalc(ToolParser):
+        """Reads every model turn as a calculator call, so a random model uses the tool."""
+
+        def parse(self, text: str) -> list[ParsedToolCall]:
+            return [ParsedToolCall("calculator", {"expression": "123*456"})]
+
+    cfg = load_config(
+        "grpo_tool",
+        _e2e_overrides(
+            tmp_path,
+            "tool",
+            "trainer.worker_backend=local",
+            "trainer.total_steps=3",
+            "model.tiny_size=nano",
+            "data.max_prompt_length=256",
+            "data.max_response_length=96",
+            "rollout.max_new_tokens=16",
+            "agent.max_turns=3",
+            "agent.tool_parser=test_rl_always_calc",
+            "actor.max_tokens_per_micro_batch=4096",
+        ),
+    )
+    # Extra stop ids end the random model's turns early, so the loop goes on to the tool.
+    cfg = dataclasses.replace(
+        cfg, rollout=dataclasses.replace(cfg.rollout, stop_token_ids=list(range(20, 1024, 3)))
+    )
+    RLTrainer(cfg).fit()
+    records = [r for r in _records(tmp_path / "tool") if "critic/score/mean" in r]
+    assert len(records) == 3
+    for r in records:
+        assert r["num_turns/mean"] > 1.0  # the tool answered and the model went on
+        assert r["tool_calls/mean"] >= 1.0 and r["tool_errors/mean"] == 0.0
+        # The loss covers only the model's tokens: fewer than the whole response.
+        assert r["actor/num_tokens"] < r["perf/response_tokens"]
+    assert records[-1]["rollout/weight_version"] == 2

@@ -28,6 +28,7 @@ from typing import Any, Literal, Union
 
 __all__ = [
     "ActorConfig",
+    "AgentConfig",
     "AlgorithmConfig",
     "ConfigError",
     "CriticConfig",
@@ -435,6 +436,7 @@ class RolloutConfig(ConfigGroup):
         1.0, "Penalty on already generated tokens; 1 turns it off.", gt=0.0
     )
     seed: int = option(-1, "Sampling seed; -1 uses the top-level seed.", ge=-1)
+    stop_token_ids: list[int] = option([], "Token ids that end a response besides EOS.")
     backend: str = option("native", "Rollout server backend.", choices=ROLLOUT_BACKENDS)
     replicas: int = option(1, "Rollout server replicas (processes) the RL trainer starts.", ge=1)
     urls: list[str] = option(
@@ -659,6 +661,24 @@ class CriticConfig(ConfigGroup):
 
 
 @dataclasses.dataclass
+class AgentConfig(ConfigGroup):
+    """Multi-turn rollouts through agent loops (polyrl.agent) instead of single-turn generate."""
+
+    enable: bool = option(False, "Roll out every sample through an agent loop.")
+    default_loop: str = option(
+        "single_turn", "Loop for samples without extra_info.agent_name (single_turn, tool, env)."
+    )
+    max_turns: int = option(4, "Most model turns per trajectory.", ge=1)
+    tools: list[str] = option(["calculator"], "Tools the tool loop offers.")
+    tool_parser: str = option("hermes", "Registered parser of the model's tool calls.")
+    tool_timeout_s: float = option(10.0, "Seconds allowed per tool call.", gt=0.0)
+    max_tool_response_tokens: int = option(
+        128, "Tool responses longer than this are cut (and say so).", ge=1
+    )
+    max_concurrency: int = option(256, "Trajectories rolled out at once.", ge=1)
+
+
+@dataclasses.dataclass
 class RayConfig(ConfigGroup):
     """Where and how to start or join Ray."""
 
@@ -687,6 +707,7 @@ class PolyRLConfig(ConfigGroup):
     algorithm: AlgorithmConfig = option(AlgorithmConfig, "RL algorithm (polyrl train).")
     actor: ActorConfig = option(ActorConfig, "RL policy optimisation (polyrl train).")
     critic: CriticConfig = option(CriticConfig, "RL value model (polyrl train, gae).")
+    agent: AgentConfig = option(AgentConfig, "Multi-turn agent-loop rollouts (polyrl train).")
 
     def seed_for(self, group: str) -> int:
         """Effective seed of a group that has a ``seed`` option (``-1`` falls back to ``seed``)."""

@@ -224,11 +224,12 @@ def _check_config(cfg: PolyRLConfig) -> None:
             f"rank than the {minis} mini-batches; raise data.train_batch_size",
             key="actor.ppo_mini_batch_size",
         )
-    if actor.max_tokens_per_micro_batch < cfg.data.max_prompt_length + cfg.rollout.max_new_tokens:
+    # A multi-turn trajectory may fill data.max_response_length; one turn, rollout.max_new_tokens.
+    response = cfg.data.max_response_length if cfg.agent.enable else cfg.rollout.max_new_tokens
+    if actor.max_tokens_per_micro_batch < cfg.data.max_prompt_length + response:
         raise ConfigError(
             f"{actor.max_tokens_per_micro_batch} is below the longest sequence "
-            f"(data.max_prompt_length + rollout.max_new_tokens = "
-            f"{cfg.data.max_prompt_length + cfg.rollout.max_new_tokens})",
+            f"({cfg.data.max_prompt_length} prompt + {response} response tokens)",
             key="actor.max_tokens_per_micro_batch",
         )
 
@@ -529,6 +530,7 @@ class RLTrainer:
             "max_new_tokens": min(ro.max_new_tokens, self.cfg.data.max_response_length),
             "seed": seed,
             "logprobs": True,
+            **({"stop_token_ids": list(ro.stop_token_ids)} if ro.stop_token_ids else {}),
         }
 
     def generate(
@@ -541,6 +543,31 @@ class RLTrainer:
         """
         from polyrl.data.dataset import ground_truth_of
 
+        if self.cfg.agent.enable:
+            batch, metrics = self._generate_with_agents(items, n, temperature, seed)
+        else:
+            batch, metrics = self._generate_single_turn(items, n, temperature, seed)
+
+        def per_row(values: Sequence[Any]) -> np.ndarray:
+            out = np.empty(len(values) * n, dtype=object)
+            for i, value in enumerate(values):
+                for j in range(n):
+                    out[i * n + j] = value
+            return out
+
+        batch.non_tensors.update(
+            {
+                "uid": per_row([str(item["uid"]) for item in items]),
+                "data_source": per_row([item["data_source"] for item in items]),
+                "ground_truth": per_row([ground_truth_of(item) for item in items]),
+                "extra_info": per_row([item.get("extra_info") or {} for item in items]),
+            }
+        )
+        return batch, metrics
+
+    def _generate_single_turn(
+        self, items: Sequence[Mapping[str, Any]], n: int, temperature: float, seed: int
+    ) -> tuple[Batch, dict[str, float]]:
         prompts = [item["input_ids"].tolist() for item in items]
 
         async def run() -> list[Any]:
@@ -567,25 +594,57 @@ class RLTrainer:
         have_lp = all(lp is not None for lp in rows_lp)
         batch = build_rollout_batch(rows_p, rows_r, self.pad_id, rows_lp if have_lp else None)
         texts = self.tokenizer.batch_decode(rows_r, skip_special_tokens=True)
-
-        def per_row(values: Sequence[Any]) -> np.ndarray:
-            out = np.empty(len(values) * n, dtype=object)
-            for i, value in enumerate(values):
-                for j in range(n):
-                    out[i * n + j] = value
-            return out
-
-        batch.non_tensors.update(
-            {
-                "uid": per_row([str(item["uid"]) for item in items]),
-                "data_source": per_row([item["data_source"] for item in items]),
-                "ground_truth": per_row([ground_truth_of(item) for item in items]),
-                "extra_info": per_row([item.get("extra_info") or {} for item in items]),
-                "response_text": np.array(texts, dtype=object),
-                "finish_reason": np.array(rows_finish, dtype=object),
-            }
-        )
+        batch.non_tensors["response_text"] = np.array(texts, dtype=object)
+        batch.non_tensors["finish_reason"] = np.array(rows_finish, dtype=object)
         return batch, {"rollout/weight_version": float(max(versions))}
+
+    def _generate_with_agents(
+        self, items: Sequence[Mapping[str, Any]], n: int, temperature: float, seed: int
+    ) -> tuple[Batch, dict[str, float]]:
+        """Roll every item out ``n`` times through its agent loop (multi-turn, tools, envs)."""
+        from polyrl.agent.base import collate_trajectories, run_agent_loops
+
+        agent = self.cfg.agent
+        params = self._sampling_params(1, temperature, 0)
+        params.pop("seed")
+        common = {
+            "sampling_params": params,
+            "max_response_length": self.cfg.data.max_response_length,
+            "max_turns": agent.max_turns,
+        }
+        loop_kwargs = {
+            "single_turn": common,
+            "env": common,
+            "tool": {
+                **common,
+                "tools": list(agent.tools),
+                "parser": agent.tool_parser,
+                "tool_timeout": agent.tool_timeout_s,
+                "max_tool_response_tokens": agent.max_tool_response_tokens,
+            },
+        }
+        samples = []
+        for i, item in enumerate(items):
+            for j in range(n):
+                # Each copy samples with its own seed; turn k of a copy uses seed + k.
+                samples.append({**item, "seed": _seed(seed, i, j)})
+        trajectories = self._run(
+            run_agent_loops(
+                samples,
+                self._client,
+                self.tokenizer,
+                default_agent=agent.default_loop,
+                loop_kwargs=loop_kwargs,
+                max_concurrency=agent.max_concurrency,
+            )
+        )
+        batch = collate_trajectories(trajectories, self.pad_id)
+        texts = [t.response_text(self.tokenizer) for t in trajectories]
+        batch.non_tensors["response_text"] = np.array(texts, dtype=object)
+        metrics = {k: float(v) for k, v in batch.meta.pop("agent_metrics", {}).items()}
+        versions = [v for t in trajectories for v in t.weight_versions]
+        metrics["rollout/weight_version"] = float(max(versions)) if versions else 0.0
+        return batch, metrics
 
     def score(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """Score every row: ``(scores (B,), accuracy (B,), reward metrics)``."""
@@ -596,7 +655,12 @@ class RLTrainer:
             }
         )
         result = self.rewards.score(scoring)
-        return result.scores.float(), _accuracy(result.scores, result.extras), result.metrics
+        scores = result.scores.float()
+        if "reward" in batch.non_tensors:
+            # Environment loops report their own reward; the scorer decides the rest (NaN).
+            own = torch.as_tensor(batch.non_tensors["reward"].astype(float), dtype=torch.float32)
+            scores = torch.where(torch.isnan(own), scores, own)
+        return scores, _accuracy(scores, result.extras), result.metrics
 
     def _padded(self, batch: Batch) -> tuple[Batch, int]:
         from polyrl.model.workers import pad_batch_for_dp
