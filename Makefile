@@ -46,3 +46,9 @@ $(VLLM_STAMP): scripts/setup_vllm_venv.sh
 test-vllm: $(STAMP) $(VLLM_STAMP)
 	@POLYRL_VLLM_VENV=$(CURDIR)/$(VLLM_VENV) $(PY) -m pytest tests_vllm $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-vllm: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# GRPO step of polyrl vs TRL's GRPOTrainer; TRL lives in its own .venv-trl (benchmarks/rl_step.py).
+.PHONY: bench-rl-step
+bench-rl-step: $(STAMP)
+	bash scripts/setup_trl_venv.sh
+	$(PY) benchmarks/rl_step.py

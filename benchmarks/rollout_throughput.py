@@ -141,23 +141,28 @@ def main() -> None:
     hf_generate_pass(model, [(p[:16], 4) for p, _ in load[:8]], 8, tok.pad_token_id)  # warm-up
 
     # Server and baseline alternate, round by round, so both see the same machine load.
-    server_s: list[float] = []
-    hf_s: list[float] = []
+    # Each timed round draws fresh prompts (the same for both sides): resending the warm-up
+    # prompts would let the server's prefix cache skip their prefill, which HF cannot do.
+    server_tps_rounds: list[float] = []
+    hf_tps_rounds: list[float] = []
     with ServerProcess(model_dir, options={"num_threads": args.threads}) as server:
         assert server.url is not None
         asyncio.run(_server_pass(server.url, load, stream=False))  # warm-up at full size
         for r in range(args.rounds):
-            server_s.append(asyncio.run(_server_pass(server.url, load, stream=False))["seconds"])
-            hf_s.append(hf_generate_pass(model, load, 64, tok.pad_token_id))
-            print(
-                f"round {r}: server {server_s[-1]:.2f} s, hf(64) {hf_s[-1]:.2f} s", file=sys.stderr
-            )
-        hf16 = hf_generate_pass(model, load, 16, tok.pad_token_id)
+            round_load = make_load(len(tok), seed=r + 1)
+            round_tokens = sum(n for _, n in round_load)
+            server_s = asyncio.run(_server_pass(server.url, round_load, stream=False))["seconds"]
+            hf_s = hf_generate_pass(model, round_load, 64, tok.pad_token_id)
+            server_tps_rounds.append(round_tokens / server_s)
+            hf_tps_rounds.append(round_tokens / hf_s)
+            print(f"round {r}: server {server_s:.2f} s, hf(64) {hf_s:.2f} s", file=sys.stderr)
+        hf16_load = make_load(len(tok), seed=args.rounds + 1)
+        hf16 = hf_generate_pass(model, hf16_load, 16, tok.pad_token_id)
         print(f"hf(16) {hf16:.2f} s", file=sys.stderr)
-        streamed = asyncio.run(_server_pass(server.url, load, stream=True))
-    server_tps = tokens / statistics.median(server_s)
-    hf64_tps = tokens / statistics.median(hf_s)
-    hf16_tps = tokens / hf16
+        streamed = asyncio.run(_server_pass(server.url, hf16_load, stream=True))
+    server_tps = statistics.median(server_tps_rounds)
+    hf64_tps = statistics.median(hf_tps_rounds)
+    hf16_tps = sum(n for _, n in hf16_load) / hf16
     hf_tps, hf_bs = (hf64_tps, 64) if hf64_tps >= hf16_tps else (hf16_tps, 16)
 
     vllm_tps = None
@@ -167,10 +172,10 @@ def main() -> None:
     if "vllm" in available_backends() and vllm_available():
         with ServerProcess(model_dir, backend="vllm") as vserver:
             assert vserver.url is not None
-            asyncio.run(_server_pass(vserver.url, load, stream=False))
-            vllm_tps = (
-                tokens / asyncio.run(_server_pass(vserver.url, load, stream=False))["seconds"]
-            )
+            asyncio.run(_server_pass(vserver.url, load, stream=False))  # warm-up
+            vllm_load = make_load(len(tok), seed=1)
+            vllm_s = asyncio.run(_server_pass(vserver.url, vllm_load, stream=False))["seconds"]
+            vllm_tps = sum(n for _, n in vllm_load) / vllm_s
 
     result = {
         "name": "rollout_throughput",

@@ -65,6 +65,21 @@ DEFAULT_PLOT_METRICS = (
     "actor/entropy",
     "response_length/mean",
 )
+#: What the console line shows per step (all ``val/`` metrics are shown too).
+CONSOLE_METRICS = (
+    "critic/score/mean",
+    "critic/acc/mean",
+    "actor/pg_loss",
+    "actor/ppo_kl",
+    "actor/kl_loss",
+    "actor/entropy",
+    "actor/grad_norm",
+    "critic/vf_loss",
+    "response_length/mean",
+    "num_turns/mean",
+    "timing_s/step",
+    "perf/throughput",
+)
 PLOT_FILE = "learning_curves.png"
 SUMMARY_FILE = "rl_summary.json"
 HF_DIR = "hf_model"
@@ -978,6 +993,12 @@ class RLTrainer:
                 resume_step=step if resume_from is not None else None,
                 total_steps=self.total_steps,
             )
+
+            console = tracker.backends.get("console")
+            if console is not None:
+                # One readable line per step; every metric still goes to the other loggers.
+                console.keys = CONSOLE_METRICS
+                console.prefixes = ("val/",)
 
             def record(metrics: dict[str, float], at: int) -> None:
                 history.append({"step": at, **tracker.log(metrics, at)})

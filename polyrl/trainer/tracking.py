@@ -145,11 +145,19 @@ class ConsoleTracker(TrackerBackend):
     def __init__(self, run: RunInfo, total_steps: int | None = None) -> None:
         super().__init__(run)
         self.total_steps = total_steps
+        #: When set, only these keys (and those under the ``prefixes``) are printed, in this
+        #: order; the other backends still record everything.
+        self.keys: tuple[str, ...] | None = None
+        self.prefixes: tuple[str, ...] = ()
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        """Print ``format_metrics(metrics, step)``."""
+        """Print ``format_metrics(metrics, step)`` (restricted to :attr:`keys` when set)."""
         from tqdm import tqdm
 
+        if self.keys is not None:
+            shown = {k: metrics[k] for k in self.keys if k in metrics}
+            shown.update({k: v for k, v in metrics.items() if k.startswith(self.prefixes)})
+            metrics = shown
         tqdm.write(format_metrics(metrics, step, self.total_steps), file=sys.stdout)
         sys.stdout.flush()
 
