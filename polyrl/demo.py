@@ -1,16 +1,15 @@
-"""The ``make demo`` job: the longest end-to-end path polyrl has today, on CPU, in about a minute.
+"""The ``make demo`` job: SFT warm-up, then GRPO, of a tiny model on CPU, in a few minutes.
 
-1. Build a tiny random-init model and its locally trained tokenizer; generate the task as
-   train/test parquet files.
-2. Serve the model with the native rollout engine (a real HTTP server subprocess), sample
-   ``rollout.n`` answers per test prompt token-in/token-out and score them with the reward
-   manager (its sandboxed process pool): the accuracy of the untrained model.
-3. Warm the model up with the SFT trainer (FSDP2 model engine, loss on answer tokens only).
-4. Push the trained weights into the running server (``/update_weights``: the version goes
-   up), sample and score again, and print a before/after summary. The learning curves are
-   written as a PNG.
-
-When the RL trainer lands this job becomes RL training.
+1. Generate the arithmetic task (train / held-out test splits) and build a tiny random-init
+   model with its locally trained tokenizer; nothing is downloaded.
+2. Warm the model up with the SFT trainer (a few dozen steps: it learns the answer format and
+   some of the sums).
+3. Train it with GRPO (:mod:`polyrl.trainer.rl`): a native rollout server samples
+   ``rollout.n`` answers per prompt, the reward manager scores them, the actor engine updates and
+   pushes its weights back to the server every step.
+4. Evaluate the SFT and the RL checkpoints on the held-out split through one rollout server
+   (greedy accuracy and mean@k / pass@k of sampled answers), print a table, and print as the last
+   line ``{"name": "demo", "seconds", "sft_accuracy", "rl_accuracy", "plot"}``.
 
 Run ``python -m polyrl.demo [PRESET] [key=value ...]``; the preset defaults to ``demo``.
 """
@@ -49,45 +48,57 @@ async def _update_weights(url: str, path: str) -> int:
 
 
 def evaluate(
-    url: str, dataset: Any, tokenizer: Any, cfg: PolyRLConfig, manager: Any, label: str
+    url: str,
+    dataset: Any,
+    tokenizer: Any,
+    cfg: PolyRLConfig,
+    manager: Any,
+    n: int = 1,
+    temperature: float = 0.0,
 ) -> dict[str, float]:
-    """Sample ``rollout.n`` answers per test prompt from the server and score them."""
+    """Accuracy of the served model on every prompt of ``dataset``: mean@n and pass@n."""
     from polyrl.batch import Batch
 
-    num_prompts = min(len(dataset), cfg.data.val_batch_size)
-    items = [dataset[i] for i in range(num_prompts)]
-    n = cfg.rollout.n
+    items = [dataset[i] for i in range(len(dataset))]
     params = {
         "n": n,
-        "temperature": cfg.rollout.temperature,
-        "top_p": cfg.rollout.top_p,
-        "top_k": cfg.rollout.top_k,
+        "temperature": temperature,
         "max_new_tokens": min(cfg.rollout.max_new_tokens, cfg.data.max_response_length),
         "seed": cfg.seed_for("rollout"),
     }
     responses, version = asyncio.run(
         _sample(url, [item["input_ids"].tolist() for item in items], params)
     )
-    texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in responses]
-    ground_truth = [items[i // n]["reward_model"]["ground_truth"] for i in range(len(texts))]
+    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
     batch = Batch(
         non_tensors={
             "data_source": [items[i // n]["data_source"] for i in range(len(texts))],
-            "ground_truth": ground_truth,
+            "ground_truth": [
+                items[i // n]["reward_model"]["ground_truth"] for i in range(len(texts))
+            ],
             "extra_info": [items[i // n].get("extra_info", {}) for i in range(len(texts))],
             "response_text": texts,
         }
     )
-    scores = manager.score(batch).scores.view(num_prompts, n)
-    print(f"[demo] {label}: weight version {version}; a few samples (ground truth | response):")
-    for i in range(0, min(len(texts), 4 * n), n):
-        print(f"    {str(ground_truth[i]):>10} | {texts[i]!r}")
+    correct = (manager.score(batch).scores >= 1.0).float().view(len(items), n)
     return {
-        "score_mean": float(scores.mean()),
-        "pass_at_n": float((scores.max(dim=1).values > 0).float().mean()),
-        "response_length_mean": sum(len(r) for r in responses) / len(responses),
+        "mean": float(correct.mean()),
+        "pass": float((correct.max(dim=1).values > 0).float().mean()),
         "weight_version": version,
+        "examples": [(items[i]["raw_prompt"], texts[i * n]) for i in range(min(4, len(items)))],
     }
+
+
+def _table(rows: list[tuple[str, dict[str, Any], dict[str, Any]]], k: int) -> str:
+    lines = [
+        f"{'checkpoint':<12} {'greedy acc':>10} {f'mean@{k}':>8} {f'pass@{k}':>8}",
+        "-" * 41,
+    ]
+    for name, greedy, sampled in rows:
+        lines.append(
+            f"{name:<12} {greedy['mean']:>10.3f} {sampled['mean']:>8.3f} {sampled['pass']:>8.3f}"
+        )
+    return "\n".join(lines)
 
 
 def run(cfg: PolyRLConfig) -> dict[str, Any]:
@@ -98,67 +109,100 @@ def run(cfg: PolyRLConfig) -> dict[str, Any]:
     from polyrl.models.tiny import build_tiny_model
     from polyrl.reward.manager import RewardManager
     from polyrl.rollout.launcher import ServerProcess
+    from polyrl.trainer.rl import run_rl
     from polyrl.trainer.sft import run_sft
 
     start = time.perf_counter()
     out_dir = Path(cfg.trainer.output_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = Path(cfg.model.path) if cfg.model.path else build_tiny_model(
-        cfg.model.tiny_arch, out_dir / "model", size=cfg.model.tiny_size, seed=cfg.seed
+    model_dir = (
+        Path(cfg.model.path)
+        if cfg.model.path
+        else build_tiny_model(
+            cfg.model.tiny_arch, out_dir / "model", size=cfg.model.tiny_size, seed=cfg.seed
+        )
     )
     data_dir = Path(cfg.data.data_dir) if cfg.data.data_dir else out_dir / "data"
     train_path, test_path = write_task_splits(
-        cfg.data.task, data_dir, cfg.data.num_train, cfg.data.num_val, seed=cfg.seed_for("data")
+        cfg.data.task,
+        data_dir,
+        cfg.data.num_train,
+        cfg.data.num_val,
+        seed=cfg.seed_for("data"),
+        **cfg.data.task_options,
     )
+    files = dataclasses.replace(
+        cfg.data, task="", train_files=[str(train_path)], val_files=[str(test_path)]
+    )
+
+    print(f"[demo] 1/3 SFT warm-up: {cfg.sft.total_steps} steps on {train_path}", flush=True)
+    sft_cfg = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, path=str(model_dir)),
+        data=files,
+        trainer=dataclasses.replace(
+            cfg.trainer, output_dir=str(out_dir / "sft"), save_freq=0, loggers=["jsonl"]
+        ),
+        sft=dataclasses.replace(cfg.sft, export_hf=True),
+    )
+    sft_summary = run_sft(sft_cfg)
+    sft_dir = str(sft_summary["hf_model"])
+
+    print(f"[demo] 2/3 GRPO: {cfg.trainer.total_steps} steps from the SFT checkpoint", flush=True)
+    rl_cfg = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, path=sft_dir),
+        data=files,
+        trainer=dataclasses.replace(cfg.trainer, output_dir=str(out_dir / "rl"), export_hf=True),
+    )
+    rl_summary = run_rl(rl_cfg)
+    rl_dir = str(rl_summary["hf_model"])
+
+    print("[demo] 3/3 evaluating both checkpoints on the held-out split", flush=True)
     tokenizer = load_tokenizer(model_dir)
     dataset = RLDataset(
         [str(test_path)], tokenizer, cfg.data.max_prompt_length, truncation=cfg.data.truncation
     )
-    # The SFT phase reads the same files and starts from the same initial weights.
-    sft_cfg = dataclasses.replace(
-        cfg,
-        model=dataclasses.replace(cfg.model, path=str(model_dir)),
-        data=dataclasses.replace(
-            cfg.data, task="", train_files=[str(train_path)], val_files=[str(test_path)]
-        ),
-    )
-
-    manager = RewardManager(
-        custom_function=cfg.reward.custom_function or None,
-        num_workers=cfg.reward.num_workers,
-        timeout_s=cfg.reward.timeout_s,
-        error_reward=cfg.reward.error_reward,
-    )
-    server = ServerProcess(model_dir, backend="native", options={"dtype": cfg.model.dtype})
+    k = max(cfg.rollout.n, 2)
+    manager = RewardManager(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+    server = ServerProcess(sft_dir, backend="native", options={"dtype": cfg.model.dtype})
+    rows = []
     with manager, server:
-        print(f"[demo] rollout server {server.url} serving {model_dir}")
-        before = evaluate(server.url, dataset, tokenizer, cfg, manager, "before training")
-        sft_summary = run_sft(sft_cfg)
-        version = asyncio.run(_update_weights(server.url, str(sft_summary["hf_model"])))
-        print(f"[demo] pushed the trained weights to the server: version {version}")
-        after = evaluate(server.url, dataset, tokenizer, cfg, manager, "after training")
-
+        for name, path in (("sft", None), ("sft+grpo", rl_dir)):
+            if path is not None:
+                asyncio.run(_update_weights(str(server.url), path))
+            greedy = evaluate(str(server.url), dataset, tokenizer, cfg, manager)
+            sampled = evaluate(
+                str(server.url), dataset, tokenizer, cfg, manager, n=k, temperature=1.0
+            )
+            rows.append((name, greedy, sampled))
+    print(f"[demo] held-out accuracy ({len(dataset)} {cfg.data.task} prompts):")
+    print(_table(rows, k))
+    print("[demo] a few greedy answers after RL (prompt -> answer):")
+    for prompt, answer in rows[1][1]["examples"]:
+        text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+        print(f"    {text!r} -> {answer!r}")
+    seconds = round(time.perf_counter() - start, 1)
+    plot = rl_summary.get("plot")
     summary = {
-        "task": cfg.data.task,
-        "prompts": min(len(dataset), cfg.data.val_batch_size),
-        "samples_per_prompt": cfg.rollout.n,
-        "before": before,
-        "after": after,
-        "sft_steps": sft_summary.get("steps"),
-        "val_loss_first": sft_summary.get("first_val_loss"),
-        "val_loss_last": sft_summary.get("last_val_loss"),
-        "plot": str(sft_summary.get("plot")),
-        "elapsed_s": round(time.perf_counter() - start, 2),
+        "name": "demo",
+        "seconds": seconds,
+        "sft_accuracy": round(rows[0][1]["mean"], 4),
+        "rl_accuracy": round(rows[1][1]["mean"], 4),
+        "plot": plot,
     }
-    print(
-        f"[demo] summary: task={summary['task']} "
-        f"score {before['score_mean']:.3f} -> {after['score_mean']:.3f}, "
-        f"pass@{cfg.rollout.n} {before['pass_at_n']:.3f} -> {after['pass_at_n']:.3f}, "
-        f"val loss {summary['val_loss_first']:.3f} -> {summary['val_loss_last']:.3f}, "
-        f"weight version {before['weight_version']} -> {after['weight_version']}, "
-        f"{summary['elapsed_s']:.1f} s; curves in {summary['plot']}"
-    )
-    (out_dir / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    detail = {
+        **summary,
+        "sft_mean_at_k": rows[0][2]["mean"],
+        "rl_mean_at_k": rows[1][2]["mean"],
+        "k": k,
+        "sft_steps": sft_summary.get("steps"),
+        "rl_steps": rl_summary.get("steps"),
+        "sft_plot": sft_summary.get("plot"),
+    }
+    (out_dir / "demo_summary.json").write_text(json.dumps(detail, indent=2) + "\n")
+    print(f"[demo] learning curves: {plot}")
+    print(json.dumps(summary))
     return summary
 
 
