@@ -258,7 +258,13 @@ def test_ppo_with_critic_on_ray_separate_placement(tmp_path, ray_session):
             "actor.lr=0.001",
         ),
     )
+    free_before = ray_session.available_resources().get("CPU", 0.0)
     RLTrainer(cfg).fit()
+    # The trainer gives its placement-group reservations back when it closes.
+    deadline = time.monotonic() + 30
+    while ray_session.available_resources().get("CPU", 0.0) < free_before - 1e-6:
+        assert time.monotonic() < deadline, ray_session.available_resources()
+        time.sleep(0.5)
     records = [r for r in _records(tmp_path / "ppo") if "critic/score/mean" in r]
     assert len(records) == 3
     for r in records:

@@ -194,22 +194,6 @@ def _timer(timing: dict[str, float], name: str) -> Iterator[None]:
         )
 
 
-def _ray_options(cfg: PolyRLConfig) -> dict[str, Any]:
-    opts: dict[str, Any] = {
-        "namespace": cfg.ray.namespace,
-        "include_dashboard": False,
-        "configure_logging": False,
-    }
-    if cfg.ray.address:
-        opts["address"] = cfg.ray.address
-    else:
-        if cfg.ray.num_cpus:
-            opts["num_cpus"] = cfg.ray.num_cpus
-        if cfg.ray.num_gpus >= 0:
-            opts["num_gpus"] = cfg.ray.num_gpus
-    return opts
-
-
 def _check_config(cfg: PolyRLConfig) -> None:
     algo, actor = cfg.algorithm, cfg.actor
     if not cfg.data.task and not cfg.data.train_files:
@@ -498,7 +482,9 @@ class RLTrainer:
             import ray
 
             if not ray.is_initialized():
-                ray.init(**_ray_options(cfg))
+                from polyrl.trainer.sft import ray_init_options
+
+                ray.init(**ray_init_options(cfg))
                 self._closers.append(ray.shutdown)
         specs = self._engine_specs()
         layouts = (
@@ -1098,6 +1084,10 @@ class RLTrainer:
             with contextlib.suppress(Exception):
                 if group.is_alive:
                     group.shutdown()
+            if group.backend == "ray":
+                # The trainer made these pools: give their reservations back to the cluster.
+                with contextlib.suppress(Exception):
+                    group.pool.release()
         self._groups.clear()
         if self._client is not None and self._loop is not None:
             with contextlib.suppress(Exception):

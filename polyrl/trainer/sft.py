@@ -43,6 +43,7 @@ __all__ = [
     "DEFAULT_PLOT_METRICS",
     "SFTRunner",
     "load_sft_datasets",
+    "ray_init_options",
     "resolve_model_dir",
     "run_sft",
 ]
@@ -244,6 +245,8 @@ class SFTRunner:
                     self._group.close_model()
             finally:
                 self._group.shutdown()
+                if self._group.backend == "ray":
+                    self._group.pool.release()  # the runner made this pool
                 self._group = None
         if self._started_ray:
             import ray
@@ -252,7 +255,8 @@ class SFTRunner:
             self._started_ray = False
 
 
-def _ray_options(cfg: PolyRLConfig) -> dict[str, Any]:
+def ray_init_options(cfg: PolyRLConfig) -> dict[str, Any]:
+    """``ray.init`` keyword arguments for ``cfg.ray`` (join ``address`` or start a local Ray)."""
     opts: dict[str, Any] = {
         "namespace": cfg.ray.namespace,
         "include_dashboard": False,
@@ -371,7 +375,7 @@ def run_sft(cfg: PolyRLConfig) -> dict[str, Any]:
         world_size=trainer.world_size,
         worker_backend=trainer.worker_backend,
         use_gpu=use_gpu,
-        ray_options=_ray_options(cfg),
+        ray_options=ray_init_options(cfg),
     )
     pad_id = int(tokenizer.pad_token_id)
     validate = val_ds is not None and trainer.test_freq > 0
