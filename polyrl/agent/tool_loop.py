@@ -14,6 +14,7 @@ tool message for the model, and are counted in ``tool_errors``.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import dataclasses
 import difflib
@@ -58,12 +59,12 @@ class ParsedToolCall:
     error: str | None = None
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
     """Extracts tool calls from the decoded text of one model turn (subclass and register)."""
 
+    @abc.abstractmethod
     def parse(self, text: str) -> list[ParsedToolCall]:
         """Return the calls in ``text`` in order (malformed ones with ``error`` set)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement parse()")
 
 
 _PARSERS: dict[str, type[ToolParser]] = {}
