@@ -485,34 +485,17 @@ def collate_trajectories(trajectories: Sequence[Trajectory], pad_token_id: int) 
             t.validate()
         except ValueError as exc:
             raise ValueError(f"trajectory {i}: {exc}") from exc
-    rows = len(trajectories)
-    width_p = max(len(t.prompt_ids) for t in trajectories)
-    width_r = max(1, max(len(t.response_ids) for t in trajectories))
-    ids = torch.full((rows, width_p + width_r), int(pad_token_id), dtype=torch.long)
-    attn = torch.zeros((rows, width_p + width_r), dtype=torch.long)
-    loss = torch.zeros((rows, width_p + width_r), dtype=torch.float32)
-    old = torch.zeros((rows, width_p + width_r), dtype=torch.float32)
-    for i, t in enumerate(trajectories):
-        p, r = t.prompt_ids, t.response_ids
-        ids[i, width_p - len(p) : width_p] = torch.as_tensor(p, dtype=torch.long)
-        attn[i, width_p - len(p) : width_p + len(r)] = 1
-        if r:
-            ids[i, width_p : width_p + len(r)] = torch.as_tensor(r, dtype=torch.long)
-            loss[i, width_p : width_p + len(r)] = torch.as_tensor(
-                t.response_mask, dtype=torch.float32
-            )
-            old[i, width_p : width_p + len(r)] = torch.as_tensor(
-                t.rollout_log_probs, dtype=torch.float32
-            )
-    tensors = {
-        "input_ids": ids,
-        "attention_mask": attn,
-        "position_ids": (attn.cumsum(1) - 1).clamp(min=0),
-        "loss_mask": loss,
-        "rollout_log_probs": old,
-        "prompt_length": torch.as_tensor([len(t.prompt_ids) for t in trajectories]),
-        "response_length": torch.as_tensor([len(t.response_ids) for t in trajectories]),
-    }
+    # The trainer's packer, so both paths share one layout; the response mask marks model tokens.
+    from polyrl.trainer.rl import build_rollout_batch
+
+    packed = build_rollout_batch(
+        [t.prompt_ids for t in trajectories],
+        [t.response_ids for t in trajectories],
+        pad_token_id,
+        rollout_log_probs=[t.rollout_log_probs for t in trajectories],
+        response_masks=[t.response_mask for t in trajectories],
+    )
+    tensors = dict(packed.tensors.items())
 
     def col(values: list[Any]) -> np.ndarray:
         out = np.empty(len(values), dtype=object)

@@ -101,11 +101,13 @@ def build_rollout_batch(
     responses: Sequence[Sequence[int]],
     pad_token_id: int,
     rollout_log_probs: Sequence[Sequence[float] | None] | None = None,
+    response_masks: Sequence[Sequence[int]] | None = None,
 ) -> Batch:
     """Pack prompt/response pairs into one engine batch (prompts left-, responses right-padded).
 
     Tensors ``(B, P + R)``: ``input_ids``, ``attention_mask``, ``position_ids`` and the float
-    ``loss_mask`` (1 on response tokens); ``prompt_length`` and ``response_length`` ``(B,)``;
+    ``loss_mask`` (1 on response tokens, or each response's ``response_masks`` entry, e.g. 0 on
+    tool tokens of a multi-turn trajectory); ``prompt_length`` and ``response_length`` ``(B,)``;
     ``rollout_log_probs`` (the server's per-token log-probs, aligned like the engine's) when given.
     """
     if len(prompts) != len(responses):
@@ -126,7 +128,11 @@ def build_rollout_batch(
         attn[i, width_p - len(p) : width_p + len(r)] = 1
         if r:
             ids[i, width_p : width_p + len(r)] = torch.as_tensor(list(r), dtype=torch.long)
-            loss[i, width_p : width_p + len(r)] = 1.0
+            if response_masks is None:
+                loss[i, width_p : width_p + len(r)] = 1.0
+            else:
+                mask = torch.as_tensor(list(response_masks[i]), dtype=torch.float32)
+                loss[i, width_p : width_p + len(r)] = mask
             lp = rollout_log_probs[i] if rollout_log_probs is not None else None
             if lp is not None:
                 old[i, width_p : width_p + len(r)] = torch.as_tensor(list(lp), dtype=torch.float32)
@@ -194,9 +200,9 @@ def _timer(timing: dict[str, float], name: str) -> Iterator[None]:
         )
 
 
-def _check_config(cfg: PolyRLConfig) -> None:
+def _check_config(cfg: PolyRLConfig, has_rows: bool = False) -> None:
     algo, actor = cfg.algorithm, cfg.actor
-    if not cfg.data.task and not cfg.data.train_files:
+    if not has_rows and not cfg.data.task and not cfg.data.train_files:
         raise ConfigError(
             "no training data: set data.task (a generated task) or data.train_files",
             key="data.train_files",
@@ -259,14 +265,13 @@ class RLTrainer:
         val_rows: Sequence[Mapping[str, Any]] | None = None,
         model_dir: str | Path | None = None,
     ) -> None:
-        _check_config_with_rows(cfg, train_rows is not None)
+        _check_config(cfg, has_rows=train_rows is not None)
         self.cfg = cfg
         self.reward_fn = reward_fn
         self._train_rows = train_rows
         self._val_rows = val_rows
         self._model_dir = Path(model_dir) if model_dir is not None else None
         self.out_dir = Path(cfg.trainer.output_dir)
-        self.step_count = 0
         self._closers: list[Callable[[], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._client: Any = None
@@ -1005,7 +1010,6 @@ class RLTrainer:
             with bar:
                 while step < self.total_steps:
                     step += 1
-                    self.step_count = step
                     metrics = self.step(step)
                     if validate and (step % trainer.test_freq == 0 or step == self.total_steps):
                         tick = time.perf_counter()
@@ -1100,12 +1104,6 @@ class RLTrainer:
             closer = self._closers.pop()
             with contextlib.suppress(Exception):
                 closer()
-
-
-def _check_config_with_rows(cfg: PolyRLConfig, has_rows: bool) -> None:
-    if has_rows:
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, task="arithmetic"))
-    _check_config(cfg)
 
 
 def run_rl(cfg: PolyRLConfig, **kwargs: Any) -> dict[str, Any]:
