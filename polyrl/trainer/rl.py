@@ -1030,10 +1030,7 @@ class RLTrainer:
             if tracker is not None:
                 tracker.finish()
             self.close()
-        summary = self._summary(tracker, history, step, resume_from, last_ckpt, started)
-        summary["hf_model"] = hf_dir
-        (self.out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-        return summary
+        return self._summary(tracker, history, step, resume_from, last_ckpt, hf_dir, started)
 
     def _summary(
         self,
@@ -1042,6 +1039,7 @@ class RLTrainer:
         step: int,
         resume_from: str | None,
         last_ckpt: str | None,
+        hf_dir: str | None,
         started: float,
     ) -> dict[str, Any]:
         from polyrl.trainer.plotting import plot_learning_curves
@@ -1070,6 +1068,7 @@ class RLTrainer:
             "first_score": scores[0] if scores else None,
             "last_score": scores[-1] if scores else None,
             "checkpoint": last_ckpt,
+            "hf_model": hf_dir,
             "metrics": str(metrics_file),
             "plot": str(plot) if plot else None,
             "elapsed_s": round(time.perf_counter() - started, 2),
