@@ -49,3 +49,28 @@ def tiny_qwen2_seed1_dir(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tiny")
     return build_tiny_model("qwen2", root / "qwen2-nano-seed1", size="nano", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_tokenizer(tiny_qwen2_dir):
+    """The tokenizer of ``tiny_qwen2_dir``."""
+    from polyrl.models.loader import load_tokenizer
+
+    return load_tokenizer(tiny_qwen2_dir)
+
+
+@pytest.fixture(scope="session")
+def agent_server(tiny_qwen2_dir):
+    """One small native rollout server on the tiny qwen2 model, shared by the agent tests."""
+    from polyrl.rollout.launcher import ServerProcess
+
+    options = {
+        "num_threads": 1,
+        "max_num_seqs": 16,
+        "max_num_batched_tokens": 256,
+        "kv_cache_tokens": 8192,
+        "max_model_len": 2048,
+    }
+    proc = ServerProcess(tiny_qwen2_dir, options=options).start(timeout=180)
+    yield proc
+    assert proc.stop() == 0, proc.log_tail()

@@ -22,33 +22,22 @@ from polyrl.agent import (
     run_agent_loops,
 )
 from polyrl.agent.tool_loop import HermesToolParser, ParsedToolCall
-from polyrl.models.loader import load_tokenizer
 from polyrl.rollout.client import GenerateResult, RolloutClient
-from polyrl.rollout.launcher import ServerProcess
 from polyrl.trainer.rl import build_rollout_batch
 
-OPTIONS = {
-    "num_threads": 1,
-    "max_num_seqs": 16,
-    "max_num_batched_tokens": 256,
-    "kv_cache_tokens": 8192,
-    "max_model_len": 2048,
-}
 # A third of the vocabulary ends a turn: the random tiny model then writes short turns that end
 # with finish_reason "stop" (as a trained model ending on eos would), so loops go on.
 STOP_IDS = list(range(20, 1024, 3))
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen2_dir):
-    proc = ServerProcess(tiny_qwen2_dir, options=OPTIONS).start(timeout=180)
-    yield proc
-    assert proc.stop() == 0, proc.log_tail()
+def server(agent_server):
+    return agent_server
 
 
 @pytest.fixture(scope="module")
-def tok(tiny_qwen2_dir):
-    return load_tokenizer(tiny_qwen2_dir)
+def tok(tiny_qwen2_tokenizer):
+    return tiny_qwen2_tokenizer
 
 
 class RecordingClient:

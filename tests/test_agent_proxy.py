@@ -14,16 +14,7 @@ import pytest
 
 from polyrl.agent.proxy import RecordingProxy
 from polyrl.agent.tools import safe_calculate
-from polyrl.models.loader import load_tokenizer
-from polyrl.rollout.launcher import ServerProcess
 
-OPTIONS = {
-    "num_threads": 1,
-    "max_num_seqs": 16,
-    "max_num_batched_tokens": 256,
-    "kv_cache_tokens": 8192,
-    "max_model_len": 2048,
-}
 TOOLS = [
     {
         "type": "function",
@@ -37,15 +28,13 @@ TOOLS = [
 
 
 @pytest.fixture(scope="module")
-def server(tiny_qwen2_dir):
-    proc = ServerProcess(tiny_qwen2_dir, options=OPTIONS).start(timeout=180)
-    yield proc
-    assert proc.stop() == 0, proc.log_tail()
+def server(agent_server):
+    return agent_server
 
 
 @pytest.fixture(scope="module")
-def tok(tiny_qwen2_dir):
-    return load_tokenizer(tiny_qwen2_dir)
+def tok(tiny_qwen2_tokenizer):
+    return tiny_qwen2_tokenizer
 
 
 @pytest.fixture(scope="module")
