@@ -33,6 +33,7 @@ from polyrl.config.schema import (
     RolloutConfig,
     SFTConfig,
     TrainerConfig,
+    TransferConfig,
     option,
     option_help,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "RolloutConfig",
     "SFTConfig",
     "TrainerConfig",
+    "TransferConfig",
     "apply_overrides",
     "available_presets",
     "describe",

@@ -41,6 +41,7 @@ __all__ = [
     "RolloutConfig",
     "SFTConfig",
     "TrainerConfig",
+    "TransferConfig",
     "check_value",
     "option",
     "option_help",
@@ -679,6 +680,23 @@ class AgentConfig(ConfigGroup):
 
 
 @dataclasses.dataclass
+class TransferConfig(ConfigGroup):
+    """The sample store between services (polyrl.transfer): the driver passes references only."""
+
+    enable: bool = option(False, "Move step data through the transfer queue, not the driver.")
+    backend: str = option(
+        "auto",
+        "Queue backend: auto (follows trainer.worker_backend), ray or local.",
+        choices=("auto", "ray", "local"),
+    )
+    num_storage_units: int = option(2, "Storage actors the samples are sharded over.", ge=1)
+    num_rollout_workers: int = option(
+        2, "Workers that call the rollout servers and put responses into the queue.", ge=1
+    )
+    timeout_s: float = option(600.0, "Seconds a consumer waits for its samples.", gt=0.0)
+
+
+@dataclasses.dataclass
 class RayConfig(ConfigGroup):
     """Where and how to start or join Ray."""
 
@@ -708,6 +726,7 @@ class PolyRLConfig(ConfigGroup):
     actor: ActorConfig = option(ActorConfig, "RL policy optimisation (polyrl train).")
     critic: CriticConfig = option(CriticConfig, "RL value model (polyrl train, gae).")
     agent: AgentConfig = option(AgentConfig, "Multi-turn agent-loop rollouts (polyrl train).")
+    transfer: TransferConfig = option(TransferConfig, "Data transfer system (polyrl train).")
 
     def seed_for(self, group: str) -> int:
         """Effective seed of a group that has a ``seed`` option (``-1`` falls back to ``seed``)."""

@@ -47,6 +47,14 @@ import torch
 
 from polyrl.batch import Batch
 from polyrl.config import ConfigError, PolyRLConfig, save_config, to_dict
+from polyrl.trainer.rl_rollout import (
+    RolloutProducer,
+    batch_metrics,
+    build_rollout_batch,
+    compute_advantages,
+    derive_seed,
+    place_on_last_token,
+)
 
 __all__ = [
     "DEFAULT_PLOT_METRICS",
@@ -85,7 +93,6 @@ SUMMARY_FILE = "rl_summary.json"
 HF_DIR = "hf_model"
 ACTOR_LOSS = "polyrl.trainer.rl_losses:actor_loss"
 CRITIC_LOSS = "polyrl.trainer.rl_losses:critic_loss"
-_SEED_MOD = 2**63
 
 
 def _log(message: str) -> None:
@@ -93,100 +100,6 @@ def _log(message: str) -> None:
 
     tqdm.write(f"[rl] {message}", file=sys.stdout)
     sys.stdout.flush()
-
-
-# ------------------------------------------------------------------------------ pure helpers
-def build_rollout_batch(
-    prompts: Sequence[Sequence[int]],
-    responses: Sequence[Sequence[int]],
-    pad_token_id: int,
-    rollout_log_probs: Sequence[Sequence[float] | None] | None = None,
-    response_masks: Sequence[Sequence[int]] | None = None,
-) -> Batch:
-    """Pack prompt/response pairs into one engine batch (prompts left-, responses right-padded).
-
-    Tensors ``(B, P + R)``: ``input_ids``, ``attention_mask``, ``position_ids`` and the float
-    ``loss_mask`` (1 on response tokens, or each response's ``response_masks`` entry, e.g. 0 on
-    tool tokens of a multi-turn trajectory); ``prompt_length`` and ``response_length`` ``(B,)``;
-    ``rollout_log_probs`` (the server's per-token log-probs, aligned like the engine's) when given.
-    """
-    if len(prompts) != len(responses):
-        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
-    if not prompts:
-        raise ValueError("build_rollout_batch needs at least one prompt/response pair")
-    width_p = max(len(p) for p in prompts)
-    width_r = max(1, max(len(r) for r in responses))
-    rows = len(prompts)
-    ids = torch.full((rows, width_p + width_r), int(pad_token_id), dtype=torch.long)
-    attn = torch.zeros((rows, width_p + width_r), dtype=torch.long)
-    loss = torch.zeros((rows, width_p + width_r), dtype=torch.float32)
-    old = torch.zeros((rows, width_p + width_r), dtype=torch.float32)
-    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
-        if not p:
-            raise ValueError(f"prompt {i} is empty")
-        ids[i, width_p - len(p) : width_p] = torch.as_tensor(list(p), dtype=torch.long)
-        attn[i, width_p - len(p) : width_p + len(r)] = 1
-        if r:
-            ids[i, width_p : width_p + len(r)] = torch.as_tensor(list(r), dtype=torch.long)
-            if response_masks is None:
-                loss[i, width_p : width_p + len(r)] = 1.0
-            else:
-                mask = torch.as_tensor(list(response_masks[i]), dtype=torch.float32)
-                loss[i, width_p : width_p + len(r)] = mask
-            lp = rollout_log_probs[i] if rollout_log_probs is not None else None
-            if lp is not None:
-                old[i, width_p : width_p + len(r)] = torch.as_tensor(list(lp), dtype=torch.float32)
-    tensors = {
-        "input_ids": ids,
-        "attention_mask": attn,
-        "position_ids": (attn.cumsum(1) - 1).clamp(min=0),
-        "loss_mask": loss,
-        "prompt_length": torch.as_tensor([len(p) for p in prompts], dtype=torch.long),
-        "response_length": torch.as_tensor([len(r) for r in responses], dtype=torch.long),
-    }
-    if rollout_log_probs is not None:
-        tensors["rollout_log_probs"] = old
-    return Batch(tensors=tensors)
-
-
-def place_on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``(B, T)`` zeros with each row's score on its last masked token (rows without one: 0)."""
-    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
-    last = torch.where(mask != 0, positions, torch.full_like(positions, -1)).max(dim=1).values
-    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    rows = torch.nonzero(last >= 0).flatten()
-    out[rows, last[rows]] = scores[rows].float()
-    return out
-
-
-def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
-    if values.numel() == 0:
-        return {}
-    v = values.float()
-    return {
-        f"{prefix}/mean": float(v.mean()),
-        f"{prefix}/max": float(v.max()),
-        f"{prefix}/min": float(v.min()),
-    }
-
-
-def _masked_stats(prefix: str, values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    return _stats(prefix, values[mask != 0])
-
-
-def _accuracy(scores: torch.Tensor, extras: Mapping[str, np.ndarray]) -> torch.Tensor:
-    """Per-sample correctness: the scorer's ``acc`` extra when it reports one, else score >= 1."""
-    acc = extras.get("acc")
-    if acc is not None and not np.isnan(acc.astype(float)).any():
-        return torch.as_tensor(acc.astype(float), dtype=torch.float32)
-    return (scores >= 1.0 - 1e-6).float()
-
-
-def _seed(base: int, *parts: int) -> int:
-    value = base
-    for part in parts:
-        value = (value * 1_000_003 + part + 1) % _SEED_MOD
-    return value
 
 
 @contextlib.contextmanager
@@ -228,6 +141,12 @@ def _check_config(cfg: PolyRLConfig, has_rows: bool = False) -> None:
             f"{batch} prompts x {cfg.rollout.n} responses over {world} ranks leave fewer rows per "
             f"rank than the {minis} mini-batches; raise data.train_batch_size",
             key="actor.ppo_mini_batch_size",
+        )
+    if cfg.transfer.enable and (batch * cfg.rollout.n) % world:
+        raise ConfigError(
+            f"with transfer.enable the {batch} prompts x {cfg.rollout.n} responses must split "
+            f"evenly over the {world} ranks (each rank fetches its own rows, unpadded)",
+            key="data.train_batch_size",
         )
     # A multi-turn trajectory may fill data.max_response_length; one turn, rollout.max_new_tokens.
     response = cfg.data.max_response_length if cfg.agent.enable else cfg.rollout.max_new_tokens
@@ -344,6 +263,8 @@ class RLTrainer:
         self._closers.append(self.rewards.close)
         self._start_rollout()
         self._start_engines()
+        if cfg.transfer.enable:
+            self._start_transfer()
 
     def _datasets(self) -> tuple[Any, Any]:
         from polyrl.data.dataset import RLDataset
@@ -407,6 +328,9 @@ class RLTrainer:
         self._client = RolloutClient(urls, max_concurrency=512)
         self._run(self._client.start())
         self._run(self._client.wait_ready(timeout=300.0))
+        self.producer = RolloutProducer(
+            cfg, self._client, self.tokenizer, self.pad_id, self.rewards, self._run
+        )
         _log(f"rollout: {len(urls)} {cfg.rollout.backend} replica(s) at {', '.join(urls)}")
 
     def _engine_specs(self) -> dict[str, Any]:
@@ -416,6 +340,11 @@ class RLTrainer:
         from polyrl.weights.workers import WeightSyncWorker
 
         cfg, actor, critic = self.cfg, self.cfg.actor, self.cfg.critic
+        if cfg.transfer.enable:
+            # The same workers plus the methods that read their rows from the transfer queue.
+            from polyrl.trainer.rl_transfer import StoreActorWorker, StoreEngineWorker
+
+            WeightSyncWorker, EngineWorker = StoreActorWorker, StoreEngineWorker  # noqa: N806
         model = ModelSpec(
             path=str(self.model_dir),
             dtype=cfg.model.dtype,
@@ -522,151 +451,68 @@ class RLTrainer:
             f"({backend}); old log-probs {'computed' if self.need_old_log_probs else 'skipped'}"
         )
 
-    # ------------------------------------------------------------------ phases
-    def _sampling_params(self, n: int, temperature: float, seed: int) -> dict[str, Any]:
-        ro = self.cfg.rollout
-        greedy = temperature == 0.0
-        return {
-            "n": n,
-            "temperature": temperature,
-            "top_p": 1.0 if greedy else ro.top_p,
-            "top_k": -1 if greedy else ro.top_k,
-            "min_p": 0.0 if greedy else ro.min_p,
-            "repetition_penalty": ro.repetition_penalty,
-            "max_new_tokens": min(ro.max_new_tokens, self.cfg.data.max_response_length),
-            "seed": seed,
-            "logprobs": True,
-            **({"stop_token_ids": list(ro.stop_token_ids)} if ro.stop_token_ids else {}),
-        }
+    def _start_transfer(self) -> None:
+        """Start the transfer queue and the rollout workers that feed it."""
+        from polyrl.trainer.rl_transfer import StoreRolloutWorker
+        from polyrl.transfer import make_transfer_queue
 
-    def generate(
-        self, items: Sequence[Mapping[str, Any]], n: int, temperature: float, seed: int
-    ) -> tuple[Batch, dict[str, float]]:
-        """Sample ``n`` responses per item and return the engine batch (prompt-major rows).
+        cfg = self.cfg
+        backend = cfg.transfer.backend
+        if backend == "auto":
+            backend = "ray" if cfg.trainer.worker_backend == "ray" else "local"
+        options = {"num_storage_units": cfg.transfer.num_storage_units} if backend == "ray" else {}
+        self.queue = make_transfer_queue(backend, **options)
+        self._closers.append(self.queue.close)
+        args = (cfg, self.rollout_urls, str(self.model_dir), self.train_ds, self.queue)
+        count = cfg.transfer.num_rollout_workers
+        if backend == "ray":
+            import ray
 
-        Non-tensor columns: ``uid`` (the prompt's group), ``data_source``, ``ground_truth``,
-        ``extra_info``, ``response_text``, ``finish_reason``.
-        """
-        from polyrl.data.dataset import ground_truth_of
-
-        if self.cfg.agent.enable:
-            batch, metrics = self._generate_with_agents(items, n, temperature, seed)
+            # The workers mostly wait on HTTP: they take no CPU reservation from the engines.
+            remote = ray.remote(StoreRolloutWorker).options(num_cpus=0)
+            self._store_workers = [remote.remote(*args, self.reward_fn) for _ in range(count)]
         else:
-            batch, metrics = self._generate_single_turn(items, n, temperature, seed)
+            self._store_workers = [StoreRolloutWorker(*args, self.reward_fn) for _ in range(count)]
+        self._store_backend = backend
+        for worker in self._store_workers:
+            self._closers.append(lambda w=worker: self._on_store(w, "close"))
+        _log(f"transfer: {backend} queue, {count} rollout worker(s)")
 
-        def per_row(values: Sequence[Any]) -> np.ndarray:
-            out = np.empty(len(values) * n, dtype=object)
-            for i, value in enumerate(values):
-                for j in range(n):
-                    out[i * n + j] = value
-            return out
+    def _on_store(self, worker: Any, method: str, *args: Any) -> Any:
+        if self._store_backend == "ray":
+            import ray
 
-        batch.non_tensors.update(
-            {
-                "uid": per_row([str(item["uid"]) for item in items]),
-                "data_source": per_row([item["data_source"] for item in items]),
-                "ground_truth": per_row([ground_truth_of(item) for item in items]),
-                "extra_info": per_row([item.get("extra_info") or {} for item in items]),
-            }
-        )
-        return batch, metrics
+            return ray.get(getattr(worker, method).remote(*args))
+        return getattr(worker, method)(*args)
 
-    def _generate_single_turn(
-        self, items: Sequence[Mapping[str, Any]], n: int, temperature: float, seed: int
-    ) -> tuple[Batch, dict[str, float]]:
-        prompts = [item["input_ids"].tolist() for item in items]
+    def _on_stores(self, method: str, calls: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Call ``method`` on rollout worker ``i`` with ``calls[i]``, all at once."""
+        workers = self._store_workers[: len(calls)]
+        if self._store_backend == "ray":
+            import ray
 
-        async def run() -> list[Any]:
+            return ray.get(
+                [getattr(w, method).remote(*a) for w, a in zip(workers, calls, strict=True)]
+            )
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(calls)) as pool:
             return list(
-                await asyncio.gather(
-                    *(
-                        self._client.generate(
-                            p, self._sampling_params(n, temperature, _seed(seed, i))
-                        )
-                        for i, p in enumerate(prompts)
-                    )
+                pool.map(
+                    lambda wa: getattr(wa[0], method)(*wa[1]), zip(workers, calls, strict=True)
                 )
             )
 
-        results = self._run(run())
-        rows_p, rows_r, rows_lp, rows_finish, versions = [], [], [], [], set()
-        for prompt, result in zip(prompts, results, strict=True):
-            for out in result.outputs:
-                rows_p.append(prompt)
-                rows_r.append(list(out.output_ids))
-                rows_lp.append(out.logprobs)
-                rows_finish.append(out.finish_reason)
-                versions.add(int(out.weight_version))
-        have_lp = all(lp is not None for lp in rows_lp)
-        batch = build_rollout_batch(rows_p, rows_r, self.pad_id, rows_lp if have_lp else None)
-        texts = self.tokenizer.batch_decode(rows_r, skip_special_tokens=True)
-        batch.non_tensors["response_text"] = np.array(texts, dtype=object)
-        batch.non_tensors["finish_reason"] = np.array(rows_finish, dtype=object)
-        return batch, {"rollout/weight_version": float(max(versions))}
-
-    def _generate_with_agents(
+    # ------------------------------------------------------------------ phases
+    def generate(
         self, items: Sequence[Mapping[str, Any]], n: int, temperature: float, seed: int
     ) -> tuple[Batch, dict[str, float]]:
-        """Roll every item out ``n`` times through its agent loop (multi-turn, tools, envs)."""
-        from polyrl.agent.base import collate_trajectories, run_agent_loops
-
-        agent = self.cfg.agent
-        params = self._sampling_params(1, temperature, 0)
-        params.pop("seed")
-        common = {
-            "sampling_params": params,
-            "max_response_length": self.cfg.data.max_response_length,
-            "max_turns": agent.max_turns,
-        }
-        loop_kwargs = {
-            "single_turn": common,
-            "env": common,
-            "tool": {
-                **common,
-                "tools": list(agent.tools),
-                "parser": agent.tool_parser,
-                "tool_timeout": agent.tool_timeout_s,
-                "max_tool_response_tokens": agent.max_tool_response_tokens,
-            },
-        }
-        samples = []
-        for i, item in enumerate(items):
-            for j in range(n):
-                # Each copy samples with its own seed; turn k of a copy uses seed + k.
-                samples.append({**item, "seed": _seed(seed, i, j)})
-        trajectories = self._run(
-            run_agent_loops(
-                samples,
-                self._client,
-                self.tokenizer,
-                default_agent=agent.default_loop,
-                loop_kwargs=loop_kwargs,
-                max_concurrency=agent.max_concurrency,
-            )
-        )
-        batch = collate_trajectories(trajectories, self.pad_id)
-        texts = [t.response_text(self.tokenizer) for t in trajectories]
-        batch.non_tensors["response_text"] = np.array(texts, dtype=object)
-        metrics = {k: float(v) for k, v in batch.meta.pop("agent_metrics", {}).items()}
-        versions = [v for t in trajectories for v in t.weight_versions]
-        metrics["rollout/weight_version"] = float(max(versions)) if versions else 0.0
-        return batch, metrics
+        """Sample ``n`` responses per item (see :meth:`RolloutProducer.generate`)."""
+        return self.producer.generate(items, n, temperature, seed)
 
     def score(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """Score every row: ``(scores (B,), accuracy (B,), reward metrics)``."""
-        scoring = Batch(
-            non_tensors={
-                k: batch.non_tensors[k]
-                for k in ("data_source", "ground_truth", "extra_info", "response_text")
-            }
-        )
-        result = self.rewards.score(scoring)
-        scores = result.scores.float()
-        if "reward" in batch.non_tensors:
-            # Environment loops report their own reward; the scorer decides the rest (NaN).
-            own = torch.as_tensor(batch.non_tensors["reward"].astype(float), dtype=torch.float32)
-            scores = torch.where(torch.isnan(own), scores, own)
-        return scores, _accuracy(scores, result.extras), result.metrics
+        return self.producer.score(batch)
 
     def _padded(self, batch: Batch) -> tuple[Batch, int]:
         from polyrl.model.workers import pad_batch_for_dp
@@ -681,42 +527,7 @@ class RLTrainer:
 
     def compute_advantages(self, batch: Batch, baseline: torch.Tensor | None) -> dict[str, float]:
         """Fill ``token_level_rewards``, ``advantages`` and ``returns`` (KL penalty first)."""
-        from polyrl.algo import apply_kl_penalty, get_advantage_estimator
-
-        algo = self.cfg.algorithm
-        mask = batch["loss_mask"]
-        metrics: dict[str, float] = {}
-        rewards = batch["token_level_scores"]
-        if algo.use_kl_in_reward:
-            rewards, kl_metrics = apply_kl_penalty(
-                rewards,
-                batch["old_log_probs"],
-                batch["ref_log_probs"],
-                mask,
-                self.kl_ctrl,
-                algo.kl_penalty,
-            )
-            metrics.update(kl_metrics)
-        kwargs: dict[str, Any] = {}
-        if algo.adv_estimator == "gae":
-            kwargs = {"gamma": algo.gamma, "lam": algo.lam}
-        elif algo.adv_estimator == "grpo":
-            kwargs = {"norm_adv_by_std": algo.norm_adv_by_std}
-        elif algo.adv_estimator == "reinforce_plus_plus":
-            kwargs = {"gamma": algo.gamma}
-        estimator = get_advantage_estimator(algo.adv_estimator)
-        advantages, returns = estimator(
-            rewards,
-            mask,
-            index=list(batch.non_tensors["uid"]),
-            values=batch["values"] if "values" in batch.tensor_keys else None,
-            baseline_rewards=baseline,
-            **kwargs,
-        )
-        batch["token_level_rewards"] = rewards
-        batch["advantages"] = advantages.float()
-        batch["returns"] = returns.float()
-        return metrics
+        return compute_advantages(batch, self.cfg, self.kl_ctrl, baseline)
 
     def _actor_loss_kwargs(self) -> dict[str, Any]:
         actor = self.cfg.actor
@@ -755,6 +566,8 @@ class RLTrainer:
     # ------------------------------------------------------------------ one step
     def step(self, step: int) -> dict[str, float]:
         """Run training step ``step`` (1-based) and return its metrics."""
+        if self.cfg.transfer.enable:
+            return self._step_with_transfer(step)
         cfg, algo = self.cfg, self.cfg.algorithm
         timing: dict[str, float] = {}
         metrics: dict[str, float] = {}
@@ -762,7 +575,7 @@ class RLTrainer:
         with _timer(timing, "step"):
             # 1. generate
             with _timer(timing, "gen"):
-                seed = _seed(cfg.seed_for("rollout"), step)
+                seed = derive_seed(cfg.seed_for("rollout"), step)
                 batch, gen_metrics = self.generate(
                     items, cfg.rollout.n, cfg.rollout.temperature, seed
                 )
@@ -831,6 +644,137 @@ class RLTrainer:
         metrics.update(timing)
         return metrics
 
+    def _step_with_transfer(self, step: int) -> dict[str, float]:
+        """:meth:`step` with the data in the transfer queue: the driver handles references.
+
+        Same phases and numbers as :meth:`step` (see :mod:`polyrl.trainer.rl_transfer`).
+        """
+        from polyrl.trainer.rl_transfer import ROLLOUT_FIELDS, StepLayout, merge_rollout_summaries
+
+        cfg = self.cfg
+        n, queue = cfg.rollout.n, self.queue
+        timing: dict[str, float] = {}
+        metrics: dict[str, float] = {}
+        indices = [int(i) for i in self.sampler.next_batch()]
+        partition = f"step-{step}"
+        with _timer(timing, "step"):
+            # 1-2. rollout workers generate, score and put their share of the prompts
+            with _timer(timing, "gen"):
+                seed = derive_seed(cfg.seed_for("rollout"), step)
+                shares = np.array_split(np.arange(len(indices)), len(self._store_workers))
+                calls = [
+                    (
+                        partition,
+                        [indices[i] for i in share],
+                        int(share[0]),
+                        n,
+                        cfg.rollout.temperature,
+                        seed,
+                    )
+                    for share in shares
+                    if len(share)
+                ]
+                rollout = merge_rollout_summaries(self._on_stores("rollout", calls))
+                meta = queue.get_meta(
+                    list(ROLLOUT_FIELDS),
+                    len(indices) * n,
+                    partition,
+                    consumer="trainer",
+                    timeout=cfg.transfer.timeout_s,
+                )
+            timing["timing_s/reward"] = rollout.pop("time_reward")
+            rollout.pop("time_gen")
+            layout = StepLayout(
+                int(rollout.pop("width_prompt")),
+                int(rollout.pop("width_response")),
+                self.pad_id,
+                bool(rollout.pop("rollout_log_probs")),
+            )
+            rows = int(rollout.pop("rows"))
+            metrics.update(rollout)
+            if cfg.rollout.sleep_during_training:
+                self._run(self._client.sleep())
+            # 3. old log-probs, reference log-probs, values: each rank fetches its own rows
+            fields = ["score", "acc", "uid"] + (
+                ["baseline"] if cfg.algorithm.adv_estimator == "remax" else []
+            )
+            if self.need_old_log_probs:
+                with _timer(timing, "old_log_prob"):
+                    self.actor.infer_to_store(meta, queue, layout, "compute_log_prob")
+                fields.append("old_log_probs")
+            if self.use_ref:
+                with _timer(timing, "ref"):
+                    self.ref.infer_to_store(meta, queue, layout, "compute_ref_log_prob")
+                fields.append("ref_log_probs")
+            if self.use_critic:
+                with _timer(timing, "values"):
+                    self.critic.infer_to_store(meta, queue, layout, "compute_values")
+                fields.append("values")
+            # 4. advantages (in rollout worker 0, on the stored rows)
+            with _timer(timing, "adv"):
+                max_len = min(cfg.rollout.max_new_tokens, cfg.data.max_response_length)
+                data_metrics, self.kl_ctrl = self._on_store(
+                    self._store_workers[0],
+                    "advantages",
+                    meta,
+                    layout,
+                    self.kl_ctrl,
+                    fields,
+                    max_len,
+                )
+            fields += ["token_level_rewards", "advantages", "returns"]
+            # 5. updates: each rank fetches its shard
+            if self.use_critic:
+                with _timer(timing, "update_critic"):
+                    metrics.update(
+                        self.critic.update_from_store(
+                            meta,
+                            queue,
+                            layout,
+                            fields,
+                            "update_critic",
+                            CRITIC_LOSS,
+                            {
+                                "cliprange_value": cfg.critic.cliprange_value,
+                                "loss_agg_mode": cfg.critic.loss_agg_mode,
+                            },
+                            self.num_mini_batches,
+                            cfg.critic.ppo_epochs,
+                        )
+                    )
+            if step > cfg.trainer.critic_warmup:
+                with _timer(timing, "update_actor"):
+                    metrics.update(
+                        self.actor.update_from_store(
+                            meta,
+                            queue,
+                            layout,
+                            fields,
+                            "update_actor",
+                            ACTOR_LOSS,
+                            self._actor_loss_kwargs(),
+                            self.num_mini_batches,
+                            cfg.actor.ppo_epochs,
+                        )
+                    )
+                # 6. weight sync
+                with _timer(timing, "update_weights"):
+                    metrics.update(self.sync_weights(step))
+            elif cfg.rollout.sleep_during_training:
+                self._run(self._client.wake_up())
+            metrics["transfer/storage_bytes"] = float(queue.storage_bytes())
+            metrics["transfer/samples"] = float(rows)
+            queue.clear(partition)
+        metrics.update(data_metrics)
+        tokens = metrics["perf/total_num_tokens"]
+        step_s = timing["timing_s/step"]
+        metrics["perf/throughput"] = tokens / step_s / cfg.trainer.world_size if step_s else 0.0
+        metrics["training/epoch"] = self.sampler.epoch + self.sampler.position / max(
+            self.sampler.batches_per_epoch, 1
+        )
+        metrics.update(timing)
+        return metrics
+
     def _step_metrics(
         self,
         batch: Batch,
@@ -839,30 +783,13 @@ class RLTrainer:
         reward_metrics: Mapping[str, float],
         timing: Mapping[str, float],
     ) -> dict[str, float]:
-        mask = batch["loss_mask"]
-        resp_len = batch["response_length"].float()
         max_len = min(self.cfg.rollout.max_new_tokens, self.cfg.data.max_response_length)
-        out: dict[str, float] = {}
-        out.update(_stats("critic/score", scores))
-        out["critic/acc/mean"] = float(acc.mean())
-        out.update(_stats("critic/rewards", batch["token_level_rewards"].sum(1)))
-        out.update(_masked_stats("critic/advantages", batch["advantages"], mask))
-        out.update(_masked_stats("critic/returns", batch["returns"], mask))
-        if "values" in batch.tensor_keys:
-            out.update(_masked_stats("critic/values", batch["values"], mask))
-        out.update(_stats("response_length", resp_len))
-        out["response_length/clip_ratio"] = float((resp_len >= max_len).float().mean())
-        out.update(_stats("prompt_length", batch["prompt_length"].float()))
-        if "old_log_probs" in batch.tensor_keys and "rollout_log_probs" in batch.tensor_keys:
-            gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
-            out["rollout/log_prob_gap"] = float((gap * mask).sum() / mask.sum().clamp(min=1.0))
+        out = batch_metrics(batch, scores, acc, max_len)
         for key in ("reward/errors", "reward/timeouts"):
             if key in reward_metrics:
                 out[key] = float(reward_metrics[key])
-        tokens = float(batch["attention_mask"].sum())
+        tokens = out["perf/total_num_tokens"]
         step_s = timing.get("timing_s/step", 0.0)
-        out["perf/total_num_tokens"] = tokens
-        out["perf/response_tokens"] = float(resp_len.sum())
         out["perf/throughput"] = tokens / step_s / self.cfg.trainer.world_size if step_s else 0.0
         out["training/epoch"] = self.sampler.epoch + self.sampler.position / max(
             self.sampler.batches_per_epoch, 1
@@ -881,7 +808,10 @@ class RLTrainer:
             stop = min(start + cfg.data.val_batch_size, len(self.val_ds))
             items = [self.val_ds[i] for i in range(start, stop)]
             batch, _ = self.generate(
-                items, k, cfg.rollout.val_temperature, _seed(cfg.seed_for("rollout"), -1, start)
+                items,
+                k,
+                cfg.rollout.val_temperature,
+                derive_seed(cfg.seed_for("rollout"), -1, start),
             )
             s, a, _ = self.score(batch)
             scores.append(s)

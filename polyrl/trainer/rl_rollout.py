@@ -1,0 +1,406 @@
+"""Rollout side of an RL step, shared by the driver and the transfer queue's rollout workers.
+
+:class:`RolloutProducer` samples ``n`` responses per prompt through a rollout client (single
+turn or agent loops) and scores them; :func:`build_rollout_batch` packs prompt/response pairs into
+the engines' layout; :func:`compute_advantages` and :func:`batch_metrics` are the pure parts of
+the advantage phase and of the per-step metrics. The same code runs in the driver
+(``transfer.enable=false``) and in the workers that feed the transfer queue, so both paths give
+the same numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from polyrl.batch import Batch
+from polyrl.config import PolyRLConfig
+
+__all__ = [
+    "RolloutProducer",
+    "accuracy",
+    "batch_metrics",
+    "build_rollout_batch",
+    "compute_advantages",
+    "derive_seed",
+    "masked_stats",
+    "place_on_last_token",
+    "stats",
+]
+
+_SEED_MOD = 2**63
+
+
+def build_rollout_batch(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    pad_token_id: int,
+    rollout_log_probs: Sequence[Sequence[float] | None] | None = None,
+    response_masks: Sequence[Sequence[int]] | None = None,
+    width_prompt: int = 0,
+    width_response: int = 0,
+) -> Batch:
+    """Pack prompt/response pairs into one engine batch (prompts left-, responses right-padded).
+
+    Tensors ``(B, P + R)``: ``input_ids``, ``attention_mask``, ``position_ids`` and the float
+    ``loss_mask`` (1 on response tokens, or each response's ``response_masks`` entry, e.g. 0 on
+    tool tokens of a multi-turn trajectory); ``prompt_length`` and ``response_length`` ``(B,)``;
+    ``rollout_log_probs`` (the server's per-token log-probs, aligned like the engine's) when given.
+    ``width_prompt`` / ``width_response`` widen the two parts beyond the longest prompt and
+    response (the transfer queue's consumers rebuild their shard in the whole step's layout).
+    """
+    if len(prompts) != len(responses):
+        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+    if not prompts:
+        raise ValueError("build_rollout_batch needs at least one prompt/response pair")
+    width_p = max(width_prompt, max(len(p) for p in prompts))
+    width_r = max(1, width_response, max(len(r) for r in responses))
+    rows = len(prompts)
+    ids = torch.full((rows, width_p + width_r), int(pad_token_id), dtype=torch.long)
+    attn = torch.zeros((rows, width_p + width_r), dtype=torch.long)
+    loss = torch.zeros((rows, width_p + width_r), dtype=torch.float32)
+    old = torch.zeros((rows, width_p + width_r), dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        ids[i, width_p - len(p) : width_p] = torch.as_tensor(list(p), dtype=torch.long)
+        attn[i, width_p - len(p) : width_p + len(r)] = 1
+        if r:
+            ids[i, width_p : width_p + len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+            if response_masks is None:
+                loss[i, width_p : width_p + len(r)] = 1.0
+            else:
+                mask = torch.as_tensor(list(response_masks[i]), dtype=torch.float32)
+                loss[i, width_p : width_p + len(r)] = mask
+            lp = rollout_log_probs[i] if rollout_log_probs is not None else None
+            if lp is not None:
+                old[i, width_p : width_p + len(r)] = torch.as_tensor(list(lp), dtype=torch.float32)
+    tensors = {
+        "input_ids": ids,
+        "attention_mask": attn,
+        "position_ids": (attn.cumsum(1) - 1).clamp(min=0),
+        "loss_mask": loss,
+        "prompt_length": torch.as_tensor([len(p) for p in prompts], dtype=torch.long),
+        "response_length": torch.as_tensor([len(r) for r in responses], dtype=torch.long),
+    }
+    if rollout_log_probs is not None:
+        tensors["rollout_log_probs"] = old
+    return Batch(tensors=tensors)
+
+
+def place_on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``(B, T)`` zeros with each row's score on its last masked token (rows without one: 0)."""
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(mask != 0, positions, torch.full_like(positions, -1)).max(dim=1).values
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    rows = torch.nonzero(last >= 0).flatten()
+    out[rows, last[rows]] = scores[rows].float()
+    return out
+
+
+def stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    """``{prefix}/mean``, ``/max`` and ``/min`` of ``values`` (nothing when it is empty)."""
+    if values.numel() == 0:
+        return {}
+    v = values.float()
+    return {
+        f"{prefix}/mean": float(v.mean()),
+        f"{prefix}/max": float(v.max()),
+        f"{prefix}/min": float(v.min()),
+    }
+
+
+def masked_stats(prefix: str, values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """:func:`stats` of the entries of ``values`` where ``mask`` is non-zero."""
+    return stats(prefix, values[mask != 0])
+
+
+def accuracy(scores: torch.Tensor, extras: Mapping[str, np.ndarray]) -> torch.Tensor:
+    """Per-sample correctness: the scorer's ``acc`` extra when it reports one, else score >= 1."""
+    acc = extras.get("acc")
+    if acc is not None and not np.isnan(acc.astype(float)).any():
+        return torch.as_tensor(acc.astype(float), dtype=torch.float32)
+    return (scores >= 1.0 - 1e-6).float()
+
+
+def derive_seed(base: int, *parts: int) -> int:
+    """Derive a seed for ``parts`` (step, prompt index, copy) from ``base``, stable across runs."""
+    value = base
+    for part in parts:
+        value = (value * 1_000_003 + part + 1) % _SEED_MOD
+    return value
+
+
+class RolloutProducer:
+    """Samples and scores responses for RL: the generate and reward phases of a step.
+
+    Args:
+        cfg: the run's configuration (``rollout``, ``data``, ``agent`` groups are read).
+        client: a started :class:`~polyrl.rollout.client.RolloutClient`.
+        tokenizer: the policy's tokenizer (decodes responses for the reward).
+        pad_id: the token id used for padding.
+        rewards: a :class:`~polyrl.reward.RewardManager`.
+        run: runs a coroutine to completion on the client's event loop.
+    """
+
+    def __init__(
+        self,
+        cfg: PolyRLConfig,
+        client: Any,
+        tokenizer: Any,
+        pad_id: int,
+        rewards: Any,
+        run: Any,
+    ) -> None:
+        self.cfg = cfg
+        self.client = client
+        self.tokenizer = tokenizer
+        self.pad_id = int(pad_id)
+        self.rewards = rewards
+        self._run = run
+
+    def sampling_params(self, n: int, temperature: float, seed: int) -> dict[str, Any]:
+        """Build the rollout servers' sampling parameters for ``n`` copies at ``temperature``."""
+        ro = self.cfg.rollout
+        greedy = temperature == 0.0
+        return {
+            "n": n,
+            "temperature": temperature,
+            "top_p": 1.0 if greedy else ro.top_p,
+            "top_k": -1 if greedy else ro.top_k,
+            "min_p": 0.0 if greedy else ro.min_p,
+            "repetition_penalty": ro.repetition_penalty,
+            "max_new_tokens": min(ro.max_new_tokens, self.cfg.data.max_response_length),
+            "seed": seed,
+            "logprobs": True,
+            **({"stop_token_ids": list(ro.stop_token_ids)} if ro.stop_token_ids else {}),
+        }
+
+    def generate(
+        self,
+        items: Sequence[Mapping[str, Any]],
+        n: int,
+        temperature: float,
+        seed: int,
+        first_index: int = 0,
+    ) -> tuple[Batch, dict[str, float]]:
+        """Sample ``n`` responses per item and return the engine batch (prompt-major rows).
+
+        ``first_index`` is the position of ``items[0]`` in the step's prompt list: seeds derive
+        from it, so a worker given a slice of the prompts samples what the driver would.
+        Non-tensor columns: ``uid`` (the prompt's group), ``data_source``, ``ground_truth``,
+        ``extra_info``, ``response_text``, ``finish_reason``.
+        """
+        from polyrl.data.dataset import ground_truth_of
+
+        if self.cfg.agent.enable:
+            batch, metrics = self._generate_with_agents(items, n, temperature, seed, first_index)
+        else:
+            batch, metrics = self._generate_single_turn(items, n, temperature, seed, first_index)
+
+        def per_row(values: Sequence[Any]) -> np.ndarray:
+            out = np.empty(len(values) * n, dtype=object)
+            for i, value in enumerate(values):
+                for j in range(n):
+                    out[i * n + j] = value
+            return out
+
+        batch.non_tensors.update(
+            {
+                "uid": per_row([str(item["uid"]) for item in items]),
+                "data_source": per_row([item["data_source"] for item in items]),
+                "ground_truth": per_row([ground_truth_of(item) for item in items]),
+                "extra_info": per_row([item.get("extra_info") or {} for item in items]),
+            }
+        )
+        return batch, metrics
+
+    def _generate_single_turn(
+        self,
+        items: Sequence[Mapping[str, Any]],
+        n: int,
+        temperature: float,
+        seed: int,
+        first_index: int,
+    ) -> tuple[Batch, dict[str, float]]:
+        prompts = [item["input_ids"].tolist() for item in items]
+
+        async def run() -> list[Any]:
+            return list(
+                await asyncio.gather(
+                    *(
+                        self.client.generate(
+                            p,
+                            self.sampling_params(
+                                n, temperature, derive_seed(seed, first_index + i)
+                            ),
+                        )
+                        for i, p in enumerate(prompts)
+                    )
+                )
+            )
+
+        results = self._run(run())
+        rows_p, rows_r, rows_lp, rows_finish, versions = [], [], [], [], set()
+        for prompt, result in zip(prompts, results, strict=True):
+            for out in result.outputs:
+                rows_p.append(prompt)
+                rows_r.append(list(out.output_ids))
+                rows_lp.append(out.logprobs)
+                rows_finish.append(out.finish_reason)
+                versions.add(int(out.weight_version))
+        have_lp = all(lp is not None for lp in rows_lp)
+        batch = build_rollout_batch(rows_p, rows_r, self.pad_id, rows_lp if have_lp else None)
+        texts = self.tokenizer.batch_decode(rows_r, skip_special_tokens=True)
+        batch.non_tensors["response_text"] = np.array(texts, dtype=object)
+        batch.non_tensors["finish_reason"] = np.array(rows_finish, dtype=object)
+        return batch, {"rollout/weight_version": float(max(versions))}
+
+    def _generate_with_agents(
+        self,
+        items: Sequence[Mapping[str, Any]],
+        n: int,
+        temperature: float,
+        seed: int,
+        first_index: int,
+    ) -> tuple[Batch, dict[str, float]]:
+        """Roll every item out ``n`` times through its agent loop (multi-turn, tools, envs)."""
+        from polyrl.agent.base import collate_trajectories, run_agent_loops
+
+        agent = self.cfg.agent
+        params = self.sampling_params(1, temperature, 0)
+        params.pop("seed")
+        common = {
+            "sampling_params": params,
+            "max_response_length": self.cfg.data.max_response_length,
+            "max_turns": agent.max_turns,
+        }
+        loop_kwargs = {
+            "single_turn": common,
+            "env": common,
+            "tool": {
+                **common,
+                "tools": list(agent.tools),
+                "parser": agent.tool_parser,
+                "tool_timeout": agent.tool_timeout_s,
+                "max_tool_response_tokens": agent.max_tool_response_tokens,
+            },
+        }
+        samples = []
+        for i, item in enumerate(items):
+            for j in range(n):
+                # Each copy samples with its own seed; turn k of a copy uses seed + k.
+                samples.append({**item, "seed": derive_seed(seed, first_index + i, j)})
+        trajectories = self._run(
+            run_agent_loops(
+                samples,
+                self.client,
+                self.tokenizer,
+                default_agent=agent.default_loop,
+                loop_kwargs=loop_kwargs,
+                max_concurrency=agent.max_concurrency,
+            )
+        )
+        batch = collate_trajectories(trajectories, self.pad_id)
+        texts = [t.response_text(self.tokenizer) for t in trajectories]
+        batch.non_tensors["response_text"] = np.array(texts, dtype=object)
+        metrics = {k: float(v) for k, v in batch.meta.pop("agent_metrics", {}).items()}
+        versions = [v for t in trajectories for v in t.weight_versions]
+        metrics["rollout/weight_version"] = float(max(versions)) if versions else 0.0
+        return batch, metrics
+
+    def score(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Score every row: ``(scores (B,), accuracy (B,), reward metrics)``."""
+        scoring = Batch(
+            non_tensors={
+                k: batch.non_tensors[k]
+                for k in ("data_source", "ground_truth", "extra_info", "response_text")
+            }
+        )
+        result = self.rewards.score(scoring)
+        scores = result.scores.float()
+        if "reward" in batch.non_tensors:
+            # Environment loops report their own reward; the scorer decides the rest (NaN).
+            own = torch.as_tensor(batch.non_tensors["reward"].astype(float), dtype=torch.float32)
+            scores = torch.where(torch.isnan(own), scores, own)
+        return scores, accuracy(scores, result.extras), result.metrics
+
+
+def compute_advantages(
+    batch: Batch, cfg: PolyRLConfig, kl_ctrl: Any, baseline: torch.Tensor | None
+) -> dict[str, float]:
+    """Fill ``token_level_rewards``, ``advantages`` and ``returns`` (KL penalty first).
+
+    Reads ``token_level_scores``, ``loss_mask``, the ``uid`` groups and, as the estimator needs,
+    ``values``, ``old_log_probs``/``ref_log_probs`` (KL in the reward, which also updates
+    ``kl_ctrl``) and ``baseline`` (ReMax: the greedy response's score per row).
+    """
+    from polyrl.algo import apply_kl_penalty, get_advantage_estimator
+
+    algo = cfg.algorithm
+    mask = batch["loss_mask"]
+    metrics: dict[str, float] = {}
+    rewards = batch["token_level_scores"]
+    if algo.use_kl_in_reward:
+        rewards, kl_metrics = apply_kl_penalty(
+            rewards,
+            batch["old_log_probs"],
+            batch["ref_log_probs"],
+            mask,
+            kl_ctrl,
+            algo.kl_penalty,
+        )
+        metrics.update(kl_metrics)
+    kwargs: dict[str, Any] = {}
+    if algo.adv_estimator == "gae":
+        kwargs = {"gamma": algo.gamma, "lam": algo.lam}
+    elif algo.adv_estimator == "grpo":
+        kwargs = {"norm_adv_by_std": algo.norm_adv_by_std}
+    elif algo.adv_estimator == "reinforce_plus_plus":
+        kwargs = {"gamma": algo.gamma}
+    estimator = get_advantage_estimator(algo.adv_estimator)
+    advantages, returns = estimator(
+        rewards,
+        mask,
+        index=list(batch.non_tensors["uid"]),
+        values=batch["values"] if "values" in batch.tensor_keys else None,
+        baseline_rewards=baseline,
+        **kwargs,
+    )
+    batch["token_level_rewards"] = rewards
+    batch["advantages"] = advantages.float()
+    batch["returns"] = returns.float()
+    return metrics
+
+
+def batch_metrics(
+    batch: Batch, scores: torch.Tensor, acc: torch.Tensor, max_response_length: int
+) -> dict[str, float]:
+    """Compute the step metrics that depend on the step's data only (verl names).
+
+    Scores, accuracy, rewards, advantages, returns, values, lengths, the rollout/engine
+    log-prob gap and token counts (``perf/total_num_tokens``, ``perf/response_tokens``).
+    """
+    mask = batch["loss_mask"]
+    resp_len = batch["response_length"].float()
+    out: dict[str, float] = {}
+    out.update(stats("critic/score", scores))
+    out["critic/acc/mean"] = float(acc.mean())
+    out.update(stats("critic/rewards", batch["token_level_rewards"].sum(1)))
+    out.update(masked_stats("critic/advantages", batch["advantages"], mask))
+    out.update(masked_stats("critic/returns", batch["returns"], mask))
+    if "values" in batch.tensor_keys:
+        out.update(masked_stats("critic/values", batch["values"], mask))
+    out.update(stats("response_length", resp_len))
+    out["response_length/clip_ratio"] = float((resp_len >= max_response_length).float().mean())
+    out.update(stats("prompt_length", batch["prompt_length"].float()))
+    if "old_log_probs" in batch.tensor_keys and "rollout_log_probs" in batch.tensor_keys:
+        gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
+        out["rollout/log_prob_gap"] = float((gap * mask).sum() / mask.sum().clamp(min=1.0))
+    out["perf/total_num_tokens"] = float(batch["attention_mask"].sum())
+    out["perf/response_tokens"] = float(resp_len.sum())
+    return out
