@@ -329,6 +329,8 @@ def test_three_call_chain_keeps_data_off_the_driver(group):
         # Only the final row sums (n floats) plus small control data came back.
         assert meter.deserialized_bytes >= n * 4
         assert meter.total_bytes < payload * 0.02
+        # The driver sent the batch once (split over the ranks), never the intermediates.
+        assert payload <= meter.sent_bytes < payload * 1.1
     else:
         a = group.add_one(batch)
         out = group.row_sum(group.add_one(a)).get()

@@ -15,8 +15,10 @@ binds it so the driver calls ``group.compute_log_prob(batch)`` as if it were loc
     every :class:`~polyrl.batch.Batch` argument is padded to a multiple of the data-parallel size
     and split into equal contiguous shards; data-parallel rank ``d`` gets shard ``d`` (every rank
     of that data-parallel group gets the same shard). A future of an earlier ``DP_COMPUTE`` call
-    is split the same way without visiting the driver; every other argument (other futures
-    included) is broadcast whole. The results
+    is split the same way without visiting the driver; an argument whose type defines
+    ``__dp_chunks__(self, n)`` (row references such as a transfer-queue ``BatchMeta``) is cut by
+    that method, unpadded, and each rank fetches its own rows; every other argument (other
+    futures included) is broadcast whole. The results
     of the *collect* rank of each data-parallel group are concatenated in order and the padding
     rows dropped, so the caller gets one output row per input row, in the input order.
 ``Dispatch.DP_COMPUTE_METRIC``
@@ -498,6 +500,14 @@ class _DPCompute(DispatchMode):
             handles, info = value._shards_for(ctx, n)
             pad_infos.append(("future", None, info))
             return handles
+        # Row references (e.g. a transfer-queue BatchMeta) cut themselves into n pieces; each
+        # rank fetches its own rows, so nothing is padded and nothing is dropped afterwards.
+        chunks = getattr(type(value), "__dp_chunks__", None)
+        if chunks is not None:
+            if id(value) not in cache:
+                cache[id(value)] = list(chunks(value, n))
+                pad_infos.append(("refs", len(value), (0, None)))
+            return cache[id(value)]
         return None
 
     def dispatch(self, ctx, args, kwargs):  # noqa: D102
@@ -506,7 +516,7 @@ class _DPCompute(DispatchMode):
         cache: dict[int, list[Any]] = {}
         split_args = [self._split(ctx, a, pad_infos, cache) for a in args]
         split_kwargs = {k: self._split(ctx, v, pad_infos, cache) for k, v in kwargs.items()}
-        lengths = {length for kind, length, _ in pad_infos if kind == "batch"}
+        lengths = {length for kind, length, _ in pad_infos if kind in ("batch", "refs")}
         if len(lengths) > 1:
             raise DispatchError(
                 f"{ctx.method}: DP_COMPUTE Batch arguments have different lengths "

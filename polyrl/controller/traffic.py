@@ -17,14 +17,21 @@ calls keep data on the workers. :class:`DriverTrafficMeter` counts two things wh
     so the futures must still be alive at exit (they are, inside the ``with`` block); objects
     freed during the block can make it an under-count, never negative.
 
-``total_bytes`` adds both; an inline object that was also read is counted twice, so for a
-block that keeps its results alive it is a conservative upper bound on what the driver received.
+``sent_bytes``
+    Every value this process serialises for Ray -- task and actor-call arguments, ``ray.put``
+    -- passes through the serialisation context's ``serialize``; the meter adds up each
+    serialised object's ``total_bytes``.
+
+``total_bytes`` adds the two received counts; an inline object that was also read is counted
+twice, so for a block that keeps its results alive it is a conservative upper bound on what the
+driver received.
 (The process's ``rchar`` counter is no use here: gRPC reads sockets with ``recvmsg``, which it
 does not count.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -51,12 +58,13 @@ def _memory_store_bytes(worker: Any) -> int:
 
 
 class DriverTrafficMeter:
-    """Context manager counting bytes the driver receives from Ray (see module docstring)."""
+    """Context manager counting the bytes the driver receives from and sends to Ray."""
 
     def __init__(self) -> None:
         self.deserialized_bytes = 0
         self.objects = 0
         self.inline_bytes = 0
+        self.sent_bytes = 0
         self.fetched_ids: set[str] = set()
         self._lock = threading.Lock()
         self._worker: Any = None
@@ -67,6 +75,11 @@ class DriverTrafficMeter:
     def total_bytes(self) -> int:
         """``deserialized_bytes + inline_bytes``: an upper bound on bytes received."""
         return self.deserialized_bytes + self.inline_bytes
+
+    @property
+    def both_ways_bytes(self) -> int:
+        """``total_bytes + sent_bytes``: what crossed the driver's Ray boundary either way."""
+        return self.total_bytes + self.sent_bytes
 
     def __enter__(self) -> DriverTrafficMeter:
         import ray
@@ -98,12 +111,25 @@ class DriverTrafficMeter:
 
         worker.deserialize_objects = counting
         self._worker = (worker, original)
+        context = worker.get_serialization_context()
+        serialize = context.serialize
+
+        def counting_serialize(value: Any) -> Any:
+            out = serialize(value)
+            with meter._lock:
+                meter.sent_bytes += int(getattr(out, "total_bytes", 0) or 0)
+            return out
+
+        context.serialize = counting_serialize
+        self._context = context
         self._start_store = _memory_store_bytes(worker)
         return self
 
     def __exit__(self, *exc: object) -> None:
         worker, original = self._worker
         self.inline_bytes = max(0, _memory_store_bytes(worker) - self._start_store)
+        with contextlib.suppress(AttributeError):
+            del self._context.serialize  # back to the class's method
         if self._had_attr:
             worker.deserialize_objects = original
         else:

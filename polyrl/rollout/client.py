@@ -175,6 +175,10 @@ class RolloutClient:
         self._slots = asyncio.Semaphore(max_concurrency)
         self._http: httpx.AsyncClient | None = None
         self._health_task: asyncio.Task[None] | None = None
+        #: Request and (non-streamed) response body bytes this client sent and received, so
+        #: a benchmark can count what passes through the process that holds the client.
+        self.bytes_sent = 0
+        self.bytes_received = 0
 
     # ------------------------------------------------------------------------- lifecycle
 
@@ -325,8 +329,10 @@ class RolloutClient:
                     replica.outstanding -= 1
                     raise
                 replica.served += 1
+                self.bytes_sent += len(req.content)
                 if stream:
                     return StreamedResponse(response, replica, self._slots), replica
+                self.bytes_received += len(response.content)
                 replica.outstanding -= 1
                 self._slots.release()
                 return response, replica
