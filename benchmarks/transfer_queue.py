@@ -1,0 +1,209 @@
+"""Benchmark: the transfer queue against plain Ray object passing for one RL step's batch.
+
+Micro part: a producer actor holds a batch shaped like an RL step (``input_ids``,
+``attention_mask``, ``position_ids`` int64 and ``loss_mask``, ``old_log_probs``,
+``ref_log_probs``, ``advantages`` float32, all ``(num_samples, seq_len)``).
+
+* put/get: a consumer actor blocks in ``get_meta`` for all samples of a fresh partition, the
+  producer ``put``s the batch, the consumer ``get_data``s it and touches every column. Timed from
+  the driver's call to the producer until the consumer answers.
+* ray: the producer ``ray.put``s the same batch and the reference is handed to the consumer,
+  which ``ray.get``s it and touches every column; timed the same way.
+
+Rounds alternate between the two (both see the same machine load); figures are medians.
+MB/s = payload bytes (the tensor bytes) / seconds / 1e6.
+
+Run: ``python benchmarks/transfer_queue.py [--samples 512 --seq-len 1024 --rounds 7]``. The last
+stdout line is one JSON object: ``{"name": "transfer_queue", "payload_bytes_per_step": ...,
+"put_get_MBps": ..., "ray_MBps": ..., "ratio": put_get / ray}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+from polyrl.batch import Batch  # noqa: E402
+from polyrl.transfer import TransferQueue, make_transfer_queue  # noqa: E402
+
+FIELDS = (
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "loss_mask",
+    "old_log_probs",
+    "ref_log_probs",
+    "advantages",
+)
+
+
+def build_step_batch(num_samples: int, seq_len: int, seed: int = 0) -> Batch:
+    """A batch shaped like one RL step (right-padded sequences of random length)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(seq_len // 4, seq_len + 1, (num_samples,), generator=gen)
+    mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).to(torch.int64)
+    return Batch(
+        {
+            "input_ids": torch.randint(0, 150_000, (num_samples, seq_len), generator=gen),
+            "attention_mask": mask,
+            "position_ids": (mask.cumsum(1) - 1).clamp(min=0),
+            "loss_mask": mask.to(torch.float32),
+            "old_log_probs": -torch.rand(num_samples, seq_len, generator=gen),
+            "ref_log_probs": -torch.rand(num_samples, seq_len, generator=gen),
+            "advantages": torch.randn(num_samples, seq_len, generator=gen),
+        }
+    )
+
+
+def payload_bytes(batch: Batch) -> int:
+    """Bytes of the tensor columns."""
+    return sum(t.numel() * t.element_size() for t in batch.tensors.values())
+
+
+def _touch(batch: Batch) -> float:
+    # Read one element of every row block of every column so the data is really there.
+    return float(
+        sum(t.reshape(-1)[:: max(1, t.numel() // 64)].float().sum() for t in batch.tensors.values())
+    )
+
+
+@ray.remote(num_cpus=0)
+class Producer:
+    """Holds the step batch; puts it into the queue or into Ray's object store."""
+
+    def __init__(self, num_samples: int, seq_len: int) -> None:
+        self.batch = build_step_batch(num_samples, seq_len)
+
+    def nbytes(self) -> int:
+        return payload_bytes(self.batch)
+
+    def checksum(self) -> float:
+        return _touch(self.batch)
+
+    def put_queue(self, queue: TransferQueue, partition: str) -> int:
+        return len(queue.put(self.batch, partition))
+
+    def put_ray(self) -> list[Any]:
+        return [ray.put(self.batch)]  # wrapped: the consumer gets the reference, not the value
+
+
+@ray.remote(num_cpus=0)
+class Consumer:
+    """Reads a whole step, through the queue or through a Ray reference."""
+
+    def get_queue(self, queue: TransferQueue, partition: str, num_samples: int) -> float:
+        meta = queue.get_meta(list(FIELDS), num_samples, partition, "bench", timeout=120)
+        return _touch(queue.get_data(meta))
+
+    def get_ray(self, wrapped: list[Any]) -> float:
+        return _touch(ray.get(wrapped[0]))
+
+
+_ACTORS: dict[tuple[int, int], tuple[Any, Any]] = {}
+
+
+def _actors(num_samples: int, seq_len: int) -> tuple[Any, Any]:
+    key = (num_samples, seq_len)
+    if key not in _ACTORS:
+        _ACTORS[key] = (Producer.remote(num_samples, seq_len), Consumer.remote())
+    return _ACTORS[key]
+
+
+def _put_get_once(queue: TransferQueue, num_samples: int, seq_len: int, tag: str) -> float:
+    producer, consumer = _actors(num_samples, seq_len)
+    partition = f"bench-{tag}"
+    # The consumer waits in get_meta first, as a trainer's consumer would.
+    done = consumer.get_queue.remote(queue, partition, num_samples)
+    start = time.perf_counter()
+    ray.get(producer.put_queue.remote(queue, partition))
+    value = ray.get(done)
+    # Time the put -> consumer-has-data path; the consumer may have started waiting earlier.
+    elapsed = time.perf_counter() - start
+    queue.clear(partition)
+    if value != ray.get(producer.checksum.remote()):
+        raise RuntimeError("put/get: the consumer read different data than was put")
+    return elapsed
+
+
+def _ray_once(num_samples: int, seq_len: int) -> float:
+    producer, consumer = _actors(num_samples, seq_len)
+    start = time.perf_counter()
+    ref = producer.put_ray.remote()
+    value = ray.get(consumer.get_ray.remote(ref))
+    elapsed = time.perf_counter() - start
+    del ref
+    if value != ray.get(producer.checksum.remote()):
+        raise RuntimeError("ray: the consumer read different data than was put")
+    return elapsed
+
+
+def measure_put_get(queue: TransferQueue, num_samples: int, seq_len: int, rounds: int) -> float:
+    """Median MB/s of producer put -> consumer get_meta + get_data over ``rounds`` rounds."""
+    nbytes = ray.get(_actors(num_samples, seq_len)[0].nbytes.remote())
+    times = [_put_get_once(queue, num_samples, seq_len, f"{time.time_ns()}") for _ in range(rounds)]
+    return nbytes / statistics.median(times) / 1e6
+
+
+def measure_ray(num_samples: int, seq_len: int, rounds: int) -> float:
+    """Median MB/s of producer ray.put -> reference to consumer -> ray.get over ``rounds``."""
+    nbytes = ray.get(_actors(num_samples, seq_len)[0].nbytes.remote())
+    times = [_ray_once(num_samples, seq_len) for _ in range(rounds)]
+    return nbytes / statistics.median(times) / 1e6
+
+
+def run_micro(queue: TransferQueue, num_samples: int, seq_len: int, rounds: int) -> dict[str, Any]:
+    """Alternate put/get and ray rounds (after one warm-up each); return the micro figures."""
+    nbytes = ray.get(_actors(num_samples, seq_len)[0].nbytes.remote())
+    _put_get_once(queue, num_samples, seq_len, "warmup")
+    _ray_once(num_samples, seq_len)
+    put_get, plain = [], []
+    for r in range(rounds):
+        put_get.append(_put_get_once(queue, num_samples, seq_len, f"r{r}"))
+        plain.append(_ray_once(num_samples, seq_len))
+    print("put_get: " + " ".join(f"{t * 1000:.1f}ms" for t in put_get))
+    print("ray:     " + " ".join(f"{t * 1000:.1f}ms" for t in plain))
+    put_get_mbps = nbytes / statistics.median(put_get) / 1e6
+    ray_mbps = nbytes / statistics.median(plain) / 1e6
+    return {
+        "payload_bytes_per_step": nbytes,
+        "put_get_MBps": round(put_get_mbps, 1),
+        "ray_MBps": round(ray_mbps, 1),
+        "ratio": round(put_get_mbps / ray_mbps, 3),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the benchmark; print the result dict as the last stdout line and return it."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=512)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--units", type=int, default=2, help="storage units of the queue")
+    args = parser.parse_args(argv)
+    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False)
+    result: dict[str, Any] = {"name": "transfer_queue"}
+    try:
+        queue = make_transfer_queue("ray", num_storage_units=args.units)
+        try:
+            result.update(run_micro(queue, args.samples, args.seq_len, args.rounds))
+        finally:
+            queue.close()
+    finally:
+        ray.shutdown()
+    # "ratio" is put/get over plain Ray (> 1 = the queue is faster); keep it the last key.
+    result["ratio"] = result.pop("ratio")
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""The one-process transfer queue: same API and semantics as the Ray backend.
+
+For tests and single-process runs. Thread-safe: producers and consumers may be threads of one
+process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from polyrl.batch import Batch
+from polyrl.transfer._core import (
+    ColumnStore,
+    MetadataStore,
+    batch_to_columns,
+    check_batch_size,
+    check_fields,
+    check_partition,
+    check_sample_ids,
+    columns_to_batch,
+    resolve_sampler,
+    row_groups,
+    row_lengths,
+    timeout_error,
+)
+from polyrl.transfer.base import BatchMeta, Sampler, TransferError, TransferQueue
+
+__all__ = ["LocalTransferQueue"]
+
+
+class LocalTransferQueue(TransferQueue):
+    """A transfer queue living in this process (one storage unit, index 0).
+
+    Args:
+        group_key: object (or tensor) column holding each sample's group id.
+        length_key: object column whose per-row ``len`` is the sample length when the put has no
+            ``attention_mask`` tensor column.
+        copy: copy tensor data on put (default) so later in-place changes to the caller's
+            tensors cannot alter what was stored.
+
+    A local queue cannot be shared across processes, so pickling it raises ``TypeError``.
+    """
+
+    def __init__(
+        self, group_key: str = "uid", length_key: str = "response_ids", copy: bool = True
+    ) -> None:
+        self.group_key = group_key
+        self.length_key = length_key
+        self.copy = copy
+        self._meta = MetadataStore()
+        self._store = ColumnStore()
+        # One lock for metadata and storage; the condition wakes blocked get_meta calls on puts.
+        self._cond = threading.Condition(threading.Lock())
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "LocalTransferQueue lives in one process and cannot be pickled; use "
+            "make_transfer_queue('ray') to share a queue between processes or Ray actors"
+        )
+
+    # ------------------------------------------------------------------------------- writes
+    def put(
+        self, batch: Batch, partition: str, sample_ids: Sequence[int] | None = None
+    ) -> BatchMeta:
+        """Store the rows of ``batch`` (see :meth:`TransferQueue.put`)."""
+        check_partition(partition)
+        cols = batch_to_columns(batch)
+        n = len(batch)
+        ids = check_sample_ids(sample_ids, n)
+        if self.copy:
+            cols = {
+                k: (kind, arr.copy() if kind == "o" else np.array(arr, copy=True), dt)
+                for k, (kind, arr, dt) in cols.items()
+            }
+        groups = row_groups(batch, self.group_key)
+        lengths = row_lengths(batch, self.length_key)
+        with self._cond:
+            if ids is None:
+                first = self._meta.allocate(partition, n)
+                ids = list(range(first, first + n))
+            # Data first, then metadata: a consumer never sees a reference to unstored data.
+            self._store.put(partition, ids, cols)
+            meta = self._meta.commit(partition, ids, list(cols), [0] * n, groups, lengths)
+            self._cond.notify_all()
+        return meta
+
+    def clear(self, partition: str) -> None:
+        """Drop the data and metadata of ``partition``."""
+        check_partition(partition)
+        with self._cond:
+            self._meta.clear(partition)
+            self._store.clear(partition)
+
+    # -------------------------------------------------------------------------------- reads
+    def get_meta(
+        self,
+        fields: Sequence[str],
+        batch_size: int | None,
+        partition: str,
+        consumer: str,
+        sampler: str | Sampler = "sequential",
+        block: bool = True,
+        timeout: float | None = None,
+        **sampler_kwargs: Any,
+    ) -> BatchMeta:
+        """Return references to ready samples not yet given to ``consumer`` (see the base class)."""
+        fields = check_fields(fields)
+        batch_size = check_batch_size(batch_size)
+        check_partition(partition)
+        if not isinstance(consumer, str) or not consumer:
+            raise TypeError(f"consumer must be a non-empty str, got {consumer!r}")
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout}")
+        smp = resolve_sampler(sampler, sampler_kwargs)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                meta, n_ready = self._meta.try_take(partition, fields, consumer, batch_size, smp)
+                if meta is not None:
+                    return meta
+                if batch_size is None or not block:
+                    return BatchMeta.empty(partition, fields)
+                wait = None if deadline is None else deadline - time.monotonic()
+                if wait is not None and wait <= 0:
+                    raise timeout_error(
+                        partition,
+                        consumer,
+                        fields,
+                        batch_size,
+                        n_ready,
+                        timeout,
+                        self._meta.has_partition(partition),
+                    )
+                self._cond.wait(wait)
+
+    def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Batch:
+        """Rows of ``meta`` in its order (see :meth:`TransferQueue.get_data`)."""
+        if not isinstance(meta, BatchMeta):
+            raise TypeError(f"get_data: expected a BatchMeta, got {type(meta).__name__}")
+        fields = meta.fields if fields is None else check_fields(fields)
+        n = len(meta)
+        if n == 0:
+            return Batch(batch_size=0)
+        with self._cond:
+            if not self._meta.has_partition(meta.partition):
+                raise TransferError(
+                    f"get_data: unknown partition {meta.partition!r} (never put, or cleared); "
+                    f"known partitions: {sorted(self._meta.partitions())}"
+                )
+            cols = self._store.get(meta.partition, meta.sample_ids, fields)
+        # Results must not alias the store: a consumer may write into what it gets.
+        cols = {k: (kind, arr.copy(), dt) for k, (kind, arr, dt) in cols.items()}
+        return columns_to_batch(n, [(range(n), cols)], fields)
+
+    def status(self, partition: str | None = None) -> dict[str, Any]:
+        """Readiness, consumption and bytes held (see :meth:`TransferQueue.status`)."""
+        with self._cond:
+            parts = self._meta.status(partition)
+            nbytes = self._store.nbytes()
+        return {"partitions": parts, "storage_bytes": nbytes, "units": [nbytes]}
+
+    def storage_bytes(self) -> int:
+        """Bytes of sample data held."""
+        with self._cond:
+            return self._store.nbytes()

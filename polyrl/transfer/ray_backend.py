@@ -1,0 +1,765 @@
+"""The Ray transfer queue: a metadata controller actor, storage unit actors, a picklable client.
+
+* :class:`TransferController` (an asyncio actor) holds only metadata (:class:`MetadataStore`)
+  and serves ``get_meta``: a request that cannot be served yet awaits a condition that every
+  commit notifies, so blocked consumers cost nothing and need no polling.
+* :class:`StorageUnit` actors hold the columns (:class:`ColumnStore`): the numpy arrays a
+  producer sends arrive in Ray's object store and are kept there as they are (zero-copy);
+  ``get`` gathers the requested rows into one array per field, which the reader maps
+  zero-copy from the object store.
+* :class:`RayTransferQueue` is the client: ``put`` sends rows straight to the storage units,
+  and the controller marks the fields produced once they are stored; ``get_data`` fetches
+  straight from the units, in parallel. The client pickles to a few actor handles, so any Ray
+  actor can use it.
+
+Copies: a block of at least ``direct_bytes`` is ``ray.put`` once by the producer; the unit maps
+it zero-copy and keeps the reference. A reader on the unit's node asking for an in-order run of
+one such block gets the reference and maps the producer's object itself, so a put + get costs
+the one copy a plain ``ray.put`` + ``ray.get`` costs. Other reads are gathered by the unit into
+fresh arrays (one more copy). If the producer process dies, its objects go with it; readers
+then fall back to the unit's gathered copy of the rows it still maps.
+
+Sample -> unit placement: new samples go to the units on the client's own Ray node (all units
+when none is local), round-robin in blocks: each put is cut into blocks of ``block_size`` rows
+and each block goes to the client's next unit. Samples created with explicit ids go to unit
+``(sample_id // block_size) % n_candidates`` (so producers adding members of one new sample
+agree). Fields added later to an existing sample go to the unit that already holds it.
+
+Round trips: a put of at most ``block_size`` new samples is one call to one unit, which holds
+the data, asks the controller to allocate and commit the ids (waking blocked consumers) and
+indexes the rows before it serves its next call. Larger puts issue the id allocation, the
+storage calls and the commit together, the later ones taking the earlier ones' ObjectRefs as
+arguments (Ray runs them in dependency order); the producer waits once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import Awaitable, Sequence
+from typing import Any
+
+import numpy as np
+import ray
+from ray.exceptions import ObjectLostError, RayTaskError
+
+from polyrl.batch import Batch
+from polyrl.transfer._core import (
+    Column,
+    ColumnStore,
+    MetadataStore,
+    batch_to_columns,
+    check_batch_size,
+    check_fields,
+    check_partition,
+    check_sample_ids,
+    columns_to_batch,
+    resolve_sampler,
+    row_groups,
+    row_lengths,
+    slice_columns,
+    timeout_error,
+)
+from polyrl.transfer.base import BatchMeta, Sampler, TransferError, TransferQueue
+
+__all__ = ["RayTransferQueue", "StorageUnit", "TransferController", "start_ray_transfer_queue"]
+
+
+class TransferController:
+    """Ray actor (asyncio) holding the metadata of every partition; never sees sample data."""
+
+    def __init__(self) -> None:
+        self._meta = MetadataStore()
+        self._cond: asyncio.Condition | None = None
+
+    def _condition(self) -> asyncio.Condition:
+        # Created on first use so that it binds to the actor's event loop.
+        if self._cond is None:
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    async def ping(self) -> bool:
+        """Return True (readiness probe)."""
+        return True
+
+    async def allocate(self, partition: str, n: int) -> int:
+        """Reserve ``n`` new contiguous sample ids of ``partition``; return the first."""
+        return self._meta.allocate(partition, n)
+
+    async def locate(self, partition: str, sample_ids: Sequence[int]) -> list[int]:
+        """Return the storage unit of each sample (-1 for samples never stored)."""
+        return self._meta.locate(partition, sample_ids)
+
+    async def commit(
+        self,
+        partition: str,
+        sample_ids: Sequence[int] | int,
+        fields: Sequence[str],
+        units: Sequence[int],
+        groups: Sequence[str | None] | None,
+        lengths: Sequence[int] | None,
+        *stored: Any,
+    ) -> BatchMeta:
+        """Mark fields produced and wake blocked consumers.
+
+        Args:
+            partition: the partition.
+            sample_ids: the ids, or the first id of a block of ``len(units)`` allocated ids.
+            fields: the fields stored.
+            units: the storage unit of each sample.
+            groups: group id per sample (None: keep the known ones).
+            lengths: token length per sample (None: keep the known ones).
+            stored: results of the storage units' ``put`` calls; clients pass their ObjectRefs,
+                so Ray runs this only once the data is stored.
+        """
+        if isinstance(sample_ids, int):
+            sample_ids = range(sample_ids, sample_ids + len(units))
+        meta = self._meta.commit(partition, sample_ids, fields, units, groups, lengths)
+        cond = self._condition()
+        async with cond:
+            cond.notify_all()
+        return meta
+
+    async def commit_new(
+        self,
+        partition: str,
+        fields: Sequence[str],
+        units: Sequence[int],
+        groups: Sequence[str | None] | None,
+        lengths: Sequence[int] | None,
+    ) -> BatchMeta:
+        """Allocate ``len(units)`` new ids and mark their fields produced, in one step.
+
+        Called by a storage unit that already holds the data (see ``StorageUnit.put_new``).
+        """
+        first = self._meta.allocate(partition, len(units))
+        return await self.commit(partition, first, fields, units, groups, lengths)
+
+    async def get_meta(
+        self,
+        fields: Sequence[str],
+        batch_size: int | None,
+        partition: str,
+        consumer: str,
+        sampler: str | Sampler,
+        block: bool,
+        timeout: float | None,
+        sampler_kwargs: dict[str, Any],
+    ) -> BatchMeta:
+        """Serve :meth:`TransferQueue.get_meta` (waits on the commit condition when blocking)."""
+        smp = resolve_sampler(sampler, sampler_kwargs)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        cond = self._condition()
+        async with cond:
+            while True:
+                meta, n_ready = self._meta.try_take(partition, fields, consumer, batch_size, smp)
+                if meta is not None:
+                    return meta
+                if batch_size is None or not block:
+                    return BatchMeta.empty(partition, fields)
+                remaining = None if deadline is None else deadline - loop.time()
+                try:
+                    if remaining is not None and remaining <= 0:
+                        raise TimeoutError
+                    await asyncio.wait_for(cond.wait(), remaining)
+                except TimeoutError:
+                    raise timeout_error(
+                        partition,
+                        consumer,
+                        fields,
+                        batch_size,
+                        n_ready,
+                        timeout,
+                        self._meta.has_partition(partition),
+                    ) from None
+
+    async def has_partition(self, partition: str) -> bool:
+        """Whether ``partition`` has metadata."""
+        return self._meta.has_partition(partition)
+
+    async def clear(self, partition: str) -> None:
+        """Forget the metadata of ``partition``."""
+        self._meta.clear(partition)
+
+    async def status(self, partition: str | None = None) -> dict[str, dict[str, Any]]:
+        """Per-partition readiness and consumption counts."""
+        return self._meta.status(partition)
+
+
+class StorageUnit:
+    """Ray actor holding column chunks of samples; one call at a time."""
+
+    def __init__(self, index: int, controller: Any = None) -> None:
+        self.index = index
+        self._controller = controller
+        self._store = ColumnStore()
+        self._node = ray.get_runtime_context().get_node_id()
+
+    def node_id(self) -> str:
+        """Return the Ray node id this unit runs on."""
+        return ray.get_runtime_context().get_node_id()
+
+    def put(
+        self, partition: str, sample_ids: Sequence[int] | int, cols: dict[str, Column] | list[Any]
+    ) -> int:
+        """Store rows (kept as received: zero-copy views of the object store); return bytes held.
+
+        Args:
+            partition: the partition.
+            sample_ids: one id per row, or the first of consecutive ids: clients pass the
+                controller's allocation as an ObjectRef, so allocation and data travel together.
+            cols: the columns, or ``[ref]`` to columns the producer ``ray.put``: the unit maps
+                them zero-copy and keeps the reference, so readers of whole runs of that put
+                get the producer's object itself instead of a copy.
+        """
+        source = None
+        if isinstance(cols, list):
+            source = cols[0]
+            cols = ray.get(source)
+        if isinstance(sample_ids, int):
+            n = len(next(iter(cols.values()))[1]) if cols else 0
+            sample_ids = range(sample_ids, sample_ids + n)
+        self._store.put(partition, sample_ids, cols, source=source)
+        return self._store.nbytes()
+
+    def put_new(
+        self,
+        partition: str,
+        n: int,
+        fields: Sequence[str],
+        cols: dict[str, Column] | list[Any],
+        groups: Sequence[str | None] | None,
+        lengths: Sequence[int] | None,
+    ) -> BatchMeta:
+        """Store a put of ``n`` new samples; have the controller allocate and commit their ids.
+
+        The unit holds the data (or the reference to the producer's sealed object) before it
+        asks for the commit, and indexes the rows under the ids before it serves any other
+        call (an actor runs one call at a time), so a consumer woken by the commit finds them.
+        Saves the producer a round trip; mapping the object overlaps with the commit.
+        """
+        if self._controller is None:
+            raise TransferError(f"storage unit {self.index} was started without its controller")
+        ref = self._controller.commit_new.remote(
+            partition, list(fields), [self.index] * n, groups, lengths
+        )
+        source = None
+        if isinstance(cols, list):
+            source = cols[0]
+            cols, meta = ray.get([source, ref])
+        else:
+            meta = ray.get(ref)
+        self._store.put(partition, meta.sample_ids, cols, source=source)
+        return meta
+
+    def put_offset(
+        self, partition: str, first: int, offset: int, cols: dict[str, Column] | list[Any]
+    ) -> int:
+        """Store rows as samples ``first + offset``, ``first + offset + 1``, ... (see put)."""
+        return self.put(partition, first + offset, cols)
+
+    def get(
+        self,
+        partition: str,
+        sample_ids: Sequence[int],
+        fields: Sequence[str],
+        reader_node: str | None = None,
+    ) -> tuple[Any, ...]:
+        """Return the rows of ``sample_ids``.
+
+        ``("ref", [ref], start, stop)`` when the reader runs on this unit's node and the rows
+        are one in-order run of one producer object (the reader maps it zero-copy and slices);
+        otherwise ``("cols", columns)`` with the rows gathered into one column per field.
+        """
+        if reader_node is not None and reader_node == self._node:
+            hit = self._store.find_source(partition, sample_ids, fields)
+            if hit is not None:
+                return ("ref", [hit[0]], hit[1], hit[2])
+        return ("cols", self._store.get(partition, sample_ids, fields))
+
+    def clear(self, partition: str) -> int:
+        """Drop ``partition``; return bytes still held."""
+        self._store.clear(partition)
+        return self._store.nbytes()
+
+    def nbytes(self) -> int:
+        """Return the bytes of sample data held."""
+        return self._store.nbytes()
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """Return the user-facing error inside a Ray task error (keeps our messages clean)."""
+    if isinstance(exc, RayTaskError):
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, TransferError | ValueError | TypeError):
+            return cause
+    return exc
+
+
+def _ray_get(refs: Any) -> Any:
+    try:
+        return ray.get(refs)
+    except RayTaskError as exc:
+        raise _unwrap(exc) from None
+
+
+async def _await(aw: Awaitable[Any]) -> Any:
+    try:
+        return await aw
+    except RayTaskError as exc:
+        raise _unwrap(exc) from None
+
+
+def _rows_index(pos: list[int]) -> slice | np.ndarray:
+    """Return a slice when ``pos`` is one increasing run (keeps views), else an index array."""
+    if pos and pos == list(range(pos[0], pos[0] + len(pos))):
+        return slice(pos[0], pos[0] + len(pos))
+    return np.asarray(pos, dtype=np.int64)
+
+
+class RayTransferQueue(TransferQueue):
+    """Client of a Ray transfer queue; picklable (a few actor handles), usable in any actor.
+
+    Build one with :func:`start_ray_transfer_queue` (starts the actors) or
+    :meth:`RayTransferQueue.connect` (attaches to actors started elsewhere, by name).
+
+    Args:
+        controller: the :class:`TransferController` actor handle.
+        units: the :class:`StorageUnit` actor handles (index = unit id).
+        unit_nodes: the Ray node id of each unit.
+        name: the queue's name (prefix of its actor names).
+        group_key: column holding each sample's group id.
+        length_key: object column whose per-row ``len`` is the sample length when the put has
+            no ``attention_mask`` tensor column.
+        block_size: rows of a put placed together on one unit.
+        direct_bytes: blocks with at least this many tensor bytes are ``ray.put`` by the
+            producer and the unit keeps the reference, so that a reader on the unit's node of a
+            whole in-order run of the block maps the producer's object without another copy
+            (smaller blocks travel inline in the call to the unit).
+    """
+
+    def __init__(
+        self,
+        controller: Any,
+        units: Sequence[Any],
+        unit_nodes: Sequence[str],
+        name: str,
+        group_key: str = "uid",
+        length_key: str = "response_ids",
+        block_size: int = 1024,
+        direct_bytes: int = 1 << 20,
+    ) -> None:
+        if not units:
+            raise ValueError("RayTransferQueue needs at least one storage unit")
+        if len(unit_nodes) != len(units):
+            raise ValueError(f"got {len(unit_nodes)} unit node ids for {len(units)} units")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        self.controller = controller
+        self.units = list(units)
+        self.unit_nodes = list(unit_nodes)
+        self.name = name
+        self.group_key = group_key
+        self.length_key = length_key
+        self.block_size = block_size
+        self.direct_bytes = direct_bytes
+        self._owns_actors = False
+        self._candidates: list[int] | None = None
+        self._rr = os.getpid()  # spreads the first blocks of clients in different processes
+        self._node_id: str | None = None
+
+    # ------------------------------------------------------------------------------ pickling
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_owns_actors"] = False  # only the client that started the actors may kill them
+        state["_candidates"] = None  # the receiver may run on another node
+        state["_node_id"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._rr = os.getpid()
+
+    @classmethod
+    def connect(cls, name: str, **kwargs: Any) -> RayTransferQueue:
+        """Attach to the actors of the queue ``name`` (see :func:`start_ray_transfer_queue`)."""
+        try:
+            controller = ray.get_actor(f"{name}:controller")
+        except ValueError:
+            raise TransferError(f"no transfer queue named {name!r} in this Ray namespace") from None
+        units = []
+        while True:
+            try:
+                units.append(ray.get_actor(f"{name}:unit{len(units)}"))
+            except ValueError:
+                break
+        nodes = ray.get([u.node_id.remote() for u in units])
+        return cls(controller, units, nodes, name, **kwargs)
+
+    # ------------------------------------------------------------------------------ placement
+    def _candidate_units(self) -> list[int]:
+        if self._candidates is None:
+            here = ray.get_runtime_context().get_node_id()
+            local = [i for i, node in enumerate(self.unit_nodes) if node == here]
+            self._candidates = local or list(range(len(self.units)))
+        return self._candidates
+
+    def _unit_for_new(self, sample_id: int) -> int:
+        cands = self._candidate_units()
+        return cands[(sample_id // self.block_size) % len(cands)]
+
+    def _next_block_unit(self) -> int:
+        cands = self._candidate_units()
+        self._rr += 1
+        return cands[self._rr % len(cands)]
+
+    def _submit_put(
+        self, batch: Batch, partition: str, sample_ids: Sequence[int] | None, known: Any
+    ) -> Any:
+        """Issue the storage and commit calls without waiting; return the commit's ObjectRef.
+
+        New samples: the controller's id allocation (an ObjectRef) is handed to the storage
+        units and the commit directly, so the producer waits for one reply only.
+        """
+        n = len(batch)
+        cols = batch_to_columns(batch)
+        groups = row_groups(batch, self.group_key)
+        lengths = row_lengths(batch, self.length_key)
+        stored = []
+        if sample_ids is None and 0 < n <= self.block_size:
+            # One block: the unit stores it and commits it itself (one wait for the producer).
+            u = self._next_block_unit()
+            payload = self._payload(cols)
+            return self.units[u].put_new.remote(partition, n, list(cols), payload, groups, lengths)
+        if sample_ids is None:
+            first = self.controller.allocate.remote(partition, n)
+            # Round-robin in blocks: each block of ``block_size`` rows goes to the next unit.
+            units: list[int] = []
+            for start in range(0, n, self.block_size):
+                stop = min(n, start + self.block_size)
+                u = self._next_block_unit()
+                units.extend([u] * (stop - start))
+                part = slice_columns(cols, slice(start, stop))
+                # ids of the block = first + start + row; the unit adds ``start`` to ``first``.
+                stored.append(self._put_block(u, partition, first, start, part))
+            ids_arg: Any = first
+        else:
+            ids = list(sample_ids)
+            units = [
+                self._unit_for_new(sid) if known[i] < 0 else known[i] for i, sid in enumerate(ids)
+            ]
+            rows_by_unit: dict[int, list[int]] = {}
+            for row, u in enumerate(units):
+                rows_by_unit.setdefault(u, []).append(row)
+            for u, rows in rows_by_unit.items():
+                part = self._payload(slice_columns(cols, _rows_index(rows)))
+                stored.append(self.units[u].put.remote(partition, [ids[r] for r in rows], part))
+            ids_arg = ids
+        # Data first, then metadata: Ray runs the commit only after every ``stored`` call
+        # succeeded, so a consumer never gets a reference to unstored data.
+        return self.controller.commit.remote(
+            partition, ids_arg, list(cols), units, groups, lengths, *stored
+        )
+
+    def _payload(self, part: dict[str, Column]) -> dict[str, Column] | list[Any]:
+        # Large blocks go into the object store once, by the producer, and the unit keeps the
+        # reference: a reader of the whole block then maps this very object (no second copy).
+        nbytes = sum(arr.nbytes for kind, arr, _ in part.values() if kind == "t")
+        if nbytes >= self.direct_bytes:
+            return [ray.put(part)]
+        return part
+
+    def _put_block(self, u: int, partition: str, first: Any, start: int, part: Any) -> Any:
+        payload = self._payload(part)
+        if start == 0:
+            return self.units[u].put.remote(partition, first, payload)
+        return self.units[u].put_offset.remote(partition, first, start, payload)
+
+    # ------------------------------------------------------------------------------- writes
+    def _check_put(
+        self, batch: Batch, partition: str, sample_ids: Sequence[int] | None
+    ) -> list[int] | None:
+        check_partition(partition)
+        if not isinstance(batch, Batch):
+            raise TypeError(f"put: expected a polyrl Batch, got {type(batch).__name__}")
+        return check_sample_ids(sample_ids, len(batch))
+
+    def put(
+        self, batch: Batch, partition: str, sample_ids: Sequence[int] | None = None
+    ) -> BatchMeta:
+        """Store the rows of ``batch`` (see :meth:`TransferQueue.put`)."""
+        ids = self._check_put(batch, partition, sample_ids)
+        known = None if ids is None else _ray_get(self.controller.locate.remote(partition, ids))
+        return _ray_get(self._submit_put(batch, partition, ids, known))
+
+    async def async_put(
+        self, batch: Batch, partition: str, sample_ids: Sequence[int] | None = None
+    ) -> BatchMeta:
+        """Async :meth:`put`."""
+        ids = self._check_put(batch, partition, sample_ids)
+        known = None
+        if ids is not None:
+            known = await _await(self.controller.locate.remote(partition, ids))
+        return await _await(self._submit_put(batch, partition, ids, known))
+
+    def clear(self, partition: str) -> None:
+        """Drop the metadata, then the data, of ``partition`` on every unit."""
+        check_partition(partition)
+        _ray_get(self.controller.clear.remote(partition))
+        _ray_get([u.clear.remote(partition) for u in self.units])
+
+    async def async_clear(self, partition: str) -> None:
+        """Async :meth:`clear`."""
+        check_partition(partition)
+        await _await(self.controller.clear.remote(partition))
+        await _await(asyncio.gather(*[u.clear.remote(partition) for u in self.units]))
+
+    # -------------------------------------------------------------------------------- reads
+    def _meta_args(
+        self,
+        fields: Sequence[str],
+        batch_size: int | None,
+        partition: str,
+        consumer: str,
+        sampler: str | Sampler,
+        timeout: float | None,
+        sampler_kwargs: dict[str, Any],
+    ) -> tuple[tuple[str, ...], int | None]:
+        fields = check_fields(fields)
+        batch_size = check_batch_size(batch_size)
+        check_partition(partition)
+        if not isinstance(consumer, str) or not consumer:
+            raise TypeError(f"consumer must be a non-empty str, got {consumer!r}")
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout}")
+        # Build the sampler here too, so bad names/arguments fail in the caller, not the actor.
+        resolve_sampler(sampler, sampler_kwargs)
+        return fields, batch_size
+
+    def get_meta(
+        self,
+        fields: Sequence[str],
+        batch_size: int | None,
+        partition: str,
+        consumer: str,
+        sampler: str | Sampler = "sequential",
+        block: bool = True,
+        timeout: float | None = None,
+        **sampler_kwargs: Any,
+    ) -> BatchMeta:
+        """Return references to ready samples not yet given to ``consumer`` (see base class)."""
+        fields, batch_size = self._meta_args(
+            fields, batch_size, partition, consumer, sampler, timeout, sampler_kwargs
+        )
+        ref = self.controller.get_meta.remote(
+            fields, batch_size, partition, consumer, sampler, block, timeout, sampler_kwargs
+        )
+        return _ray_get(ref)
+
+    async def async_get_meta(
+        self,
+        fields: Sequence[str],
+        batch_size: int | None,
+        partition: str,
+        consumer: str,
+        sampler: str | Sampler = "sequential",
+        block: bool = True,
+        timeout: float | None = None,
+        **sampler_kwargs: Any,
+    ) -> BatchMeta:
+        """Async :meth:`get_meta` (awaits the controller; the event loop keeps running)."""
+        fields, batch_size = self._meta_args(
+            fields, batch_size, partition, consumer, sampler, timeout, sampler_kwargs
+        )
+        ref = self.controller.get_meta.remote(
+            fields, batch_size, partition, consumer, sampler, block, timeout, sampler_kwargs
+        )
+        return await _await(ref)
+
+    def _data_calls(
+        self, meta: BatchMeta, fields: Sequence[str] | None
+    ) -> tuple[tuple[str, ...], list[list[int]], list[Any]]:
+        if not isinstance(meta, BatchMeta):
+            raise TypeError(f"get_data: expected a BatchMeta, got {type(meta).__name__}")
+        fields = meta.fields if fields is None else check_fields(fields)
+        pos_by_unit: dict[int, list[int]] = {}
+        for p, u in enumerate(meta.units):
+            if not 0 <= u < len(self.units):
+                raise TransferError(
+                    f"get_data: sample {meta.sample_ids[p]} names storage unit {u}; this queue "
+                    f"has units 0..{len(self.units) - 1}"
+                )
+            pos_by_unit.setdefault(u, []).append(p)
+        positions, refs = [], []
+        for u, pos in pos_by_unit.items():
+            ids = [meta.sample_ids[p] for p in pos]
+            positions.append(pos)
+            refs.append(self.units[u].get.remote(meta.partition, ids, fields, self._node()))
+        return fields, positions, refs
+
+    def _node(self) -> str:
+        if self._node_id is None:
+            self._node_id = ray.get_runtime_context().get_node_id()
+        return self._node_id
+
+    @staticmethod
+    def _source_refs(results: list[tuple[Any, ...]]) -> list[Any]:
+        return [r[1][0] for r in results if r[0] == "ref"]
+
+    @staticmethod
+    def _columns(
+        results: list[tuple[Any, ...]], sources: list[Any], fields: Sequence[str]
+    ) -> list[dict[str, Column]]:
+        out, k = [], 0
+        for r in results:
+            if r[0] == "cols":
+                out.append(r[1])
+            else:
+                cols = sources[k]
+                k += 1
+                out.append(slice_columns({f: cols[f] for f in fields}, slice(r[2], r[3])))
+        return out
+
+    def _refetch(self, meta: BatchMeta, fields: Sequence[str]) -> list[tuple[Any, ...]]:
+        """Gathered copies from the units (when a producer's object is gone with its owner)."""
+        pos_by_unit: dict[int, list[int]] = {}
+        for p, u in enumerate(meta.units):
+            pos_by_unit.setdefault(u, []).append(p)
+        refs = [
+            self.units[u].get.remote(meta.partition, [meta.sample_ids[p] for p in pos], fields)
+            for u, pos in pos_by_unit.items()
+        ]
+        return _ray_get(refs)
+
+    def _missing_partition(self, meta: BatchMeta) -> TransferError | None:
+        if not _ray_get(self.controller.has_partition.remote(meta.partition)):
+            return TransferError(
+                f"get_data: unknown partition {meta.partition!r} (never put, or cleared)"
+            )
+        return None
+
+    def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Batch:
+        """Fetch the rows of ``meta`` from the storage units in parallel, in meta order."""
+        fields, positions, refs = self._data_calls(meta, fields)
+        if not refs:
+            return Batch(batch_size=0)
+        try:
+            results = ray.get(refs)
+        except RayTaskError as exc:
+            raise (self._missing_partition(meta) or _unwrap(exc)) from None
+        try:
+            sources = ray.get(self._source_refs(results))
+        except ObjectLostError:  # the producer that owned it died; the unit still maps it
+            results, sources = self._refetch(meta, fields), []
+        cols = self._columns(results, sources, fields)
+        return columns_to_batch(len(meta), list(zip(positions, cols, strict=True)), fields)
+
+    async def async_get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Batch:
+        """Async :meth:`get_data`."""
+        fields, positions, refs = self._data_calls(meta, fields)
+        if not refs:
+            return Batch(batch_size=0)
+        try:
+            results = await asyncio.gather(*refs)
+        except RayTaskError as exc:
+            missing = None
+            if not await self.controller.has_partition.remote(meta.partition):
+                missing = TransferError(
+                    f"get_data: unknown partition {meta.partition!r} (never put, or cleared)"
+                )
+            raise (missing or _unwrap(exc)) from None
+        try:
+            sources = list(await asyncio.gather(*self._source_refs(results)))
+        except ObjectLostError:
+            results, sources = await asyncio.to_thread(self._refetch, meta, fields), []
+        cols = self._columns(list(results), sources, fields)
+        return columns_to_batch(len(meta), list(zip(positions, cols, strict=True)), fields)
+
+    def status(self, partition: str | None = None) -> dict[str, Any]:
+        """Readiness, consumption and bytes held per unit (see :meth:`TransferQueue.status`)."""
+        parts_ref = self.controller.status.remote(partition)
+        units = _ray_get([u.nbytes.remote() for u in self.units])
+        return {"partitions": _ray_get(parts_ref), "storage_bytes": sum(units), "units": units}
+
+    async def async_status(self, partition: str | None = None) -> dict[str, Any]:
+        """Async :meth:`status`."""
+        parts = await _await(self.controller.status.remote(partition))
+        units = list(await _await(asyncio.gather(*[u.nbytes.remote() for u in self.units])))
+        return {"partitions": parts, "storage_bytes": sum(units), "units": units}
+
+    def storage_bytes(self) -> int:
+        """Bytes of sample data held by all units."""
+        return int(sum(_ray_get([u.nbytes.remote() for u in self.units])))
+
+    def close(self) -> None:
+        """Kill the controller and the units if this client started them."""
+        if not self._owns_actors:
+            return
+        for actor in [self.controller, *self.units]:
+            try:
+                ray.kill(actor)
+            except Exception:  # already dead or Ray shut down: nothing left to free
+                pass
+        self._owns_actors = False
+
+
+def start_ray_transfer_queue(
+    num_storage_units: int = 2,
+    name: str | None = None,
+    group_key: str = "uid",
+    length_key: str = "response_ids",
+    block_size: int = 1024,
+    spread: bool = True,
+    direct_bytes: int = 1 << 20,
+) -> RayTransferQueue:
+    """Start a controller and ``num_storage_units`` storage units; return the client.
+
+    Args:
+        num_storage_units: storage unit actors to start.
+        name: prefix of the actor names (``{name}:controller``, ``{name}:unit{i}``); a unique
+            one by default, so several queues coexist in one Ray session.
+        group_key: column holding each sample's group id.
+        length_key: object column whose per-row ``len`` is a sample's length (when the put
+            has no ``attention_mask``).
+        block_size: rows of a put placed together on one unit.
+        spread: place the units on different nodes when the cluster has several.
+        direct_bytes: see :class:`RayTransferQueue`.
+
+    The actors take no CPU slot (they mostly wait); the returned client's :meth:`close` kills
+    them.
+    """
+    if not isinstance(num_storage_units, int) or num_storage_units < 1:
+        raise ValueError(f"num_storage_units must be an int >= 1, got {num_storage_units!r}")
+    if not ray.is_initialized():
+        raise TransferError("start_ray_transfer_queue needs Ray: call ray.init() first")
+    name = name or f"polyrl-tq-{uuid.uuid4().hex[:8]}"
+    controller = (
+        ray.remote(TransferController)
+        .options(name=f"{name}:controller", num_cpus=0, max_concurrency=10_000)
+        .remote()
+    )
+    unit_cls = ray.remote(StorageUnit)
+    units = [
+        unit_cls.options(
+            name=f"{name}:unit{i}",
+            num_cpus=0,
+            scheduling_strategy="SPREAD" if spread else "DEFAULT",
+        ).remote(i, controller)
+        for i in range(num_storage_units)
+    ]
+    nodes = ray.get([u.node_id.remote() for u in units])
+    ray.get(controller.ping.remote())
+    client = RayTransferQueue(
+        controller,
+        units,
+        nodes,
+        name,
+        group_key,
+        length_key,
+        block_size=block_size,
+        direct_bytes=direct_bytes,
+    )
+    client._owns_actors = True
+    return client
