@@ -13,9 +13,20 @@ Micro part: a producer actor holds a batch shaped like an RL step (``input_ids``
 Rounds alternate between the two (both see the same machine load); figures are medians.
 MB/s = payload bytes (the tensor bytes) / seconds / 1e6.
 
-Run: ``python benchmarks/transfer_queue.py [--samples 512 --seq-len 1024 --rounds 7]``. The last
-stdout line is one JSON object: ``{"name": "transfer_queue", "payload_bytes_per_step": ...,
-"put_get_MBps": ..., "ray_MBps": ..., "ratio": put_get / ray}``.
+End-to-end part (``benchmarks/_transfer_e2e.py``): the same GRPO workload on Ray (tiny model,
+two engine ranks, one rollout server; ``--e2e-prompts`` x ``--e2e-n`` responses of up to
+``--e2e-tokens`` tokens, old and reference log-probs, two updates per step) runs without and
+with ``transfer.enable``; the driver's bytes per step (Ray both ways + its own HTTP bodies) and
+the step time are medians over ``--e2e-steps`` timed steps after a warm-up step; the payload is
+what the queue's storage held at the end of a step.
+
+Run: ``python benchmarks/transfer_queue.py [--samples 512 --seq-len 1024 --rounds 7]
+[--e2e-prompts 32 --e2e-n 8 --e2e-tokens 256 --e2e-steps 2] [--skip-e2e]``. The last stdout
+line is one JSON object: ``{"name": "transfer_queue", "micro_payload_bytes", "put_get_MBps",
+"ray_MBps", "payload_bytes_per_step", "driver_bytes_per_step_with",
+"driver_bytes_per_step_without", "driver_fraction_with", "step_s_with", "step_s_without",
+"e2e_settings", "ratio": put_get_MBps / ray_MBps}`` (goals: ``driver_fraction_with`` < 0.01,
+``ratio`` >= 0.8).
 """
 
 from __future__ import annotations
@@ -181,6 +192,39 @@ def run_micro(queue: TransferQueue, num_samples: int, seq_len: int, rounds: int)
     }
 
 
+def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
+    """GRPO steps without and with the queue (see ``benchmarks/_transfer_e2e.py``)."""
+    try:
+        from benchmarks._transfer_e2e import measure_rl_steps
+    except ImportError:  # run as a script: its own directory is on sys.path
+        from _transfer_e2e import measure_rl_steps
+
+    shape = {
+        "steps": args.e2e_steps,
+        "prompts": args.e2e_prompts,
+        "n": args.e2e_n,
+        "max_new_tokens": args.e2e_tokens,
+    }
+    without = measure_rl_steps(False, **shape)
+    with_queue = measure_rl_steps(True, **shape)
+    for label, run in (("without", without), ("with", with_queue)):
+        print(
+            f"e2e {label} queue: step {run['step_s']:.2f} s, driver bytes/step "
+            f"{run['driver_bytes']:.0f} (Ray {run['driver_ray_bytes']:.0f}, HTTP "
+            f"{run['driver_http_bytes']:.0f})"
+        )
+    payload = with_queue["payload_bytes"]
+    return {
+        "payload_bytes_per_step": int(payload),
+        "driver_bytes_per_step_with": int(with_queue["driver_bytes"]),
+        "driver_bytes_per_step_without": int(without["driver_bytes"]),
+        "driver_fraction_with": round(with_queue["driver_bytes"] / payload, 5),
+        "step_s_with": round(with_queue["step_s"], 3),
+        "step_s_without": round(without["step_s"], 3),
+        "e2e_settings": shape,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; print the result dict as the last stdout line and return it."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -188,15 +232,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--units", type=int, default=2, help="storage units of the queue")
+    parser.add_argument("--e2e-prompts", type=int, default=32, help="prompts per RL step")
+    parser.add_argument("--e2e-n", type=int, default=8, help="responses per prompt")
+    parser.add_argument("--e2e-tokens", type=int, default=256, help="max new tokens per response")
+    parser.add_argument("--e2e-steps", type=int, default=2, help="timed RL steps per mode")
+    parser.add_argument("--skip-e2e", action="store_true", help="micro part only")
     args = parser.parse_args(argv)
     ray.init(num_cpus=4, include_dashboard=False, configure_logging=False)
     result: dict[str, Any] = {"name": "transfer_queue"}
     try:
         queue = make_transfer_queue("ray", num_storage_units=args.units)
         try:
-            result.update(run_micro(queue, args.samples, args.seq_len, args.rounds))
+            micro = run_micro(queue, args.samples, args.seq_len, args.rounds)
         finally:
             queue.close()
+        result["micro_payload_bytes"] = micro.pop("payload_bytes_per_step")
+        result.update(micro)
+        if not args.skip_e2e:
+            result.update(run_e2e(args))
     finally:
         ray.shutdown()
     # "ratio" is put/get over plain Ray (> 1 = the queue is faster); keep it the last key.

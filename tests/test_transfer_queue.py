@@ -600,3 +600,27 @@ def test_ray_reads_survive_the_death_of_the_producer(ray_session, ray_queue):
     got = q.get_data(q.get_meta(["x", "s"], 64, "orphan", "c", timeout=10))
     assert meta.sample_ids == tuple(range(64)) and got.equals(b)
     q.clear("orphan")
+
+
+def test_batch_meta_pickles_compactly_and_exactly():
+    import pickle
+    import random
+
+    rng = random.Random(0)
+    uids = [f"{rng.getrandbits(128):032x}" for _ in range(125)]
+    meta = BatchMeta(
+        "step-7",
+        tuple(range(1000, 2000)),
+        ("prompt_ids", "response_ids"),
+        (0,) * 500 + (1,) * 500,
+        tuple(uids[i // 8] for i in range(1000)),
+        tuple(rng.randrange(1, 3000) for _ in range(1000)),
+    )
+    data = pickle.dumps(meta)
+    # The 125 group ids (32 chars each), then per sample: 1 byte of unit, 1 byte of group
+    # index and 2 bytes of length; the id run is two numbers.
+    assert len(data) < 125 * 45 + 1000 * 4 + 500, len(data)
+    for piece in (meta, meta[[7, 3, 999]], meta.chunk(3)[1], BatchMeta.empty("p", ("a",))):
+        assert pickle.loads(pickle.dumps(piece)) == piece
+    big = BatchMeta("p", (2**40, 5), (), (0, 0), (None, "g"), (0, 2**33))
+    assert pickle.loads(pickle.dumps(big)) == big

@@ -463,6 +463,8 @@ class RLTrainer:
         options = {"num_storage_units": cfg.transfer.num_storage_units} if backend == "ray" else {}
         self.queue = make_transfer_queue(backend, **options)
         self._closers.append(self.queue.close)
+        for view in {id(v): v for v in (self.actor, self.ref, self.critic) if v}.values():
+            view.attach_transfer_queue(self.queue)
         args = (cfg, self.rollout_urls, str(self.model_dir), self.train_ds, self.queue)
         count = cfg.transfer.num_rollout_workers
         if backend == "ray":
@@ -700,15 +702,15 @@ class RLTrainer:
             )
             if self.need_old_log_probs:
                 with _timer(timing, "old_log_prob"):
-                    self.actor.infer_to_store(meta, queue, layout, "compute_log_prob")
+                    self.actor.infer_to_store(meta, layout, "compute_log_prob")
                 fields.append("old_log_probs")
             if self.use_ref:
                 with _timer(timing, "ref"):
-                    self.ref.infer_to_store(meta, queue, layout, "compute_ref_log_prob")
+                    self.ref.infer_to_store(meta, layout, "compute_ref_log_prob")
                 fields.append("ref_log_probs")
             if self.use_critic:
                 with _timer(timing, "values"):
-                    self.critic.infer_to_store(meta, queue, layout, "compute_values")
+                    self.critic.infer_to_store(meta, layout, "compute_values")
                 fields.append("values")
             # 4. advantages (in rollout worker 0, on the stored rows)
             with _timer(timing, "adv"):
@@ -729,7 +731,6 @@ class RLTrainer:
                     metrics.update(
                         self.critic.update_from_store(
                             meta,
-                            queue,
                             layout,
                             fields,
                             "update_critic",
@@ -747,7 +748,6 @@ class RLTrainer:
                     metrics.update(
                         self.actor.update_from_store(
                             meta,
-                            queue,
                             layout,
                             fields,
                             "update_actor",

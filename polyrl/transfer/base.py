@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
+import numpy as np
+
 if TYPE_CHECKING:
     from polyrl.batch import Batch
 
@@ -65,6 +67,58 @@ def _check_tuple(name: str, value: Any, n: int | None) -> tuple[Any, ...]:
             f"BatchMeta.{name} has {len(value)} entries, expected {n} (one per sample)"
         )
     return value
+
+
+def _smallest_int_array(values: Sequence[int]) -> tuple[str, bytes]:
+    arr = np.asarray(values, dtype=np.int64)
+    low, high = (int(arr.min()), int(arr.max())) if len(arr) else (0, 0)
+    for dtype in ("int8", "int16", "int32"):
+        info = np.iinfo(dtype)
+        if info.min <= low and high <= info.max:
+            return dtype, arr.astype(dtype).tobytes()
+    return "int64", arr.tobytes()
+
+
+def _pack_ints(values: tuple[int, ...]) -> Any:
+    n = len(values)
+    if n and values[-1] - values[0] == n - 1 and values == tuple(range(values[0], values[0] + n)):
+        return ("range", values[0], n)
+    if n and all(v == values[0] for v in values):
+        return ("fill", values[0], n)
+    return _smallest_int_array(values)
+
+
+def _unpack_ints(packed: Any) -> tuple[int, ...]:
+    kind = packed[0]
+    if kind == "range":
+        return tuple(range(packed[1], packed[1] + packed[2]))
+    if kind == "fill":
+        return (packed[1],) * packed[2]
+    return tuple(np.frombuffer(packed[1], dtype=kind).tolist())
+
+
+def _pack_groups(groups: tuple[str | None, ...]) -> Any:
+    table: dict[str | None, int] = {}
+    index = [table.setdefault(g, len(table)) for g in groups]
+    return tuple(table), _smallest_int_array(index)
+
+
+def _unpack_groups(packed: Any) -> tuple[str | None, ...]:
+    table, (dtype, index) = packed
+    return tuple(table[i] for i in np.frombuffer(index, dtype=dtype).tolist())
+
+
+def _meta_from_packed(
+    partition: str, ids: Any, fields: tuple[str, ...], units: Any, groups: Any, lengths: Any
+) -> BatchMeta:
+    return BatchMeta._trusted(
+        partition,
+        _unpack_ints(ids),
+        fields,
+        _unpack_ints(units),
+        _unpack_groups(groups),
+        _unpack_ints(lengths),
+    )
 
 
 @dataclass(frozen=True)
@@ -128,6 +182,19 @@ class BatchMeta:
         ):
             object.__setattr__(meta, name, value)
         return meta
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Metas cross the driver once per rank and phase, so their size is the driver's
+        # traffic: runs of ids/units/lengths go as int arrays (a contiguous id run as its two
+        # ends), repeated group ids (n responses per prompt) as a table plus an index array.
+        return _meta_from_packed, (
+            self.partition,
+            _pack_ints(self.sample_ids),
+            self.fields,
+            _pack_ints(self.units),
+            _pack_groups(self.groups),
+            _pack_ints(self.lengths),
+        )
 
     @classmethod
     def empty(cls, partition: str, fields: Sequence[str] = ()) -> BatchMeta:
