@@ -579,6 +579,31 @@ def test_ray_large_blocks_are_read_from_the_producers_object(ray_session, ray_qu
     q.clear("direct")
 
 
+def test_ray_get_meta_of_one_block_reads_the_producers_object_directly(ray_session, ray_queue):
+    """The controller hands out the source of a whole in-order block; rewrites invalidate it."""
+    from polyrl.transfer import RayTransferQueue
+
+    q = RayTransferQueue.connect(ray_queue.name, direct_bytes=0, block_size=64)
+    b = _batch(40, seed=6)
+    q.put(b, "hint")
+    meta = q.get_meta(["input_ids", "log_probs"], 40, "hint", consumer="a")
+    assert (meta.partition, 0, 40) in q._hints
+    assert q.get_data(meta).equals(b.select("input_ids", "log_probs"))
+    assert not q._hints  # used once
+    # After a rewrite of some samples' log_probs the shortcut is withdrawn: fresh values.
+    q.put(Batch({"log_probs": torch.ones(3, 6)}), "hint", sample_ids=[4, 5, 6])
+    meta = q.get_meta(["log_probs"], 40, "hint", consumer="b")
+    assert not q._hints
+    want = b["log_probs"].clone()
+    want[4:7] = 1
+    assert torch.equal(q.get_data(meta)["log_probs"], want)
+    # The whole block lost its shortcut (conservative); other fields still read right.
+    meta = q.get_meta(["input_ids"], 40, "hint", consumer="c")
+    assert not q._hints
+    assert torch.equal(q.get_data(meta)["input_ids"], b["input_ids"])
+    q.clear("hint")
+
+
 def test_ray_reads_survive_the_death_of_the_producer(ray_session, ray_queue):
     ray = ray_session
 

@@ -72,6 +72,10 @@ class TransferController:
     def __init__(self) -> None:
         self._meta = MetadataStore()
         self._cond: asyncio.Condition | None = None
+        # partition -> blocks put as one producer object: [first id, count, fields, [ref], node]
+        # (a reference, never data: a consumer of a whole in-order run reads the object itself
+        # and skips a round trip to the storage unit).
+        self._sources: dict[str, list[tuple[int, int, frozenset[str], list[Any], str]]] = {}
 
     def _condition(self) -> asyncio.Condition:
         # Created on first use so that it binds to the actor's event loop.
@@ -115,6 +119,21 @@ class TransferController:
         """
         if isinstance(sample_ids, int):
             sample_ids = range(sample_ids, sample_ids + len(units))
+        blocks = self._sources.get(partition)
+        if blocks:
+            # Rewritten fields of these samples now live elsewhere: forget stale sources.
+            ids, written = set(sample_ids), set(fields)
+            lo, hi = min(ids, default=0), max(ids, default=-1)
+            blocks[:] = [
+                b
+                for b in blocks
+                if not (
+                    b[2] & written
+                    and b[0] <= hi
+                    and lo < b[0] + b[1]
+                    and any(i in ids for i in range(b[0], b[0] + b[1]))
+                )
+            ]
         meta = self._meta.commit(partition, sample_ids, fields, units, groups, lengths)
         cond = self._condition()
         async with cond:
@@ -128,13 +147,37 @@ class TransferController:
         units: Sequence[int],
         groups: Sequence[str | None] | None,
         lengths: Sequence[int] | None,
+        source: list[Any] | None = None,
+        node: str = "",
     ) -> BatchMeta:
         """Allocate ``len(units)`` new ids and mark their fields produced, in one step.
 
-        Called by a storage unit that already holds the data (see ``StorageUnit.put_new``).
+        Called by a storage unit that already holds the data (see ``StorageUnit.put_new``);
+        ``source`` is ``[ref]`` to the producer's object of the whole block, on ``node``.
         """
         first = self._meta.allocate(partition, len(units))
-        return await self.commit(partition, first, fields, units, groups, lengths)
+        meta = await self.commit(partition, first, fields, units, groups, lengths)
+        if source is not None:
+            self._sources.setdefault(partition, []).append(
+                (first, len(units), frozenset(fields), source, node)
+            )
+        return meta
+
+    def _source_hint(self, meta: BatchMeta) -> tuple[list[Any], int, int, str] | None:
+        """``([ref], start, stop, node)`` when ``meta`` is one in-order run of one source."""
+        ids = meta.sample_ids
+        if not ids or ids[-1] - ids[0] != len(ids) - 1:
+            return None
+        for first, count, fields, source, node in self._sources.get(meta.partition, ()):
+            if first <= ids[0] and ids[-1] < first + count and set(meta.fields) <= fields:
+                if ids == tuple(range(ids[0], ids[0] + len(ids))):
+                    return source, ids[0] - first, ids[0] - first + len(ids), node
+        return None
+
+    async def get_meta_hinted(self, *args: Any) -> tuple[BatchMeta, Any]:
+        """:meth:`get_meta` plus the source hint of the samples (see ``_source_hint``)."""
+        meta = await self.get_meta(*args)
+        return meta, self._source_hint(meta)
 
     async def get_meta(
         self,
@@ -182,6 +225,7 @@ class TransferController:
     async def clear(self, partition: str) -> None:
         """Forget the metadata of ``partition``."""
         self._meta.clear(partition)
+        self._sources.pop(partition, None)
 
     async def status(self, partition: str | None = None) -> dict[str, dict[str, Any]]:
         """Per-partition readiness and consumption counts."""
@@ -243,7 +287,13 @@ class StorageUnit:
         if self._controller is None:
             raise TransferError(f"storage unit {self.index} was started without its controller")
         ref = self._controller.commit_new.remote(
-            partition, list(fields), [self.index] * n, groups, lengths
+            partition,
+            list(fields),
+            [self.index] * n,
+            groups,
+            lengths,
+            cols if isinstance(cols, list) else None,  # [ref]: stays a reference
+            self._node,
         )
         source = None
         if isinstance(cols, list):
@@ -369,6 +419,8 @@ class RayTransferQueue(TransferQueue):
         self._candidates: list[int] | None = None
         self._rr = os.getpid()  # spreads the first blocks of clients in different processes
         self._node_id: str | None = None
+        # Source hints of the metas this client got (see TransferController._source_hint).
+        self._hints: dict[tuple[str, int, int], tuple[list[Any], int, int, str]] = {}
 
     # ------------------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict[str, Any]:
@@ -376,6 +428,7 @@ class RayTransferQueue(TransferQueue):
         state["_owns_actors"] = False  # only the client that started the actors may kill them
         state["_candidates"] = None  # the receiver may run on another node
         state["_node_id"] = None
+        state["_hints"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -553,10 +606,10 @@ class RayTransferQueue(TransferQueue):
         fields, batch_size = self._meta_args(
             fields, batch_size, partition, consumer, sampler, timeout, sampler_kwargs
         )
-        ref = self.controller.get_meta.remote(
+        ref = self.controller.get_meta_hinted.remote(
             fields, batch_size, partition, consumer, sampler, block, timeout, sampler_kwargs
         )
-        return _ray_get(ref)
+        return self._remember(*_ray_get(ref))
 
     async def async_get_meta(
         self,
@@ -573,10 +626,26 @@ class RayTransferQueue(TransferQueue):
         fields, batch_size = self._meta_args(
             fields, batch_size, partition, consumer, sampler, timeout, sampler_kwargs
         )
-        ref = self.controller.get_meta.remote(
+        ref = self.controller.get_meta_hinted.remote(
             fields, batch_size, partition, consumer, sampler, block, timeout, sampler_kwargs
         )
-        return await _await(ref)
+        return self._remember(*(await _await(ref)))
+
+    def _remember(self, meta: BatchMeta, hint: Any) -> BatchMeta:
+        if hint is not None:
+            if len(self._hints) >= 64:  # only the latest metas are worth a shortcut
+                self._hints.pop(next(iter(self._hints)))
+            self._hints[(meta.partition, meta.sample_ids[0], len(meta))] = hint
+        return meta
+
+    def _hinted_source(self, meta: BatchMeta, fields: Sequence[str]) -> Any:
+        """Return the source hint for ``meta`` when this client was told it is one block."""
+        if not meta.sample_ids:
+            return None
+        hint = self._hints.pop((meta.partition, meta.sample_ids[0], len(meta)), None)
+        if hint is None or hint[3] != self._node() or not set(fields) <= set(meta.fields):
+            return None
+        return hint
 
     def _data_calls(
         self, meta: BatchMeta, fields: Sequence[str] | None
@@ -640,8 +709,23 @@ class RayTransferQueue(TransferQueue):
             )
         return None
 
+    def _from_source(self, meta: BatchMeta, fields: Sequence[str], hint: Any, cols: Any) -> Batch:
+        part = slice_columns({f: cols[f] for f in fields}, slice(hint[1], hint[2]))
+        return columns_to_batch(len(meta), [(list(range(len(meta))), part)], fields)
+
     def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Batch:
-        """Fetch the rows of ``meta`` from the storage units in parallel, in meta order."""
+        """Fetch the rows of ``meta`` from the storage units in parallel, in meta order.
+
+        A meta this client got from :meth:`get_meta` that covers one in-order block put as one
+        object is read from that object directly (no call to the storage unit).
+        """
+        chosen = meta.fields if fields is None else check_fields(fields)
+        hint = self._hinted_source(meta, chosen) if isinstance(meta, BatchMeta) else None
+        if hint is not None:
+            try:
+                return self._from_source(meta, chosen, hint, ray.get(hint[0][0]))
+            except ObjectLostError:
+                pass  # the producer is gone: the storage unit still has the rows
         fields, positions, refs = self._data_calls(meta, fields)
         if not refs:
             return Batch(batch_size=0)
@@ -658,6 +742,13 @@ class RayTransferQueue(TransferQueue):
 
     async def async_get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Batch:
         """Async :meth:`get_data`."""
+        chosen = meta.fields if fields is None else check_fields(fields)
+        hint = self._hinted_source(meta, chosen) if isinstance(meta, BatchMeta) else None
+        if hint is not None:
+            try:
+                return self._from_source(meta, chosen, hint, await hint[0][0])
+            except ObjectLostError:
+                pass
         fields, positions, refs = self._data_calls(meta, fields)
         if not refs:
             return Batch(batch_size=0)
