@@ -560,12 +560,14 @@ class RayTransferQueue(TransferQueue):
     def clear(self, partition: str) -> None:
         """Drop the metadata, then the data, of ``partition`` on every unit."""
         check_partition(partition)
+        self._forget_hints(partition)
         _ray_get(self.controller.clear.remote(partition))
         _ray_get([u.clear.remote(partition) for u in self.units])
 
     async def async_clear(self, partition: str) -> None:
         """Async :meth:`clear`."""
         check_partition(partition)
+        self._forget_hints(partition)
         await _await(self.controller.clear.remote(partition))
         await _await(asyncio.gather(*[u.clear.remote(partition) for u in self.units]))
 
@@ -631,9 +633,14 @@ class RayTransferQueue(TransferQueue):
         )
         return self._remember(*(await _await(ref)))
 
+    def _forget_hints(self, partition: str) -> None:
+        # A hint holds a reference that pins the producer's object: drop it with the partition.
+        for key in [k for k in self._hints if k[0] == partition]:
+            del self._hints[key]
+
     def _remember(self, meta: BatchMeta, hint: Any) -> BatchMeta:
         if hint is not None:
-            if len(self._hints) >= 64:  # only the latest metas are worth a shortcut
+            if len(self._hints) >= 8:  # only the latest metas are worth a shortcut
                 self._hints.pop(next(iter(self._hints)))
             self._hints[(meta.partition, meta.sample_ids[0], len(meta))] = hint
         return meta
