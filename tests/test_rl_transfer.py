@@ -104,10 +104,15 @@ def _same_metrics(a: list[dict], b: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_grpo_gives_the_same_metrics_with_and_without_the_queue(tmp_path):
+@pytest.mark.parametrize(
+    "estimator,steps",
+    [("grpo", 3), ("remax", 2)],  # remax: greedy baselines streamed too
+)
+def test_local_run_gives_the_same_metrics_with_and_without_the_queue(tmp_path, estimator, steps):
     extra = (
         "trainer.worker_backend=local",
-        "trainer.total_steps=3",
+        f"trainer.total_steps={steps}",
+        f"algorithm.adv_estimator={estimator}",
         "actor.use_kl_loss=true",
         "actor.ppo_mini_batch_size=4",  # two mini-batches: old log-probs are computed
         "actor.lr=0.01",

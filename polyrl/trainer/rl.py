@@ -685,7 +685,6 @@ class RLTrainer:
                     timeout=cfg.transfer.timeout_s,
                 )
             timing["timing_s/reward"] = rollout.pop("time_reward")
-            rollout.pop("time_gen")
             layout = StepLayout(
                 int(rollout.pop("width_prompt")),
                 int(rollout.pop("width_response")),

@@ -195,12 +195,27 @@ class RolloutProducer:
         Non-tensor columns: ``uid`` (the prompt's group), ``data_source``, ``ground_truth``,
         ``extra_info``, ``response_text``, ``finish_reason``.
         """
-        from polyrl.data.dataset import ground_truth_of
-
         if self.cfg.agent.enable:
             batch, metrics = self._generate_with_agents(items, n, temperature, seed, first_index)
         else:
-            batch, metrics = self._generate_single_turn(items, n, temperature, seed, first_index)
+
+            async def run() -> list[Any]:
+                return list(
+                    await asyncio.gather(
+                        *(
+                            self.sample_prompt(item, n, temperature, seed, first_index + i)
+                            for i, item in enumerate(items)
+                        )
+                    )
+                )
+
+            batch, metrics = self.pack_single_turn(items, self._run(run()))
+        self.add_row_info(batch, items, n)
+        return batch, metrics
+
+    def add_row_info(self, batch: Batch, items: Sequence[Mapping[str, Any]], n: int) -> None:
+        """Add each row's ``uid``, ``data_source``, ``ground_truth`` and ``extra_info``."""
+        from polyrl.data.dataset import ground_truth_of
 
         def per_row(values: Sequence[Any]) -> np.ndarray:
             out = np.empty(len(values) * n, dtype=object)
@@ -217,36 +232,21 @@ class RolloutProducer:
                 "extra_info": per_row([item.get("extra_info") or {} for item in items]),
             }
         )
-        return batch, metrics
 
-    def _generate_single_turn(
-        self,
-        items: Sequence[Mapping[str, Any]],
-        n: int,
-        temperature: float,
-        seed: int,
-        first_index: int,
+    async def sample_prompt(
+        self, item: Mapping[str, Any], n: int, temperature: float, seed: int, index: int
+    ) -> Any:
+        """Sample ``n`` responses to one item (the step's prompt number ``index``), one turn."""
+        params = self.sampling_params(n, temperature, derive_seed(seed, index))
+        return await self.client.generate(item["input_ids"].tolist(), params)
+
+    def pack_single_turn(
+        self, items: Sequence[Mapping[str, Any]], results: Sequence[Any]
     ) -> tuple[Batch, dict[str, float]]:
-        prompts = [item["input_ids"].tolist() for item in items]
-
-        async def run() -> list[Any]:
-            return list(
-                await asyncio.gather(
-                    *(
-                        self.client.generate(
-                            p,
-                            self.sampling_params(
-                                n, temperature, derive_seed(seed, first_index + i)
-                            ),
-                        )
-                        for i, p in enumerate(prompts)
-                    )
-                )
-            )
-
-        results = self._run(run())
+        """Pack the items' :meth:`sample_prompt` results into an engine batch (no row info)."""
         rows_p, rows_r, rows_lp, rows_finish, versions = [], [], [], [], set()
-        for prompt, result in zip(prompts, results, strict=True):
+        for item, result in zip(items, results, strict=True):
+            prompt = item["input_ids"].tolist()
             for out in result.outputs:
                 rows_p.append(prompt)
                 rows_r.append(list(out.output_ids))

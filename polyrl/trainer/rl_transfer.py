@@ -29,6 +29,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -301,6 +302,8 @@ class StoreRolloutWorker:
             error_reward=cfg.reward.error_reward,
         )
         self._loop = asyncio.new_event_loop()
+        # One scoring thread: the reward manager serves one call at a time.
+        self._scorer = ThreadPoolExecutor(1, thread_name_prefix="polyrl-score")
         self.client = RolloutClient(list(urls), max_concurrency=512)
         self._run(self.client.start())
         self.producer = RolloutProducer(
@@ -326,18 +329,28 @@ class StoreRolloutWorker:
         driver-side batch would have them.
         """
         items = [self.dataset[int(i)] for i in indices]
-        tick = time.perf_counter()
-        batch, gen_metrics = self.producer.generate(items, n, temperature, seed, first_index)
-        gen_s = time.perf_counter() - tick
-        scores, acc, reward_metrics = self.producer.score(batch)
-        baseline = None
-        if self.cfg.algorithm.adv_estimator == "remax":
-            greedy, _ = self.producer.generate(items, 1, 0.0, seed, first_index)
-            baseline = self.producer.score(greedy)[0].repeat_interleave(n)
-        reward_s = time.perf_counter() - tick - gen_s
+        if self.cfg.agent.enable:
+            parts = [self._rollout_batch(partition, items, first_index, n, temperature, seed)]
+        else:
+            # (A module-level coroutine: an async method would make Ray run this actor on an
+            # event loop, and the worker drives its own.)
+            parts = self._run(
+                _rollout_streamed(self, partition, items, first_index, n, temperature, seed)
+            )
+        summary = merge_rollout_summaries(parts)
+        summary["time_reward"] = sum(p["time_reward"] for p in parts)
+        return summary
+
+    def _finish(
+        self,
+        batch: Batch,
+        gen_metrics: Mapping[str, float],
+        baseline: torch.Tensor | None,
+        scored: tuple[torch.Tensor, torch.Tensor, Mapping[str, float]],
+        reward_s: float,
+    ) -> tuple[Batch, dict[str, float]]:
+        scores, acc, reward_metrics = scored
         rows = sample_rows(batch, scores, acc, baseline)
-        start = first_index * n
-        self.queue.put(rows, partition, sample_ids=list(range(start, start + len(rows))))
         summary = {k: float(v) for k, v in gen_metrics.items()}
         for key in ("reward/errors", "reward/timeouts"):
             if key in reward_metrics:
@@ -347,11 +360,38 @@ class StoreRolloutWorker:
                 "rows": float(len(rows)),
                 "width_prompt": float(batch["prompt_length"].max()),
                 "width_response": float(batch["response_length"].max()),
-                "time_gen": gen_s,
                 "time_reward": reward_s,
                 "rollout_log_probs": float("rollout_log_probs" in batch.tensor_keys),
             }
         )
+        return rows, summary
+
+    def _rollout_batch(
+        self,
+        partition: str,
+        items: Sequence[Mapping[str, Any]],
+        first_index: int,
+        n: int,
+        temperature: float,
+        seed: int,
+    ) -> dict[str, float]:
+        """All items at once (agent loops): generate, then score, then put."""
+        batch, gen_metrics = self.producer.generate(items, n, temperature, seed, first_index)
+        tick = time.perf_counter()
+        scored = self.producer.score(batch)
+        baseline = None
+        if self.cfg.algorithm.adv_estimator == "remax":
+            greedy, _ = self.producer.generate(items, 1, 0.0, seed, first_index)
+            baseline = self.producer.score(greedy)[0].repeat_interleave(n)
+        rows, summary = self._finish(
+            batch,
+            gen_metrics,
+            baseline,
+            scored,
+            time.perf_counter() - tick,
+        )
+        start = first_index * n
+        self.queue.put(rows, partition, sample_ids=list(range(start, start + len(rows))))
         return summary
 
     def advantages(
@@ -397,7 +437,55 @@ class StoreRolloutWorker:
             self._run(self.client.close())
         finally:
             self._loop.close()
+            self._scorer.shutdown(wait=False)
             self.rewards.close()
+
+
+async def _rollout_streamed(
+    worker: StoreRolloutWorker,
+    partition: str,
+    items: Sequence[Mapping[str, Any]],
+    first_index: int,
+    n: int,
+    temperature: float,
+    seed: int,
+) -> list[dict[str, float]]:
+    """One turn per item: each prompt's group is scored and put as soon as it is sampled.
+
+    Scoring runs on one helper thread, so the responses of other prompts keep arriving
+    while a group is scored (a slow reward overlaps with generation).
+    """
+    loop = asyncio.get_running_loop()
+    producer = worker.producer
+
+    async def one(offset: int, item: Mapping[str, Any]) -> dict[str, float]:
+        index = first_index + offset
+        result = await producer.sample_prompt(item, n, temperature, seed, index)
+        batch, gen_metrics = producer.pack_single_turn([item], [result])
+        producer.add_row_info(batch, [item], n)
+        tick = time.perf_counter()
+        scored = await loop.run_in_executor(worker._scorer, producer.score, batch)
+        baseline = None
+        if worker.cfg.algorithm.adv_estimator == "remax":
+            greedy_result = await producer.sample_prompt(item, 1, 0.0, seed, index)
+            greedy, _ = producer.pack_single_turn([item], [greedy_result])
+            producer.add_row_info(greedy, [item], 1)
+            greedy_scores = await loop.run_in_executor(worker._scorer, producer.score, greedy)
+            baseline = greedy_scores[0].repeat_interleave(n)
+        rows, summary = worker._finish(
+            batch,
+            gen_metrics,
+            baseline,
+            scored,
+            time.perf_counter() - tick,
+        )
+        start = index * n
+        await worker.queue.async_put(
+            rows, partition, sample_ids=list(range(start, start + len(rows)))
+        )
+        return summary
+
+    return list(await asyncio.gather(*(one(i, item) for i, item in enumerate(items))))
 
 
 class StoreActorWorker(StoreEngineMixin, WeightSyncWorker):
