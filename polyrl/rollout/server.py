@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import hmac
 import json
 import logging
@@ -96,9 +97,6 @@ __all__ = ["create_app", "error_body", "main", "render_metrics", "serve", "serve
 
 logger = logging.getLogger(__name__)
 
-# How often a non-streaming handler checks whether its client went away.
-_DISCONNECT_POLL_S = 0.5
-
 
 def error_body(
     message: str, error_type: str, param: str | None = None, code: str | None = None
@@ -140,22 +138,36 @@ def _sse(data: Any) -> bytes:
 _SSE_DONE = b"data: [DONE]\n\n"
 
 
+async def _wait_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    """Return once the ASGI server reports that the client went away."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
 async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
-    """Await ``work``, cancelling it if the client disconnects first."""
+    """Await ``work``, cancelling it if the client disconnects first (then return ``None``).
+
+    The handler has read the whole body, so the next ASGI ``receive`` only returns when the
+    client disconnects: one task waits on it. Polling ``request.is_disconnected()`` instead
+    cost every in-flight request a wake-up (and a task group) twice a second, all of it on the
+    event loop thread, which holds the GIL the engine thread needs between its torch calls.
+    """
     task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                return None
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
     finally:
-        if not task.done():
-            task.cancel()
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
 
 
 async def _merge(
@@ -193,6 +205,41 @@ async def _merge(
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _BearerAuth:
+    """ASGI middleware: every HTTP endpoint but ``/health`` wants ``Bearer <api_key>``.
+
+    A plain ASGI middleware rather than ``@app.middleware("http")``: Starlette's
+    ``BaseHTTPMiddleware`` wraps every request in a task group and routes ``receive`` through
+    extra tasks, which costs event-loop time (and so GIL time taken from the engine thread).
+    """
+
+    def __init__(self, app: Any, api_key: str):
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] == "/health":
+            await self.app(scope, receive, send)
+            return
+        header = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                header = value
+                break
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            await self.app(scope, receive, send)
+            return
+        response = JSONResponse(
+            error_body(
+                "missing or invalid bearer token (send 'Authorization: Bearer <key>')",
+                "authentication_error",
+            ),
+            status_code=401,
+        )
+        await response(scope, receive, send)
 
 
 def render_metrics(stats: BackendStats, info: ModelInfo) -> str:
@@ -296,24 +343,8 @@ def create_app(
             status_code=exc.status_code,
         )
 
-    @app.middleware("http")
-    async def _auth(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        if api_key is not None and request.url.path != "/health":
-            header = request.headers.get("authorization", "")
-            scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode(), api_key.encode()
-            ):
-                return JSONResponse(
-                    error_body(
-                        "missing or invalid bearer token (send 'Authorization: Bearer <key>')",
-                        "authentication_error",
-                    ),
-                    status_code=401,
-                )
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_BearerAuth, api_key=api_key)
 
     def info() -> ModelInfo:
         return backend.info
@@ -702,6 +733,12 @@ async def serve_app(
             if server.should_exit:
                 return
             await asyncio.sleep(0.05)
+        # What exists now (torch, the model, the app) lives as long as the process. Frozen, it
+        # leaves the collector's generations, so a full collection while serving stays cheap;
+        # unfrozen, one walks every object of torch and transformers (hundreds of ms on this
+        # server, with the GIL held, so the engine thread stalls too).
+        gc.collect()
+        gc.freeze()
         if ready_file:
             tmp = Path(ready_file).with_suffix(".tmp")
             tmp.write_text(json.dumps({"url": url, "pid": os.getpid()}))
