@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,7 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from polyrl.rollout.base import RolloutError
 from polyrl.rollout.client import RolloutClient, StreamedResponse
-from polyrl.rollout.server import error_body
+from polyrl.rollout.server import BearerAuth, error_body
 
 __all__ = ["create_router_app"]
 
@@ -94,20 +93,9 @@ def create_router_app(client: RolloutClient, api_key: str | None = None) -> Fast
             error_body(exc.message, exc.error_type, exc.param, exc.code), status_code=exc.status
         )
 
-    @app.middleware("http")
-    async def _auth(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        if api_key is not None and request.url.path != "/health":
-            scheme, _, token = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode(), api_key.encode()
-            ):
-                return JSONResponse(
-                    error_body("missing or invalid bearer token", "authentication_error"),
-                    status_code=401,
-                )
-        return await call_next(request)
+    if api_key is not None:
+        # A plain ASGI middleware (not @app.middleware): no task group per request.
+        app.add_middleware(BearerAuth, api_key=api_key)
 
     async def forward(request: Request) -> Response:
         raw = await request.body()

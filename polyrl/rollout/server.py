@@ -93,7 +93,7 @@ from polyrl.rollout.options import (
     backend_options,
 )
 
-__all__ = ["create_app", "error_body", "main", "render_metrics", "serve", "serve_app"]
+__all__ = ["BearerAuth", "create_app", "error_body", "main", "render_metrics", "serve", "serve_app"]
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ async def _merge(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-class _BearerAuth:
+class BearerAuth:
     """ASGI middleware: every HTTP endpoint but ``/health`` wants ``Bearer <api_key>``.
 
     A plain ASGI middleware rather than ``@app.middleware("http")``: Starlette's
@@ -344,7 +344,7 @@ def create_app(
         )
 
     if api_key is not None:
-        app.add_middleware(_BearerAuth, api_key=api_key)
+        app.add_middleware(BearerAuth, api_key=api_key)
 
     def info() -> ModelInfo:
         return backend.info
