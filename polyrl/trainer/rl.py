@@ -531,6 +531,10 @@ class RLTrainer:
         """Fill ``token_level_rewards``, ``advantages`` and ``returns`` (KL penalty first)."""
         return compute_advantages(batch, self.cfg, self.kl_ctrl, baseline)
 
+    def _critic_loss_kwargs(self) -> dict[str, Any]:
+        critic = self.cfg.critic
+        return {"cliprange_value": critic.cliprange_value, "loss_agg_mode": critic.loss_agg_mode}
+
     def _actor_loss_kwargs(self) -> dict[str, Any]:
         actor = self.cfg.actor
         return {
@@ -618,10 +622,7 @@ class RLTrainer:
                         self.critic.update_critic(
                             update_batch,
                             CRITIC_LOSS,
-                            {
-                                "cliprange_value": cfg.critic.cliprange_value,
-                                "loss_agg_mode": cfg.critic.loss_agg_mode,
-                            },
+                            self._critic_loss_kwargs(),
                             self.num_mini_batches,
                             cfg.critic.ppo_epochs,
                         )
@@ -734,10 +735,7 @@ class RLTrainer:
                             fields,
                             "update_critic",
                             CRITIC_LOSS,
-                            {
-                                "cliprange_value": cfg.critic.cliprange_value,
-                                "loss_agg_mode": cfg.critic.loss_agg_mode,
-                            },
+                            self._critic_loss_kwargs(),
                             self.num_mini_batches,
                             cfg.critic.ppo_epochs,
                         )
