@@ -116,6 +116,7 @@ def test_local_run_gives_the_same_metrics_with_and_without_the_queue(tmp_path, e
         "actor.use_kl_loss=true",
         "actor.ppo_mini_batch_size=4",  # two mini-batches: old log-probs are computed
         "actor.lr=0.01",
+        "rollout.num_threads=1",  # the replica's own thread count reaches its command line
     )
     for name, flag in (("plain", "false"), ("queue", "true")):
         cfg = load_config("demo", _e2e_overrides(tmp_path, name, *extra, f"transfer.enable={flag}"))

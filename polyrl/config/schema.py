@@ -444,6 +444,9 @@ class RolloutConfig(ConfigGroup):
         [], "Already running rollout servers to use instead of starting replicas."
     )
     max_num_seqs: int = option(256, "Most sequences a native replica decodes at once.", ge=1)
+    num_threads: int = option(
+        0, "Torch threads of each native replica; 0 keeps torch's default (all cores).", ge=0
+    )
     weight_transport: str = option(
         "shm", "How the trainer pushes new weights to the replicas.", choices=WEIGHT_TRANSPORTS
     )

@@ -220,6 +220,7 @@ class BearerAuth:
         self.key = api_key.encode()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Pass the request on when it may go through; answer 401 otherwise."""
         if scope["type"] != "http" or scope["path"] == "/health":
             await self.app(scope, receive, send)
             return

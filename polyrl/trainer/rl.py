@@ -317,6 +317,8 @@ class RLTrainer:
             options: dict[str, Any] = {"dtype": cfg.model.dtype, "seed": cfg.seed_for("rollout")}
             if cfg.rollout.backend == "native":
                 options["max_num_seqs"] = cfg.rollout.max_num_seqs
+                if cfg.rollout.num_threads:
+                    options["num_threads"] = cfg.rollout.num_threads
             replicas = start_replicas(
                 self.model_dir, cfg.rollout.replicas, backend=cfg.rollout.backend, options=options
             )
