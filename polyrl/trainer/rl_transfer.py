@@ -427,10 +427,6 @@ class StoreRolloutWorker:
         metrics.update(batch_metrics(batch, scores, acc, max_response_length))
         return metrics, kl_ctrl
 
-    def sleep(self) -> None:
-        """Ask the rollout servers to release their memory (between generation and training)."""
-        self._run(self.client.sleep())
-
     def close(self) -> None:
         """Close the client and the reward workers."""
         try:
