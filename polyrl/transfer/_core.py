@@ -558,6 +558,26 @@ def resolve_sampler(sampler: str | Sampler, sampler_kwargs: Mapping[str, Any]) -
     return get_sampler(sampler, **dict(sampler_kwargs))
 
 
+def check_get_meta_args(
+    fields: Any,
+    batch_size: Any,
+    partition: Any,
+    consumer: Any,
+    sampler: str | Sampler,
+    timeout: float | None,
+    sampler_kwargs: Mapping[str, Any],
+) -> tuple[tuple[str, ...], int | None, Sampler]:
+    """Check ``get_meta``'s arguments; return the fields, the batch size and the sampler."""
+    fields = check_fields(fields)
+    batch_size = check_batch_size(batch_size)
+    check_partition(partition)
+    if not isinstance(consumer, str) or not consumer:
+        raise TypeError(f"consumer must be a non-empty str, got {consumer!r}")
+    if timeout is not None and timeout < 0:
+        raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout}")
+    return fields, batch_size, resolve_sampler(sampler, sampler_kwargs)
+
+
 def timeout_error(
     partition: str,
     consumer: str,

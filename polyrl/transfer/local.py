@@ -18,12 +18,11 @@ from polyrl.transfer._core import (
     ColumnStore,
     MetadataStore,
     batch_to_columns,
-    check_batch_size,
     check_fields,
+    check_get_meta_args,
     check_partition,
     check_sample_ids,
     columns_to_batch,
-    resolve_sampler,
     row_groups,
     row_lengths,
     timeout_error,
@@ -109,14 +108,9 @@ class LocalTransferQueue(TransferQueue):
         **sampler_kwargs: Any,
     ) -> BatchMeta:
         """Return references to ready samples not yet given to ``consumer`` (see the base class)."""
-        fields = check_fields(fields)
-        batch_size = check_batch_size(batch_size)
-        check_partition(partition)
-        if not isinstance(consumer, str) or not consumer:
-            raise TypeError(f"consumer must be a non-empty str, got {consumer!r}")
-        if timeout is not None and timeout < 0:
-            raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout}")
-        smp = resolve_sampler(sampler, sampler_kwargs)
+        fields, batch_size, smp = check_get_meta_args(
+            fields, batch_size, partition, consumer, sampler, timeout, sampler_kwargs
+        )
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:

@@ -50,8 +50,8 @@ from polyrl.transfer._core import (
     ColumnStore,
     MetadataStore,
     batch_to_columns,
-    check_batch_size,
     check_fields,
+    check_get_meta_args,
     check_partition,
     check_sample_ids,
     columns_to_batch,
@@ -572,26 +572,24 @@ class RayTransferQueue(TransferQueue):
         await _await(asyncio.gather(*[u.clear.remote(partition) for u in self.units]))
 
     # -------------------------------------------------------------------------------- reads
-    def _meta_args(
+    def _get_meta_ref(
         self,
         fields: Sequence[str],
         batch_size: int | None,
         partition: str,
         consumer: str,
         sampler: str | Sampler,
+        block: bool,
         timeout: float | None,
         sampler_kwargs: dict[str, Any],
-    ) -> tuple[tuple[str, ...], int | None]:
-        fields = check_fields(fields)
-        batch_size = check_batch_size(batch_size)
-        check_partition(partition)
-        if not isinstance(consumer, str) or not consumer:
-            raise TypeError(f"consumer must be a non-empty str, got {consumer!r}")
-        if timeout is not None and timeout < 0:
-            raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout}")
-        # Build the sampler here too, so bad names/arguments fail in the caller, not the actor.
-        resolve_sampler(sampler, sampler_kwargs)
-        return fields, batch_size
+    ) -> Any:
+        # The sampler is built here too, so bad names/arguments fail in the caller, not the actor.
+        fields, batch_size, _ = check_get_meta_args(
+            fields, batch_size, partition, consumer, sampler, timeout, sampler_kwargs
+        )
+        return self.controller.get_meta_hinted.remote(
+            fields, batch_size, partition, consumer, sampler, block, timeout, sampler_kwargs
+        )
 
     def get_meta(
         self,
@@ -605,10 +603,7 @@ class RayTransferQueue(TransferQueue):
         **sampler_kwargs: Any,
     ) -> BatchMeta:
         """Return references to ready samples not yet given to ``consumer`` (see base class)."""
-        fields, batch_size = self._meta_args(
-            fields, batch_size, partition, consumer, sampler, timeout, sampler_kwargs
-        )
-        ref = self.controller.get_meta_hinted.remote(
+        ref = self._get_meta_ref(
             fields, batch_size, partition, consumer, sampler, block, timeout, sampler_kwargs
         )
         return self._remember(*_ray_get(ref))
@@ -625,10 +620,7 @@ class RayTransferQueue(TransferQueue):
         **sampler_kwargs: Any,
     ) -> BatchMeta:
         """Async :meth:`get_meta` (awaits the controller; the event loop keeps running)."""
-        fields, batch_size = self._meta_args(
-            fields, batch_size, partition, consumer, sampler, timeout, sampler_kwargs
-        )
-        ref = self.controller.get_meta_hinted.remote(
+        ref = self._get_meta_ref(
             fields, batch_size, partition, consumer, sampler, block, timeout, sampler_kwargs
         )
         return self._remember(*(await _await(ref)))
@@ -645,14 +637,19 @@ class RayTransferQueue(TransferQueue):
             self._hints[(meta.partition, meta.sample_ids[0], len(meta))] = hint
         return meta
 
-    def _hinted_source(self, meta: BatchMeta, fields: Sequence[str]) -> Any:
-        """Return the source hint for ``meta`` when this client was told it is one block."""
+    def _hinted_source(
+        self, meta: BatchMeta, fields: Sequence[str] | None
+    ) -> tuple[tuple[str, ...], Any]:
+        """Return the fields to read and ``meta``'s source hint (None: ask the units)."""
+        if not isinstance(meta, BatchMeta):
+            return tuple(fields or ()), None
+        chosen = meta.fields if fields is None else check_fields(fields)
         if not meta.sample_ids:
-            return None
+            return chosen, None
         hint = self._hints.pop((meta.partition, meta.sample_ids[0], len(meta)), None)
-        if hint is None or hint[3] != self._node() or not set(fields) <= set(meta.fields):
-            return None
-        return hint
+        if hint is None or hint[3] != self._node() or not set(chosen) <= set(meta.fields):
+            return chosen, None
+        return chosen, hint
 
     def _data_calls(
         self, meta: BatchMeta, fields: Sequence[str] | None
@@ -726,8 +723,7 @@ class RayTransferQueue(TransferQueue):
         A meta this client got from :meth:`get_meta` that covers one in-order block put as one
         object is read from that object directly (no call to the storage unit).
         """
-        chosen = meta.fields if fields is None else check_fields(fields)
-        hint = self._hinted_source(meta, chosen) if isinstance(meta, BatchMeta) else None
+        chosen, hint = self._hinted_source(meta, fields)
         if hint is not None:
             try:
                 return self._from_source(meta, chosen, hint, ray.get(hint[0][0]))
@@ -749,8 +745,7 @@ class RayTransferQueue(TransferQueue):
 
     async def async_get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Batch:
         """Async :meth:`get_data`."""
-        chosen = meta.fields if fields is None else check_fields(fields)
-        hint = self._hinted_source(meta, chosen) if isinstance(meta, BatchMeta) else None
+        chosen, hint = self._hinted_source(meta, fields)
         if hint is not None:
             try:
                 return self._from_source(meta, chosen, hint, await hint[0][0])
