@@ -645,7 +645,8 @@ class RLTrainer:
                     metrics.update(self.sync_weights(step))
             elif cfg.rollout.sleep_during_training:
                 self._run(self._client.wake_up())
-        metrics.update(self._step_metrics(batch, scores, acc, reward_metrics, timing))
+        data = batch_metrics(batch, scores, acc, self._max_response_length())
+        metrics.update(self._step_metrics(data, reward_metrics, timing))
         metrics.update(timing)
         return metrics
 
@@ -716,7 +717,6 @@ class RLTrainer:
                 fields.append("values")
             # 4. advantages (in rollout worker 0, on the stored rows)
             with _timer(timing, "adv"):
-                max_len = min(cfg.rollout.max_new_tokens, cfg.data.max_response_length)
                 data_metrics, self.kl_ctrl = self._on_store(
                     self._store_workers[0],
                     "advantages",
@@ -724,7 +724,7 @@ class RLTrainer:
                     layout,
                     self.kl_ctrl,
                     fields,
-                    max_len,
+                    self._max_response_length(),
                 )
             fields += ["token_level_rewards", "advantages", "returns"]
             # 5. updates: each rank fetches its shard
@@ -764,31 +764,27 @@ class RLTrainer:
             metrics["transfer/storage_bytes"] = float(queue.storage_bytes())
             metrics["transfer/samples"] = float(rows)
             queue.clear(partition)
-        metrics.update(data_metrics)
-        tokens = metrics["perf/total_num_tokens"]
-        step_s = timing["timing_s/step"]
-        metrics["perf/throughput"] = tokens / step_s / cfg.trainer.world_size if step_s else 0.0
-        metrics["training/epoch"] = self.sampler.epoch + self.sampler.position / max(
-            self.sampler.batches_per_epoch, 1
-        )
+        # The rollout workers' reward counts are already in ``metrics``.
+        metrics.update(self._step_metrics(data_metrics, {}, timing))
         metrics.update(timing)
         return metrics
 
+    def _max_response_length(self) -> int:
+        return min(self.cfg.rollout.max_new_tokens, self.cfg.data.max_response_length)
+
     def _step_metrics(
         self,
-        batch: Batch,
-        scores: torch.Tensor,
-        acc: torch.Tensor,
+        data: Mapping[str, float],
         reward_metrics: Mapping[str, float],
         timing: Mapping[str, float],
     ) -> dict[str, float]:
-        max_len = min(self.cfg.rollout.max_new_tokens, self.cfg.data.max_response_length)
-        out = batch_metrics(batch, scores, acc, max_len)
+        """Add reward failure counts, throughput and epoch to the step's data metrics."""
+        out = dict(data)
         for key in ("reward/errors", "reward/timeouts"):
             if key in reward_metrics:
                 out[key] = float(reward_metrics[key])
-        tokens = out["perf/total_num_tokens"]
         step_s = timing.get("timing_s/step", 0.0)
+        tokens = out["perf/total_num_tokens"]
         out["perf/throughput"] = tokens / step_s / self.cfg.trainer.world_size if step_s else 0.0
         out["training/epoch"] = self.sampler.epoch + self.sampler.position / max(
             self.sampler.batches_per_epoch, 1
