@@ -604,6 +604,37 @@ def test_ray_get_meta_of_one_block_reads_the_producers_object_directly(ray_sessi
     q.clear("hint")
 
 
+def test_ray_reader_ahead_of_the_storage_unit_waits_for_the_committed_block(ray_session, ray_queue):
+    """A sealed block is committed before its unit maps it: an early reader waits, no error."""
+    ray = ray_session
+    from polyrl.transfer import RayTransferQueue
+    from polyrl.transfer._core import batch_to_columns
+
+    q = RayTransferQueue.connect(ray_queue.name, direct_bytes=0, adopt_timeout=1.0)
+    b = _batch(16, seed=8)
+    source = [ray.put(batch_to_columns(b))]
+    # What put does for one sealed block, with the unit's adopt held back.
+    committed = q.controller.commit_new.remote("early", list(b.keys()), [1] * 16, None, None)
+    meta = ray.get(committed)
+    reader = RayTransferQueue.connect(ray_queue.name)  # no source hint: asks unit 1
+    out: dict[str, object] = {}
+    thread = threading.Thread(target=lambda: out.update(got=reader.get_data(meta)))
+    thread.start()
+    time.sleep(0.3)
+    assert thread.is_alive()  # waiting for the block, not failed
+    ray.get(q.units[1].adopt.remote("early", [committed], source))
+    thread.join(30)
+    assert out["got"].equals(b)
+    # Committed but never adopted (its producer died mid-put): a clear error after the wait.
+    lost = ray.get(q.controller.commit_new.remote("early", ["input_ids"], [0] * 4, None, None))
+    with pytest.raises(TransferError, match="committed to storage unit 0 but did not reach it"):
+        q.get_data(lost)
+    # Never committed at all: the unit's own error, at once.
+    with pytest.raises(TransferError, match="'early' holds no data in this storage unit"):
+        q.get_data(lost, ["log_probs"])
+    q.clear("early")
+
+
 def test_ray_reads_survive_the_death_of_the_producer(ray_session, ray_queue):
     ray = ray_session
 

@@ -327,6 +327,21 @@ class ColumnStore:
             out[i] = _row_as_value(ch.kind, ch.array, ch.dtype_name, r)
         return ("o", out, None)
 
+    def holds(self, partition: str, sample_ids: Sequence[int], fields: Sequence[str]) -> bool:
+        """Whether every field of ``fields`` of every sample of ``sample_ids`` is held."""
+        part = self._parts.get(partition)
+        if part is None:
+            return not sample_ids
+        for f in fields:
+            idx = part.index.get(f)
+            if idx is None:
+                if sample_ids:
+                    return False
+                continue
+            if any(sid not in idx for sid in sample_ids):
+                return False
+        return True
+
     def find_source(
         self, partition: str, sample_ids: Sequence[int], fields: Sequence[str]
     ) -> tuple[Any, int, int] | None:
@@ -519,6 +534,16 @@ class MetadataStore:
         part = self._parts[partition]
         part.consumed.setdefault(consumer, set()).update(chosen)
         return self._meta(part, partition, chosen, fields), len(ready)
+
+    def committed(
+        self, partition: str, sample_ids: Sequence[int], fields: Sequence[str]
+    ) -> bool | None:
+        """Whether every field of every sample is produced (None: unknown partition)."""
+        part = self._parts.get(partition)
+        if part is None:
+            return None
+        want = set(fields)
+        return all(want <= part.fields.get(int(sid), frozenset()) for sid in sample_ids)
 
     def has_partition(self, partition: str) -> bool:
         """Whether ``partition`` has metadata."""

@@ -25,9 +25,13 @@ and each block goes to the client's next unit. Samples created with explicit ids
 ``(sample_id // block_size) % n_candidates`` (so producers adding members of one new sample
 agree). Fields added later to an existing sample go to the unit that already holds it.
 
-Round trips: a put of at most ``block_size`` new samples is one call to one unit, which holds
-the data, asks the controller to allocate and commit the ids (waking blocked consumers) and
-indexes the rows before it serves its next call. Larger puts issue the id allocation, the
+Round trips: a put of at most ``block_size`` new samples of at least ``direct_bytes`` is sealed
+by the producer, which asks the controller to allocate and commit the ids (waking blocked
+consumers, who can read the sealed object at once) and, in parallel, has the unit map and index
+it (``adopt``); the put returns once both are done. A reader that reaches the unit before the
+block does (it was committed first) waits for it. A smaller put of new samples is one call to
+one unit, which holds the data, asks the controller to commit it and indexes the rows before it
+serves its next call. Larger puts issue the id allocation, the
 storage calls and the commit together, the later ones taking the earlier ones' ObjectRefs as
 arguments (Ray runs them in dependency order); the producer waits once.
 """
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import uuid
 from collections.abc import Awaitable, Sequence
 from typing import Any
@@ -222,6 +227,12 @@ class TransferController:
         """Whether ``partition`` has metadata."""
         return self._meta.has_partition(partition)
 
+    async def committed(
+        self, partition: str, sample_ids: Sequence[int], fields: Sequence[str]
+    ) -> bool | None:
+        """Whether every field of every sample is produced (None: unknown partition)."""
+        return self._meta.committed(partition, sample_ids, fields)
+
     async def clear(self, partition: str) -> None:
         """Forget the metadata of ``partition``."""
         self._meta.clear(partition)
@@ -304,6 +315,20 @@ class StorageUnit:
         self._store.put(partition, meta.sample_ids, cols, source=source)
         return meta
 
+    def adopt(self, partition: str, committed: list[Any], source: list[Any]) -> int:
+        """Index a block the producer committed itself; return the bytes held.
+
+        Args:
+            partition: the partition.
+            committed: ``[ref]`` to the controller's :meth:`TransferController.commit_new`
+                result (its sample ids); nested, so this call is dispatched at once and waits for
+                the commit here, in parallel with the consumers the commit wakes.
+            source: ``[ref]`` to the producer's sealed columns (mapped zero-copy, kept).
+        """
+        cols, meta = ray.get([source[0], committed[0]])
+        self._store.put(partition, meta.sample_ids, cols, source=source[0])
+        return self._store.nbytes()
+
     def put_offset(
         self, partition: str, first: int, offset: int, cols: dict[str, Column] | list[Any]
     ) -> int:
@@ -316,17 +341,22 @@ class StorageUnit:
         sample_ids: Sequence[int],
         fields: Sequence[str],
         reader_node: str | None = None,
+        strict: bool = True,
     ) -> tuple[Any, ...]:
         """Return the rows of ``sample_ids``.
 
         ``("ref", [ref], start, stop)`` when the reader runs on this unit's node and the rows
         are one in-order run of one producer object (the reader maps it zero-copy and slices);
         otherwise ``("cols", columns)`` with the rows gathered into one column per field.
+        With ``strict=False``, rows not held (yet) give ``("missing",)`` instead of an error:
+        a block its producer committed first may still be on its way here (see :meth:`adopt`).
         """
         if reader_node is not None and reader_node == self._node:
             hit = self._store.find_source(partition, sample_ids, fields)
             if hit is not None:
                 return ("ref", [hit[0]], hit[1], hit[2])
+        if not strict and not self._store.holds(partition, sample_ids, fields):
+            return ("missing",)
         return ("cols", self._store.get(partition, sample_ids, fields))
 
     def clear(self, partition: str) -> int:
@@ -388,6 +418,8 @@ class RayTransferQueue(TransferQueue):
             producer and the unit keeps the reference, so that a reader on the unit's node of a
             whole in-order run of the block maps the producer's object without another copy
             (smaller blocks travel inline in the call to the unit).
+        adopt_timeout: seconds a reader waits for committed rows to reach their storage unit
+            (a block is committed before its unit has mapped it; see ``StorageUnit.adopt``).
     """
 
     def __init__(
@@ -400,6 +432,7 @@ class RayTransferQueue(TransferQueue):
         length_key: str = "response_ids",
         block_size: int = 1024,
         direct_bytes: int = 1 << 20,
+        adopt_timeout: float = 60.0,
     ) -> None:
         if not units:
             raise ValueError("RayTransferQueue needs at least one storage unit")
@@ -415,6 +448,7 @@ class RayTransferQueue(TransferQueue):
         self.length_key = length_key
         self.block_size = block_size
         self.direct_bytes = direct_bytes
+        self.adopt_timeout = float(adopt_timeout)
         self._owns_actors = False
         self._candidates: list[int] | None = None
         self._rr = os.getpid()  # spreads the first blocks of clients in different processes
@@ -470,8 +504,11 @@ class RayTransferQueue(TransferQueue):
 
     def _submit_put(
         self, batch: Batch, partition: str, sample_ids: Sequence[int] | None, known: Any
-    ) -> Any:
-        """Issue the storage and commit calls without waiting; return the commit's ObjectRef.
+    ) -> list[Any]:
+        """Issue the storage and commit calls without waiting; return their ObjectRefs.
+
+        The first ObjectRef is the commit's (its value is the put's :class:`BatchMeta`); put
+        returns once every one of them is done.
 
         New samples: the controller's id allocation (an ObjectRef) is handed to the storage
         units and the commit directly, so the producer waits for one reply only.
@@ -482,10 +519,19 @@ class RayTransferQueue(TransferQueue):
         lengths = row_lengths(batch, self.length_key)
         stored = []
         if sample_ids is None and 0 < n <= self.block_size:
-            # One block: the unit stores it and commits it itself (one wait for the producer).
             u = self._next_block_unit()
             payload = self._payload(cols)
-            return self.units[u].put_new.remote(partition, n, list(cols), payload, groups, lengths)
+            if isinstance(payload, list):
+                # A sealed object: commit it at once (consumers read it directly, one hop
+                # from here) while the unit maps it in parallel; put returns once both are done,
+                # so the rows outlive this process from then on.
+                meta = self.controller.commit_new.remote(
+                    partition, list(cols), [u] * n, groups, lengths, payload, self._node()
+                )
+                return [meta, self.units[u].adopt.remote(partition, [meta], payload)]
+            # Small: the data travels in the call; the unit stores it, then commits it.
+            unit = self.units[u]
+            return [unit.put_new.remote(partition, n, list(cols), payload, groups, lengths)]
         if sample_ids is None:
             first = self.controller.allocate.remote(partition, n)
             # Round-robin in blocks: each block of ``block_size`` rows goes to the next unit.
@@ -512,9 +558,11 @@ class RayTransferQueue(TransferQueue):
             ids_arg = ids
         # Data first, then metadata: Ray runs the commit only after every ``stored`` call
         # succeeded, so a consumer never gets a reference to unstored data.
-        return self.controller.commit.remote(
-            partition, ids_arg, list(cols), units, groups, lengths, *stored
-        )
+        return [
+            self.controller.commit.remote(
+                partition, ids_arg, list(cols), units, groups, lengths, *stored
+            )
+        ]
 
     def _payload(self, part: dict[str, Column]) -> dict[str, Column] | list[Any]:
         # Large blocks go into the object store once, by the producer, and the unit keeps the
@@ -545,7 +593,7 @@ class RayTransferQueue(TransferQueue):
         """Store the rows of ``batch`` (see :meth:`TransferQueue.put`)."""
         ids = self._check_put(batch, partition, sample_ids)
         known = None if ids is None else _ray_get(self.controller.locate.remote(partition, ids))
-        return _ray_get(self._submit_put(batch, partition, ids, known))
+        return _ray_get(self._submit_put(batch, partition, ids, known))[0]
 
     async def async_put(
         self, batch: Batch, partition: str, sample_ids: Sequence[int] | None = None
@@ -555,7 +603,7 @@ class RayTransferQueue(TransferQueue):
         known = None
         if ids is not None:
             known = await _await(self.controller.locate.remote(partition, ids))
-        return await _await(self._submit_put(batch, partition, ids, known))
+        return (await _await(asyncio.gather(*self._submit_put(batch, partition, ids, known))))[0]
 
     def clear(self, partition: str) -> None:
         """Drop the metadata, then the data, of ``partition`` on every unit."""
@@ -653,7 +701,8 @@ class RayTransferQueue(TransferQueue):
 
     def _data_calls(
         self, meta: BatchMeta, fields: Sequence[str] | None
-    ) -> tuple[tuple[str, ...], list[list[int]], list[Any]]:
+    ) -> tuple[tuple[str, ...], list[list[int]], list[Any], list[int]]:
+        """Issue one ``get`` per storage unit; return fields, positions, refs and units."""
         if not isinstance(meta, BatchMeta):
             raise TypeError(f"get_data: expected a BatchMeta, got {type(meta).__name__}")
         fields = meta.fields if fields is None else check_fields(fields)
@@ -669,8 +718,65 @@ class RayTransferQueue(TransferQueue):
         for u, pos in pos_by_unit.items():
             ids = [meta.sample_ids[p] for p in pos]
             positions.append(pos)
-            refs.append(self.units[u].get.remote(meta.partition, ids, fields, self._node()))
-        return fields, positions, refs
+            refs.append(
+                self.units[u].get.remote(meta.partition, ids, fields, self._node(), strict=False)
+            )
+        return fields, positions, refs, list(pos_by_unit)
+
+    def _wait_for_adopted(
+        self,
+        meta: BatchMeta,
+        fields: Sequence[str],
+        positions: list[list[int]],
+        units: list[int],
+        results: list[tuple[Any, ...]],
+    ) -> list[tuple[Any, ...]]:
+        """Re-read rows a unit did not hold yet: committed blocks still being adopted.
+
+        A producer commits a sealed block before its unit has indexed it (see
+        ``StorageUnit.adopt``), so a reader can be a moment early. Rows the controller never
+        committed, or a cleared partition, are errors at once; committed rows that do not
+        arrive within ``adopt_timeout`` seconds (their producer died in between) are an error.
+        """
+        deadline = time.monotonic() + self.adopt_timeout
+        delay = 0.001
+        results = list(results)
+        while True:
+            waiting = [k for k, r in enumerate(results) if r[0] == "missing"]
+            if not waiting:
+                return results
+            for k in waiting:
+                ids = [meta.sample_ids[p] for p in positions[k]]
+                done = _ray_get(self.controller.committed.remote(meta.partition, ids, fields))
+                if done is None:
+                    raise TransferError(
+                        f"get_data: unknown partition {meta.partition!r} (never put, or cleared)"
+                    )
+                if not done:  # the unit's own error names the missing fields and samples
+                    _ray_get(self.units[units[k]].get.remote(meta.partition, ids, fields))
+                if time.monotonic() > deadline:
+                    raise TransferError(
+                        f"get_data: samples {ids[:8]}{' ...' if len(ids) > 8 else ''} of "
+                        f"partition {meta.partition!r} were committed to storage unit "
+                        f"{units[k]} but did not reach it within {self.adopt_timeout:g} s "
+                        "(did their producer die during its put?)"
+                    )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+            again = _ray_get(
+                [
+                    self.units[units[k]].get.remote(
+                        meta.partition,
+                        [meta.sample_ids[p] for p in positions[k]],
+                        fields,
+                        self._node(),
+                        strict=False,
+                    )
+                    for k in waiting
+                ]
+            )
+            for k, r in zip(waiting, again, strict=True):
+                results[k] = r
 
     def _node(self) -> str:
         if self._node_id is None:
@@ -729,13 +835,15 @@ class RayTransferQueue(TransferQueue):
                 return self._from_source(meta, chosen, hint, ray.get(hint[0][0]))
             except ObjectLostError:
                 pass  # the producer is gone: the storage unit still has the rows
-        fields, positions, refs = self._data_calls(meta, fields)
+        fields, positions, refs, units = self._data_calls(meta, fields)
         if not refs:
             return Batch(batch_size=0)
         try:
             results = ray.get(refs)
         except RayTaskError as exc:
             raise (self._missing_partition(meta) or _unwrap(exc)) from None
+        if any(r[0] == "missing" for r in results):
+            results = self._wait_for_adopted(meta, fields, positions, units, results)
         try:
             sources = ray.get(self._source_refs(results))
         except ObjectLostError:  # the producer that owned it died; the unit still maps it
@@ -751,7 +859,7 @@ class RayTransferQueue(TransferQueue):
                 return self._from_source(meta, chosen, hint, await hint[0][0])
             except ObjectLostError:
                 pass
-        fields, positions, refs = self._data_calls(meta, fields)
+        fields, positions, refs, units = self._data_calls(meta, fields)
         if not refs:
             return Batch(batch_size=0)
         try:
@@ -763,6 +871,10 @@ class RayTransferQueue(TransferQueue):
                     f"get_data: unknown partition {meta.partition!r} (never put, or cleared)"
                 )
             raise (missing or _unwrap(exc)) from None
+        if any(r[0] == "missing" for r in results):
+            results = await asyncio.to_thread(
+                self._wait_for_adopted, meta, fields, positions, units, list(results)
+            )
         try:
             sources = list(await asyncio.gather(*self._source_refs(results)))
         except ObjectLostError:
