@@ -164,3 +164,39 @@ def test_cli_serve_with_two_replicas_behind_a_router(model_dir, tmp_path):
         code = proc.wait(30)
         log.close()
     assert code == 0, (tmp_path / "serve.log").read_text()[-3000:]
+
+
+def test_a_replica_outlives_no_parent_killed_without_cleanup(model_dir, tmp_path):
+    """SIGKILL the process that started a replica: the replica notices and shuts down."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import sys, time\n"
+        "from polyrl.rollout.launcher import ServerProcess\n"
+        "p = ServerProcess(sys.argv[1], options={'num_threads': 1}).start(timeout=180)\n"
+        "print(p.process.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, str(script), str(model_dir)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        child = int(parent.stdout.readline())
+        os.kill(child, 0)  # serving
+        parent.kill()
+        parent.wait(30)
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            # A zombie (reparented, not yet reaped) has exited too.
+            with open(f"/proc/{child}/stat") as f:
+                if f.read().split(") ")[1].startswith("Z"):
+                    break
+            time.sleep(0.2)
+        else:
+            os.kill(child, 9)
+            raise AssertionError("the replica kept running after its parent was killed")
+    finally:
+        parent.kill()

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from polyrl.rollout.options import API_KEY_ENV
+from polyrl.rollout.options import API_KEY_ENV, PARENT_FD_ENV
 
 __all__ = ["ServerProcess", "option_flags", "serve_command", "start_replicas"]
 
@@ -82,6 +82,9 @@ class ServerProcess:
         self.ready_file = Path(self._tmp) / "ready.json"
         self.process: subprocess.Popen[bytes] | None = None
         self.url: str | None = None
+        # Write end of the child's lifeline pipe: never written, closed by the kernel when this
+        # process dies however it dies, which the child sees as end-of-file and shuts down.
+        self._lifeline: int | None = None
 
     @property
     def command(self) -> list[str]:
@@ -110,10 +113,23 @@ class ServerProcess:
         env.pop(API_KEY_ENV, None)
         if self.api_key:
             env[API_KEY_ENV] = self.api_key
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, env=env
-            )
+        read_end, self._lifeline = os.pipe()  # both close-on-exec; the child gets read_end only
+        env[PARENT_FD_ENV] = str(read_end)
+        try:
+            with open(self.log_path, "ab") as log:
+                self.process = subprocess.Popen(
+                    self.command,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    pass_fds=(read_end,),
+                )
+        except BaseException:
+            os.close(self._lifeline)
+            self._lifeline = None
+            raise
+        finally:
+            os.close(read_end)
         return self
 
     def log_tail(self, chars: int = 4000) -> str:
@@ -173,13 +189,20 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        self._close_lifeline()
         return self.process.returncode
+
+    def _close_lifeline(self) -> None:
+        if self._lifeline is not None:
+            os.close(self._lifeline)
+            self._lifeline = None
 
     def kill(self) -> None:
         """Kill the child at once (SIGKILL), as a crash would."""
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+        self._close_lifeline()
 
     def __enter__(self) -> ServerProcess:
         return self.start()

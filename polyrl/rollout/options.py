@@ -11,6 +11,7 @@ from typing import Any
 
 __all__ = [
     "API_KEY_ENV",
+    "PARENT_FD_ENV",
     "add_backend_arguments",
     "add_listen_arguments",
     "backend_options",
@@ -18,6 +19,11 @@ __all__ = [
 
 #: Environment variable holding the bearer token (kept out of argv, where ``ps`` shows it).
 API_KEY_ENV = "POLYRL_API_KEY"
+
+#: Environment variable naming the read end of a pipe whose other end the parent holds: a replica
+#: started by :class:`~polyrl.rollout.launcher.ServerProcess` shuts down when it reads EOF there,
+#: so a parent killed without cleanup (SIGKILL, OOM) leaves no orphan server behind.
+PARENT_FD_ENV = "POLYRL_PARENT_FD"
 
 # (flag, engine option, type, help); only flags given on the command line reach the backend.
 _BACKEND_FLAGS: tuple[tuple[str, str, Any, str], ...] = (

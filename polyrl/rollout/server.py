@@ -87,6 +87,7 @@ from polyrl.rollout.base import (
     create_backend,
 )
 from polyrl.rollout.options import (
+    PARENT_FD_ENV,
     add_backend_arguments,
     add_listen_arguments,
     api_key_from_env,
@@ -802,10 +803,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def watch_parent(fd: int) -> threading.Thread:
+    """Shut this process down gracefully (SIGTERM to itself) once ``fd`` reads end-of-file.
+
+    ``fd`` is the read end of a pipe whose write end only the parent holds: when the parent
+    dies, however it dies, the kernel closes that end. (``PR_SET_PDEATHSIG`` would fire when
+    the *thread* that spawned the child exits, which kills replicas started from worker threads.)
+    """
+
+    def wait() -> None:
+        try:
+            while os.read(fd, 4096):
+                pass
+        except OSError:
+            pass
+        logger.warning("parent process is gone: shutting down")
+        os.kill(os.getpid(), signal.SIGTERM)
+        # A signal that lands before the server installs its handlers is ignored (see
+        # serve_app): do not outlive the parent by more than a grace period regardless.
+        threading.Event().wait(30.0)
+        os._exit(0)
+
+    thread = threading.Thread(target=wait, name="polyrl-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m polyrl.rollout.server``; returns the exit code."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    parent_fd = os.environ.pop(PARENT_FD_ENV, None)
+    if parent_fd:
+        watch_parent(int(parent_fd))
     try:
         serve(
             args.model_dir,
