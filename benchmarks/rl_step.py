@@ -19,7 +19,7 @@ Run: ``python benchmarks/rl_step.py [--steps 3] [--rounds 2] [--threads 2] [--tr
 The last stdout line is one JSON object: ``{"name": "rl_step", "polyrl_step_s", "trl_step_s",
 "polyrl_tokens_per_s", "trl_tokens_per_s", "ratio", "settings": {...}}``; ``ratio`` is
 ``polyrl_tokens_per_s / trl_tokens_per_s`` and null when a side could not run (the reason goes
-to stderr and to ``errors``).
+to stderr and to ``errors``, and the script exits with status 1).
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def run_trl_step(
     return json.loads(lines[-1])
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round and side")
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds (medians)")
@@ -278,7 +278,8 @@ def main() -> None:
         "errors": errors or None,
     }
     print(json.dumps(result))
+    return 1 if errors else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
