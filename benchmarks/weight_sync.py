@@ -14,7 +14,8 @@ Run: ``python benchmarks/weight_sync.py [--size small] [--bucket-mb 64 16 256] [
 A markdown table row per bucket size is printed; the last stdout line is the JSON of the first
 size: ``{"name": "weight_sync", "model_bytes", "memcpy_GBps", "transports": {"shm":
 {"seconds", "GBps"}, "dist": {...}, "disk": {...}}, "ratio", "default_mode": "staged",
-"inplace": {"shm": {...}, ...}, "ratio_inplace"}`` where ``transports``/``ratio`` are the
+"inplace": {"shm": {...}, ...}, "ratio_inplace", "faults_per_update": {"shm_staged": {"sender",
+"replica"}, ...}}`` where ``transports``/``ratio`` are the
 default ``staged`` mode and ``ratio = shm_GBps / memcpy_GBps``.
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -31,6 +33,7 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import httpx  # noqa: E402
 import torch  # noqa: E402
 
 from polyrl.model.engine import build_engine  # noqa: E402
@@ -51,6 +54,16 @@ def memcpy_seconds(tensors: list[torch.Tensor], dst: torch.Tensor) -> float:
             piece = src[start : start + bucket]
             dst[: piece.numel()].copy_(piece)
     return time.perf_counter() - t0
+
+
+def own_faults() -> int:
+    """Minor page faults of this process so far."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def replica_faults(url: str) -> int:
+    """Minor page faults of the replica process so far (from ``/weights/status``)."""
+    return int(httpx.get(url + "/weights/status").json()["minor_faults"])
 
 
 def run(
@@ -83,10 +96,14 @@ def run(
             memcpy_seconds(flat, dst)  # warm-up
             copies: list[float] = []
             times: dict[tuple[str, str], list[float]] = {key: [] for key in senders}
+            faults: dict[tuple[str, str], list[tuple[int, int]]] = {key: [] for key in senders}
             for _ in range(rounds):  # alternate: baseline, then every transport and mode
                 copies.append(memcpy_seconds(flat, dst))
                 for key, sender in senders.items():
+                    before = (own_faults(), replica_faults(replica.url))
                     times[key].append(sender.send(engine.named_tensors()).seconds)
+                    after = (own_faults(), replica_faults(replica.url))
+                    faults[key].append((after[0] - before[0], after[1] - before[1]))
             memcpy = nbytes / statistics.median(copies) / 1e9
 
             def figures(key: tuple[str, str], times=times, nbytes=nbytes) -> dict[str, float]:
@@ -103,6 +120,14 @@ def run(
                 "bucket_mb": mb,
                 "rounds": rounds,
                 "threads": threads,
+            }
+            # Page faults per update (medians; machine-independent, unlike the timings).
+            row["faults_per_update"] = {
+                f"{k}_{m}": {
+                    side: int(statistics.median(f[i] for f in faults[(k, m)]))
+                    for i, side in enumerate(("sender", "replica"))
+                }
+                for k, m in senders
             }
             row["ratio"] = round(row["transports"]["shm"]["GBps"] / memcpy, 4)
             row["ratio_inplace"] = round(row["inplace"]["shm"]["GBps"] / memcpy, 4)

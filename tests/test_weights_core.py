@@ -166,6 +166,20 @@ def test_incomplete_transfer_is_refused_by_name():
     assert store.version == 0
 
 
+def test_a_chunk_arriving_twice_is_refused_by_name():
+    store, receiver, _ = make()
+    receiver.begin("x", 1)
+
+    def bucket(index: int) -> BucketMeta:
+        entry = {"name": "w", "shape": [2], "dtype": "float32", "offset": 0, "nbytes": 8}
+        meta = {"transfer_id": "x", "version": 1, "index": index, "nbytes": 8}
+        return BucketMeta.from_dict({**meta, "tensors": [entry]})
+
+    receiver.receive(bucket(0), memoryview(bytearray(8)))  # "w" is complete
+    with pytest.raises(WeightTransferError, match="'w' receives more than its 8 bytes"):
+        receiver.receive(bucket(1), memoryview(bytearray(8)))
+
+
 def test_name_map_hook_and_registry():
     store = Store()
     receiver = WeightReceiver(

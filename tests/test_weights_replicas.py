@@ -273,6 +273,34 @@ def micro(tmp_path_factory):
 MIB = 2**20
 
 
+def test_shm_segments_stay_mapped_across_updates_and_are_dropped_when_gone(micro):
+    url, old, new = micro
+
+    def mapped() -> list[str]:
+        return httpx.get(url + "/weights/status").json()["shm_mapped"]
+
+    first = create_transport("shm", urls=[url], timeout=60)
+    try:
+        # inplace: no shadows on this replica (the memory test below measures their first use)
+        sender = WeightSender(first, bucket_mb=1, checksum=True, mode="inplace")
+        sender.send(iter(new.items()))
+        names = sorted(seg.name for seg in first._segments.values())
+        assert len(names) == 2 and sorted(mapped()) == names  # both buckets, kept after commit
+        sender.send(iter(old.items()))
+        # Mapped once per transport, not once per transfer: the same two mappings.
+        assert sorted(mapped()) == names
+    finally:
+        first.close()  # unlinks its segments
+    second = create_transport("shm", urls=[url], timeout=60)
+    try:
+        WeightSender(second, bucket_mb=1, checksum=True, mode="inplace").send(iter(new.items()))
+        now = sorted(mapped())
+        assert now == sorted(seg.name for seg in second._segments.values())
+        assert not set(now) & set(names)  # the closed sender's segments were unmapped
+    finally:
+        second.close()
+
+
 def test_peak_extra_memory_is_bounded_on_both_sides(micro):
     url, old, new = micro
     model = sum(t.numel() * t.element_size() for t in old.values())

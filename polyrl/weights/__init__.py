@@ -11,10 +11,12 @@ from polyrl.weights.base import (
 )
 from polyrl.weights.receiver import LoadFnTarget, WeightReceiver, WeightTarget
 from polyrl.weights.sender import SendStats, WeightSender
+from polyrl.weights.staging import SafetensorsDirTarget
 
 __all__ = [
     "BucketMeta",
     "LoadFnTarget",
+    "SafetensorsDirTarget",
     "SendStats",
     "TensorMeta",
     "Transport",

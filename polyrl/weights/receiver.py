@@ -85,6 +85,9 @@ class WeightTarget(abc.ABC):
         """Bytes the target holds for transfers (e.g. shadows); 0 if none."""
         return 0
 
+    def tensor_done(self, transfer_id: str, name: str) -> None:  # noqa: B027 - optional hook
+        """React to tensor ``name`` being complete (e.g. release a mapping of it)."""
+
 
 class LoadFnTarget(WeightTarget):
     """Adapter for backends that only have an atomic ``load_fn(pairs, version)``.
@@ -134,12 +137,17 @@ class LoadFnTarget(WeightTarget):
         return sum(t.numel() * t.element_size() for t in self._staged.values())
 
 
+#: Placeholder destination of a tensor already complete.
+_DONE = torch.empty(0)
+
+
 @dataclass
 class _Slot:
     """One tensor of the transfer being received."""
 
     dest: torch.Tensor
     total: int
+    shape: tuple[int, ...]
     filled: int = 0
     temporary: bool = False
 
@@ -180,6 +188,8 @@ class WeightReceiver:
         self._measure = False
         self._rss0: int | None = None
         self.last: dict[str, Any] = {}
+        #: Called with the transfer id after every abort (e.g. to release transport resources).
+        self.on_abort: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------------------- helpers
 
@@ -322,7 +332,7 @@ class WeightReceiver:
     def _slot(self, transfer_id: str, name: str, shape: tuple[int, ...], dtype: torch.dtype):
         slot = self._slots.get(name)
         if slot is not None:
-            if tuple(slot.dest.shape) != shape and not slot.temporary:
+            if slot.shape != shape:
                 raise WeightTransferError(f"tensor {name!r} arrives with two different shapes")
             return slot
         total = 1
@@ -333,7 +343,7 @@ class WeightReceiver:
             dest = torch.empty(shape, dtype=dtype)
             self._temp_bytes += total
             self._track()
-            slot = _Slot(dest, total, temporary=True)
+            slot = _Slot(dest, total, shape, temporary=True)
         else:
             dest = self.target.destination(transfer_id, name, shape, dtype)
             if tuple(dest.shape) != shape:
@@ -343,13 +353,15 @@ class WeightReceiver:
                 )
             if not dest.is_contiguous():
                 raise WeightTransferError(f"the destination of tensor {name!r} is not contiguous")
-            slot = _Slot(dest, total)
+            slot = _Slot(dest, total, shape)
         self._slots[name] = slot
         return slot
 
     def _complete(self, transfer_id: str, name: str, slot: _Slot) -> None:
         if not slot.temporary:
             self._done.append(name)
+            slot.dest = _DONE  # drop this view of the destination (a mapped file, say)
+            self.target.tensor_done(transfer_id, name)
             return
         assert self.name_map is not None
         for mapped, tensor in self.name_map(name, slot.dest):
@@ -360,7 +372,9 @@ class WeightReceiver:
                     f"the serving model expects {list(dest.shape)}"
                 )
             dest.copy_(tensor)
+            del dest
             self._done.append(mapped)
+            self.target.tensor_done(transfer_id, mapped)
         self._temp_bytes -= slot.total
         slot.dest = torch.empty(0)  # free the temporary now, not at the end of the transfer
 
@@ -406,6 +420,11 @@ class WeightReceiver:
                         f"tensor {t.name!r} of shape {list(t.shape)} {t.dtype} is "
                         f"{slot.total} bytes; a chunk reaches byte {t.start + t.nbytes}"
                     )
+                if t.nbytes and slot.filled + t.nbytes > slot.total:
+                    raise WeightTransferError(
+                        f"tensor {t.name!r} receives more than its {slot.total} bytes "
+                        "(a chunk arrived twice)"
+                    )
                 if t.nbytes:
                     self._copy(t.name, slot.dest, wire, raw, t.offset, t.start, t.nbytes)
                 slot.filled += t.nbytes
@@ -443,6 +462,8 @@ class WeightReceiver:
         self._finish_stats(transfer_id, f"aborted: {reason}")
         self._reset()
         self.target.abort(transfer_id, reason)
+        if self.on_abort is not None:
+            self.on_abort(transfer_id)
 
     def abort(self, transfer_id: str | None = None, reason: str = "aborted by the sender") -> bool:
         """Drop transfer ``transfer_id`` (or any); True if one was in progress."""

@@ -6,12 +6,16 @@
 {"kind": "dist"} | {"kind": "cuda_ipc", "handle"}}`` → ``{"buckets": n}``;
 ``POST /weights/commit`` ``{"transfer_id", "version", "buckets"}`` → ``{"weight_version"}``;
 ``POST /weights/abort`` ``{"transfer_id"?, "reason"?}``; ``GET /weights/status`` (the transfer
-in progress, the last one with its measured memory); ``POST /weights/dist/init``
-``{"host", "port", "rank", "world_size", "timeout"?, "backend"?}`` joins the sender's group.
+in progress, the last one with its measured memory, ``shm_mapped``: the senders' shared-memory
+segments this replica keeps mapped, ``minor_faults``: the process's page faults so far);
+``POST /weights/dist/init`` ``{"host", "port", "rank", "world_size", "timeout"?, "backend"?}``
+joins the sender's group.
 
 Backends with a streaming interface (the native engine: ``begin_weight_update``,
 ``weight_destination``, ``commit_weight_update``, ``abort_weight_update``) receive every chunk
-straight into place; others with an atomic ``load_weights`` get the whole set at commit.
+straight into place; others with an atomic ``load_weights`` get the whole set at commit; those
+that only reload from a directory (vLLM: ``update_weights(path)``) get it staged as a
+safetensors directory and reloaded once at commit (:mod:`polyrl.weights.staging`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import resource
 import sys
 import threading
 from collections.abc import Sequence
@@ -90,26 +95,58 @@ def _open_shm(name: str) -> shared_memory.SharedMemory:
 
 
 class _ShmCache:
-    """The sender's segments, mapped once per transfer instead of once per bucket."""
+    """The sender's segments, mapped once and kept mapped across buckets and transfers.
 
-    def __init__(self) -> None:
+    Mapping a segment afresh for every transfer made the replica fault in every page of both
+    buckets again on each update (and the first read of a fresh mapping runs at a fraction of
+    the copy bandwidth). A sender keeps its two segments for its lifetime, so their mappings
+    are kept here too, at most ``keep`` of them (least recently used are unmapped first), and a
+    segment whose name is gone from ``/dev/shm`` (its sender closed or died) is unmapped at
+    the next ``begin``/abort: the replica never pins more than ``keep`` buckets of a dead
+    sender's memory.
+    """
+
+    def __init__(self, keep: int = 4) -> None:
         self.lock = threading.Lock()
+        self.keep = keep
         self.segments: dict[str, shared_memory.SharedMemory] = {}
 
-    def get(self, name: str) -> shared_memory.SharedMemory:
+    def get(self, name: str, nbytes: int) -> shared_memory.SharedMemory:
         with self.lock:
-            seg = self.segments.get(name)
+            seg = self.segments.pop(name, None)
+            if seg is not None and seg.size < nbytes:
+                self._close(seg)  # not ours to resize: map it again at its new size
+                seg = None
             if seg is None:
-                seg = self.segments[name] = _open_shm(name)
+                seg = _open_shm(name)
+            self.segments[name] = seg  # most recently used last
+            while len(self.segments) > self.keep:
+                self._close(self.segments.pop(next(iter(self.segments))))
             return seg
+
+    @staticmethod
+    def _close(seg: shared_memory.SharedMemory) -> None:
+        try:
+            seg.close()
+        except BufferError:  # a bucket copy still holds it: the mapping dies with it
+            pass
+
+    def names(self) -> list[str]:
+        """Names of the segments mapped now (least recently used first)."""
+        with self.lock:
+            return list(self.segments)
+
+    def drop_stale(self) -> None:
+        """Unmap segments their sender has unlinked (closed transport or dead sender)."""
+        with self.lock:
+            for name in list(self.segments):
+                if not os.path.exists("/dev/shm/" + name.lstrip("/")):
+                    self._close(self.segments.pop(name))
 
     def close(self) -> None:
         with self.lock:
             for seg in self.segments.values():
-                try:
-                    seg.close()
-                except BufferError:  # a bucket copy still holds it: the mapping dies with it
-                    pass
+                self._close(seg)
             self.segments.clear()
 
 
@@ -215,7 +252,7 @@ def _read_source(
         torch.cuda.current_stream(gpu.device).synchronize()  # done before the sender reuses it
     elif kind == "shm":
         try:
-            seg = shm.get(str(source["name"]))
+            seg = shm.get(str(source["name"]), meta.nbytes)
         except (FileNotFoundError, KeyError) as exc:
             raise WeightTransferError(
                 f"bucket {meta.index}: shared memory {source.get('name')!r} is gone: {exc}"
@@ -243,8 +280,9 @@ def register_weight_routes(
     """Add the ``/weights/*`` endpoints for ``backend``.
 
     Streams into the backend's engine when it supports streamed updates, else collects the
-    tensors for its atomic ``load_weights``. Returns the receiver, or ``None`` when the
-    backend can do neither.
+    tensors for its atomic ``load_weights``, else (a backend with ``update_weights(path)`` and
+    ``model_dir``: vLLM) stages them as a safetensors directory reloaded once at commit.
+    Returns the receiver, or ``None`` when the backend can do none of these.
     """
     loop_holder: dict[str, asyncio.AbstractEventLoop] = {}
     target: WeightTarget
@@ -257,11 +295,21 @@ def register_weight_routes(
             return asyncio.run_coroutine_threadsafe(coro, loop_holder["loop"]).result()
 
         target = LoadFnTarget(load, lambda: int(backend.weight_version))
+    elif hasattr(backend, "update_weights") and hasattr(backend, "model_dir"):
+        # vLLM: stage the transfer as a safetensors directory, reload it once at commit.
+        from polyrl.weights.staging import SafetensorsDirTarget
+
+        def run(coro: Any) -> Any:
+            return asyncio.run_coroutine_threadsafe(coro, loop_holder["loop"]).result()
+
+        target = SafetensorsDirTarget(backend, run)
     else:
         return None
     receiver = WeightReceiver(target, name_map, stall_timeout=stall_timeout)
     dist_state = _DistState()
     shm = _ShmCache()
+    # Every abort (the sender's, a stall, a superseding begin) unmaps a dead sender's segments.
+    receiver.on_abort = lambda transfer_id: shm.drop_stale()
     app.state.weight_receiver = receiver
 
     async def body_of(request: Request) -> dict[str, Any]:
@@ -301,7 +349,7 @@ def register_weight_routes(
                 None if timeout is None else float(timeout),
                 bool(body.get("measure_memory", False)),
             )
-            shm.close()
+            shm.drop_stale()
             dist_state.reset(str(body["transfer_id"]))
         except Exception as exc:  # noqa: BLE001 - engine validation errors name the problem
             return fail(exc)
@@ -332,8 +380,6 @@ def register_weight_routes(
             )
         except Exception as exc:  # noqa: BLE001 - engine validation errors name the tensors
             return fail(exc)
-        finally:
-            shm.close()
         return {"weight_version": version}
 
     @app.post("/weights/dist/init")
@@ -360,13 +406,21 @@ def register_weight_routes(
             body = await body_of(request)
         except WeightTransferError as exc:
             return fail(exc)
+        loop_holder["loop"] = asyncio.get_running_loop()
         reason = str(body.get("reason") or "aborted by the sender")
         aborted = await asyncio.to_thread(receiver.abort, body.get("transfer_id"), reason)
-        shm.close()
         return {"aborted": aborted}
 
     @app.get("/weights/status")
     async def status() -> Any:
-        return receiver.status()
+        # In a worker thread: the receiver's lock is held through a commit, and a commit may
+        # wait for this event loop (vLLM's reload runs on it), so blocking here would deadlock.
+        state = await asyncio.to_thread(receiver.status)
+        return {
+            **state,
+            "shm_mapped": shm.names(),
+            # Page faults of this process so far: a machine-independent cost of an update.
+            "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
+        }
 
     return receiver
