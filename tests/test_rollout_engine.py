@@ -271,6 +271,28 @@ def test_preemption_under_a_tiny_kv_budget(model_dir, hf_model):
         eng.shutdown()
 
 
+def test_seeded_samples_survive_preemption(model_dir, engine):
+    # Each sample's stream position is request state: recomputing a preempted sequence resumes
+    # its draws where they were, so a starved engine gives what a roomy one gives.
+    ps = prompts(3, seed=11, lo=20, hi=30)
+    params = SamplingParams(max_new_tokens=24, seed=5, n=2, ignore_eos=True)
+    reqs = [GenerateRequest(f"s{i}", tuple(p), params) for i, p in enumerate(ps)]
+    roomy = run(engine, reqs)
+    eng = NativeEngine(
+        model_dir, EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, kv_cache_tokens=96)
+    )
+    eng.start()
+    try:
+        starved = run(eng, reqs)
+        assert eng.stats().preemptions_total > 0
+    finally:
+        eng.shutdown()
+    for r in reqs:
+        assert [s.output_ids for s in starved[r.request_id]] == [
+            s.output_ids for s in roomy[r.request_id]
+        ]
+
+
 def test_rejects_bad_requests_without_holding_anything(engine):
     vocab = engine.vocab_size
     with pytest.raises(InvalidRequestError, match="unknown token id"):

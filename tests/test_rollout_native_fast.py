@@ -161,6 +161,19 @@ def test_add_rms_norm_matches_the_hf_norm():
 
 
 @needs_kernels
+def test_silu_mul_matches_torch_over_the_whole_range():
+    g = torch.Generator().manual_seed(3)
+    # 8-wide vector body and scalar tail; values out to where exp over- and underflows.
+    gate = torch.cat([torch.randn(1001, generator=g) * 6, torch.tensor([-200.0, -90.0, 90.0])])
+    up = torch.randn(gate.shape, generator=g)
+    got = cpu_kernels.silu_mul(gate, up)
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, atol=1e-6, rtol=2e-6)
+    assert torch.isfinite(got).all()
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        cpu_kernels.silu_mul(gate, up[:-1])
+
+
+@needs_kernels
 def test_decode_kernel_refuses_blocks_outside_the_cache():
     k_cache = torch.zeros(4, 16, 2, 32)
     q = torch.zeros(1, 4, 32)

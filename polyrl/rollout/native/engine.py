@@ -331,17 +331,17 @@ class NativeEngine:
         prompt = list(request.prompt_ids)
         for i in range(params.n):
             if params.seed is None or params.greedy:
-                gen = None
+                seed = None
             else:
                 # Sample i of a seeded request gets its own stream derived from (seed, i).
-                gen = self.sampler.make_generator((params.seed + 0x9E3779B97F4A7C15 * i) % 2**63)
+                seed = (params.seed + 0x9E3779B97F4A7C15 * i) % 2**63
             row = SamplingRow(
                 temperature=params.temperature,
                 top_p=params.top_p,
                 top_k=params.top_k,
                 min_p=params.min_p,
                 repetition_penalty=params.repetition_penalty,
-                generator=gen,
+                seed=seed,
                 logprobs=params.logprobs,
                 top_logprobs=params.top_logprobs,
             )

@@ -1,14 +1,21 @@
 """Batched next-token sampling with per-row parameters and per-row random streams.
 
 Every row (one sequence) brings its own temperature, top-k, top-p, min-p, repetition penalty
-and random generator; the math is vectorised over rows and every step of it is row-local, so a
-row's token depends only on its own logits and its own generator. A seeded request owns a
-``torch.Generator`` that advances once per sampled token, which is why the same seed gives the
-same tokens whatever else shares the batch (and after a preemption).
+and random stream; the math is vectorised over rows and every step of it is row-local, so a
+row's token depends only on its own logits and its own stream.
 
-Sampling uses the exponential race (Gumbel-max): ``argmax(z - log(E))`` with ``E ~ Exp(1)``
-drawn per vocabulary entry is an exact draw from ``softmax(z)`` restricted to the unmasked
-entries.
+Sampling is by inversion: one uniform ``u`` per row, and the token is the first vocabulary
+entry whose cumulative probability (of ``softmax(z)`` over the unmasked entries) exceeds
+``u * total``. That needs one uniform per row and step instead of one random number per
+vocabulary entry.
+
+A seeded row draws its uniforms from a counter-based stream: the uniform of its ``c``-th draw
+is a pure function of ``(seed, c)`` (the ``c``-th output of SplitMix64 started from the seed),
+computed exactly with Python integers, so no generator object is needed and all rows are
+drawn at once. The row's draw counter (:attr:`SamplingRow.draws`) lives in the request state
+and advances once per sampled token, which is why the same seed gives the same tokens whatever
+else shares the batch, and after a preemption (the recomputed sequence keeps its tokens and
+its counter). Rows without a seed take their uniforms from the sampler's shared generator.
 
 Log-probs are those of the *model* distribution at the request's temperature,
 ``log_softmax(logits / T)`` in fp32 (``T = 1`` for greedy), computed by
@@ -24,7 +31,33 @@ import torch
 
 from polyrl.model.numerics import token_log_probs
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingRow"]
+__all__ = ["Sampler", "SamplerOutput", "SamplingRow", "seeded_uniform"]
+
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment (odd; 2**64 / golden ratio)
+# Uniforms carry 23 random bits so that every value, ``(k + 0.5) / 2**23``, and its products
+# below 1 are exact or correctly rounded in float32 and lie strictly inside (0, 1).
+_UNIFORM_BITS = 23
+_UNIFORM_SCALE = 2.0**-_UNIFORM_BITS
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's output function (a bijection of 64-bit integers with full avalanche)."""
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _MASK64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, counter: int) -> float:
+    """Return the uniform in ``(0, 1)`` of draw ``counter`` of the stream seeded with ``seed``.
+
+    Draw ``c`` is output ``c`` of SplitMix64 whose state starts at a hash of the seed, so it
+    depends on ``(seed, c)`` only; the top :data:`_UNIFORM_BITS` bits give the value.
+    """
+    state = (_mix64(seed & _MASK64) + (counter + 1) * _GAMMA) & _MASK64
+    return ((_mix64(state) >> (64 - _UNIFORM_BITS)) + 0.5) * _UNIFORM_SCALE
 
 
 @dataclasses.dataclass
@@ -36,7 +69,10 @@ class SamplingRow:
     top_k: int = -1
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    generator: torch.Generator | None = None
+    # Seed of the row's own stream (None: the sampler's shared generator) and how many
+    # uniforms the row has drawn from it (advanced by the sampler, kept across preemption).
+    seed: int | None = None
+    draws: int = 0
     logprobs: bool = False
     top_logprobs: int = 0
     # Token ids the repetition penalty applies to (prompt and output so far).
@@ -64,12 +100,6 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-
-    def make_generator(self, seed: int) -> torch.Generator:
-        """Create the generator of one seeded sequence."""
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(seed)
-        return gen
 
     def _penalise(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         penalties = [r.repetition_penalty for r in rows]
@@ -105,22 +135,45 @@ class Sampler:
         sorted_z = sorted_z.masked_fill(remove, float("-inf"))
         return torch.empty_like(z).scatter_(-1, order, sorted_z)
 
-    def _noise(self, rows: list[SamplingRow], vocab: int) -> torch.Tensor:
-        """``-log(E)``, ``E ~ Exp(1)`` i.i.d., one row per sampled row, from each row's stream."""
-        e = torch.empty((len(rows), vocab), device=self.device)
-        shared = [i for i, r in enumerate(rows) if r.generator is None]
-        if len(shared) == len(rows):
-            e.exponential_(generator=self.generator)
-        else:
-            if shared:
-                e[shared] = torch.empty((len(shared), vocab), device=self.device).exponential_(
-                    generator=self.generator
-                )
-            for i, row in enumerate(rows):
-                if row.generator is not None:
-                    e[i].exponential_(generator=row.generator)
-        # E == 0 (a rounded draw) would give inf, and nan against a masked -inf logit.
-        return e.clamp_min_(torch.finfo(e.dtype).tiny).log_().neg_()
+    def _uniforms(self, rows: list[SamplingRow]) -> torch.Tensor:
+        """One float32 uniform per row: seeded rows from their own stream, others shared.
+
+        Advances each seeded row's draw counter.
+        """
+        values: list[float] = []
+        shared: list[int] = []
+        for i, row in enumerate(rows):
+            if row.seed is None:
+                shared.append(i)
+                values.append(0.5)
+            else:
+                values.append(seeded_uniform(row.seed, row.draws))
+                row.draws += 1
+        u = torch.tensor(values, dtype=torch.float32)
+        if shared:
+            drawn = torch.rand(len(shared), generator=self.generator, device=self.device)
+            if len(shared) == len(rows):
+                return drawn
+            u[shared] = drawn.cpu()
+        return u.to(self.device, non_blocking=True)
+
+    def _draw(self, z: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Sample one entry per row of ``softmax(z)`` by inversion (``-inf`` entries never)."""
+        cdf = torch.softmax(z, dim=-1).cumsum_(dim=-1)
+        target = self._uniforms(rows)[:, None] * cdf[:, -1:]
+        # The first entry whose cumulative probability exceeds the target; zero-probability
+        # entries repeat their predecessor's value, so they are never the first to exceed it.
+        drawn = torch.searchsorted(cdf, target, right=True).squeeze_(1)
+        vocab = z.shape[-1]
+        drawn.clamp_max_(vocab - 1)
+        # Only a target rounded up to the row's total can pass its last positive entry (and
+        # land on a masked tail): move those rare rows back to their last positive entry.
+        picked = z.gather(1, drawn[:, None]).squeeze_(1)
+        bad = picked == float("-inf")
+        if bool(bad.any()):
+            last = (cdf[bad] < cdf[bad, -1:]).sum(dim=-1)
+            drawn[bad] = last.clamp_max_(vocab - 1)
+        return drawn
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
@@ -154,8 +207,7 @@ class Sampler:
             else:
                 sel_rows = [rows[i] for i in sampled]
                 zs = z[torch.tensor(sampled, device=dev)]
-            zs = self._filter(zs, sel_rows)
-            drawn = (zs + self._noise(sel_rows, zs.shape[-1])).argmax(dim=-1)
+            drawn = self._draw(self._filter(zs, sel_rows), sel_rows)
             if tokens is None:
                 tokens = drawn
             else:
