@@ -15,6 +15,13 @@ Micro part: a producer actor holds a batch shaped like an RL step (``input_ids``
 Rounds alternate between the two (both see the same machine load); figures are medians.
 MB/s = payload bytes (the tensor bytes) / seconds / 1e6.
 
+Steady state: the object store is bounded (``--object-store-mb``) and pre-faulted by Ray
+(``RAY_preallocate_plasma_memory=1``), and ``--warmup`` rounds of each kind run first, so that
+both sides write into store pages their processes have mapped before, as a long training run
+does. Without this a round lands, by the allocator's luck, either on fresh pages (~50 ms for
+20 MiB here: page faults dominate and both sides look alike) or on reused ones (~7 ms), and the
+median of either side could come from either mode (ratios from 0.18 to 0.94 in one afternoon).
+
 End-to-end part (``benchmarks/_transfer_e2e.py``): the same GRPO workload on Ray (tiny model,
 two engine ranks, one rollout server; ``--e2e-prompts`` x ``--e2e-n`` responses of up to
 ``--e2e-tokens`` tokens, old and reference log-probs, two updates per step) runs without and
@@ -22,7 +29,8 @@ with ``transfer.enable``; the driver's bytes per step (Ray both ways + its own H
 the step time are medians over ``--e2e-steps`` timed steps after a warm-up step; the payload is
 what the queue's storage held at the end of a step.
 
-Run: ``python benchmarks/transfer_queue.py [--samples 512 --seq-len 1024 --rounds 7]
+Run: ``python benchmarks/transfer_queue.py [--samples 512 --seq-len 1024 --rounds 15
+--warmup 15 --object-store-mb 256]
 [--e2e-prompts 32 --e2e-n 8 --e2e-tokens 256 --e2e-steps 2] [--skip-e2e]``. The last stdout
 line is one JSON object: ``{"name": "transfer_queue", "micro_payload_bytes", "put_get_MBps",
 "ray_MBps", "payload_bytes_per_step", "driver_bytes_per_step_with",
@@ -193,11 +201,14 @@ def measure_ray(num_samples: int, seq_len: int, rounds: int) -> float:
     return nbytes / statistics.median(times) / 1e6
 
 
-def run_micro(queue: TransferQueue, num_samples: int, seq_len: int, rounds: int) -> dict[str, Any]:
-    """Alternate put/get and ray rounds (after one warm-up each); return the micro figures."""
+def run_micro(
+    queue: TransferQueue, num_samples: int, seq_len: int, rounds: int, warmup: int = 1
+) -> dict[str, Any]:
+    """Alternate put/get and ray rounds (after ``warmup`` of each); return the micro figures."""
     nbytes = ray.get(_actors(num_samples, seq_len)[0].nbytes.remote())
-    _put_get_once(queue, num_samples, seq_len, "warmup")
-    _ray_once(num_samples, seq_len)
+    for w in range(warmup):
+        _put_get_once(queue, num_samples, seq_len, f"warmup{w}")
+        _ray_once(num_samples, seq_len)
     put_get, plain = [], []
     for r in range(rounds):
         put_get.append(_put_get_once(queue, num_samples, seq_len, f"r{r}"))
@@ -252,7 +263,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=15, help="timed rounds of each kind")
+    parser.add_argument("--warmup", type=int, default=15, help="untimed rounds of each kind")
+    parser.add_argument(
+        "--object-store-mb", type=int, default=256, help="Ray object store size (pre-faulted)"
+    )
     parser.add_argument("--units", type=int, default=2, help="storage units of the queue")
     parser.add_argument("--e2e-prompts", type=int, default=32, help="prompts per RL step")
     parser.add_argument("--e2e-n", type=int, default=8, help="responses per prompt")
@@ -260,12 +275,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--e2e-steps", type=int, default=2, help="timed RL steps per mode")
     parser.add_argument("--skip-e2e", action="store_true", help="micro part only")
     args = parser.parse_args(argv)
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False)
+    # Read by the raylet at start: fault the whole store in once, so that no round pays for
+    # first-touching fresh store pages (see the module docstring).
+    os.environ.setdefault("RAY_preallocate_plasma_memory", "1")
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        configure_logging=False,
+        object_store_memory=args.object_store_mb * 2**20,
+    )
     result: dict[str, Any] = {"name": "transfer_queue"}
     try:
         queue = make_transfer_queue("ray", num_storage_units=args.units)
         try:
-            micro = run_micro(queue, args.samples, args.seq_len, args.rounds)
+            micro = run_micro(queue, args.samples, args.seq_len, args.rounds, args.warmup)
         finally:
             queue.close()
         result["micro_payload_bytes"] = micro.pop("payload_bytes_per_step")
