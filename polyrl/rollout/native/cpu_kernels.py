@@ -497,6 +497,13 @@ def _library() -> ctypes.CDLL | None:
     return _lib
 
 
+def _require_library() -> ctypes.CDLL:
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the native C kernels are not available (see cpu_kernels.available)")
+    return lib
+
+
 def available() -> bool:
     """Whether the compiled kernels can be used (compiles them on the first call)."""
     return _library() is not None
@@ -528,9 +535,7 @@ def paged_decode_attention(
     Raises:
         RuntimeError: the kernels are unavailable, or the inputs break the layout above.
     """
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("the native C kernels are not available (see cpu_kernels.available)")
+    lib = _require_library()
     b, heads, dim = q.shape
     _, block_size, kv_heads, kdim = k_cache.shape
     ok = (
@@ -612,9 +617,7 @@ def rope_and_store(
     Raises:
         RuntimeError: the kernels are unavailable, or the inputs break the layout above.
     """
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("the native C kernels are not available (see cpu_kernels.available)")
+    lib = _require_library()
     t, heads, dim = q.shape
     kv_heads = k.shape[1]
     f32 = torch.float32
@@ -687,9 +690,7 @@ def add_rms_norm(
     Raises:
         RuntimeError: the kernels are unavailable, or the inputs break the layout above.
     """
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("the native C kernels are not available (see cpu_kernels.available)")
+    lib = _require_library()
     f32 = torch.float32
     t, n = h.shape
     ok = (
@@ -734,9 +735,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     Raises:
         RuntimeError: the kernels are unavailable, or the inputs break the layout above.
     """
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("the native C kernels are not available (see cpu_kernels.available)")
+    lib = _require_library()
     f32 = torch.float32
     ok = (
         gate.dtype is f32
