@@ -570,7 +570,12 @@ class FSDP2Engine(TrainingEngine):
             if id(tensor) in seen:
                 continue
             seen.add(id(tensor))
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if isinstance(tensor, DTensor):
+                # On one rank the local shard is the whole tensor: skip the gather's copy.
+                single = tensor.device_mesh.size() == 1
+                full = tensor.to_local() if single else tensor.full_tensor()
+            else:
+                full = tensor
             full = full.detach()
             if dtype is not None and full.is_floating_point():
                 full = full.to(dtype)
