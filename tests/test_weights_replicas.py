@@ -75,8 +75,15 @@ def checkpoint_tensors(model_dir):
                 yield name, f.get_tensor(name)
 
 
-def send(kind: str, urls: list[str], tensors, bucket_mb: float = BUCKET_MB, **kw) -> object:
-    transport = create_transport(kind, urls=urls, timeout=60)
+def send(
+    kind: str,
+    urls: list[str],
+    tensors,
+    bucket_mb: float = BUCKET_MB,
+    transport_options: dict | None = None,
+    **kw,
+) -> object:
+    transport = create_transport(kind, urls=urls, timeout=60, **(transport_options or {}))
     try:
         return WeightSender(transport, bucket_mb=bucket_mb, checksum=True, **kw).send(tensors)
     finally:
@@ -87,24 +94,75 @@ def last(url: str) -> dict:
     return httpx.get(url + "/weights/status").json()["last"]
 
 
-def test_shm_update_from_the_engine_matches_the_reference(servers, dirs):
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "buckets"])
+def test_shm_update_from_the_engine_matches_the_reference(servers, dirs, direct):
     urls, ref = servers
+    old_dir, new_dir = dirs
+    send("disk", urls, checkpoint_tensors(old_dir))  # start from the other weights
     before = versions(urls)
     old_out = outputs(urls[0])
     want = outputs(ref)
     assert old_out != want  # the two seeds really differ
-    engine = build_engine(str(dirs[1]))
+    engine = build_engine(str(new_dir))
     try:
-        stats = send("shm", urls, engine.named_tensors())
+        stats = send("shm", urls, engine.named_tensors(), transport_options={"direct": direct})
     finally:
         engine.close()
     assert stats.replica_versions == [before[0] + 1] * 2
     assert versions(urls) == [before[0] + 1] * 2
     assert stats.buffer_bytes <= 2 * int(BUCKET_MB * 2**20)  # measured staging buffers
-    assert stats.buckets > 2
+    if direct:  # every tensor written straight into both replicas' shadows: no bucket
+        assert stats.direct_tensors == stats.tensors > 0 and stats.buckets == 0
+        assert stats.buffer_bytes == 0
+    else:
+        assert stats.direct_tensors == 0 and stats.buckets > 2
     for url in urls:
         assert outputs(url) == want  # tokens and fp32 log-probs exactly equal
         assert last(url)["peak_extra_bytes"] == 0  # shm is read in place, no receive buffer
+        assert last(url)["bytes"] == stats.bytes
+
+
+def test_shm_direct_arenas_alternate_and_are_removed_with_the_replica(dirs, tmp_path):
+    old_dir, new_dir = dirs
+    arena_dir = tmp_path / "arenas"
+    arena_dir.mkdir()
+    env = {"POLYRL_WEIGHTS_ARENA_DIR": str(arena_dir)}
+    proc = ServerProcess(old_dir, options=OPTIONS, env=env)
+    proc.start(timeout=180)
+    transport = create_transport("shm", urls=[proc.url], timeout=60)
+    try:
+        sender = WeightSender(transport, bucket_mb=BUCKET_MB, checksum=True)
+        seen = []
+        for weights in (new_dir, old_dir, new_dir, old_dir):
+            stats = sender.send(checkpoint_tensors(weights))
+            assert stats.direct_tensors == stats.tensors and stats.buckets == 0
+            seen.append(sorted(p.name for p in arena_dir.iterdir()))
+        # First update: shadows in a new arena, the loaded weights become the shadows; second:
+        # those shadows are replaced by a second arena; from then on the two alternate.
+        assert len(seen[0]) == 1 and len(seen[1]) == 2 and seen[2] == seen[3] == seen[1]
+        # The sender keeps open only the arena offered last (the shadows of the 4th update).
+        assert len(transport._writers) == 1
+        assert next(iter(transport._writers)).startswith(str(arena_dir))
+        want = outputs(proc.url)
+        r = httpx.post(proc.url + "/sleep", json={"level": 2})  # drops weights and shadows
+        assert r.status_code == 200
+        assert list(arena_dir.iterdir()) == []  # both arenas freed
+        # No weights to shadow: nothing is offered, the buckets bring them back.
+        stats = sender.send(checkpoint_tensors(old_dir))
+        assert stats.direct_tensors == 0 and stats.buckets > 0
+        assert httpx.post(proc.url + "/wake_up", json={}).status_code == 200
+        # Tokens equal; log-probs to fp32 rounding: storage restored after sleep level 2 is
+        # freshly allocated, and the CPU kernels' results depend on address alignment.
+        got = outputs(proc.url)
+        assert [ids for ids, _ in got] == [ids for ids, _ in want]
+        for (_, lp), (_, lp_want) in zip(got, want, strict=True):
+            assert lp == pytest.approx(lp_want, abs=1e-5)
+        stats = sender.send(checkpoint_tensors(new_dir))  # and direct writes resume
+        assert stats.direct_tensors == stats.tensors
+    finally:
+        transport.close()
+        proc.stop()
+    assert list(arena_dir.iterdir()) == []  # a stopped replica leaves nothing in /dev/shm
 
 
 def test_disk_update_switches_back_and_forth(servers, dirs):
@@ -120,6 +178,53 @@ def test_disk_update_switches_back_and_forth(servers, dirs):
         assert 0 < last(url)["peak_extra_bytes"] <= 2 * int(BUCKET_MB * 2**20)
     want = outputs(ref)
     assert old_out != want
+    for url in urls:
+        assert outputs(url) == want
+
+
+KILLED_DIRECT_SENDER = """
+import sys, time
+from safetensors import safe_open
+from polyrl.weights import WeightSender, create_transport
+urls, path = sys.argv[1].split(","), sys.argv[2]
+def tensors():
+    with safe_open(path, "pt") as f:
+        for i, name in enumerate(f.keys()):
+            yield name, f.get_tensor(name)
+            if i == 2:  # three tensors are in the replicas' shadows now
+                print("WROTE", flush=True)
+                time.sleep(120)
+transport = create_transport("shm", urls=urls)
+WeightSender(transport, checksum=True).send(tensors())
+"""
+
+
+def test_direct_sender_killed_mid_transfer_keeps_old_version_then_retry(servers, dirs):
+    urls, ref = servers
+    old_dir, new_dir = dirs
+    send("disk", urls, checkpoint_tensors(old_dir))
+    start = versions(urls)
+    serving = outputs(urls[0])
+    weights = str(next(iter(sorted(new_dir.glob("*.safetensors")))))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_DIRECT_SENDER, ",".join(urls), weights],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "WROTE"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert versions(urls) == start
+    for url in urls:  # new bytes sit in the shadows, the serving weights are untouched
+        assert outputs(url) == serving
+    stats = send("shm", urls, checkpoint_tensors(new_dir))  # the retry supersedes it
+    assert stats.direct_tensors == stats.tensors
+    assert stats.replica_versions == [start[0] + 1] * 2
+    want = outputs(ref)
     for url in urls:
         assert outputs(url) == want
 
@@ -170,6 +275,8 @@ def test_sender_killed_mid_transfer_keeps_old_version_then_retry(servers, dirs, 
     serving = outputs(urls[0])
     weights = str(next(iter(sorted(old_dir.glob("*.safetensors")))))
     opts = {"transport": {"directory": str(tmp_path)}} if kind == "disk" else {}
+    if kind == "shm":  # the bucket path (direct writes: the test above)
+        opts = {"transport": {"direct": False}}
     start_and_kill_sender(urls, weights, kind, opts)
     time.sleep(0.5)
     assert versions(urls) == start
@@ -317,9 +424,12 @@ def test_peak_extra_memory_is_bounded_on_both_sides(micro):
             stats = sender.send(iter(tensors.items()))
             got = last(url)
             assert got["outcome"] == "committed"
-            assert stats.buffer_bytes == 2 * bucket and stats.peak_temp_bytes == 0
+            direct = stats.direct_tensors == stats.tensors
+            # Direct writes (shm, staged) use no bucket at all; every other path two.
+            assert stats.buffer_bytes == (0 if direct else 2 * bucket)
+            assert stats.peak_temp_bytes == 0
             assert got["peak_extra_bytes"] <= 2 * bucket  # counted receive buffers
-            return stats.rss_peak_delta, got["rss_peak_delta"]
+            return stats.rss_peak_delta, got["rss_peak_delta"], direct
 
         # Unmeasured warm-up per transport: one-off process costs (thread pools, the gloo
         # group, lazily imported modules) are not per-update memory.
@@ -332,13 +442,15 @@ def test_peak_extra_memory_is_bounded_on_both_sides(micro):
             ("disk", "inplace", old),
             ("shm", "staged", new),  # first staged update: allocates the shadows (one model)
             ("dist", "staged", old),  # later ones reuse them
+            ("shm", "staged", new),  # direct writes into the shadows' shared arena, reused
         ]:
             rows[(kind, mode, len(rows))] = update(kind, mode, tensors)
     finally:
         for t in transports.values():
             t.close()
     print(rows)
-    for (kind, mode, i), (sender, replica) in rows.items():
+    assert [direct for _, _, direct in rows.values()] == [False] * 3 + [True, False, True]
+    for (kind, mode, i), (sender, replica, _) in rows.items():
         # The sender's two bucket buffers were touched in the warm-up: nothing new here.
         assert sender is not None and sender <= 2 * bucket + slack, (kind, mode, sender)
         if i == 3:

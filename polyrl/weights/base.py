@@ -211,6 +211,22 @@ class Transport(abc.ABC):
     def send_bucket(self, slot: int, meta: BucketMeta) -> Callable[[], None]:
         """Start delivering buffer ``slot`` described by ``meta``; return a wait function."""
 
+    def write_direct(
+        self,
+        name: str,
+        flat: torch.Tensor,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        checksum: bool = False,
+    ) -> bool:
+        """Write tensor ``name`` straight into every replica's staging memory, if offered.
+
+        ``flat`` is the tensor's flat view, ``dtype`` its wire dtype. Returns False (the
+        default) when the transport or any replica cannot take it that way; the sender then
+        packs it into buckets. Tensors written here are reported at :meth:`commit`.
+        """
+        return False
+
     @abc.abstractmethod
     def commit(self, transfer_id: str, version: int, buckets: int) -> list[int]:
         """Ask every replica to switch atomically after ``buckets``; return their versions."""

@@ -88,6 +88,14 @@ class WeightTarget(abc.ABC):
     def tensor_done(self, transfer_id: str, name: str) -> None:  # noqa: B027 - optional hook
         """React to tensor ``name`` being complete (e.g. release a mapping of it)."""
 
+    def shared_layout(self, transfer_id: str) -> dict[str, Any] | None:
+        """Offer the destinations as a shared arena a same-host sender writes into directly.
+
+        ``{"path", "size", "tensors": {name: [offset, shape, dtype]}}``, or ``None`` (the
+        default) where the target cannot: the sender then sends every tensor in buckets.
+        """
+        return None
+
 
 class LoadFnTarget(WeightTarget):
     """Adapter for backends that only have an atomic ``load_fn(pairs, version)``.
@@ -177,6 +185,8 @@ class WeightReceiver:
         self._mode = "staged"
         self._slots: dict[str, _Slot] = {}
         self._done: list[str] = []
+        # Names the target offered for direct writes in this transfer: name -> (shape, dtype).
+        self._direct: dict[str, tuple[tuple[int, ...], str]] = {}
         self._seen: set[int] = set()
         self._bytes = 0
         self._t0 = 0.0
@@ -238,6 +248,7 @@ class WeightReceiver:
         self._version = -1
         self._slots = {}
         self._done = []
+        self._direct = {}
         self._seen = set()
         self._temp_bytes = 0
 
@@ -314,6 +325,51 @@ class WeightReceiver:
                     daemon=True,
                 ).start()
         return current
+
+    def offer_direct(self, transfer_id: str) -> dict[str, Any] | None:
+        """Return the target's shared arena for ``transfer_id``, or ``None``.
+
+        See :meth:`WeightTarget.shared_layout` for its form.
+        Only staged transfers without a ``name_map`` are offered: the arena holds shadows,
+        which keep the switch atomic, and a sender writing directly cannot rename tensors.
+        """
+        with self._lock:
+            self._check(transfer_id)
+            if self._mode != "staged" or self.name_map is not None:
+                return None
+            layout = self.target.shared_layout(transfer_id)
+            if layout is not None:
+                self._direct = {
+                    str(name): (tuple(int(d) for d in entry[1]), str(entry[2]))
+                    for name, entry in layout["tensors"].items()
+                }
+            return layout
+
+    def _accept_direct(self, transfer_id: str, direct: dict[str, int | None]) -> None:
+        """Count tensors the sender wrote into the offered arena; verify their checksums."""
+        for name, crc in direct.items():
+            offered = self._direct.get(name)
+            if offered is None:
+                raise WeightTransferError(
+                    f"tensor {name!r} was reported as written directly, but this replica did "
+                    f"not offer it in transfer {transfer_id} (offered: {len(self._direct)} names)"
+                )
+            if name in self._slots:
+                raise WeightTransferError(
+                    f"tensor {name!r} arrived twice in transfer {transfer_id} (in a bucket and "
+                    "written directly)"
+                )
+            shape, dtype = offered
+            dest = self.target.destination(transfer_id, name, shape, dtype_from_name(dtype))
+            if crc is not None:
+                got = bucket_checksum(dest.reshape(-1).view(torch.uint8))
+                if got != int(crc):
+                    raise WeightTransferError(
+                        f"checksum mismatch in tensor {name!r} written directly: got "
+                        f"{got:#010x}, expected {int(crc):#010x}"
+                    )
+            self._done.append(name)
+            self._bytes += dest.numel() * dest.element_size()
 
     def _watch(self, transfer_id: str, timeout: float, stop: threading.Event) -> None:
         # A killed sender sends no abort: give up after `timeout` seconds without progress.
@@ -473,22 +529,34 @@ class WeightReceiver:
             self._abort_locked(self._transfer, reason)
             return True
 
-    def commit(self, transfer_id: str, version: int, buckets: int | None = None) -> int:
+    def commit(
+        self,
+        transfer_id: str,
+        version: int,
+        buckets: int | None = None,
+        direct: dict[str, int | None] | None = None,
+    ) -> int:
         """Switch to the received tensors; return the new version.
 
         ``buckets``: how many buckets the sender sent; fewer received is an error (and an
         abort: staged keeps the old weights serving, inplace refuses requests).
+        ``direct``: the tensors the sender wrote straight into the offered arena, each with
+        its CRC32 (or ``None``); an unoffered name or a checksum mismatch aborts the transfer.
         """
         with self._lock:
             self._check(transfer_id)
             problem = None
-            if buckets is not None and len(self._seen) != buckets:
+            try:
+                self._accept_direct(transfer_id, direct or {})
+            except WeightTransferError as exc:
+                problem = str(exc)
+            if problem is None and buckets is not None and len(self._seen) != buckets:
                 missing = sorted(set(range(buckets)) - self._seen)
                 problem = (
                     f"transfer {transfer_id} sent {buckets} buckets but buckets {missing} never "
                     "arrived"
                 )
-            else:
+            elif problem is None:
                 incomplete = sorted(n for n, s in self._slots.items() if s.filled != s.total)
                 if incomplete:
                     problem = f"transfer {transfer_id} ended with incomplete tensors {incomplete}"

@@ -46,6 +46,7 @@ class SendStats:
     version: int
     buckets: int = 0
     tensors: int = 0
+    direct_tensors: int = 0
     bytes: int = 0
     seconds: float = 0.0
     buffer_bytes: int = 0
@@ -187,6 +188,10 @@ class WeightSender:
                 total = flat.numel()  # elements
                 start = 0
                 stats.tensors += 1
+                if total and self.transport.write_direct(name, flat, shape, wire, self.checksum):
+                    stats.direct_tensors += 1  # one copy, straight into the replicas' shadows
+                    stats.bytes += total * size
+                    continue
                 if view is None:
                     view = acquire()
                 fill = align_up(fill)  # every tensor starts aligned: chunks view as any dtype

@@ -1,10 +1,14 @@
 """Weight-transfer endpoints registered onto the rollout server's FastAPI app.
 
 ``POST /weights/begin`` ``{"transfer_id", "version", "mode"?, "inflight"?, "stall_timeout"?,
-"measure_memory"?}`` → ``{"weight_version"}`` (now serving); ``POST /weights/bucket``
+"measure_memory"?, "direct"?}`` → ``{"weight_version", "direct"?}`` (now serving; with
+``direct`` asked and a staged CPU replica, the shared arena of its shadows that a same-host
+sender writes into: ``{"path", "size", "tensors": {name: [offset, shape, dtype]}}``, see
+:mod:`polyrl.weights.arena`); ``POST /weights/bucket``
 ``{"meta": BucketMeta, "source": {"kind": "shm", "name"} | {"kind": "disk", "path"} |
 {"kind": "dist"} | {"kind": "cuda_ipc", "handle"}}`` → ``{"buckets": n}``;
-``POST /weights/commit`` ``{"transfer_id", "version", "buckets"}`` → ``{"weight_version"}``;
+``POST /weights/commit`` ``{"transfer_id", "version", "buckets", "direct"?: {name: crc32 |
+null}}`` → ``{"weight_version"}``;
 ``POST /weights/abort`` ``{"transfer_id"?, "reason"?}``; ``GET /weights/status`` (the transfer
 in progress, the last one with its measured memory, ``shm_mapped``: the senders' shared-memory
 segments this replica keeps mapped, ``minor_faults``: the process's page faults so far);
@@ -83,6 +87,10 @@ class EngineTarget(WeightTarget):
     def held_bytes(self) -> int:
         """Bytes of the parameter shadows."""
         return int(self.engine.runner.shadow_bytes)
+
+    def shared_layout(self, transfer_id: str) -> dict[str, Any] | None:
+        """Offer the engine's shadows as a shared arena (CPU replicas), else ``None``."""
+        return self.engine.shared_weight_destinations(transfer_id)
 
 
 def _open_shm(name: str) -> shared_memory.SharedMemory:
@@ -271,6 +279,17 @@ def _read_source(
         )
 
 
+def _direct_of(body: dict[str, Any]) -> dict[str, int | None]:
+    """Parse the commit's ``direct`` field: names written into the arena, with CRC32s."""
+    direct = body.get("direct") or {}
+    if not isinstance(direct, dict):
+        raise WeightTransferError(
+            f"'direct' must be an object mapping tensor names to a CRC32 or null, got "
+            f"{type(direct).__name__}"
+        )
+    return {str(k): None if v is None else int(v) for k, v in direct.items()}
+
+
 def register_weight_routes(
     app: FastAPI,
     backend: Any,
@@ -351,9 +370,15 @@ def register_weight_routes(
             )
             shm.drop_stale()
             dist_state.reset(str(body["transfer_id"]))
+            offer = None
+            if body.get("direct"):
+                offer = await asyncio.to_thread(receiver.offer_direct, str(body["transfer_id"]))
         except Exception as exc:  # noqa: BLE001 - engine validation errors name the problem
             return fail(exc)
-        return {"weight_version": current}
+        answer: dict[str, Any] = {"weight_version": current}
+        if offer is not None:
+            answer["direct"] = offer
+        return answer
 
     @app.post("/weights/bucket")
     async def bucket(request: Request) -> Any:
@@ -377,6 +402,7 @@ def register_weight_routes(
                 str(body["transfer_id"]),
                 int(body.get("version", -1)),
                 None if body.get("buckets") is None else int(body["buckets"]),
+                _direct_of(body),
             )
         except Exception as exc:  # noqa: BLE001 - engine validation errors name the tensors
             return fail(exc)

@@ -29,7 +29,14 @@ from typing import Any
 import httpx
 import torch
 
-from polyrl.weights.base import BucketMeta, Transport, WeightTransferError, register_transport
+from polyrl.weights.arena import ArenaWriter
+from polyrl.weights.base import (
+    BucketMeta,
+    Transport,
+    WeightTransferError,
+    dtype_name,
+    register_transport,
+)
 
 __all__ = [
     "CudaIpcTransport",
@@ -103,8 +110,13 @@ class HttpControlTransport(Transport):
     def commit(self, transfer_id: str, version: int, buckets: int) -> list[int]:
         """Switch every replica concurrently; return their new versions."""
         body = {"transfer_id": transfer_id, "version": version, "buckets": buckets}
+        body.update(self._commit_extra())
         answers = self._all("/weights/commit", body)
         return [int(a["weight_version"]) for a in answers]
+
+    def _commit_extra(self) -> dict[str, Any]:
+        """More fields for the commit message (e.g. the tensors written directly)."""
+        return {}
 
     def abort(self, transfer_id: str) -> None:
         """Drop the staging on every replica."""
@@ -118,12 +130,101 @@ class HttpControlTransport(Transport):
 
 @register_transport("shm")
 class ShmTransport(HttpControlTransport):
-    """Two POSIX shared-memory segments, filled alternately (same host only)."""
+    """Same-host transfers through shared memory.
 
-    def __init__(self, urls: Sequence[str], timeout: float = 120.0, api_key: str | None = None):
+    Direct writes (default): a staged transfer to replicas whose shadows can live in shared
+    memory (the native engine on CPU) asks each for its arena at ``begin`` and writes every
+    tensor straight into its shadow with ``pwrite`` (:mod:`polyrl.weights.arena`): one copy of
+    each byte instead of two, and no bucket. Anything a replica does not offer (an ``inplace``
+    transfer, weights on a GPU, another backend, a renaming ``name_map``, a dtype or shape the
+    replica does not have) goes through two POSIX shared-memory bucket segments filled
+    alternately, which every replica copies out of.
+
+    Args:
+        urls: rollout server base URLs.
+        timeout: seconds per control request.
+        api_key: bearer token for the servers.
+        direct: ask replicas for direct writes (``False``: buckets only).
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        timeout: float = 120.0,
+        api_key: str | None = None,
+        direct: bool = True,
+    ):
         super().__init__(urls, timeout, api_key)
+        self.direct = direct
         self._segments: dict[int, shared_memory.SharedMemory] = {}
         self._views: dict[int, torch.Tensor] = {}
+        # Open arenas by path (kept across transfers) and, for the transfer in progress, each
+        # replica's (writer, offered tensors), and what was written directly: name -> CRC32.
+        self._writers: dict[str, ArenaWriter] = {}
+        self._offers: list[tuple[ArenaWriter, dict[str, list[Any]]]] | None = None
+        self._written: dict[str, int | None] = {}
+
+    def begin(
+        self, transfer_id: str, version: int, options: Mapping[str, Any] | None = None
+    ) -> list[int]:
+        """Start the transfer; with ``direct``, open the arenas the replicas offer."""
+        body = {**(options or {}), "transfer_id": transfer_id, "version": version}
+        if self.direct:
+            body["direct"] = True
+        answers = self._all("/weights/begin", body)
+        self._written = {}
+        self._offers = None
+        offered = [a.get("direct") for a in answers]
+        writers: dict[str, ArenaWriter] = {}
+        if self.direct and offered and all(offered):
+            try:
+                offers = []
+                for offer in offered:
+                    path = str(offer["path"])
+                    writer = writers.get(path) or self._writers.pop(path, None)
+                    writers[path] = writer = writer or ArenaWriter(path)
+                    offers.append((writer, dict(offer["tensors"])))
+                self._offers = offers
+            except (WeightTransferError, KeyError, TypeError):  # another host's /dev/shm
+                self._offers = None
+        for writer in self._writers.values():  # arenas no replica offers now: release them
+            writer.close()
+        self._writers = writers
+        return [int(a["weight_version"]) for a in answers]
+
+    def write_direct(
+        self,
+        name: str,
+        flat: torch.Tensor,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        checksum: bool = False,
+    ) -> bool:
+        """``pwrite`` tensor ``name`` into every replica's arena if all of them offer it."""
+        if not self._offers:
+            return False
+        wire = dtype_name(dtype)
+        targets = []
+        for writer, tensors in self._offers:
+            entry = tensors.get(name)
+            if entry is None or tuple(entry[1]) != tuple(shape) or entry[2] != wire:
+                return False
+            targets.append((writer, int(entry[0])))
+        if len(targets) == 1:
+            crcs = [targets[0][0].write(targets[0][1], flat, dtype, checksum)]
+        else:  # one writer thread per replica (pwrite releases the GIL)
+            futures = [self._pool.submit(w.write, off, flat, dtype, checksum) for w, off in targets]
+            crcs = [f.result() for f in futures]
+        self._written[name] = crcs[0]
+        return True
+
+    def _commit_extra(self) -> dict[str, Any]:
+        return {"direct": self._written} if self._written else {}
+
+    def abort(self, transfer_id: str) -> None:
+        """Drop the staging on every replica."""
+        self._written = {}
+        super().abort(transfer_id)
 
     def _drop(self, slot: int) -> None:
         self._views.pop(slot, None)  # the tensor exports the buffer: release it before close
@@ -146,10 +247,13 @@ class ShmTransport(HttpControlTransport):
         return {"kind": "shm", "name": self._segments[slot].name}
 
     def close(self) -> None:
-        """Unlink the segments and close the control channel."""
+        """Unlink the segments, close the arenas and the control channel."""
         super().close()
         for slot in list(self._segments):
             self._drop(slot)
+        for writer in self._writers.values():
+            writer.close()
+        self._writers = {}
 
 
 @register_transport("disk")

@@ -542,6 +542,22 @@ class NativeEngine:
             return self.runner.shadow(name)
         return self.runner.live(name)
 
+    def shared_weight_destinations(self, transfer_id: str) -> dict[str, Any] | None:
+        """Offer the shadows of staged update ``transfer_id`` as a shared arena, or ``None``.
+
+        A same-host sender then writes every parameter straight into its shadow (one copy);
+        see :meth:`ModelRunner.shared_shadows` for the layout and when it is not possible.
+        """
+        update = self._update
+        if update is None or update[0] != transfer_id:
+            raise InvalidRequestError(
+                f"weight transfer {transfer_id} is not in progress on this engine",
+                param="weights",
+            )
+        if update[1] != "staged":
+            return None  # in place: the live weights are not offered to another process
+        return self.runner.shared_shadows()
+
     def commit_weight_update(
         self,
         transfer_id: str,

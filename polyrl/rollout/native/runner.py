@@ -20,6 +20,8 @@ from polyrl.models.loader import load_causal_lm, resolve_dtype
 from polyrl.rollout.base import InvalidRequestError
 from polyrl.rollout.native.attention import ATTENTION_NAME, StepMetadata
 from polyrl.rollout.native.fast_forward import FastForward, build_fast_forward
+from polyrl.weights.arena import SharedArena
+from polyrl.weights.base import WeightTransferError, dtype_name
 
 __all__ = ["ModelRunner", "StepInputs"]
 
@@ -96,6 +98,9 @@ class ModelRunner:
         self.weights_discarded = False
         # The engine's own packed forward (set by enable_fast_forward), else the HF forward.
         self.fast: FastForward | None = None
+        # Shared arenas holding shadows (or, after a swap, live weights) that same-host senders
+        # write into directly; pruned once no parameter or shadow lies in them.
+        self._arenas: list[SharedArena] = []
 
     def enable_fast_forward(self, enabled: bool = True) -> bool:
         """Use the packed forward of :mod:`.fast_forward` where the model allows it.
@@ -258,6 +263,80 @@ class ModelRunner:
         skip = (want - raw.data_ptr()) % 64
         return raw[skip : skip + numel * size].view(live.dtype).view(shape)
 
+    def shared_shadows(self) -> dict[str, object] | None:
+        """Put the shadows in one shared arena and describe it for a same-host sender.
+
+        Returns ``{"path", "size", "tensors": {name: [offset, shape, dtype]}}`` (every name a
+        parameter answers to, tied aliases included), or ``None`` where direct writes cannot
+        work: weights on an accelerator, offloaded or discarded, or no room in ``/dev/shm``.
+        The shadows are reused when they already lie in one arena (every update after the
+        second, once the two arenas alternate as live and shadow storage); otherwise they are
+        replaced by a new arena (the old shadows are freed first, so memory stays at one model
+        of shadows).
+        """
+        if self.device.type != "cpu" or self._offloaded is not None or self.weights_discarded:
+            return None
+        shadows = self._shadow_map()
+        unique = [self._params[n] for n in self._unique_names]
+        current = [shadows.get(id(p)) for p in unique]
+        arena = next(
+            (a for a in self._arenas if current[0] is not None and a.contains(current[0])), None
+        )
+        if arena is None or not all(
+            s is not None and tuple(s.shape) == tuple(p.shape) and arena.contains(s)
+            for s, p in zip(current, unique, strict=True)
+        ):
+            arena = self._new_shadow_arena(unique)
+            if arena is None:
+                return None
+        by_id = {}
+        for param in unique:
+            shadow = shadows[id(param)]
+            by_id[id(param)] = [
+                arena.offset_of(shadow),
+                list(shadow.shape),
+                dtype_name(shadow.dtype),
+            ]
+        return {
+            "path": str(arena.path),
+            "size": arena.nbytes,
+            "tensors": {name: by_id[id(p)] for name, p in self._params.items()},
+        }
+
+    def _new_shadow_arena(self, unique: list[torch.nn.Parameter]) -> SharedArena | None:
+        self.release_shadows()  # the old shadows go before the arena comes: one model at most
+        layout = []
+        offset = 0
+        for param in unique:
+            live = param.data
+            # Same address alignment (mod 64) as the live storage: see _aligned_like.
+            want = live.data_ptr() % 64 if live.numel() else 0
+            offset += (want - offset) % 64
+            layout.append(offset)
+            offset += live.numel() * live.element_size()
+        try:
+            arena = SharedArena(offset)
+        except WeightTransferError:
+            return None
+        self._arenas.append(arena)
+        shadows = self._shadow_map()
+        for param, start in zip(unique, layout, strict=True):
+            shadows[id(param)] = arena.view(start, tuple(param.shape), param.dtype)
+        return arena
+
+    def _prune_arenas(self) -> None:
+        """Unlink arenas no parameter or shadow lies in any more (their memory goes with them)."""
+        if not self._arenas:
+            return
+        held = [p.data for p in self._params.values()] + list(self._shadow_map().values())
+        keep = []
+        for arena in self._arenas:
+            if any(arena.contains(t) for t in held if t.numel()):
+                keep.append(arena)
+            else:
+                arena.unlink()
+        self._arenas = keep
+
     def live(self, name: str) -> torch.Tensor:
         """Return the serving storage of parameter ``name`` (in-place loading, engine paused)."""
         if self._offloaded is not None:
@@ -281,6 +360,7 @@ class ModelRunner:
         """Free the shadows; returns the bytes released."""
         freed = self.shadow_bytes
         self._shadow_map().clear()
+        self._prune_arenas()
         return freed
 
     @torch.inference_mode()
@@ -309,6 +389,7 @@ class ModelRunner:
                 )
             self._shapes = {}
             self.weights_discarded = False
+        self._prune_arenas()
 
     def load_dir(self, path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         """Read and stage all weights of a HF model directory (safetensors or ``.bin``).
@@ -374,6 +455,7 @@ class ModelRunner:
             param = self._params[name]
             param.data = torch.empty(0, dtype=param.dtype, device=self.device)
         self.weights_discarded = True
+        self._prune_arenas()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return freed

@@ -1,0 +1,208 @@
+"""Shared arenas: a replica's staging memory that a same-host sender writes into directly.
+
+The ``shm`` transport's bucket path copies every byte twice: the sender packs it into a shared
+bucket, the replica copies it out into its shadow. When the replica's shadows themselves live in
+a shared-memory file (a :class:`SharedArena` under ``/dev/shm``), the sender can write each tensor
+straight into its shadow with ``pwrite`` (:class:`ArenaWriter`): one copy, no bucket, and no
+mapping of the replica's memory in the sender (so no page faults and no resident pages there).
+The replica still decides everything that matters for atomicity: the arena holds *shadows*
+only, swapped in at commit, so an interrupted transfer leaves the serving weights untouched.
+
+Arena files are named ``polyrl-arena-<pid>-<random>``; a replica removes its own when their
+tensors are released, and :func:`sweep_dead_arenas` removes those of processes that died
+without doing so (a killed replica's memory would otherwise stay in ``/dev/shm``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import mmap
+import os
+import threading
+import uuid
+import weakref
+import zlib
+from pathlib import Path
+
+import torch
+
+from polyrl.weights.base import WeightTransferError
+
+__all__ = ["ARENA_PREFIX", "ArenaWriter", "SharedArena", "default_arena_root", "sweep_dead_arenas"]
+
+#: File-name prefix of arenas; the creating process's pid follows it.
+ARENA_PREFIX = "polyrl-arena-"
+#: Environment variable naming where arenas are created (default ``/dev/shm``).
+ARENA_DIR_ENV = "POLYRL_WEIGHTS_ARENA_DIR"
+
+_LIVE: weakref.WeakSet[SharedArena] = weakref.WeakSet()
+
+
+def default_arena_root() -> Path | None:
+    """Where arenas go: ``$POLYRL_WEIGHTS_ARENA_DIR``, else ``/dev/shm``; ``None`` if neither."""
+    env = os.environ.get(ARENA_DIR_ENV)
+    root = Path(env) if env else Path("/dev/shm")
+    if root.is_dir() and os.access(root, os.W_OK | os.X_OK):
+        return root
+    return None
+
+
+def sweep_dead_arenas(root: Path) -> int:
+    """Remove arena files whose creating process is gone; return how many were removed."""
+    removed = 0
+    for path in root.glob(ARENA_PREFIX + "*"):
+        try:
+            pid = int(path.name[len(ARENA_PREFIX) :].split("-")[0])
+        except ValueError:
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            removed += 1
+        except PermissionError:  # alive, another user's
+            pass
+    return removed
+
+
+class SharedArena:
+    """One shared-memory file, mapped once, cut into tensors by offset.
+
+    The pages are reserved up front (``posix_fallocate``), so a full ``/dev/shm`` is an error
+    here and not a ``SIGBUS`` at the first write; the mapping is populated at creation, so the
+    replica takes no page faults when it later reads the tensors.
+
+    Args:
+        nbytes: the arena's size.
+        root: its directory (default :func:`default_arena_root`).
+
+    Raises:
+        WeightTransferError: no shared-memory directory, or not enough room in it.
+    """
+
+    def __init__(self, nbytes: int, root: Path | None = None):
+        root = root or default_arena_root()
+        if root is None:
+            raise WeightTransferError(
+                "no writable /dev/shm for a shared arena (set POLYRL_WEIGHTS_ARENA_DIR)"
+            )
+        sweep_dead_arenas(root)
+        self.nbytes = max(1, int(nbytes))
+        self.path = root / f"{ARENA_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, self.nbytes)
+            except OSError as exc:
+                raise WeightTransferError(
+                    f"cannot reserve {self.nbytes} bytes of shared memory in {root}: {exc}"
+                ) from exc
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._map = mmap.mmap(fd, self.nbytes, flags=flags)
+        except BaseException:
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            raise
+        os.close(fd)  # the mapping keeps the file's pages
+        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8, count=self.nbytes)
+        self.base = self._bytes.data_ptr()
+        self._unlinked = False
+        _LIVE.add(self)
+
+    def view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Return the tensor of ``shape``/``dtype`` starting ``offset`` bytes into the arena."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        size = numel * torch.empty((), dtype=dtype).element_size()
+        if offset < 0 or offset + size > self.nbytes:
+            raise ValueError(f"[{offset}, {offset + size}) is outside the arena of {self.nbytes}")
+        return self._bytes[offset : offset + size].view(dtype).view(shape)
+
+    def contains(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s storage lies in this arena."""
+        ptr = tensor.data_ptr()
+        return tensor.device.type == "cpu" and self.base <= ptr < self.base + self.nbytes
+
+    def offset_of(self, tensor: torch.Tensor) -> int:
+        """Byte offset of ``tensor``'s first element in the arena."""
+        return tensor.data_ptr() - self.base
+
+    def unlink(self) -> None:
+        """Remove the file's name; its memory is freed once the last tensor view is gone."""
+        if not self._unlinked:
+            self._unlinked = True
+            self.path.unlink(missing_ok=True)
+
+    def __del__(self) -> None:
+        self.unlink()
+
+
+@atexit.register
+def _unlink_all() -> None:  # at interpreter exit: do not leave model-sized files in /dev/shm
+    for arena in list(_LIVE):
+        arena.unlink()
+
+
+class ArenaWriter:
+    """A sender's handle on one replica's arena: writes tensors into it with ``pwrite``.
+
+    The file stays open across transfers (the replica keeps the arena for its shadows); a
+    closed writer, or one whose arena the replica has replaced, is dropped by the transport.
+    ``pwrite`` copies straight from the tensor's memory (or from a bounded staging chunk when a
+    dtype cast or a device-to-host move is needed), so the sender maps nothing of the replica.
+    """
+
+    #: Largest single ``pwrite`` (and the size of the cast/host staging chunk).
+    CHUNK = 8 * 2**20
+
+    def __init__(self, path: str):
+        try:
+            self.fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise WeightTransferError(f"cannot open the replica's arena {path!r}: {exc}") from exc
+        self.path = path
+        self.nbytes = os.fstat(self.fd).st_size
+        self._stage: torch.Tensor | None = None
+        self._lock = threading.Lock()
+
+    def write(
+        self, offset: int, src: torch.Tensor, dtype: torch.dtype, checksum: bool = False
+    ) -> int | None:
+        """Write the flat ``src`` as ``dtype`` at ``offset``; return its CRC32 if asked.
+
+        Raises:
+            WeightTransferError: the write would leave the arena, or the file is gone.
+        """
+        size = torch.empty((), dtype=dtype).element_size()
+        nbytes = src.numel() * size
+        if offset < 0 or offset + nbytes > self.nbytes:
+            raise WeightTransferError(
+                f"write of {nbytes} bytes at {offset} leaves the arena {self.path} "
+                f"({self.nbytes} bytes)"
+            )
+        crc = 0
+        direct = src.device.type == "cpu" and src.dtype == dtype and src.is_contiguous()
+        step = max(1, self.CHUNK // size)
+        with self._lock:
+            for start in range(0, src.numel(), step):
+                part = src[start : start + step]
+                if not direct:
+                    if self._stage is None:
+                        self._stage = torch.empty(self.CHUNK, dtype=torch.uint8)
+                    staged = self._stage[: part.numel() * size].view(dtype)
+                    staged.copy_(part)  # the cast or device->host move, one chunk at a time
+                    part = staged
+                data = memoryview(part.view(torch.uint8).numpy())
+                written = 0
+                while written < len(data):
+                    written += os.pwrite(self.fd, data[written:], offset + start * size + written)
+                if checksum:
+                    crc = zlib.crc32(data, crc)
+        return (crc & 0xFFFFFFFF) if checksum else None
+
+    def close(self) -> None:
+        """Close the file (the replica's memory is freed once it drops the arena too)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
