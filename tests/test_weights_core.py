@@ -348,3 +348,54 @@ def test_stalled_transfer_is_dropped_and_unknown_tensor_is_named(native):
     )
     for name, param in engine.runner.model.named_parameters():
         assert torch.equal(param, new[name].to(torch.bfloat16).float()), name
+
+
+def test_direct_writes_into_the_offered_arena_are_checked_at_commit(native):
+    from polyrl.weights.arena import ArenaWriter
+    from polyrl.weights.base import bucket_checksum
+
+    engine, receiver, new = native
+    serving = {n: p.detach().clone() for n, p in engine.runner.model.named_parameters()}
+
+    def write_all(transfer_id: str) -> tuple[ArenaWriter, dict[str, int | None]]:
+        offer = receiver.offer_direct(transfer_id)
+        assert offer is not None and set(offer["tensors"]) >= set(new)
+        writer = ArenaWriter(offer["path"])
+        crcs = {}
+        for name, tensor in new.items():
+            offset, shape, _ = offer["tensors"][name]
+            assert tuple(shape) == tuple(tensor.shape)
+            crcs[name] = writer.write(offset, tensor.detach().reshape(-1), tensor.dtype, True)
+            assert crcs[name] == bucket_checksum(tensor.detach().reshape(-1).view(torch.uint8))
+        return writer, crcs
+
+    # inplace: the live weights are never offered to another process.
+    receiver.begin("t-inplace", -1, mode="inplace")
+    assert receiver.offer_direct("t-inplace") is None
+    receiver.abort("t-inplace")
+    # A wrong checksum, then a name that was not offered: refused by name, old weights serve.
+    for bad in ("crc", "name"):
+        receiver.begin(f"t-{bad}", -1)
+        writer, crcs = write_all(f"t-{bad}")
+        first = next(iter(crcs))
+        if bad == "crc":
+            crcs[first] ^= 1
+            match = f"checksum mismatch in tensor {first!r}"
+        else:
+            crcs["model.not_a_weight"] = None
+            match = "'model.not_a_weight' was reported as written directly"
+        with pytest.raises(WeightTransferError, match=match):
+            receiver.commit(f"t-{bad}", -1, 0, direct=crcs)
+        writer.close()
+        assert engine.weight_version == 0
+        for name, param in engine.runner.model.named_parameters():
+            assert torch.equal(param, serving[name]), name
+    receiver.begin("t-good", -1)
+    writer, crcs = write_all("t-good")
+    assert receiver.commit("t-good", -1, 0, direct=crcs) == 1
+    writer.close()
+    for name, param in engine.runner.model.named_parameters():
+        assert torch.equal(param, new[name]), name
+    assert receiver.status()["last"]["bytes"] == sum(
+        t.numel() * t.element_size() for t in new.values()
+    )

@@ -2,9 +2,8 @@
 
 The ``shm`` transport's bucket path copies every byte twice: the sender packs it into a shared
 bucket, the replica copies it out into its shadow. When the replica's shadows themselves live in
-a shared-memory file (a :class:`SharedArena` under ``/dev/shm``), the sender can write each tensor
-straight into its shadow with ``pwrite`` (:class:`ArenaWriter`): one copy, no bucket, and no
-mapping of the replica's memory in the sender (so no page faults and no resident pages there).
+a shared-memory file (a :class:`SharedArena` under ``/dev/shm``), the sender maps that file and
+copies each tensor straight into its shadow (:class:`ArenaWriter`): one copy, no bucket.
 The replica still decides everything that matters for atomicity: the arena holds *shadows*
 only, swapped in at commit, so an interrupted transfer leaves the serving weights untouched.
 
@@ -18,7 +17,6 @@ from __future__ import annotations
 import atexit
 import mmap
 import os
-import threading
 import uuid
 import weakref
 import zlib
@@ -145,35 +143,47 @@ def _unlink_all() -> None:  # at interpreter exit: do not leave model-sized file
 
 
 class ArenaWriter:
-    """A sender's handle on one replica's arena: writes tensors into it with ``pwrite``.
+    """A sender's handle on one replica's arena: copies tensors straight into it.
 
-    The file stays open across transfers (the replica keeps the arena for its shadows); a
-    closed writer, or one whose arena the replica has replaced, is dropped by the transport.
-    ``pwrite`` copies straight from the tensor's memory (or from a bounded staging chunk when a
-    dtype cast or a device-to-host move is needed), so the sender maps nothing of the replica.
+    The arena is mapped once, populated, and kept mapped across transfers (the replica keeps
+    its arenas for its shadows, alternating two), so an update takes no page faults and copies
+    at memory bandwidth; a dtype cast or a device-to-host move happens inside that one copy.
+    The mapped pages are the replica's shadow memory: they show in this process's resident set
+    (as shared memory, :attr:`nbytes`) but are not allocated by it. The transport drops a
+    writer whose arena the replica has released (:attr:`stale`).
     """
-
-    #: Largest single ``pwrite`` (and the size of the cast/host staging chunk).
-    CHUNK = 8 * 2**20
 
     def __init__(self, path: str):
         try:
-            self.fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR)
         except OSError as exc:
             raise WeightTransferError(f"cannot open the replica's arena {path!r}: {exc}") from exc
+        try:
+            self.nbytes = os.fstat(fd).st_size
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._map: mmap.mmap | None = mmap.mmap(fd, self.nbytes, flags=flags)
+        finally:
+            os.close(fd)
         self.path = path
-        self.nbytes = os.fstat(self.fd).st_size
-        self._stage: torch.Tensor | None = None
-        self._lock = threading.Lock()
+        self._bytes: torch.Tensor | None = torch.frombuffer(
+            self._map, dtype=torch.uint8, count=self.nbytes
+        )
+
+    @property
+    def stale(self) -> bool:
+        """Whether the replica has released the arena (its file name is gone)."""
+        return not os.path.exists(self.path)
 
     def write(
         self, offset: int, src: torch.Tensor, dtype: torch.dtype, checksum: bool = False
     ) -> int | None:
-        """Write the flat ``src`` as ``dtype`` at ``offset``; return its CRC32 if asked.
+        """Copy the flat ``src`` as ``dtype`` to ``offset``; return its CRC32 if asked.
 
         Raises:
-            WeightTransferError: the write would leave the arena, or the file is gone.
+            WeightTransferError: the write would leave the arena, or the writer is closed.
         """
+        if self._bytes is None:
+            raise WeightTransferError(f"the arena writer of {self.path} is closed")
         size = torch.empty((), dtype=dtype).element_size()
         nbytes = src.numel() * size
         if offset < 0 or offset + nbytes > self.nbytes:
@@ -181,28 +191,18 @@ class ArenaWriter:
                 f"write of {nbytes} bytes at {offset} leaves the arena {self.path} "
                 f"({self.nbytes} bytes)"
             )
-        crc = 0
-        direct = src.device.type == "cpu" and src.dtype == dtype and src.is_contiguous()
-        step = max(1, self.CHUNK // size)
-        with self._lock:
-            for start in range(0, src.numel(), step):
-                part = src[start : start + step]
-                if not direct:
-                    if self._stage is None:
-                        self._stage = torch.empty(self.CHUNK, dtype=torch.uint8)
-                    staged = self._stage[: part.numel() * size].view(dtype)
-                    staged.copy_(part)  # the cast or device->host move, one chunk at a time
-                    part = staged
-                data = memoryview(part.view(torch.uint8).numpy())
-                written = 0
-                while written < len(data):
-                    written += os.pwrite(self.fd, data[written:], offset + start * size + written)
-                if checksum:
-                    crc = zlib.crc32(data, crc)
-        return (crc & 0xFFFFFFFF) if checksum else None
+        dst = self._bytes[offset : offset + nbytes]
+        dst.view(dtype).copy_(src.reshape(-1))  # one copy: casts and device->host on the way
+        if not checksum:
+            return None
+        return zlib.crc32(memoryview(dst.numpy())) & 0xFFFFFFFF
 
     def close(self) -> None:
-        """Close the file (the replica's memory is freed once it drops the arena too)."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        """Unmap the arena (its memory is freed once the replica has dropped it too)."""
+        self._bytes = None
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a caller still holds a view: the mapping dies with it
+                pass
+            self._map = None

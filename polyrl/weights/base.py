@@ -227,6 +227,13 @@ class Transport(abc.ABC):
         """
         return False
 
+    def shared_mapped_bytes(self) -> int:
+        """Bytes of the replicas' memory mapped into this process (direct writes), else 0.
+
+        Those pages count in this process's resident set but belong to the replicas.
+        """
+        return 0
+
     @abc.abstractmethod
     def commit(self, transfer_id: str, version: int, buckets: int) -> list[int]:
         """Ask every replica to switch atomically after ``buckets``; return their versions."""

@@ -40,13 +40,17 @@ class SendStats:
 
     ``buffer_bytes``: the two bucket buffers; ``peak_temp_bytes``: the largest temporary made
     while packing (a contiguous copy of a non-contiguous tensor, else 0); ``rss_peak_delta``:
-    the process's peak RSS over its RSS at the start (with ``measure_memory``).
+    the process's peak RSS over its RSS at the start (with ``measure_memory``);
+    ``direct_tensors``: tensors written straight into the replicas' shadows (no bucket);
+    ``shared_mapped_bytes``: the replicas' shadow arenas mapped here for that (shared pages,
+    counted in this process's RSS but allocated by the replicas).
     """
 
     version: int
     buckets: int = 0
     tensors: int = 0
     direct_tensors: int = 0
+    shared_mapped_bytes: int = 0
     bytes: int = 0
     seconds: float = 0.0
     buffer_bytes: int = 0
@@ -243,6 +247,7 @@ class WeightSender:
                 pass
             raise
         stats.seconds = time.perf_counter() - t0
+        stats.shared_mapped_bytes = self.transport.shared_mapped_bytes()
         if rss0 is not None:
             peak = peak_rss_bytes()
             stats.rss_peak_delta = None if peak is None else max(0, peak - rss0)

@@ -134,8 +134,8 @@ class ShmTransport(HttpControlTransport):
 
     Direct writes (default): a staged transfer to replicas whose shadows can live in shared
     memory (the native engine on CPU) asks each for its arena at ``begin`` and writes every
-    tensor straight into its shadow with ``pwrite`` (:mod:`polyrl.weights.arena`): one copy of
-    each byte instead of two, and no bucket. Anything a replica does not offer (an ``inplace``
+    tensor straight into its shadow (:mod:`polyrl.weights.arena`): one copy of each byte instead
+    of two, and no bucket. Anything a replica does not offer (an ``inplace``
     transfer, weights on a GPU, another backend, a renaming ``name_map``, a dtype or shape the
     replica does not have) goes through two POSIX shared-memory bucket segments filled
     alternately, which every replica copies out of.
@@ -175,21 +175,23 @@ class ShmTransport(HttpControlTransport):
         self._written = {}
         self._offers = None
         offered = [a.get("direct") for a in answers]
-        writers: dict[str, ArenaWriter] = {}
+        for path in [p for p, w in self._writers.items() if w.stale]:
+            self._writers.pop(path).close()  # arenas their replica has released
         if self.direct and offered and all(offered):
             try:
                 offers = []
                 for offer in offered:
                     path = str(offer["path"])
-                    writer = writers.get(path) or self._writers.pop(path, None)
-                    writers[path] = writer = writer or ArenaWriter(path)
+                    writer = self._writers.pop(path, None) or ArenaWriter(path)
+                    self._writers[path] = writer  # most recently offered last
                     offers.append((writer, dict(offer["tensors"])))
                 self._offers = offers
             except (WeightTransferError, KeyError, TypeError):  # another host's /dev/shm
                 self._offers = None
-        for writer in self._writers.values():  # arenas no replica offers now: release them
-            writer.close()
-        self._writers = writers
+        # A replica alternates two arenas (live and shadow): keep both mapped, no more.
+        keep = 2 * len(self.urls)
+        while len(self._writers) > keep:
+            self._writers.pop(next(iter(self._writers))).close()
         return [int(a["weight_version"]) for a in answers]
 
     def write_direct(
@@ -200,7 +202,7 @@ class ShmTransport(HttpControlTransport):
         dtype: torch.dtype,
         checksum: bool = False,
     ) -> bool:
-        """``pwrite`` tensor ``name`` into every replica's arena if all of them offer it."""
+        """Copy tensor ``name`` into every replica's arena if all of them offer it."""
         if not self._offers:
             return False
         wire = dtype_name(dtype)
@@ -212,7 +214,7 @@ class ShmTransport(HttpControlTransport):
             targets.append((writer, int(entry[0])))
         if len(targets) == 1:
             crcs = [targets[0][0].write(targets[0][1], flat, dtype, checksum)]
-        else:  # one writer thread per replica (pwrite releases the GIL)
+        else:  # one thread per replica (the copies release the GIL)
             futures = [self._pool.submit(w.write, off, flat, dtype, checksum) for w, off in targets]
             crcs = [f.result() for f in futures]
         self._written[name] = crcs[0]
@@ -220,6 +222,10 @@ class ShmTransport(HttpControlTransport):
 
     def _commit_extra(self) -> dict[str, Any]:
         return {"direct": self._written} if self._written else {}
+
+    def shared_mapped_bytes(self) -> int:
+        """Bytes of the replicas' arenas mapped here (their shadows; not this process's)."""
+        return sum(w.nbytes for w in self._writers.values())
 
     def abort(self, transfer_id: str) -> None:
         """Drop the staging on every replica."""
