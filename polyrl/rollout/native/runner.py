@@ -95,6 +95,8 @@ class ModelRunner:
         self._offloaded: dict[str, torch.Tensor] | None = None
         # Shapes of discarded parameters (sleep level 2), by id of the parameter.
         self._shapes: dict[int, tuple[int, ...]] = {}
+        # ... and their storage's address alignment (mod 64), which new storage copies.
+        self._aligns: dict[int, int] = {}
         self.weights_discarded = False
         # The engine's own packed forward (set by enable_fast_forward), else the HF forward.
         self.fast: FastForward | None = None
@@ -247,21 +249,27 @@ class ModelRunner:
         shadows = self._shadow_map()
         buf = shadows.get(id(param))
         if buf is None or tuple(buf.shape) != shape:
-            buf = shadows[id(param)] = self._aligned_like(param.data, shape)
+            buf = shadows[id(param)] = self._aligned_like(param, shape)
         return buf
 
-    def _aligned_like(self, live: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    def _alignment(self, param: torch.nn.Parameter) -> int:
+        """Address alignment (mod 64) of ``param``'s storage, or of its dropped storage."""
+        live = param.data
+        if live.numel():
+            return live.data_ptr() % 64
+        return self._aligns.get(id(param), 0)
+
+    def _aligned_like(self, param: torch.nn.Parameter, shape: tuple[int, ...]) -> torch.Tensor:
         # CPU kernels pick code paths by address alignment, and fp32 results differ in the
-        # last bits between them: give the shadow the live storage's alignment (mod 64), so a
+        # last bits between them: give new storage the live storage's alignment (mod 64), so a
         # replica computes bit for bit what a replica freshly loaded with the same weights does.
-        size = live.element_size()
+        size = param.element_size()
         numel = 1
         for d in shape:
             numel *= d
         raw = torch.empty(numel * size + 64, dtype=torch.uint8, device=self.device)
-        want = live.data_ptr() % 64 if live.numel() else 0
-        skip = (want - raw.data_ptr()) % 64
-        return raw[skip : skip + numel * size].view(live.dtype).view(shape)
+        skip = (self._alignment(param) - raw.data_ptr()) % 64
+        return raw[skip : skip + numel * size].view(param.dtype).view(shape)
 
     def shared_shadows(self) -> dict[str, object] | None:
         """Put the shadows in one shared arena and describe it for a same-host sender.
@@ -279,11 +287,13 @@ class ModelRunner:
         shadows = self._shadow_map()
         unique = [self._params[n] for n in self._unique_names]
         current = [shadows.get(id(p)) for p in unique]
-        arena = next(
-            (a for a in self._arenas if current[0] is not None and a.contains(current[0])), None
-        )
+        # Empty tensors have no address to place: they never decide which arena is in use.
+        sized = [s for s in current if s is not None and s.numel()]
+        arena = next((a for a in self._arenas if sized and a.contains(sized[0])), None)
         if arena is None or not all(
-            s is not None and tuple(s.shape) == tuple(p.shape) and arena.contains(s)
+            s is not None
+            and tuple(s.shape) == tuple(p.shape)
+            and (arena.contains(s) or not s.numel())
             for s, p in zip(current, unique, strict=True)
         ):
             arena = self._new_shadow_arena(unique)
@@ -293,7 +303,7 @@ class ModelRunner:
         for param in unique:
             shadow = shadows[id(param)]
             by_id[id(param)] = [
-                arena.offset_of(shadow),
+                arena.offset_of(shadow) if shadow.numel() else 0,
                 list(shadow.shape),
                 dtype_name(shadow.dtype),
             ]
@@ -388,6 +398,7 @@ class ModelRunner:
                     param="weights",
                 )
             self._shapes = {}
+            self._aligns = {}
             self.weights_discarded = False
         self._prune_arenas()
 
@@ -451,6 +462,7 @@ class ModelRunner:
         freed += self.release_shadows()
         self._offloaded = None
         self._shapes = {id(p): tuple(p.shape) for p in self._params.values()}
+        self._aligns = {id(p): self._alignment(p) for p in self._params.values()}
         for name in self._unique_names:
             param = self._params[name]
             param.data = torch.empty(0, dtype=param.dtype, device=self.device)
@@ -463,8 +475,9 @@ class ModelRunner:
     def _restore_storage(self) -> None:
         for name in self._unique_names:
             param = self._params[name]
-            param.data = torch.empty(self._shapes[id(param)], dtype=param.dtype, device=self.device)
+            param.data = self._aligned_like(param, self._shapes[id(param)])
         self._shapes = {}
+        self._aligns = {}
 
     def reload(self) -> None:
         """Bring offloaded weights back to the device (wake-up after sleep level 1)."""
