@@ -10,8 +10,9 @@ When the step uses the C kernels (CPU, float32; see :mod:`.cpu_kernels`), RoPE a
 store are one call per layer, each residual add is fused into the following RMSNorm, and the
 gated MLP's ``silu(gate) * up`` is one pass.
 
-It reads every weight from its module at call time, so in-place weight updates, pointer swaps
-and sleep/wake need no bookkeeping here. :func:`build_fast_forward` returns ``None`` for any
+It keeps the modules' ``nn.Parameter`` objects and reads their current tensors at call time,
+so in-place weight updates, pointer swaps and sleep/wake (which all replace ``.data``) need no
+bookkeeping here. :func:`build_fast_forward` returns ``None`` for any
 model whose structure it does not recognise exactly (the runner then keeps the HF forward);
 mixture-of-experts and other non-standard MLP blocks are called as modules.
 """
@@ -70,7 +71,13 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 class _Layer:
-    """The modules of one decoder layer, looked up once."""
+    """The modules of one decoder layer, and their parameters, looked up once.
+
+    The parameters are kept as the ``nn.Parameter`` objects themselves (``nn.Module``
+    attribute lookups cost about a microsecond each, ~140 per step): weight updates, pointer
+    swaps and sleep/wake all replace a parameter's ``.data``, never the parameter, so each call
+    still computes with the current tensors.
+    """
 
     def __init__(self, layer: nn.Module):
         attn = layer.self_attn
@@ -78,6 +85,14 @@ class _Layer:
         self.post_norm = layer.post_attention_layernorm
         self.q_proj, self.k_proj = attn.q_proj, attn.k_proj
         self.v_proj, self.o_proj = attn.v_proj, attn.o_proj
+        self.q_w, self.q_b = attn.q_proj.weight, attn.q_proj.bias
+        self.k_w, self.k_b = attn.k_proj.weight, attn.k_proj.bias
+        self.v_w, self.v_b = attn.v_proj.weight, attn.v_proj.bias
+        self.o_w, self.o_b = attn.o_proj.weight, attn.o_proj.bias
+        self.input_w = self.input_norm.weight
+        self.input_eps = float(self.input_norm.variance_epsilon)
+        self.post_w = self.post_norm.weight
+        self.post_eps = float(self.post_norm.variance_epsilon)
         self.q_norm = getattr(attn, "q_norm", None)
         self.k_norm = getattr(attn, "k_norm", None)
         self.layer_idx = int(attn.layer_idx)
@@ -89,6 +104,10 @@ class _Layer:
             _is_linear(getattr(mlp, n, None)) for n in ("gate_proj", "up_proj", "down_proj")
         ) and _is_silu(getattr(mlp, "act_fn", None))
         self.mlp = mlp
+        if self.dense:
+            self.gate_w, self.gate_b = mlp.gate_proj.weight, mlp.gate_proj.bias
+            self.up_w, self.up_b = mlp.up_proj.weight, mlp.up_proj.bias
+            self.down_w, self.down_b = mlp.down_proj.weight, mlp.down_proj.bias
 
 
 def _check_layer(layer: nn.Module) -> str | None:
@@ -131,9 +150,9 @@ class FastForward:
     def _attention(self, layer: _Layer, x: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         t = x.shape[0]
         hd = layer.head_dim
-        q = F.linear(x, layer.q_proj.weight, layer.q_proj.bias).view(t, -1, hd)
-        k = F.linear(x, layer.k_proj.weight, layer.k_proj.bias).view(t, -1, hd)
-        v = F.linear(x, layer.v_proj.weight, layer.v_proj.bias).view(t, -1, hd)
+        q = F.linear(x, layer.q_w, layer.q_b).view(t, -1, hd)
+        k = F.linear(x, layer.k_w, layer.k_b).view(t, -1, hd)
+        v = F.linear(x, layer.v_w, layer.v_b).view(t, -1, hd)
         if layer.q_norm is not None:
             q = _rms_norm(q, layer.q_norm)
         if layer.k_norm is not None:
@@ -154,17 +173,16 @@ class FastForward:
         out = paged_attention(
             layer.layer_idx, q, k, v, meta, layer.scaling, layer.sliding_window, store
         ).reshape(t, -1)
-        return F.linear(out, layer.o_proj.weight, layer.o_proj.bias)
+        return F.linear(out, layer.o_w, layer.o_b)
 
     def _mlp(self, layer: _Layer, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         if not layer.dense:
             return layer.mlp(x.unsqueeze(0))[0]
-        mlp = layer.mlp
-        gate = F.linear(x, mlp.gate_proj.weight, mlp.gate_proj.bias)
-        up = F.linear(x, mlp.up_proj.weight, mlp.up_proj.bias)
+        gate = F.linear(x, layer.gate_w, layer.gate_b)
+        up = F.linear(x, layer.up_w, layer.up_b)
         # The C kernel does silu and the product in one pass (two torch ops otherwise).
         mid = cpu_kernels.silu_mul(gate, up) if fused else F.silu(gate) * up
-        return F.linear(mid, mlp.down_proj.weight, mlp.down_proj.bias)
+        return F.linear(mid, layer.down_w, layer.down_b)
 
     @torch.inference_mode()
     def __call__(
@@ -208,11 +226,9 @@ class FastForward:
         """Run the layers, each residual add fused into the next RMSNorm (one C call each)."""
         delta: torch.Tensor | None = None
         for layer in self.layers:
-            norm = layer.input_norm
-            x = cpu_kernels.add_rms_norm(h, delta, norm.weight, norm.variance_epsilon)
+            x = cpu_kernels.add_rms_norm(h, delta, layer.input_w, layer.input_eps)
             attn = self._attention(layer, x, meta).contiguous()
-            norm = layer.post_norm
-            x = cpu_kernels.add_rms_norm(h, attn, norm.weight, norm.variance_epsilon)
+            x = cpu_kernels.add_rms_norm(h, attn, layer.post_w, layer.post_eps)
             delta = self._mlp(layer, x, fused=True).contiguous()
         rows = h.index_select(0, logits_index)
         last = None if delta is None else delta.index_select(0, logits_index)

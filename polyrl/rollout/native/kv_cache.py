@@ -185,6 +185,9 @@ class PagedKVCache:
         self.dtype = dtype
         self.device = device
         self._data: torch.Tensor | None = None
+        # (keys, values) view of each layer, made once per allocation: the forward asks for
+        # them every layer and step, and indexing a tensor costs microseconds each time.
+        self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.allocate()
 
     @property
@@ -201,10 +204,12 @@ class PagedKVCache:
         """(Re)create the storage if it was released."""
         if self._data is None:
             self._data = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            self._views = [(self._data[i, 0], self._data[i, 1]) for i in range(self.shape[0])]
 
     def release(self) -> None:
         """Drop the storage so its memory can be reused."""
         self._data = None
+        self._views = []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -215,8 +220,12 @@ class PagedKVCache:
 
     def k(self, layer: int) -> torch.Tensor:
         """Keys of ``layer``: ``(num_blocks, block_size, kv_heads, head_dim)``."""
+        if self._views:
+            return self._views[layer][0]
         return self._storage()[layer, 0]
 
     def v(self, layer: int) -> torch.Tensor:
         """Values of ``layer``: ``(num_blocks, block_size, kv_heads, head_dim)``."""
+        if self._views:
+            return self._views[layer][1]
         return self._storage()[layer, 1]

@@ -56,7 +56,12 @@ def seeded_uniform(seed: int, counter: int) -> float:
     Draw ``c`` is output ``c`` of SplitMix64 whose state starts at a hash of the seed, so it
     depends on ``(seed, c)`` only; the top :data:`_UNIFORM_BITS` bits give the value.
     """
-    state = (_mix64(seed & _MASK64) + (counter + 1) * _GAMMA) & _MASK64
+    return _uniform_at(_mix64(seed & _MASK64), counter)
+
+
+def _uniform_at(start: int, counter: int) -> float:
+    """:func:`seeded_uniform` from the stream's start state (``_mix64`` of the seed)."""
+    state = (start + (counter + 1) * _GAMMA) & _MASK64
     return ((_mix64(state) >> (64 - _UNIFORM_BITS)) + 0.5) * _UNIFORM_SCALE
 
 
@@ -77,6 +82,16 @@ class SamplingRow:
     top_logprobs: int = 0
     # Token ids the repetition penalty applies to (prompt and output so far).
     seen_tokens: list[int] | None = None
+    # (seed, its stream's start state): the hash of the seed, computed once, not every step.
+    _start: tuple[int, int] | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def stream_start(self) -> int:
+        """Start state of this row's seeded stream (``seed`` must be set)."""
+        assert self.seed is not None
+        cached = self._start
+        if cached is None or cached[0] != self.seed:
+            cached = self._start = (self.seed, _mix64(self.seed & _MASK64))
+        return cached[1]
 
 
 @dataclasses.dataclass
@@ -147,7 +162,7 @@ class Sampler:
                 shared.append(i)
                 values.append(0.5)
             else:
-                values.append(seeded_uniform(row.seed, row.draws))
+                values.append(_uniform_at(row.stream_start(), row.draws))
                 row.draws += 1
         u = torch.tensor(values, dtype=torch.float32)
         if shared:
