@@ -947,3 +947,47 @@ def test_manager_runs_inside_a_ray_actor(ray_session):
         assert scores == [1.0, -1.0, -1.0, 1.0]
     finally:
         ray.kill(actor)
+
+
+# ------------------------------------------------------------------------- DAPO math, shaping
+@pytest.mark.parametrize(
+    ("response", "truth", "score"),
+    [
+        ("Let me think... so the sum is 34.\nAnswer: 34", "34", 1.0),
+        ("Answer: $\\dfrac{3}{4}$", "\\frac{3}{4}", 1.0),
+        ("Answer: \\boxed{1,000}.", "1000", 1.0),
+        ("Answer: 2.50", "2.5", 1.0),
+        ("Answer: 90^\\circ", "90", 1.0),
+        ("Answer: 12\nAnswer: 13", "13", 1.0),  # the last answer line counts
+        ("The total is \\boxed{\\frac{1}{2}}", "\\frac{1}{2}", 1.0),  # no line: last box
+        ("Answer: 35", "34", -1.0),
+        ("I do not know", "34", -1.0),
+        ("Answer: 7", ["6", "7"], 1.0),
+    ],
+)
+def test_math_dapo_scores_the_last_answer_line(response, truth, score):
+    out = scorers_module.math_dapo_score(response, truth)
+    assert out["score"] == score
+    assert out["acc"] == (1.0 if score > 0 else 0.0)
+    assert out["answer_found"] == (0.0 if response == "I do not know" else 1.0)
+    assert get_scorer("math_dapo") is scorers_module.math_dapo_score
+
+
+def test_math_dapo_rejects_bad_ground_truth_and_reads_only_the_tail():
+    for bad in ("", [], True, None):
+        with pytest.raises(ValueError, match="math_dapo"):
+            scorers_module.math_dapo_score("Answer: 1", bad)
+    # An answer line buried before a long tail is not the final answer.
+    assert scorers_module.math_dapo_score("Answer: 5" + " x" * 1000, "5")["score"] == -1.0
+
+
+def test_overlong_penalty_is_zero_then_linear_to_the_factor():
+    from polyrl.reward.shaping import overlong_penalty
+
+    lengths = torch.tensor([0, 12, 13, 14, 16, 20])
+    got = overlong_penalty(lengths, max_response_length=16, buffer_length=4, penalty_factor=0.5)
+    assert got.tolist() == [0.0, 0.0, -0.125, -0.25, -0.5, -0.5]
+    with pytest.raises(ValueError, match="overlong buffer of 0"):
+        overlong_penalty(lengths, 16, 0)
+    with pytest.raises(ValueError, match="1..16"):
+        overlong_penalty(lengths, 16, 17)

@@ -22,6 +22,12 @@ from polyrl.config import ConfigError, load_config
 from polyrl.model.losses import GLOBAL_SEQS_KEY, GLOBAL_TOKENS_KEY
 from polyrl.trainer.rl import RLTrainer, build_rollout_batch, place_on_last_token
 from polyrl.trainer.rl_losses import actor_loss, critic_loss, state_values
+from polyrl.trainer.rl_rollout import (
+    group_varies,
+    rollout_widths,
+    select_groups,
+    widen_rollout_batch,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,6 +48,41 @@ def test_build_rollout_batch_left_pads_prompts_and_right_pads_responses():
     assert batch["response_length"].tolist() == [2, 3]
     with pytest.raises(ValueError, match="prompt 0 is empty"):
         build_rollout_batch([[]], [[1]], 0)
+
+
+def test_widen_rollout_batch_equals_building_at_the_wider_layout():
+    prompts, responses = [[5, 6, 7], [8]], [[1, 2], [3, 4, 9]]
+    lps = [[-0.5, -0.25], [-1.0, -2.0, -3.0]]
+    narrow = build_rollout_batch(prompts, responses, 0, lps)
+    narrow.non_tensors["uid"] = ["a", "b"]
+    assert rollout_widths(narrow) == (3, 3)
+    wide = widen_rollout_batch(narrow, 5, 4, pad_token_id=99)
+    want = build_rollout_batch(prompts, responses, 99, lps, width_prompt=5, width_response=4)
+    assert rollout_widths(wide) == (5, 4)
+    for key in want.tensor_keys:
+        # Padding ids differ only where the mask is 0 (the narrow batch's own pads were 0).
+        got, ref = wide[key], want[key]
+        if key == "input_ids":
+            got, ref = got * wide["attention_mask"], ref * want["attention_mask"]
+        assert torch.equal(got, ref), key
+    assert list(wide.non_tensors["uid"]) == ["a", "b"]
+    assert widen_rollout_batch(narrow, 3, 3, 0) is narrow
+    with pytest.raises(ValueError, match="cannot narrow"):
+        widen_rollout_batch(narrow, 2, 3, 0)
+
+
+def test_group_varies_and_select_groups_prefer_informative_groups():
+    acc = torch.tensor([1, 1, 0, 1, 0, 0, 1, 0, 1, 1, 1, 1], dtype=torch.float32)
+    varies = group_varies(acc, 2)  # groups: [1,1] [0,1] [0,0] [1,0] [1,1] [1,1]
+    assert varies.tolist() == [False, True, False, True, False, False]
+    assert select_groups(varies, 2).tolist() == [1, 3]
+    # Fewer informative groups than needed: the earliest uninformative ones fill the rest.
+    assert select_groups(varies, 4).tolist() == [0, 1, 2, 3]
+    assert group_varies(torch.tensor([0.5, 0.5 + 1e-9]), 2).tolist() == [False]
+    with pytest.raises(ValueError, match="groups of 4"):
+        group_varies(acc[:6], 4)
+    with pytest.raises(ValueError, match="7 needed"):
+        select_groups(varies, 7)
 
 
 def test_place_on_last_token_handles_empty_responses():
@@ -167,6 +208,12 @@ def test_rl_config_errors_name_the_option():
         RLTrainer(load_config("demo", ["actor.max_tokens_per_micro_batch=8"]))
     with pytest.raises(ConfigError, match="clip_ratio_c"):
         load_config("demo", ["actor.clip_ratio_c=0.5"])
+    with pytest.raises(ConfigError, match="algorithm.filter_groups"):
+        RLTrainer(load_config("dapo", ["algorithm.adv_estimator=remax"]))
+    with pytest.raises(ConfigError, match="algorithm.filter_groups"):
+        RLTrainer(load_config("dapo", ["transfer.enable=true"]))
+    with pytest.raises(ConfigError, match="reward.overlong_buffer_len"):
+        RLTrainer(load_config("dapo", ["reward.overlong_buffer_len=17"]))
 
 
 # ------------------------------------------------------------------------------ end to end
@@ -472,3 +519,40 @@ def test_grpo_with_the_tool_loop_runs_multi_turn_steps(tmp_path):
         # The loss covers only the model's tokens: fewer than the whole response.
         assert r["actor/num_tokens"] < r["perf/response_tokens"]
     assert records[-1]["rollout/weight_version"] == 2
+
+
+def test_dapo_dynamic_sampling_fills_the_batch_and_shapes_overlong_rewards(tmp_path):
+    overrides = _e2e_overrides(
+        tmp_path,
+        "dapo",
+        "trainer.worker_backend=local",
+        "trainer.total_steps=2",
+        "actor.ppo_mini_batch_size=8",
+        "reward.overlong_buffer_len=4",
+        "algorithm.max_gen_batches=3",
+        "model.tiny_size=nano",
+    )
+    # The dense test reward is never >= 1, so no response is "correct": with the acc metric no
+    # group varies, every step samples max_gen_batches batches and trains on uninformative
+    # groups; with the score metric (continuous lengths) the first batch has enough.
+    trainer = RLTrainer(load_config("dapo", overrides))
+    try:
+        trainer.setup()
+        before = trainer.sampler.state_dict()
+        metrics = trainer.step(1)
+        assert metrics["filter/gen_batches"] == 3.0
+        assert metrics["filter/informative_groups"] == 0.0
+        assert metrics["filter/first_batch_informative_fraction"] == 0.0
+        after = trainer.sampler.state_dict()
+        assert after != before  # the sampler moved on by three batches
+        # All 8 prompts x 4 responses trained on; responses near the 8-token cap were penalised.
+        assert metrics["response_length/mean"] > 0
+        assert "reward/overlong_penalty/mean" in metrics
+        assert metrics["reward/overlong_penalty/mean"] <= 0.0
+        trainer.cfg = load_config("dapo", [*overrides, "algorithm.filter_groups_metric=score"])
+        metrics = trainer.step(2)
+        assert metrics["filter/gen_batches"] <= 3.0
+        assert metrics["filter/informative_groups"] == 8.0
+        assert torch.isfinite(torch.tensor(metrics["actor/pg_loss"]))
+    finally:
+        trainer.close()

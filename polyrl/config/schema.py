@@ -408,6 +408,15 @@ class RewardConfig(ConfigGroup):
     timeout_s: float = option(10.0, "Seconds allowed to score one response.", gt=0.0)
     num_workers: int = option(1, "Reward worker processes; 0 scores in the calling process.", ge=0)
     error_reward: float = option(0.0, "Reward given when scoring raises or times out.")
+    overlong_buffer_len: int = option(
+        0,
+        "DAPO soft overlong punishment: penalise the last N tokens before the length cap "
+        "linearly (0 turns it off).",
+        ge=0,
+    )
+    overlong_penalty_factor: float = option(
+        1.0, "Penalty at the length cap when overlong_buffer_len > 0.", ge=0.0
+    )
 
     def validate(self) -> None:
         """Check custom_function has the 'file.py:function' form."""
@@ -603,6 +612,17 @@ class AlgorithmConfig(ConfigGroup):
     kl_coef: float = option(0.001, "(Initial) KL coefficient of the reward penalty.", ge=0.0)
     target_kl: float = option(0.1, "Adaptive controller: target KL.", gt=0.0)
     kl_horizon: int = option(10000, "Adaptive controller: horizon in samples.", ge=1)
+    filter_groups: bool = option(
+        False,
+        "DAPO dynamic sampling: train only on prompts whose responses differ in "
+        "filter_groups_metric, sampling more prompts until the batch is full.",
+    )
+    filter_groups_metric: str = option(
+        "acc", "What must vary within a group to keep it.", choices=("acc", "score")
+    )
+    max_gen_batches: int = option(
+        10, "Dynamic sampling: generation rounds per step at most (then uninformative fill).", ge=1
+    )
 
 
 @dataclasses.dataclass

@@ -1,4 +1,4 @@
-"""Built-in rule-based scorers: arithmetic, countdown, string tasks, GSM8K and MATH.
+"""Built-in rule-based scorers: arithmetic, countdown, string tasks, GSM8K, MATH, DAPO math.
 
 Every scorer follows the registry signature ``fn(response, ground_truth, extra_info=None,
 prompt=None)`` and is pure Python except ``math``, which uses the ``math-verify`` library.
@@ -21,9 +21,12 @@ __all__ = [
     "ExpressionError",
     "arithmetic_score",
     "countdown_score",
+    "dapo_extract",
+    "dapo_normalize",
     "evaluate_expression",
     "gsm8k_extract",
     "gsm8k_score",
+    "math_dapo_score",
     "math_score",
     "set_math_verify_timeout",
     "string_reverse_score",
@@ -579,3 +582,109 @@ def math_score(
         return {"score": 0.0, "answer_found": 0.0}
     correct = any(mv.verify(gold, pred, timeout_seconds=timeout) for gold in parsed_golds)
     return {"score": 1.0 if correct else 0.0, "answer_found": 1.0}
+
+
+# --------------------------------------------------------------------------------------
+# DAPO math (DAPO-Math-17k's "Answer: ..." convention)
+# --------------------------------------------------------------------------------------
+
+# Only the tail of a response is searched: the answer line ends it, and a pathological
+# response must not cost quadratic regex time.
+_DAPO_TAIL_CHARS = 600
+_DAPO_ANSWER = re.compile(r"Answer\s*:\s*(.+)", re.IGNORECASE)
+# Wrappers and words a final answer often carries that do not change its value.
+_DAPO_STRIP = (
+    (re.compile(r"\\text\{\s*([^{}]*)\}"), r"\1"),
+    (re.compile(r"\\(?:mathrm|textbf|mathbf)\{\s*([^{}]*)\}"), r"\1"),
+    (re.compile(r"\\[dt]frac"), r"\\frac"),
+    (re.compile(r"\\left|\\right|\\!|\\,|\\;|\\ "), ""),
+    (re.compile(r"\^\{?\\circ\}?|°"), ""),
+    (re.compile(r"\s+"), ""),
+)
+
+
+def _dapo_boxed(text: str) -> str | None:
+    r"""Return the content of the last ``\boxed{...}`` (braces balanced), or ``None``."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1 : j]
+    return None
+
+
+def dapo_normalize(answer: str) -> str:
+    r"""Canonical form of a final answer for exact comparison (DAPO-style).
+
+    Drops ``$``, a surrounding ``\boxed{}``, ``\text{}`` wrappers, spacing commands and all
+    white space, degree signs, a trailing full stop, thousands separators in plain numbers, and
+    trailing zeros of decimals (``2.50`` -> ``2.5``, ``3.0`` -> ``3``).
+    """
+    text = answer.strip().replace("$", "")
+    boxed = _dapo_boxed(text)
+    if boxed is not None:
+        text = boxed
+    for pattern, repl in _DAPO_STRIP:
+        text = pattern.sub(repl, text)
+    text = text.rstrip(".")
+    if re.fullmatch(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?", text):
+        text = text.replace(",", "")
+    if re.fullmatch(r"[-+]?\d+\.\d+", text):
+        text = text.rstrip("0").rstrip(".")
+    return text
+
+
+def dapo_extract(response: str) -> str | None:
+    r"""Return a response's final answer: after its last ``Answer:``, else its last ``\boxed{}``."""
+    tail = response[-_DAPO_TAIL_CHARS:]
+    found = _DAPO_ANSWER.findall(tail)
+    if found:
+        answer = found[-1].strip()
+        return answer or None
+    return _dapo_boxed(tail)
+
+
+@register_scorer("math_dapo", "BytedTsinghua-SIA/DAPO-Math-17k", "aime24", "aime25")
+def math_dapo_score(
+    response: str,
+    ground_truth: Any,
+    extra_info: dict | None = None,
+    prompt: str | None = None,
+) -> dict[str, float]:
+    r"""DAPO's math reward: +1 for a correct final answer, -1 otherwise.
+
+    The answer is read from the last ``Answer: ...`` line of the response (DAPO-Math-17k's
+    prompt asks for one), else from its last ``\boxed{}``; it is correct when its
+    :func:`dapo_normalize` form equals that of ``ground_truth`` (or of any entry of a list).
+
+    Returns:
+        ``{"score": 1.0 or -1.0, "acc": 1.0 or 0.0, "answer_found": 1.0 or 0.0}``.
+
+    Raises:
+        ValueError: ``ground_truth`` is empty, a bool or not a string/number (list).
+        TypeError: ``response`` is not a string.
+    """
+    golds = ground_truth if isinstance(ground_truth, list | tuple) else [ground_truth]
+    if not golds:
+        raise ValueError("math_dapo: ground_truth is an empty list")
+    normalized = []
+    for gold in golds:
+        valid = isinstance(gold, str | int | float) and not isinstance(gold, bool)
+        if not valid or not str(gold).strip():
+            raise ValueError(
+                f"math_dapo: each ground_truth must be a non-empty str or number, got {gold!r}"
+            )
+        normalized.append(dapo_normalize(str(gold)))
+    if not isinstance(response, str):
+        raise TypeError(f"response must be a str, got {type(response).__name__}")
+    answer = dapo_extract(response)
+    if answer is None:
+        return {"score": -1.0, "acc": 0.0, "answer_found": 0.0}
+    correct = dapo_normalize(answer) in normalized
+    return {"score": 1.0 if correct else -1.0, "acc": float(correct), "answer_found": 1.0}

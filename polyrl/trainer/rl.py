@@ -53,7 +53,11 @@ from polyrl.trainer.rl_rollout import (
     build_rollout_batch,
     compute_advantages,
     derive_seed,
+    group_varies,
     place_on_last_token,
+    rollout_widths,
+    select_groups,
+    widen_rollout_batch,
 )
 
 __all__ = [
@@ -128,6 +132,27 @@ def _check_config(cfg: PolyRLConfig, has_rows: bool = False) -> None:
             f"got {cfg.rollout.n}",
             key="rollout.n",
         )
+    if algo.filter_groups and (cfg.rollout.n < 2 or algo.adv_estimator == "remax"):
+        raise ConfigError(
+            "algorithm.filter_groups keeps prompts whose responses differ: it needs rollout.n >= "
+            f"2 and an estimator other than remax (got n={cfg.rollout.n}, "
+            f"{algo.adv_estimator})",
+            key="algorithm.filter_groups",
+        )
+    if algo.filter_groups and cfg.transfer.enable:
+        raise ConfigError(
+            "algorithm.filter_groups is not supported with transfer.enable (the rollout workers "
+            "stream fixed prompt sets); turn one of them off",
+            key="algorithm.filter_groups",
+        )
+    # A multi-turn trajectory may fill data.max_response_length; one turn, rollout.max_new_tokens.
+    response = cfg.data.max_response_length if cfg.agent.enable else cfg.rollout.max_new_tokens
+    if cfg.reward.overlong_buffer_len > response:
+        raise ConfigError(
+            f"{cfg.reward.overlong_buffer_len} exceeds the maximum response length ({response}); "
+            "the buffer is the last part of the allowed length",
+            key="reward.overlong_buffer_len",
+        )
     batch = cfg.data.train_batch_size
     if actor.ppo_mini_batch_size and batch % actor.ppo_mini_batch_size:
         raise ConfigError(
@@ -148,8 +173,6 @@ def _check_config(cfg: PolyRLConfig, has_rows: bool = False) -> None:
             f"evenly over the {world} ranks (each rank fetches its own rows, unpadded)",
             key="data.train_batch_size",
         )
-    # A multi-turn trajectory may fill data.max_response_length; one turn, rollout.max_new_tokens.
-    response = cfg.data.max_response_length if cfg.agent.enable else cfg.rollout.max_new_tokens
     if actor.max_tokens_per_micro_batch < cfg.data.max_prompt_length + response:
         raise ConfigError(
             f"{actor.max_tokens_per_micro_batch} is below the longest sequence "
@@ -588,8 +611,6 @@ class RLTrainer:
                     items, cfg.rollout.n, cfg.rollout.temperature, seed
                 )
                 metrics.update(gen_metrics)
-            if cfg.rollout.sleep_during_training:
-                self._run(self._client.sleep())
             # 2. reward (ReMax: also the greedy response's reward, as the baseline)
             with _timer(timing, "reward"):
                 scores, acc, reward_metrics = self.score(batch)
@@ -598,6 +619,12 @@ class RLTrainer:
                     greedy, _ = self.generate(items, 1, 0.0, seed)
                     greedy_scores = self.score(greedy)[0]
                     baseline = greedy_scores.repeat_interleave(cfg.rollout.n)
+            if algo.filter_groups:  # DAPO dynamic sampling: more prompts until enough vary
+                batch, scores, acc = self._keep_informative_groups(
+                    len(items), batch, scores, acc, seed, timing, metrics
+                )
+            if cfg.rollout.sleep_during_training:
+                self._run(self._client.sleep())
             mask = batch["loss_mask"]
             batch["token_level_scores"] = place_on_last_token(scores, mask)
             # 3. old log-probs, reference log-probs, values
@@ -649,6 +676,58 @@ class RLTrainer:
         metrics.update(self._step_metrics(data, reward_metrics, timing))
         metrics.update(timing)
         return metrics
+
+    def _keep_informative_groups(
+        self,
+        needed: int,
+        batch: Batch,
+        scores: torch.Tensor,
+        acc: torch.Tensor,
+        seed: int,
+        timing: dict[str, float],
+        metrics: dict[str, float],
+    ) -> tuple[Batch, torch.Tensor, torch.Tensor]:
+        """DAPO dynamic sampling: keep ``needed`` prompt groups whose responses differ.
+
+        Samples further prompt batches (the sampler moves on, seeds derive from the step's)
+        until ``needed`` groups vary in ``algorithm.filter_groups_metric`` or
+        ``algorithm.max_gen_batches`` rounds were made; uninformative groups fill what is
+        still missing, so every step trains on the same number of rows.
+        """
+        cfg, algo = self.cfg, self.cfg.algorithm
+        n = cfg.rollout.n
+        batches, all_scores, all_acc = [batch], [scores], [acc]
+
+        def varies() -> torch.Tensor:
+            values = torch.cat(all_acc if algo.filter_groups_metric == "acc" else all_scores)
+            return group_varies(values, n)
+
+        first = group_varies(acc if algo.filter_groups_metric == "acc" else scores, n)
+        while int(varies().sum()) < needed and len(batches) < algo.max_gen_batches:
+            items = [self.train_ds[i] for i in self.sampler.next_batch()]
+            with _timer(timing, "gen"):
+                more, _ = self.generate(
+                    items, n, cfg.rollout.temperature, derive_seed(seed, len(batches))
+                )
+            with _timer(timing, "reward"):
+                more_scores, more_acc, _ = self.score(more)
+            batches.append(more)
+            all_scores.append(more_scores)
+            all_acc.append(more_acc)
+        chosen = select_groups(varies(), needed)
+        rows = (chosen[:, None] * n + np.arange(n)).reshape(-1)
+        if len(batches) > 1:
+            widths = [rollout_widths(b) for b in batches]
+            width_p, width_r = max(w[0] for w in widths), max(w[1] for w in widths)
+            batch = Batch.concat(
+                [widen_rollout_batch(b, width_p, width_r, self.pad_id) for b in batches]
+            )
+        kept = varies()[torch.from_numpy(chosen)]
+        metrics["filter/gen_batches"] = float(len(batches))
+        metrics["filter/informative_groups"] = float(kept.sum())
+        metrics["filter/first_batch_informative_fraction"] = float(first.float().mean())
+        index = torch.from_numpy(rows)
+        return batch[rows], torch.cat(all_scores)[index], torch.cat(all_acc)[index]
 
     def _step_with_transfer(self, step: int) -> dict[str, float]:
         """:meth:`step` with the data in the transfer queue: the driver handles references.
@@ -778,9 +857,14 @@ class RLTrainer:
         reward_metrics: Mapping[str, float],
         timing: Mapping[str, float],
     ) -> dict[str, float]:
-        """Add reward failure counts, throughput and epoch to the step's data metrics."""
+        """Add reward failure counts and shaping, throughput and epoch to the data metrics."""
         out = dict(data)
-        for key in ("reward/errors", "reward/timeouts"):
+        for key in (
+            "reward/errors",
+            "reward/timeouts",
+            "reward/overlong_penalty/mean",
+            "reward/overlong_fraction",
+        ):
             if key in reward_metrics:
                 out[key] = float(reward_metrics[key])
         step_s = timing.get("timing_s/step", 0.0)

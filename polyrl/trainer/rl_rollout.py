@@ -19,6 +19,7 @@ import torch
 
 from polyrl.batch import Batch
 from polyrl.config import PolyRLConfig
+from polyrl.reward.shaping import overlong_penalty
 
 __all__ = [
     "RolloutProducer",
@@ -27,9 +28,13 @@ __all__ = [
     "build_rollout_batch",
     "compute_advantages",
     "derive_seed",
+    "group_varies",
     "masked_stats",
     "place_on_last_token",
+    "rollout_widths",
+    "select_groups",
     "stats",
+    "widen_rollout_batch",
 ]
 
 _SEED_MOD = 2**63
@@ -90,6 +95,83 @@ def build_rollout_batch(
     if rollout_log_probs is not None:
         tensors["rollout_log_probs"] = old
     return Batch(tensors=tensors)
+
+
+def rollout_widths(batch: Batch) -> tuple[int, int]:
+    """``(prompt width, response width)`` of a batch laid out by :func:`build_rollout_batch`.
+
+    Prompts are left-padded and never empty, so a row's prompt ends (and its response starts)
+    at its first attended position plus its prompt length.
+    """
+    attn = batch["attention_mask"]
+    first = int(torch.argmax((attn[0] != 0).to(torch.int8)))
+    width_p = first + int(batch["prompt_length"][0])
+    return width_p, int(attn.shape[1]) - width_p
+
+
+def widen_rollout_batch(
+    batch: Batch, width_prompt: int, width_response: int, pad_token_id: int
+) -> Batch:
+    """Re-lay a rollout batch to wider prompt/response parts (more left and right padding).
+
+    Every ``(B, T)`` tensor column moves right by the added prompt width and is padded with
+    zeros (``input_ids`` with ``pad_token_id``), so rows keep their tokens, masks and per-token
+    values; ``position_ids`` are renumbered from the attention mask as
+    :func:`build_rollout_batch` numbers them; other columns are unchanged.
+
+    Raises:
+        ValueError: a requested width is narrower than the batch's own.
+    """
+    own_p, own_r = rollout_widths(batch)
+    if width_prompt < own_p or width_response < own_r:
+        raise ValueError(
+            f"cannot narrow a rollout batch of widths ({own_p}, {own_r}) to "
+            f"({width_prompt}, {width_response})"
+        )
+    if (width_prompt, width_response) == (own_p, own_r):
+        return batch
+    total = own_p + own_r
+    shift = width_prompt - own_p
+    tensors = {}
+    for key, value in batch.tensors.items():
+        if value.dim() >= 2 and value.shape[1] == total:
+            fill = pad_token_id if key == "input_ids" else 0
+            wide = torch.full(
+                (value.shape[0], width_prompt + width_response, *value.shape[2:]),
+                fill,
+                dtype=value.dtype,
+            )
+            wide[:, shift : shift + total] = value
+            value = wide
+        tensors[key] = value
+    if "position_ids" in tensors:  # as build_rollout_batch numbers them, padding included
+        tensors["position_ids"] = (tensors["attention_mask"].cumsum(1) - 1).clamp(min=0)
+    return Batch(tensors=tensors, non_tensors=dict(batch.non_tensors), meta=dict(batch.meta))
+
+
+def group_varies(values: torch.Tensor, n: int) -> torch.Tensor:
+    """Per group of ``n`` consecutive rows: whether its values are not all equal.
+
+    DAPO's dynamic sampling keeps only such groups: in a group whose responses all got the
+    same reward, group-relative advantages are zero and the prompt teaches nothing.
+    """
+    if values.numel() % n:
+        raise ValueError(f"{values.numel()} rows do not form groups of {n}")
+    groups = values.reshape(-1, n).float()
+    return (groups.max(dim=1).values - groups.min(dim=1).values) > 1e-6
+
+
+def select_groups(varies: torch.Tensor, needed: int) -> np.ndarray:
+    """Pick ``needed`` group indices, informative groups first, in their original order.
+
+    When fewer than ``needed`` groups vary, the earliest uninformative ones fill the rest, so
+    the step keeps its batch size (they add nothing to a group-relative policy gradient).
+    """
+    flags = varies.cpu().numpy().astype(bool)
+    order = np.concatenate([np.flatnonzero(flags), np.flatnonzero(~flags)])
+    if len(order) < needed:
+        raise ValueError(f"{len(order)} groups available, {needed} needed")
+    return np.sort(order[:needed])
 
 
 def place_on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -327,7 +409,26 @@ class RolloutProducer:
             # Environment loops report their own reward; the scorer decides the rest (NaN).
             own = torch.as_tensor(batch.non_tensors["reward"].astype(float), dtype=torch.float32)
             scores = torch.where(torch.isnan(own), scores, own)
-        return scores, accuracy(scores, result.extras), result.metrics
+        acc = accuracy(scores, result.extras)  # of the answers, before any length shaping
+        metrics = dict(result.metrics)
+        reward_cfg = self.cfg.reward
+        if reward_cfg.overlong_buffer_len > 0:
+            # A multi-turn trajectory may fill data.max_response_length; one turn, max_new_tokens.
+            cap = (
+                self.cfg.data.max_response_length
+                if self.cfg.agent.enable
+                else self.cfg.rollout.max_new_tokens
+            )
+            penalty = overlong_penalty(
+                batch["response_length"],
+                cap,
+                reward_cfg.overlong_buffer_len,
+                reward_cfg.overlong_penalty_factor,
+            )
+            scores = scores + penalty
+            metrics["reward/overlong_penalty/mean"] = float(penalty.mean())
+            metrics["reward/overlong_fraction"] = float((penalty < 0).float().mean())
+        return scores, acc, metrics
 
 
 def compute_advantages(
