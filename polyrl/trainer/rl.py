@@ -711,6 +711,10 @@ class RLTrainer:
                 )
             with _timer(timing, "reward"):
                 more_scores, more_acc, _ = self.score(more)
+            # A prompt drawn again (the sampler wrapped an epoch) is a group of its own.
+            more.non_tensors["uid"] = np.array(
+                [f"{uid}#{len(batches)}" for uid in more.non_tensors["uid"]], dtype=object
+            )
             batches.append(more)
             all_scores.append(more_scores)
             all_acc.append(more_acc)
