@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import pytest
 import torch
 
+from polyrl.rollout.native import cpu_kernels
 from polyrl.rollout.native.sampler import Sampler, SamplingRow, _mix64, seeded_uniform
 
 # Chi-square critical values at p = 0.001 (the tests fail one correct generator in 1000 seeds).
@@ -96,12 +98,37 @@ def test_a_seeded_row_draws_the_same_whatever_shares_the_batch():
     assert [sampler(logits[2:3], [resumed]).tokens[0] for _ in range(2)] == alone[3:]
 
 
-def test_masked_entries_are_never_drawn_even_at_the_extremes():
+@pytest.mark.parametrize("use_kernels", [True, False])
+def test_masked_entries_are_never_drawn_even_at_the_extremes(use_kernels):
     # Uniforms as close to 0 and 1 as the stream makes them, and a target rounded up to the
     # total (1.0): the first and the last allowed entry, never the masked tail.
     logits = torch.tensor([[-1.0, 0.0, 3.0, 1.0, -2.0]])
-    sampler = Sampler(torch.device("cpu"))
+    sampler = Sampler(torch.device("cpu"), use_kernels=use_kernels)
     z = logits.masked_fill(torch.tensor([[True, False, False, True, True]]), float("-inf"))
     for u, want in ((2.0**-24, 1), (1 - 2.0**-24, 2), (1.0, 2)):
         sampler._uniforms = lambda rows, u=u: torch.tensor([u])  # type: ignore[method-assign]
         assert sampler._draw(z, [SamplingRow()]).tolist() == [want]
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler for the native kernels")
+def test_kernel_draws_the_tokens_of_the_torch_path():
+    # The C inversion must pick exactly the torch path's token (same cumulative sums, same
+    # search, same masked-tail fix), so seeded outputs do not depend on the kernels.
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(60):
+        vocab = (1024, 1000, 7, 32000)[trial % 4]
+        z = torch.randn(32, vocab, generator=gen) * (0.5, 3.0, 10.0)[trial % 3]
+        if trial % 5 == 0:  # a top-k style masked tail
+            kth = z.topk(max(1, vocab // 10), dim=-1).values[:, -1:]
+            z = z.masked_fill(z < kth, float("-inf"))
+        u = torch.rand(32, generator=gen)
+        u[:4] = 1 - 2.0**-24  # targets at the very top exercise the masked-tail fix
+        u[4] = 1.0
+        rows = [SamplingRow() for _ in range(32)]
+        draws = []
+        for use_kernels in (True, False):
+            sampler = Sampler(torch.device("cpu"), use_kernels=use_kernels)
+            sampler._uniforms = lambda rows, u=u: u.clone()  # type: ignore[method-assign]
+            draws.append(sampler._draw(z, rows))
+        assert torch.equal(draws[0], draws[1])
+        assert not bool((z.gather(1, draws[0][:, None]) == float("-inf")).any())

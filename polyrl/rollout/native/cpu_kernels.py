@@ -36,7 +36,14 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["add_rms_norm", "available", "paged_decode_attention", "rope_and_store", "silu_mul"]
+__all__ = [
+    "add_rms_norm",
+    "available",
+    "inverse_sample",
+    "paged_decode_attention",
+    "rope_and_store",
+    "silu_mul",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -393,6 +400,40 @@ void polyrl_add_rms_norm_f32(float *h, const float *delta, const float *w, float
     }
 }
 
+/* Sampling by inversion, one token per row. p: (R, V) probabilities (softmax of z), z: the
+   (R, V) logits they came from (-inf = masked), u: (R,) uniforms; all contiguous. The
+   cumulative sums are formed exactly as torch's CPU cumsum forms them (a double running sum
+   rounded to float at each entry), so the token is the one the torch path picks: the first
+   entry whose cumulative sum exceeds u * total (searchsorted, right=True), at most V - 1; if
+   that entry is masked (a target rounded up to the total), the first entry whose cumulative
+   sum reaches the total. One pass instead of five torch ops and their temporaries. */
+void polyrl_inverse_sample_f32(const float *p, const float *z, const float *u, int64_t *out,
+                               int64_t R, int64_t V) {
+    for (int64_t r = 0; r < R; r++) {
+        const float *pr = p + r * V;
+        double acc = 0.0;
+        for (int64_t i = 0; i < V; i++) acc += (double)pr[i];
+        const float total = (float)acc;
+        const float target = u[r] * total;
+        int64_t idx = V - 1;
+        acc = 0.0;
+        for (int64_t i = 0; i < V; i++) {
+            acc += (double)pr[i];
+            if ((float)acc > target) { idx = i; break; }
+        }
+        if (z[r * V + idx] == -INFINITY) {
+            int64_t below = 0;
+            acc = 0.0;
+            for (int64_t i = 0; i < V; i++) {
+                acc += (double)pr[i];
+                if ((float)acc < total) below++;
+            }
+            idx = below < V - 1 ? below : V - 1;
+        }
+        out[r] = idx;
+    }
+}
+
 /* Returns 0; -1 when scratch memory could not be allocated; -2 (nothing computed) when a
    block id the lengths reach lies outside [0, num_blocks), or a length is not positive. */
 int polyrl_paged_decode_f32(const float *q, int64_t q_sb, const float *k_cache,
@@ -517,6 +558,9 @@ def _load() -> ctypes.CDLL | None:
             fn.restype = ctypes.c_int
             fn = lib.polyrl_silu_mul_f32
             fn.argtypes = [ptr, ptr, ptr, i64, ctypes.c_int]
+            fn.restype = None
+            fn = lib.polyrl_inverse_sample_f32
+            fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64]
             fn.restype = None
             return lib
     logger.warning("could not build the native engine's C kernels; using the torch path")
@@ -790,5 +834,51 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(gate)
     lib.polyrl_silu_mul_f32(
         gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), torch.get_num_threads()
+    )
+    return out
+
+
+def inverse_sample(
+    probs: torch.Tensor, logits: torch.Tensor, uniforms: torch.Tensor
+) -> torch.Tensor:
+    """One token per row by inversion, the same token as the sampler's torch path.
+
+    Args:
+        probs: ``(R, V)`` contiguous float32 ``softmax(logits)`` on the CPU.
+        logits: ``(R, V)`` contiguous float32 logits (``-inf`` entries are never drawn).
+        uniforms: ``(R,)`` contiguous float32 uniforms in ``(0, 1)``.
+
+    Returns:
+        ``(R,)`` int64 token ids.
+
+    Raises:
+        RuntimeError: the kernels are unavailable, or the inputs break the layout above.
+    """
+    lib = _require_library()
+    f32 = torch.float32
+    rows, vocab = probs.shape
+    ok = (
+        probs.dtype is f32
+        and logits.dtype is f32
+        and uniforms.dtype is f32
+        and probs.device.type == "cpu"
+        and logits.device.type == "cpu"
+        and uniforms.device.type == "cpu"
+        and probs.is_contiguous()
+        and logits.is_contiguous()
+        and uniforms.is_contiguous()
+        and logits.shape == probs.shape
+        and uniforms.shape == (rows,)
+        and vocab > 0
+    )
+    if not ok:
+        raise RuntimeError(
+            "inverse_sample expects contiguous float32 CPU tensors probs and logits (R, V) and "
+            f"uniforms (R,); got probs {tuple(probs.shape)} {probs.dtype}, logits "
+            f"{tuple(logits.shape)} {logits.dtype}, uniforms {tuple(uniforms.shape)}"
+        )
+    out = torch.empty(rows, dtype=torch.int64)
+    lib.polyrl_inverse_sample_f32(
+        probs.data_ptr(), logits.data_ptr(), uniforms.data_ptr(), out.data_ptr(), rows, vocab
     )
     return out

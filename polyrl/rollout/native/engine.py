@@ -181,7 +181,7 @@ class NativeEngine:
             self.runner.dtype,
             self.runner.device,
         )
-        self.sampler = Sampler(self.runner.device, config.seed)
+        self.sampler = Sampler(self.runner.device, config.seed, use_kernels=config.cpu_kernels)
         self._use_kernel = (
             config.cpu_kernels
             and self.runner.device.type == "cpu"
