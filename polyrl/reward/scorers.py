@@ -10,7 +10,7 @@ import logging
 import operator
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Any
@@ -517,6 +517,27 @@ def _math_verify():
     return math_verify
 
 
+def _answer_list(task: str, ground_truth: Any) -> list[str]:
+    """Return the acceptable answers of a math ground truth (one, or a list), as strings.
+
+    Raises:
+        ValueError: a bool, ``None``, an empty list, or an entry that is not a non-empty
+            string or number; the message starts with ``task``.
+    """
+    if isinstance(ground_truth, bool) or ground_truth is None:
+        raise ValueError(f"{task}: ground_truth must be a str or number, got {ground_truth!r}")
+    golds = list(ground_truth) if isinstance(ground_truth, list | tuple) else [ground_truth]
+    if not golds:
+        raise ValueError(f"{task}: ground_truth is an empty list")
+    for gold in golds:
+        valid = isinstance(gold, str | int | float) and not isinstance(gold, bool)
+        if not valid or not str(gold).strip():
+            raise ValueError(
+                f"{task}: each ground_truth must be a non-empty str or number, got {gold!r}"
+            )
+    return [str(gold) for gold in golds]
+
+
 def _parse_gold(mv: Any, gold: str, timeout: int | None) -> list:
     text = gold.strip()
     if "\\boxed" not in text and "$" not in text:
@@ -549,15 +570,7 @@ def math_score(
     Raises:
         ValueError: If ``ground_truth`` is empty or math-verify cannot parse it.
     """
-    if isinstance(ground_truth, bool) or ground_truth is None:
-        raise ValueError(f"math: ground_truth must be a str or number, got {ground_truth!r}")
-    golds: Sequence[Any]
-    if isinstance(ground_truth, list | tuple):
-        golds = ground_truth
-    else:
-        golds = [ground_truth]
-    if not golds:
-        raise ValueError("math: ground_truth is an empty list")
+    golds = _answer_list("math", ground_truth)
     if not isinstance(response, str):
         raise TypeError(f"response must be a str, got {type(response).__name__}")
 
@@ -565,12 +578,7 @@ def math_score(
     timeout = _effective_math_timeout()
     parsed_golds = []
     for gold in golds:
-        valid = isinstance(gold, str | int | float) and not isinstance(gold, bool)
-        if not valid or not str(gold).strip():
-            raise ValueError(
-                f"math: each ground_truth must be a non-empty str or number, got {gold!r}"
-            )
-        parsed = _parse_gold(mv, str(gold), timeout)
+        parsed = _parse_gold(mv, gold, timeout)
         if not parsed:
             raise ValueError(f"math: math-verify could not parse ground_truth {gold!r}")
         parsed_golds.append(parsed)
@@ -670,17 +678,7 @@ def math_dapo_score(
         ValueError: ``ground_truth`` is empty, a bool or not a string/number (list).
         TypeError: ``response`` is not a string.
     """
-    golds = ground_truth if isinstance(ground_truth, list | tuple) else [ground_truth]
-    if not golds:
-        raise ValueError("math_dapo: ground_truth is an empty list")
-    normalized = []
-    for gold in golds:
-        valid = isinstance(gold, str | int | float) and not isinstance(gold, bool)
-        if not valid or not str(gold).strip():
-            raise ValueError(
-                f"math_dapo: each ground_truth must be a non-empty str or number, got {gold!r}"
-            )
-        normalized.append(dapo_normalize(str(gold)))
+    normalized = [dapo_normalize(gold) for gold in _answer_list("math_dapo", ground_truth)]
     if not isinstance(response, str):
         raise TypeError(f"response must be a str, got {type(response).__name__}")
     answer = dapo_extract(response)
