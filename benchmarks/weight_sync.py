@@ -167,16 +167,12 @@ def run(
                 row["transports"]["shm"]["GBps"] / row["memcpy_reused_dst_GBps"], 4
             )
             results.append(row)
-            cells = [
-                f"{row[group][k]['seconds']:.3f} s / {row[group][k]['GBps']:.2f}"
-                for group in ("transports", "inplace")
-                for k in TRANSPORTS
+            cells = [row[SHM_BUCKETS]] + [
+                row[group][k] for group in ("transports", "inplace") for k in TRANSPORTS
             ]
-            buckets = row[SHM_BUCKETS]
             print(
                 f"| {mb:g} | {nbytes / 1e6:.0f} MB | {memcpy:.2f} | "
-                + f"{buckets['seconds']:.3f} s / {buckets['GBps']:.2f} | "
-                + " | ".join(cells)
+                + " | ".join(f"{c['seconds']:.3f} s / {c['GBps']:.2f}" for c in cells)
                 + f" | {row['ratio']:.3f} | {row['ratio_inplace']:.3f} |",
                 flush=True,
             )

@@ -55,6 +55,7 @@ from polyrl.trainer.rl_rollout import (
     derive_seed,
     group_varies,
     place_on_last_token,
+    response_cap,
     rollout_widths,
     select_groups,
     widen_rollout_batch,
@@ -145,8 +146,7 @@ def _check_config(cfg: PolyRLConfig, has_rows: bool = False) -> None:
             "stream fixed prompt sets); turn one of them off",
             key="algorithm.filter_groups",
         )
-    # A multi-turn trajectory may fill data.max_response_length; one turn, rollout.max_new_tokens.
-    response = cfg.data.max_response_length if cfg.agent.enable else cfg.rollout.max_new_tokens
+    response = response_cap(cfg)
     if cfg.reward.overlong_buffer_len > response:
         raise ConfigError(
             f"{cfg.reward.overlong_buffer_len} exceeds the maximum response length ({response}); "
@@ -697,13 +697,10 @@ class RLTrainer:
         cfg, algo = self.cfg, self.cfg.algorithm
         n = cfg.rollout.n
         batches, all_scores, all_acc = [batch], [scores], [acc]
-
-        def varies() -> torch.Tensor:
-            values = torch.cat(all_acc if algo.filter_groups_metric == "acc" else all_scores)
-            return group_varies(values, n)
-
-        first = group_varies(acc if algo.filter_groups_metric == "acc" else scores, n)
-        while int(varies().sum()) < needed and len(batches) < algo.max_gen_batches:
+        judged = all_acc if algo.filter_groups_metric == "acc" else all_scores  # grows below
+        first = group_varies(judged[0], n)
+        varies = first
+        while int(varies.sum()) < needed and len(batches) < algo.max_gen_batches:
             items = [self.train_ds[i] for i in self.sampler.next_batch()]
             with _timer(timing, "gen"):
                 more, _ = self.generate(
@@ -718,7 +715,8 @@ class RLTrainer:
             batches.append(more)
             all_scores.append(more_scores)
             all_acc.append(more_acc)
-        chosen = select_groups(varies(), needed)
+            varies = torch.cat([varies, group_varies(judged[-1], n)])
+        chosen = select_groups(varies, needed)
         rows = (chosen[:, None] * n + np.arange(n)).reshape(-1)
         if len(batches) > 1:
             widths = [rollout_widths(b) for b in batches]
@@ -726,9 +724,8 @@ class RLTrainer:
             batch = Batch.concat(
                 [widen_rollout_batch(b, width_p, width_r, self.pad_id) for b in batches]
             )
-        kept = varies()[torch.from_numpy(chosen)]
         metrics["filter/gen_batches"] = float(len(batches))
-        metrics["filter/informative_groups"] = float(kept.sum())
+        metrics["filter/informative_groups"] = float(varies[torch.from_numpy(chosen)].sum())
         metrics["filter/first_batch_informative_fraction"] = float(first.float().mean())
         index = torch.from_numpy(rows)
         return batch[rows], torch.cat(all_scores)[index], torch.cat(all_acc)[index]
@@ -853,7 +850,7 @@ class RLTrainer:
         return metrics
 
     def _max_response_length(self) -> int:
-        return min(self.cfg.rollout.max_new_tokens, self.cfg.data.max_response_length)
+        return response_cap(self.cfg)
 
     def _step_metrics(
         self,

@@ -31,6 +31,7 @@ __all__ = [
     "group_varies",
     "masked_stats",
     "place_on_last_token",
+    "response_cap",
     "rollout_widths",
     "select_groups",
     "stats",
@@ -95,6 +96,16 @@ def build_rollout_batch(
     if rollout_log_probs is not None:
         tensors["rollout_log_probs"] = old
     return Batch(tensors=tensors)
+
+
+def response_cap(cfg: PolyRLConfig) -> int:
+    """Return the most tokens one response may hold.
+
+    With the agent loop that is a whole multi-turn trajectory (``data.max_response_length``);
+    otherwise one turn (``rollout.max_new_tokens``, capped by ``data.max_response_length``).
+    """
+    data = cfg.data.max_response_length
+    return data if cfg.agent.enable else min(cfg.rollout.max_new_tokens, data)
 
 
 def rollout_widths(batch: Batch) -> tuple[int, int]:
@@ -413,15 +424,9 @@ class RolloutProducer:
         metrics = dict(result.metrics)
         reward_cfg = self.cfg.reward
         if reward_cfg.overlong_buffer_len > 0:
-            # A multi-turn trajectory may fill data.max_response_length; one turn, max_new_tokens.
-            cap = (
-                self.cfg.data.max_response_length
-                if self.cfg.agent.enable
-                else self.cfg.rollout.max_new_tokens
-            )
             penalty = overlong_penalty(
                 batch["response_length"],
-                cap,
+                response_cap(self.cfg),
                 reward_cfg.overlong_buffer_len,
                 reward_cfg.overlong_penalty_factor,
             )

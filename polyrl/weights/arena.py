@@ -8,7 +8,7 @@ The replica still decides everything that matters for atomicity: the arena holds
 only, swapped in at commit, so an interrupted transfer leaves the serving weights untouched.
 
 Arena files are named ``polyrl-arena-<pid>-<random>``; a replica removes its own when their
-tensors are released, and :func:`sweep_dead_arenas` removes those of processes that died
+tensors are released, and :func:`sweep_dead` removes those of processes that died
 without doing so (a killed replica's memory would otherwise stay in ``/dev/shm``).
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import mmap
 import os
+import shutil
 import uuid
 import weakref
 import zlib
@@ -26,7 +27,7 @@ import torch
 
 from polyrl.weights.base import WeightTransferError
 
-__all__ = ["ARENA_PREFIX", "ArenaWriter", "SharedArena", "default_arena_root", "sweep_dead_arenas"]
+__all__ = ["ARENA_PREFIX", "ArenaWriter", "SharedArena", "default_arena_root", "sweep_dead"]
 
 #: File-name prefix of arenas; the creating process's pid follows it.
 ARENA_PREFIX = "polyrl-arena-"
@@ -45,18 +46,25 @@ def default_arena_root() -> Path | None:
     return None
 
 
-def sweep_dead_arenas(root: Path) -> int:
-    """Remove arena files whose creating process is gone; return how many were removed."""
+def sweep_dead(root: Path, prefix: str) -> int:
+    """Remove ``<root>/<prefix><pid>-...`` files or directories whose process ``pid`` is gone.
+
+    Shared memory under ``/dev/shm`` is RAM: what a killed process left there (arenas, staging
+    directories) stays until someone removes it. Returns how many entries were removed.
+    """
     removed = 0
-    for path in root.glob(ARENA_PREFIX + "*"):
+    for path in root.glob(prefix + "*"):
         try:
-            pid = int(path.name[len(ARENA_PREFIX) :].split("-")[0])
+            pid = int(path.name[len(prefix) :].split("-")[0])
         except ValueError:
             continue
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            path.unlink(missing_ok=True)
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
             removed += 1
         except PermissionError:  # alive, another user's
             pass
@@ -84,7 +92,7 @@ class SharedArena:
             raise WeightTransferError(
                 "no writable /dev/shm for a shared arena (set POLYRL_WEIGHTS_ARENA_DIR)"
             )
-        sweep_dead_arenas(root)
+        sweep_dead(root, ARENA_PREFIX)
         self.nbytes = max(1, int(nbytes))
         self.path = root / f"{ARENA_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

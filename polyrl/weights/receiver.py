@@ -19,6 +19,7 @@ assembled in a temporary of its own size, then mapped and copied into the destin
 from __future__ import annotations
 
 import abc
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -345,31 +346,32 @@ class WeightReceiver:
                 }
             return layout
 
-    def _accept_direct(self, transfer_id: str, direct: dict[str, int | None]) -> None:
-        """Count tensors the sender wrote into the offered arena; verify their checksums."""
+    def _accept_direct(self, transfer_id: str, direct: dict[str, int | None]) -> str | None:
+        """Count tensors the sender wrote into the offered arena; return a problem, if any."""
         for name, crc in direct.items():
             offered = self._direct.get(name)
             if offered is None:
-                raise WeightTransferError(
+                return (
                     f"tensor {name!r} was reported as written directly, but this replica did "
                     f"not offer it in transfer {transfer_id} (offered: {len(self._direct)} names)"
                 )
             if name in self._slots:
-                raise WeightTransferError(
+                return (
                     f"tensor {name!r} arrived twice in transfer {transfer_id} (in a bucket and "
                     "written directly)"
                 )
             shape, dtype = offered
-            dest = self.target.destination(transfer_id, name, shape, dtype_from_name(dtype))
             if crc is not None:
+                dest = self.target.destination(transfer_id, name, shape, dtype_from_name(dtype))
                 got = bucket_checksum(dest.reshape(-1).view(torch.uint8))
                 if got != int(crc):
-                    raise WeightTransferError(
+                    return (
                         f"checksum mismatch in tensor {name!r} written directly: got "
                         f"{got:#010x}, expected {int(crc):#010x}"
                     )
             self._done.append(name)
-            self._bytes += dest.numel() * dest.element_size()
+            self._bytes += math.prod(shape) * dtype_from_name(dtype).itemsize
+        return None
 
     def _watch(self, transfer_id: str, timeout: float, stop: threading.Event) -> None:
         # A killed sender sends no abort: give up after `timeout` seconds without progress.
@@ -545,11 +547,7 @@ class WeightReceiver:
         """
         with self._lock:
             self._check(transfer_id)
-            problem = None
-            try:
-                self._accept_direct(transfer_id, direct or {})
-            except WeightTransferError as exc:
-                problem = str(exc)
+            problem = self._accept_direct(transfer_id, direct or {})
             if problem is None and buckets is not None and len(self._seen) != buckets:
                 missing = sorted(set(range(buckets)) - self._seen)
                 problem = (

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from polyrl.weights.arena import sweep_dead
 from polyrl.weights.base import WeightTransferError
 from polyrl.weights.receiver import WeightTarget
 
@@ -59,6 +60,7 @@ _ST_DTYPES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
 }
 _LM_HEAD = "lm_head.weight"
+_STAGE_PREFIX = "polyrl-stage-"
 
 #: ``run(coroutine)``: run a backend coroutine on the server's event loop from a worker thread.
 RunCoroutine = Callable[[Coroutine[Any, Any, Any]], Any]
@@ -94,21 +96,6 @@ def checkpoint_shapes(model_dir: str | os.PathLike[str]) -> dict[str, tuple[int,
             if name != "__metadata__":
                 shapes[name] = tuple(int(d) for d in entry["shape"])
     return shapes
-
-
-def _sweep_dead(root: Path) -> None:
-    """Remove staging directories of processes that died mid-transfer (``/dev/shm`` is RAM)."""
-    for path in root.glob("polyrl-stage-*"):
-        try:
-            pid = int(path.name.split("-")[2])
-        except (IndexError, ValueError):
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            shutil.rmtree(path, ignore_errors=True)
-        except PermissionError:  # alive, someone else's
-            pass
 
 
 class _Staged:
@@ -190,8 +177,8 @@ class SafetensorsDirTarget(WeightTarget):
                 self._cleanup()
             self.expected()  # fail now, not at the first bucket, if the checkpoint is unreadable
             self.staging_root.mkdir(parents=True, exist_ok=True)
-            _sweep_dead(self.staging_root)
-            prefix = f"polyrl-stage-{os.getpid()}-{transfer_id[:12]}-"
+            sweep_dead(self.staging_root, _STAGE_PREFIX)  # dirs of servers that died mid-transfer
+            prefix = f"{_STAGE_PREFIX}{os.getpid()}-{transfer_id[:12]}-"
             self._dir = Path(tempfile.mkdtemp(prefix=prefix, dir=self.staging_root))
             self._transfer = transfer_id
         if inflight == "abort":

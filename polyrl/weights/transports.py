@@ -82,9 +82,15 @@ class HttpControlTransport(Transport):
         self, transfer_id: str, version: int, options: Mapping[str, Any] | None = None
     ) -> list[int]:
         """Start the transfer on every replica; return their serving versions."""
-        body = {**(options or {}), "transfer_id": transfer_id, "version": version}
-        answers = self._all("/weights/begin", body)
+        answers = self._begin_all(transfer_id, version, options)
         return [int(a["weight_version"]) for a in answers]
+
+    def _begin_all(
+        self, transfer_id: str, version: int, options: Mapping[str, Any] | None, **extra: Any
+    ) -> list[dict[str, Any]]:
+        """POST ``/weights/begin`` (with ``extra`` fields) to every replica; their answers."""
+        body = {**(options or {}), **extra, "transfer_id": transfer_id, "version": version}
+        return self._all("/weights/begin", body)
 
     @abc.abstractmethod
     def _source(self, slot: int, meta: BucketMeta) -> dict[str, Any]:
@@ -168,10 +174,8 @@ class ShmTransport(HttpControlTransport):
         self, transfer_id: str, version: int, options: Mapping[str, Any] | None = None
     ) -> list[int]:
         """Start the transfer; with ``direct``, open the arenas the replicas offer."""
-        body = {**(options or {}), "transfer_id": transfer_id, "version": version}
-        if self.direct:
-            body["direct"] = True
-        answers = self._all("/weights/begin", body)
+        extra = {"direct": True} if self.direct else {}
+        answers = self._begin_all(transfer_id, version, options, **extra)
         self._written = {}
         self._offers = None
         offered = [a.get("direct") for a in answers]

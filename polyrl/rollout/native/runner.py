@@ -318,12 +318,10 @@ class ModelRunner:
         layout = []
         offset = 0
         for param in unique:
-            live = param.data
             # Same address alignment (mod 64) as the live storage: see _aligned_like.
-            want = live.data_ptr() % 64 if live.numel() else 0
-            offset += (want - offset) % 64
+            offset += (self._alignment(param) - offset) % 64
             layout.append(offset)
-            offset += live.numel() * live.element_size()
+            offset += param.numel() * param.element_size()
         try:
             arena = SharedArena(offset)
         except WeightTransferError:
