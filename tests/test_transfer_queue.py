@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -557,18 +558,19 @@ def _acceptance(ray, q):
         ray.kill(a)
 
 
-def test_ray_large_blocks_are_read_from_the_producers_object(ray_session, ray_queue):
-    """Blocks over direct_bytes are ray.put once; whole in-order reads map that object."""
+@pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "object-store"])
+def test_ray_large_blocks_are_read_from_the_producers_copy(ray_session, ray_queue, use_shm):
+    """Blocks over direct_bytes are copied once (a segment or ray.put); whole runs map it."""
     ray = ray_session
     from polyrl.transfer import RayTransferQueue
 
-    q = RayTransferQueue.connect(ray_queue.name, direct_bytes=0, block_size=64)
+    q = RayTransferQueue.connect(ray_queue.name, direct_bytes=0, block_size=64, use_shm=use_shm)
     b = _batch(100, seed=5)
     m = q.put(b, "direct")
     node = ray.get_runtime_context().get_node_id()
     first_block = [i for i in range(100) if m.units[i] == m.units[0]][:10]
     kind = ray.get(q.units[m.units[0]].get.remote("direct", first_block, ["input_ids"], node))
-    assert kind[0] == "ref"
+    assert kind[0] == ("shm" if use_shm else "ref")
     assert q.get_data(m).equals(b)  # mixes blocks of both units
     assert q.get_data(m[[5, 3, 1]]).equals(b[[5, 3, 1]])  # out of order: gathered copy
     # A field overwritten for some samples no longer comes from the original object.
@@ -579,15 +581,20 @@ def test_ray_large_blocks_are_read_from_the_producers_object(ray_session, ray_qu
     q.clear("direct")
 
 
-def test_ray_get_meta_of_one_block_reads_the_producers_object_directly(ray_session, ray_queue):
+@pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "object-store"])
+def test_ray_get_meta_of_one_block_reads_the_producers_copy_directly(
+    ray_session, ray_queue, use_shm
+):
     """The controller hands out the source of a whole in-order block; rewrites invalidate it."""
     from polyrl.transfer import RayTransferQueue
+    from polyrl.transfer.segments import ShmBlock
 
-    q = RayTransferQueue.connect(ray_queue.name, direct_bytes=0, block_size=64)
+    q = RayTransferQueue.connect(ray_queue.name, direct_bytes=0, block_size=64, use_shm=use_shm)
     b = _batch(40, seed=6)
     q.put(b, "hint")
     meta = q.get_meta(["input_ids", "log_probs"], 40, "hint", consumer="a")
     assert (meta.partition, 0, 40) in q._hints
+    assert isinstance(q._hints[(meta.partition, 0, 40)][0], ShmBlock) == use_shm
     assert q.get_data(meta).equals(b.select("input_ids", "log_probs"))
     assert not q._hints  # used once
     # After a rewrite of some samples' log_probs the shortcut is withdrawn: fresh values.
@@ -622,7 +629,7 @@ def test_ray_reader_ahead_of_the_storage_unit_waits_for_the_committed_block(ray_
     thread.start()
     time.sleep(0.3)
     assert thread.is_alive()  # waiting for the block, not failed
-    ray.get(q.units[1].adopt.remote("early", [committed], source))
+    ray.get(q.units[1].adopt.remote("early", committed, source))
     thread.join(30)
     assert out["got"].equals(b)
     # Committed but never adopted (its producer died mid-put): a clear error after the wait.
@@ -635,7 +642,8 @@ def test_ray_reader_ahead_of_the_storage_unit_waits_for_the_committed_block(ray_
     q.clear("early")
 
 
-def test_ray_reads_survive_the_death_of_the_producer(ray_session, ray_queue):
+@pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "object-store"])
+def test_ray_reads_survive_the_death_of_the_producer(ray_session, ray_queue, use_shm):
     ray = ray_session
 
     @ray.remote(num_cpus=0)
@@ -645,16 +653,24 @@ def test_ray_reads_survive_the_death_of_the_producer(ray_session, ray_queue):
 
     from polyrl.transfer import RayTransferQueue
 
-    q = RayTransferQueue.connect(ray_queue.name, direct_bytes=0)
+    q = RayTransferQueue.connect(ray_queue.name, direct_bytes=0, use_shm=use_shm)
     b = Batch({"x": torch.arange(64 * 1024).reshape(64, 1024)}, {"s": [str(i) for i in range(64)]})
     producer = OneShot.remote()
     meta = ray.get(producer.put.remote(q, b))
     ray.kill(producer)
     time.sleep(1.0)
-    # The producer owned the object the unit keeps a reference to; the unit still maps it
-    # (and get_data falls back to the unit's gathered copy should the reference be lost).
+    # The producer owned the object (or the segment file) the unit keeps; the unit still maps
+    # it, and get_data falls back to the unit's gathered copy once the reference is lost or
+    # the dead producer's segment files were swept.
     got = q.get_data(q.get_meta(["x", "s"], 64, "orphan", "c", timeout=10))
     assert meta.sample_ids == tuple(range(64)) and got.equals(b)
+    if use_shm:
+        from polyrl.shm import sweep_dead
+        from polyrl.transfer.segments import SEGMENT_PREFIX
+
+        assert sweep_dead(Path("/dev/shm"), SEGMENT_PREFIX) >= 1  # the killed producer's file
+        again = q.get_data(q.get_meta(["x", "s"], 64, "orphan", "c2", timeout=10))
+        assert again.equals(b)  # read from the unit's mapping, not the (gone) file
     q.clear("orphan")
 
 

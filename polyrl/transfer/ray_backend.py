@@ -12,12 +12,16 @@
   straight from the units, in parallel. The client pickles to a few actor handles, so any Ray
   actor can use it.
 
-Copies: a block of at least ``direct_bytes`` is ``ray.put`` once by the producer; the unit maps
-it zero-copy and keeps the reference. A reader on the unit's node asking for an in-order run of
-one such block gets the reference and maps the producer's object itself, so a put + get costs
-the one copy a plain ``ray.put`` + ``ray.get`` costs. Other reads are gathered by the unit into
-fresh arrays (one more copy). If the producer process dies, its objects go with it; readers
-then fall back to the unit's gathered copy of the rows it still maps.
+Copies: a block of at least ``direct_bytes`` is copied once by the producer: into a shared-memory
+segment of its own pool (:mod:`polyrl.transfer.segments`) when the block's unit runs on the
+producer's node, else with ``ray.put``. The unit maps it zero-copy and keeps it. A reader on the
+unit's node asking for an in-order run of one such block gets the segment's descriptor (or the
+object's reference) and maps the producer's copy itself, so a put + get costs the one copy a
+plain ``ray.put`` + ``ray.get`` costs; a segment also spares the messages any ``ObjectRef`` and
+its pages are reused from put to put, so they take no page faults. Other reads are gathered by
+the unit into fresh arrays (one more copy). If the producer process dies, its objects go with
+it (and its segment files are swept); readers then fall back to the unit's gathered copy of
+the rows it still maps.
 
 Sample -> unit placement: new samples go to the units on the client's own Ray node (all units
 when none is local), round-robin in blocks: each put is cut into blocks of ``block_size`` rows
@@ -27,11 +31,11 @@ agree). Fields added later to an existing sample go to the unit that already hol
 
 Round trips: a put of at most ``block_size`` new samples of at least ``direct_bytes`` is sealed
 by the producer, which asks the controller to allocate and commit the ids (waking blocked
-consumers, who can read the sealed object at once) and, in parallel, has the unit map and index
-it (``adopt``); the put returns once both are done. A reader that reaches the unit before the
-block does (it was committed first) waits for it. A smaller put of new samples is one call to
-one unit, which holds the data, asks the controller to commit it and indexes the rows before it
-serves its next call. Larger puts issue the id allocation, the
+consumers, who can read the sealed block at once), then has the unit map and index it
+(``adopt``, run by Ray once the commit is done); the put returns once both are done. A reader
+that reaches the unit before the block does (it was committed first) waits for it. A smaller
+put of new samples is one call to one unit, which holds the data, asks the controller to commit
+it and indexes the rows before it serves its next call. Larger puts issue the id allocation, the
 storage calls and the commit together, the later ones taking the earlier ones' ObjectRefs as
 arguments (Ray runs them in dependency order); the producer waits once.
 """
@@ -67,6 +71,7 @@ from polyrl.transfer._core import (
     timeout_error,
 )
 from polyrl.transfer.base import BatchMeta, Sampler, TransferError, TransferQueue
+from polyrl.transfer.segments import ShmBlock, map_block, segment_pool
 
 __all__ = ["RayTransferQueue", "StorageUnit", "TransferController", "start_ray_transfer_queue"]
 
@@ -269,10 +274,7 @@ class StorageUnit:
                 them zero-copy and keeps the reference, so readers of whole runs of that put
                 get the producer's object itself instead of a copy.
         """
-        source = None
-        if isinstance(cols, list):
-            source = cols[0]
-            cols = ray.get(source)
+        cols, source = _open_payload(cols)
         if isinstance(sample_ids, int):
             n = len(next(iter(cols.values()))[1]) if cols else 0
             sample_ids = range(sample_ids, sample_ids + n)
@@ -315,18 +317,18 @@ class StorageUnit:
         self._store.put(partition, meta.sample_ids, cols, source=source)
         return meta
 
-    def adopt(self, partition: str, committed: list[Any], source: list[Any]) -> int:
+    def adopt(self, partition: str, committed: BatchMeta, source: list[Any] | ShmBlock) -> int:
         """Index a block the producer committed itself; return the bytes held.
 
         Args:
             partition: the partition.
-            committed: ``[ref]`` to the controller's :meth:`TransferController.commit_new`
-                result (its sample ids); nested, so this call is dispatched at once and waits for
-                the commit here, in parallel with the consumers the commit wakes.
-            source: ``[ref]`` to the producer's sealed columns (mapped zero-copy, kept).
+            committed: the controller's :meth:`TransferController.commit_new` result (its
+                sample ids); clients pass its ObjectRef, so Ray runs this after the commit.
+            source: ``[ref]`` to the producer's sealed columns, or the shared-memory segment
+                they were written to (mapped zero-copy, kept).
         """
-        cols, meta = ray.get([source[0], committed[0]])
-        self._store.put(partition, meta.sample_ids, cols, source=source[0])
+        cols, held = _open_payload(source)
+        self._store.put(partition, committed.sample_ids, cols, source=held)
         return self._store.nbytes()
 
     def put_offset(
@@ -354,6 +356,8 @@ class StorageUnit:
         if reader_node is not None and reader_node == self._node:
             hit = self._store.find_source(partition, sample_ids, fields)
             if hit is not None:
+                if isinstance(hit[0], ShmBlock):
+                    return ("shm", hit[0], hit[1], hit[2])
                 return ("ref", [hit[0]], hit[1], hit[2])
         if not strict and not self._store.holds(partition, sample_ids, fields):
             return ("missing",)
@@ -367,6 +371,26 @@ class StorageUnit:
     def nbytes(self) -> int:
         """Return the bytes of sample data held."""
         return self._store.nbytes()
+
+
+def _open_payload(cols: dict[str, Column] | list[Any] | ShmBlock) -> tuple[dict[str, Column], Any]:
+    """Columns of a put's payload and the source to keep with them (None: data came inline).
+
+    A ``[ref]`` payload is mapped zero-copy from the object store (the reference is kept); a
+    :class:`ShmBlock` is mapped from its segment (the block is kept; the mapping's lock keeps
+    the producer from reusing the segment while the rows are held here).
+    """
+    if isinstance(cols, ShmBlock):
+        mapped = map_block(cols)
+        if mapped is None:
+            raise TransferError(
+                f"the shared-memory block {cols.path} is gone before its storage unit mapped it "
+                "(did its producer exit during the put?)"
+            )
+        return mapped, cols
+    if isinstance(cols, list):
+        return ray.get(cols[0]), cols[0]
+    return cols, None
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -420,6 +444,8 @@ class RayTransferQueue(TransferQueue):
             (smaller blocks travel inline in the call to the unit).
         adopt_timeout: seconds a reader waits for committed rows to reach their storage unit
             (a block is committed before its unit has mapped it; see ``StorageUnit.adopt``).
+        use_shm: write large blocks bound for a unit on this node into shared-memory segments
+            (:mod:`polyrl.transfer.segments`) instead of Ray's object store.
     """
 
     def __init__(
@@ -433,6 +459,7 @@ class RayTransferQueue(TransferQueue):
         block_size: int = 1024,
         direct_bytes: int = 1 << 20,
         adopt_timeout: float = 60.0,
+        use_shm: bool = True,
     ) -> None:
         if not units:
             raise ValueError("RayTransferQueue needs at least one storage unit")
@@ -449,6 +476,7 @@ class RayTransferQueue(TransferQueue):
         self.block_size = block_size
         self.direct_bytes = direct_bytes
         self.adopt_timeout = float(adopt_timeout)
+        self.use_shm = bool(use_shm)
         self._owns_actors = False
         self._candidates: list[int] | None = None
         self._rr = os.getpid()  # spreads the first blocks of clients in different processes
@@ -503,12 +531,18 @@ class RayTransferQueue(TransferQueue):
         return cands[self._rr % len(cands)]
 
     def _submit_put(
-        self, batch: Batch, partition: str, sample_ids: Sequence[int] | None, known: Any
+        self,
+        batch: Batch,
+        partition: str,
+        sample_ids: Sequence[int] | None,
+        known: Any,
+        sealed: list[Any],
     ) -> list[Any]:
         """Issue the storage and commit calls without waiting; return their ObjectRefs.
 
         The first ObjectRef is the commit's (its value is the put's :class:`BatchMeta`); put
-        returns once every one of them is done.
+        returns once every one of them is done, then settles the shared-memory segments this
+        appended to ``sealed``.
 
         New samples: the controller's id allocation (an ObjectRef) is handed to the storage
         units and the commit directly, so the producer waits for one reply only.
@@ -520,15 +554,16 @@ class RayTransferQueue(TransferQueue):
         stored = []
         if sample_ids is None and 0 < n <= self.block_size:
             u = self._next_block_unit()
-            payload = self._payload(cols)
-            if isinstance(payload, list):
-                # A sealed object: commit it at once (consumers read it directly, one hop
-                # from here) while the unit maps it in parallel; put returns once both are done,
-                # so the rows outlive this process from then on.
+            payload = self._payload(cols, u, sealed)
+            if not isinstance(payload, dict):
+                # A sealed block: commit it at once (consumers read it directly, one hop from
+                # here), then the unit maps it (Ray runs adopt once the commit is done, so it
+                # does not compete with the consumers the commit wakes); put returns once
+                # both are done, so the rows outlive this process from then on.
                 meta = self.controller.commit_new.remote(
                     partition, list(cols), [u] * n, groups, lengths, payload, self._node()
                 )
-                return [meta, self.units[u].adopt.remote(partition, [meta], payload)]
+                return [meta, self.units[u].adopt.remote(partition, meta, payload)]
             # Small: the data travels in the call; the unit stores it, then commits it.
             unit = self.units[u]
             return [unit.put_new.remote(partition, n, list(cols), payload, groups, lengths)]
@@ -542,7 +577,7 @@ class RayTransferQueue(TransferQueue):
                 units.extend([u] * (stop - start))
                 part = slice_columns(cols, slice(start, stop))
                 # ids of the block = first + start + row; the unit adds ``start`` to ``first``.
-                stored.append(self._put_block(u, partition, first, start, part))
+                stored.append(self._put_block(u, partition, first, start, part, sealed))
             ids_arg: Any = first
         else:
             ids = list(sample_ids)
@@ -553,7 +588,7 @@ class RayTransferQueue(TransferQueue):
             for row, u in enumerate(units):
                 rows_by_unit.setdefault(u, []).append(row)
             for u, rows in rows_by_unit.items():
-                part = self._payload(slice_columns(cols, _rows_index(rows)))
+                part = self._payload(slice_columns(cols, _rows_index(rows)), u, sealed)
                 stored.append(self.units[u].put.remote(partition, [ids[r] for r in rows], part))
             ids_arg = ids
         # Data first, then metadata: Ray runs the commit only after every ``stored`` call
@@ -564,16 +599,36 @@ class RayTransferQueue(TransferQueue):
             )
         ]
 
-    def _payload(self, part: dict[str, Column]) -> dict[str, Column] | list[Any]:
-        # Large blocks go into the object store once, by the producer, and the unit keeps the
-        # reference: a reader of the whole block then maps this very object (no second copy).
-        nbytes = sum(arr.nbytes for kind, arr, _ in part.values() if kind == "t")
-        if nbytes >= self.direct_bytes:
-            return [ray.put(part)]
-        return part
+    def _payload(
+        self, part: dict[str, Column], unit: int, sealed: list[Any]
+    ) -> dict[str, Column] | list[Any] | ShmBlock:
+        """Return what a block travels as: inline columns, a shared-memory segment or ``[ref]``.
 
-    def _put_block(self, u: int, partition: str, first: Any, start: int, part: Any) -> Any:
-        payload = self._payload(part)
+        Large blocks are copied once, by the producer, and the unit keeps them: into a segment
+        of this process's pool when the unit runs on this node (readers here map it; the
+        messages carry a small descriptor), else into the object store (the unit keeps the
+        reference). Either way a reader of the whole block maps that one copy.
+        """
+        nbytes = sum(arr.nbytes for kind, arr, _ in part.values() if kind == "t")
+        if nbytes < self.direct_bytes:
+            return part
+        if self.use_shm and self.unit_nodes[unit] == self._node():
+            pool = segment_pool()
+            written = None if pool is None else pool.seal(part, self._node())
+            if written is not None:
+                sealed.append((pool, written[1]))
+                return written[0]
+        return [ray.put(part)]
+
+    @staticmethod
+    def _settle(sealed: list[Any]) -> None:
+        for pool, segment in sealed:
+            pool.settle(segment)
+
+    def _put_block(
+        self, u: int, partition: str, first: Any, start: int, part: Any, sealed: list[Any]
+    ) -> Any:
+        payload = self._payload(part, u, sealed)
         if start == 0:
             return self.units[u].put.remote(partition, first, payload)
         return self.units[u].put_offset.remote(partition, first, start, payload)
@@ -593,7 +648,11 @@ class RayTransferQueue(TransferQueue):
         """Store the rows of ``batch`` (see :meth:`TransferQueue.put`)."""
         ids = self._check_put(batch, partition, sample_ids)
         known = None if ids is None else _ray_get(self.controller.locate.remote(partition, ids))
-        return _ray_get(self._submit_put(batch, partition, ids, known))[0]
+        sealed: list[Any] = []
+        try:
+            return _ray_get(self._submit_put(batch, partition, ids, known, sealed))[0]
+        finally:
+            self._settle(sealed)
 
     async def async_put(
         self, batch: Batch, partition: str, sample_ids: Sequence[int] | None = None
@@ -603,7 +662,12 @@ class RayTransferQueue(TransferQueue):
         known = None
         if ids is not None:
             known = await _await(self.controller.locate.remote(partition, ids))
-        return (await _await(asyncio.gather(*self._submit_put(batch, partition, ids, known))))[0]
+        sealed: list[Any] = []
+        try:
+            refs = self._submit_put(batch, partition, ids, known, sealed)
+            return (await _await(asyncio.gather(*refs)))[0]
+        finally:
+            self._settle(sealed)
 
     def clear(self, partition: str) -> None:
         """Drop the metadata, then the data, of ``partition`` on every unit."""
@@ -784,6 +848,32 @@ class RayTransferQueue(TransferQueue):
         return self._node_id
 
     @staticmethod
+    def _map_segments(
+        results: list[tuple[Any, ...]], fields: Sequence[str]
+    ) -> tuple[list[tuple[Any, ...]], list[int]]:
+        """Map the shared-memory blocks units pointed to; also return those that are gone.
+
+        A unit answers ``("shm", block, start, stop)`` for a whole in-order run of a block on
+        the reader's node; the rows become ``("cols", ...)`` views of the segment. A block whose
+        producer exited (file removed) or reused the segment cannot be mapped: the caller asks
+        the unit for a gathered copy of those rows instead (the unit still maps them).
+        """
+        out, unmapped = list(results), []
+        for k, r in enumerate(out):
+            if r[0] != "shm":
+                continue
+            cols = map_block(r[1], fields)
+            if cols is None:
+                unmapped.append(k)
+            else:
+                out[k] = ("cols", slice_columns(cols, slice(r[2], r[3])))
+        return out, unmapped
+
+    def _gathered(self, meta: BatchMeta, fields: Sequence[str], pos: list[int], unit: int) -> Any:
+        ids = [meta.sample_ids[p] for p in pos]
+        return self.units[unit].get.remote(meta.partition, ids, fields)
+
+    @staticmethod
     def _source_refs(results: list[tuple[Any, ...]]) -> list[Any]:
         return [r[1][0] for r in results if r[0] == "ref"]
 
@@ -831,10 +921,15 @@ class RayTransferQueue(TransferQueue):
         """
         chosen, hint = self._hinted_source(meta, fields)
         if hint is not None:
-            try:
-                return self._from_source(meta, chosen, hint, ray.get(hint[0][0]))
-            except ObjectLostError:
-                pass  # the producer is gone: the storage unit still has the rows
+            if isinstance(hint[0], ShmBlock):
+                cols = map_block(hint[0], chosen)
+                if cols is not None:
+                    return self._from_source(meta, chosen, hint, cols)
+            else:
+                try:
+                    return self._from_source(meta, chosen, hint, ray.get(hint[0][0]))
+                except ObjectLostError:
+                    pass  # the producer is gone: the storage unit still has the rows
         fields, positions, refs, units = self._data_calls(meta, fields)
         if not refs:
             return Batch(batch_size=0)
@@ -844,6 +939,13 @@ class RayTransferQueue(TransferQueue):
             raise (self._missing_partition(meta) or _unwrap(exc)) from None
         if any(r[0] == "missing" for r in results):
             results = self._wait_for_adopted(meta, fields, positions, units, results)
+        results, unmapped = self._map_segments(results, fields)
+        if unmapped:
+            again = _ray_get(
+                [self._gathered(meta, fields, positions[k], units[k]) for k in unmapped]
+            )
+            for k, r in zip(unmapped, again, strict=True):
+                results[k] = r
         try:
             sources = ray.get(self._source_refs(results))
         except ObjectLostError:  # the producer that owned it died; the unit still maps it
@@ -855,10 +957,15 @@ class RayTransferQueue(TransferQueue):
         """Async :meth:`get_data`."""
         chosen, hint = self._hinted_source(meta, fields)
         if hint is not None:
-            try:
-                return self._from_source(meta, chosen, hint, await hint[0][0])
-            except ObjectLostError:
-                pass
+            if isinstance(hint[0], ShmBlock):
+                cols = map_block(hint[0], chosen)
+                if cols is not None:
+                    return self._from_source(meta, chosen, hint, cols)
+            else:
+                try:
+                    return self._from_source(meta, chosen, hint, await hint[0][0])
+                except ObjectLostError:
+                    pass
         fields, positions, refs, units = self._data_calls(meta, fields)
         if not refs:
             return Batch(batch_size=0)
@@ -875,6 +982,15 @@ class RayTransferQueue(TransferQueue):
             results = await asyncio.to_thread(
                 self._wait_for_adopted, meta, fields, positions, units, list(results)
             )
+        results, unmapped = self._map_segments(list(results), fields)
+        if unmapped:
+            again = await _await(
+                asyncio.gather(
+                    *[self._gathered(meta, fields, positions[k], units[k]) for k in unmapped]
+                )
+            )
+            for k, r in zip(unmapped, again, strict=True):
+                results[k] = r
         try:
             sources = list(await asyncio.gather(*self._source_refs(results)))
         except ObjectLostError:
@@ -918,6 +1034,7 @@ def start_ray_transfer_queue(
     block_size: int = 1024,
     spread: bool = True,
     direct_bytes: int = 1 << 20,
+    use_shm: bool = True,
 ) -> RayTransferQueue:
     """Start a controller and ``num_storage_units`` storage units; return the client.
 
@@ -931,6 +1048,7 @@ def start_ray_transfer_queue(
         block_size: rows of a put placed together on one unit.
         spread: place the units on different nodes when the cluster has several.
         direct_bytes: see :class:`RayTransferQueue`.
+        use_shm: see :class:`RayTransferQueue`.
 
     The actors take no CPU slot (they mostly wait); the returned client's :meth:`close` kills
     them.
@@ -965,6 +1083,7 @@ def start_ray_transfer_queue(
         length_key,
         block_size=block_size,
         direct_bytes=direct_bytes,
+        use_shm=use_shm,
     )
     client._owns_actors = True
     return client

@@ -17,7 +17,6 @@ from __future__ import annotations
 import atexit
 import mmap
 import os
-import shutil
 import uuid
 import weakref
 import zlib
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from polyrl.shm import shm_root, sweep_dead
 from polyrl.weights.base import WeightTransferError
 
 __all__ = ["ARENA_PREFIX", "ArenaWriter", "SharedArena", "default_arena_root", "sweep_dead"]
@@ -39,36 +39,7 @@ _LIVE: weakref.WeakSet[SharedArena] = weakref.WeakSet()
 
 def default_arena_root() -> Path | None:
     """Where arenas go: ``$POLYRL_WEIGHTS_ARENA_DIR``, else ``/dev/shm``; ``None`` if neither."""
-    env = os.environ.get(ARENA_DIR_ENV)
-    root = Path(env) if env else Path("/dev/shm")
-    if root.is_dir() and os.access(root, os.W_OK | os.X_OK):
-        return root
-    return None
-
-
-def sweep_dead(root: Path, prefix: str) -> int:
-    """Remove ``<root>/<prefix><pid>-...`` files or directories whose process ``pid`` is gone.
-
-    Shared memory under ``/dev/shm`` is RAM: what a killed process left there (arenas, staging
-    directories) stays until someone removes it. Returns how many entries were removed.
-    """
-    removed = 0
-    for path in root.glob(prefix + "*"):
-        try:
-            pid = int(path.name[len(prefix) :].split("-")[0])
-        except ValueError:
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                path.unlink(missing_ok=True)
-            removed += 1
-        except PermissionError:  # alive, another user's
-            pass
-    return removed
+    return shm_root(ARENA_DIR_ENV)
 
 
 class SharedArena:

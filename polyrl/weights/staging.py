@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from polyrl.weights.arena import sweep_dead
+from polyrl.shm import sweep_dead
 from polyrl.weights.base import WeightTransferError
 from polyrl.weights.receiver import WeightTarget
 
