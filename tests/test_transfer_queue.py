@@ -585,11 +585,21 @@ def test_ray_large_blocks_are_read_from_the_producers_copy(ray_session, ray_queu
 def test_ray_get_meta_of_one_block_reads_the_producers_copy_directly(
     ray_session, ray_queue, use_shm
 ):
-    """The controller hands out the source of a whole in-order block; rewrites invalidate it."""
+    """The controller hands out the source of a whole in-order block; rewrites invalidate it.
+
+    A segment's descriptor comes back through the controller's socket; an ObjectRef cannot
+    cross it, so the object-store variant asks through Ray (``fast_path=None``).
+    """
     from polyrl.transfer import RayTransferQueue
     from polyrl.transfer.segments import ShmBlock
 
-    q = RayTransferQueue.connect(ray_queue.name, direct_bytes=0, block_size=64, use_shm=use_shm)
+    q = RayTransferQueue.connect(
+        ray_queue.name,
+        direct_bytes=0,
+        block_size=64,
+        use_shm=use_shm,
+        **({} if use_shm else {"fast_path": None}),
+    )
     b = _batch(40, seed=6)
     q.put(b, "hint")
     meta = q.get_meta(["input_ids", "log_probs"], 40, "hint", consumer="a")

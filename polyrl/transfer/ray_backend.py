@@ -71,6 +71,7 @@ from polyrl.transfer._core import (
     timeout_error,
 )
 from polyrl.transfer.base import BatchMeta, Sampler, TransferError, TransferQueue
+from polyrl.transfer.fastpath import FastPathClient, FastPathServer, FastPathUnavailable
 from polyrl.transfer.segments import ShmBlock, map_block, segment_pool
 
 __all__ = ["RayTransferQueue", "StorageUnit", "TransferController", "start_ray_transfer_queue"]
@@ -85,7 +86,8 @@ class TransferController:
         # partition -> blocks put as one producer object: [first id, count, fields, [ref], node]
         # (a reference, never data: a consumer of a whole in-order run reads the object itself
         # and skips a round trip to the storage unit).
-        self._sources: dict[str, list[tuple[int, int, frozenset[str], list[Any], str]]] = {}
+        self._sources: dict[str, list[tuple[int, int, frozenset[str], Any, str]]] = {}
+        self._fast: FastPathServer | None = None
 
     def _condition(self) -> asyncio.Condition:
         # Created on first use so that it binds to the actor's event loop.
@@ -96,6 +98,17 @@ class TransferController:
     async def ping(self) -> bool:
         """Return True (readiness probe)."""
         return True
+
+    async def fast_path(self) -> tuple[str, str]:
+        """Start (once) the same-node socket for the hot calls; return its path and node id.
+
+        See :mod:`polyrl.transfer.fastpath`: clients on this node commit sealed blocks and wait
+        in ``get_meta`` through it, skipping Ray's task round trips.
+        """
+        if self._fast is None:
+            self._fast = FastPathServer(self)
+        path = await self._fast.start()
+        return path, ray.get_runtime_context().get_node_id()
 
     async def allocate(self, partition: str, n: int) -> int:
         """Reserve ``n`` new contiguous sample ids of ``partition``; return the first."""
@@ -163,7 +176,8 @@ class TransferController:
         """Allocate ``len(units)`` new ids and mark their fields produced, in one step.
 
         Called by a storage unit that already holds the data (see ``StorageUnit.put_new``);
-        ``source`` is ``[ref]`` to the producer's object of the whole block, on ``node``.
+        ``source`` is ``[ref]`` to the producer's object of the whole block, or the
+        :class:`ShmBlock` it was written to, on ``node``.
         """
         first = self._meta.allocate(partition, len(units))
         meta = await self.commit(partition, first, fields, units, groups, lengths)
@@ -188,6 +202,13 @@ class TransferController:
         """:meth:`get_meta` plus the source hint of the samples (see ``_source_hint``)."""
         meta = await self.get_meta(*args)
         return meta, self._source_hint(meta)
+
+    async def get_meta_local(self, *args: Any) -> tuple[BatchMeta, Any]:
+        """:meth:`get_meta_hinted` for the socket fast path: only segment hints (no refs)."""
+        meta, hint = await self.get_meta_hinted(*args)
+        if hint is not None and not isinstance(hint[0], ShmBlock):
+            hint = None  # an ObjectRef cannot cross the socket; the unit hands it out instead
+        return meta, hint
 
     async def get_meta(
         self,
@@ -409,6 +430,17 @@ def _ray_get(refs: Any) -> Any:
         raise _unwrap(exc) from None
 
 
+def _ray_get_values(items: list[Any]) -> list[Any]:
+    """``ray.get`` the ObjectRefs of ``items``; other items are values already."""
+    refs = [x for x in items if isinstance(x, ray.ObjectRef)]
+    values = iter(_ray_get(refs) if refs else [])
+    return [next(values) if isinstance(x, ray.ObjectRef) else x for x in items]
+
+
+async def _awaitable(item: Any) -> Any:
+    return (await item) if isinstance(item, ray.ObjectRef) else item
+
+
 async def _await(aw: Awaitable[Any]) -> Any:
     try:
         return await aw
@@ -446,6 +478,9 @@ class RayTransferQueue(TransferQueue):
             (a block is committed before its unit has mapped it; see ``StorageUnit.adopt``).
         use_shm: write large blocks bound for a unit on this node into shared-memory segments
             (:mod:`polyrl.transfer.segments`) instead of Ray's object store.
+        fast_path: ``(socket path, node id)`` of the controller's same-node socket
+            (:mod:`polyrl.transfer.fastpath`; :func:`start_ray_transfer_queue` and
+            :meth:`connect` fill it in); None: every call goes through Ray.
     """
 
     def __init__(
@@ -460,6 +495,7 @@ class RayTransferQueue(TransferQueue):
         direct_bytes: int = 1 << 20,
         adopt_timeout: float = 60.0,
         use_shm: bool = True,
+        fast_path: tuple[str, str] | None = None,
     ) -> None:
         if not units:
             raise ValueError("RayTransferQueue needs at least one storage unit")
@@ -477,6 +513,9 @@ class RayTransferQueue(TransferQueue):
         self.direct_bytes = direct_bytes
         self.adopt_timeout = float(adopt_timeout)
         self.use_shm = bool(use_shm)
+        self.fast_path = fast_path
+        self._fast: FastPathClient | None = None
+        self._fast_failed = False
         self._owns_actors = False
         self._candidates: list[int] | None = None
         self._rr = os.getpid()  # spreads the first blocks of clients in different processes
@@ -491,6 +530,8 @@ class RayTransferQueue(TransferQueue):
         state["_candidates"] = None  # the receiver may run on another node
         state["_node_id"] = None
         state["_hints"] = {}
+        state["_fast"] = None  # sockets stay with their process
+        state["_fast_failed"] = False
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -511,7 +552,21 @@ class RayTransferQueue(TransferQueue):
             except ValueError:
                 break
         nodes = ray.get([u.node_id.remote() for u in units])
+        kwargs.setdefault("fast_path", tuple(ray.get(controller.fast_path.remote())))
         return cls(controller, units, nodes, name, **kwargs)
+
+    def _fast_client(self) -> FastPathClient | None:
+        """Return the socket client when this process runs on the controller's node, else None."""
+        if self.fast_path is None or self._fast_failed or self._node() != self.fast_path[1]:
+            return None
+        if self._fast is None:
+            self._fast = FastPathClient(self.fast_path[0])
+        return self._fast
+
+    def _fast_down(self) -> None:
+        # The socket cannot be reached from here (another container, the controller moved):
+        # stop trying; Ray calls reach the controller wherever it is.
+        self._fast_failed = True
 
     # ------------------------------------------------------------------------------ placement
     def _candidate_units(self) -> list[int]:
@@ -540,7 +595,8 @@ class RayTransferQueue(TransferQueue):
     ) -> list[Any]:
         """Issue the storage and commit calls without waiting; return their ObjectRefs.
 
-        The first ObjectRef is the commit's (its value is the put's :class:`BatchMeta`); put
+        The first ObjectRef is the commit's (its value is the put's :class:`BatchMeta`, which is
+        there already when the commit went through the fast path); put
         returns once every one of them is done, then settles the shared-memory segments this
         appended to ``sealed``.
 
@@ -560,9 +616,16 @@ class RayTransferQueue(TransferQueue):
                 # here), then the unit maps it (Ray runs adopt once the commit is done, so it
                 # does not compete with the consumers the commit wakes); put returns once
                 # both are done, so the rows outlive this process from then on.
-                meta = self.controller.commit_new.remote(
-                    partition, list(cols), [u] * n, groups, lengths, payload, self._node()
-                )
+                args = (partition, list(cols), [u] * n, groups, lengths, payload, self._node())
+                fast = self._fast_client() if isinstance(payload, ShmBlock) else None
+                meta = None
+                if fast is not None:
+                    try:
+                        meta = fast.call("commit_new", *args)
+                    except FastPathUnavailable:
+                        self._fast_down()
+                if meta is None:
+                    meta = self.controller.commit_new.remote(*args)
                 return [meta, self.units[u].adopt.remote(partition, meta, payload)]
             # Small: the data travels in the call; the unit stores it, then commits it.
             unit = self.units[u]
@@ -650,7 +713,7 @@ class RayTransferQueue(TransferQueue):
         known = None if ids is None else _ray_get(self.controller.locate.remote(partition, ids))
         sealed: list[Any] = []
         try:
-            return _ray_get(self._submit_put(batch, partition, ids, known, sealed))[0]
+            return _ray_get_values(self._submit_put(batch, partition, ids, known, sealed))[0]
         finally:
             self._settle(sealed)
 
@@ -664,8 +727,9 @@ class RayTransferQueue(TransferQueue):
             known = await _await(self.controller.locate.remote(partition, ids))
         sealed: list[Any] = []
         try:
-            refs = self._submit_put(batch, partition, ids, known, sealed)
-            return (await _await(asyncio.gather(*refs)))[0]
+            # In a thread: sealing copies the block, and its commit may be a blocking socket call.
+            refs = await asyncio.to_thread(self._submit_put, batch, partition, ids, known, sealed)
+            return (await _await(asyncio.gather(*[_awaitable(r) for r in refs])))[0]
         finally:
             self._settle(sealed)
 
@@ -684,7 +748,7 @@ class RayTransferQueue(TransferQueue):
         await _await(asyncio.gather(*[u.clear.remote(partition) for u in self.units]))
 
     # -------------------------------------------------------------------------------- reads
-    def _get_meta_ref(
+    def _get_meta_args(
         self,
         fields: Sequence[str],
         batch_size: int | None,
@@ -694,14 +758,23 @@ class RayTransferQueue(TransferQueue):
         block: bool,
         timeout: float | None,
         sampler_kwargs: dict[str, Any],
-    ) -> Any:
+    ) -> tuple[Any, ...]:
         # The sampler is built here too, so bad names/arguments fail in the caller, not the actor.
         fields, batch_size, _ = check_get_meta_args(
             fields, batch_size, partition, consumer, sampler, timeout, sampler_kwargs
         )
-        return self.controller.get_meta_hinted.remote(
-            fields, batch_size, partition, consumer, sampler, block, timeout, sampler_kwargs
-        )
+        return (fields, batch_size, partition, consumer, sampler, block, timeout, sampler_kwargs)
+
+    def _fast_get_meta(self, args: tuple[Any, ...]) -> FastPathClient | None:
+        """Return the fast-path client for this get_meta (None: go through Ray).
+
+        Named samplers with plain arguments only: a Sampler object may not pickle outside Ray.
+        """
+        sampler, sampler_kwargs = args[4], args[7]
+        plain = all(isinstance(v, int | float | str | bool | None) for v in sampler_kwargs.values())
+        if not isinstance(sampler, str) or not plain:
+            return None
+        return self._fast_client()
 
     def get_meta(
         self,
@@ -715,10 +788,16 @@ class RayTransferQueue(TransferQueue):
         **sampler_kwargs: Any,
     ) -> BatchMeta:
         """Return references to ready samples not yet given to ``consumer`` (see base class)."""
-        ref = self._get_meta_ref(
+        args = self._get_meta_args(
             fields, batch_size, partition, consumer, sampler, block, timeout, sampler_kwargs
         )
-        return self._remember(*_ray_get(ref))
+        fast = self._fast_get_meta(args)
+        if fast is not None:
+            try:
+                return self._remember(*fast.call("get_meta_local", *args))
+            except FastPathUnavailable:
+                self._fast_down()
+        return self._remember(*_ray_get(self.controller.get_meta_hinted.remote(*args)))
 
     async def async_get_meta(
         self,
@@ -732,10 +811,16 @@ class RayTransferQueue(TransferQueue):
         **sampler_kwargs: Any,
     ) -> BatchMeta:
         """Async :meth:`get_meta` (awaits the controller; the event loop keeps running)."""
-        ref = self._get_meta_ref(
+        args = self._get_meta_args(
             fields, batch_size, partition, consumer, sampler, block, timeout, sampler_kwargs
         )
-        return self._remember(*(await _await(ref)))
+        fast = self._fast_get_meta(args)
+        if fast is not None:
+            try:
+                return self._remember(*(await fast.acall("get_meta_local", *args)))
+            except FastPathUnavailable:
+                self._fast_down()
+        return self._remember(*(await _await(self.controller.get_meta_hinted.remote(*args))))
 
     def _forget_hints(self, partition: str) -> None:
         # A hint holds a reference that pins the producer's object: drop it with the partition.
@@ -1073,7 +1158,7 @@ def start_ray_transfer_queue(
         for i in range(num_storage_units)
     ]
     nodes = ray.get([u.node_id.remote() for u in units])
-    ray.get(controller.ping.remote())
+    fast_path = tuple(ray.get(controller.fast_path.remote()))
     client = RayTransferQueue(
         controller,
         units,
@@ -1084,6 +1169,7 @@ def start_ray_transfer_queue(
         block_size=block_size,
         direct_bytes=direct_bytes,
         use_shm=use_shm,
+        fast_path=fast_path,
     )
     client._owns_actors = True
     return client
