@@ -55,6 +55,7 @@ import torch  # noqa: E402
 
 from polyrl.batch import Batch  # noqa: E402
 from polyrl.transfer import TransferQueue, make_transfer_queue  # noqa: E402
+from polyrl.transfer.segments import sweep_segments  # noqa: E402
 
 FIELDS = (
     "input_ids",
@@ -297,6 +298,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             result.update(run_e2e(args))
     finally:
         ray.shutdown()
+        sweep_segments(wait_s=5.0)  # Ray kills its workers without their exit handlers
     # "ratio" is put/get over plain Ray (> 1 = the queue is faster); keep it the last key.
     result["ratio"] = result.pop("ratio")
     print(json.dumps(result))

@@ -32,6 +32,11 @@ def ray_session():
         )
     yield ray
     ray.shutdown()
+    from polyrl.transfer.segments import sweep_segments
+
+    # Ray kills its workers without their exit handlers: remove the transfer segments they
+    # kept in /dev/shm (RAM) once they are gone.
+    sweep_segments(wait_s=5.0)
 
 
 @pytest.fixture(scope="session")

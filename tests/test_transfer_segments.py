@@ -136,3 +136,21 @@ def test_round_size_bounds_slack():
         size = _round_size(n)
         assert size >= n and (size - n) <= max(1 << 16, n // 8), n
     assert np.all(np.diff([_round_size(n) for n in range(1, 10**6, 997)]) >= 0)
+
+
+def test_sweep_segments_removes_only_files_of_dead_processes(tmp_path, monkeypatch):
+    from polyrl.transfer.segments import SEGMENT_DIR_ENV, sweep_segments
+
+    monkeypatch.setenv(SEGMENT_DIR_ENV, str(tmp_path))
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    gone = tmp_path / f"{SEGMENT_PREFIX}{int(dead.stdout)}-abc"
+    alive = tmp_path / f"{SEGMENT_PREFIX}{os.getpid()}-def"
+    gone.write_bytes(b"x")
+    alive.write_bytes(b"y")
+    assert sweep_segments() == 1
+    assert not gone.exists() and alive.exists()

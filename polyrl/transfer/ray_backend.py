@@ -72,7 +72,7 @@ from polyrl.transfer._core import (
 )
 from polyrl.transfer.base import BatchMeta, Sampler, TransferError, TransferQueue
 from polyrl.transfer.fastpath import FastPathClient, FastPathServer, FastPathUnavailable
-from polyrl.transfer.segments import ShmBlock, map_block, segment_pool
+from polyrl.transfer.segments import ShmBlock, map_block, segment_pool, sweep_segments
 
 __all__ = ["RayTransferQueue", "StorageUnit", "TransferController", "start_ray_transfer_queue"]
 
@@ -1109,6 +1109,7 @@ class RayTransferQueue(TransferQueue):
             except Exception:  # already dead or Ray shut down: nothing left to free
                 pass
         self._owns_actors = False
+        sweep_segments()  # segment files of producers killed meanwhile
 
 
 def start_ray_transfer_queue(
@@ -1143,6 +1144,7 @@ def start_ray_transfer_queue(
     if not ray.is_initialized():
         raise TransferError("start_ray_transfer_queue needs Ray: call ray.init() first")
     name = name or f"polyrl-tq-{uuid.uuid4().hex[:8]}"
+    sweep_segments()
     controller = (
         ray.remote(TransferController)
         .options(name=f"{name}:controller", num_cpus=0, max_concurrency=10_000)

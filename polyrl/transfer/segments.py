@@ -17,8 +17,10 @@ segment's generation (in its header); a reader checks it under its shared lock, 
 descriptor (a cleared partition whose segment was reused) is detected, never read.
 
 Segments are named ``polyrl-tq-<pid>-<random>``; the producer removes its files at exit (the
-storage units' mappings keep the data they hold) and :func:`polyrl.shm.sweep_dead` removes
-those of producers that died without doing so.
+storage units' mappings keep the data they hold) and :func:`sweep_segments` removes those of
+producers that died without doing so: Ray kills its workers without running their exit
+handlers, so a new pool, a new queue and a closing queue each sweep, and so should a driver
+after ``ray.shutdown()``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import mmap
 import os
 import pickle
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Mapping, Sequence
@@ -40,7 +43,14 @@ import numpy as np
 from polyrl.shm import shm_root, sweep_dead
 from polyrl.transfer._core import Column
 
-__all__ = ["SEGMENT_PREFIX", "SegmentPool", "ShmBlock", "map_block", "segment_pool"]
+__all__ = [
+    "SEGMENT_PREFIX",
+    "SegmentPool",
+    "ShmBlock",
+    "map_block",
+    "segment_pool",
+    "sweep_segments",
+]
 
 #: File-name prefix of segments; the producing process's pid follows it.
 SEGMENT_PREFIX = "polyrl-tq-"
@@ -257,6 +267,29 @@ def segment_pool() -> SegmentPool | None:
 def _remove_all() -> None:  # the files are RAM: do not leave them behind
     for pool in list(_ALL_POOLS):
         pool.close()
+
+
+def sweep_segments(wait_s: float = 0.0) -> int:
+    """Remove the segment files of processes that are gone; return how many were removed.
+
+    Args:
+        wait_s: keep sweeping for up to this many seconds while files of dying processes
+            remain (Ray's workers exit a moment after ``ray.shutdown()`` returns).
+    """
+    root = shm_root(SEGMENT_DIR_ENV)
+    if root is None:
+        return 0
+    removed = sweep_dead(root, SEGMENT_PREFIX)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and _foreign_segments(root):
+        time.sleep(0.1)
+        removed += sweep_dead(root, SEGMENT_PREFIX)
+    return removed
+
+
+def _foreign_segments(root: Path) -> list[Path]:
+    mine = f"{SEGMENT_PREFIX}{os.getpid()}-"
+    return [p for p in root.glob(SEGMENT_PREFIX + "*") if not p.name.startswith(mine)]
 
 
 def map_block(block: ShmBlock, fields: Sequence[str] | None = None) -> dict[str, Column] | None:
