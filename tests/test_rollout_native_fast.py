@@ -287,3 +287,22 @@ def test_fast_forward_logits_equal_hf_logits(tiny_qwen2_dir):
         want = torch.stack([model(torch.tensor([p])).logits[0, -1] for p in (a, b)])
     torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
     assert F.cosine_similarity(logits, want).min() > 0.9999
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_fast_forward_rope_table_equals_the_rotary_module(arch, tmp_path_factory):
+    """Table rows are bit for bit the module's cos/sin, across table growth and batch sizes."""
+    path = build_tiny_model(arch, tmp_path_factory.mktemp(arch) / "m", size="nano")
+    model = load_causal_lm(path)
+    fast = build_fast_forward(model)
+    assert fast is not None and fast._rope_static
+    h = torch.randn(3, model.config.hidden_size)
+    g = torch.Generator().manual_seed(5)
+    # Positions past the first table size (1024) make it grow.
+    batches = [torch.randint(0, top, (n,), generator=g) for n, top in [(1, 10), (37, 600)]]
+    batches += [torch.randint(0, 3000, (300,), generator=g), torch.tensor([17, 4500, 0])]
+    for pos in batches:
+        cos, sin = model.model.rotary_emb(h.unsqueeze(0), pos.unsqueeze(0))
+        got_cos, got_sin = fast._cos_sin(h, pos)
+        assert torch.equal(got_cos, cos[0]) and torch.equal(got_sin, sin[0]), pos
+    assert fast._rope_table is not None and fast._rope_table[0].shape[0] == 8192
