@@ -466,22 +466,31 @@ def test_two_ray_queues_coexist_and_async_client(ray_queue):
 
 
 @pytest.mark.slow
-def test_ray_acceptance_concurrent_producers_and_consumers(ray_session, ray_queue):
-    """10,000 samples, 3 producer and 3 consumer actors with random timing, group sampler."""
+@pytest.mark.parametrize("segments", [False, True], ids=["inline", "segments"])
+def test_ray_acceptance_concurrent_producers_and_consumers(ray_session, ray_queue, segments):
+    """10,000 samples, 3 producer and 3 consumer actors with random timing, group sampler.
+
+    ``segments``: every put, however small, travels in a shared-memory segment and is committed
+    through the controller's socket (``direct_bytes=0``), so segment reuse and the socket are
+    exercised under the same concurrency.
+    """
     import sys
 
     from ray import cloudpickle
 
+    from polyrl.transfer import RayTransferQueue
+
     ray = ray_session
+    producer_queue = RayTransferQueue.connect(ray_queue.name, direct_bytes=0) if segments else None
     # The actors call helpers of this module, which Ray workers cannot import by name.
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     try:
-        _acceptance(ray, ray_queue)
+        _acceptance(ray, ray_queue, producer_queue or ray_queue)
     finally:
         cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
 
 
-def _acceptance(ray, q):
+def _acceptance(ray, q, producer_queue):
     group_size, n_groups, n_prod, n_cons = 4, 2500, 3, 3
     total = group_size * n_groups
 
@@ -531,7 +540,7 @@ def _acceptance(ray, q):
                 time.sleep(float(rng.uniform(0, 0.01)))
             return ids, split, bad
 
-    producers = [Producer.remote(q) for _ in range(n_prod)]
+    producers = [Producer.remote(producer_queue) for _ in range(n_prod)]
     consumers = [Consumer.remote(q, f"cons{i}") for i in range(n_cons)]
     gids = list(range(n_groups))
     t0 = time.monotonic()
