@@ -3,7 +3,9 @@
 Metadata (which fields of which samples are produced, which consumer has had which samples)
 is kept apart from the data (columns held by storage units), so services pass small
 :class:`BatchMeta` references while rows move point-to-point. See :mod:`polyrl.transfer.base`
-for the API, :mod:`polyrl.transfer.local` and :mod:`polyrl.transfer.ray_backend` for the backends.
+for the API, :mod:`polyrl.transfer.local` and :mod:`polyrl.transfer.ray_backend` for the backends,
+and :mod:`polyrl.transfer.segments` / :mod:`polyrl.transfer.fastpath` for the Ray backend's
+same-node data path (shared-memory segments) and control path (the controller's Unix socket).
 """
 
 from __future__ import annotations
