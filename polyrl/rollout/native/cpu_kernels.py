@@ -428,32 +428,66 @@ void polyrl_add_rms_norm_f32(float *h, const float *delta, const float *w, float
    rounded to float at each entry), so the token is the one the torch path picks: the first
    entry whose cumulative sum exceeds u * total (searchsorted, right=True), at most V - 1; if
    that entry is masked (a target rounded up to the total), the first entry whose cumulative
-   sum reaches the total. One pass instead of five torch ops and their temporaries. */
-void polyrl_inverse_sample_f32(const float *p, const float *z, const float *u, int64_t *out,
-                               int64_t R, int64_t V) {
-    for (int64_t r = 0; r < R; r++) {
-        const float *pr = p + r * V;
-        double acc = 0.0;
-        for (int64_t i = 0; i < V; i++) acc += (double)pr[i];
-        const float total = (float)acc;
-        const float target = u[r] * total;
-        int64_t idx = V - 1;
-        acc = 0.0;
-        for (int64_t i = 0; i < V; i++) {
-            acc += (double)pr[i];
-            if ((float)acc > target) { idx = i; break; }
-        }
-        if (z[r * V + idx] == -INFINITY) {
-            int64_t below = 0;
-            acc = 0.0;
-            for (int64_t i = 0; i < V; i++) {
-                acc += (double)pr[i];
-                if ((float)acc < total) below++;
-            }
-            idx = below < V - 1 ? below : V - 1;
-        }
-        out[r] = idx;
+   sum reaches the total. One pass instead of five torch ops and their temporaries.
+
+   A row's running sum is one chain of dependent adds (latency bound), so four rows are summed
+   side by side into a scratch copy of their cumulative sums; those never decrease, so both
+   searches are binary searches over it. Returns -1 when the scratch cannot be allocated. */
+static int64_t first_above(const float *cum, int64_t V, float x) { /* first cum[i] > x, or V */
+    int64_t lo = 0, hi = V;
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (cum[mid] > x) hi = mid; else lo = mid + 1;
     }
+    return lo;
+}
+
+static int64_t first_reaching(const float *cum, int64_t V, float x) { /* first cum[i] >= x */
+    int64_t lo = 0, hi = V;
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (cum[mid] >= x) hi = mid; else lo = mid + 1;
+    }
+    return lo;
+}
+
+int polyrl_inverse_sample_f32(const float *p, const float *z, const float *u, int64_t *out,
+                              int64_t R, int64_t V) {
+    float *cum = (float *)malloc(sizeof(float) * (size_t)(4 * V));
+    if (cum == NULL) return -1;
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+        /* Rows past the end repeat row r0 (computed, not used). */
+        const float *p0 = p + r0 * V;
+        const float *p1 = r0 + 1 < R ? p0 + V : p0;
+        const float *p2 = r0 + 2 < R ? p0 + 2 * V : p0;
+        const float *p3 = r0 + 3 < R ? p0 + 3 * V : p0;
+        float *c0 = cum, *c1 = cum + V, *c2 = cum + 2 * V, *c3 = cum + 3 * V;
+        double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
+        for (int64_t i = 0; i < V; i++) {
+            a0 += (double)p0[i];
+            a1 += (double)p1[i];
+            a2 += (double)p2[i];
+            a3 += (double)p3[i];
+            c0[i] = (float)a0;
+            c1[i] = (float)a1;
+            c2[i] = (float)a2;
+            c3[i] = (float)a3;
+        }
+        for (int64_t j = 0; j < 4 && r0 + j < R; j++) {
+            const int64_t r = r0 + j;
+            const float *c = cum + j * V;
+            const float total = c[V - 1];
+            int64_t idx = first_above(c, V, u[r] * total);
+            if (idx > V - 1) idx = V - 1;
+            if (z[r * V + idx] == -INFINITY) {
+                const int64_t below = first_reaching(c, V, total);
+                idx = below < V - 1 ? below : V - 1;
+            }
+            out[r] = idx;
+        }
+    }
+    free(cum);
+    return 0;
 }
 
 /* Returns 0; -1 when scratch memory could not be allocated; -2 (nothing computed) when a
@@ -583,7 +617,7 @@ def _load() -> ctypes.CDLL | None:
             fn.restype = None
             fn = lib.polyrl_inverse_sample_f32
             fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64]
-            fn.restype = None
+            fn.restype = ctypes.c_int
             return lib
     logger.warning("could not build the native engine's C kernels; using the torch path")
     return None
@@ -875,6 +909,7 @@ def inverse_sample(
 
     Raises:
         RuntimeError: the kernels are unavailable, or the inputs break the layout above.
+        MemoryError: the kernel's scratch memory could not be allocated.
     """
     lib = _require_library()
     f32 = torch.float32
@@ -900,7 +935,9 @@ def inverse_sample(
             f"{tuple(logits.shape)} {logits.dtype}, uniforms {tuple(uniforms.shape)}"
         )
     out = torch.empty(rows, dtype=torch.int64)
-    lib.polyrl_inverse_sample_f32(
+    rc = lib.polyrl_inverse_sample_f32(
         probs.data_ptr(), logits.data_ptr(), uniforms.data_ptr(), out.data_ptr(), rows, vocab
     )
+    if rc != 0:
+        raise MemoryError("inverse_sample could not allocate its scratch memory")
     return out
