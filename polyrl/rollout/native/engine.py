@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
 import os
 import queue
@@ -843,19 +844,32 @@ class NativeEngine:
                 logits_index.append(len(ids) - 1)
 
         decode_lens = [c.start + 1 for c in decode]
-        decode_table = decode_kv_lens = None
+        table: list[int] = []  # the decode block table, flat (rows padded with block 0)
+        nb = 0
         if decode:
             nb = -(-decode_lens[-1] // bs)
-            table = []
             for c in decode:
-                row = c.seq.blocks[:nb]
-                table.append(row + [0] * (nb - len(row)) if len(row) < nb else row)
-            decode_table = torch.tensor(table, dtype=torch.long).to(dev, non_blocking=True)
-            decode_kv_lens = torch.tensor(decode_lens, dtype=torch.long).to(dev, non_blocking=True)
+                row = c.seq.blocks
+                if len(row) >= nb:
+                    table += row[:nb]
+                else:
+                    table += row
+                    table += [0] * (nb - len(row))
+        # All of the step's index tensors in one tensor (one conversion, one device copy),
+        # handed out as contiguous slices.
+        t, s = len(ids), len(logits_index)
+        packed = torch.tensor(ids + pos + slots + logits_index + table + decode_lens)
+        if dev.type != "cpu":
+            packed = packed.to(dev, non_blocking=True)
+        ends = list(itertools.accumulate((t, t, t, s, len(table), len(decode_lens))))
+        decode_table = decode_kv_lens = None
+        if decode:
+            decode_table = packed[ends[3] : ends[4]].view(len(decode), nb)
+            decode_kv_lens = packed[ends[4] : ends[5]]
         offset = len(ids) - sum(c.length for c in cont)
         meta = StepMetadata(
             self.cache,
-            torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
+            packed[ends[1] : ends[2]],
             decode_table,
             decode_kv_lens,
             decode_lens,
@@ -864,9 +878,9 @@ class NativeEngine:
             use_kernel=self._use_kernel,
         )
         inputs = StepInputs(
-            input_ids=torch.tensor([ids], dtype=torch.long).to(dev, non_blocking=True),
-            position_ids=torch.tensor([pos], dtype=torch.long).to(dev, non_blocking=True),
-            logits_index=torch.tensor(logits_index, dtype=torch.long).to(dev, non_blocking=True),
+            input_ids=packed[: ends[0]].unsqueeze(0),
+            position_ids=packed[ends[0] : ends[1]].unsqueeze(0),
+            logits_index=packed[ends[2] : ends[3]],
             meta=meta,
         )
         return inputs, ordered
