@@ -119,6 +119,8 @@ class StepMetadata:
         fresh: ``(packed start, length)`` of each prefill chunk starting a sequence.
         prefill: continued prefill chunks, or ``None``.
         use_kernel: attend decode tokens with the C kernel.
+        max_position: the highest position of the step's tokens (known to the scheduler, so
+            readers need no device sync to find it); None: unknown.
     """
 
     def __init__(
@@ -131,8 +133,10 @@ class StepMetadata:
         fresh: list[tuple[int, int]],
         prefill: AttentionGroup | None,
         use_kernel: bool = False,
+        max_position: int | None = None,
     ):
         self.cache = cache
+        self.max_position = max_position
         self.slot_mapping = slot_mapping
         self.decode_table = decode_table
         self.decode_kv_lens = decode_kv_lens

@@ -876,6 +876,7 @@ class NativeEngine:
             fresh_spans,
             self._group(cont, with_index=True, offset=offset) if cont else None,
             use_kernel=self._use_kernel,
+            max_position=max(pos, default=0),
         )
         inputs = StepInputs(
             input_ids=packed[: ends[0]].unsqueeze(0),

@@ -155,7 +155,9 @@ class FastForward:
         self._rope_static = isinstance(rope_type, str) and rope_type in _STATIC_ROPE_TYPES
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def _cos_sin(self, h: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _cos_sin(
+        self, h: torch.Tensor, position_ids: torch.Tensor, highest: int | None = None
+    ) -> tuple[torch.Tensor, ...]:
         """``(T, head_dim)`` contiguous cosines and sines of the packed tokens' positions.
 
         The HF rotary module recomputes them every step (a handful of small ops, ~0.1 ms at
@@ -167,7 +169,8 @@ class FastForward:
             cos, sin = self.rotary(h.unsqueeze(0), position_ids.unsqueeze(0))
             return cos[0].contiguous(), sin[0].contiguous()
         table = self._rope_table
-        highest = int(position_ids.max()) if position_ids.numel() else 0
+        if highest is None:  # a device sync on GPU: callers pass it when they know it
+            highest = int(position_ids.max()) if position_ids.numel() else 0
         if table is None or highest >= table[0].shape[0]:
             size = max(1024, 1 << highest.bit_length())  # grows by doubling
             positions = torch.arange(size, device=position_ids.device)
@@ -232,7 +235,7 @@ class FastForward:
             ``(S, vocab)`` logits.
         """
         h = F.embedding(input_ids, self.embed.weight)
-        self._cos2d, self._sin2d = self._cos_sin(h, position_ids)  # (T, head_dim)
+        self._cos2d, self._sin2d = self._cos_sin(h, position_ids, meta.max_position)
         # (T, 1, head_dim): broadcast over heads.
         self._cos, self._sin = self._cos2d.unsqueeze(1), self._sin2d.unsqueeze(1)
         try:
