@@ -836,17 +836,26 @@ class RayTransferQueue(TransferQueue):
 
     def _hinted_source(
         self, meta: BatchMeta, fields: Sequence[str] | None
-    ) -> tuple[tuple[str, ...], Any]:
-        """Return the fields to read and ``meta``'s source hint (None: ask the units)."""
+    ) -> tuple[tuple[str, ...], Any, Batch | None]:
+        """Return the fields to read, ``meta``'s source hint and, for a segment, its rows.
+
+        A segment hint is read here (mapping it is local and cheap): the Batch comes back and
+        the hint is spent. An object-store hint comes back for the caller to fetch (sync or
+        async). ``(fields, None, None)``: no usable hint, ask the units.
+        """
         if not isinstance(meta, BatchMeta):
-            return tuple(fields or ()), None
+            return tuple(fields or ()), None, None
         chosen = meta.fields if fields is None else check_fields(fields)
         if not meta.sample_ids:
-            return chosen, None
+            return chosen, None, None
         hint = self._hints.pop((meta.partition, meta.sample_ids[0], len(meta)), None)
         if hint is None or hint[3] != self._node() or not set(chosen) <= set(meta.fields):
-            return chosen, None
-        return chosen, hint
+            return chosen, None, None
+        if isinstance(hint[0], ShmBlock):
+            cols = map_block(hint[0], chosen)  # None: the segment is gone, ask the units
+            batch = None if cols is None else self._from_source(meta, chosen, hint, cols)
+            return chosen, None, batch
+        return chosen, hint, None
 
     def _data_calls(
         self, meta: BatchMeta, fields: Sequence[str] | None
@@ -976,16 +985,16 @@ class RayTransferQueue(TransferQueue):
                 out.append(slice_columns({f: cols[f] for f in fields}, slice(r[2], r[3])))
         return out
 
-    def _refetch(self, meta: BatchMeta, fields: Sequence[str]) -> list[tuple[Any, ...]]:
+    def _refetch(
+        self,
+        meta: BatchMeta,
+        fields: Sequence[str],
+        positions: list[list[int]],
+        units: list[int],
+    ) -> list[tuple[Any, ...]]:
         """Gathered copies from the units (when a producer's object is gone with its owner)."""
-        pos_by_unit: dict[int, list[int]] = {}
-        for p, u in enumerate(meta.units):
-            pos_by_unit.setdefault(u, []).append(p)
-        refs = [
-            self.units[u].get.remote(meta.partition, [meta.sample_ids[p] for p in pos], fields)
-            for u, pos in pos_by_unit.items()
-        ]
-        return _ray_get(refs)
+        pairs = zip(positions, units, strict=True)
+        return _ray_get([self._gathered(meta, fields, p, u) for p, u in pairs])
 
     def _missing_partition(self, meta: BatchMeta) -> TransferError | None:
         if not _ray_get(self.controller.has_partition.remote(meta.partition)):
@@ -1004,17 +1013,14 @@ class RayTransferQueue(TransferQueue):
         A meta this client got from :meth:`get_meta` that covers one in-order block put as one
         object is read from that object directly (no call to the storage unit).
         """
-        chosen, hint = self._hinted_source(meta, fields)
+        chosen, hint, mapped = self._hinted_source(meta, fields)
+        if mapped is not None:
+            return mapped
         if hint is not None:
-            if isinstance(hint[0], ShmBlock):
-                cols = map_block(hint[0], chosen)
-                if cols is not None:
-                    return self._from_source(meta, chosen, hint, cols)
-            else:
-                try:
-                    return self._from_source(meta, chosen, hint, ray.get(hint[0][0]))
-                except ObjectLostError:
-                    pass  # the producer is gone: the storage unit still has the rows
+            try:
+                return self._from_source(meta, chosen, hint, ray.get(hint[0][0]))
+            except ObjectLostError:
+                pass  # the producer is gone: the storage unit still has the rows
         fields, positions, refs, units = self._data_calls(meta, fields)
         if not refs:
             return Batch(batch_size=0)
@@ -1034,23 +1040,20 @@ class RayTransferQueue(TransferQueue):
         try:
             sources = ray.get(self._source_refs(results))
         except ObjectLostError:  # the producer that owned it died; the unit still maps it
-            results, sources = self._refetch(meta, fields), []
+            results, sources = self._refetch(meta, fields, positions, units), []
         cols = self._columns(results, sources, fields)
         return columns_to_batch(len(meta), list(zip(positions, cols, strict=True)), fields)
 
     async def async_get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Batch:
         """Async :meth:`get_data`."""
-        chosen, hint = self._hinted_source(meta, fields)
+        chosen, hint, mapped = self._hinted_source(meta, fields)
+        if mapped is not None:
+            return mapped
         if hint is not None:
-            if isinstance(hint[0], ShmBlock):
-                cols = map_block(hint[0], chosen)
-                if cols is not None:
-                    return self._from_source(meta, chosen, hint, cols)
-            else:
-                try:
-                    return self._from_source(meta, chosen, hint, await hint[0][0])
-                except ObjectLostError:
-                    pass
+            try:
+                return self._from_source(meta, chosen, hint, await hint[0][0])
+            except ObjectLostError:
+                pass
         fields, positions, refs, units = self._data_calls(meta, fields)
         if not refs:
             return Batch(batch_size=0)
@@ -1079,7 +1082,8 @@ class RayTransferQueue(TransferQueue):
         try:
             sources = list(await asyncio.gather(*self._source_refs(results)))
         except ObjectLostError:
-            results, sources = await asyncio.to_thread(self._refetch, meta, fields), []
+            results = await asyncio.to_thread(self._refetch, meta, fields, positions, units)
+            sources = []
         cols = self._columns(list(results), sources, fields)
         return columns_to_batch(len(meta), list(zip(positions, cols, strict=True)), fields)
 

@@ -876,7 +876,8 @@ class NativeEngine:
             fresh_spans,
             self._group(cont, with_index=True, offset=offset) if cont else None,
             use_kernel=self._use_kernel,
-            max_position=max(pos, default=0),
+            # Per chunk, not per token: a prefill step packs thousands of positions.
+            max_position=max((c.start + c.length - 1 for c in ordered), default=0),
         )
         inputs = StepInputs(
             input_ids=packed[: ends[0]].unsqueeze(0),
