@@ -156,6 +156,35 @@ def test_same_seed_same_tokens_whatever_is_batched(engine):
     assert len({tuple(s.output_ids) for s in a}) == 3
 
 
+@pytest.mark.parametrize("length", [7, 16, 37])
+def test_forked_samples_equal_separate_requests(engine, length):
+    # Samples after the first start from the first's prompt keys, values and logits (no
+    # prefill of their own): each must give what a request of its own with its derived seed
+    # gives, whether the prompt ends inside a block or on its edge. Log-probs agree to float
+    # rounding only: BLAS may take another path for a one-row batch than for four rows.
+    prompt = tuple(prompts(1, seed=20 + length, lo=length, hi=length + 1)[0])
+    seed, n = 31, 4
+    params = SamplingParams(max_new_tokens=12, seed=seed, n=n, logprobs=True, ignore_eos=True)
+    steps_before = engine.stats().steps_total
+    together = run(engine, [GenerateRequest(f"fork{length}", prompt, params)])[f"fork{length}"]
+    # One step computes the prompt and the first token of every sample, then 11 decode steps.
+    assert engine.stats().steps_total - steps_before == 12
+    for i, sample in enumerate(together):
+        own = SamplingParams(
+            max_new_tokens=12,
+            seed=(seed + 0x9E3779B97F4A7C15 * i) % 2**63,
+            logprobs=True,
+            ignore_eos=True,
+        )
+        rid = f"own{length}-{i}"
+        alone = run(engine, [GenerateRequest(rid, prompt, own)])[rid][0]
+        assert sample.output_ids == alone.output_ids, f"sample {i}"
+        assert torch.allclose(
+            torch.tensor(sample.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0
+        ), f"sample {i}"
+    assert len({tuple(s.output_ids) for s in together}) == n
+
+
 def test_filters_restrict_the_draw(engine, hf_model):
     p = prompts(1, seed=4)[0]
     params = SamplingParams(max_new_tokens=12, top_k=3, seed=3, ignore_eos=True)

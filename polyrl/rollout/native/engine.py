@@ -929,15 +929,51 @@ class NativeEngine:
         self._stats.steps_total += 1
         if not sampling:
             return
-        out = self.sampler(logits, [c.seq.row for c in sampling])
+        seqs = [c.seq for c in sampling]
+        forked = self._fork_followers(seqs)
+        if forked:
+            # Each forked sample draws its first token from its leader's logits row.
+            rows = list(range(len(seqs)))
+            for row, seq in forked:
+                rows.append(row)
+                seqs.append(seq)
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        out = self.sampler(logits, [s.row for s in seqs])
         now = time.perf_counter()
-        for i, c in enumerate(sampling):
-            self._append(c.seq, out.tokens[i], out.logprobs[i], out.top_logprobs[i], now)
-        self._stats.generated_tokens_total += len(sampling)
+        for i, seq in enumerate(seqs):
+            self._append(seq, out.tokens[i], out.logprobs[i], out.top_logprobs[i], now)
+        self._stats.generated_tokens_total += len(seqs)
         with self._tps_lock:
-            self._tps_window.append((now, len(sampling)))
+            self._tps_window.append((now, len(seqs)))
             while self._tps_window and now - self._tps_window[0][0] > _TPS_WINDOW_S:
                 self._tps_window.popleft()
+
+    def _fork_followers(self, sampling: list[Seq]) -> list[tuple[int, Seq]]:
+        """Start the waiting samples of each leader that just computed its prompt.
+
+        A request's samples after the first wait for the first (the leader) to compute the
+        shared prompt. Rather than prefilling the prompt again each (``n - 1`` times the
+        prompt's tokens: with short prompts, below one full block, the prefix cache shares
+        nothing), they take the leader's keys and values (see :meth:`Scheduler.fork`) and
+        draw their first token from the leader's logits in this same step.
+
+        Returns:
+            ``(row, sample)`` per forked sample, ``row`` being its leader's index in
+            ``sampling``.
+        """
+        forked: list[tuple[int, Seq]] = []
+        for row, leader in enumerate(sampling):
+            if leader.num_output != 0 or leader.index != 0:
+                continue
+            group: _Group = leader.group
+            for seq in group.seqs[1:]:
+                copy = self.scheduler.fork(leader, seq)
+                if copy is None:
+                    continue
+                if copy[0] >= 0:
+                    self.cache.copy_block(*copy)
+                forked.append((row, seq))
+        return forked
 
     def _append(
         self,

@@ -102,6 +102,19 @@ class BlockAllocator:
                 else:
                     self._free.append(block)
 
+    def share(self, blocks: Sequence[int]) -> None:
+        """Take one more reference to each of ``blocks``, which must be referenced already.
+
+        Used to hand a sequence's computed prompt blocks to a sibling sample (see
+        :meth:`polyrl.rollout.native.scheduler.Scheduler.fork`); works with prefix caching
+        off too, since nothing is looked up.
+        """
+        for block in blocks:
+            if self._refs[block] <= 0:
+                raise RuntimeError(f"KV block {block} is not referenced; it cannot be shared")
+        for block in blocks:
+            self._refs[block] += 1
+
     def _unregister(self, block: int) -> None:
         key = self._key[block]
         if key is not None:
@@ -217,6 +230,11 @@ class PagedKVCache:
         if self._data is None:
             raise RuntimeError("the KV cache is released (engine asleep); wake it up first")
         return self._data
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block ``src``'s keys and values into block ``dst``, in every layer."""
+        data = self._storage()
+        data[:, :, dst] = data[:, :, src]
 
     def k(self, layer: int) -> torch.Tensor:
         """Keys of ``layer``: ``(num_blocks, block_size, kv_heads, head_dim)``."""

@@ -10,7 +10,10 @@ is left, the most recently admitted sequence is *preempted*: its blocks are rele
 goes back to the head of the queue keeping its generated tokens, to be recomputed later.
 
 Samples of one request (``n > 1``) after the first wait until the first has computed the
-shared prompt, so they reuse its KV blocks through the prefix cache instead of recomputing it.
+shared prompt. In the step that computes it they are *forked* from it (:meth:`Scheduler.fork`:
+its full blocks shared, its partial last block copied, its logits drawn from), so they skip
+the prefill; those that cannot be forked then (no free sequence slot or block) reuse its full
+blocks through the prefix cache and compute the rest.
 """
 
 from __future__ import annotations
@@ -253,6 +256,58 @@ class Scheduler:
             planned.add(seq.seq_id)
             budget -= length
         return plan
+
+    def fork(self, leader: Sequence, seq: Sequence) -> tuple[int, int] | None:
+        """Start waiting sample ``seq`` from ``leader``'s computed prompt, without a prefill.
+
+        ``leader`` has just computed its whole prompt (the same tokens as ``seq``'s) and is
+        about to sample its first token. ``seq`` takes a reference to the leader's full prompt
+        blocks and a block of its own for the partial last one (the caller copies its keys and
+        values, see :meth:`~.kv_cache.PagedKVCache.copy_block`), and runs from the next step
+        as a decoding sequence; its first token is drawn from the leader's logits. The keys,
+        values and logits are those ``seq`` would compute itself: every op of the forward is
+        row-wise, so a row's results do not depend on the batch around it.
+
+        Returns:
+            ``(source, destination)`` blocks to copy (``(-1, -1)``: nothing to copy), or
+            ``None`` (nothing changed) when ``seq`` cannot be forked: it is not a fresh waiting
+            sample of ``leader``, or no sequence slot or KV block is free.
+        """
+        n = seq.prompt_len
+        if (
+            seq.status is not SeqStatus.WAITING
+            or seq.leader is not leader
+            or seq.blocks
+            or seq.num_output != 0
+            or leader.num_output != 0
+            or leader.num_computed != n
+            or len(self.running) >= self.max_num_seqs
+        ):
+            return None
+        bs = self.block_size
+        full, partial = divmod(n, bs)
+        if partial and self.allocator.num_free < 1:
+            return None
+        shared = leader.blocks[:full]
+        self.allocator.share(shared)
+        copy = (-1, -1)
+        seq.blocks = list(shared)
+        if partial:
+            copy = (leader.blocks[full], self.allocator.allocate())
+            seq.blocks.append(copy[1])
+        # What a prefix-cache match would have reported for this sample (its full blocks).
+        if self.allocator.enable_prefix_caching:
+            seq.cached_prompt_tokens = full * bs
+            self.allocator.hit_tokens_total += full * bs
+        seq.num_computed = n
+        seq.num_registered = min(leader.num_registered, full)
+        seq.leader = None
+        self.waiting.remove(seq)
+        seq.status = SeqStatus.RUNNING
+        seq.admit_order = self._admitted
+        self._admitted += 1
+        self.running.append(seq)
+        return copy
 
     def commit(self, chunk: Chunk) -> None:
         """Record that a chunk's KV is written; register newly full blocks for prefix reuse."""
