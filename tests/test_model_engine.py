@@ -196,6 +196,8 @@ def test_train_batch_matches_plain_hf_world_size_2(tiny_dir, tmp_path):
         "dynamic_trim",
         "dynamic_pack",
         "dynamic_trim_gc_hsdp",
+        "shared_prefix",
+        "shared_prefix_dummies",
     }
     for name, r in results.items():
         assert r["grad_names_match"], name
@@ -203,6 +205,7 @@ def test_train_batch_matches_plain_hf_world_size_2(tiny_dir, tmp_path):
         assert r["grad_diff"] < 1e-5, (name, r)
         assert r["logp_diff"] < 1e-5, (name, r)
     assert results["padded_mbs1"]["num_micro_batches"] == 6  # rank 1 ran 3 dummy passes
+    assert results["shared_prefix_dummies"]["num_micro_batches"] == 9  # rank 1: 6 dummy passes
 
 
 def test_temperature_and_entropy_inference(tiny_dir, engines):
@@ -243,7 +246,8 @@ def test_loss_aggregation_modes_are_split_invariant(tiny_dir, engines):
     split = engines(tiny_dir, EngineConfig(dynamic_batching=False, micro_batch_size=1))
     a = whole.forward_backward(batch, seq_loss, forward_only=True)["loss"]
     b = split.forward_backward(batch, seq_loss, forward_only=True)["loss"]
-    assert a == pytest.approx(b, abs=1e-6)
+    # Different splits share prefixes differently: fp32 summation order, ~1 ulp at 7.0.
+    assert a == pytest.approx(b, rel=1e-6)
     mask = clean_loss_mask(batch)
     from transformers import AutoModelForCausalLM
 

@@ -208,6 +208,15 @@ class EngineConfig:
     gradient_checkpointing: bool = field(
         default=False, metadata={"help": "Recompute decoder-layer activations in backward."}
     )
+    share_prefix: bool = field(
+        default=True,
+        metadata={
+            "help": "Causal LMs, batches with a loss_mask: run each distinct prefix before the "
+            "first trained column once per micro-batch (GRPO groups, DPO pairs) and the LM head "
+            "only from there on; log-probs before that column read 0. Off under "
+            "gradient_checkpointing."
+        },
+    )
     grad_clip: float = field(
         default=1.0, metadata={"help": "Max global gradient norm; <= 0 disables clipping."}
     )

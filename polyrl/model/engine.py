@@ -157,9 +157,16 @@ class ModelOutput:
         attention_mask: torch.Tensor,
         temperature: float = 1.0,
         chunk_size: int = 1024,
+        compute_tokens: int | None = None,
     ) -> None:
         self.kind = kind
         self.layout = layout
+        #: Positions the model ran on for this micro-batch, padding included.
+        self.compute_tokens = (
+            layout.compute_shape[0] * layout.compute_shape[1]
+            if compute_tokens is None
+            else int(compute_tokens)
+        )
         self.temperature = float(temperature)
         self._raw = raw
         self._ids = compute_input_ids

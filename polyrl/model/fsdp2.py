@@ -71,6 +71,13 @@ from polyrl.model.heads import (
 )
 from polyrl.model.losses import GLOBAL_SEQS_KEY, GLOBAL_TOKENS_KEY, LossFn
 from polyrl.model.optim import build_optimizer, build_scheduler
+from polyrl.model.prefix import (
+    SHARE_PREFIX_KEY,
+    PrefixSplit,
+    plan_prefix_split,
+    shared_prefix_forward,
+    supports_shared_prefix,
+)
 
 __all__ = ["FSDP2Engine"]
 
@@ -342,8 +349,61 @@ class FSDP2Engine(TrainingEngine):
             )
         return plan_micro_batches(lengths, max(k, 1), **kwargs)
 
-    def _forward(self, mb: Batch) -> ModelOutput:
+    def _prefix_splits(
+        self, micro_batches: list[Batch | None], enabled: bool
+    ) -> tuple[list[PrefixSplit | None], list[bool]]:
+        """Per micro-batch: this rank's prefix split (or None), and whether all ranks split it.
+
+        Under FSDP every model call is a collective, so a micro-batch takes the two-call
+        shared-prefix forward only if every rank with rows in it can; ranks without rows then run
+        two dummy calls.
+        """
+        cfg = self.engine_config
+        usable = (
+            enabled
+            and cfg.share_prefix
+            and self.model_spec.kind == "causal_lm"
+            # Hugging Face turns the KV cache off under activation checkpointing in training.
+            and not cfg.gradient_checkpointing
+            and supports_shared_prefix(self.model)
+        )
+        splits: list[PrefixSplit | None] = [
+            plan_prefix_split(
+                mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb["loss_mask"]
+            )
+            if usable and mb is not None
+            else None
+            for mb in micro_batches
+        ]
+        agreed = [
+            split is not None or (usable and mb is None)
+            for mb, split in zip(micro_batches, splits, strict=True)
+        ]
+        if self.world_size > 1 and micro_batches:
+            flags = torch.tensor(agreed, dtype=torch.int64)
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+            agreed = [bool(f) for f in flags.tolist()]
+            splits = [split if ok else None for split, ok in zip(splits, agreed, strict=True)]
+        else:
+            agreed = [split is not None for split in splits]
+        return splits, agreed
+
+    def _forward(self, mb: Batch, plan: PrefixSplit | None = None) -> ModelOutput:
         am = mb["attention_mask"]
+        if plan is not None:
+            logits, layout, window_mask, tokens = shared_prefix_forward(
+                self.model, plan, mb["input_ids"], am, mb["position_ids"]
+            )
+            return ModelOutput(
+                kind=self.model_spec.kind,
+                raw=logits,
+                layout=layout,
+                compute_input_ids=layout.to_compute(mb["input_ids"]),
+                attention_mask=window_mask,
+                temperature=mb.meta.get("temperature", 1.0),
+                chunk_size=self.engine_config.logprob_chunk_size,
+                compute_tokens=tokens,
+            )
         layout = MicroBatchLayout.build(am, self._layout_mode)
         ids = layout.to_compute(mb["input_ids"])
         pos = layout.to_compute(mb["position_ids"])
@@ -361,12 +421,19 @@ class FSDP2Engine(TrainingEngine):
             chunk_size=self.engine_config.logprob_chunk_size,
         )
 
-    def _dummy_pass(self, backward: bool) -> None:
-        """Run a one-token forward (+ zero backward) to keep FSDP collectives matched."""
+    def _dummy_pass(self, backward: bool, calls: int = 1) -> None:
+        """Run one-token forwards (+ zero backward) to keep FSDP collectives matched.
+
+        ``calls`` is the number of model calls the other ranks make for this micro-batch (two
+        under the shared-prefix forward).
+        """
         ids = torch.zeros(1, 1, dtype=torch.long, device=self._device)
-        raw = model_forward(self.model, self.model_spec.kind, ids, None, ids)
-        if backward:
-            (raw.float().sum() * 0.0).backward()
+        total = None
+        for _ in range(calls):
+            raw = model_forward(self.model, self.model_spec.kind, ids, None, ids).float().sum()
+            total = raw if total is None else total + raw
+        if backward and total is not None:
+            (total * 0.0).backward()
 
     def _union_keys(self, keys: set[str]) -> list[str]:
         if self.world_size == 1:
@@ -392,6 +459,8 @@ class FSDP2Engine(TrainingEngine):
             dist.all_reduce(counts)
         global_tokens, global_seqs = (float(x) for x in counts.tolist())
         plan = self._plan(lengths)
+        micro_batches = [local[rows] if rows else None for rows in plan]
+        splits, shared = self._prefix_splits(micro_batches, enabled=True)
 
         loss_sum = 0.0
         compute_tokens = 0
@@ -401,14 +470,13 @@ class FSDP2Engine(TrainingEngine):
         # accumulate unsharded gradients and reduce once, after the last micro-batch.
         defer_sync = not forward_only and self._shard_group_size == 1 and len(plan) > 1
         try:
-            for index, rows in enumerate(plan):
+            for index, mb in enumerate(micro_batches):
                 if defer_sync:
                     self.model.set_requires_gradient_sync(index == len(plan) - 1)
-                if not rows:
+                if mb is None:
                     with grad_ctx:
-                        self._dummy_pass(backward=not forward_only)
+                        self._dummy_pass(backward=not forward_only, calls=1 + shared[index])
                     continue
-                mb = local[rows]
                 mb.meta.update(
                     {
                         GLOBAL_TOKENS_KEY: global_tokens,
@@ -417,7 +485,7 @@ class FSDP2Engine(TrainingEngine):
                     }
                 )
                 with grad_ctx:
-                    output = self._forward(mb)
+                    output = self._forward(mb, splits[index])
                     result = loss_fn(output, mb)
                     if not (isinstance(result, tuple) and len(result) == 2):
                         raise TypeError(
@@ -434,7 +502,7 @@ class FSDP2Engine(TrainingEngine):
                             )
                         loss.backward()
                 loss_sum += float(loss.detach().float())
-                compute_tokens += output.layout.compute_shape[0] * output.layout.compute_shape[1]
+                compute_tokens += output.compute_tokens
                 weight = float((mb["loss_mask"] != 0).sum())
                 if not isinstance(metrics, Mapping):
                     raise TypeError(
@@ -514,17 +582,21 @@ class FSDP2Engine(TrainingEngine):
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         out_device = batch["input_ids"].device if "input_ids" in batch.tensor_keys else None
-        local, lengths = self._prepare(batch, need_loss_mask=False)
+        # Log-probs before the first trained column are 0 under prefix sharing, so inference
+        # shares prefixes only when the caller says it reads loss-masked positions alone.
+        share = bool(batch.meta.get(SHARE_PREFIX_KEY)) and "loss_mask" in batch.tensor_keys
+        local, lengths = self._prepare(batch, need_loss_mask=share)
         plan = self._plan(lengths)
+        micro_batches = [local[rows] if rows else None for rows in plan]
+        splits, shared = self._prefix_splits(micro_batches, enabled=share)
         pieces: list[dict[str, torch.Tensor]] = []
         order: list[int] = []
         with self.eval_mode(), torch.no_grad():
-            for rows in plan:
-                if not rows:
-                    self._dummy_pass(backward=False)
+            for index, (rows, mb) in enumerate(zip(plan, micro_batches, strict=True)):
+                if mb is None:
+                    self._dummy_pass(backward=False, calls=1 + shared[index])
                     continue
-                mb = local[rows]
-                result = fn(self._forward(mb), mb)
+                result = fn(self._forward(mb, splits[index]), mb)
                 if not isinstance(result, Mapping) or not result:
                     raise TypeError("infer fn must return a non-empty mapping of tensors")
                 piece = {}

@@ -165,3 +165,41 @@ def launch(script: str, args: list[str], world: int, timeout: float = 240.0) -> 
                 p.wait()
     launch.last_logs = logs  # type: ignore[attr-defined]
     return codes
+
+
+def make_group_batch(
+    prompts: int,
+    n: int,
+    prompt_width: int,
+    response_width: int,
+    vocab: int,
+    seed: int = 0,
+) -> Batch:
+    """RL rollout layout: ``n`` responses per prompt, prompts left-padded into ``prompt_width``
+    columns and responses right-padded into ``response_width`` (loss on response tokens).
+
+    Prompt lengths vary from 1 to ``prompt_width``, response lengths from 1 to ``response_width``;
+    rows of one prompt are consecutive.
+    """
+    g = torch.Generator().manual_seed(seed)
+    width = prompt_width + response_width
+    rows = prompts * n
+    ids = torch.zeros(rows, width, dtype=torch.long)
+    am = torch.zeros(rows, width, dtype=torch.long)
+    lm = torch.zeros(rows, width, dtype=torch.float32)
+    for p in range(prompts):
+        plen = int(torch.randint(1, prompt_width + 1, (1,), generator=g))
+        prompt = torch.randint(1, vocab, (plen,), generator=g)
+        for k in range(n):
+            r = p * n + k
+            rlen = int(torch.randint(1, response_width + 1, (1,), generator=g))
+            ids[r, prompt_width - plen : prompt_width] = prompt
+            ids[r, prompt_width : prompt_width + rlen] = torch.randint(
+                1, vocab, (rlen,), generator=g
+            )
+            am[r, prompt_width - plen : prompt_width + rlen] = 1
+            lm[r, prompt_width : prompt_width + rlen] = 1.0
+    pos = (am.cumsum(1) - 1).clamp(min=0)
+    return Batch(
+        tensors={"input_ids": ids, "attention_mask": am, "position_ids": pos, "loss_mask": lm}
+    )

@@ -16,14 +16,17 @@ import sys
 import torch
 import torch.distributed as dist
 from engine_common import (
+    clean_loss_mask,
     engine_grads,
     make_batch,
+    make_group_batch,
     reference_log_probs,
     reference_sft,
 )
 
 from polyrl.model import EngineConfig, OptimizerConfig, build_engine, sft_loss
 from polyrl.model.engine import compute_log_probs
+from polyrl.model.prefix import SHARE_PREFIX_KEY
 
 
 def main() -> None:
@@ -74,6 +77,49 @@ def main() -> None:
                 "num_micro_batches": metrics["num_micro_batches"],
             }
         engine.close()
+
+    # GRPO layout (4 prompts x 3 responses): the shared-prefix forward under FSDP with sharded
+    # parameters, with micro-batches that hold whole and partial groups, and with one-row
+    # micro-batches where rank 1 runs dummy passes (two calls each) while rank 0 shares.
+    group_batch = make_group_batch(prompts=4, n=3, prompt_width=6, response_width=8, vocab=1000)
+    g_loss, g_grads, g_model = reference_sft(model_dir, group_batch)
+    g_model.eval()
+    g_logp = reference_log_probs(g_model, group_batch)
+    g_mask = clean_loss_mask(group_batch) != 0
+    group_cases = {
+        "shared_prefix": ({0: range(0, 7), 1: range(7, 12)}, dict(max_tokens_per_micro_batch=42)),
+        "shared_prefix_dummies": (
+            {0: range(0, 9), 1: range(9, 12)},
+            dict(dynamic_batching=False, micro_batch_size=1),
+        ),
+    }
+    for name, (shares, kwargs) in group_cases.items():
+        g_share = list(shares[rank])
+        engine = build_engine(
+            model_dir, EngineConfig(grad_clip=1e9, **kwargs), OptimizerConfig(lr=1e-3)
+        )
+        local = group_batch[g_share]
+        local.meta[SHARE_PREFIX_KEY] = True
+        inferred = engine.infer_batch(local, compute_log_probs)["log_probs"]
+        metrics = engine.train_batch(local, sft_loss)
+        grads = engine_grads(engine)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (g_share, inferred))
+        if rank == 0:
+            logp = torch.zeros_like(g_logp)
+            for rows, values in gathered:
+                logp[rows] = values
+            results[name] = {
+                "loss_diff": abs(metrics["loss"] - g_loss),
+                "grad_diff": max((grads[n] - g_grads[n]).abs().max().item() for n in g_grads),
+                "grad_names_match": sorted(grads) == sorted(g_grads),
+                "logp_diff": (logp[g_mask] - g_logp[g_mask]).abs().max().item(),
+                "num_tokens": metrics["num_tokens"],
+                "num_micro_batches": metrics["num_micro_batches"],
+                "compute_tokens": metrics["compute_tokens"],
+            }
+        engine.close()
+
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)

@@ -1,0 +1,196 @@
+"""Shared-prefix forward: run a prompt once for all the rows that continue it.
+
+GRPO-style batches hold ``n`` responses per prompt, and DPO batches a chosen and a rejected
+response per prompt.  A plain forward runs every prompt ``n`` times and then computes logits (a
+vocabulary-wide matmul and softmax) on prompt positions that no loss reads.  This module splits a
+micro-batch at the first column any row trains on (the *split*):
+
+1. **prefix pass** -- each distinct prefix (columns before the split: same tokens, mask and
+   positions) runs once, with a KV cache, keeping only its last position's logits (they predict
+   the first column after the split);
+2. the cache is gathered to one entry per row (``reorder_cache``; autograd carries the rows'
+   gradients back to the shared prefix);
+3. **suffix pass** -- every row's columns from the split on run against that cache, as decoding
+   a long chunk would.
+
+Both passes use the model's own cached-attention path, so any Hugging Face causal LM that
+generates with a ``DynamicCache`` works.  The result is the same function of the weights as a full
+forward (up to floating-point summation order), with fewer FLOPs: prompt tokens run once per group
+instead of once per row, and the LM head runs only where a loss can read it.  Log-probs and
+entropies before the split are reported as 0 (nothing there is trained).
+
+:func:`plan_prefix_split` decides whether a micro-batch can be split; :func:`shared_prefix_forward`
+runs it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from polyrl.model.batching import MicroBatchLayout, row_spans
+
+__all__ = [
+    "SHARE_PREFIX_KEY",
+    "PrefixSplit",
+    "plan_prefix_split",
+    "shared_prefix_forward",
+    "supports_shared_prefix",
+]
+
+#: ``batch.meta`` flag: ``infer_batch`` may share prefixes (its caller reads only positions where
+#: ``loss_mask`` is nonzero; earlier positions read 0).  ``forward_backward`` always may.
+SHARE_PREFIX_KEY = "share_prefix"
+
+
+@dataclass
+class PrefixSplit:
+    """How a micro-batch splits into shared prefixes and per-row suffixes.
+
+    Attributes:
+        split: first column on which any row has a nonzero ``loss_mask``; every row's token at
+            ``split - 1`` is real, so every row has a nonempty prefix ending there.
+        first: leftmost column holding a real prefix token in any row (the prefix pass's columns
+            are ``first .. split - 1``).
+        prefix_rows: ``(u,)`` one row index per distinct prefix.
+        group: ``(b,)`` index into ``prefix_rows`` of each row's prefix.
+    """
+
+    split: int
+    first: int
+    prefix_rows: torch.Tensor
+    group: torch.Tensor
+
+    @property
+    def num_prefixes(self) -> int:
+        """Number of distinct prefixes (rows of the prefix pass)."""
+        return int(self.prefix_rows.numel())
+
+
+def plan_prefix_split(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+) -> PrefixSplit | None:
+    """Find where a micro-batch splits into prefixes and suffixes; ``None`` if it cannot.
+
+    ``None`` when no row trains on any token, or when some row's token just before the split is
+    padding (its real tokens start after the split or end before it: rows that do not line up on
+    a common split column, e.g. right-padded prompts of different lengths with left-aligned
+    responses).  Rows share a prefix when their ids, attention mask and position ids agree on
+    every prefix column.
+    """
+    trained = loss_mask != 0
+    cols = trained.any(dim=0).nonzero()
+    if cols.numel() == 0:
+        return None
+    split = int(cols[0, 0])
+    if split < 1:
+        return None
+    starts, lengths = row_spans(attention_mask)
+    ends = starts + lengths - 1
+    if bool(((starts > split - 1) | (ends < split - 1)).any()):
+        return None
+    first = int(starts.min())
+    ids = input_ids[:, first:split]
+    mask = attention_mask[:, first:split].to(ids.dtype)
+    pos = position_ids[:, first:split].to(ids.dtype)
+    # Padding may hold any id/position: mark it so that only real tokens tell prefixes apart.
+    key = torch.cat([torch.where(mask != 0, ids, -1), torch.where(mask != 0, pos, -1), mask], 1)
+    _, group = torch.unique(key, dim=0, return_inverse=True)
+    u = int(group.max()) + 1
+    # The first row of each group represents it.
+    b = group.numel()
+    prefix_rows = torch.full((u,), b, dtype=torch.long, device=group.device)
+    prefix_rows = prefix_rows.scatter_reduce(
+        0, group, torch.arange(b, device=group.device), reduce="amin"
+    )
+    return PrefixSplit(split=split, first=first, prefix_rows=prefix_rows, group=group)
+
+
+def _forward_params(model: torch.nn.Module) -> set[str]:
+    cached = getattr(model, "_polyrl_forward_params", None)
+    if cached is None:
+        target = getattr(model, "module", model)
+        try:
+            cached = set(inspect.signature(target.forward).parameters)
+        except (TypeError, ValueError):
+            cached = set()
+        try:
+            model._polyrl_forward_params = cached
+        except AttributeError:
+            pass
+    return cached
+
+
+def supports_shared_prefix(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s forward takes a KV cache and ``logits_to_keep`` (HF causal LMs do)."""
+    params = _forward_params(model)
+    has_cache = "cache" in params or "past_key_values" in params
+    return has_cache and "logits_to_keep" in params and "use_cache" in params
+
+
+def _new_cache(model: torch.nn.Module) -> object:
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older transformers: no config argument
+        return DynamicCache()
+
+
+def shared_prefix_forward(
+    model: torch.nn.Module,
+    plan: PrefixSplit,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+) -> tuple[torch.Tensor, MicroBatchLayout, torch.Tensor, int]:
+    """Run a micro-batch as one prefix pass and one suffix pass.
+
+    Returns:
+        ``(logits, layout, window_mask, compute_tokens)``: logits ``(b, W, V)`` in the trim layout
+        of ``window_mask``; ``window_mask`` is ``attention_mask`` with the columns before
+        ``split - 1`` cleared (compute column 0 of a row is its token at ``split - 1``, whose
+        logits come from the prefix pass); ``compute_tokens`` counts the positions both passes
+        ran (padding included).
+    """
+    split, first = plan.split, plan.first
+    cache_kw = "cache" if "cache" in _forward_params(model) else "past_key_values"
+    rows = plan.prefix_rows
+    prefix_mask = attention_mask[rows, first:split]
+    cache = _new_cache(model)
+    prefix = model(
+        input_ids=input_ids[rows, first:split],
+        attention_mask=prefix_mask,
+        position_ids=position_ids[rows, first:split],
+        use_cache=True,
+        logits_to_keep=1,
+        **{cache_kw: cache},
+    )
+    last = prefix.logits[:, -1][plan.group]
+
+    window_mask = attention_mask.clone()
+    window_mask[:, : split - 1] = 0
+    layout = MicroBatchLayout.build(window_mask, "trim")
+    width = layout.compute_shape[1]
+    compute_tokens = plan.num_prefixes * (split - first)
+    if width == 1:
+        return last[:, None], layout, window_mask, compute_tokens
+    ids = layout.to_compute(input_ids)[:, 1:]
+    pos = layout.to_compute(position_ids)[:, 1:]
+    suffix_mask = layout.compute_attention_mask(window_mask)[:, 1:]
+    cache.reorder_cache(plan.group)
+    suffix = model(
+        input_ids=ids,
+        attention_mask=torch.cat([prefix_mask[plan.group], suffix_mask.to(prefix_mask.dtype)], 1),
+        position_ids=pos,
+        use_cache=True,
+        **{cache_kw: cache},
+    )
+    logits = torch.cat([last[:, None].to(suffix.logits.dtype), suffix.logits], dim=1)
+    compute_tokens += ids.shape[0] * ids.shape[1]
+    return logits, layout, window_mask, compute_tokens
