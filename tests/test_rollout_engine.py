@@ -322,6 +322,15 @@ def test_seeded_samples_survive_preemption(model_dir, engine):
         ]
 
 
+def test_setup_runs_off_the_caller_thread_and_raises_in_it(engine, tmp_path):
+    # The model is loaded in a thread that ends with the constructor (no OpenMP team of the
+    # caller's outlives it), yet a failure still raises from the constructor.
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        NativeEngine(tmp_path / "missing")
+    # The engine thread runs with the intra-op thread count it was built with.
+    assert engine._command(torch.get_num_threads).result() == engine._num_threads
+
+
 def test_rejects_bad_requests_without_holding_anything(engine):
     vocab = engine.vocab_size
     with pytest.raises(InvalidRequestError, match="unknown token id"):

@@ -64,6 +64,34 @@ def _deliver_inline(items: list[tuple[Sink, Any]]) -> None:
         sink(payload)
 
 
+def _in_fresh_thread(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn(*args)`` in a new thread that ends with it; return its result or raise its error.
+
+    Used for torch work off the engine thread (loading the model, allocating the cache).
+    libgomp keeps a team of worker threads for every thread that ran a parallel region, until
+    that thread exits, and once it manages more threads than there are CPUs its idle workers
+    stop spinning after ~100 iterations instead of ~300000: each of a decode step's ~60
+    parallel regions (every matmul) then waits for the engine thread's workers to be woken
+    from a futex. A caller's team would outlive the call (the server builds the engine in a
+    pooled asyncio worker thread); a fresh thread's team goes when the thread ends.
+    """
+    result: list[Any] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(fn(*args))
+        except BaseException as exc:  # re-raised in the caller
+            error.append(exc)
+
+    thread = threading.Thread(target=run, name="polyrl-engine-setup", daemon=True)
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
+
+
 def _check_int(name: str, value: Any, minimum: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
@@ -162,6 +190,12 @@ class NativeEngine:
         self.config = config = config or EngineConfig()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        # Intra-op threads of the engine thread, which sets them itself (see _loop).
+        self._num_threads = config.num_threads or torch.get_num_threads()
+        _in_fresh_thread(self._setup, model_dir, deliver)
+
+    def _setup(self, model_dir: str | os.PathLike[str], deliver: Deliver | None) -> None:
+        config = self.config
         self.model_dir = str(model_dir)
         self.tokenizer = load_tokenizer(model_dir, trust_remote_code=config.trust_remote_code)
         self.runner = ModelRunner(model_dir, config.dtype, config.device, config.trust_remote_code)
@@ -753,6 +787,9 @@ class NativeEngine:
             cmd()
 
     def _loop(self) -> None:
+        # A thread's OpenMP team size is its own (an unset one starts from torch's global
+        # setting): give the engine thread the configured count explicitly.
+        torch.set_num_threads(self._num_threads)
         while not self._stopping:
             self._wake.clear()
             self._run_commands()
