@@ -15,7 +15,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "engine_scripts"))
 
-from engine_common import make_batch, reference_log_probs, tiny_model  # noqa: E402
+from engine_common import (  # noqa: E402
+    clean_loss_mask,
+    make_batch,
+    make_group_batch,
+    reference_log_probs,
+    tiny_model,
+)
 
 from polyrl.batch import Batch  # noqa: E402
 from polyrl.controller import WorkerError, WorkerGroup, WorkerSpec  # noqa: E402
@@ -217,6 +223,22 @@ def test_colocated_actor_ref_critic_in_one_process(colocated, hf_model, tmp_path
     assert out["critic/loss"] == pytest.approx(before.item(), rel=0.05)
     after = ((group.critic_compute_values(batch)[VALUES_KEY] - 3.0) ** 2)[mask].mean()
     assert after < before
+
+
+def test_log_probs_with_shared_prefixes_match_on_response_tokens(colocated, hf_model):
+    """share_prefix=True (what the RL trainer asks for) changes only positions no loss reads."""
+    group = colocated
+    batch = make_group_batch(prompts=3, n=4, prompt_width=6, response_width=7, vocab=VOCAB)
+    expected = reference_log_probs(hf_model, batch)
+    mask = clean_loss_mask(batch) != 0
+    ref = group.ref_compute_ref_log_prob(batch, share_prefix=True)[REF_LOG_PROBS_KEY]
+    assert (ref[mask] - expected[mask]).abs().max().item() < 1e-5
+    assert bool((ref[:, :5] == 0).all())  # prompt positions are not computed
+    full = group.actor_compute_log_prob(batch)[LOG_PROBS_KEY]
+    shared = group.actor_compute_log_prob(batch, share_prefix=True)[LOG_PROBS_KEY]
+    assert (shared[mask] - full[mask]).abs().max().item() < 1e-5
+    assert (full[:, :5] != 0).any()  # without the flag every position is computed
+    assert batch.meta == {}  # the caller's batch is not modified
 
 
 def test_colocated_roles_refuse_wrong_calls_and_offload(colocated, tmp_path):

@@ -630,10 +630,14 @@ class RLTrainer:
             # 3. old log-probs, reference log-probs, values
             if self.need_old_log_probs:
                 with _timer(timing, "old_log_prob"):
-                    batch = batch.union(self._dp(self.actor.compute_log_prob, batch))
+                    batch = batch.union(
+                        self._dp(self.actor.compute_log_prob, batch, share_prefix=True)
+                    )
             if self.use_ref:
                 with _timer(timing, "ref"):
-                    batch = batch.union(self._dp(self.ref.compute_ref_log_prob, batch))
+                    batch = batch.union(
+                        self._dp(self.ref.compute_ref_log_prob, batch, share_prefix=True)
+                    )
             if self.use_critic:
                 with _timer(timing, "values"):
                     from polyrl.trainer.rl_losses import state_values
@@ -785,11 +789,15 @@ class RLTrainer:
             )
             if self.need_old_log_probs:
                 with _timer(timing, "old_log_prob"):
-                    self.actor.infer_to_store(meta, layout, "compute_log_prob")
+                    self.actor.infer_to_store(
+                        meta, layout, "compute_log_prob", {"share_prefix": True}
+                    )
                 fields.append("old_log_probs")
             if self.use_ref:
                 with _timer(timing, "ref"):
-                    self.ref.infer_to_store(meta, layout, "compute_ref_log_prob")
+                    self.ref.infer_to_store(
+                        meta, layout, "compute_ref_log_prob", {"share_prefix": True}
+                    )
                 fields.append("ref_log_probs")
             if self.use_critic:
                 with _timer(timing, "values"):
