@@ -7,6 +7,8 @@ while running fewer positions.
 
 from __future__ import annotations
 
+import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -43,10 +45,24 @@ VOCAB = 1000
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("prefix")
-    return {
+    dirs = {
         "qwen2": tiny_model(root / "qwen2"),
         "llama": tiny_model(root / "llama", arch="llama", tie_embeddings=False),
     }
+    # Sliding-window attention over 3 tokens, shorter than the prompts: the prefix pass's cache
+    # keeps only the window, as in generation.
+    sliding = root / "qwen2_sliding"
+    shutil.copytree(dirs["qwen2"], sliding)
+    config = json.loads((sliding / "config.json").read_text())
+    config.update(
+        use_sliding_window=True,
+        sliding_window=3,
+        max_window_layers=0,
+        layer_types=["sliding_attention"] * config["num_hidden_layers"],
+    )
+    (sliding / "config.json").write_text(json.dumps(config))
+    dirs["qwen2_sliding"] = str(sliding)
+    return dirs
 
 
 @pytest.fixture
@@ -107,7 +123,7 @@ def test_plan_is_none_when_rows_do_not_line_up_or_nothing_is_trained():
     assert _plan(ids, am, lm_first) is None  # split 0: no prefix at all
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen2_sliding"])
 def test_shared_prefix_training_matches_a_full_forward(model_dirs, engines, arch):
     model_dir = model_dirs[arch]
     batch = make_group_batch(prompts=4, n=3, prompt_width=7, response_width=9, vocab=VOCAB)
