@@ -556,3 +556,33 @@ def test_dapo_dynamic_sampling_fills_the_batch_and_shapes_overlong_rewards(tmp_p
         assert torch.isfinite(torch.tensor(metrics["actor/pg_loss"]))
     finally:
         trainer.close()
+
+
+@pytest.mark.slow
+def test_shared_prefix_update_gives_the_metrics_of_a_full_forward(tmp_path):
+    """actor.share_prefix changes the positions the actor runs on, not the step's numbers."""
+    runs = {}
+    for share in (True, False):
+        cfg = load_config(
+            "demo",
+            _e2e_overrides(
+                tmp_path,
+                f"share_{share}",
+                "trainer.worker_backend=local",
+                "trainer.total_steps=2",
+                "actor.ppo_epochs=2",  # old log-probs are computed (and shared) too
+                f"actor.share_prefix={str(share).lower()}",
+            ),
+        )
+        trainer = RLTrainer(cfg)
+        try:
+            trainer.setup()
+            runs[share] = [trainer.step(step) for step in (1, 2)]
+        finally:
+            trainer.close()
+    for shared, full in zip(runs[True], runs[False], strict=True):
+        assert shared["response_length/mean"] == full["response_length/mean"]
+        assert shared["critic/score/mean"] == full["critic/score/mean"]
+        for key in ("actor/pg_loss", "actor/ppo_kl", "actor/entropy", "actor/grad_norm"):
+            assert shared[key] == pytest.approx(full[key], rel=1e-4, abs=1e-6), key
+        assert shared["actor/compute_tokens"] < full["actor/compute_tokens"]

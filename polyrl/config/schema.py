@@ -658,6 +658,11 @@ class ActorConfig(ConfigGroup):
         16384, "Token budget of a micro-batch (dynamic batching).", ge=1
     )
     gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass.")
+    share_prefix: bool = option(
+        True,
+        "Run each prompt once per micro-batch for all its responses, logits from the first "
+        "response token on (actor and reference; exact; off under gradient_checkpointing).",
+    )
 
     def validate(self) -> None:
         """Reject a dual-clip bound that would not be above 1."""

@@ -380,6 +380,7 @@ class RLTrainer:
             dynamic_batching=True,
             max_tokens_per_micro_batch=actor.max_tokens_per_micro_batch,
             gradient_checkpointing=actor.gradient_checkpointing,
+            share_prefix=actor.share_prefix,
             grad_clip=actor.grad_clip,
             seed=cfg.seed,
         )
