@@ -15,7 +15,10 @@ Both sides take one untimed warm-up step, then ``--steps`` timed steps; this rep
 ``--rounds`` rounds, TRL and polyrl alternating, and the medians over all timed steps are kept.
 A side's ``tokens_per_s`` is generated completion tokens (EOS included) per second of step time.
 
-Run: ``python benchmarks/rl_step.py [--steps 3] [--rounds 2] [--threads 2] [--trl-only]``.
+Run: ``python benchmarks/rl_step.py [--steps 3] [--rounds 2] [--threads 2] [--trl-only |
+--polyrl-only] [--polyrl-override KEY=VALUE ...]`` (overrides for A/B runs of polyrl options,
+e.g. ``actor.share_prefix=false``; ``settings`` reports polyrl's median generation and update
+times).
 The last stdout line is one JSON object: ``{"name": "rl_step", "polyrl_step_s", "trl_step_s",
 "polyrl_tokens_per_s", "trl_tokens_per_s", "ratio", "settings": {...}}``; ``ratio`` is
 ``polyrl_tokens_per_s / trl_tokens_per_s`` and null when a side could not run (the reason goes
@@ -74,16 +77,23 @@ def write_prompts(model_dir: Path, out: Path, num: int, seed: int) -> Path:
     return out
 
 
-def run_polyrl_step(model_dir: Path, prompts_path: Path, steps: int, threads: int) -> dict:
+def run_polyrl_step(
+    model_dir: Path,
+    prompts_path: Path,
+    steps: int,
+    threads: int,
+    overrides: list[str] | None = None,
+) -> dict:
     """Time ``steps`` GRPO steps of polyrl's RL trainer after one warm-up step.
 
     Same workload as the TRL child: the prompts of ``prompts_path`` in order, 16 per step,
     8 completions each, up to 64 new tokens at temperature 1, one optimizer update per step,
-    no KL, ``threads`` torch threads.
+    no KL, ``threads`` torch threads; ``overrides`` (``key=value``) are applied last.
 
     Returns:
         ``{"step_s": median seconds per step, "tokens_per_s": median completion tokens per
-        second, "steps": [...], "completion_tokens": [...]}``.
+        second, "steps": [...], "completion_tokens": [...], "gen_s": [...], "update_s": [...]}``
+        (the last two: the trainer's ``timing_s/gen`` and ``timing_s/update_actor``).
 
     The trainer runs at world size 1 with its engine in this process and one native rollout
     server subprocess, as ``polyrl train grpo`` does on one CPU box.
@@ -126,11 +136,14 @@ def run_polyrl_step(model_dir: Path, prompts_path: Path, steps: int, threads: in
                 "actor.ppo_epochs=1",
                 "actor.use_kl_loss=false",
                 "algorithm.use_kl_in_reward=false",
+                *(overrides or []),
             ],
         )
         trainer = RLTrainer(cfg, train_rows=rows, model_dir=model_dir)
         times: list[float] = []
         tokens: list[int] = []
+        gen_s: list[float] = []
+        update_s: list[float] = []
         try:
             trainer.setup()
             for step in range(1, steps + 2):
@@ -140,6 +153,8 @@ def run_polyrl_step(model_dir: Path, prompts_path: Path, steps: int, threads: in
                 if step > 1:  # step 1 is the warm-up
                     times.append(elapsed)
                     tokens.append(int(metrics["perf/response_tokens"]))
+                    gen_s.append(float(metrics["timing_s/gen"]))
+                    update_s.append(float(metrics["timing_s/update_actor"]))
         finally:
             trainer.close()
     return {
@@ -147,6 +162,8 @@ def run_polyrl_step(model_dir: Path, prompts_path: Path, steps: int, threads: in
         "tokens_per_s": statistics.median(n / t for n, t in zip(tokens, times, strict=True)),
         "steps": times,
         "completion_tokens": tokens,
+        "gen_s": gen_s,
+        "update_s": update_s,
     }
 
 
@@ -191,6 +208,11 @@ def run_trl_step(
     return json.loads(lines[-1])
 
 
+def _median_of(runs: list[dict], key: str) -> float | None:
+    values = [v for run in runs for v in run[key]]
+    return round(statistics.median(values), 3) if values else None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round and side")
@@ -200,9 +222,19 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trl-python", type=Path, default=DEFAULT_TRL_PYTHON)
     parser.add_argument("--trl-only", action="store_true", help="skip the polyrl side")
+    parser.add_argument("--polyrl-only", action="store_true", help="skip the TRL side")
+    parser.add_argument(
+        "--polyrl-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra polyrl config override (repeatable), e.g. actor.share_prefix=false",
+    )
     args = parser.parse_args()
     if args.steps < 1 or args.rounds < 1:
         parser.error("--steps and --rounds must be >= 1")
+    if args.trl_only and args.polyrl_only:
+        parser.error("--trl-only and --polyrl-only exclude each other")
     torch.set_num_threads(args.threads)
 
     cache = Path(tempfile.gettempdir()) / f"polyrl-bench-qwen2-{args.size}-seed{args.seed}"
@@ -217,7 +249,7 @@ def main() -> int:
             model_dir, Path(tmp) / "prompts.jsonl", PROMPTS_PER_STEP * (args.steps + 1), args.seed
         )
         for r in range(args.rounds):
-            if "trl" not in errors:
+            if not args.polyrl_only and "trl" not in errors:
                 try:
                     trl_runs.append(
                         run_trl_step(args.trl_python, model_dir, prompts, args.steps, args.threads)
@@ -228,7 +260,9 @@ def main() -> int:
                     print(f"rl_step: TRL side skipped: {err}", file=sys.stderr)
             if not args.trl_only and "polyrl" not in errors:
                 try:
-                    run = run_polyrl_step(model_dir, prompts, args.steps, args.threads)
+                    run = run_polyrl_step(
+                        model_dir, prompts, args.steps, args.threads, args.polyrl_override
+                    )
                     polyrl_runs.append(run)
                     print(f"round {r}: polyrl steps {polyrl_runs[-1]['steps']}", file=sys.stderr)
                 except RuntimeError as err:
@@ -269,6 +303,9 @@ def main() -> int:
             "rounds": args.rounds,
             "threads": args.threads,
             "trl_gen_s": statistics.median(r["gen_s"] for r in trl_runs) if trl_runs else None,
+            "polyrl_gen_s": _median_of(polyrl_runs, "gen_s"),
+            "polyrl_update_s": _median_of(polyrl_runs, "update_s"),
+            "polyrl_overrides": args.polyrl_override,
             "trl_completion_tokens": [n for r in trl_runs for n in r["completion_tokens"]],
             "polyrl_completion_tokens": [n for r in polyrl_runs for n in r["completion_tokens"]],
             "trl_versions": trl_info.get("versions"),
