@@ -367,17 +367,19 @@ class FSDP2Engine(TrainingEngine):
             and not cfg.gradient_checkpointing
             and supports_shared_prefix(self.model)
         )
+        if not usable:  # the same on every rank: nothing to agree on
+            return [None] * len(micro_batches), [False] * len(micro_batches)
         splits: list[PrefixSplit | None] = [
-            plan_prefix_split(
+            None
+            if mb is None
+            else plan_prefix_split(
                 mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb["loss_mask"]
             )
-            if usable and mb is not None
-            else None
             for mb in micro_batches
         ]
+        # A rank without rows in a micro-batch does not stand in the others' way.
         agreed = [
-            split is not None or (usable and mb is None)
-            for mb, split in zip(micro_batches, splits, strict=True)
+            split is not None or mb is None for mb, split in zip(micro_batches, splits, strict=True)
         ]
         if self.world_size > 1 and micro_batches:
             flags = torch.tensor(agreed, dtype=torch.int64)
