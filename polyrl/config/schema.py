@@ -583,6 +583,11 @@ class SFTConfig(ConfigGroup):
         8192, "Token budget of a micro-batch with dynamic batching (>= max_length).", ge=1
     )
     gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass.")
+    share_prefix: bool = option(
+        False,
+        "Run prefixes that rows share before the first trained column once (see "
+        "actor.share_prefix); off: SFT rows rarely share more than the chat header.",
+    )
     export_hf: bool = option(
         True, "Write the final model as a Hugging Face directory to output_dir/hf_model."
     )

@@ -359,6 +359,7 @@ def run_sft(cfg: PolyRLConfig) -> dict[str, Any]:
             micro_batch_size=sft.micro_batch_size,
             max_tokens_per_micro_batch=sft.max_tokens_per_micro_batch,
             gradient_checkpointing=sft.gradient_checkpointing,
+            share_prefix=sft.share_prefix,
             grad_clip=sft.grad_clip,
             seed=cfg.seed,
         ),
