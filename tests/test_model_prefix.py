@@ -154,7 +154,7 @@ def test_shared_prefix_log_probs_and_entropy_match_on_trained_tokens(model_dirs,
     batch = make_group_batch(prompts=3, n=4, prompt_width=6, response_width=8, vocab=VOCAB, seed=2)
     batch.meta["temperature"] = 0.7
     full = engines(model_dir, EngineConfig(share_prefix=False))
-    shared = engines(model_dir, EngineConfig())
+    shared = engines(model_dir, EngineConfig(share_prefix=True))
     want_logp, want_ent = (
         full.infer_batch(batch, compute_log_probs_and_entropy)[k] for k in ("log_probs", "entropy")
     )
@@ -197,8 +197,8 @@ def test_shared_prefix_is_not_used_where_it_cannot_apply(model_dirs, engines):
     counts = {}
     for name, kwargs in {
         "off": dict(share_prefix=False),
-        "grad_ckpt": dict(gradient_checkpointing=True),
-        "on": {},
+        "grad_ckpt": dict(gradient_checkpointing=True, share_prefix=True),
+        "on": dict(share_prefix=True),
     }.items():
         engine = engines(model_dir, EngineConfig(**kwargs))
         counts[name] = engine.forward_backward(batch, sft_loss)["compute_tokens"]
@@ -208,7 +208,7 @@ def test_shared_prefix_is_not_used_where_it_cannot_apply(model_dirs, engines):
     # Right-padded SFT rows whose prompts end before the split: the plain forward runs, exactly.
     sft = make_batch(6, 12, VOCAB, seed=8)
     ref_loss, _, ref_model = reference_sft(model_dir, sft)
-    engine = engines(model_dir, EngineConfig(grad_clip=1e9))
+    engine = engines(model_dir, EngineConfig(grad_clip=1e9, share_prefix=True))
     assert engine.forward_backward(sft, sft_loss)["loss"] == pytest.approx(ref_loss, abs=1e-5)
     ref_model.eval()
     flagged = Batch(tensors=dict(sft.tensors), meta={SHARE_PREFIX_KEY: True})

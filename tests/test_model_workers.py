@@ -38,7 +38,7 @@ from polyrl.model.workers import (  # noqa: E402
 )
 
 VOCAB = 1000
-ENGINE = {"device": "cpu"}
+ENGINE = {"device": "cpu", "share_prefix": True}
 SGD = {"name": "sgd", "lr": 0.5}
 
 

@@ -664,9 +664,10 @@ class ActorConfig(ConfigGroup):
     )
     gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass.")
     share_prefix: bool = option(
-        True,
+        False,
         "Run each prompt once per micro-batch for all its responses, logits from the first "
-        "response token on (actor and reference; exact; off under gradient_checkpointing).",
+        "response token on (actor and reference; exact to rounding; off under "
+        "gradient_checkpointing; opt-in: runs are not bit-reproducible with it yet).",
     )
 
     def validate(self) -> None:

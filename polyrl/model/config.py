@@ -209,12 +209,13 @@ class EngineConfig:
         default=False, metadata={"help": "Recompute decoder-layer activations in backward."}
     )
     share_prefix: bool = field(
-        default=True,
+        default=False,
         metadata={
             "help": "Causal LMs, batches with a loss_mask: run each distinct prefix before the "
             "first trained column once per micro-batch (GRPO groups, DPO pairs) and the LM head "
             "only from there on; log-probs before that column read 0. Off under "
-            "gradient_checkpointing."
+            "gradient_checkpointing. Opt-in: equal to a full forward up to rounding, but RL runs "
+            "with it are not yet bit-reproducible from run to run."
         },
     )
     grad_clip: float = field(

@@ -96,7 +96,9 @@ def main() -> None:
     for name, (shares, kwargs) in group_cases.items():
         g_share = list(shares[rank])
         engine = build_engine(
-            model_dir, EngineConfig(grad_clip=1e9, **kwargs), OptimizerConfig(lr=1e-3)
+            model_dir,
+            EngineConfig(grad_clip=1e9, share_prefix=True, **kwargs),
+            OptimizerConfig(lr=1e-3),
         )
         local = group_batch[g_share]
         local.meta[SHARE_PREFIX_KEY] = True
