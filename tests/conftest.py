@@ -79,3 +79,20 @@ def agent_server(tiny_qwen2_dir):
     proc = ServerProcess(tiny_qwen2_dir, options=options).start(timeout=180)
     yield proc
     assert proc.stop() == 0, proc.log_tail()
+
+
+@pytest.fixture
+def engines():
+    """``engines(*args, **kwargs)`` builds a model engine that is closed after the test."""
+    from polyrl.model import build_engine
+
+    made = []
+
+    def make(*args, **kwargs):
+        engine = build_engine(*args, **kwargs)
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in reversed(made):
+        engine.close()

@@ -64,20 +64,6 @@ def untied_llama_dir(tmp_path_factory) -> str:
     return tiny_model(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", tie_embeddings=False)
 
 
-@pytest.fixture
-def engines():
-    made: list[TrainingEngine] = []
-
-    def make(*args, **kwargs) -> TrainingEngine:
-        engine = build_engine(*args, **kwargs)
-        made.append(engine)
-        return engine
-
-    yield make
-    for engine in reversed(made):
-        engine.close()
-
-
 def _max_diff(a: dict, b: dict) -> float:
     assert sorted(a) == sorted(b)
     return max((a[k] - b[k]).abs().max().item() for k in a)

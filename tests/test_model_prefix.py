@@ -27,17 +27,14 @@ from engine_common import (  # noqa: E402
     tiny_model,
 )
 
-from polyrl.batch import Batch  # noqa: E402
 from polyrl.model import (  # noqa: E402
     EngineConfig,
     OptimizerConfig,
-    TrainingEngine,
-    build_engine,
     compute_log_probs,
     compute_log_probs_and_entropy,
     sft_loss,
 )
-from polyrl.model.prefix import SHARE_PREFIX_KEY, plan_prefix_split  # noqa: E402
+from polyrl.model.prefix import plan_prefix_split  # noqa: E402
 
 VOCAB = 1000
 
@@ -63,20 +60,6 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
     (sliding / "config.json").write_text(json.dumps(config))
     dirs["qwen2_sliding"] = str(sliding)
     return dirs
-
-
-@pytest.fixture
-def engines():
-    made: list[TrainingEngine] = []
-
-    def make(*args, **kwargs) -> TrainingEngine:
-        engine = build_engine(*args, **kwargs)
-        made.append(engine)
-        return engine
-
-    yield make
-    for engine in reversed(made):
-        engine.close()
 
 
 def _plan(ids, am, lm, pos=None):
@@ -162,8 +145,7 @@ def test_shared_prefix_log_probs_and_entropy_match_on_trained_tokens(model_dirs,
     plain = shared.infer_batch(batch, compute_log_probs)["log_probs"]
     torch.testing.assert_close(plain, want_logp, atol=1e-6, rtol=0)
 
-    flagged = Batch(tensors=dict(batch.tensors), meta={**batch.meta, SHARE_PREFIX_KEY: True})
-    got = shared.infer_batch(flagged, compute_log_probs_and_entropy)
+    got = shared.infer_batch(batch, compute_log_probs_and_entropy, share_prefix=True)
     mask = clean_loss_mask(batch) != 0
     for key, want in (("log_probs", want_logp), ("entropy", want_ent)):
         torch.testing.assert_close(got[key][mask], want[mask], atol=1e-5, rtol=0)
@@ -211,8 +193,7 @@ def test_shared_prefix_is_not_used_where_it_cannot_apply(model_dirs, engines):
     engine = engines(model_dir, EngineConfig(grad_clip=1e9, share_prefix=True))
     assert engine.forward_backward(sft, sft_loss)["loss"] == pytest.approx(ref_loss, abs=1e-5)
     ref_model.eval()
-    flagged = Batch(tensors=dict(sft.tensors), meta={SHARE_PREFIX_KEY: True})
-    logp = engine.infer_batch(flagged, compute_log_probs)["log_probs"]
+    logp = engine.infer_batch(sft, compute_log_probs, share_prefix=True)["log_probs"]
     mask = clean_loss_mask(sft) != 0
     torch.testing.assert_close(
         logp[mask], reference_log_probs(ref_model, sft)[mask], atol=1e-5, rtol=0

@@ -349,12 +349,17 @@ class TrainingEngine(abc.ABC):
         return metrics
 
     @abc.abstractmethod
-    def infer_batch(self, batch: Batch, fn: InferFn = compute_log_probs) -> Batch:
+    def infer_batch(
+        self, batch: Batch, fn: InferFn = compute_log_probs, share_prefix: bool = False
+    ) -> Batch:
         """Forward without gradients (eval mode) and collect ``fn``'s per-row outputs.
 
         ``fn(model_output, micro_batch)`` returns a mapping of tensors with one leading entry per
         micro-batch row; the result Batch holds them for this rank's rows in input order, on the
-        device of the input's ``input_ids``.
+        device of the input's ``input_ids``.  ``share_prefix``: the caller reads only positions
+        where the batch's ``loss_mask`` is nonzero, so prompts shared by rows may run once
+        (``EngineConfig.share_prefix``; earlier positions then read 0, see
+        :mod:`polyrl.model.prefix`).
         """
 
     # ------------------------------------------------------------------------------ modes

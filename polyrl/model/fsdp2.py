@@ -72,7 +72,6 @@ from polyrl.model.heads import (
 from polyrl.model.losses import GLOBAL_SEQS_KEY, GLOBAL_TOKENS_KEY, LossFn
 from polyrl.model.optim import build_optimizer, build_scheduler
 from polyrl.model.prefix import (
-    SHARE_PREFIX_KEY,
     PrefixSplit,
     plan_prefix_split,
     shared_prefix_forward,
@@ -377,34 +376,22 @@ class FSDP2Engine(TrainingEngine):
             )
             for mb in micro_batches
         ]
+        if self.world_size == 1:
+            return splits, [split is not None for split in splits]
         # A rank without rows in a micro-batch does not stand in the others' way.
-        agreed = [
-            split is not None or mb is None for mb, split in zip(micro_batches, splits, strict=True)
-        ]
-        if self.world_size > 1 and micro_batches:
-            flags = torch.tensor(agreed, dtype=torch.int64)
-            dist.all_reduce(flags, op=dist.ReduceOp.MIN)
-            agreed = [bool(f) for f in flags.tolist()]
-            splits = [split if ok else None for split, ok in zip(splits, agreed, strict=True)]
-        else:
-            agreed = [split is not None for split in splits]
-        return splits, agreed
+        ready = [s is not None or mb is None for mb, s in zip(micro_batches, splits, strict=True)]
+        flags = torch.tensor(ready, dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        agreed = [bool(f) for f in flags.tolist()]
+        return [split if ok else None for split, ok in zip(splits, agreed, strict=True)], agreed
 
     def _forward(self, mb: Batch, plan: PrefixSplit | None = None) -> ModelOutput:
         am = mb["attention_mask"]
+        temperature = mb.meta.get("temperature", 1.0)
+        chunk_size = self.engine_config.logprob_chunk_size
         if plan is not None:
-            logits, layout, window_mask, tokens = shared_prefix_forward(
-                self.model, plan, mb["input_ids"], am, mb["position_ids"]
-            )
-            return ModelOutput(
-                kind=self.model_spec.kind,
-                raw=logits,
-                layout=layout,
-                compute_input_ids=layout.to_compute(mb["input_ids"]),
-                attention_mask=window_mask,
-                temperature=mb.meta.get("temperature", 1.0),
-                chunk_size=self.engine_config.logprob_chunk_size,
-                compute_tokens=tokens,
+            return shared_prefix_forward(
+                self.model, plan, mb["input_ids"], am, mb["position_ids"], temperature, chunk_size
             )
         layout = MicroBatchLayout.build(am, self._layout_mode)
         ids = layout.to_compute(mb["input_ids"])
@@ -419,8 +406,8 @@ class FSDP2Engine(TrainingEngine):
             layout=layout,
             compute_input_ids=ids,
             attention_mask=am,
-            temperature=mb.meta.get("temperature", 1.0),
-            chunk_size=self.engine_config.logprob_chunk_size,
+            temperature=temperature,
+            chunk_size=chunk_size,
         )
 
     def _dummy_pass(self, backward: bool, calls: int = 1) -> None:
@@ -578,15 +565,15 @@ class FSDP2Engine(TrainingEngine):
         self._scheduler.step()
         return self.lr
 
-    def infer_batch(self, batch: Batch, fn: InferFn = compute_log_probs) -> Batch:
+    def infer_batch(
+        self, batch: Batch, fn: InferFn = compute_log_probs, share_prefix: bool = False
+    ) -> Batch:
         """See :meth:`TrainingEngine.infer_batch`."""
         self._require_params("infer_batch")
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         out_device = batch["input_ids"].device if "input_ids" in batch.tensor_keys else None
-        # Log-probs before the first trained column are 0 under prefix sharing, so inference
-        # shares prefixes only when the caller says it reads loss-masked positions alone.
-        share = bool(batch.meta.get(SHARE_PREFIX_KEY)) and "loss_mask" in batch.tensor_keys
+        share = share_prefix and "loss_mask" in batch.tensor_keys
         local, lengths = self._prepare(batch, need_loss_mask=share)
         plan = self._plan(lengths)
         micro_batches = [local[rows] if rows else None for rows in plan]

@@ -31,18 +31,14 @@ from dataclasses import dataclass
 import torch
 
 from polyrl.model.batching import MicroBatchLayout, row_spans
+from polyrl.model.engine import ModelOutput
 
 __all__ = [
-    "SHARE_PREFIX_KEY",
     "PrefixSplit",
     "plan_prefix_split",
     "shared_prefix_forward",
     "supports_shared_prefix",
 ]
-
-#: ``batch.meta`` flag: ``infer_batch`` may share prefixes (its caller reads only positions where
-#: ``loss_mask`` is nonzero; earlier positions read 0).  ``forward_backward`` always may.
-SHARE_PREFIX_KEY = "share_prefix"
 
 
 @dataclass
@@ -112,17 +108,14 @@ def plan_prefix_split(
 
 
 def _forward_params(model: torch.nn.Module) -> set[str]:
+    """Parameter names of ``model.forward``, cached on the model (read every micro-batch)."""
     cached = getattr(model, "_polyrl_forward_params", None)
     if cached is None:
-        target = getattr(model, "module", model)
         try:
-            cached = set(inspect.signature(target.forward).parameters)
+            cached = set(inspect.signature(model.forward).parameters)
         except (TypeError, ValueError):
             cached = set()
-        try:
-            model._polyrl_forward_params = cached
-        except AttributeError:
-            pass
+        model._polyrl_forward_params = cached
     return cached
 
 
@@ -148,15 +141,15 @@ def shared_prefix_forward(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
-) -> tuple[torch.Tensor, MicroBatchLayout, torch.Tensor, int]:
-    """Run a micro-batch as one prefix pass and one suffix pass.
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> ModelOutput:
+    """Run a causal-LM micro-batch as one prefix pass and one suffix pass.
 
-    Returns:
-        ``(logits, layout, window_mask, compute_tokens)``: logits ``(b, W, V)`` in the trim layout
-        of ``window_mask``; ``window_mask`` is ``attention_mask`` with the columns before
-        ``split - 1`` cleared (compute column 0 of a row is its token at ``split - 1``, whose
-        logits come from the prefix pass); ``compute_tokens`` counts the positions both passes
-        ran (padding included).
+    The output's layout is the trim layout of the attention mask with the columns before
+    ``split - 1`` cleared: compute column 0 of a row is its token at ``split - 1``, whose logits
+    come from the prefix pass, so log-probs and entropies start at column ``split``.  Its
+    ``compute_tokens`` counts the positions both passes ran (padding included).
     """
     split, first = plan.split, plan.first
     cache_kw = "cache" if "cache" in _forward_params(model) else "past_key_values"
@@ -177,20 +170,29 @@ def shared_prefix_forward(
     window_mask[:, : split - 1] = 0
     layout = MicroBatchLayout.build(window_mask, "trim")
     width = layout.compute_shape[1]
+    compute_ids = layout.to_compute(input_ids)
     compute_tokens = plan.num_prefixes * (split - first)
-    if width == 1:
-        return last[:, None], layout, window_mask, compute_tokens
-    ids = layout.to_compute(input_ids)[:, 1:]
-    pos = layout.to_compute(position_ids)[:, 1:]
-    suffix_mask = layout.compute_attention_mask(window_mask)[:, 1:]
-    cache.reorder_cache(plan.group)
-    suffix = model(
-        input_ids=ids,
-        attention_mask=torch.cat([prefix_mask[plan.group], suffix_mask.to(prefix_mask.dtype)], 1),
-        position_ids=pos,
-        use_cache=True,
-        **{cache_kw: cache},
+    logits = last[:, None]
+    if width > 1:
+        pos = layout.to_compute(position_ids)[:, 1:]
+        suffix_mask = layout.compute_attention_mask(window_mask)[:, 1:].to(prefix_mask.dtype)
+        cache.reorder_cache(plan.group)
+        suffix = model(
+            input_ids=compute_ids[:, 1:],
+            attention_mask=torch.cat([prefix_mask[plan.group], suffix_mask], 1),
+            position_ids=pos,
+            use_cache=True,
+            **{cache_kw: cache},
+        )
+        logits = torch.cat([logits.to(suffix.logits.dtype), suffix.logits], dim=1)
+        compute_tokens += pos.numel()
+    return ModelOutput(
+        kind="causal_lm",
+        raw=logits,
+        layout=layout,
+        compute_input_ids=compute_ids,
+        attention_mask=window_mask,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        compute_tokens=compute_tokens,
     )
-    logits = torch.cat([last[:, None].to(suffix.logits.dtype), suffix.logits], dim=1)
-    compute_tokens += ids.shape[0] * ids.shape[1]
-    return logits, layout, window_mask, compute_tokens

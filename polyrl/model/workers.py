@@ -57,7 +57,6 @@ from polyrl.model.engine import (
     compute_values,
 )
 from polyrl.model.losses import LossFn, sft_loss
-from polyrl.model.prefix import SHARE_PREFIX_KEY
 
 __all__ = [
     "ENTROPY_KEY",
@@ -202,18 +201,6 @@ def pad_batch_for_dp(
     return Batch.concat([batch, extra]), pad
 
 
-def _with_prefix_flag(batch: Batch, share_prefix: bool) -> Batch:
-    """``batch`` with :data:`~polyrl.model.prefix.SHARE_PREFIX_KEY` set (a shallow copy)."""
-    if not share_prefix:
-        return batch
-    return Batch(
-        tensors=batch.tensors,
-        non_tensors=batch.non_tensors,
-        meta={**batch.meta, SHARE_PREFIX_KEY: True},
-        batch_size=len(batch),
-    )
-
-
 def _canonical_role(role: str) -> str:
     role = _ROLE_ALIASES.get(role, role)
     if role not in ROLES:
@@ -355,12 +342,12 @@ class EngineWorker(Worker):
         """Token log-probs of ``input_ids`` (``old_log_probs``; ``entropy`` on request).
 
         Honours ``batch.meta["temperature"]``.  Actor or reference role.  ``share_prefix``: the
-        caller reads only positions where ``loss_mask`` is nonzero, so the engine may run shared
-        prompts once (earlier positions then read 0; see :mod:`polyrl.model.prefix`).
+        caller reads only positions where ``loss_mask`` is nonzero (see
+        :meth:`~polyrl.model.engine.TrainingEngine.infer_batch`).
         """
         self._require_role("compute_log_prob", "actor", "reference")
         fn = compute_log_probs_and_entropy if with_entropy else compute_log_probs
-        out = self.engine.infer_batch(_with_prefix_flag(batch, share_prefix), fn)
+        out = self.engine.infer_batch(batch, fn, share_prefix)
         tensors = {LOG_PROBS_KEY: out["log_probs"]}
         if with_entropy:
             tensors[ENTROPY_KEY] = out["entropy"]
@@ -373,7 +360,7 @@ class EngineWorker(Worker):
         ``share_prefix`` as in :meth:`compute_log_prob`.
         """
         self._require_role("compute_ref_log_prob", "reference", "actor")
-        out = self.engine.infer_batch(_with_prefix_flag(batch, share_prefix), compute_log_probs)
+        out = self.engine.infer_batch(batch, compute_log_probs, share_prefix)
         return Batch(tensors={REF_LOG_PROBS_KEY: out["log_probs"]})
 
     @register(dispatch=Dispatch.DP_COMPUTE)

@@ -26,19 +26,56 @@ from engine_common import (
 
 from polyrl.model import EngineConfig, OptimizerConfig, build_engine, sft_loss
 from polyrl.model.engine import compute_log_probs
-from polyrl.model.prefix import SHARE_PREFIX_KEY
+
+
+def reference(model_dir: str, batch) -> dict:
+    """Loss, gradients and log-probs of a plain single-process Hugging Face model on ``batch``."""
+    loss, grads, model = reference_sft(model_dir, batch)
+    model.eval()
+    return {"loss": loss, "grads": grads, "logp": reference_log_probs(model, batch)}
+
+
+def run_case(model_dir, batch, ref, rows, engine_kwargs, mask=None) -> dict | None:
+    """Train this rank's ``rows`` of ``batch`` with one engine config; rank 0 gets the diffs.
+
+    With ``mask`` (positions that carry a loss) inference shares prefixes, and log-probs are
+    compared on those positions only.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine = build_engine(
+        model_dir, EngineConfig(grad_clip=1e9, **engine_kwargs), OptimizerConfig(lr=1e-3)
+    )
+    local = batch[rows]
+    inferred = engine.infer_batch(local, compute_log_probs, share_prefix=mask is not None)
+    metrics = engine.train_batch(local, sft_loss)
+    grads = engine_grads(engine)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, (rows, inferred["log_probs"]))
+    engine.close()
+    if rank != 0:
+        return None
+    logp = torch.zeros_like(ref["logp"])
+    for share, values in gathered:
+        logp[share] = values
+    keep = torch.ones_like(logp, dtype=torch.bool) if mask is None else mask
+    return {
+        "loss_diff": abs(metrics["loss"] - ref["loss"]),
+        "grad_diff": max((grads[n] - g).abs().max().item() for n, g in ref["grads"].items()),
+        "grad_names_match": sorted(grads) == sorted(ref["grads"]),
+        "logp_diff": (logp[keep] - ref["logp"][keep]).abs().max().item(),
+        "num_tokens": metrics["num_tokens"],
+        "num_micro_batches": metrics["num_micro_batches"],
+        "compute_tokens": metrics["compute_tokens"],
+    }
 
 
 def main() -> None:
     model_dir, out_path = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.manual_seed(0)
     batch = make_batch(9, 16, 1000, seed=3, left_pad_rows=3)
-    ref_loss, ref_grads, ref_model = reference_sft(model_dir, batch)
-    ref_model.eval()
-    ref_logp = reference_log_probs(ref_model, batch)
-
+    ref = reference(model_dir, batch)
     # Uneven shares (6 vs 3 rows) force different micro-batch counts and dummy passes.
     share = {0: list(range(0, 6)), 1: list(range(6, 9))}[rank]
     cases = {
@@ -53,39 +90,14 @@ def main() -> None:
             parallelism={"fsdp_size": 1},
         ),
     }
-    results = {}
-    for name, kwargs in cases.items():
-        engine = build_engine(
-            model_dir, EngineConfig(grad_clip=1e9, **kwargs), OptimizerConfig(lr=1e-3)
-        )
-        local = batch[share]
-        inferred = engine.infer_batch(local, compute_log_probs)["log_probs"]
-        metrics = engine.train_batch(local, sft_loss)
-        grads = engine_grads(engine)
-        gathered: list = [None] * world
-        dist.all_gather_object(gathered, (share, inferred))
-        if rank == 0:
-            logp = torch.zeros_like(ref_logp)
-            for rows, values in gathered:
-                logp[rows] = values
-            results[name] = {
-                "loss_diff": abs(metrics["loss"] - ref_loss),
-                "grad_diff": max((grads[n] - ref_grads[n]).abs().max().item() for n in ref_grads),
-                "grad_names_match": sorted(grads) == sorted(ref_grads),
-                "logp_diff": (logp - ref_logp).abs().max().item(),
-                "num_tokens": metrics["num_tokens"],
-                "num_micro_batches": metrics["num_micro_batches"],
-            }
-        engine.close()
+    results = {name: run_case(model_dir, batch, ref, share, kw) for name, kw in cases.items()}
 
     # GRPO layout (4 prompts x 3 responses): the shared-prefix forward under FSDP with sharded
     # parameters, with micro-batches that hold whole and partial groups, and with one-row
     # micro-batches where rank 1 runs dummy passes (two calls each) while rank 0 shares.
     group_batch = make_group_batch(prompts=4, n=3, prompt_width=6, response_width=8, vocab=1000)
-    g_loss, g_grads, g_model = reference_sft(model_dir, group_batch)
-    g_model.eval()
-    g_logp = reference_log_probs(g_model, group_batch)
-    g_mask = clean_loss_mask(group_batch) != 0
+    group_ref = reference(model_dir, group_batch)
+    mask = clean_loss_mask(group_batch) != 0
     group_cases = {
         "shared_prefix": ({0: range(0, 7), 1: range(7, 12)}, dict(max_tokens_per_micro_batch=42)),
         "shared_prefix_dummies": (
@@ -94,33 +106,9 @@ def main() -> None:
         ),
     }
     for name, (shares, kwargs) in group_cases.items():
-        g_share = list(shares[rank])
-        engine = build_engine(
-            model_dir,
-            EngineConfig(grad_clip=1e9, share_prefix=True, **kwargs),
-            OptimizerConfig(lr=1e-3),
-        )
-        local = group_batch[g_share]
-        local.meta[SHARE_PREFIX_KEY] = True
-        inferred = engine.infer_batch(local, compute_log_probs)["log_probs"]
-        metrics = engine.train_batch(local, sft_loss)
-        grads = engine_grads(engine)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, (g_share, inferred))
-        if rank == 0:
-            logp = torch.zeros_like(g_logp)
-            for rows, values in gathered:
-                logp[rows] = values
-            results[name] = {
-                "loss_diff": abs(metrics["loss"] - g_loss),
-                "grad_diff": max((grads[n] - g_grads[n]).abs().max().item() for n in g_grads),
-                "grad_names_match": sorted(grads) == sorted(g_grads),
-                "logp_diff": (logp[g_mask] - g_logp[g_mask]).abs().max().item(),
-                "num_tokens": metrics["num_tokens"],
-                "num_micro_batches": metrics["num_micro_batches"],
-                "compute_tokens": metrics["compute_tokens"],
-            }
-        engine.close()
+        kwargs = {**kwargs, "share_prefix": True}
+        rows = list(shares[rank])
+        results[name] = run_case(model_dir, group_batch, group_ref, rows, kwargs, mask)
 
     if rank == 0:
         with open(out_path, "w") as f:
