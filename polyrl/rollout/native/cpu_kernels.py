@@ -435,20 +435,12 @@ void polyrl_add_rms_norm_f32(float *h, const float *delta, const float *w, float
    A row's running sum is one chain of dependent adds (latency bound), so four rows are summed
    side by side into a scratch copy of their cumulative sums; those never decrease, so both
    searches are binary searches over it. Returns -1 when the scratch cannot be allocated. */
-static int64_t first_above(const float *cum, int64_t V, float x) { /* first cum[i] > x, or V */
+/* First i with cum[i] > x (reach = 0) or cum[i] >= x (reach = 1), or V. */
+static int64_t first_index(const float *cum, int64_t V, float x, int reach) {
     int64_t lo = 0, hi = V;
     while (lo < hi) {
         const int64_t mid = lo + (hi - lo) / 2;
-        if (cum[mid] > x) hi = mid; else lo = mid + 1;
-    }
-    return lo;
-}
-
-static int64_t first_reaching(const float *cum, int64_t V, float x) { /* first cum[i] >= x */
-    int64_t lo = 0, hi = V;
-    while (lo < hi) {
-        const int64_t mid = lo + (hi - lo) / 2;
-        if (cum[mid] >= x) hi = mid; else lo = mid + 1;
+        if (cum[mid] > x || (reach && cum[mid] == x)) hi = mid; else lo = mid + 1;
     }
     return lo;
 }
@@ -479,10 +471,10 @@ int polyrl_inverse_sample_f32(const float *p, const float *z, const float *u, in
             const int64_t r = r0 + j;
             const float *c = cum + j * V;
             const float total = c[V - 1];
-            int64_t idx = first_above(c, V, u[r] * total);
+            int64_t idx = first_index(c, V, u[r] * total, 0);
             if (idx > V - 1) idx = V - 1;
             if (z[r * V + idx] == -INFINITY) {
-                const int64_t below = first_reaching(c, V, total);
+                const int64_t below = first_index(c, V, total, 1);
                 idx = below < V - 1 ? below : V - 1;
             }
             out[r] = idx;

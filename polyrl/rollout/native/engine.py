@@ -75,21 +75,9 @@ def _in_fresh_thread(fn: Callable[..., Any], *args: Any) -> Any:
     from a futex. A caller's team would outlive the call (the server builds the engine in a
     pooled asyncio worker thread); a fresh thread's team goes when the thread ends.
     """
-    result: list[Any] = []
-    error: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            result.append(fn(*args))
-        except BaseException as exc:  # re-raised in the caller
-            error.append(exc)
-
-    thread = threading.Thread(target=run, name="polyrl-engine-setup", daemon=True)
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]
+    # Leaving the block joins the pool's one worker thread, so its team goes with it.
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="polyrl-engine-setup") as pool:
+        return pool.submit(fn, *args).result()
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
