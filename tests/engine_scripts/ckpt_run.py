@@ -17,7 +17,7 @@ import signal
 
 import numpy as np
 import torch.distributed as dist
-from engine_common import make_batch
+from engine_common import exit_rank, make_batch
 
 from polyrl.model import (
     EngineConfig,
@@ -67,6 +67,7 @@ def main() -> None:
         dist.barrier()
         os.kill(os.getpid(), signal.SIGKILL)
     engine.close()
+    exit_rank()
 
 
 if __name__ == "__main__":

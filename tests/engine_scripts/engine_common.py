@@ -133,10 +133,25 @@ def script_env(rank: int, world: int, port: int) -> dict[str, str]:
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",
+            # An abort in a rank then prints every thread's Python stack in the test's log.
+            "PYTHONFAULTHANDLER": "1",
             "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE), env.get("PYTHONPATH", "")]),
         }
     )
     return env
+
+
+def exit_rank(code: int = 0) -> None:
+    """End a rank script once its results are written, skipping interpreter teardown.
+
+    The process group outlives ``destroy_process_group`` here (DTensor's sharding caches keep
+    the device mesh alive), so its gloo threads are still running while Python finalises; a CI
+    run once saw a rank abort in that teardown ("terminate called without an active exception",
+    SIGABRT) after all of its work had finished.  Nothing is left to clean up at this point.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def launch(script: str, args: list[str], world: int, timeout: float = 240.0) -> list[int]:

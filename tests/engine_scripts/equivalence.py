@@ -18,6 +18,7 @@ import torch.distributed as dist
 from engine_common import (
     clean_loss_mask,
     engine_grads,
+    exit_rank,
     make_batch,
     make_group_batch,
     reference_log_probs,
@@ -115,6 +116,7 @@ def main() -> None:
             json.dump(results, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
+    exit_rank()
 
 
 if __name__ == "__main__":
