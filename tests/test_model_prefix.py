@@ -198,3 +198,26 @@ def test_shared_prefix_is_not_used_where_it_cannot_apply(model_dirs, engines):
     torch.testing.assert_close(
         logp[mask], reference_log_probs(ref_model, sft)[mask], atol=1e-5, rtol=0
     )
+
+
+def test_shared_prefix_gradients_are_bit_reproducible(model_dirs, engines):
+    """Repeated backward passes of one batch give the same gradients to the last bit.
+
+    Runs on two threads with groups that straddle the threads' halves of the batch: the
+    gathered last prompt logits once summed their rows' gradients with atomic adds, whose order
+    (and so the rounding) changed from run to run.
+    """
+    batch = make_group_batch(prompts=37, n=7, prompt_width=6, response_width=5, vocab=VOCAB)
+    engine = engines(model_dirs["qwen2"], EngineConfig(share_prefix=True, grad_clip=1e9))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        digests = set()
+        for _ in range(20):
+            engine.zero_grad()
+            engine.forward_backward(batch, sft_loss)
+            grads = engine_grads(engine)
+            digests.add(hash(tuple(grads[n].numpy().tobytes() for n in sorted(grads))))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(digests) == 1

@@ -164,7 +164,10 @@ def shared_prefix_forward(
         logits_to_keep=1,
         **{cache_kw: cache},
     )
-    last = prefix.logits[:, -1][plan.group]
+    # index_select, not ``[plan.group]``: the backward of advanced indexing accumulates with
+    # atomic adds on CPU, whose order (and so the rounding of the summed gradient) changes from
+    # run to run; index_select's backward (index_add) sums in a fixed order.
+    last = prefix.logits[:, -1].index_select(0, plan.group)
 
     window_mask = attention_mask.clone()
     window_mask[:, : split - 1] = 0
