@@ -667,7 +667,7 @@ class ActorConfig(ConfigGroup):
         False,
         "Run each prompt once per micro-batch for all its responses, logits from the first "
         "response token on (actor and reference; exact to rounding; off under "
-        "gradient_checkpointing; opt-in: runs are not bit-reproducible with it yet).",
+        "gradient_checkpointing; opt-in: it changes rounding, and the demo lands lower with it).",
     )
 
     def validate(self) -> None:

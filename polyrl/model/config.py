@@ -214,8 +214,8 @@ class EngineConfig:
             "help": "Causal LMs, batches with a loss_mask: run each distinct prefix before the "
             "first trained column once per micro-batch (GRPO groups, DPO pairs) and the LM head "
             "only from there on; log-probs before that column read 0. Off under "
-            "gradient_checkpointing. Opt-in: equal to a full forward up to rounding, but RL runs "
-            "with it are not yet bit-reproducible from run to run."
+            "gradient_checkpointing. Opt-in: bit-reproducible and equal to a full forward up to "
+            "rounding, but that rounding differs from the plain forward's."
         },
     )
     grad_clip: float = field(
