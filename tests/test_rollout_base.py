@@ -275,17 +275,28 @@ def test_followers_wait_for_the_leader_prompt():
     assert follow.cached_prompt_tokens == 8
 
 
+def _request(sched: Scheduler, prompt_len: int, n: int) -> list[Sequence]:
+    """Add the ``n`` samples of one request: the first leads, the others wait for its prompt."""
+    seqs = [_seq(i, prompt_len) for i in range(n)]
+    for seq in seqs:
+        if seq is not seqs[0]:
+            seq.leader = seqs[0]
+        sched.add(seq)
+    return seqs
+
+
+def _run_step(sched: Scheduler) -> None:
+    for c in sched.schedule():
+        sched.commit(c)
+
+
 @pytest.mark.parametrize("caching", [True, False])
 def test_fork_shares_full_blocks_and_copies_the_partial_one(caching):
     alloc = BlockAllocator(8, 4, enable_prefix_caching=caching)
     sched = Scheduler(alloc, max_num_seqs=3, max_num_batched_tokens=64)
-    lead, follow, third = _seq(0, 9), _seq(1, 9), _seq(2, 9)
-    follow.leader = third.leader = lead
-    for s in (lead, follow, third):
-        sched.add(s)
+    lead, follow, _ = _request(sched, 9, 3)
     assert sched.fork(lead, follow) is None  # the leader has not computed its prompt yet
-    for c in sched.schedule():
-        sched.commit(c)
+    _run_step(sched)
     src, dst = sched.fork(lead, follow)
     assert src == lead.blocks[2] and dst not in lead.blocks
     assert follow.blocks == [*lead.blocks[:2], dst]
@@ -300,23 +311,15 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one(caching):
     assert alloc.num_used == 0
     # A full sequence set leaves the third sample waiting for an ordinary prefill.
     sched2 = Scheduler(BlockAllocator(8, 4), max_num_seqs=1, max_num_batched_tokens=64)
-    a, b = _seq(0, 8), _seq(1, 8)
-    b.leader = a
-    sched2.add(a)
-    sched2.add(b)
-    for c in sched2.schedule():
-        sched2.commit(c)
+    a, b = _request(sched2, 8, 2)
+    _run_step(sched2)
     assert sched2.fork(a, b) is None and b.status is SeqStatus.WAITING and not b.blocks
 
 
 def test_fork_of_a_block_aligned_prompt_copies_nothing():
     sched = Scheduler(BlockAllocator(8, 4), max_num_seqs=4, max_num_batched_tokens=64)
-    lead, follow = _seq(0, 8), _seq(1, 8)
-    follow.leader = lead
-    sched.add(lead)
-    sched.add(follow)
-    for c in sched.schedule():
-        sched.commit(c)
+    lead, follow = _request(sched, 8, 2)
+    _run_step(sched)
     assert sched.fork(lead, follow) == (-1, -1)
     assert follow.blocks == lead.blocks
 

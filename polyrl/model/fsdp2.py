@@ -349,9 +349,9 @@ class FSDP2Engine(TrainingEngine):
         return plan_micro_batches(lengths, max(k, 1), **kwargs)
 
     def _prefix_splits(
-        self, micro_batches: list[Batch | None], enabled: bool
+        self, local: Batch, plan: list[list[int]], enabled: bool
     ) -> tuple[list[PrefixSplit | None], list[bool]]:
-        """Per micro-batch: this rank's prefix split (or None), and whether all ranks split it.
+        """Per micro-batch of ``plan``: this rank's prefix split (or None), and all ranks' say.
 
         Under FSDP every model call is a collective, so a micro-batch takes the two-call
         shared-prefix forward only if every rank with rows in it can; ranks without rows then run
@@ -367,19 +367,15 @@ class FSDP2Engine(TrainingEngine):
             and supports_shared_prefix(self.model)
         )
         if not usable:  # the same on every rank: nothing to agree on
-            return [None] * len(micro_batches), [False] * len(micro_batches)
+            return [None] * len(plan), [False] * len(plan)
+        columns = [local[k] for k in ("input_ids", "attention_mask", "position_ids", "loss_mask")]
         splits: list[PrefixSplit | None] = [
-            None
-            if mb is None
-            else plan_prefix_split(
-                mb["input_ids"], mb["attention_mask"], mb["position_ids"], mb["loss_mask"]
-            )
-            for mb in micro_batches
+            plan_prefix_split(*(c[rows] for c in columns)) if rows else None for rows in plan
         ]
         if self.world_size == 1:
             return splits, [split is not None for split in splits]
         # A rank without rows in a micro-batch does not stand in the others' way.
-        ready = [s is not None or mb is None for mb, s in zip(micro_batches, splits, strict=True)]
+        ready = [s is not None or not rows for rows, s in zip(plan, splits, strict=True)]
         flags = torch.tensor(ready, dtype=torch.int64)
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
         agreed = [bool(f) for f in flags.tolist()]
@@ -448,8 +444,7 @@ class FSDP2Engine(TrainingEngine):
             dist.all_reduce(counts)
         global_tokens, global_seqs = (float(x) for x in counts.tolist())
         plan = self._plan(lengths)
-        micro_batches = [local[rows] if rows else None for rows in plan]
-        splits, shared = self._prefix_splits(micro_batches, enabled=True)
+        splits, shared = self._prefix_splits(local, plan, enabled=True)
 
         loss_sum = 0.0
         compute_tokens = 0
@@ -459,13 +454,14 @@ class FSDP2Engine(TrainingEngine):
         # accumulate unsharded gradients and reduce once, after the last micro-batch.
         defer_sync = not forward_only and self._shard_group_size == 1 and len(plan) > 1
         try:
-            for index, mb in enumerate(micro_batches):
+            for index, rows in enumerate(plan):
                 if defer_sync:
                     self.model.set_requires_gradient_sync(index == len(plan) - 1)
-                if mb is None:
+                if not rows:
                     with grad_ctx:
                         self._dummy_pass(backward=not forward_only, calls=1 + shared[index])
                     continue
+                mb = local[rows]
                 mb.meta.update(
                     {
                         GLOBAL_TOKENS_KEY: global_tokens,
@@ -576,15 +572,15 @@ class FSDP2Engine(TrainingEngine):
         share = share_prefix and "loss_mask" in batch.tensor_keys
         local, lengths = self._prepare(batch, need_loss_mask=share)
         plan = self._plan(lengths)
-        micro_batches = [local[rows] if rows else None for rows in plan]
-        splits, shared = self._prefix_splits(micro_batches, enabled=share)
+        splits, shared = self._prefix_splits(local, plan, enabled=share)
         pieces: list[dict[str, torch.Tensor]] = []
         order: list[int] = []
         with self.eval_mode(), torch.no_grad():
-            for index, (rows, mb) in enumerate(zip(plan, micro_batches, strict=True)):
-                if mb is None:
+            for index, rows in enumerate(plan):
+                if not rows:
                     self._dummy_pass(backward=False, calls=1 + shared[index])
                     continue
+                mb = local[rows]
                 result = fn(self._forward(mb, splits[index]), mb)
                 if not isinstance(result, Mapping) or not result:
                     raise TypeError("infer fn must return a non-empty mapping of tensors")
