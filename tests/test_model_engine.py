@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -418,6 +419,34 @@ def test_checkpoint_layout_rotation_and_errors(tiny_dir, tmp_path, engines):
     assert ckpt.find_latest_checkpoint(str(root)) == str(root / "global_step_2")
     with pytest.raises(ValueError, match="step must be"):
         engine.save_checkpoint(str(root), -1)
+
+
+def test_resume_follows_the_configured_lr_schedule(tiny_dir, tmp_path, engines):
+    """A run resumed with a longer total_steps decays over the new total, from the saved step."""
+    root = tmp_path / "ckpt"
+    short = OptimizerConfig(lr=1e-2, scheduler="linear", total_steps=4)
+    engine = engines(tiny_dir, optimizer=short)
+    batch = make_batch(3, 10, VOCAB, seed=1)
+    for _ in range(3):
+        engine.train_batch(batch, sft_loss)
+        engine.lr_scheduler_step()
+    engine.save_checkpoint(str(root), 3)
+    assert engine.lr == pytest.approx(1e-2 * (1 - 3 / 4))
+
+    same = engines(tiny_dir, optimizer=short)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an unchanged schedule resumes silently
+        same.load_checkpoint(str(root))
+    assert same.lr == pytest.approx(1e-2 * (1 - 3 / 4))
+
+    longer_cfg = OptimizerConfig(lr=1e-2, scheduler="linear", total_steps=8)
+    longer = engines(tiny_dir, optimizer=longer_cfg)
+    with pytest.warns(UserWarning, match=r"total: 4 -> 8"):
+        longer.load_checkpoint(str(root))
+    assert longer.lr == pytest.approx(1e-2 * (1 - 3 / 8))
+    longer.train_batch(batch, sft_loss)
+    longer.lr_scheduler_step()
+    assert longer.lr == pytest.approx(1e-2 * (1 - 4 / 8))
 
 
 # ------------------------------------------------------------------------------------ export

@@ -20,6 +20,7 @@ import os
 import random
 import shutil
 import uuid
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -70,7 +71,7 @@ from polyrl.model.heads import (
     no_split_module_classes,
 )
 from polyrl.model.losses import GLOBAL_SEQS_KEY, GLOBAL_TOKENS_KEY, LossFn
-from polyrl.model.optim import build_optimizer, build_scheduler
+from polyrl.model.optim import apply_configured_schedule, build_optimizer, build_scheduler
 from polyrl.model.prefix import (
     PrefixSplit,
     plan_prefix_split,
@@ -854,6 +855,13 @@ class FSDP2Engine(TrainingEngine):
             set_model_state_dict(self.model, state["model"])
         assert self._scheduler is not None
         self._scheduler.load_state_dict(engine_state["scheduler"])
+        changed = apply_configured_schedule(self._scheduler, self.optimizer_config)
+        if changed and self.rank == 0:
+            warnings.warn(
+                f"resuming from {resolved}: the LR schedule follows this run's optimizer "
+                f"settings, not the checkpoint's ({'; '.join(changed)})",
+                stacklevel=2,
+            )
         self._optimizer_steps = int(engine_state["optimizer_steps"])
         rng_file = os.path.join(resolved, "rng", f"rank_{self.rank}.pt")
         if os.path.isfile(rng_file):

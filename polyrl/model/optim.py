@@ -10,7 +10,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from polyrl.model.config import OptimizerConfig
 
-__all__ = ["LRSchedule", "build_optimizer", "build_scheduler"]
+__all__ = ["LRSchedule", "apply_configured_schedule", "build_optimizer", "build_scheduler"]
 
 
 def build_optimizer(
@@ -68,3 +68,32 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig) -> L
     """Build a ``LambdaLR`` following :class:`LRSchedule` for ``cfg``."""
     schedule = LRSchedule(cfg.scheduler, cfg.num_warmup_steps, cfg.total_steps, cfg.min_lr_ratio)
     return LambdaLR(optimizer, schedule)
+
+
+def apply_configured_schedule(scheduler: LambdaLR, cfg: OptimizerConfig) -> list[str]:
+    """Give a restored scheduler the schedule shape of ``cfg``; return what changed.
+
+    ``LambdaLR.load_state_dict`` restores the attributes of callable-object multipliers, so a
+    checkpoint would otherwise impose its own warmup, total and decay on a run resumed with a
+    longer ``total_steps`` (the decay would end at the old total).  The step count and base LRs
+    stay the checkpoint's; the schedule's shape follows the configuration being run, as in a
+    fresh run with that configuration.  Each entry of the result reads ``"field: old -> new"``.
+    """
+    wanted = LRSchedule(cfg.scheduler, cfg.num_warmup_steps, cfg.total_steps, cfg.min_lr_ratio)
+    changes: list[str] = []
+    for schedule in scheduler.lr_lambdas:
+        if not isinstance(schedule, LRSchedule):
+            continue
+        for field_name in ("kind", "warmup", "total", "min_ratio"):
+            old, new = getattr(schedule, field_name), getattr(wanted, field_name)
+            if old != new:
+                changes.append(f"{field_name}: {old!r} -> {new!r}")
+                setattr(schedule, field_name, new)
+    if changes:
+        # The LR of the current step must follow the new shape too, not only later steps.
+        for group, base_lr, schedule in zip(
+            scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
+        ):
+            group["lr"] = base_lr * schedule(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+    return sorted(set(changes))
