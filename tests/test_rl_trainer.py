@@ -7,6 +7,7 @@ real engine workers (Ray actors, or local processes), on the nano tiny model.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -393,6 +394,31 @@ def test_killed_run_resumes_with_identical_metrics(tmp_path):
         gap_a, gap_b = a[step].pop("rollout/log_prob_gap"), b[step].pop("rollout/log_prob_gap")
         assert gap_a == pytest.approx(gap_b, abs=1e-6)
         assert a[step] == b[step], step
+
+
+@pytest.mark.slow
+def test_compute_dtype_sets_the_engines_mixed_precision(tmp_path):
+    # The old log-probs are recomputed by the actor engine (two epochs); at step 1 the rollout
+    # server holds the same fp32 weights, so their gap to the server's log-probs is the
+    # engine's compute precision: rounding noise in fp32, bf16 rounding with bfloat16 compute.
+    gaps = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = load_config(
+            "demo",
+            _e2e_overrides(
+                tmp_path,
+                dtype,
+                "trainer.worker_backend=local",
+                "trainer.total_steps=1",
+                "actor.ppo_epochs=2",
+                f"model.compute_dtype={dtype}",
+            ),
+        )
+        RLTrainer(cfg).fit()
+        (record,) = [r for r in _records(tmp_path / dtype) if "critic/score/mean" in r]
+        assert math.isfinite(record["actor/pg_loss"]) and math.isfinite(record["actor/grad_norm"])
+        gaps[dtype] = record["rollout/log_prob_gap"]
+    assert gaps["float32"] < 1e-5 and gaps["bfloat16"] > 1e-4, gaps
 
 
 @pytest.mark.slow

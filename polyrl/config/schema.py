@@ -356,6 +356,12 @@ class ModelConfig(ConfigGroup):
         choices=TINY_SIZES,
     )
     dtype: str = option("float32", "Parameter dtype of the model.", choices=DTYPES)
+    compute_dtype: str = option(
+        "auto",
+        "Compute dtype of the training engines (mixed precision; master weights and optimizer "
+        "stay in dtype): auto = bfloat16 on CUDA, dtype on CPU.",
+        choices=("auto", *DTYPES),
+    )
     trust_remote_code: bool = option(
         False, "Allow running modelling code shipped inside the model directory."
     )

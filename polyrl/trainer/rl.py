@@ -360,7 +360,13 @@ class RLTrainer:
 
     def _engine_specs(self) -> dict[str, Any]:
         from polyrl.controller import WorkerSpec
-        from polyrl.model import CheckpointConfig, EngineConfig, ModelSpec, OptimizerConfig
+        from polyrl.model import (
+            CheckpointConfig,
+            EngineConfig,
+            MixedPrecisionConfig,
+            ModelSpec,
+            OptimizerConfig,
+        )
         from polyrl.model.workers import EngineWorker
         from polyrl.weights.workers import WeightSyncWorker
 
@@ -382,6 +388,7 @@ class RLTrainer:
             gradient_checkpointing=actor.gradient_checkpointing,
             share_prefix=actor.share_prefix,
             grad_clip=actor.grad_clip,
+            mixed_precision=MixedPrecisionConfig(param_dtype=cfg.model.compute_dtype),
             seed=cfg.seed,
         )
         ckpt = CheckpointConfig(max_to_keep=cfg.trainer.max_ckpt_to_keep)

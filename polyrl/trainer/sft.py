@@ -307,7 +307,13 @@ def run_sft(cfg: PolyRLConfig) -> dict[str, Any]:
     from tqdm import tqdm
 
     from polyrl.data.sampler import StatefulSampler
-    from polyrl.model import CheckpointConfig, EngineConfig, ModelSpec, OptimizerConfig
+    from polyrl.model import (
+        CheckpointConfig,
+        EngineConfig,
+        MixedPrecisionConfig,
+        ModelSpec,
+        OptimizerConfig,
+    )
     from polyrl.models.loader import load_tokenizer
     from polyrl.trainer.plotting import plot_learning_curves
     from polyrl.trainer.tracking import Tracker, read_metrics
@@ -361,6 +367,7 @@ def run_sft(cfg: PolyRLConfig) -> dict[str, Any]:
             gradient_checkpointing=sft.gradient_checkpointing,
             share_prefix=sft.share_prefix,
             grad_clip=sft.grad_clip,
+            mixed_precision=MixedPrecisionConfig(param_dtype=cfg.model.compute_dtype),
             seed=cfg.seed,
         ),
         OptimizerConfig(
