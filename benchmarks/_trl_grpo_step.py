@@ -9,7 +9,8 @@ One step = 16 prompts x 8 completions (up to 64 new tokens, temperature 1, plain
 completions (by default per-device batch 128 and gradient accumulation 1; ``--micro-batch M``
 makes it 128/M accumulated micro-batches; ``steps_per_generation`` equals the accumulation, so
 one generation feeds exactly one update and no completion is reused), ``beta=0`` (no reference
-model), ``num_iterations=1``, fp32, no gradient checkpointing, no logging, no saving.
+model), ``num_iterations=1``, fp32 (``--bf16``: bf16 mixed precision), no gradient
+checkpointing, no logging, no saving.
 
 The reward is the arithmetic task's exact-match scorer reimplemented here (answer after the
 last ``####`` or the whole text, last integer compared with the ground truth); it is cheap
@@ -89,6 +90,11 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=PROMPTS_PER_STEP * GENERATIONS)
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bf16 mixed precision (GRPOConfig bf16=True: autocast, fp32 master weights)",
+    )
     parser.add_argument("--out-dir", type=Path, default=None, help="scratch dir (nothing saved)")
     args = parser.parse_args()
     batch = PROMPTS_PER_STEP * GENERATIONS
@@ -155,7 +161,7 @@ def main() -> None:
     config = GRPOConfig(
         output_dir=str(out_dir),
         use_cpu=True,
-        bf16=False,  # GRPOConfig defaults to bf16; polyrl's CPU path is fp32
+        bf16=args.bf16,  # GRPOConfig defaults to bf16; fp32 unless --bf16 (as polyrl on CPU)
         fp16=False,
         gradient_checkpointing=False,  # GRPOConfig defaults to True; recomputation is not wanted
         per_device_train_batch_size=args.micro_batch,

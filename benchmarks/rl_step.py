@@ -16,9 +16,10 @@ Both sides take one untimed warm-up step, then ``--steps`` timed steps; this rep
 A side's ``tokens_per_s`` is generated completion tokens (EOS included) per second of step time.
 
 Run: ``python benchmarks/rl_step.py [--steps 3] [--rounds 2] [--threads 2] [--trl-only |
---polyrl-only] [--polyrl-override KEY=VALUE ...]`` (overrides for A/B runs of polyrl options,
-e.g. ``actor.share_prefix=false``; ``settings`` reports polyrl's median generation and update
-times).
+--polyrl-only] [--bf16] [--polyrl-override KEY=VALUE ...]``. ``--bf16``: bf16 mixed precision on
+both sides (TRL ``bf16=True``, polyrl ``model.compute_dtype=bfloat16``). Overrides are for A/B
+runs of polyrl options, e.g. ``actor.share_prefix=true``; ``settings`` reports polyrl's median
+generation and update times.
 The last stdout line is one JSON object: ``{"name": "rl_step", "polyrl_step_s", "trl_step_s",
 "polyrl_tokens_per_s", "trl_tokens_per_s", "ratio", "settings": {...}}``; ``ratio`` is
 ``polyrl_tokens_per_s / trl_tokens_per_s`` and null when a side could not run (the reason goes
@@ -168,7 +169,12 @@ def run_polyrl_step(
 
 
 def run_trl_step(
-    trl_python: Path, model_dir: Path, prompts_path: Path, steps: int, threads: int
+    trl_python: Path,
+    model_dir: Path,
+    prompts_path: Path,
+    steps: int,
+    threads: int,
+    bf16: bool = False,
 ) -> dict:
     """Run ``_trl_grpo_step.py`` under ``trl_python`` and return its JSON result.
 
@@ -195,6 +201,7 @@ def run_trl_step(
         str(MAX_NEW_TOKENS),
         "--out-dir",
         str(prompts_path.parent / "trl-out"),
+        *(["--bf16"] if bf16 else []),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONNOUSERSITE": "1"}
     env.pop("PYTHONPATH", None)  # the child must not pick up this venv's packages
@@ -230,12 +237,19 @@ def main() -> int:
         metavar="KEY=VALUE",
         help="extra polyrl config override (repeatable), e.g. actor.share_prefix=false",
     )
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bf16 mixed precision on both sides (TRL bf16=True, polyrl "
+        "model.compute_dtype=bfloat16; fp32 master weights on both)",
+    )
     args = parser.parse_args()
     if args.steps < 1 or args.rounds < 1:
         parser.error("--steps and --rounds must be >= 1")
     if args.trl_only and args.polyrl_only:
         parser.error("--trl-only and --polyrl-only exclude each other")
     torch.set_num_threads(args.threads)
+    overrides = [*(["model.compute_dtype=bfloat16"] if args.bf16 else []), *args.polyrl_override]
 
     cache = Path(tempfile.gettempdir()) / f"polyrl-bench-qwen2-{args.size}-seed{args.seed}"
     model_dir = build_tiny_model("qwen2", cache, size=args.size, seed=args.seed)
@@ -252,7 +266,9 @@ def main() -> int:
             if not args.polyrl_only and "trl" not in errors:
                 try:
                     trl_runs.append(
-                        run_trl_step(args.trl_python, model_dir, prompts, args.steps, args.threads)
+                        run_trl_step(
+                            args.trl_python, model_dir, prompts, args.steps, args.threads, args.bf16
+                        )
                     )
                     print(f"round {r}: trl steps {trl_runs[-1]['steps']}", file=sys.stderr)
                 except (FileNotFoundError, RuntimeError) as err:
@@ -260,9 +276,7 @@ def main() -> int:
                     print(f"rl_step: TRL side skipped: {err}", file=sys.stderr)
             if not args.trl_only and "polyrl" not in errors:
                 try:
-                    run = run_polyrl_step(
-                        model_dir, prompts, args.steps, args.threads, args.polyrl_override
-                    )
+                    run = run_polyrl_step(model_dir, prompts, args.steps, args.threads, overrides)
                     polyrl_runs.append(run)
                     print(f"round {r}: polyrl steps {polyrl_runs[-1]['steps']}", file=sys.stderr)
                 except RuntimeError as err:
@@ -292,6 +306,7 @@ def main() -> int:
             "model": f"qwen2-{args.size}",
             "num_parameters": spec.get("num_parameters"),
             "dtype": "float32",
+            "compute_dtype": "bfloat16 (mixed precision)" if args.bf16 else "float32",
             "prompts_per_step": PROMPTS_PER_STEP,
             "generations": GENERATIONS,
             "max_new_tokens": MAX_NEW_TOKENS,
@@ -305,7 +320,7 @@ def main() -> int:
             "trl_gen_s": statistics.median(r["gen_s"] for r in trl_runs) if trl_runs else None,
             "polyrl_gen_s": _median_of(polyrl_runs, "gen_s"),
             "polyrl_update_s": _median_of(polyrl_runs, "update_s"),
-            "polyrl_overrides": args.polyrl_override,
+            "polyrl_overrides": overrides,
             "trl_completion_tokens": [n for r in trl_runs for n in r["completion_tokens"]],
             "polyrl_completion_tokens": [n for r in polyrl_runs for n in r["completion_tokens"]],
             "trl_versions": trl_info.get("versions"),
