@@ -49,6 +49,7 @@ from polyrl.model import (  # noqa: E402
     sft_loss,
 )
 from polyrl.model import checkpoint as ckpt  # noqa: E402
+from polyrl.model.attention import FP32_SDPA, register_fp32_sdpa  # noqa: E402
 from polyrl.model.heads import read_safetensors  # noqa: E402
 from polyrl.model.optim import LRSchedule  # noqa: E402
 
@@ -324,11 +325,44 @@ def test_mixed_precision_bf16_on_cpu_trains(tiny_dir, engines):
         EngineConfig(mixed_precision={"param_dtype": "bfloat16"}),
         OptimizerConfig(lr=1e-2),
     )
+    # CPU flash attention is slow in bf16: the engine attends in fp32 under bf16 compute.
+    assert engine.model.config._attn_implementation == FP32_SDPA
     first = engine.train_batch(batch, sft_loss)
     assert first["loss"] == pytest.approx(ref_loss, abs=0.05)  # bf16 compute, fp32 master
     assert next(engine.model.parameters()).dtype == torch.float32
     second = engine.train_batch(batch, sft_loss)
     assert second["loss"] < first["loss"]
+    fp32_engine = engines(tiny_dir)
+    assert fp32_engine.model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_fp32_sdpa_is_sdpa_on_upcast_inputs(masked):
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    register_fp32_sdpa()
+    fp32_sdpa = AttentionInterface()[FP32_SDPA]
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 4, 7, 8, generator=gen).bfloat16().requires_grad_()
+    k, v = (torch.randn(3, 2, 7, 8, generator=gen).bfloat16().requires_grad_() for _ in "kv")
+    mask = torch.ones(3, 1, 7, 7, dtype=torch.bool).tril() if masked else None
+    mask = mask if mask is None else mask & (torch.arange(7) >= 1)  # a left-padded first token
+    out, _ = fp32_sdpa(module, q, k, v, mask, scaling=0.3)
+    want, _ = sdpa_attention_forward(module, q.float(), k.float(), v.float(), mask, scaling=0.3)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, want.bfloat16(), atol=0, rtol=0)
+    out.float().square().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.bfloat16 for t in (q, k, v))
+    fp32 = torch.randn(2, 4, 5, 8, generator=gen)  # other dtypes: plain sdpa
+    torch.testing.assert_close(
+        fp32_sdpa(module, fp32, fp32, fp32, None)[0],
+        sdpa_attention_forward(module, fp32, fp32, fp32, None)[0],
+        atol=0,
+        rtol=0,
+    )
 
 
 # ------------------------------------------------------------------------------------ checkpoints
