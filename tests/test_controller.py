@@ -77,6 +77,8 @@ class MathWorker(Worker):
             "dist_rank": dist.get_rank(),
             "env_rank": os.environ.get("RANK"),
             "master_port": os.environ.get("MASTER_PORT"),
+            "threads": torch.get_num_threads(),
+            "omp_env": os.environ.get("OMP_NUM_THREADS"),
         }
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
@@ -251,6 +253,10 @@ def test_workers_know_rank_and_share_a_runtime_rendezvous(group):
     assert [w.pid for w in group.worker_info] == [i["pid"] for i in info]
     assert sorted(w.local_rank for w in group.worker_info) == [0, 1]
     assert group.check_health() == [i["pid"] for i in info]
+    if group.backend == "local" and info[0]["omp_env"] is None:
+        # Two spawned ranks on this node share its cores instead of each taking all of them.
+        cores = len(os.sched_getaffinity(0))
+        assert [i["threads"] for i in info] == [max(1, cores // 2)] * 2
 
 
 def test_gloo_all_reduce_across_the_group(group):

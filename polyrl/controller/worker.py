@@ -275,6 +275,15 @@ class HostSetup:
     backend_kind: str  # "ray" | "local" (subprocess) | "inline" (in the driver process)
 
 
+def cpu_threads_per_rank(local_world_size: int) -> int:
+    """Return the usable cores of this process divided among ``local_world_size`` ranks (>= 1)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, local_world_size))
+
+
 def driver_import_path() -> tuple[str, ...]:
     """Return the driver's ``sys.path`` entries that are directories (sent to every worker)."""
     return tuple(p for p in sys.path if p and os.path.isdir(p))
@@ -317,6 +326,11 @@ class WorkerHost:
                 "LOCAL_WORLD_SIZE": setup.local_world_size,
             }.items():
                 os.environ[key] = str(value)
+        if setup.backend_kind == "local" and "OMP_NUM_THREADS" not in os.environ:
+            # Each spawned rank would otherwise start one intra-op thread per core, so N ranks
+            # on a node run N times as many threads as cores (torchrun and Ray set the count
+            # per process; an explicit OMP_NUM_THREADS is the user's choice and stays).
+            torch.set_num_threads(cpu_threads_per_rank(setup.local_world_size))
         if setup.backend_kind == "ray":
             import ray
 
