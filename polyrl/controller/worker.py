@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from polyrl.controller.errors import ControllerError, WorkerDiedError, WorkerError
+from polyrl.cpu import cores_per_process
 
 __all__ = ["Worker", "WorkerInfo", "WorkerSpec"]
 
@@ -275,15 +276,6 @@ class HostSetup:
     backend_kind: str  # "ray" | "local" (subprocess) | "inline" (in the driver process)
 
 
-def cpu_threads_per_rank(local_world_size: int) -> int:
-    """Return the usable cores of this process divided among ``local_world_size`` ranks (>= 1)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, local_world_size))
-
-
 def driver_import_path() -> tuple[str, ...]:
     """Return the driver's ``sys.path`` entries that are directories (sent to every worker)."""
     return tuple(p for p in sys.path if p and os.path.isdir(p))
@@ -330,7 +322,7 @@ class WorkerHost:
             # Each spawned rank would otherwise start one intra-op thread per core, so N ranks
             # on a node run N times as many threads as cores (torchrun and Ray set the count
             # per process; an explicit OMP_NUM_THREADS is the user's choice and stays).
-            torch.set_num_threads(cpu_threads_per_rank(setup.local_world_size))
+            torch.set_num_threads(cores_per_process(setup.local_world_size))
         if setup.backend_kind == "ray":
             import ray
 

@@ -58,19 +58,14 @@ def register_fp32_sdpa() -> str:
 
 def use_fp32_sdpa_on_cpu(
     model: nn.Module, compute_dtype: torch.dtype, device: torch.device
-) -> bool:
+) -> None:
     """Switch ``model`` from ``sdpa`` to :data:`FP32_SDPA` for low-precision compute on CPU.
 
-    Returns whether it switched: only a Hugging Face model (or a wrapper with a ``backbone``)
-    whose attention is ``sdpa``, with ``compute_dtype`` bf16/fp16 and ``device`` a CPU.
+    Only a Hugging Face model (or a wrapper with a ``backbone``) whose attention is ``sdpa``
+    switches, and only for a bf16/fp16 ``compute_dtype`` on a CPU ``device``.
     """
     if device.type != "cpu" or compute_dtype not in _LOW_PRECISION:
-        return False
+        return
     target = getattr(model, "backbone", model)
-    config = getattr(target, "config", None)
-    if getattr(config, "_attn_implementation", None) != "sdpa":
-        return False
-    if not hasattr(target, "set_attn_implementation"):
-        return False
-    target.set_attn_implementation(register_fp32_sdpa())
-    return getattr(target.config, "_attn_implementation", None) == FP32_SDPA
+    if getattr(getattr(target, "config", None), "_attn_implementation", None) == "sdpa":
+        target.set_attn_implementation(register_fp32_sdpa())

@@ -64,10 +64,13 @@ class LRSchedule:
         return self.min_ratio + (1.0 - self.min_ratio) * shape
 
 
+def _schedule(cfg: OptimizerConfig) -> LRSchedule:
+    return LRSchedule(cfg.scheduler, cfg.num_warmup_steps, cfg.total_steps, cfg.min_lr_ratio)
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig) -> LambdaLR:
     """Build a ``LambdaLR`` following :class:`LRSchedule` for ``cfg``."""
-    schedule = LRSchedule(cfg.scheduler, cfg.num_warmup_steps, cfg.total_steps, cfg.min_lr_ratio)
-    return LambdaLR(optimizer, schedule)
+    return LambdaLR(optimizer, _schedule(cfg))
 
 
 def apply_configured_schedule(scheduler: LambdaLR, cfg: OptimizerConfig) -> list[str]:
@@ -79,16 +82,16 @@ def apply_configured_schedule(scheduler: LambdaLR, cfg: OptimizerConfig) -> list
     stay the checkpoint's; the schedule's shape follows the configuration being run, as in a
     fresh run with that configuration.  Each entry of the result reads ``"field: old -> new"``.
     """
-    wanted = LRSchedule(cfg.scheduler, cfg.num_warmup_steps, cfg.total_steps, cfg.min_lr_ratio)
-    changes: list[str] = []
+    wanted = vars(_schedule(cfg))
+    changes: set[str] = set()
     for schedule in scheduler.lr_lambdas:
-        if not isinstance(schedule, LRSchedule):
-            continue
-        for field_name in ("kind", "warmup", "total", "min_ratio"):
-            old, new = getattr(schedule, field_name), getattr(wanted, field_name)
-            if old != new:
-                changes.append(f"{field_name}: {old!r} -> {new!r}")
-                setattr(schedule, field_name, new)
+        if isinstance(schedule, LRSchedule):
+            changes.update(
+                f"{name}: {old!r} -> {wanted[name]!r}"
+                for name, old in vars(schedule).items()
+                if old != wanted[name]
+            )
+            vars(schedule).update(wanted)
     if changes:
         # The LR of the current step must follow the new shape too, not only later steps.
         for group, base_lr, schedule in zip(
@@ -96,4 +99,4 @@ def apply_configured_schedule(scheduler: LambdaLR, cfg: OptimizerConfig) -> list
         ):
             group["lr"] = base_lr * schedule(scheduler.last_epoch)
         scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
-    return sorted(set(changes))
+    return sorted(changes)

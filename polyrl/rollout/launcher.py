@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from polyrl.cpu import cores_per_process
 from polyrl.rollout.options import API_KEY_ENV, PARENT_FD_ENV
 
 __all__ = ["ServerProcess", "option_flags", "serve_command", "start_replicas"]
@@ -270,7 +271,7 @@ def serve_command(
         return 0
     if backend == "native" and "num_threads" not in opts:
         # Replicas share the machine's cores instead of each claiming all of them.
-        opts["num_threads"] = max(1, (os.cpu_count() or 1) // replicas)
+        opts["num_threads"] = cores_per_process(replicas)
     children = start_replicas(model_dir, replicas, backend=backend, api_key=api_key, options=opts)
     try:
         from polyrl.rollout.client import RolloutClient
