@@ -399,26 +399,50 @@ def test_killed_run_resumes_with_identical_metrics(tmp_path):
 @pytest.mark.slow
 def test_compute_dtype_sets_the_engines_mixed_precision(tmp_path):
     # The old log-probs are recomputed by the actor engine (two epochs); at step 1 the rollout
-    # server holds the same fp32 weights, so their gap to the server's log-probs is the
-    # engine's compute precision: rounding noise in fp32, bf16 rounding with bfloat16 compute.
+    # server holds the same fp32 weights, so with fp32 rollout matmuls their gap to the server's
+    # log-probs is the engine's compute precision: rounding noise in fp32, bf16 rounding with
+    # bfloat16 compute. rollout.matmul_dtype=auto follows the compute dtype, which changes the
+    # server's log-probs (same seeds otherwise, so an ignored option would give the same gap).
     gaps = {}
-    for dtype in ("float32", "bfloat16"):
+    for dtype, rollout_matmul in (
+        ("float32", "auto"),
+        ("bfloat16", "float32"),
+        ("bfloat16", "auto"),
+    ):
+        name = f"{dtype}-{rollout_matmul}"
         cfg = load_config(
             "demo",
             _e2e_overrides(
                 tmp_path,
-                dtype,
+                name,
                 "trainer.worker_backend=local",
                 "trainer.total_steps=1",
                 "actor.ppo_epochs=2",
                 f"model.compute_dtype={dtype}",
+                f"rollout.matmul_dtype={rollout_matmul}",
             ),
         )
         RLTrainer(cfg).fit()
-        (record,) = [r for r in _records(tmp_path / dtype) if "critic/score/mean" in r]
+        (record,) = [r for r in _records(tmp_path / name) if "critic/score/mean" in r]
         assert math.isfinite(record["actor/pg_loss"]) and math.isfinite(record["actor/grad_norm"])
-        gaps[dtype] = record["rollout/log_prob_gap"]
-    assert gaps["float32"] < 1e-5 and gaps["bfloat16"] > 1e-4, gaps
+        gaps[name] = record["rollout/log_prob_gap"]
+    assert gaps["float32-auto"] < 1e-5 and gaps["bfloat16-float32"] > 1e-4, gaps
+    assert gaps["bfloat16-auto"] != gaps["bfloat16-float32"] and gaps["bfloat16-auto"] < 1e-2, gaps
+
+
+def test_rollout_matmul_dtype_follows_the_training_compute_dtype():
+    from polyrl.config import ConfigError
+    from polyrl.trainer.rl import rollout_matmul_dtype
+
+    def resolved(*overrides: str) -> str:
+        return rollout_matmul_dtype(load_config("demo", ["trainer.device=cpu", *overrides]))
+
+    assert resolved() == "float32"
+    assert resolved("model.compute_dtype=bfloat16") == "bfloat16"
+    assert resolved("model.compute_dtype=bfloat16", "rollout.matmul_dtype=float32") == "float32"
+    assert resolved("model.dtype=bfloat16") == "bfloat16"
+    with pytest.raises(ConfigError, match="matmul_dtype.*native backend only"):
+        load_config("demo", ["rollout.backend=vllm", "rollout.matmul_dtype=bfloat16"])
 
 
 @pytest.mark.slow

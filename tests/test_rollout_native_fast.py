@@ -268,11 +268,8 @@ def test_fast_forward_declines_models_it_does_not_reproduce(tiny_qwen2_dir):
     assert build_fast_forward(model) is None
 
 
-def test_fast_forward_logits_equal_hf_logits(tiny_qwen2_dir):
-    """One packed prefill of two sequences: logits of the last tokens equal the HF model's."""
-    model = load_causal_lm(tiny_qwen2_dir)
-    fast = build_fast_forward(model)
-    assert fast is not None
+def _packed_prefill(model: nn.Module, fast) -> tuple[torch.Tensor, list[list[int]]]:
+    """One packed prefill of two prompts; the last tokens' logits, and the prompts."""
     cfg = model.config
     kvh = cfg.num_key_value_heads
     dim = cfg.hidden_size // cfg.num_attention_heads
@@ -282,11 +279,88 @@ def test_fast_forward_logits_equal_hf_logits(tiny_qwen2_dir):
     pos = torch.tensor(list(range(len(a))) + list(range(len(b))))
     slots = torch.tensor(list(range(len(a))) + [64 + i for i in range(len(b))])
     meta = StepMetadata(cache, slots, None, None, [], [(0, len(a)), (len(a), len(b))], None)
-    logits = fast(ids, pos, torch.tensor([len(a) - 1, len(a) + len(b) - 1]), meta)
+    return fast(ids, pos, torch.tensor([len(a) - 1, len(a) + len(b) - 1]), meta), [a, b]
+
+
+def test_fast_forward_logits_equal_hf_logits(tiny_qwen2_dir):
+    """One packed prefill of two sequences: logits of the last tokens equal the HF model's."""
+    model = load_causal_lm(tiny_qwen2_dir)
+    fast = build_fast_forward(model)
+    assert fast is not None
+    logits, (a, b) = _packed_prefill(model, fast)
     with torch.no_grad():
         want = torch.stack([model(torch.tensor([p])).logits[0, -1] for p in (a, b)])
     torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-5)
     assert F.cosine_similarity(logits, want).min() > 0.9999
+
+
+def test_bf16_matmuls_stay_close_and_follow_weight_changes(tiny_qwen2_dir):
+    """bf16 projections over fp32 weights: near the fp32 logits, refreshed on invalidate()."""
+    model = load_causal_lm(tiny_qwen2_dir)
+    fast32, fast16 = build_fast_forward(model), build_fast_forward(model, torch.bfloat16)
+    assert fast32 is not None and fast16 is not None and fast16.matmul_dtype == torch.bfloat16
+    want, _ = _packed_prefill(model, fast32)
+    got, _ = _packed_prefill(model, fast16)
+    assert got.dtype == torch.float32
+    assert not torch.equal(got, want)  # the bf16 path really ran
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)
+    assert F.cosine_similarity(got, want).min() > 0.999
+    with torch.no_grad():  # new projection weights, written in place as an in-place update does
+        for layer in model.model.layers:
+            for proj in (*layer.self_attn.children(), *layer.mlp.children()):
+                if isinstance(proj, nn.Linear):
+                    proj.weight.data.mul_(1.25)
+    stale, _ = _packed_prefill(model, fast16)
+    assert torch.equal(stale, got)  # the copies were made before the change
+    fast16.invalidate()
+    fresh, _ = _packed_prefill(model, fast16)
+    rebuilt, _ = _packed_prefill(model, build_fast_forward(model, torch.bfloat16))
+    assert torch.equal(fresh, rebuilt) and not torch.allclose(fresh, got, atol=0.05)
+
+
+def test_engine_bf16_matmuls_follow_every_kind_of_weight_update(
+    tiny_qwen2_dir, tiny_qwen2_seed1_dir
+):
+    """load_weights and a streamed in-place update both refresh the bf16 weight copies."""
+    with pytest.raises(ValueError, match="matmul_dtype"):
+        EngineConfig(matmul_dtype="int8")
+    config = EngineConfig(matmul_dtype="bfloat16", **SMALL)
+    ps = prompts(3, seed=21, lo=4, hi=30)
+    params = SamplingParams(max_new_tokens=8, temperature=0, logprobs=True, ignore_eos=True)
+
+    def greedy(eng: NativeEngine, tag: str) -> list[tuple[list[int], list[float]]]:
+        reqs = [GenerateRequest(f"{tag}{i}", tuple(p), params) for i, p in enumerate(ps)]
+        outs = run(eng, reqs)
+        return [(outs[r.request_id][0].output_ids, outs[r.request_id][0].logprobs) for r in reqs]
+
+    expected = {}
+    for name, path in (("a", tiny_qwen2_dir), ("b", tiny_qwen2_seed1_dir)):
+        fresh = NativeEngine(path, config)
+        fresh.start()
+        try:
+            expected[name] = greedy(fresh, name)
+        finally:
+            fresh.shutdown()
+    assert expected["a"] != expected["b"]
+    weights = {
+        name: dict(load_causal_lm(path).named_parameters())
+        for name, path in (("a", tiny_qwen2_dir), ("b", tiny_qwen2_seed1_dir))
+    }
+    eng = NativeEngine(tiny_qwen2_dir, config)
+    assert eng.runner.fast is not None and eng.runner.fast.matmul_dtype == torch.bfloat16
+    eng.start()
+    try:
+        assert greedy(eng, "a0") == expected["a"]
+        eng.load_weights(weights["b"].items())
+        assert greedy(eng, "b1") == expected["b"]
+        eng.begin_weight_update("t1", mode="inplace", inflight="pause")
+        names = list(weights["a"])
+        for name in names:
+            eng.weight_destination("t1", name).copy_(weights["a"][name].detach())
+        eng.commit_weight_update("t1", names)
+        assert greedy(eng, "a2") == expected["a"]
+    finally:
+        eng.shutdown()
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])

@@ -462,6 +462,12 @@ class RolloutConfig(ConfigGroup):
     num_threads: int = option(
         0, "Torch threads of each native replica; 0 keeps torch's default (all cores).", ge=0
     )
+    matmul_dtype: str = option(
+        "auto",
+        "Dtype of the native replicas' projection matmuls (norms, attention, KV cache and LM "
+        "head stay in model.dtype); auto = the training engines' compute dtype.",
+        choices=("auto", *DTYPES),
+    )
     weight_transport: str = option(
         "shm", "How the trainer pushes new weights to the replicas.", choices=WEIGHT_TRANSPORTS
     )
@@ -479,9 +485,15 @@ class RolloutConfig(ConfigGroup):
     val_temperature: float = option(0.0, "Validation sampling temperature; 0 means greedy.", ge=0.0)
 
     def validate(self) -> None:
-        """Reject top_k == 0, which some engines read as 'off' and others as 'nothing'."""
+        """Reject top_k == 0, and a matmul dtype for a backend other than native."""
         if self.top_k == 0:
             raise ConfigError("invalid value 0; use -1 to turn top_k off, or k >= 1", key="top_k")
+        if self.matmul_dtype != "auto" and self.backend != "native":
+            raise ConfigError(
+                f"applies to the native backend only (backend is {self.backend!r}); leave it "
+                "at auto",
+                key="matmul_dtype",
+            )
 
 
 @dataclasses.dataclass

@@ -29,6 +29,13 @@ PARENT_FD_ENV = "POLYRL_PARENT_FD"
 _BACKEND_FLAGS: tuple[tuple[str, str, Any, str], ...] = (
     ("--dtype", "dtype", str, "weights and KV-cache dtype: float32 (default), bfloat16, float16"),
     ("--device", "device", str, "cpu (default) or cuda[:i]"),
+    (
+        "--matmul-dtype",
+        "matmul_dtype",
+        str,
+        "dtype of the decoder layers' projection matmuls (default: --dtype); bfloat16 over "
+        "float32 weights keeps norms, attention and the KV cache in float32",
+    ),
     ("--max-num-seqs", "max_num_seqs", int, "most sequences decoding at once (default 256)"),
     (
         "--max-num-batched-tokens",

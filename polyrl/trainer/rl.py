@@ -118,6 +118,27 @@ def _timer(timing: dict[str, float], name: str) -> Iterator[None]:
         )
 
 
+def trains_on_gpu(cfg: PolyRLConfig) -> bool:
+    """Whether the training engines run on CUDA (``trainer.device``, auto when available)."""
+    return cfg.trainer.device == "cuda" or (
+        cfg.trainer.device == "auto" and torch.cuda.is_available()
+    )
+
+
+def rollout_matmul_dtype(cfg: PolyRLConfig) -> str:
+    """Return the native replicas' projection-matmul dtype (``rollout.matmul_dtype``).
+
+    ``auto`` is the training engines' compute dtype (``model.compute_dtype``, whose own auto is
+    bfloat16 on CUDA and ``model.dtype`` on CPU), so rollout and training round their matmuls
+    alike.
+    """
+    if cfg.rollout.matmul_dtype != "auto":
+        return cfg.rollout.matmul_dtype
+    if cfg.model.compute_dtype != "auto":
+        return cfg.model.compute_dtype
+    return "bfloat16" if trains_on_gpu(cfg) else cfg.model.dtype
+
+
 def _check_config(cfg: PolyRLConfig, has_rows: bool = False) -> None:
     algo, actor = cfg.algorithm, cfg.actor
     if not has_rows and not cfg.data.task and not cfg.data.train_files:
@@ -342,6 +363,9 @@ class RLTrainer:
                 options["max_num_seqs"] = cfg.rollout.max_num_seqs
                 if cfg.rollout.num_threads:
                     options["num_threads"] = cfg.rollout.num_threads
+                matmul = rollout_matmul_dtype(cfg)
+                if matmul != cfg.model.dtype:
+                    options["matmul_dtype"] = matmul
             replicas = start_replicas(
                 self.model_dir, cfg.rollout.replicas, backend=cfg.rollout.backend, options=options
             )
@@ -442,9 +466,7 @@ class RLTrainer:
         cfg = self.cfg
         world = cfg.trainer.world_size
         backend = cfg.trainer.worker_backend
-        use_gpu = cfg.trainer.device == "cuda" or (
-            cfg.trainer.device == "auto" and torch.cuda.is_available()
-        )
+        use_gpu = trains_on_gpu(cfg)
         if backend == "ray":
             import ray
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from polyrl.models.loader import load_tokenizer
+from polyrl.models.loader import load_tokenizer, resolve_dtype
 from polyrl.rollout.base import (
     BackendStats,
     EngineUnavailableError,
@@ -110,6 +110,12 @@ class EngineConfig:
         fast_forward: run Llama/Qwen2/Qwen3-family models through the engine's own packed
             forward (:mod:`.fast_forward`, same weights, fewer ops); other models, and this
             flag off, use the HF module forward.
+        matmul_dtype: dtype of the decoder layers' projection matmuls in the fast forward
+            (``None``: ``dtype``). ``bfloat16`` over ``float32`` weights runs them on bf16
+            copies refreshed at every weight change, while norms, attention, the KV cache and
+            the LM head stay float32 (and keep the C kernels): faster decoding on CPUs with
+            AVX512-BF16, at bf16 rounding of the projections. Ignored (with a warning) where the
+            HF forward serves the model.
     """
 
     dtype: str = "float32"
@@ -126,6 +132,7 @@ class EngineConfig:
     served_model_name: str | None = None
     cpu_kernels: bool = True
     fast_forward: bool = True
+    matmul_dtype: str | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -137,6 +144,11 @@ class EngineConfig:
             _check_int("max_model_len", self.max_model_len, 2)
         if self.num_threads is not None:
             _check_int("num_threads", self.num_threads, 1)
+        if self.matmul_dtype is not None:
+            try:
+                resolve_dtype(self.matmul_dtype)
+            except ValueError as exc:
+                raise ValueError(f"matmul_dtype: {exc}") from None
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
@@ -187,7 +199,17 @@ class NativeEngine:
         self.model_dir = str(model_dir)
         self.tokenizer = load_tokenizer(model_dir, trust_remote_code=config.trust_remote_code)
         self.runner = ModelRunner(model_dir, config.dtype, config.device, config.trust_remote_code)
-        self.runner.enable_fast_forward(config.fast_forward)
+        fast = self.runner.enable_fast_forward(config.fast_forward, config.matmul_dtype)
+        low = config.matmul_dtype is not None and (
+            resolve_dtype(config.matmul_dtype) != self.runner.dtype
+        )
+        if low and not fast:
+            logger.warning(
+                "matmul_dtype=%s is ignored: the HF forward serves %s (fast_forward=%s)",
+                config.matmul_dtype,
+                getattr(self.runner.config, "model_type", "this model"),
+                config.fast_forward,
+            )
         bs = config.block_size
         num_blocks = -(-config.kv_cache_tokens // bs)
         self.kv_capacity = num_blocks * bs
@@ -622,6 +644,8 @@ class NativeEngine:
                 )
             if update[1] == "staged":
                 self.runner.swap_in(names)
+            else:
+                self.runner.mark_weights_changed()
             self.weight_version = self.weight_version + 1 if version is None else version
             self.allocator.reset_prefix_cache()
             resume = self._update[2]
@@ -650,6 +674,7 @@ class NativeEngine:
             self._update = None
             if update[1] == "inplace" or self._weights_blocked is not None:
                 if update[1] == "inplace":
+                    self.runner.mark_weights_changed()
                     self._weights_blocked = (
                         f"the in-place weight update {update[0]} was interrupted ({reason}); "
                         "the weights are incomplete, so this replica refuses requests until a "

@@ -104,14 +104,31 @@ class ModelRunner:
         # write into directly; pruned once no parameter or shadow lies in them.
         self._arenas: list[SharedArena] = []
 
-    def enable_fast_forward(self, enabled: bool = True) -> bool:
+    def enable_fast_forward(
+        self, enabled: bool = True, matmul_dtype: str | torch.dtype | None = None
+    ) -> bool:
         """Use the packed forward of :mod:`.fast_forward` where the model allows it.
+
+        Args:
+            enabled: use it (``False`` goes back to the HF forward).
+            matmul_dtype: dtype of the decoder layers' projection matmuls in the fast forward
+                (``None``: the weights' dtype).
 
         Returns:
             Whether the fast forward is now in use.
         """
-        self.fast = build_fast_forward(self.model) if enabled else None
+        low = None if matmul_dtype is None else resolve_dtype(matmul_dtype)
+        self.fast = build_fast_forward(self.model, low) if enabled else None
         return self.fast is not None
+
+    def mark_weights_changed(self) -> None:
+        """Note that parameter values or storage changed (drops weight copies derived from them).
+
+        Every method here that changes the weights calls it; the engine calls it when a
+        streamed in-place update, whose bytes land in the live parameters, commits or aborts.
+        """
+        if self.fast is not None:
+            self.fast.invalidate()
 
     @property
     def offloaded(self) -> bool:
@@ -218,6 +235,7 @@ class ModelRunner:
             self.weights_discarded = False
         for name, tensor in staged.items():
             self._params[name].data.copy_(tensor)
+        self.mark_weights_changed()
 
     # Shadows: one reusable buffer per parameter that receives the next weights while the
     # current ones keep serving; the switch swaps storage pointers, and the old storage becomes
@@ -399,6 +417,7 @@ class ModelRunner:
             self._aligns = {}
             self.weights_discarded = False
         self._prune_arenas()
+        self.mark_weights_changed()
 
     def load_dir(self, path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         """Read and stage all weights of a HF model directory (safetensors or ``.bin``).
@@ -446,6 +465,7 @@ class ModelRunner:
             param = self._params[name]
             self._offloaded[name] = param.data.to("cpu", copy=True)
             param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+        self.mark_weights_changed()
         torch.cuda.empty_cache()
         return freed
 
@@ -466,6 +486,7 @@ class ModelRunner:
             param.data = torch.empty(0, dtype=param.dtype, device=self.device)
         self.weights_discarded = True
         self._prune_arenas()
+        self.mark_weights_changed()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return freed
@@ -484,3 +505,4 @@ class ModelRunner:
         for name, tensor in self._offloaded.items():
             self._params[name].data = tensor.to(self.device)
         self._offloaded = None
+        self.mark_weights_changed()
