@@ -48,8 +48,8 @@ from polyrl.model import (  # noqa: E402
     register_engine,
     sft_loss,
 )
+from polyrl.model import attention as cpu_attention  # noqa: E402
 from polyrl.model import checkpoint as ckpt  # noqa: E402
-from polyrl.model.attention import FP32_SDPA, register_fp32_sdpa  # noqa: E402
 from polyrl.model.heads import read_safetensors  # noqa: E402
 from polyrl.model.optim import LRSchedule  # noqa: E402
 
@@ -325,8 +325,8 @@ def test_mixed_precision_bf16_on_cpu_trains(tiny_dir, engines):
         EngineConfig(mixed_precision={"param_dtype": "bfloat16"}),
         OptimizerConfig(lr=1e-2),
     )
-    # CPU flash attention is slow in bf16: the engine attends in fp32 under bf16 compute.
-    assert engine.model.config._attn_implementation == FP32_SDPA
+    # CPU flash attention is slow in bf16: the engine switches to its own CPU attention.
+    assert engine.model.config._attn_implementation == cpu_attention.CPU_SDPA
     first = engine.train_batch(batch, sft_loss)
     assert first["loss"] == pytest.approx(ref_loss, abs=0.05)  # bf16 compute, fp32 master
     assert next(engine.model.parameters()).dtype == torch.float32
@@ -336,29 +336,67 @@ def test_mixed_precision_bf16_on_cpu_trains(tiny_dir, engines):
     assert fp32_engine.model.config._attn_implementation == "sdpa"
 
 
-@pytest.mark.parametrize("masked", [False, True])
-def test_fp32_sdpa_is_sdpa_on_upcast_inputs(masked):
+def _attention_inputs(dtype, mask_kind, q_len=7, k_len=7, seed=0):
+    """(module, q, k, v, mask) for 4 query heads over 2 key/value heads, rows 0 left-padded."""
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(3, 4, q_len, 8, generator=gen).to(dtype).requires_grad_()
+    k, v = (torch.randn(3, 2, k_len, 8, generator=gen).to(dtype).requires_grad_() for _ in "kv")
+    visible = torch.ones(q_len, k_len, dtype=torch.bool).tril(k_len - q_len)
+    mask = visible.expand(3, 1, q_len, k_len).clone()
+    mask[0, :, :, :2] = False  # row 0: two padding keys, so its first query sees nothing
+    if mask_kind == "none":
+        mask = None
+    elif mask_kind == "float":
+        mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+    return module, q, k, v, mask
+
+
+# HF passes no mask only when keys and queries line up (q_len == k_len).
+@pytest.mark.parametrize(
+    ("mask_kind", "k_len"), [("none", 7), ("bool", 7), ("bool", 10), ("float", 7), ("float", 10)]
+)
+def test_grouped_math_attention_equals_sdpa(mask_kind, k_len):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module, q, k, v, mask = _attention_inputs(torch.float32, mask_kind, k_len=k_len)
+    got = cpu_attention._grouped_math_attention(q, k, v, mask, 0.3, True)
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
+    # Row 0's fully masked query attends uniformly here (SDPA: zeros); no real token reads it.
+    real = torch.ones(3, 7, dtype=torch.bool)
+    if mask is not None:
+        real[0, : max(0, 2 - (k_len - 7))] = False
+    torch.testing.assert_close(got[real], want[real], atol=2e-6, rtol=1e-5)
+    assert torch.isfinite(got).all()
+    grads = torch.autograd.grad(got[real].square().sum(), (q, k, v))
+    wants = torch.autograd.grad(want[real].square().sum(), (q, k, v))
+    for g, w in zip(grads, wants, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+
+
+def test_cpu_sdpa_picks_math_or_fp32_flash_by_size(monkeypatch):
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    register_fp32_sdpa()
-    fp32_sdpa = AttentionInterface()[FP32_SDPA]
-    module = torch.nn.Module()
-    module.is_causal, module.num_key_value_groups = True, 2
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(3, 4, 7, 8, generator=gen).bfloat16().requires_grad_()
-    k, v = (torch.randn(3, 2, 7, 8, generator=gen).bfloat16().requires_grad_() for _ in "kv")
-    mask = torch.ones(3, 1, 7, 7, dtype=torch.bool).tril() if masked else None
-    mask = mask if mask is None else mask & (torch.arange(7) >= 1)  # a left-padded first token
-    out, _ = fp32_sdpa(module, q, k, v, mask, scaling=0.3)
+    cpu_attention.register_cpu_sdpa()
+    cpu_sdpa = AttentionInterface()[cpu_attention.CPU_SDPA]
+    module, q, k, v, mask = _attention_inputs(torch.bfloat16, "bool", k_len=9)
     want, _ = sdpa_attention_forward(module, q.float(), k.float(), v.float(), mask, scaling=0.3)
+    # Small scores: the bf16 math path, equal to fp32 SDPA up to bf16 rounding on real rows.
+    out, _ = cpu_sdpa(module, q, k, v, mask, scaling=0.3)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out, want.bfloat16(), atol=0, rtol=0)
+    torch.testing.assert_close(out[:, 2:].float(), want[:, 2:], atol=3e-2, rtol=3e-2)
+    assert not torch.equal(out, want.bfloat16())  # bf16 scores: not the fp32 kernel's bits
     out.float().square().sum().backward()
     assert all(t.grad is not None and t.grad.dtype == torch.bfloat16 for t in (q, k, v))
-    fp32 = torch.randn(2, 4, 5, 8, generator=gen)  # other dtypes: plain sdpa
+    # Above the size limit: exactly SDPA on fp32 inputs, cast back.
+    monkeypatch.setattr(cpu_attention, "MATH_MAX_SCORES", 3 * 4 * 7 * 9 - 1)
+    out, _ = cpu_sdpa(module, q, k, v, mask, scaling=0.3)
+    torch.testing.assert_close(out, want.bfloat16(), atol=0, rtol=0)
+    fp32 = torch.randn(2, 4, 5, 8)  # other dtypes: plain sdpa
     torch.testing.assert_close(
-        fp32_sdpa(module, fp32, fp32, fp32, None)[0],
+        cpu_sdpa(module, fp32, fp32, fp32, None)[0],
         sdpa_attention_forward(module, fp32, fp32, fp32, None)[0],
         atol=0,
         rtol=0,

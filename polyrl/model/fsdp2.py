@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from polyrl.batch import Batch
 from polyrl.model import checkpoint as ckpt
-from polyrl.model.attention import use_fp32_sdpa_on_cpu
+from polyrl.model.attention import use_cpu_sdpa
 from polyrl.model.batching import MicroBatchLayout, min_micro_batches, plan_micro_batches, row_spans
 from polyrl.model.config import (
     CheckpointConfig,
@@ -193,8 +193,8 @@ class FSDP2Engine(TrainingEngine):
             param_dtype = torch.bfloat16 if device.type == "cuda" else stored
         else:
             param_dtype = resolve_dtype(mp.param_dtype)
-        # CPU flash attention is slower in bf16 than in fp32: attend in fp32 there.
-        use_fp32_sdpa_on_cpu(model, param_dtype, device)
+        # CPU flash attention is slow in bf16 (and at short rows): see polyrl.model.attention.
+        use_cpu_sdpa(model, param_dtype, device)
         policy = MixedPrecisionPolicy(
             param_dtype=None if param_dtype == stored else param_dtype,
             reduce_dtype=resolve_dtype(mp.reduce_dtype),
