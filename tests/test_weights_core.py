@@ -399,3 +399,20 @@ def test_direct_writes_into_the_offered_arena_are_checked_at_commit(native):
     assert receiver.status()["last"]["bytes"] == sum(
         t.numel() * t.element_size() for t in new.values()
     )
+
+
+def test_control_channel_verifies_tls_only_where_a_replica_uses_it():
+    import ssl
+
+    from polyrl.weights.transports import ShmTransport
+
+    # Plain-HTTP replicas skip the CA bundle (20-35 ms per transfer); any https URL keeps it.
+    for urls, mode in (
+        (["http://127.0.0.1:1", "http://127.0.0.1:2"], ssl.CERT_NONE),
+        (["http://127.0.0.1:1", "HTTPS://rollout.example:8000"], ssl.CERT_REQUIRED),
+    ):
+        transport = ShmTransport(urls)
+        try:
+            assert transport._http._transport._pool._ssl_context.verify_mode == mode, urls
+        finally:
+            transport.close()
