@@ -52,3 +52,12 @@ test-vllm: $(STAMP) $(VLLM_STAMP)
 bench-rl-step: $(STAMP)
 	bash scripts/setup_trl_venv.sh
 	$(PY) benchmarks/rl_step.py
+
+# The same in bf16 mixed precision on both sides (TRL's GRPOConfig default) with the polyrl
+# options of the best recorded rows (benchmarks/RESULTS.md, rl_step).
+RL_STEP_BF16_ARGS = --bf16 --polyrl-override actor.share_prefix=true \
+	--polyrl-override rollout.replicas=2 --polyrl-override rollout.num_threads=1
+.PHONY: bench-rl-step-bf16
+bench-rl-step-bf16: $(STAMP)
+	bash scripts/setup_trl_venv.sh
+	$(PY) benchmarks/rl_step.py $(RL_STEP_BF16_ARGS)

@@ -229,6 +229,13 @@ class EngineConfig:
         default=0,
         metadata={"help": "Seed of the torch/numpy/python RNGs (the same on every rank)."},
     )
+    retain_freed_memory: bool = field(
+        default=True,
+        metadata={
+            "help": "On CPU, keep freed host memory in the process instead of faulting it back "
+            "in every step (glibc mallopt; see polyrl.cpu.retain_freed_memory)."
+        },
+    )
 
     def __post_init__(self) -> None:
         # Accept plain dicts for nested sections (e.g. from YAML/OmegaConf containers).

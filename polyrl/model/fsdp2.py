@@ -40,6 +40,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from polyrl.batch import Batch
+from polyrl.cpu import retain_freed_memory
 from polyrl.model import checkpoint as ckpt
 from polyrl.model.attention import use_cpu_sdpa
 from polyrl.model.batching import MicroBatchLayout, min_micro_batches, plan_micro_batches, row_spans
@@ -158,6 +159,8 @@ class FSDP2Engine(TrainingEngine):
                 "Hugging Face model directory"
             )
         device = select_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")))
+        if device.type == "cpu" and cfg.retain_freed_memory:
+            retain_freed_memory()
         self._dist = init_distributed(device)
         self._device = device
         try:
