@@ -66,9 +66,7 @@ def _grouped_math_attention(
         bias = bias.view(bias.shape[0], 1, 1, q_len, k_len)
     elif is_causal and q_len > 1:
         # Top-left aligned, as SDPA's is_causal (HF passes no mask only when that is right).
-        visible = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril()
-        bias = torch.zeros(q_len, k_len, dtype=query.dtype, device=query.device)
-        bias = bias.masked_fill_(~visible, lowest)
+        bias = torch.full((q_len, k_len), lowest, dtype=query.dtype, device=query.device).triu(1)
     # Scaling the (smaller) query rather than the scores saves a pass over the scores.
     stacked = (query * scaling).reshape(b, kv_heads, groups * q_len, dim)
     scores = torch.matmul(stacked, key.transpose(-1, -2)).view(b, kv_heads, groups, q_len, k_len)

@@ -163,6 +163,12 @@ class MixedPrecisionConfig:
             resolve_dtype(self.param_dtype, "MixedPrecisionConfig.param_dtype")
         resolve_dtype(self.reduce_dtype, "MixedPrecisionConfig.reduce_dtype")
 
+    def compute_dtype(self, device_type: str, stored: str | torch.dtype) -> torch.dtype:
+        """Return the compute dtype on ``device_type`` for weights stored as ``stored``."""
+        if self.param_dtype == "auto":
+            return torch.bfloat16 if device_type == "cuda" else resolve_dtype(stored)
+        return resolve_dtype(self.param_dtype)
+
 
 @dataclass
 class EngineConfig:

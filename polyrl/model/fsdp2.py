@@ -192,10 +192,7 @@ class FSDP2Engine(TrainingEngine):
             enable_activation_checkpointing(model)
         stored = resolve_dtype(self.model_spec.dtype)
         mp = cfg.mixed_precision
-        if mp.param_dtype == "auto":
-            param_dtype = torch.bfloat16 if device.type == "cuda" else stored
-        else:
-            param_dtype = resolve_dtype(mp.param_dtype)
+        param_dtype = mp.compute_dtype(device.type, stored)
         # CPU flash attention is slow in bf16 (and at short rows): see polyrl.model.attention.
         use_cpu_sdpa(model, param_dtype, device)
         policy = MixedPrecisionPolicy(

@@ -132,11 +132,13 @@ def rollout_matmul_dtype(cfg: PolyRLConfig) -> str:
     bfloat16 on CUDA and ``model.dtype`` on CPU), so rollout and training round their matmuls
     alike.
     """
+    from polyrl.model import MixedPrecisionConfig
+
     if cfg.rollout.matmul_dtype != "auto":
         return cfg.rollout.matmul_dtype
-    if cfg.model.compute_dtype != "auto":
-        return cfg.model.compute_dtype
-    return "bfloat16" if trains_on_gpu(cfg) else cfg.model.dtype
+    precision = MixedPrecisionConfig(param_dtype=cfg.model.compute_dtype)
+    compute = precision.compute_dtype("cuda" if trains_on_gpu(cfg) else "cpu", cfg.model.dtype)
+    return str(compute).removeprefix("torch.")
 
 
 def _check_config(cfg: PolyRLConfig, has_rows: bool = False) -> None:

@@ -200,10 +200,8 @@ class NativeEngine:
         self.tokenizer = load_tokenizer(model_dir, trust_remote_code=config.trust_remote_code)
         self.runner = ModelRunner(model_dir, config.dtype, config.device, config.trust_remote_code)
         fast = self.runner.enable_fast_forward(config.fast_forward, config.matmul_dtype)
-        low = config.matmul_dtype is not None and (
-            resolve_dtype(config.matmul_dtype) != self.runner.dtype
-        )
-        if low and not fast:
+        matmul = config.matmul_dtype
+        if not fast and matmul is not None and resolve_dtype(matmul) != self.runner.dtype:
             logger.warning(
                 "matmul_dtype=%s is ignored: the HF forward serves %s (fast_forward=%s)",
                 config.matmul_dtype,
