@@ -19,15 +19,20 @@ demo: $(STAMP)
 	$(PY) -m polyrl.demo
 
 # pytest exits 5 when it collected no test: that is a broken suite, not a pass.
-test: $(STAMP)
+# Lint first: it takes seconds, and a broken layer contract should fail before the suite runs.
+test: lint
 	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
+# ruff (style, docstrings, imports) and import-linter (the layer contracts in pyproject.toml:
+# a service imports only the core and the model definitions, never another service).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check polyrl tests benchmarks
+	$(VENV)/bin/ruff format --check polyrl tests benchmarks
+	$(VENV)/bin/lint-imports
 
 clean-venv:
 	rm -rf $(VENV)

@@ -22,7 +22,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from polyrl.batch import Batch  # noqa: E402
+from polyrl.core.batch import Batch  # noqa: E402
 
 ROWS = 1024
 ROUNDS = 7

@@ -44,7 +44,6 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from polyrl.batch import Batch  # noqa: E402
 from polyrl.controller import (  # noqa: E402
     Dispatch,
     DriverTrafficMeter,
@@ -53,6 +52,7 @@ from polyrl.controller import (  # noqa: E402
     WorkerGroup,
     register,
 )
+from polyrl.core.batch import Batch  # noqa: E402
 
 
 class BenchWorker(Worker):

@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 from polyrl.models.loader import load_causal_lm  # noqa: E402
 from polyrl.models.tiny import build_tiny_model  # noqa: E402
-from polyrl.rollout.base import available_backends  # noqa: E402
+from polyrl.rollout.base import available_backends
 from polyrl.rollout.client import RolloutClient  # noqa: E402
 from polyrl.rollout.launcher import ServerProcess  # noqa: E402
 

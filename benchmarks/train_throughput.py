@@ -32,8 +32,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from polyrl.batch import Batch  # noqa: E402
-from polyrl.model import EngineConfig, OptimizerConfig, build_engine, sft_loss  # noqa: E402
+from polyrl.core.batch import Batch  # noqa: E402
+from polyrl.model_engine import EngineConfig, OptimizerConfig, build_engine, sft_loss  # noqa: E402
 from polyrl.models.tiny import build_tiny_model  # noqa: E402
 
 

@@ -53,7 +53,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from polyrl.batch import Batch  # noqa: E402
+from polyrl.core.batch import Batch  # noqa: E402
 from polyrl.transfer import TransferQueue, make_transfer_queue  # noqa: E402
 from polyrl.transfer.segments import sweep_segments  # noqa: E402
 

@@ -45,7 +45,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from polyrl.model.engine import build_engine  # noqa: E402
+from polyrl.model_engine.engine import build_engine  # noqa: E402
 from polyrl.models.tiny import build_tiny_model  # noqa: E402
 from polyrl.rollout.launcher import ServerProcess  # noqa: E402
 from polyrl.weights import WeightSender, create_transport  # noqa: E402

@@ -57,7 +57,7 @@ def evaluate(
     temperature: float = 0.0,
 ) -> dict[str, float]:
     """Accuracy of the served model on every prompt of ``dataset``: mean@n and pass@n."""
-    from polyrl.batch import Batch
+    from polyrl.core.batch import Batch
 
     items = [dataset[i] for i in range(len(dataset))]
     params = {

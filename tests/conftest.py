@@ -84,7 +84,7 @@ def agent_server(tiny_qwen2_dir):
 @pytest.fixture
 def engines():
     """``engines(*args, **kwargs)`` builds a model engine that is closed after the test."""
-    from polyrl.model import build_engine
+    from polyrl.model_engine import build_engine
 
     made = []
 

@@ -1,4 +1,4 @@
-"""Unit and property tests for polyrl.batch.Batch (no Ray; see test_batch_ray.py for that)."""
+"""Unit and property tests for polyrl.core.batch.Batch (no Ray; see test_batch_ray.py for that)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from polyrl.batch import Batch, collate
+from polyrl.core.batch import Batch, collate
 
 DTYPES = [
     torch.float32,

@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from polyrl.batch import Batch
+from polyrl.core.batch import Batch
 
 ROWS, WIDTH = 1024, 12 * 1024  # float32 column: 48 MiB; whole Batch ~ 50 MB
 

@@ -13,7 +13,6 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from polyrl.batch import Batch
 from polyrl.controller import (
     ControllerError,
     ControllerFuture,
@@ -36,6 +35,7 @@ from polyrl.controller import (
     register_dispatch_mode,
 )
 from polyrl.controller.worker_group import pid_alive
+from polyrl.core.batch import Batch
 
 BACKENDS = ["ray", "local"]
 

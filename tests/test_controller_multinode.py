@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from polyrl.batch import Batch
 from polyrl.controller import Dispatch, ResourcePool, Worker, WorkerGroup, register
+from polyrl.core.batch import Batch
 
 
 class NodeWorker(Worker):

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from polyrl.cpu import cores_per_process
+from polyrl.core.cpu import cores_per_process
 
 # Trains a tiny model on CPU for a few steps and prints each step's minor page faults (each step
 # allocates and frees tens of MiB of activations and logits); argv[1] is the engine's
@@ -18,7 +18,7 @@ import json, resource, sys, tempfile
 sys.path.insert(0, sys.argv[2])
 import torch
 from engine_common import make_batch, tiny_model
-from polyrl.model import EngineConfig, OptimizerConfig, build_engine, sft_loss
+from polyrl.model_engine import EngineConfig, OptimizerConfig, build_engine, sft_loss
 torch.set_num_threads(1)
 model_dir = tiny_model(tempfile.mkdtemp(), hidden=64, intermediate=256)
 engine = build_engine(

@@ -32,8 +32,8 @@ from engine_common import (  # noqa: E402
     tiny_model,
 )
 
-from polyrl.batch import Batch  # noqa: E402
-from polyrl.model import (  # noqa: E402
+from polyrl.core.batch import Batch  # noqa: E402
+from polyrl.model_engine import (  # noqa: E402
     CheckpointConfig,
     EngineConfig,
     ModelSpec,
@@ -48,10 +48,10 @@ from polyrl.model import (  # noqa: E402
     register_engine,
     sft_loss,
 )
-from polyrl.model import attention as cpu_attention  # noqa: E402
-from polyrl.model import checkpoint as ckpt  # noqa: E402
-from polyrl.model.heads import read_safetensors  # noqa: E402
-from polyrl.model.optim import LRSchedule  # noqa: E402
+from polyrl.model_engine import attention as cpu_attention  # noqa: E402
+from polyrl.model_engine import checkpoint as ckpt  # noqa: E402
+from polyrl.model_engine.heads import read_safetensors  # noqa: E402
+from polyrl.model_engine.optim import LRSchedule  # noqa: E402
 
 VOCAB = 1000  # the tiny models' tokenizer has 1024 ids; stay inside it
 
@@ -576,7 +576,7 @@ def test_named_tensors_stream_full_tensors_with_hf_names(tiny_dir, engines):
 def test_value_model_one_value_per_token_trains_and_exports(untied_llama_dir, tmp_path, engines):
     from transformers import AutoModelForTokenClassification
 
-    from polyrl.model.heads import ValueModel
+    from polyrl.model_engine.heads import ValueModel
 
     spec = ModelSpec(path=untied_llama_dir, kind="value")
     cfg = EngineConfig(max_tokens_per_micro_batch=24, grad_clip=1e9)  # compare unclipped grads

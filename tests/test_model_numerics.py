@@ -7,19 +7,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from polyrl.model.batching import (
-    MicroBatchLayout,
-    balance_rows_across_ranks,
-    min_micro_batches,
-    plan_micro_batches,
-    row_spans,
-)
-from polyrl.model.numerics import (
+from polyrl.core.numerics import (
     masked_mean,
     shifted_token_log_probs,
     token_entropy,
     token_log_probs,
     token_log_probs_and_entropy,
+)
+from polyrl.model_engine.batching import (
+    MicroBatchLayout,
+    balance_rows_across_ranks,
+    min_micro_batches,
+    plan_micro_batches,
+    row_spans,
 )
 
 FAST = settings(max_examples=30, deadline=None)

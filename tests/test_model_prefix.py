@@ -1,4 +1,4 @@
-"""Shared-prefix forward of the model engine (polyrl.model.prefix): planning and exactness.
+"""Shared-prefix forward of the model engine (polyrl.model_engine.prefix): planning and exactness.
 
 A GRPO-style batch (n responses per prompt, prompts left-padded, responses right-padded) trained
 with prefix sharing must give the loss, gradients, log-probs and entropies of a plain full forward
@@ -27,14 +27,14 @@ from engine_common import (  # noqa: E402
     tiny_model,
 )
 
-from polyrl.model import (  # noqa: E402
+from polyrl.model_engine import (  # noqa: E402
     EngineConfig,
     OptimizerConfig,
     compute_log_probs,
     compute_log_probs_and_entropy,
     sft_loss,
 )
-from polyrl.model.prefix import plan_prefix_split  # noqa: E402
+from polyrl.model_engine.prefix import plan_prefix_split  # noqa: E402
 
 VOCAB = 1000
 

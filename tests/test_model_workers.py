@@ -23,10 +23,10 @@ from engine_common import (  # noqa: E402
     tiny_model,
 )
 
-from polyrl.batch import Batch  # noqa: E402
 from polyrl.controller import WorkerError, WorkerGroup, WorkerSpec  # noqa: E402
-from polyrl.model import build_engine, sft_loss  # noqa: E402
-from polyrl.model.workers import (  # noqa: E402
+from polyrl.core.batch import Batch  # noqa: E402
+from polyrl.model_engine import build_engine, sft_loss  # noqa: E402
+from polyrl.workers.engine import (  # noqa: E402
     LOG_PROBS_KEY,
     REF_LOG_PROBS_KEY,
     VALUES_KEY,
@@ -44,7 +44,7 @@ SGD = {"name": "sgd", "lr": 0.5}
 
 def value_mse(output, batch, target: float = 0.0):
     """Critic loss used through its import path: mean squared distance of values to target."""
-    from polyrl.model.losses import aggregate_loss
+    from polyrl.model_engine.losses import aggregate_loss
 
     mask = batch["loss_mask"]
     loss = aggregate_loss((output.values - target) ** 2, mask, batch, "token_mean")

@@ -15,7 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from polyrl.batch import Batch
+from polyrl.core import expressions
+from polyrl.core.batch import Batch
 from polyrl.reward import (
     SCORERS,
     ExpressionError,
@@ -203,7 +204,7 @@ def test_countdown_rejects_huge_nesting_and_sizes_quickly():
     assert countdown_score(f"<answer>{deep}</answer>", GT)["valid_expr"] is False
     assert countdown_score("<answer>" + "-" * 200 + "3</answer>", GT)["valid_expr"] is False
     big = "*".join(["999999999999"] * 19)  # each literal < the digit limit; product > bits
-    assert len(big) <= scorers_module.MAX_EXPR_CHARS
+    assert len(big) <= expressions.MAX_EXPR_CHARS
     assert countdown_score(f"<answer>{big}</answer>", GT)["valid_expr"] is False
     assert countdown_score("<answer>1234567890123 + 1</answer>", GT)["valid_expr"] is False
     assert time.perf_counter() - start < 1.0

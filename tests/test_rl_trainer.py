@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from polyrl.batch import Batch
 from polyrl.config import ConfigError, load_config
-from polyrl.model.losses import GLOBAL_SEQS_KEY, GLOBAL_TOKENS_KEY
+from polyrl.core.batch import Batch
+from polyrl.model_engine.losses import GLOBAL_SEQS_KEY, GLOBAL_TOKENS_KEY
 from polyrl.trainer.rl import RLTrainer, build_rollout_batch, place_on_last_token
 from polyrl.trainer.rl_losses import actor_loss, critic_loss, state_values
 from polyrl.trainer.rl_rollout import (
@@ -177,7 +177,7 @@ def test_critic_loss_reads_state_aligned_values():
 
 
 def test_engine_actor_loss_does_not_depend_on_micro_batching(tiny_qwen2_dir):
-    from polyrl.model import EngineConfig, build_engine
+    from polyrl.model_engine import EngineConfig, build_engine
     from polyrl.trainer.rl_losses import actor_loss as loss_fn
 
     gen = torch.Generator().manual_seed(0)

@@ -8,16 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from polyrl.rollout.base import (
+from polyrl.core.rollout_api import (
     GenerateRequest,
     InvalidRequestError,
     SampleDelta,
     SampleOutput,
     SamplingParams,
-    available_backends,
-    create_backend,
-    register_backend,
 )
+from polyrl.rollout.base import available_backends, create_backend, register_backend
 from polyrl.rollout.native.kv_cache import BlockAllocator, NoFreeBlocksError
 from polyrl.rollout.native.sampler import SamplingRow
 from polyrl.rollout.native.scheduler import Scheduler, SeqStatus, Sequence

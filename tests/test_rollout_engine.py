@@ -7,16 +7,16 @@ import threading
 import pytest
 import torch
 
-from polyrl.model.numerics import token_log_probs
-from polyrl.models.loader import load_causal_lm
-from polyrl.models.tiny import build_tiny_model
-from polyrl.rollout.base import (
+from polyrl.core.numerics import token_log_probs
+from polyrl.core.rollout_api import (
     EngineUnavailableError,
     GenerateRequest,
     InvalidRequestError,
     SampleOutput,
     SamplingParams,
 )
+from polyrl.models.loader import load_causal_lm
+from polyrl.models.tiny import build_tiny_model
 from polyrl.rollout.native import EngineConfig, NativeEngine
 
 SMALL = {"max_num_seqs": 16, "max_num_batched_tokens": 64, "kv_cache_tokens": 4096}

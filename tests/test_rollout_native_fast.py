@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from polyrl.core.rollout_api import GenerateRequest, SampleOutput, SamplingParams
 from polyrl.models.loader import load_causal_lm
 from polyrl.models.tiny import build_tiny_model
-from polyrl.rollout.base import GenerateRequest, SampleOutput, SamplingParams
 from polyrl.rollout.native import EngineConfig, NativeEngine, cpu_kernels
 from polyrl.rollout.native.attention import StepMetadata, paged_attention
 from polyrl.rollout.native.fast_forward import _rope, build_fast_forward

@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from polyrl.model.numerics import token_log_probs
+from polyrl.core.numerics import token_log_probs
 from polyrl.models.loader import load_causal_lm, load_tokenizer
 from polyrl.rollout.client import RolloutClient
 from polyrl.rollout.launcher import ServerProcess

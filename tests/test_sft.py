@@ -14,7 +14,7 @@ import torch
 
 from polyrl import cli
 from polyrl.config import ConfigError, load_config
-from polyrl.model import checkpoint as ckpt
+from polyrl.model_engine import checkpoint as ckpt
 from polyrl.trainer.checkpointing import effective_resume_mode, resolve_resume_path
 from polyrl.trainer.sft_data import (
     SFTDataError,

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from polyrl.batch import Batch
+from polyrl.core.batch import Batch
 from polyrl.transfer.base import TransferError
 from polyrl.transfer.fastpath import FastPathClient, FastPathServer, FastPathUnavailable
 

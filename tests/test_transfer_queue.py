@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from polyrl.batch import Batch
+from polyrl.core.batch import Batch
 from polyrl.transfer import (
     BatchMeta,
     LocalTransferQueue,
@@ -684,7 +684,7 @@ def test_ray_reads_survive_the_death_of_the_producer(ray_session, ray_queue, use
     got = q.get_data(q.get_meta(["x", "s"], 64, "orphan", "c", timeout=10))
     assert meta.sample_ids == tuple(range(64)) and got.equals(b)
     if use_shm:
-        from polyrl.shm import sweep_dead
+        from polyrl.core.shm import sweep_dead
         from polyrl.transfer.segments import SEGMENT_PREFIX
 
         assert sweep_dead(Path("/dev/shm"), SEGMENT_PREFIX) >= 1  # the killed producer's file

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from polyrl.batch import Batch
+from polyrl.core.batch import Batch
 from polyrl.transfer._core import batch_to_columns, columns_to_batch
 from polyrl.transfer.segments import SEGMENT_PREFIX, SegmentPool, map_block
 
@@ -116,7 +116,7 @@ def test_segments_of_a_killed_producer_are_swept(tmp_path):
     code = (
         "import os, sys, torch\n"
         "from pathlib import Path\n"
-        "from polyrl.batch import Batch\n"
+        "from polyrl.core.batch import Batch\n"
         "from polyrl.transfer._core import batch_to_columns\n"
         "from polyrl.transfer.segments import SegmentPool\n"
         "pool = SegmentPool(Path(sys.argv[1]))\n"

@@ -12,12 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from polyrl.core.rollout_api import EngineUnavailableError, GenerateRequest, SamplingParams
 from polyrl.models.loader import load_causal_lm
-from polyrl.rollout.base import (
-    EngineUnavailableError,
-    GenerateRequest,
-    SamplingParams,
-)
 from polyrl.rollout.native.engine import EngineConfig, NativeEngine
 from polyrl.weights import (
     BucketMeta,
@@ -351,7 +347,7 @@ def test_stalled_transfer_is_dropped_and_unknown_tensor_is_named(native):
 
 
 def test_direct_writes_into_the_offered_arena_are_checked_at_commit(native):
-    from polyrl.weights.arena import ArenaWriter
+    from polyrl.core.arena import ArenaWriter
     from polyrl.weights.base import bucket_checksum
 
     engine, receiver, new = native

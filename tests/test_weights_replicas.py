@@ -20,7 +20,7 @@ import httpx
 import pytest
 from safetensors import safe_open
 
-from polyrl.model.engine import build_engine
+from polyrl.model_engine.engine import build_engine
 from polyrl.models.tiny import build_tiny_model
 from polyrl.rollout.client import RolloutClient
 from polyrl.rollout.launcher import ServerProcess, start_replicas
@@ -334,7 +334,7 @@ def test_dist_group_is_created_once_and_reused(servers, dirs):
 
 def test_world_size_two_engine_group_updates_both_replicas(ray_session, servers, dirs):
     from polyrl.controller import WorkerGroup, WorkerSpec
-    from polyrl.weights.workers import WeightSyncWorker
+    from polyrl.workers.weight_sync import WeightSyncWorker
 
     urls, ref = servers
     old_dir, new_dir = dirs

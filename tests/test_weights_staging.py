@@ -17,9 +17,10 @@ import torch
 from safetensors.torch import save_file
 from test_weights_core import LoopbackTransport
 
+from polyrl.models.loader import checkpoint_shapes
 from polyrl.rollout.vllm_ext import iter_safetensors_dir
 from polyrl.weights import WeightReceiver, WeightSender, WeightTransferError
-from polyrl.weights.staging import SafetensorsDirTarget, checkpoint_shapes
+from polyrl.weights.staging import SafetensorsDirTarget
 
 
 class DirBackend:

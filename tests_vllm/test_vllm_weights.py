@@ -17,7 +17,7 @@ import pytest
 from safetensors import safe_open
 from test_vllm_backend import PROMPTS, greedy, hf_greedy
 
-from polyrl.model.engine import build_engine
+from polyrl.model_engine.engine import build_engine
 from polyrl.rollout.launcher import ServerProcess
 from polyrl.weights import WeightSender, create_transport
 

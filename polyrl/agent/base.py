@@ -29,8 +29,8 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import torch
 
-from polyrl.batch import Batch
-from polyrl.rollout.base import SamplingParams
+from polyrl.core.batch import Batch
+from polyrl.core.rollout_api import SamplingParams
 
 __all__ = [
     "AgentLoop",
@@ -486,7 +486,7 @@ def collate_trajectories(trajectories: Sequence[Trajectory], pad_token_id: int) 
         except ValueError as exc:
             raise ValueError(f"trajectory {i}: {exc}") from exc
     # The trainer's packer, so both paths share one layout; the response mask marks model tokens.
-    from polyrl.trainer.rl import build_rollout_batch
+    from polyrl.core.rollout_batch import build_rollout_batch
 
     packed = build_rollout_batch(
         [t.prompt_ids for t in trajectories],

@@ -24,7 +24,7 @@ from polyrl.agent.base import (
     register_agent_loop,
 )
 from polyrl.agent.envs import create_env
-from polyrl.rollout.base import SamplingParams
+from polyrl.core.rollout_api import SamplingParams
 
 __all__ = ["EnvAgentLoop"]
 

@@ -165,7 +165,7 @@ class CountdownEnv(Env):
 
     def step(self, action: str) -> StepResult:
         """Check one candidate expression."""
-        from polyrl.reward.scorers import ExpressionError, evaluate_expression
+        from polyrl.core.expressions import ExpressionError, evaluate_expression
 
         self.tries += 1
         m = re.search(r"<answer>(.*?)</answer>", action, re.DOTALL)

@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse
 
 from polyrl.agent.base import Trajectory, chat_delta_ids
 from polyrl.agent.tool_loop import HermesToolParser
-from polyrl.rollout.base import InvalidRequestError, RolloutError, SamplingParams
+from polyrl.core.rollout_api import InvalidRequestError, RolloutError, SamplingParams
 
 __all__ = ["RecordingProxy", "create_proxy_app", "serve_proxy", "tokenizer_dir_from_server"]
 

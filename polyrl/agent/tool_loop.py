@@ -33,7 +33,7 @@ from polyrl.agent.base import (
     register_agent_loop,
 )
 from polyrl.agent.tools import Tool, ToolError, ToolResult, create_tool
-from polyrl.rollout.base import SamplingParams
+from polyrl.core.rollout_api import SamplingParams
 
 __all__ = [
     "HermesToolParser",

@@ -251,7 +251,7 @@ class CountdownCheckTool(Tool):
 
     async def call(self, arguments: Mapping[str, Any], **context: Any) -> ToolResult | str:
         """Evaluate the expression with exact fractions and compare with the puzzle."""
-        from polyrl.reward.scorers import ExpressionError, evaluate_expression
+        from polyrl.core.expressions import ExpressionError, evaluate_expression
 
         if "target" not in context or "numbers" not in context:
             raise ToolError("countdown_check needs the puzzle's 'target' and 'numbers' in context")

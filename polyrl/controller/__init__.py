@@ -6,7 +6,7 @@ arguments across ranks and collects the results; the :class:`WorkerGroup` binds 
 calls it like a local method::
 
     import ray
-    from polyrl.batch import Batch
+    from polyrl.core.batch import Batch
     from polyrl.controller import (Dispatch, ResourcePool, Worker, WorkerGroup, WorkerSpec,
                                    register)
 

@@ -12,7 +12,7 @@ binds it so the driver calls ``group.compute_log_prob(batch)`` as if it were loc
 ``Dispatch.RANK_ZERO``
     only rank 0 runs the method; the result is its return value.
 ``Dispatch.DP_COMPUTE``
-    every :class:`~polyrl.batch.Batch` argument is padded to a multiple of the data-parallel size
+    every :class:`~polyrl.core.batch.Batch` arg is padded to a multiple of the data-parallel size
     and split into equal contiguous shards; data-parallel rank ``d`` gets shard ``d`` (every rank
     of that data-parallel group gets the same shard). A future of an earlier ``DP_COMPUTE`` call
     is split the same way without visiting the driver; an argument whose type defines
@@ -59,8 +59,8 @@ from typing import Any, TypeVar, overload
 import numpy as np
 import torch
 
-from polyrl.batch import Batch
 from polyrl.controller.errors import DispatchError
+from polyrl.core.batch import Batch
 
 __all__ = [
     "DataParallelLayout",

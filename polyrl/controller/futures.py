@@ -310,7 +310,7 @@ class ShardedFuture(ControllerFuture):
 
 
 def _require_batch(value: Any, method: str) -> Any:
-    from polyrl.batch import Batch
+    from polyrl.core.batch import Batch
 
     if not isinstance(value, Batch):
         raise DispatchError(

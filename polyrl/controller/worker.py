@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from polyrl.controller.errors import ControllerError, WorkerDiedError, WorkerError
-from polyrl.cpu import cores_per_process
+from polyrl.core.cpu import cores_per_process
 
 __all__ = ["Worker", "WorkerInfo", "WorkerSpec"]
 

@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from polyrl.batch import Batch
 from polyrl.controller.backend import Backend
 from polyrl.controller.dispatch import (
     DataParallelLayout,
@@ -54,6 +53,7 @@ from polyrl.controller.futures import (
 )
 from polyrl.controller.resource_pool import ResourcePool
 from polyrl.controller.worker import Worker, WorkerInfo, WorkerSpec
+from polyrl.core.batch import Batch
 
 __all__ = ["BoundMethod", "RoleView", "WorkerGroup"]
 

@@ -1,4 +1,4 @@
-"""Prompt datasets: rows -> chat-templated token ids -> left-padded :class:`~polyrl.batch.Batch`."""
+"""Prompt datasets: rows -> chat-templated token ids -> left-padded ``Batch``."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from polyrl.data.io import read_rows
 from polyrl.data.schema import RowValidationError, ground_truth_of, row_uid, validate_row
 
 if TYPE_CHECKING:
-    from polyrl.batch import Batch
+    from polyrl.core.batch import Batch
 
 logger = logging.getLogger(__name__)
 
@@ -241,7 +241,7 @@ def _object_array(values: list[Any]) -> np.ndarray:
 
 
 def collate_prompts(items: Sequence[Mapping[str, Any]], pad_token_id: int) -> Batch:
-    """Stack dataset items into a left-padded prompt :class:`~polyrl.batch.Batch`.
+    """Stack dataset items into a left-padded prompt :class:`~polyrl.core.batch.Batch`.
 
     Tensors (all ``(B, L)`` with ``L`` the longest prompt, ``torch.long``):
     ``input_ids`` left-padded with ``pad_token_id``; ``attention_mask`` 1 on real tokens, 0 on
@@ -256,7 +256,7 @@ def collate_prompts(items: Sequence[Mapping[str, Any]], pad_token_id: int) -> Ba
     Raises:
         ValueError: On an empty list, an empty prompt, or a missing field (naming the item).
     """
-    from polyrl.batch import Batch  # deferred: keeps `import polyrl.data` light
+    from polyrl.core.batch import Batch  # deferred: keeps `import polyrl.data` light
 
     if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int | np.integer):
         raise TypeError(f"pad_token_id must be an int, got {pad_token_id!r}")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import struct
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -14,19 +17,11 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-__all__ = ["DTYPES", "load_causal_lm", "load_tokenizer", "resolve_dtype"]
+from polyrl.core.dtypes import resolve_dtype
+
+__all__ = ["checkpoint_shapes", "load_causal_lm", "load_tokenizer", "safetensors_files"]
 
 logger = logging.getLogger(__name__)
-
-#: Accepted dtype names and the torch dtype each stands for.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
 
 # Any one of these is enough for a tokenizer; vocab.json needs merges.txt beside it.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tekken.json", "vocab.json", "vocab.txt")
@@ -101,17 +96,6 @@ def load_tokenizer(
     return tokenizer
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """Turn a dtype name from :data:`DTYPES` (or a floating torch dtype) into a torch dtype."""
-    if isinstance(dtype, torch.dtype):
-        if not dtype.is_floating_point:
-            raise ValueError(f"model dtype must be a floating point type, got {dtype}")
-        return dtype
-    if isinstance(dtype, str) and dtype.lower() in DTYPES:
-        return DTYPES[dtype.lower()]
-    raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
-
-
 def _resolve_device(device: str | torch.device) -> torch.device:
     try:
         dev = torch.device(device)
@@ -140,7 +124,8 @@ def load_causal_lm(
 
     Args:
         path: local directory with ``config.json`` and weights (safetensors or ``.bin``).
-        dtype: parameter dtype, a name from :data:`DTYPES` or a floating torch dtype.
+        dtype: parameter dtype, a name :func:`polyrl.core.dtypes.resolve_dtype` accepts or a
+            floating torch dtype.
         device: where to put the model, e.g. ``"cpu"`` or ``"cuda:0"``.
         trust_remote_code: allow modelling code shipped inside the directory to run.
 
@@ -171,3 +156,41 @@ def load_causal_lm(
         trust_remote_code=trust_remote_code,
     )
     return model.to(dev)
+
+
+def safetensors_files(path: str) -> list[str]:
+    """Return the ``*.safetensors`` files of a model directory, in a stable order.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a directory or holds no safetensors file.
+    """
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"weights path {path!r} is not a directory")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(path, s) for s in shards]
+    else:
+        files = sorted(
+            os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors")
+        )
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in weights directory {path!r}")
+    return files
+
+
+def _read_header(path: str) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(size))
+
+
+def checkpoint_shapes(model_dir: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the tensors of a safetensors model directory (headers only)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in safetensors_files(str(model_dir)):
+        for name, entry in _read_header(file).items():
+            if name != "__metadata__":
+                shapes[name] = tuple(int(d) for d in entry["shape"])
+    return shapes

@@ -43,7 +43,7 @@ from polyrl.reward.registry import get_scorer
 from polyrl.reward.user_fn import bind_scorer, load_user_function
 
 if TYPE_CHECKING:
-    from polyrl.batch import Batch
+    from polyrl.core.batch import Batch
 
 __all__ = ["RewardManager", "RewardResult"]
 
@@ -289,7 +289,7 @@ class RewardManager:
     # ------------------------------------------------------------------ public API
 
     def score(self, batch: Batch) -> RewardResult:
-        """Score a :class:`polyrl.batch.Batch`.
+        """Score a :class:`polyrl.core.batch.Batch`.
 
         Uses non-tensor columns ``data_source``, ``ground_truth`` (or verl's
         ``reward_model[i]["ground_truth"]``), optional ``extra_info`` and ``prompt_text``,
@@ -368,7 +368,7 @@ class RewardManager:
         tensors = getattr(batch, "tensors", None)
         if non_tensors is None or tensors is None:
             raise TypeError(
-                "RewardManager.score expects a polyrl.batch.Batch (with .non_tensors and "
+                "RewardManager.score expects a polyrl.core.batch.Batch (with .non_tensors and "
                 f".tensors); got {type(batch).__name__}. Use score_samples for a list of dicts."
             )
         n = len(batch)

@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from polyrl.rollout.base import RolloutError, SampleOutput, SamplingParams
+from polyrl.core.rollout_api import RolloutError, SampleOutput, SamplingParams
 
 __all__ = [
     "GenerateResult",

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from polyrl.cpu import cores_per_process
+from polyrl.core.cpu import cores_per_process
 from polyrl.rollout.options import API_KEY_ENV, PARENT_FD_ENV
 
 __all__ = ["ServerProcess", "option_flags", "serve_command", "start_replicas"]

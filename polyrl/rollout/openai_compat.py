@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from polyrl.rollout.base import (
+from polyrl.core.rollout_api import (
     MAX_TOP_LOGPROBS,
     InvalidRequestError,
     ModelInfo,

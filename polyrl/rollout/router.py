@@ -24,7 +24,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from polyrl.rollout.base import RolloutError
+from polyrl.core.rollout_api import RolloutError
 from polyrl.rollout.client import RolloutClient, StreamedResponse
 from polyrl.rollout.server import BearerAuth, error_body
 

@@ -72,8 +72,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from polyrl.rollout import openai_compat as oai
-from polyrl.rollout.base import (
+from polyrl.core.rollout_api import (
     BackendStats,
     GenerateRequest,
     InvalidRequestError,
@@ -84,8 +83,9 @@ from polyrl.rollout.base import (
     SampleOutput,
     SamplingParams,
     collect_outputs,
-    create_backend,
 )
+from polyrl.rollout import openai_compat as oai
+from polyrl.rollout.base import create_backend
 from polyrl.rollout.options import (
     PARENT_FD_ENV,
     add_backend_arguments,

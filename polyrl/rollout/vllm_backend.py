@@ -77,7 +77,7 @@ from typing import Any
 
 import httpx
 
-from polyrl.rollout.base import (
+from polyrl.core.rollout_api import (
     BackendStats,
     DeltaStream,
     EngineUnavailableError,
@@ -87,8 +87,8 @@ from polyrl.rollout.base import (
     RolloutError,
     SampleDelta,
     check_request_fits,
-    register_backend,
 )
+from polyrl.rollout.base import register_backend
 
 __all__ = [
     "CPU_ATTENTION_HEAD_SIZES",
@@ -1165,7 +1165,7 @@ class VLLMBackend:
         vLLM is paused (in-flight requests kept) while the worker reloads, the prefix cache is
         dropped (running requests are re-prefilled under the new weights), then it resumes.
         """
-        from polyrl.rollout.vllm_ext import safetensors_files
+        from polyrl.models.loader import safetensors_files
 
         if version is not None and (
             not isinstance(version, int) or isinstance(version, bool) or version < 0

@@ -33,6 +33,9 @@ _LM_HEAD = "lm_head.weight"
 def safetensors_files(path: str) -> list[str]:
     """Return the ``*.safetensors`` files of a model directory, in a stable order.
 
+    The same rule as :func:`polyrl.models.loader.safetensors_files`, restated because this
+    module runs inside vLLM's process, where polyrl is not importable.
+
     Raises:
         FileNotFoundError: ``path`` is not a directory or holds no safetensors file.
     """

@@ -2,7 +2,7 @@
 
 Layout under ``trainer.output_dir``::
 
-    checkpoints/global_step_<N>/   # engine checkpoints (atomic; see polyrl.model.checkpoint)
+    checkpoints/global_step_<N>/   # engine checkpoints (atomic; see polyrl.model_engine.checkpoint)
     checkpoints/latest             # name of the newest complete one
 
 ``trainer.resume_mode`` picks the checkpoint: ``auto`` (the newest complete one, or a fresh start
@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from polyrl.config import ConfigError
-from polyrl.model import checkpoint as ckpt
+from polyrl.model_engine import checkpoint as ckpt
 
 __all__ = ["CHECKPOINT_DIR", "checkpoint_root", "effective_resume_mode", "resolve_resume_path"]
 

@@ -45,8 +45,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from polyrl.batch import Batch
 from polyrl.config import ConfigError, PolyRLConfig, save_config, to_dict
+from polyrl.core.batch import Batch
 from polyrl.trainer.rl_rollout import (
     RolloutProducer,
     batch_metrics,
@@ -132,7 +132,7 @@ def rollout_matmul_dtype(cfg: PolyRLConfig) -> str:
     bfloat16 on CUDA and ``model.dtype`` on CPU), so rollout and training round their matmuls
     alike.
     """
-    from polyrl.model import MixedPrecisionConfig
+    from polyrl.model_engine import MixedPrecisionConfig
 
     if cfg.rollout.matmul_dtype != "auto":
         return cfg.rollout.matmul_dtype
@@ -386,15 +386,15 @@ class RLTrainer:
 
     def _engine_specs(self) -> dict[str, Any]:
         from polyrl.controller import WorkerSpec
-        from polyrl.model import (
+        from polyrl.model_engine import (
             CheckpointConfig,
             EngineConfig,
             MixedPrecisionConfig,
             ModelSpec,
             OptimizerConfig,
         )
-        from polyrl.model.workers import EngineWorker
-        from polyrl.weights.workers import WeightSyncWorker
+        from polyrl.workers.engine import EngineWorker
+        from polyrl.workers.weight_sync import WeightSyncWorker
 
         cfg, actor, critic = self.cfg, self.cfg.actor, self.cfg.critic
         if cfg.transfer.enable:
@@ -574,7 +574,7 @@ class RLTrainer:
         return self.producer.score(batch)
 
     def _padded(self, batch: Batch) -> tuple[Batch, int]:
-        from polyrl.model.workers import pad_batch_for_dp
+        from polyrl.workers.engine import pad_batch_for_dp
 
         return pad_batch_for_dp(batch, self.cfg.trainer.world_size)
 

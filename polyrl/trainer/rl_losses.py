@@ -5,7 +5,7 @@ call the pure functions of :mod:`polyrl.algo`, and normalise by the mini-batch-w
 engine puts in ``batch.meta`` so that the micro-batch losses add up to the mini-batch loss
 whatever the split. The controller sends them to the workers by import path
 (``"polyrl.trainer.rl_losses:actor_loss"``); they are also registered as ``"rl_actor"`` and
-``"rl_critic"`` in :func:`polyrl.model.workers.register_loss`.
+``"rl_critic"`` in :func:`polyrl.workers.engine.register_loss`.
 
 Batch columns, all ``(B, T)`` over the whole sequence (prompt and response), zero off the
 response: ``loss_mask`` (1 on response tokens), ``advantages``, ``old_log_probs`` (optional:
@@ -21,12 +21,12 @@ import torch
 
 from polyrl.algo.kl import kl_loss as _kl_loss
 from polyrl.algo.losses import entropy_bonus, get_policy_loss, value_loss
-from polyrl.model.losses import GLOBAL_SEQS_KEY, GLOBAL_TOKENS_KEY
-from polyrl.model.workers import register_loss
+from polyrl.model_engine.losses import GLOBAL_SEQS_KEY, GLOBAL_TOKENS_KEY
+from polyrl.workers.engine import register_loss
 
 if TYPE_CHECKING:
-    from polyrl.batch import Batch
-    from polyrl.model.engine import ModelOutput
+    from polyrl.core.batch import Batch
+    from polyrl.model_engine.engine import ModelOutput
 
 __all__ = ["actor_loss", "critic_loss", "state_values"]
 

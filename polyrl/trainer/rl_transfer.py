@@ -35,10 +35,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from polyrl.batch import Batch
 from polyrl.config import PolyRLConfig
 from polyrl.controller import Dispatch, register
-from polyrl.model.workers import EngineWorker
+from polyrl.core.batch import Batch
 from polyrl.trainer.rl_rollout import (
     RolloutProducer,
     batch_metrics,
@@ -46,7 +45,8 @@ from polyrl.trainer.rl_rollout import (
     compute_advantages,
     place_on_last_token,
 )
-from polyrl.weights.workers import WeightSyncWorker
+from polyrl.workers.engine import EngineWorker
+from polyrl.workers.weight_sync import WeightSyncWorker
 
 __all__ = [
     "ROLLOUT_FIELDS",
@@ -175,8 +175,8 @@ class StepLayout:
 class StoreEngineMixin:
     """Engine-worker methods that read their shard from the transfer queue and write back.
 
-    Mixed into the RL trainer's engine workers (:class:`~polyrl.model.workers.EngineWorker`
-    and :class:`~polyrl.weights.workers.WeightSyncWorker`). ``meta`` is split across the
+    Mixed into the RL trainer's engine workers (:class:`~polyrl.workers.engine.EngineWorker`
+    and :class:`~polyrl.workers.weight_sync.WeightSyncWorker`). ``meta`` is split across the
     data-parallel ranks by its ``__dp_chunks__``; the layout is broadcast. The queue client is
     attached once (:meth:`attach_transfer_queue`), so a call carries only references.
     """

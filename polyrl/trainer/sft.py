@@ -1,7 +1,7 @@
 """The SFT trainer behind ``polyrl sft [PRESET] key=value ...``.
 
 Supervised fine-tuning on multi-turn chats with the loss on assistant tokens only (see
-:mod:`polyrl.trainer.sft_data`), on the model engine (:mod:`polyrl.model`) with the built-in
+:mod:`polyrl.trainer.sft_data`), on the model engine (:mod:`polyrl.model_engine`) with the built-in
 ``sft_loss``.  One run:
 
 1. builds the tiny model when ``model.path`` is empty (as the demo does);
@@ -19,7 +19,7 @@ Supervised fine-tuning on multi-turn chats with the loss on assistant tokens onl
    as a Hugging Face directory in ``<output_dir>/hf_model``.
 
 World size 1 (``trainer.nnodes * trainer.n_gpus_per_node``) trains in this process.  A larger
-world drives :class:`~polyrl.model.workers.EngineWorker` ranks through a controller
+world drives :class:`~polyrl.workers.engine.EngineWorker` ranks through a controller
 :class:`~polyrl.controller.WorkerGroup` (``trainer.worker_backend``: Ray actors, or local
 subprocesses); batches are padded with zero-loss rows to a multiple of the world size, so the
 loss is exactly that of the mini-batch.
@@ -34,8 +34,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from polyrl.batch import Batch
 from polyrl.config import ConfigError, PolyRLConfig, save_config, to_dict
+from polyrl.core.batch import Batch
 from polyrl.trainer.checkpointing import checkpoint_root, resolve_resume_path
 from polyrl.trainer.sft_data import SFTDataError, SFTDataset, chats_from_rows, collate_chats
 
@@ -134,7 +134,7 @@ class SFTRunner:
     """Runs SFT steps on an in-process engine (world size 1) or on a controller worker group.
 
     Args:
-        model, engine, optimizer, checkpoint: the engine configs (see :mod:`polyrl.model`).
+        model, engine, optimizer, checkpoint: the engine configs (see :mod:`polyrl.model_engine`).
         world_size: number of data-parallel ranks; 1 trains in this process.
         worker_backend: ``"ray"`` or ``"local"`` for ``world_size > 1``.
         use_gpu: give each rank a GPU (``world_size > 1``).
@@ -158,12 +158,12 @@ class SFTRunner:
         self._group: Any = None
         self._started_ray = False
         if world_size == 1:
-            from polyrl.model import build_engine
+            from polyrl.model_engine import build_engine
 
             self._engine = build_engine(model, engine, optimizer, checkpoint)
             return
         from polyrl.controller import ResourcePool, WorkerGroup, WorkerSpec
-        from polyrl.model.workers import EngineWorker
+        from polyrl.workers.engine import EngineWorker
 
         if worker_backend == "ray":
             import ray
@@ -192,14 +192,14 @@ class SFTRunner:
             raise
 
     def _padded(self, batch: Batch) -> Batch:
-        from polyrl.model.workers import pad_batch_for_dp
+        from polyrl.workers.engine import pad_batch_for_dp
 
         return pad_batch_for_dp(batch, self.world_size)[0]
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step on ``batch`` plus one LR-schedule step; the engine's metrics."""
         if self._engine is not None:
-            from polyrl.model import sft_loss
+            from polyrl.model_engine import sft_loss
 
             metrics = self._engine.train_batch(batch, sft_loss)
             self._engine.lr_scheduler_step()
@@ -210,7 +210,7 @@ class SFTRunner:
     def eval_loss(self, batch: Batch) -> dict[str, float]:
         """Forward-only SFT loss (eval mode): ``loss`` and ``num_tokens`` among the metrics."""
         if self._engine is not None:
-            from polyrl.model import sft_loss
+            from polyrl.model_engine import sft_loss
 
             with self._engine.eval_mode():
                 return self._engine.forward_backward(batch, sft_loss, forward_only=True)
@@ -307,7 +307,7 @@ def run_sft(cfg: PolyRLConfig) -> dict[str, Any]:
     from tqdm import tqdm
 
     from polyrl.data.sampler import StatefulSampler
-    from polyrl.model import (
+    from polyrl.model_engine import (
         CheckpointConfig,
         EngineConfig,
         MixedPrecisionConfig,

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from polyrl.batch import Batch
+from polyrl.core.batch import Batch
 from polyrl.data.schema import RowValidationError, ground_truth_of, validate_messages
 
 __all__ = [

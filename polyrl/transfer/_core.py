@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from polyrl.batch import Batch, _tensor_from_numpy, _tensor_to_numpy
+from polyrl.core.batch import Batch, _tensor_from_numpy, _tensor_to_numpy
 from polyrl.transfer.base import BatchMeta, SampleInfo, Sampler, TransferError
 from polyrl.transfer.samplers import get_sampler
 

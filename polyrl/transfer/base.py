@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 import numpy as np
 
 if TYPE_CHECKING:
-    from polyrl.batch import Batch
+    from polyrl.core.batch import Batch
 
 __all__ = ["BatchMeta", "SampleInfo", "Sampler", "TransferError", "TransferQueue"]
 

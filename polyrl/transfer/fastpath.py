@@ -10,7 +10,7 @@ controller's node use the socket; others (and anything that fails to connect) us
 What crosses the socket is plain pickled data: only :data:`FAST_METHODS` can be called, and
 they neither take nor return ``ObjectRef`` (pickling one outside Ray would pin its object for
 good). The socket lives in a private directory (mode 0700) named after the controller's pid,
-so :func:`polyrl.shm.sweep_dead` removes it if the controller was killed.
+so :func:`polyrl.core.shm.sweep_dead` removes it if the controller was killed.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from polyrl.shm import sweep_dead
+from polyrl.core.shm import sweep_dead
 from polyrl.transfer.base import TransferError
 
 __all__ = ["FAST_METHODS", "FastPathClient", "FastPathServer", "FastPathUnavailable"]

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from polyrl.batch import Batch
+from polyrl.core.batch import Batch
 from polyrl.transfer._core import (
     ColumnStore,
     MetadataStore,

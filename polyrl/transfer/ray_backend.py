@@ -53,7 +53,7 @@ import numpy as np
 import ray
 from ray.exceptions import ObjectLostError, RayTaskError
 
-from polyrl.batch import Batch
+from polyrl.core.batch import Batch
 from polyrl.transfer._core import (
     Column,
     ColumnStore,

@@ -177,9 +177,7 @@ class LengthBalancedSampler:
                 picked = [i for ids in groups for i in ids]
         if not picked:
             return picked
-        # Imported here: polyrl.model pulls in the model stack, which the controller actor and
-        # the other samplers do not need.
-        from polyrl.model.batching import balance_rows_across_ranks
+        from polyrl.core.balance import balance_rows_across_ranks
 
         length = {s.sample_id: s.length for s in ready}
         ranks = balance_rows_across_ranks([length[i] for i in picked], self.dp_size)

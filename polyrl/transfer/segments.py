@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from polyrl.shm import shm_root, sweep_dead
+from polyrl.core.shm import shm_root, sweep_dead
 from polyrl.transfer._core import Column
 
 __all__ = [

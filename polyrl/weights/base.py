@@ -16,6 +16,9 @@ from typing import Any
 
 import torch
 
+from polyrl.core import dtypes
+from polyrl.core.errors import WeightTransferError
+
 __all__ = [
     "ALIGN",
     "BucketMeta",
@@ -32,41 +35,20 @@ __all__ = [
 ]
 
 
-class WeightTransferError(RuntimeError):
-    """A weight transfer failed; the message names the tensors or bucket involved."""
-
-
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     """Return the wire name of ``dtype`` (e.g. ``"float32"``)."""
-    for key, value in _DTYPES.items():
-        if value == dtype:
-            return key
-    raise WeightTransferError(
-        f"dtype {dtype} cannot be transferred; expected one of {list(_DTYPES)}"
-    )
+    try:
+        return dtypes.dtype_name(dtype)
+    except ValueError as exc:
+        raise WeightTransferError(str(exc)) from None
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    """Inverse of :func:`dtype_name`."""
+    """Inverse of :func:`dtype_name` (a name from bucket metadata)."""
     try:
-        return _DTYPES[name]
-    except KeyError:
-        raise WeightTransferError(
-            f"unknown dtype {name!r} in bucket metadata; expected one of {list(_DTYPES)}"
-        ) from None
+        return dtypes.dtype_from_name(name)
+    except ValueError as exc:
+        raise WeightTransferError(f"bucket metadata: {exc}") from None
 
 
 def bucket_checksum(data: memoryview | bytes | torch.Tensor) -> int:

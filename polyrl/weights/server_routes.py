@@ -4,7 +4,7 @@
 "measure_memory"?, "direct"?}`` → ``{"weight_version", "direct"?}`` (now serving; with
 ``direct`` asked and a staged CPU replica, the shared arena of its shadows that a same-host
 sender writes into: ``{"path", "size", "tensors": {name: [offset, shape, dtype]}}``, see
-:mod:`polyrl.weights.arena`); ``POST /weights/bucket``
+:mod:`polyrl.core.arena`); ``POST /weights/bucket``
 ``{"meta": BucketMeta, "source": {"kind": "shm", "name"} | {"kind": "disk", "path"} |
 {"kind": "dist"} | {"kind": "cuda_ipc", "handle"}}`` → ``{"buckets": n}``;
 ``POST /weights/commit`` ``{"transfer_id", "version", "buckets", "direct"?: {name: crc32 |

@@ -39,11 +39,12 @@ from typing import Any
 
 import torch
 
-from polyrl.shm import sweep_dead
+from polyrl.core.shm import sweep_dead
+from polyrl.models.loader import checkpoint_shapes
 from polyrl.weights.base import WeightTransferError
 from polyrl.weights.receiver import WeightTarget
 
-__all__ = ["STAGING_DIR_ENV", "SafetensorsDirTarget", "checkpoint_shapes", "default_staging_root"]
+__all__ = ["STAGING_DIR_ENV", "SafetensorsDirTarget", "default_staging_root"]
 
 #: Environment variable naming where staging directories are made (default ``/dev/shm``).
 STAGING_DIR_ENV = "POLYRL_WEIGHTS_STAGING_DIR"
@@ -78,24 +79,6 @@ def default_staging_root() -> Path:
     if shm.is_dir() and os.access(shm, os.W_OK | os.X_OK):
         return shm
     return Path(tempfile.gettempdir())
-
-
-def _read_header(path: str) -> dict[str, Any]:
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(size))
-
-
-def checkpoint_shapes(model_dir: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of the tensors of a safetensors model directory (headers only)."""
-    from polyrl.rollout.vllm_ext import safetensors_files
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in safetensors_files(str(model_dir)):
-        for name, entry in _read_header(file).items():
-            if name != "__metadata__":
-                shapes[name] = tuple(int(d) for d in entry["shape"])
-    return shapes
 
 
 class _Staged:

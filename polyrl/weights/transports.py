@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import torch
 
-from polyrl.weights.arena import ArenaWriter
+from polyrl.core.arena import ArenaWriter
 from polyrl.weights.base import (
     BucketMeta,
     Transport,
@@ -143,7 +143,7 @@ class ShmTransport(HttpControlTransport):
 
     Direct writes (default): a staged transfer to replicas whose shadows can live in shared
     memory (the native engine on CPU) asks each for its arena at ``begin`` and writes every
-    tensor straight into its shadow (:mod:`polyrl.weights.arena`): one copy of each byte instead
+    tensor straight into its shadow (:mod:`polyrl.core.arena`): one copy of each byte instead
     of two, and no bucket. Anything a replica does not offer (an ``inplace``
     transfer, weights on a GPU, another backend, a renaming ``name_map``, a dtype or shape the
     replica does not have) goes through two POSIX shared-memory bucket segments filled

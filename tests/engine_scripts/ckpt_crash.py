@@ -10,7 +10,7 @@ import sys
 
 from engine_common import make_batch
 
-from polyrl.model import EngineConfig, OptimizerConfig, build_engine, sft_loss
+from polyrl.model_engine import EngineConfig, OptimizerConfig, build_engine, sft_loss
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ import numpy as np
 import torch.distributed as dist
 from engine_common import exit_rank, make_batch
 
-from polyrl.model import (
+from polyrl.model_engine import (
     EngineConfig,
     ModelSpec,
     OptimizerConfig,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from polyrl.batch import Batch
+from polyrl.core.batch import Batch
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent

@@ -25,8 +25,8 @@ from engine_common import (
     reference_sft,
 )
 
-from polyrl.model import EngineConfig, OptimizerConfig, build_engine, sft_loss
-from polyrl.model.engine import compute_log_probs
+from polyrl.model_engine import EngineConfig, OptimizerConfig, build_engine, sft_loss
+from polyrl.model_engine.engine import compute_log_probs
 
 
 def reference(model_dir: str, batch) -> dict:

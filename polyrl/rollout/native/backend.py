@@ -8,15 +8,15 @@ import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from polyrl.rollout.base import (
+from polyrl.core.rollout_api import (
     BackendStats,
     DeltaStream,
     GenerateRequest,
     ModelInfo,
     RolloutError,
     SampleDelta,
-    register_backend,
 )
+from polyrl.rollout.base import register_backend
 from polyrl.rollout.native.engine import EngineConfig, NativeEngine, Sink
 
 __all__ = ["NativeBackend"]

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from polyrl.models.loader import load_tokenizer, resolve_dtype
-from polyrl.rollout.base import (
+from polyrl.core.dtypes import resolve_dtype
+from polyrl.core.rollout_api import (
     BackendStats,
     EngineUnavailableError,
     GenerateRequest,
@@ -37,6 +37,7 @@ from polyrl.rollout.base import (
     SampleDelta,
     check_request_fits,
 )
+from polyrl.models.loader import load_tokenizer
 from polyrl.rollout.native import cpu_kernels
 from polyrl.rollout.native.attention import AttentionGroup, StepMetadata
 from polyrl.rollout.native.kv_cache import BlockAllocator, PagedKVCache

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import torch
 
-from polyrl.models.loader import load_causal_lm, resolve_dtype
-from polyrl.rollout.base import InvalidRequestError
+from polyrl.core.arena import SharedArena
+from polyrl.core.dtypes import dtype_name, resolve_dtype
+from polyrl.core.errors import WeightTransferError
+from polyrl.core.rollout_api import InvalidRequestError
+from polyrl.models.loader import load_causal_lm
 from polyrl.rollout.native.attention import ATTENTION_NAME, StepMetadata
 from polyrl.rollout.native.fast_forward import FastForward, build_fast_forward
-from polyrl.weights.arena import SharedArena
-from polyrl.weights.base import WeightTransferError, dtype_name
 
 __all__ = ["ModelRunner", "StepInputs"]
 

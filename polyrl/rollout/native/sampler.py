@@ -19,7 +19,7 @@ its counter). Rows without a seed take their uniforms from the sampler's shared 
 
 Log-probs are those of the *model* distribution at the request's temperature,
 ``log_softmax(logits / T)`` in fp32 (``T = 1`` for greedy), computed by
-:func:`polyrl.model.numerics.token_log_probs` exactly as the training engine computes them;
+:func:`polyrl.core.numerics.token_log_probs` exactly as the training engine computes them;
 top-k/top-p/min-p filtering and repetition penalty shape the draw but not the reported values.
 """
 
@@ -29,7 +29,7 @@ import dataclasses
 
 import torch
 
-from polyrl.model.numerics import token_log_probs
+from polyrl.core.numerics import token_log_probs
 from polyrl.rollout.native import cpu_kernels
 
 __all__ = ["Sampler", "SamplerOutput", "SamplingRow", "seeded_uniform"]

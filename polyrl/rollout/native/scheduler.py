@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from polyrl.rollout.base import SamplingParams
+from polyrl.core.rollout_api import SamplingParams
 from polyrl.rollout.native.kv_cache import BlockAllocator
 from polyrl.rollout.native.sampler import SamplingRow
 

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from polyrl.model.config import ModelSpec, resolve_dtype
+from polyrl.core.dtypes import resolve_dtype
+from polyrl.model_engine.config import ModelSpec
 
 __all__ = [
     "ValueModel",

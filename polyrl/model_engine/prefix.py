@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from polyrl.model.batching import MicroBatchLayout, row_spans
-from polyrl.model.engine import ModelOutput
+from polyrl.model_engine.batching import MicroBatchLayout, row_spans
+from polyrl.model_engine.engine import ModelOutput
 
 __all__ = [
     "PrefixSplit",

@@ -1,11 +1,11 @@
 """The model engine: one interface for SFT/DPO/reward/actor/critic training, pluggable backends.
 
-See :mod:`polyrl.model.engine` for the interface and the batch column contract,
-:mod:`polyrl.model.fsdp2` for the FSDP2 backend, and :mod:`polyrl.model.losses` for the loss
-plug-in signature.
+See :mod:`polyrl.model_engine.engine` for the interface and the batch column contract,
+:mod:`polyrl.model_engine.fsdp2` for the FSDP2 backend, and
+:mod:`polyrl.model_engine.losses` for the loss plug-in signature.
 """
 
-from polyrl.model.config import (
+from polyrl.model_engine.config import (
     CheckpointConfig,
     EngineConfig,
     MixedPrecisionConfig,
@@ -13,7 +13,7 @@ from polyrl.model.config import (
     OptimizerConfig,
     ParallelismConfig,
 )
-from polyrl.model.engine import (
+from polyrl.model_engine.engine import (
     ModelOutput,
     TrainingEngine,
     available_engines,
@@ -24,7 +24,7 @@ from polyrl.model.engine import (
     compute_values,
     register_engine,
 )
-from polyrl.model.losses import aggregate_loss, sft_loss
+from polyrl.model_engine.losses import aggregate_loss, sft_loss
 
 __all__ = [
     "CheckpointConfig",

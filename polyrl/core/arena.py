@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from polyrl.shm import shm_root, sweep_dead
-from polyrl.weights.base import WeightTransferError
+from polyrl.core.errors import WeightTransferError
+from polyrl.core.shm import shm_root, sweep_dead
 
 __all__ = ["ARENA_PREFIX", "ArenaWriter", "SharedArena", "default_arena_root", "sweep_dead"]
 

@@ -1,12 +1,12 @@
 """Controller workers that host a model engine: the actor, critic and reference roles.
 
 An :class:`EngineWorker` is a :class:`~polyrl.controller.Worker` holding one
-:class:`~polyrl.model.engine.TrainingEngine`.  A :class:`~polyrl.controller.WorkerGroup` drives
-it from the driver; the engine joins the ``torch.distributed`` group the controller already
-initialised (gloo on CPU, NCCL on GPUs), so every engine collective spans the group's ranks::
+:class:`~polyrl.model_engine.engine.TrainingEngine`.  A :class:`~polyrl.controller.WorkerGroup`
+drives it from the driver; the engine joins the ``torch.distributed`` group the controller
+already initialised (gloo on CPU, NCCL on GPUs), so every engine collective spans the group's ranks::
 
     from polyrl.controller import ResourcePool, WorkerGroup, WorkerSpec
-    from polyrl.model.workers import EngineWorker
+    from polyrl.workers.engine import EngineWorker
 
     spec = WorkerSpec(EngineWorker, kwargs={"role": "actor", "model": model_dir,
                                             "optimizer": {"lr": 1e-5}})
@@ -46,17 +46,17 @@ from typing import Any
 
 import torch
 
-from polyrl.batch import Batch
 from polyrl.controller import Dispatch, Worker, register
-from polyrl.model.config import CheckpointConfig, EngineConfig, ModelSpec, OptimizerConfig
-from polyrl.model.engine import (
+from polyrl.core.batch import Batch
+from polyrl.model_engine.config import CheckpointConfig, EngineConfig, ModelSpec, OptimizerConfig
+from polyrl.model_engine.engine import (
     TrainingEngine,
     build_engine,
     compute_log_probs,
     compute_log_probs_and_entropy,
     compute_values,
 )
-from polyrl.model.losses import LossFn, sft_loss
+from polyrl.model_engine.losses import LossFn, sft_loss
 
 __all__ = [
     "ENTROPY_KEY",
@@ -239,12 +239,12 @@ class EngineWorker(Worker):
     Args:
         role: ``"actor"`` (causal LM, trained), ``"critic"`` (value model, trained) or
             ``"reference"`` / ``"ref"`` (causal LM, inference only).
-        model: a :class:`~polyrl.model.ModelSpec`, a dict of its fields or a model directory;
+        model: a :class:`~polyrl.model_engine.ModelSpec`, a dict of its fields or a model directory;
             the model kind defaults to the role's (a value model for the critic).
-        engine: :class:`~polyrl.model.EngineConfig` (or dict).  ``device="auto"`` follows the
+        engine: :class:`~polyrl.model_engine.EngineConfig` (or dict).  ``device="auto"`` follows the
             device the controller gave this worker.
-        optimizer: :class:`~polyrl.model.OptimizerConfig` (or dict); unused by the reference.
-        checkpoint: :class:`~polyrl.model.CheckpointConfig` (or dict).
+        optimizer: :class:`~polyrl.model_engine.OptimizerConfig` (or dict); unused by the reference.
+        checkpoint: :class:`~polyrl.model_engine.CheckpointConfig` (or dict).
 
     Construction is cheap; :meth:`init_model` builds the engine (all ranks, collectively).
     """
@@ -297,7 +297,7 @@ class EngineWorker(Worker):
         """Yield ``(hf_name, full_tensor)`` one at a time (collective over the group's ranks).
 
         For in-process consumers such as a colocated rollout's weight transfer engine; see
-        :meth:`polyrl.model.engine.TrainingEngine.named_tensors`.
+        :meth:`polyrl.model_engine.engine.TrainingEngine.named_tensors`.
         """
         return self.engine.named_tensors(dtype=dtype, device=device)
 
@@ -343,7 +343,7 @@ class EngineWorker(Worker):
 
         Honours ``batch.meta["temperature"]``.  Actor or reference role.  ``share_prefix``: the
         caller reads only positions where ``loss_mask`` is nonzero (see
-        :meth:`~polyrl.model.engine.TrainingEngine.infer_batch`).
+        :meth:`~polyrl.model_engine.engine.TrainingEngine.infer_batch`).
         """
         self._require_role("compute_log_prob", "actor", "reference")
         fn = compute_log_probs_and_entropy if with_entropy else compute_log_probs

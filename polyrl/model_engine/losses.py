@@ -2,11 +2,11 @@
 
 A loss function has the signature ``loss_fn(model_output, batch) -> (loss, metrics)``:
 
-* ``model_output`` is a :class:`polyrl.model.engine.ModelOutput` for one micro-batch; its
+* ``model_output`` is a :class:`polyrl.model_engine.engine.ModelOutput` for one micro-batch; its
   per-token tensors (``log_probs``, ``entropy``, ``values``) are ``(b, T)`` and aligned with the
   micro-batch's columns;
-* ``batch`` is that micro-batch (a :class:`polyrl.batch.Batch` with the caller's columns, only the
-  rows of this micro-batch, and ``loss_mask`` already restricted to tokens that have a
+* ``batch`` is that micro-batch (a :class:`polyrl.core.batch.Batch` with the caller's columns,
+  only the rows of this micro-batch, and ``loss_mask`` already restricted to tokens that have a
   prediction);
 * ``loss`` is a scalar tensor: **this micro-batch's contribution** to the mini-batch loss.  The
   engine back-propagates each contribution and reports their sum over micro-batches and ranks as
@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from polyrl.model.numerics import masked_sum
+from polyrl.core.numerics import masked_sum
 
 if TYPE_CHECKING:
-    from polyrl.batch import Batch
-    from polyrl.model.engine import ModelOutput
+    from polyrl.core.batch import Batch
+    from polyrl.model_engine.engine import ModelOutput
 
 __all__ = [
     "AGG_MODES",

@@ -7,7 +7,8 @@ loss function they hand to :meth:`TrainingEngine.train_batch`; backends (FSDP2 n
 
 Batch column contract
 ---------------------
-Engine inputs are :class:`polyrl.batch.Batch` objects with these tensor columns, all ``(B, T)``:
+Engine inputs are :class:`polyrl.core.batch.Batch` objects with these tensor columns, all
+``(B, T)``:
 
 * ``input_ids`` (int): token ids; padding positions must still hold a valid id (e.g. pad id);
 * ``attention_mask`` (0/1): 1 on real tokens.  Each row's ones must be one contiguous run
@@ -39,11 +40,11 @@ from typing import Any
 
 import torch
 
-from polyrl.batch import Batch
-from polyrl.model.batching import MicroBatchLayout, balance_batch_for_dp
-from polyrl.model.config import CheckpointConfig, EngineConfig, ModelSpec, OptimizerConfig
-from polyrl.model.losses import LossFn
-from polyrl.model.numerics import shifted_token_log_probs
+from polyrl.core.batch import Batch
+from polyrl.core.numerics import shifted_token_log_probs
+from polyrl.model_engine.batching import MicroBatchLayout, balance_batch_for_dp
+from polyrl.model_engine.config import CheckpointConfig, EngineConfig, ModelSpec, OptimizerConfig
+from polyrl.model_engine.losses import LossFn
 
 __all__ = [
     "InferFn",
@@ -62,7 +63,7 @@ InferFn = Callable[["ModelOutput", Batch], Mapping[str, torch.Tensor]]
 
 _ENGINES: dict[str, type[TrainingEngine]] = {}
 # Backends shipped with polyrl, imported on first use so importing the interface stays light.
-_BUILTIN_BACKENDS: dict[str, str] = {"fsdp2": "polyrl.model.fsdp2"}
+_BUILTIN_BACKENDS: dict[str, str] = {"fsdp2": "polyrl.model_engine.fsdp2"}
 
 
 def register_engine(name: str) -> Callable[[type[TrainingEngine]], type[TrainingEngine]]:
@@ -359,7 +360,7 @@ class TrainingEngine(abc.ABC):
         device of the input's ``input_ids``.  ``share_prefix``: the caller reads only positions
         where the batch's ``loss_mask`` is nonzero, so prompts shared by rows may run once
         (``EngineConfig.share_prefix``; earlier positions then read 0, see
-        :mod:`polyrl.model.prefix`).
+        :mod:`polyrl.model_engine.prefix`).
         """
 
     # ------------------------------------------------------------------------------ modes

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from polyrl.core.dtypes import resolve_dtype
+
 __all__ = [
     "CheckpointConfig",
     "EngineConfig",
@@ -21,33 +23,12 @@ __all__ = [
     "OptimizerConfig",
     "ParallelismConfig",
     "config_to_dict",
-    "resolve_dtype",
 ]
-
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
 
 MODEL_KINDS = ("causal_lm", "value")
 SCHEDULERS = ("constant", "linear", "cosine")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 DEVICES = ("auto", "cpu", "cuda")
-
-
-def resolve_dtype(name: str | torch.dtype, what: str = "dtype") -> torch.dtype:
-    """Turn a dtype name such as ``"bfloat16"`` or ``"fp32"`` into a :class:`torch.dtype`."""
-    if isinstance(name, torch.dtype):
-        return name
-    if not isinstance(name, str) or name.lower() not in _DTYPES:
-        raise ValueError(f"{what}: unknown dtype {name!r}; expected one of {sorted(set(_DTYPES))}")
-    return _DTYPES[name.lower()]
 
 
 def _check_choice(value: Any, choices: tuple[str, ...], what: str) -> None:
@@ -239,7 +220,7 @@ class EngineConfig:
         default=True,
         metadata={
             "help": "On CPU, keep freed host memory in the process instead of faulting it back "
-            "in every step (glibc mallopt; see polyrl.cpu.retain_freed_memory)."
+            "in every step (glibc mallopt; see polyrl.core.cpu.retain_freed_memory)."
         },
     )
 

@@ -8,9 +8,9 @@ from typing import Any
 import torch
 
 from polyrl.controller import Dispatch, register
-from polyrl.model.workers import EngineWorker
 from polyrl.weights.base import create_transport
 from polyrl.weights.sender import WeightSender
+from polyrl.workers.engine import EngineWorker
 
 __all__ = ["WeightSyncWorker", "sync_engine_weights"]
 

@@ -9,7 +9,8 @@ counts summed over all ranks before the micro-batch loop.  The gradient is then 
 the whole mini-batch's loss, whatever the micro-batch split or number of ranks.
 
 Checkpoints use ``torch.distributed.checkpoint`` (every rank writes its own shards) plus per-rank
-RNG files and a small engine-state file; see :mod:`polyrl.model.checkpoint` for the atomic layout.
+RNG files and a small engine-state file; see :mod:`polyrl.model_engine.checkpoint` for the
+atomic layout.
 """
 
 from __future__ import annotations
@@ -39,42 +40,47 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from polyrl.batch import Batch
-from polyrl.cpu import retain_freed_memory
-from polyrl.model import checkpoint as ckpt
-from polyrl.model.attention import use_cpu_sdpa
-from polyrl.model.batching import MicroBatchLayout, min_micro_batches, plan_micro_batches, row_spans
-from polyrl.model.config import (
+from polyrl.core.batch import Batch
+from polyrl.core.cpu import retain_freed_memory
+from polyrl.core.dtypes import resolve_dtype
+from polyrl.model_engine import checkpoint as ckpt
+from polyrl.model_engine.attention import use_cpu_sdpa
+from polyrl.model_engine.batching import (
+    MicroBatchLayout,
+    min_micro_batches,
+    plan_micro_batches,
+    row_spans,
+)
+from polyrl.model_engine.config import (
     CheckpointConfig,
     EngineConfig,
     ModelSpec,
     OptimizerConfig,
     config_to_dict,
-    resolve_dtype,
 )
-from polyrl.model.distributed import (
+from polyrl.model_engine.distributed import (
     DistInfo,
     init_distributed,
     release_distributed,
     select_device,
 )
-from polyrl.model.engine import (
+from polyrl.model_engine.engine import (
     InferFn,
     ModelOutput,
     TrainingEngine,
     compute_log_probs,
     register_engine,
 )
-from polyrl.model.heads import (
+from polyrl.model_engine.heads import (
     ValueModel,
     enable_activation_checkpointing,
     load_model,
     model_forward,
     no_split_module_classes,
 )
-from polyrl.model.losses import GLOBAL_SEQS_KEY, GLOBAL_TOKENS_KEY, LossFn
-from polyrl.model.optim import apply_configured_schedule, build_optimizer, build_scheduler
-from polyrl.model.prefix import (
+from polyrl.model_engine.losses import GLOBAL_SEQS_KEY, GLOBAL_TOKENS_KEY, LossFn
+from polyrl.model_engine.optim import apply_configured_schedule, build_optimizer, build_scheduler
+from polyrl.model_engine.prefix import (
     PrefixSplit,
     plan_prefix_split,
     shared_prefix_forward,
@@ -193,7 +199,7 @@ class FSDP2Engine(TrainingEngine):
         stored = resolve_dtype(self.model_spec.dtype)
         mp = cfg.mixed_precision
         param_dtype = mp.compute_dtype(device.type, stored)
-        # CPU flash attention is slow in bf16 (and at short rows): see polyrl.model.attention.
+        # CPU flash attention is slow in bf16 (and at short rows): polyrl.model_engine.attention.
         use_cpu_sdpa(model, param_dtype, device)
         policy = MixedPrecisionPolicy(
             param_dtype=None if param_dtype == stored else param_dtype,
@@ -282,7 +288,7 @@ class FSDP2Engine(TrainingEngine):
     def _prepare(self, batch: Batch, need_loss_mask: bool) -> tuple[Batch, list[int]]:
         """Copy ``batch`` to the device, validated, with position ids and a cleaned loss mask."""
         if not isinstance(batch, Batch):
-            raise TypeError(f"expected a polyrl.batch.Batch, got {type(batch).__name__}")
+            raise TypeError(f"expected a polyrl.core.batch.Batch, got {type(batch).__name__}")
         required = ["input_ids", "attention_mask"] + (["loss_mask"] if need_loss_mask else [])
         missing = [k for k in required if k not in batch.tensor_keys]
         if missing:

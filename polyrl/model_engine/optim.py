@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from polyrl.model.config import OptimizerConfig
+from polyrl.model_engine.config import OptimizerConfig
 
 __all__ = ["LRSchedule", "apply_configured_schedule", "build_optimizer", "build_scheduler"]
 

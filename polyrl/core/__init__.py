@@ -1,0 +1,6 @@
+"""The core: what every service may import (and the only polyrl code they may import).
+
+``batch`` (the container passed between services), ``numerics`` (masked means, loss
+aggregation, token log-probs), ``dtypes``, ``registry``, ``shm`` and ``cpu``. Nothing here
+imports a service, the controller or the trainer; ``make lint`` checks that.
+"""
