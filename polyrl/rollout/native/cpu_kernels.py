@@ -61,6 +61,8 @@ _FLAG_SETS = (
     ["-O3", "-fopenmp", "-fno-math-errno"],
     ["-O3", "-fno-math-errno"],
 )
+# Added to every set: the source is kept free of their warnings (tests build it with -Werror).
+_WARNING_FLAGS = ("-Wall", "-Wextra")
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -98,22 +100,26 @@ def _source() -> str:
     return resources.files(__spec__.parent).joinpath(_SOURCE_FILE).read_text(encoding="utf-8")
 
 
-def _build(cc: str, flags: list[str], out: Path, source: str) -> bool:
+def _build(cc: str, flags: list[str], out: Path, source: str, *, werror: bool = False) -> bool:
     """Compile ``source`` with ``flags`` into the shared library ``out``; whether it worked.
 
     The text compiled is the text the caller hashed into ``out``'s name: it is written to a
-    scratch file here rather than compiled in place from the package.
+    scratch file here rather than compiled in place from the package. ``-Wall -Wextra`` are
+    always on; ``werror`` makes their warnings errors (for tests).
     """
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         src = Path(tmp) / "kernels.c"
         src.write_text(source, encoding="utf-8")
         target = Path(tmp) / out.name
-        cmd = [cc, *flags, "-shared", "-fPIC", str(src), "-o", str(target), "-lm"]
+        cmd = [cc, *flags, *_WARNING_FLAGS, *(["-Werror"] if werror else [])]
+        cmd += ["-shared", "-fPIC", str(src), "-o", str(target), "-lm"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             logger.debug("kernel build failed (%s): %s", " ".join(cmd), proc.stderr[-2000:])
             return False
+        if proc.stderr.strip():
+            logger.debug("kernel build warnings (%s): %s", " ".join(cmd), proc.stderr[-2000:])
         # Atomic: a concurrent process either sees no library or a complete one.
         os.replace(target, out)
     return True
@@ -139,7 +145,7 @@ def _load() -> ctypes.CDLL | None:
         version = ""
     for flags in _FLAG_SETS:
         key = hashlib.sha256(
-            "\0".join([source, " ".join(flags), version, _cpu_id()]).encode()
+            "\0".join([source, " ".join([*flags, *_WARNING_FLAGS]), version, _cpu_id()]).encode()
         ).hexdigest()[:24]
         for directory in (_cache_dir(), Path(tempfile.gettempdir()) / "polyrl-kernels"):
             path = directory / f"polyrl_kernels_{key}.so"

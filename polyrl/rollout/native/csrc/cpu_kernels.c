@@ -2,12 +2,21 @@
    this file on first use (see that module's docstring for the flags and the cache).
 
    Every exported function here has a ctypes signature declared in cpu_kernels._load: change
-   both together. */
+   both together. The build always passes -Wall -Wextra, and the file compiles without a warning
+   under each of cpu_kernels' flag sets, with or without OpenMP and AVX2: keep it so. */
 
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* OpenMP directives, compiled away when OpenMP is off (the last flag set cpu_kernels tries),
+   where a bare "#pragma omp" would be ignored anyway but warn under -Wall. */
+#ifdef _OPENMP
+#define POLYRL_OMP(directive) _Pragma(directive)
+#else
+#define POLYRL_OMP(directive)
+#endif
 
 /* Ask for one cache block's keys (into L1) and values (into L2) ahead of use. A decode step
    reads every running sequence's whole cache once, block by block; blocks lie anywhere in the
@@ -61,7 +70,7 @@ static inline __attribute__((always_inline)) int decode_one(
                     const int64_t h = kh * G + g;
                     const float *qh = qb + h * D;
                     float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
+                    POLYRL_OMP("omp simd reduction(+ : dot)")
                     for (int64_t d = 0; d < D; d++) dot += qh[d] * kv[d];
                     dot *= scale;
                     s[h * n + i] = dot;
@@ -91,7 +100,7 @@ static inline __attribute__((always_inline)) int decode_one(
                     const int64_t h = kh * G + g;
                     const float p = s[h * n + i];
                     float *ah = acc + h * D;
-#pragma omp simd
+                    POLYRL_OMP("omp simd")
                     for (int64_t d = 0; d < D; d++) ah[d] += p * vv[d];
                 }
             }
@@ -220,7 +229,7 @@ static inline __attribute__((always_inline)) int decode_one_avx2(
     for (int64_t h = 0; h < H; h++) {
         float *sh = s + h * n;
         float m = -INFINITY;
-#pragma omp simd reduction(max : m)
+        POLYRL_OMP("omp simd reduction(max : m)")
         for (int64_t i = 0; i < n; i++) m = sh[i] > m ? sh[i] : m;
         float total = 0.f;
         int64_t i = 0;
@@ -265,7 +274,7 @@ static inline __attribute__((always_inline)) int decode_one_avx2(
 }
 
 #define DECODE_LOOP_AVX2(DV, BSV)                                                            \
-    _Pragma("omp parallel for num_threads(nthreads) schedule(dynamic, 1)")                  \
+    POLYRL_OMP("omp parallel for num_threads(nthreads) schedule(dynamic, 1)")               \
     for (int64_t b = 0; b < B; b++) {                                                        \
         if (b + 1 < B) {                                                                 \
             const int64_t first = table[(b + 1) * table_sb] * (BSV) * KVH * (DV);        \
@@ -287,9 +296,10 @@ static inline __attribute__((always_inline)) int decode_one_avx2(
    threads; each float is computed the same way whichever thread takes it. */
 void polyrl_silu_mul_f32(const float *gate, const float *up, float *out, int64_t n,
                          int nthreads) {
+    (void)nthreads; /* unused without OpenMP */
     const int64_t chunk = 4096;
     const int64_t chunks = (n + chunk - 1) / chunk;
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (chunks >= 8)
+    POLYRL_OMP("omp parallel for num_threads(nthreads) schedule(static) if (chunks >= 8)")
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t hi = (c + 1) * chunk < n ? (c + 1) * chunk : n;
         int64_t i = c * chunk;
@@ -307,7 +317,7 @@ void polyrl_silu_mul_f32(const float *gate, const float *up, float *out, int64_t
 }
 
 #define DECODE_LOOP(DV, BSV)                                                                 \
-    _Pragma("omp parallel for num_threads(nthreads) schedule(dynamic, 1)")                  \
+    POLYRL_OMP("omp parallel for num_threads(nthreads) schedule(dynamic, 1)")               \
     for (int64_t b = 0; b < B; b++) {                                                        \
         if (b + 1 < B) {                                                                 \
             const int64_t first = table[(b + 1) * table_sb] * (BSV) * KVH * (DV);        \
@@ -337,9 +347,10 @@ int polyrl_rope_store_f32(float *q, float *k, const float *v, const float *cos_t
                           const float *sin_t, const int64_t *slots, float *k_cache,
                           float *v_cache, int64_t num_slots, int64_t T, int64_t H, int64_t KVH,
                           int64_t D, int nthreads) {
+    (void)nthreads; /* unused without OpenMP */
     for (int64_t t = 0; t < T; t++)
         if (slots[t] < 0 || slots[t] >= num_slots) return -1; /* never write out of bounds */
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 64)
+    POLYRL_OMP("omp parallel for num_threads(nthreads) schedule(static) if (T > 64)")
     for (int64_t t = 0; t < T; t++) {
         const float *c = cos_t + t * D, *sn = sin_t + t * D;
         for (int64_t h = 0; h < H; h++) rope_row(q + (t * H + h) * D, c, sn, D);
@@ -356,7 +367,8 @@ int polyrl_rope_store_f32(float *q, float *k, const float *v, const float *cos_t
    CPU rms_norm is a chain of ops costing ~35 us even for one row; this is one call. */
 void polyrl_add_rms_norm_f32(float *h, const float *delta, const float *w, float *out,
                              int64_t T, int64_t N, float eps, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 64)
+    (void)nthreads; /* unused without OpenMP */
+    POLYRL_OMP("omp parallel for num_threads(nthreads) schedule(static) if (T > 64)")
     for (int64_t t = 0; t < T; t++) {
         float *ht = h + t * N;
         if (delta != NULL) {
@@ -445,6 +457,7 @@ int polyrl_paged_decode_f32(const float *q, int64_t q_sb, const float *k_cache,
                             const int64_t *kv_lens, float *out, int64_t B, int64_t H,
                             int64_t KVH, int64_t D, int64_t BS, int64_t num_blocks,
                             float scale, int64_t window, int nthreads) {
+    (void)nthreads; /* unused without OpenMP or AVX2 */
     int failed = 0;
     for (int64_t b = 0; b < B; b++) {
         if (kv_lens[b] <= 0 || (kv_lens[b] + BS - 1) / BS > table_sb) return -2;
