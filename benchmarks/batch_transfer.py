@@ -6,13 +6,13 @@ tensor column.  A round is timed from the producer call to the consumer's answer
 serialisation, the object store, deserialisation and the touch.  The baseline sends the very same
 tensors as a plain dict, which Ray pickles through torch's own reducer.
 
-Run: ``python benchmarks/batch_transfer.py``.  The last stdout line is one JSON object:
+Run: ``python benchmarks/batch_transfer.py``.  The last stdout line is one JSON object,
+also appended to ``benchmarks/history/batch_transfer.jsonl`` (see ``benchmarks/_report.py``):
 ``{"name": "batch_transfer", "polyrl_s": ..., "torch_pickle_s": ..., "ratio": ...}``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -23,6 +23,11 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from polyrl.core.batch import Batch  # noqa: E402
+
+try:  # run as a script: its own directory is on sys.path
+    from _report import report
+except ImportError:  # imported as benchmarks.batch_transfer
+    from benchmarks._report import report
 
 ROWS = 1024
 ROUNDS = 7
@@ -100,13 +105,14 @@ def main() -> None:
         torch_s = statistics.median(times["as_torch_pickled"])
     finally:
         ray.shutdown()
-    result = {
-        "name": "batch_transfer",
-        "polyrl_s": polyrl_s,
-        "torch_pickle_s": torch_s,
-        "ratio": torch_s / polyrl_s,
-    }
-    print(json.dumps(result))
+    report(
+        {
+            "name": "batch_transfer",
+            "polyrl_s": polyrl_s,
+            "torch_pickle_s": torch_s,
+            "ratio": torch_s / polyrl_s,
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Dispatch overhead of the single controller on Ray, and the bytes the driver sees.
 
-Prints human-readable lines, then, as the LAST stdout line, one JSON object::
+Prints human-readable lines, then, as the LAST stdout line, one JSON object (also appended to
+``benchmarks/history/dispatch_overhead.jsonl``, see ``benchmarks/_report.py``)::
 
     {"name": "dispatch_overhead", "noop_ms": ..., "dp_compute_64mb_ms": ...,
      "plain_ray_64mb_ms": ..., "ratio": ..., "driver_bytes_chain": ..., "payload_bytes": ...}
@@ -34,7 +35,6 @@ What is measured (medians over ``--repeats`` runs after warm-up, 2 workers, 0.5 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -53,6 +53,11 @@ from polyrl.controller import (  # noqa: E402
     register,
 )
 from polyrl.core.batch import Batch  # noqa: E402
+
+try:  # run as a script: its own directory is on sys.path
+    from _report import report
+except ImportError:  # imported as benchmarks.dispatch_overhead
+    from benchmarks._report import report
 
 
 class BenchWorker(Worker):
@@ -174,18 +179,16 @@ def main() -> None:
         group.shutdown()
         pool.release()
         ray.shutdown()
-    print(
-        json.dumps(
-            {
-                "name": "dispatch_overhead",
-                "noop_ms": round(noop_ms, 4),
-                "dp_compute_64mb_ms": round(dp_ms, 3),
-                "plain_ray_64mb_ms": round(plain_ms, 3),
-                "ratio": round(plain_ms / dp_ms, 4),
-                "driver_bytes_chain": int(meter.total_bytes),
-                "payload_bytes": int(payload),
-            }
-        )
+    report(
+        {
+            "name": "dispatch_overhead",
+            "noop_ms": round(noop_ms, 4),
+            "dp_compute_64mb_ms": round(dp_ms, 3),
+            "plain_ray_64mb_ms": round(plain_ms, 3),
+            "ratio": round(plain_ms / dp_ms, 4),
+            "driver_bytes_chain": int(meter.total_bytes),
+            "payload_bytes": int(payload),
+        }
     )
 
 

@@ -20,7 +20,8 @@ Run: ``python benchmarks/rl_step.py [--steps 3] [--rounds 2] [--threads 2] [--tr
 both sides (TRL ``bf16=True``, polyrl ``model.compute_dtype=bfloat16``). Overrides are for A/B
 runs of polyrl options, e.g. ``actor.share_prefix=true``; ``settings`` reports polyrl's median
 generation and update times.
-The last stdout line is one JSON object: ``{"name": "rl_step", "polyrl_step_s", "trl_step_s",
+The last stdout line is one JSON object, also appended to ``benchmarks/history/rl_step.jsonl``
+(see ``benchmarks/_report.py``): ``{"name": "rl_step", "polyrl_step_s", "trl_step_s",
 "polyrl_tokens_per_s", "trl_tokens_per_s", "ratio", "settings": {...}}``; ``ratio`` is
 ``polyrl_tokens_per_s / trl_tokens_per_s`` and null when a side could not run (the reason goes
 to stderr and to ``errors``, and the script exits with status 1).
@@ -46,6 +47,11 @@ from polyrl.data.dataset import RLDataset  # noqa: E402
 from polyrl.data.tasks import generate  # noqa: E402
 from polyrl.models.loader import load_tokenizer  # noqa: E402
 from polyrl.models.tiny import build_tiny_model  # noqa: E402
+
+try:  # run as a script: its own directory is on sys.path
+    from _report import report
+except ImportError:  # imported as benchmarks.rl_step
+    from benchmarks._report import report
 
 ROOT = Path(__file__).resolve().parent.parent
 TRL_CHILD = Path(__file__).resolve().parent / "_trl_grpo_step.py"
@@ -329,7 +335,7 @@ def main() -> int:
         },
         "errors": errors or None,
     }
-    print(json.dumps(result))
+    report(result)
     return 1 if errors else 0
 
 

@@ -16,7 +16,9 @@ Where the ``vllm`` backend is registered and ``vllm`` imports, the same load als
 ``--backend vllm`` server; otherwise ``vllm_tokens_per_s`` is null.
 
 Run: ``python benchmarks/rollout_throughput.py [--size nano|micro] [--threads N] [--rounds R]``.
-The last stdout line is one JSON object: ``{"name": "rollout_throughput", "server_tokens_per_s",
+The last stdout line is one JSON object, also appended to
+``benchmarks/history/rollout_throughput.jsonl`` (see ``benchmarks/_report.py``):
+``{"name": "rollout_throughput", "server_tokens_per_s",
 "hf_generate_tokens_per_s", "ratio", "ttft_ms_p50", "vllm_tokens_per_s", ...}``.
 """
 
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import statistics
@@ -43,6 +44,11 @@ from polyrl.models.tiny import build_tiny_model  # noqa: E402
 from polyrl.rollout.base import available_backends
 from polyrl.rollout.client import RolloutClient  # noqa: E402
 from polyrl.rollout.launcher import ServerProcess  # noqa: E402
+
+try:  # run as a script: its own directory is on sys.path
+    from _report import report
+except ImportError:  # imported as benchmarks.rollout_throughput
+    from benchmarks._report import report
 
 NUM_REQUESTS = 64
 
@@ -192,7 +198,7 @@ def main() -> None:
         "generated_tokens": tokens,
         "threads": args.threads,
     }
-    print(json.dumps(result))
+    report(result)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ Two measurements on a tiny random-init Qwen2 (``polyrl.models.tiny``, no network
 
 Timed runs alternate between the contenders and each keeps its best run, and torch uses one
 thread by default (``--threads``); both damp noise from other processes on a shared machine.
-The last stdout line is the JSON result.
+The last stdout line is the JSON result, also appended to
+``benchmarks/history/train_throughput.jsonl`` (see ``benchmarks/_report.py``).
 
 Usage: ``python benchmarks/train_throughput.py [--size micro] [--rounds 8] [--threads 1] ...``
 """
@@ -19,7 +20,6 @@ Usage: ``python benchmarks/train_throughput.py [--size micro] [--rounds 8] [--th
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -35,6 +35,11 @@ import torch.nn.functional as F  # noqa: E402
 from polyrl.core.batch import Batch  # noqa: E402
 from polyrl.model_engine import EngineConfig, OptimizerConfig, build_engine, sft_loss  # noqa: E402
 from polyrl.models.tiny import build_tiny_model  # noqa: E402
+
+try:  # run as a script: its own directory is on sys.path
+    from _report import report
+except ImportError:  # imported as benchmarks.train_throughput
+    from benchmarks._report import report
 
 
 def fixed_batch(rows: int, seq_len: int, vocab: int, seed: int) -> Batch:
@@ -228,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "ratio": round(engine_tps / plain_tps, 4),
         "dynamic_vs_padded": round(dyn_tps / pad_tps, 4),
     }
-    print(json.dumps(result))
+    report(result)
     return result
 
 

@@ -32,7 +32,8 @@ what the queue's storage held at the end of a step.
 Run: ``python benchmarks/transfer_queue.py [--samples 512 --seq-len 1024 --rounds 15
 --warmup 15 --object-store-mb 256]
 [--e2e-prompts 32 --e2e-n 8 --e2e-tokens 256 --e2e-steps 2] [--skip-e2e]``. The last stdout
-line is one JSON object: ``{"name": "transfer_queue", "micro_payload_bytes", "put_get_MBps",
+line is one JSON object, also appended to ``benchmarks/history/transfer_queue.jsonl`` (see
+``benchmarks/_report.py``): ``{"name": "transfer_queue", "micro_payload_bytes", "put_get_MBps",
 "ray_MBps", "payload_bytes_per_step", "driver_bytes_per_step_with",
 "driver_bytes_per_step_without", "driver_fraction_with", "step_s_with", "step_s_without",
 "e2e_settings", "ratio": put_get_MBps / ray_MBps}`` (goals: ``driver_fraction_with`` < 0.01,
@@ -42,7 +43,6 @@ line is one JSON object: ``{"name": "transfer_queue", "micro_payload_bytes", "pu
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -56,6 +56,11 @@ import torch  # noqa: E402
 from polyrl.core.batch import Batch  # noqa: E402
 from polyrl.transfer import TransferQueue, make_transfer_queue  # noqa: E402
 from polyrl.transfer.segments import sweep_segments  # noqa: E402
+
+try:  # run as a script: its own directory is on sys.path
+    from _report import report
+except ImportError:  # imported as benchmarks.transfer_queue
+    from benchmarks._report import report
 
 FIELDS = (
     "input_ids",
@@ -260,7 +265,7 @@ def run_e2e(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the benchmark; print the result dict as the last stdout line and return it."""
+    """Run the benchmark; record and print the result (last stdout line) and return it."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--seq-len", type=int, default=1024)
@@ -301,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         sweep_segments(wait_s=5.0)  # Ray kills its workers without their exit handlers
     # "ratio" is put/get over plain Ray (> 1 = the queue is faster); keep it the last key.
     result["ratio"] = result.pop("ratio")
-    print(json.dumps(result))
+    report(result)
     return result
 
 

@@ -20,7 +20,8 @@ Run: ``python benchmarks/weight_sync.py [--size small] [--bucket-mb 64 16 256] [
 bucket path in ``staged`` mode is timed too, as ``shm_buckets``.
 
 A markdown table row per bucket size is printed; the last stdout line is the JSON of the first
-size: ``{"name": "weight_sync", "model_bytes", "memcpy_GBps", "memcpy_reused_dst_GBps",
+size, also appended to ``benchmarks/history/weight_sync.jsonl`` (see ``benchmarks/_report.py``):
+``{"name": "weight_sync", "bucket_mb", "model_bytes", "memcpy_GBps", "memcpy_reused_dst_GBps",
 "transports": {"shm": {"seconds", "GBps"}, "dist": {...}, "disk": {...}}, "shm_buckets":
 {...}, "ratio", "default_mode": "staged", "inplace": {"shm": {...}, ...}, "ratio_inplace",
 "ratio_shm_buckets", "ratio_vs_reused_dst", "faults_per_update": {"shm_staged": {"sender",
@@ -31,7 +32,6 @@ size: ``{"name": "weight_sync", "model_bytes", "memcpy_GBps", "memcpy_reused_dst
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import statistics
@@ -49,6 +49,11 @@ from polyrl.model_engine.engine import build_engine  # noqa: E402
 from polyrl.models.tiny import build_tiny_model  # noqa: E402
 from polyrl.rollout.launcher import ServerProcess  # noqa: E402
 from polyrl.weights import WeightSender, create_transport  # noqa: E402
+
+try:  # run as a script: its own directory is on sys.path
+    from _report import report
+except ImportError:  # imported as benchmarks.weight_sync
+    from benchmarks._report import report
 
 TRANSPORTS = ("shm", "dist", "disk")
 MODES = ("staged", "inplace")
@@ -181,13 +186,11 @@ def run(
             t.close()
         replica.stop()
         engine.close()
-    first = dict(results[0])
-    first.pop("bucket_mb")
-    return first
+    return results[0]
 
 
 def main() -> None:
-    """Parse arguments, run, print the JSON result last."""
+    """Parse arguments, run, record and print the JSON result last."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size", default="small", help="tiny model preset (default: small)")
     parser.add_argument("--bucket-mb", type=float, nargs="+", default=[64.0])
@@ -210,7 +213,7 @@ def main() -> None:
     ]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
-    print(json.dumps(run(args.size, args.bucket_mb, workdir, args.rounds, args.threads)))
+    report(run(args.size, args.bucket_mb, workdir, args.rounds, args.threads))
 
 
 if __name__ == "__main__":
