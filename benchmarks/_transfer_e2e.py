@@ -70,7 +70,7 @@ def measure_rl_steps(
         try:
             trainer.setup()
             for step in range(1, steps + 2):
-                client = trainer._client
+                client = trainer.producer.client
                 http_before = client.bytes_sent + client.bytes_received
                 meter = DriverTrafficMeter()
                 tick = time.perf_counter()

@@ -22,8 +22,8 @@ from polyrl.agent import (
     run_agent_loops,
 )
 from polyrl.agent.tool_loop import HermesToolParser, ParsedToolCall
+from polyrl.core.rollout_batch import build_rollout_batch
 from polyrl.rollout.client import GenerateResult, RolloutClient
-from polyrl.trainer.rl import build_rollout_batch
 
 # A third of the vocabulary ends a turn: the random tiny model then writes short turns that end
 # with finish_reason "stop" (as a trained model ending on eos would), so loops go on.

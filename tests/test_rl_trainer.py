@@ -20,15 +20,12 @@ import torch
 
 from polyrl.config import ConfigError, load_config
 from polyrl.core.batch import Batch
+from polyrl.core.rollout_batch import build_rollout_batch, rollout_widths, widen_rollout_batch
 from polyrl.model_engine.losses import GLOBAL_SEQS_KEY, GLOBAL_TOKENS_KEY
-from polyrl.trainer.rl import RLTrainer, build_rollout_batch, place_on_last_token
+from polyrl.trainer.rl import RLTrainer
+from polyrl.trainer.rl.advantage import place_on_last_token
+from polyrl.trainer.rl.rollout import group_varies, select_groups
 from polyrl.trainer.rl_losses import actor_loss, critic_loss, state_values
-from polyrl.trainer.rl_rollout import (
-    group_varies,
-    rollout_widths,
-    select_groups,
-    widen_rollout_batch,
-)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -599,7 +596,10 @@ def test_dapo_dynamic_sampling_fills_the_batch_and_shapes_overlong_rewards(tmp_p
         assert metrics["response_length/mean"] > 0
         assert "reward/overlong_penalty/mean" in metrics
         assert metrics["reward/overlong_penalty/mean"] <= 0.0
-        trainer.cfg = load_config("dapo", [*overrides, "algorithm.filter_groups_metric=score"])
+        # The generation phase reads the filter settings (the step reads none of them).
+        trainer.cfg = trainer.rollout.cfg = load_config(
+            "dapo", [*overrides, "algorithm.filter_groups_metric=score"]
+        )
         metrics = trainer.step(2)
         assert metrics["filter/gen_batches"] <= 3.0
         assert metrics["filter/informative_groups"] == 8.0

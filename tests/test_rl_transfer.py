@@ -11,9 +11,11 @@ import torch
 from test_rl_trainer import _e2e_overrides
 
 from polyrl.config import ConfigError, load_config
-from polyrl.trainer.rl import RLTrainer, build_rollout_batch
-from polyrl.trainer.rl_transfer import StepLayout, merge_rollout_summaries, sample_rows
+from polyrl.core.rollout_batch import build_rollout_batch
+from polyrl.trainer.rl import RLTrainer
+from polyrl.trainer.rl.store_worker import merge_rollout_summaries, sample_rows
 from polyrl.transfer import make_transfer_queue
+from polyrl.workers.store import StepLayout
 
 
 def _random_rollout(rng: random.Random, rows: int, with_masks: bool):
@@ -38,7 +40,9 @@ def test_rows_through_the_queue_rebuild_the_driver_batch_exactly(with_masks):
             prompts[lo:hi], responses[lo:hi], 0, logps[lo:hi], masks[lo:hi] if masks else None
         )
         part.non_tensors["uid"] = whole.non_tensors["uid"][lo:hi]
-        rows = sample_rows(part, scores[lo:hi], scores[lo:hi] > 4)
+        part["score"] = scores[lo:hi]
+        part["acc"] = (scores[lo:hi] > 4).float()
+        rows = sample_rows(part)
         queue.put(rows, "step-1", sample_ids=list(range(lo, hi)))
     meta = queue.get_meta(["prompt_ids", "score"], 12, "step-1", consumer="trainer")
     width_p = max(len(p) for p in prompts)

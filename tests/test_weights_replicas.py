@@ -334,13 +334,13 @@ def test_dist_group_is_created_once_and_reused(servers, dirs):
 
 def test_world_size_two_engine_group_updates_both_replicas(ray_session, servers, dirs):
     from polyrl.controller import WorkerGroup, WorkerSpec
-    from polyrl.workers.weight_sync import WeightSyncWorker
+    from polyrl.workers.engine import EngineWorker
 
     urls, ref = servers
     old_dir, new_dir = dirs
     want = outputs(ref)
     spec = WorkerSpec(
-        WeightSyncWorker,
+        EngineWorker,
         kwargs={"role": "actor", "model": str(new_dir), "engine": {"device": "cpu"}},
     )
     group = WorkerGroup(spec, world_size=2, name="weights-dp2")

@@ -3,7 +3,8 @@
 An :class:`EngineWorker` is a :class:`~polyrl.controller.Worker` holding one
 :class:`~polyrl.model_engine.engine.TrainingEngine`.  A :class:`~polyrl.controller.WorkerGroup`
 drives it from the driver; the engine joins the ``torch.distributed`` group the controller
-already initialised (gloo on CPU, NCCL on GPUs), so every engine collective spans the group's ranks::
+already initialised (gloo on CPU, NCCL on GPUs), so every engine collective spans the group's
+ranks::
 
     from polyrl.controller import ResourcePool, WorkerGroup, WorkerSpec
     from polyrl.workers.engine import EngineWorker
@@ -57,6 +58,8 @@ from polyrl.model_engine.engine import (
     compute_values,
 )
 from polyrl.model_engine.losses import LossFn, sft_loss
+from polyrl.workers.store import StoreClient, StoredRows
+from polyrl.workers.weight_sync import sync_engine_weights
 
 __all__ = [
     "ENTROPY_KEY",
@@ -274,6 +277,7 @@ class EngineWorker(Worker):
         self._optimizer_config = optimizer
         self._checkpoint_config = checkpoint
         self._engine: TrainingEngine | None = None
+        self._store: StoreClient | None = None
 
     # ------------------------------------------------------------------ plain (in-process) API
     @property
@@ -334,11 +338,41 @@ class EngineWorker(Worker):
             self._engine.close()
             self._engine = None
 
+    # ------------------------------------------------------------------ rows by reference
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def attach_transfer_queue(self, queue: Any) -> None:
+        """Give this worker a transfer-queue client, so it accepts :class:`StoredRows`.
+
+        After this, every ``compute_*`` and ``update_*`` method also takes a reference to rows
+        in the queue where it takes a ``Batch``: it fetches its shard, computes, and (for the
+        inference methods) puts the outputs back instead of returning them.
+        """
+        self._store = StoreClient(queue)
+
+    def _rows(self, data: Batch | StoredRows) -> Batch:
+        if not isinstance(data, StoredRows):
+            return data
+        if self._store is None:
+            raise RuntimeError(
+                f"{self._engine_role} worker (rank {self.rank}): given rows by reference but no "
+                "transfer queue is attached; call attach_transfer_queue first"
+            )
+        return self._store.load(data)
+
+    def _infer(self, data: Batch | StoredRows, compute: Callable[[Batch], Batch]) -> Batch | None:
+        """Run ``compute`` on ``data``'s rows; outputs of referenced rows go back to the queue."""
+        out = compute(self._rows(data))
+        if isinstance(data, StoredRows):
+            assert self._store is not None
+            self._store.put(data, out)
+            return None
+        return out
+
     # ------------------------------------------------------------------ inference
     @register(dispatch=Dispatch.DP_COMPUTE)
     def compute_log_prob(
-        self, batch: Batch, with_entropy: bool = False, share_prefix: bool = False
-    ) -> Batch:
+        self, batch: Batch | StoredRows, with_entropy: bool = False, share_prefix: bool = False
+    ) -> Batch | None:
         """Token log-probs of ``input_ids`` (``old_log_probs``; ``entropy`` on request).
 
         Honours ``batch.meta["temperature"]``.  Actor or reference role.  ``share_prefix``: the
@@ -347,39 +381,54 @@ class EngineWorker(Worker):
         """
         self._require_role("compute_log_prob", "actor", "reference")
         fn = compute_log_probs_and_entropy if with_entropy else compute_log_probs
-        out = self.engine.infer_batch(batch, fn, share_prefix)
-        tensors = {LOG_PROBS_KEY: out["log_probs"]}
-        if with_entropy:
-            tensors[ENTROPY_KEY] = out["entropy"]
-        return Batch(tensors=tensors)
+
+        def compute(rows: Batch) -> Batch:
+            out = self.engine.infer_batch(rows, fn, share_prefix)
+            tensors = {LOG_PROBS_KEY: out["log_probs"]}
+            if with_entropy:
+                tensors[ENTROPY_KEY] = out["entropy"]
+            return Batch(tensors=tensors)
+
+        return self._infer(batch, compute)
 
     @register(dispatch=Dispatch.DP_COMPUTE)
-    def compute_ref_log_prob(self, batch: Batch, share_prefix: bool = False) -> Batch:
+    def compute_ref_log_prob(
+        self, batch: Batch | StoredRows, share_prefix: bool = False
+    ) -> Batch | None:
         """Token log-probs under the reference model (``ref_log_probs``).
 
         ``share_prefix`` as in :meth:`compute_log_prob`.
         """
         self._require_role("compute_ref_log_prob", "reference", "actor")
-        out = self.engine.infer_batch(batch, compute_log_probs, share_prefix)
-        return Batch(tensors={REF_LOG_PROBS_KEY: out["log_probs"]})
+
+        def compute(rows: Batch) -> Batch:
+            out = self.engine.infer_batch(rows, compute_log_probs, share_prefix)
+            return Batch(tensors={REF_LOG_PROBS_KEY: out["log_probs"]})
+
+        return self._infer(batch, compute)
 
     @register(dispatch=Dispatch.DP_COMPUTE)
-    def compute_values(self, batch: Batch) -> Batch:
+    def compute_values(self, batch: Batch | StoredRows) -> Batch | None:
         """Per-token values of the critic (``values``)."""
         self._require_role("compute_values", "critic")
-        out = self.engine.infer_batch(batch, compute_values)
-        return Batch(tensors={VALUES_KEY: out["values"]})
+
+        def compute(rows: Batch) -> Batch:
+            out = self.engine.infer_batch(rows, compute_values)
+            return Batch(tensors={VALUES_KEY: out["values"]})
+
+        return self._infer(batch, compute)
 
     # ------------------------------------------------------------------ training
     def _update(
         self,
-        batch: Batch,
+        batch: Batch | StoredRows,
         loss: str,
         loss_kwargs: Mapping[str, Any] | None,
         num_mini_batches: int,
         epochs: int,
         step_scheduler: bool,
     ) -> dict[str, Any]:
+        batch = self._rows(batch)
         loss_fn = resolve_loss(loss, loss_kwargs)
         for name, value in (("num_mini_batches", num_mini_batches), ("epochs", epochs)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -414,7 +463,7 @@ class EngineWorker(Worker):
     @register(dispatch=Dispatch.DP_COMPUTE_METRIC)
     def update_actor(
         self,
-        batch: Batch,
+        batch: Batch | StoredRows,
         loss: str = "sft",
         loss_kwargs: Mapping[str, Any] | None = None,
         num_mini_batches: int = 1,
@@ -434,7 +483,7 @@ class EngineWorker(Worker):
     @register(dispatch=Dispatch.DP_COMPUTE_METRIC)
     def update_critic(
         self,
-        batch: Batch,
+        batch: Batch | StoredRows,
         loss: str,
         loss_kwargs: Mapping[str, Any] | None = None,
         num_mini_batches: int = 1,
@@ -458,6 +507,35 @@ class EngineWorker(Worker):
         with engine.eval_mode():
             metrics = engine.forward_backward(batch, resolve_loss(loss, loss_kwargs), True)
         return {k: v for k, v in metrics.items() if _to_float(v) is not None}
+
+    # ------------------------------------------------------------------ weights to rollout
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def sync_weights(
+        self,
+        transport: str,
+        urls: Sequence[str],
+        bucket_mb: float = 64.0,
+        checksum: bool = False,
+        version: int | None = None,
+        mode: str = "staged",
+        inflight: str = "keep",
+    ) -> dict[str, Any] | None:
+        """Send this group's weights to the rollout replicas ``urls`` over ``transport``.
+
+        Collective: every rank walks the weights, rank 0 sends (see
+        :func:`~polyrl.workers.weight_sync.sync_engine_weights`); returns rank 0's statistics.
+        """
+        return sync_engine_weights(
+            self.engine,
+            self.rank,
+            transport,
+            urls,
+            bucket_mb=bucket_mb,
+            checksum=checksum,
+            version=version,
+            mode=mode,
+            inflight=inflight,
+        )
 
     # ------------------------------------------------------------------ checkpoints and weights
     @register(dispatch=Dispatch.ONE_TO_ALL)

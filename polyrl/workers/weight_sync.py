@@ -1,4 +1,7 @@
-"""Engine-side entry point: a controller worker that pushes its weights to rollout replicas."""
+"""Engine-side weight sync: stream an engine's weights to rollout replicas.
+
+The engine worker's ``sync_weights`` method calls :func:`sync_engine_weights`.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +10,10 @@ from typing import Any
 
 import torch
 
-from polyrl.controller import Dispatch, register
 from polyrl.weights.base import create_transport
 from polyrl.weights.sender import WeightSender
-from polyrl.workers.engine import EngineWorker
 
-__all__ = ["WeightSyncWorker", "sync_engine_weights"]
+__all__ = ["sync_engine_weights"]
 
 
 def sync_engine_weights(
@@ -61,31 +62,3 @@ def sync_engine_weights(
         "buffer_bytes": stats.buffer_bytes,
         "replica_versions": stats.replica_versions,
     }
-
-
-class WeightSyncWorker(EngineWorker):
-    """An :class:`EngineWorker` that can push its weights to rollout replicas."""
-
-    @register(dispatch=Dispatch.ONE_TO_ALL)
-    def sync_weights(
-        self,
-        transport: str,
-        urls: Sequence[str],
-        bucket_mb: float = 64.0,
-        checksum: bool = False,
-        version: int | None = None,
-        mode: str = "staged",
-        inflight: str = "keep",
-    ) -> dict[str, Any] | None:
-        """Send this group's weights to ``urls`` over ``transport`` (collective)."""
-        return sync_engine_weights(
-            self.engine,
-            self.rank,
-            transport,
-            urls,
-            bucket_mb=bucket_mb,
-            checksum=checksum,
-            version=version,
-            mode=mode,
-            inflight=inflight,
-        )

@@ -1,9 +1,8 @@
-"""Rollout side of an RL step, shared by the driver and the transfer queue's rollout workers.
+"""Sampling and scoring, shared by the driver and the transfer queue's rollout workers.
 
 :class:`RolloutProducer` samples ``n`` responses per prompt through a rollout client (single
-turn or agent loops) and scores them; :func:`build_rollout_batch` packs prompt/response pairs into
-the engines' layout; :func:`compute_advantages` and :func:`batch_metrics` are the pure parts of
-the advantage phase and of the per-step metrics. The same code runs in the driver
+turn or agent loops) and scores them; :func:`attach_scores` puts the scores on the batch as
+the columns the advantage phase reads. The same code runs in the driver
 (``transfer.enable=false``) and in the workers that feed the transfer queue, so both paths give
 the same numbers.
 """
@@ -11,7 +10,9 @@ the same numbers.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+import contextlib
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,27 +20,52 @@ import torch
 
 from polyrl.config import PolyRLConfig
 from polyrl.core.batch import Batch
-from polyrl.core.rollout_batch import build_rollout_batch, rollout_widths, widen_rollout_batch
+from polyrl.core.rollout_batch import build_rollout_batch
 from polyrl.reward.shaping import overlong_penalty
+from polyrl.trainer.rl.metrics import REWARD_METRICS
 
 __all__ = [
     "RolloutProducer",
     "accuracy",
-    "batch_metrics",
-    "build_rollout_batch",
-    "compute_advantages",
+    "attach_scores",
     "derive_seed",
     "group_varies",
-    "masked_stats",
-    "place_on_last_token",
+    "pad_id_of",
     "response_cap",
-    "rollout_widths",
     "select_groups",
-    "stats",
-    "widen_rollout_batch",
+    "timer",
 ]
 
 _SEED_MOD = 2**63
+
+
+@contextlib.contextmanager
+def timer(timing: dict[str, float], name: str) -> Iterator[None]:
+    """Add the time the block takes to ``timing["timing_s/<name>"]``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        key = f"timing_s/{name}"
+        timing[key] = timing.get(key, 0.0) + (time.perf_counter() - start)
+
+
+def attach_scores(
+    batch: Batch,
+    scored: tuple[torch.Tensor, torch.Tensor, Mapping[str, float]],
+    baseline: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """Put a :meth:`RolloutProducer.score` result on ``batch``; return the reward metrics.
+
+    Adds the per-row columns ``score``, ``acc`` and, for ReMax, ``baseline`` (the greedy
+    response's score), which the advantage phase reads.
+    """
+    scores, acc, reward_metrics = scored
+    batch["score"] = scores.float()
+    batch["acc"] = acc.float()
+    if baseline is not None:
+        batch["baseline"] = baseline.float()
+    return {k: float(reward_metrics[k]) for k in REWARD_METRICS if k in reward_metrics}
 
 
 def response_cap(cfg: PolyRLConfig) -> int:
@@ -77,39 +103,18 @@ def select_groups(varies: torch.Tensor, needed: int) -> np.ndarray:
     return np.sort(order[:needed])
 
 
-def place_on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``(B, T)`` zeros with each row's score on its last masked token (rows without one: 0)."""
-    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
-    last = torch.where(mask != 0, positions, torch.full_like(positions, -1)).max(dim=1).values
-    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    rows = torch.nonzero(last >= 0).flatten()
-    out[rows, last[rows]] = scores[rows].float()
-    return out
-
-
-def stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
-    """``{prefix}/mean``, ``/max`` and ``/min`` of ``values`` (nothing when it is empty)."""
-    if values.numel() == 0:
-        return {}
-    v = values.float()
-    return {
-        f"{prefix}/mean": float(v.mean()),
-        f"{prefix}/max": float(v.max()),
-        f"{prefix}/min": float(v.min()),
-    }
-
-
-def masked_stats(prefix: str, values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """:func:`stats` of the entries of ``values`` where ``mask`` is non-zero."""
-    return stats(prefix, values[mask != 0])
-
-
 def accuracy(scores: torch.Tensor, extras: Mapping[str, np.ndarray]) -> torch.Tensor:
     """Per-sample correctness: the scorer's ``acc`` extra when it reports one, else score >= 1."""
     acc = extras.get("acc")
     if acc is not None and not np.isnan(acc.astype(float)).any():
         return torch.as_tensor(acc.astype(float), dtype=torch.float32)
     return (scores >= 1.0 - 1e-6).float()
+
+
+def pad_id_of(tokenizer: Any) -> int:
+    """Return the tokenizer's padding id (its end-of-sequence id when it has no pad token)."""
+    pad = tokenizer.pad_token_id
+    return int(pad if pad is not None else tokenizer.eos_token_id)
 
 
 def derive_seed(base: int, *parts: int) -> int:
@@ -147,6 +152,50 @@ class RolloutProducer:
         self.pad_id = int(pad_id)
         self.rewards = rewards
         self._run = run
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def connect(
+        cls, cfg: PolyRLConfig, urls: Sequence[str], tokenizer: Any, reward_fn: Any = None
+    ) -> RolloutProducer:
+        """Build a producer that owns its reward workers, event loop and client to ``urls``.
+
+        ``reward_fn`` overrides ``reward.custom_function``. The driver and every transfer-queue
+        rollout worker build theirs this way; :meth:`close` releases what it made.
+        """
+        from polyrl.reward.manager import RewardManager
+        from polyrl.rollout.client import RolloutClient
+
+        fn = reward_fn if reward_fn is not None else cfg.reward.custom_function
+        rewards = RewardManager(
+            custom_function=fn or None,
+            num_workers=cfg.reward.num_workers,
+            timeout_s=cfg.reward.timeout_s,
+            error_reward=cfg.reward.error_reward,
+        )
+        loop = asyncio.new_event_loop()
+        client = RolloutClient(list(urls), max_concurrency=512)
+        producer = cls(
+            cfg, client, tokenizer, pad_id_of(tokenizer), rewards, loop.run_until_complete
+        )
+        producer._loop = loop
+        loop.run_until_complete(client.start())
+        return producer
+
+    def run(self, coro: Any) -> Any:
+        """Run ``coro`` to completion on the client's event loop."""
+        return self._run(coro)
+
+    def close(self) -> None:
+        """Close the client, its event loop and the reward workers (those :meth:`connect` made)."""
+        try:
+            if self._loop is not None:
+                with contextlib.suppress(Exception):
+                    self._loop.run_until_complete(self.client.close())
+                self._loop.close()
+                self._loop = None
+        finally:
+            self.rewards.close()
 
     def sampling_params(self, n: int, temperature: float, seed: int) -> dict[str, Any]:
         """Build the rollout servers' sampling parameters for ``n`` copies at ``temperature``."""
@@ -326,79 +375,3 @@ class RolloutProducer:
             metrics["reward/overlong_penalty/mean"] = float(penalty.mean())
             metrics["reward/overlong_fraction"] = float((penalty < 0).float().mean())
         return scores, acc, metrics
-
-
-def compute_advantages(
-    batch: Batch, cfg: PolyRLConfig, kl_ctrl: Any, baseline: torch.Tensor | None
-) -> dict[str, float]:
-    """Fill ``token_level_rewards``, ``advantages`` and ``returns`` (KL penalty first).
-
-    Reads ``token_level_scores``, ``loss_mask``, the ``uid`` groups and, as the estimator needs,
-    ``values``, ``old_log_probs``/``ref_log_probs`` (KL in the reward, which also updates
-    ``kl_ctrl``) and ``baseline`` (ReMax: the greedy response's score per row).
-    """
-    from polyrl.algo import apply_kl_penalty, get_advantage_estimator
-
-    algo = cfg.algorithm
-    mask = batch["loss_mask"]
-    metrics: dict[str, float] = {}
-    rewards = batch["token_level_scores"]
-    if algo.use_kl_in_reward:
-        rewards, kl_metrics = apply_kl_penalty(
-            rewards,
-            batch["old_log_probs"],
-            batch["ref_log_probs"],
-            mask,
-            kl_ctrl,
-            algo.kl_penalty,
-        )
-        metrics.update(kl_metrics)
-    kwargs: dict[str, Any] = {}
-    if algo.adv_estimator == "gae":
-        kwargs = {"gamma": algo.gamma, "lam": algo.lam}
-    elif algo.adv_estimator == "grpo":
-        kwargs = {"norm_adv_by_std": algo.norm_adv_by_std}
-    elif algo.adv_estimator == "reinforce_plus_plus":
-        kwargs = {"gamma": algo.gamma}
-    estimator = get_advantage_estimator(algo.adv_estimator)
-    advantages, returns = estimator(
-        rewards,
-        mask,
-        index=list(batch.non_tensors["uid"]),
-        values=batch["values"] if "values" in batch.tensor_keys else None,
-        baseline_rewards=baseline,
-        **kwargs,
-    )
-    batch["token_level_rewards"] = rewards
-    batch["advantages"] = advantages.float()
-    batch["returns"] = returns.float()
-    return metrics
-
-
-def batch_metrics(
-    batch: Batch, scores: torch.Tensor, acc: torch.Tensor, max_response_length: int
-) -> dict[str, float]:
-    """Compute the step metrics that depend on the step's data only (verl names).
-
-    Scores, accuracy, rewards, advantages, returns, values, lengths, the rollout/engine
-    log-prob gap and token counts (``perf/total_num_tokens``, ``perf/response_tokens``).
-    """
-    mask = batch["loss_mask"]
-    resp_len = batch["response_length"].float()
-    out: dict[str, float] = {}
-    out.update(stats("critic/score", scores))
-    out["critic/acc/mean"] = float(acc.mean())
-    out.update(stats("critic/rewards", batch["token_level_rewards"].sum(1)))
-    out.update(masked_stats("critic/advantages", batch["advantages"], mask))
-    out.update(masked_stats("critic/returns", batch["returns"], mask))
-    if "values" in batch.tensor_keys:
-        out.update(masked_stats("critic/values", batch["values"], mask))
-    out.update(stats("response_length", resp_len))
-    out["response_length/clip_ratio"] = float((resp_len >= max_response_length).float().mean())
-    out.update(stats("prompt_length", batch["prompt_length"].float()))
-    if "old_log_probs" in batch.tensor_keys and "rollout_log_probs" in batch.tensor_keys:
-        gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
-        out["rollout/log_prob_gap"] = float((gap * mask).sum() / mask.sum().clamp(min=1.0))
-    out["perf/total_num_tokens"] = float(batch["attention_mask"].sum())
-    out["perf/response_tokens"] = float(resp_len.sum())
-    return out

@@ -1,4 +1,4 @@
-"""The RL step over the transfer queue (``transfer.enable=true``): the driver passes references.
+"""Rollout workers that feed the transfer queue (``transfer.enable=true``).
 
 Without the queue every phase's data passes through the driver: the rollout responses arrive
 over HTTP, the batch goes out to the engines for log-probs and comes back, goes out again for
@@ -6,17 +6,20 @@ the updates. With it:
 
 1. **Rollout workers** (:class:`StoreRolloutWorker`, Ray actors next to the rollout servers) get
    the step's prompt *indices*, generate and score their share through the same
-   :class:`~polyrl.trainer.rl_rollout.RolloutProducer` the driver uses, and ``put`` each sample
+   :class:`~polyrl.trainer.rl.rollout.RolloutProducer` the driver uses, and ``put`` each sample
    (ragged prompt/response tokens, masks, rollout log-probs, score) into the step's partition.
 2. The driver asks the queue for the partition's references (:class:`~polyrl.transfer.BatchMeta`)
-   and hands each engine worker group the meta; ``__dp_chunks__`` gives every data-parallel rank
-   its rows, which the rank fetches straight from the storage units, rebuilds in the step's
-   layout (:class:`StepLayout`: the same padding widths as the driver-side batch) and computes
-   on; per-token outputs (``old_log_probs``, ``ref_log_probs``, ``values``) go back to the queue.
-3. The advantage phase runs in rollout worker 0 on the stored fields (the driver's estimator
-   code, :func:`~polyrl.trainer.rl_rollout.compute_advantages`), writes ``advantages`` and
-   ``returns`` back and returns the step's data metrics.
+   and hands each engine worker group a :class:`~polyrl.workers.store.StoredRows`; every
+   data-parallel rank fetches its rows straight from the storage units, rebuilds them in the
+   step's layout (the same padding widths as the driver-side batch) and computes on them;
+   per-token outputs (``old_log_probs``, ``ref_log_probs``, ``values``) go back to the queue.
+3. The advantage phase (:func:`~polyrl.trainer.rl.advantage.advantage_phase`, the code the
+   driver runs without the queue) runs in rollout worker 0 on the stored rows and writes
+   ``advantages`` and ``returns`` back.
 4. The critic and actor ranks fetch their shards for the updates; the partition is cleared.
+
+The step itself is :meth:`polyrl.trainer.rl.loop.RLTrainer.step` in both modes; the data plane
+(:mod:`polyrl.trainer.rl.dataplane`) decides whether a phase gets a batch or a reference.
 
 The driver sends prompt indices, metas and loss settings and receives metrics: a few KB per
 step whatever the batch size. The rows each rank rebuilds equal the driver-side batch's rows,
@@ -26,7 +29,7 @@ so a run gives the same metrics with and without the queue.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import contextlib
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,25 +39,15 @@ import numpy as np
 import torch
 
 from polyrl.config import PolyRLConfig
-from polyrl.controller import Dispatch, register
 from polyrl.core.batch import Batch
-from polyrl.trainer.rl_rollout import (
-    RolloutProducer,
-    batch_metrics,
-    build_rollout_batch,
-    compute_advantages,
-    place_on_last_token,
-)
-from polyrl.workers.engine import EngineWorker
-from polyrl.workers.weight_sync import WeightSyncWorker
+from polyrl.trainer.rl.advantage import advantage_phase
+from polyrl.trainer.rl.rollout import RolloutProducer, attach_scores
+from polyrl.workers.store import StoreClient, StoredRows
 
 __all__ = [
     "ROLLOUT_FIELDS",
-    "StepLayout",
-    "StoreActorWorker",
-    "StoreEngineMixin",
-    "StoreEngineWorker",
     "StoreRolloutWorker",
+    "StoreWorkers",
     "merge_rollout_summaries",
     "sample_rows",
 ]
@@ -65,18 +58,14 @@ ROLLOUT_FIELDS = ("prompt_ids", "response_ids", "response_mask", "score", "acc")
 ROW_OBJECTS = ("uid", "data_source", "ground_truth", "extra_info", "response_text")
 
 
-def sample_rows(
-    batch: Batch,
-    scores: torch.Tensor,
-    acc: torch.Tensor,
-    baseline: torch.Tensor | None = None,
-) -> Batch:
-    """Turn a padded rollout batch into per-sample rows for the queue (no padding kept).
+def sample_rows(batch: Batch) -> Batch:
+    """Turn a padded, scored rollout batch into per-sample rows for the queue (no padding kept).
 
     Object columns ``prompt_ids``, ``response_ids``, ``response_mask`` (and
-    ``rollout_log_probs`` when the batch has them) hold each row's own 1-D numpy array; tensor
-    columns ``score``, ``acc`` (and ``baseline`` for ReMax) one number per row; the per-row
-    objects of :data:`ROW_OBJECTS` are kept.
+    ``rollout_log_probs`` when the batch has them) hold each row's own 1-D numpy array; the
+    tensor columns ``score``, ``acc`` (and ``baseline`` for ReMax; see
+    :func:`~polyrl.trainer.rl.rollout.attach_scores`) one number per row; the per-row objects
+    of :data:`ROW_OBJECTS` are kept.
     """
     width_p = int(batch["prompt_length"].max())
     ids, loss = batch["input_ids"], batch["loss_mask"]
@@ -107,131 +96,8 @@ def sample_rows(
     for key in ROW_OBJECTS:
         if key in batch.non_tensors:
             non_tensors[key] = batch.non_tensors[key]
-    tensors = {"score": scores.float(), "acc": acc.float()}
-    if baseline is not None:
-        tensors["baseline"] = baseline.float()
+    tensors = {k: batch[k] for k in ("score", "acc", "baseline") if k in batch.tensor_keys}
     return Batch(tensors=tensors, non_tensors=non_tensors)
-
-
-def _rows_of(batch: Batch, key: str) -> list[list[Any]]:
-    """Return a ragged column as lists (the queue stacks it when all rows are as long)."""
-    if key in batch.tensor_keys:
-        return [row.tolist() for row in batch[key]]
-    return [np.asarray(row).tolist() for row in batch.non_tensors[key]]
-
-
-@dataclasses.dataclass(frozen=True)
-class StepLayout:
-    """How a step's samples are packed for the engines: the driver-side batch's widths.
-
-    Args:
-        width_prompt: the longest prompt of the step (prompts are left-padded to it).
-        width_response: the longest response of the step (responses are right-padded to it).
-        pad_id: the padding token id.
-        rollout_log_probs: whether the samples carry the servers' log-probs.
-    """
-
-    width_prompt: int
-    width_response: int
-    pad_id: int
-    rollout_log_probs: bool = True
-
-    def rebuild(self, rows: Batch) -> Batch:
-        """Pack fetched rows into the engine batch the driver would have built for them.
-
-        Fixed-width tensor columns fetched with the rows (per-token outputs of earlier phases,
-        per-row scalars) are carried over as they are; the per-row objects too.
-        """
-        batch = build_rollout_batch(
-            _rows_of(rows, "prompt_ids"),
-            _rows_of(rows, "response_ids"),
-            self.pad_id,
-            _rows_of(rows, "rollout_log_probs") if self.rollout_log_probs else None,
-            _rows_of(rows, "response_mask"),
-            width_prompt=self.width_prompt,
-            width_response=self.width_response,
-        )
-        ragged = {"prompt_ids", "response_ids", "response_mask", "rollout_log_probs"}
-        for key in rows.tensor_keys:
-            if key not in ragged:
-                batch[key] = rows[key]
-        for key in rows.non_tensor_keys:
-            if key not in ragged:
-                batch.non_tensors[key] = rows.non_tensors[key]
-        return batch
-
-    def fields(self, extra: Sequence[str] = ()) -> list[str]:
-        """Return the queue fields :meth:`rebuild` needs, plus ``extra``."""
-        base = ["prompt_ids", "response_ids", "response_mask"]
-        if self.rollout_log_probs:
-            base.append("rollout_log_probs")
-        return base + [f for f in extra if f not in base]
-
-    def load(self, queue: Any, meta: Any, extra: Sequence[str] = ()) -> Batch:
-        """Fetch ``meta``'s rows (layout fields + ``extra``) from the queue and rebuild them."""
-        return self.rebuild(queue.get_data(meta, fields=self.fields(extra)))
-
-
-class StoreEngineMixin:
-    """Engine-worker methods that read their shard from the transfer queue and write back.
-
-    Mixed into the RL trainer's engine workers (:class:`~polyrl.workers.engine.EngineWorker`
-    and :class:`~polyrl.workers.weight_sync.WeightSyncWorker`). ``meta`` is split across the
-    data-parallel ranks by its ``__dp_chunks__``; the layout is broadcast. The queue client is
-    attached once (:meth:`attach_transfer_queue`), so a call carries only references.
-    """
-
-    _transfer_queue: Any = None
-
-    @register(dispatch=Dispatch.ONE_TO_ALL)
-    def attach_transfer_queue(self, queue: Any) -> None:
-        """Keep the transfer queue client the ``*_store`` methods read from and write to."""
-        self._transfer_queue = queue
-
-    def _queue(self) -> Any:
-        if self._transfer_queue is None:
-            raise RuntimeError("no transfer queue attached: call attach_transfer_queue first")
-        return self._transfer_queue
-
-    @register(dispatch=Dispatch.DP_COMPUTE)
-    def infer_to_store(
-        self,
-        meta: Any,
-        layout: StepLayout,
-        method: str,
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> None:
-        """Run the inference method ``method`` on this rank's rows and put its outputs back."""
-        if method not in ("compute_log_prob", "compute_ref_log_prob", "compute_values"):
-            raise ValueError(
-                f"infer_to_store: method must be compute_log_prob, compute_ref_log_prob or "
-                f"compute_values, got {method!r}"
-            )
-        if len(meta) == 0:
-            raise ValueError("infer_to_store: this rank was given no rows")
-        queue = self._queue()
-        out = getattr(self, method)(layout.load(queue, meta), **dict(kwargs or {}))
-        queue.put(out, meta.partition, sample_ids=list(meta.sample_ids))
-
-    @register(dispatch=Dispatch.DP_COMPUTE_METRIC)
-    def update_from_store(
-        self,
-        meta: Any,
-        layout: StepLayout,
-        fields: Sequence[str],
-        update: str,
-        loss: str,
-        loss_kwargs: Mapping[str, Any] | None = None,
-        num_mini_batches: int = 1,
-        epochs: int = 1,
-    ) -> dict[str, Any]:
-        """Run ``update`` (``update_actor`` or ``update_critic``) on this rank's rows."""
-        if update not in ("update_actor", "update_critic"):
-            raise ValueError(
-                f"update_from_store: update must be update_actor or update_critic, got {update!r}"
-            )
-        batch = layout.load(self._queue(), meta, fields)
-        return getattr(self, update)(batch, loss, loss_kwargs, num_mini_batches, epochs)
 
 
 def merge_rollout_summaries(summaries: Sequence[Mapping[str, float]]) -> dict[str, float]:
@@ -285,33 +151,15 @@ class StoreRolloutWorker:
         reward_fn: Any = None,
     ) -> None:
         from polyrl.models.loader import load_tokenizer
-        from polyrl.reward.manager import RewardManager
-        from polyrl.rollout.client import RolloutClient
 
         self.cfg = cfg
         self.queue = queue
+        self.store = StoreClient(queue)
         self.dataset = dataset
-        self.tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-        pad = self.tokenizer.pad_token_id
-        self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
-        fn = reward_fn if reward_fn is not None else cfg.reward.custom_function
-        self.rewards = RewardManager(
-            custom_function=fn or None,
-            num_workers=cfg.reward.num_workers,
-            timeout_s=cfg.reward.timeout_s,
-            error_reward=cfg.reward.error_reward,
-        )
-        self._loop = asyncio.new_event_loop()
+        tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+        self.producer = RolloutProducer.connect(cfg, urls, tokenizer, reward_fn)
         # One scoring thread: the reward manager serves one call at a time.
         self._scorer = ThreadPoolExecutor(1, thread_name_prefix="polyrl-score")
-        self.client = RolloutClient(list(urls), max_concurrency=512)
-        self._run(self.client.start())
-        self.producer = RolloutProducer(
-            cfg, self.client, self.tokenizer, self.pad_id, self.rewards, self._run
-        )
-
-    def _run(self, coro: Any) -> Any:
-        return self._loop.run_until_complete(coro)
 
     def rollout(
         self,
@@ -334,7 +182,7 @@ class StoreRolloutWorker:
         else:
             # (A module-level coroutine: an async method would make Ray run this actor on an
             # event loop, and the worker drives its own.)
-            parts = self._run(
+            parts = self.producer.run(
                 _rollout_streamed(self, partition, items, first_index, n, temperature, seed)
             )
         summary = merge_rollout_summaries(parts)
@@ -349,12 +197,9 @@ class StoreRolloutWorker:
         scored: tuple[torch.Tensor, torch.Tensor, Mapping[str, float]],
         reward_s: float,
     ) -> tuple[Batch, dict[str, float]]:
-        scores, acc, reward_metrics = scored
-        rows = sample_rows(batch, scores, acc, baseline)
         summary = {k: float(v) for k, v in gen_metrics.items()}
-        for key in ("reward/errors", "reward/timeouts"):
-            if key in reward_metrics:
-                summary[key] = float(reward_metrics[key])
+        summary.update(attach_scores(batch, scored, baseline))
+        rows = sample_rows(batch)
         summary.update(
             {
                 "rows": float(len(rows)),
@@ -395,46 +240,25 @@ class StoreRolloutWorker:
         return summary
 
     def advantages(
-        self,
-        meta: Any,
-        layout: StepLayout,
-        kl_ctrl: Any,
-        fields: Sequence[str],
-        max_response_length: int,
-    ) -> tuple[dict[str, float], Any]:
-        """Run the advantage phase on the stored step: put advantages back, return the metrics.
+        self, rows: StoredRows, kl_ctrl: Any, max_response_length: int
+    ) -> tuple[StoredRows, dict[str, float], Any]:
+        """Run the advantage phase on the stored rows and put its outputs back.
 
-        Returns the step's data metrics and the KL controller (updated when the KL penalty is
-        in the reward), which the driver keeps for the next step and its checkpoints.
+        Returns the reference (now with the advantage columns), the step's data metrics and
+        the KL controller (updated when the KL penalty is in the reward), which the driver
+        keeps for the next step and its checkpoints.
         """
-        from polyrl.trainer.rl_losses import state_values
-
-        batch = layout.load(self.queue, meta, list(fields))
-        mask = batch["loss_mask"]
-        scores, acc = batch["score"], batch["acc"]
-        batch["token_level_scores"] = place_on_last_token(scores, mask)
-        out_keys = ["token_level_rewards", "advantages", "returns"]
-        if "values" in batch.tensor_keys:
-            batch["values"] = state_values(batch["values"]) * mask
-            out_keys.append("values")
-        baseline = batch["baseline"] if "baseline" in batch.tensor_keys else None
-        metrics = compute_advantages(batch, self.cfg, kl_ctrl, baseline)
-        self.queue.put(
-            Batch(tensors={k: batch[k] for k in out_keys}),
-            meta.partition,
-            sample_ids=list(meta.sample_ids),
-        )
-        metrics.update(batch_metrics(batch, scores, acc, max_response_length))
-        return metrics, kl_ctrl
+        batch = self.store.load(rows)
+        written, metrics = advantage_phase(batch, self.cfg, kl_ctrl, max_response_length)
+        self.store.put(rows, Batch(tensors={k: batch[k] for k in written}))
+        return rows.with_fields(*written), metrics, kl_ctrl
 
     def close(self) -> None:
         """Close the client and the reward workers."""
         try:
-            self._run(self.client.close())
+            self.producer.close()
         finally:
-            self._loop.close()
             self._scorer.shutdown(wait=False)
-            self.rewards.close()
 
 
 async def _rollout_streamed(
@@ -484,9 +308,56 @@ async def _rollout_streamed(
     return list(await asyncio.gather(*(one(i, item) for i, item in enumerate(items))))
 
 
-class StoreActorWorker(StoreEngineMixin, WeightSyncWorker):
-    """The actor's worker (weight sync included) with the transfer-queue methods."""
+class StoreWorkers:
+    """The transfer queue's rollout workers: Ray actors or, with a local queue, in-process.
 
+    Args:
+        count: how many workers.
+        backend: ``"ray"`` (actors that take no CPU reservation: they mostly wait on HTTP)
+            or ``"local"``.
+        args: :class:`StoreRolloutWorker`'s constructor arguments.
+    """
 
-class StoreEngineWorker(StoreEngineMixin, EngineWorker):
-    """A reference or critic worker with the transfer-queue methods."""
+    def __init__(self, count: int, backend: str, *args: Any) -> None:
+        self.backend = backend
+        if backend == "ray":
+            import ray
+
+            remote = ray.remote(StoreRolloutWorker).options(num_cpus=0)
+            self.workers: list[Any] = [remote.remote(*args) for _ in range(count)]
+        else:
+            self.workers = [StoreRolloutWorker(*args) for _ in range(count)]
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def call(self, index: int, method: str, *args: Any) -> Any:
+        """Call ``method`` on worker ``index`` and wait for its result."""
+        worker = self.workers[index]
+        if self.backend == "ray":
+            import ray
+
+            return ray.get(getattr(worker, method).remote(*args))
+        return getattr(worker, method)(*args)
+
+    def call_each(self, method: str, calls: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Call ``method`` on worker ``i`` with ``calls[i]``, all at once; wait for every one."""
+        workers = self.workers[: len(calls)]
+        if self.backend == "ray":
+            import ray
+
+            return ray.get(
+                [getattr(w, method).remote(*a) for w, a in zip(workers, calls, strict=True)]
+            )
+        with ThreadPoolExecutor(len(calls)) as pool:
+            return list(
+                pool.map(
+                    lambda wa: getattr(wa[0], method)(*wa[1]), zip(workers, calls, strict=True)
+                )
+            )
+
+    def close(self) -> None:
+        """Close every worker (their clients and reward processes)."""
+        for index in range(len(self.workers)):
+            with contextlib.suppress(Exception):
+                self.call(index, "close")

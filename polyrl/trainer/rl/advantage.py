@@ -1,0 +1,102 @@
+"""The advantage phase of an RL step: one function, run where the step's rows are.
+
+:func:`advantage_phase` turns a scored batch (``score`` per row, per-token ``loss_mask``, and as
+the estimator needs ``values``, ``old_log_probs``, ``ref_log_probs``, ``baseline``) into
+``token_level_rewards``, ``advantages`` and ``returns``, and measures the step's data. The
+driver runs it on the batch it holds; with the transfer queue, a rollout worker runs it on
+the stored rows. Either way it is this code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from polyrl.config import PolyRLConfig
+from polyrl.core.batch import Batch
+from polyrl.trainer.rl.metrics import batch_metrics
+from polyrl.trainer.rl_losses import state_values
+
+__all__ = ["ADVANTAGE_OUTPUTS", "advantage_phase", "compute_advantages", "place_on_last_token"]
+
+#: The columns the advantage phase adds to a step's rows.
+ADVANTAGE_OUTPUTS = ("token_level_rewards", "advantages", "returns")
+
+
+def place_on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``(B, T)`` zeros with each row's score on its last masked token (rows without one: 0)."""
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(mask != 0, positions, torch.full_like(positions, -1)).max(dim=1).values
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    rows = torch.nonzero(last >= 0).flatten()
+    out[rows, last[rows]] = scores[rows].float()
+    return out
+
+
+def compute_advantages(
+    batch: Batch, cfg: PolyRLConfig, kl_ctrl: Any, baseline: torch.Tensor | None
+) -> dict[str, float]:
+    """Fill ``token_level_rewards``, ``advantages`` and ``returns`` (KL penalty first).
+
+    Reads ``token_level_scores``, ``loss_mask``, the ``uid`` groups and, as the estimator needs,
+    ``values``, ``old_log_probs``/``ref_log_probs`` (KL in the reward, which also updates
+    ``kl_ctrl``) and ``baseline`` (ReMax: the greedy response's score per row).
+    """
+    from polyrl.algo import apply_kl_penalty, get_advantage_estimator
+
+    algo = cfg.algorithm
+    mask = batch["loss_mask"]
+    metrics: dict[str, float] = {}
+    rewards = batch["token_level_scores"]
+    if algo.use_kl_in_reward:
+        rewards, kl_metrics = apply_kl_penalty(
+            rewards,
+            batch["old_log_probs"],
+            batch["ref_log_probs"],
+            mask,
+            kl_ctrl,
+            algo.kl_penalty,
+        )
+        metrics.update(kl_metrics)
+    kwargs: dict[str, Any] = {}
+    if algo.adv_estimator == "gae":
+        kwargs = {"gamma": algo.gamma, "lam": algo.lam}
+    elif algo.adv_estimator == "grpo":
+        kwargs = {"norm_adv_by_std": algo.norm_adv_by_std}
+    elif algo.adv_estimator == "reinforce_plus_plus":
+        kwargs = {"gamma": algo.gamma}
+    estimator = get_advantage_estimator(algo.adv_estimator)
+    advantages, returns = estimator(
+        rewards,
+        mask,
+        index=list(batch.non_tensors["uid"]),
+        values=batch["values"] if "values" in batch.tensor_keys else None,
+        baseline_rewards=baseline,
+        **kwargs,
+    )
+    batch["token_level_rewards"] = rewards
+    batch["advantages"] = advantages.float()
+    batch["returns"] = returns.float()
+    return metrics
+
+
+def advantage_phase(
+    batch: Batch, cfg: PolyRLConfig, kl_ctrl: Any, max_response_length: int
+) -> tuple[list[str], dict[str, float]]:
+    """Score tokens, fold in the KL penalty, estimate advantages and measure the step.
+
+    Adds :data:`ADVANTAGE_OUTPUTS` (and turns the critic's raw ``values`` into state values
+    on response tokens) to ``batch`` in place; updates ``kl_ctrl`` when the KL penalty is in
+    the reward. Returns the names of the columns it wrote and the step's data metrics.
+    """
+    mask = batch["loss_mask"]
+    batch["token_level_scores"] = place_on_last_token(batch["score"], mask)
+    written = list(ADVANTAGE_OUTPUTS)
+    if "values" in batch.tensor_keys:
+        batch["values"] = state_values(batch["values"]) * mask
+        written.append("values")
+    baseline = batch["baseline"] if "baseline" in batch.tensor_keys else None
+    metrics = compute_advantages(batch, cfg, kl_ctrl, baseline)
+    metrics.update(batch_metrics(batch, max_response_length))
+    return written, metrics

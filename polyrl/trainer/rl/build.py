@@ -1,0 +1,326 @@
+"""Wiring of an RL run: check the config, load data, start replicas, engines and the queue.
+
+Every function here runs once, at :meth:`~polyrl.trainer.rl.loop.RLTrainer.setup`; the step
+itself lives in :mod:`polyrl.trainer.rl.loop`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from polyrl.config import ConfigError, PolyRLConfig
+from polyrl.trainer.rl.rollout import response_cap
+
+__all__ = [
+    "check_config",
+    "engine_specs",
+    "load_datasets",
+    "rollout_matmul_dtype",
+    "start_engines",
+    "start_replicas",
+    "start_transfer_queue",
+    "trains_on_gpu",
+]
+
+
+def trains_on_gpu(cfg: PolyRLConfig) -> bool:
+    """Whether the training engines run on CUDA (``trainer.device``, auto when available)."""
+    return cfg.trainer.device == "cuda" or (
+        cfg.trainer.device == "auto" and torch.cuda.is_available()
+    )
+
+
+def rollout_matmul_dtype(cfg: PolyRLConfig) -> str:
+    """Return the native replicas' projection-matmul dtype (``rollout.matmul_dtype``).
+
+    ``auto`` is the training engines' compute dtype (``model.compute_dtype``, whose own auto is
+    bfloat16 on CUDA and ``model.dtype`` on CPU), so rollout and training round their matmuls
+    alike.
+    """
+    from polyrl.model_engine import MixedPrecisionConfig
+
+    if cfg.rollout.matmul_dtype != "auto":
+        return cfg.rollout.matmul_dtype
+    precision = MixedPrecisionConfig(param_dtype=cfg.model.compute_dtype)
+    compute = precision.compute_dtype("cuda" if trains_on_gpu(cfg) else "cpu", cfg.model.dtype)
+    return str(compute).removeprefix("torch.")
+
+
+def check_config(cfg: PolyRLConfig, has_rows: bool = False) -> None:
+    """Refuse settings that cannot run together, naming the option to change."""
+    algo, actor = cfg.algorithm, cfg.actor
+    if not has_rows and not cfg.data.task and not cfg.data.train_files:
+        raise ConfigError(
+            "no training data: set data.task (a generated task) or data.train_files",
+            key="data.train_files",
+        )
+    if algo.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and (
+        cfg.rollout.n < 2
+    ):
+        raise ConfigError(
+            f"{algo.adv_estimator} compares the responses of one prompt and needs rollout.n >= 2, "
+            f"got {cfg.rollout.n}",
+            key="rollout.n",
+        )
+    if algo.filter_groups and (cfg.rollout.n < 2 or algo.adv_estimator == "remax"):
+        raise ConfigError(
+            "algorithm.filter_groups keeps prompts whose responses differ: it needs rollout.n >= "
+            f"2 and an estimator other than remax (got n={cfg.rollout.n}, "
+            f"{algo.adv_estimator})",
+            key="algorithm.filter_groups",
+        )
+    if algo.filter_groups and cfg.transfer.enable:
+        raise ConfigError(
+            "algorithm.filter_groups is not supported with transfer.enable (the rollout workers "
+            "stream fixed prompt sets); turn one of them off",
+            key="algorithm.filter_groups",
+        )
+    response = response_cap(cfg)
+    if cfg.reward.overlong_buffer_len > response:
+        raise ConfigError(
+            f"{cfg.reward.overlong_buffer_len} exceeds the maximum response length ({response}); "
+            "the buffer is the last part of the allowed length",
+            key="reward.overlong_buffer_len",
+        )
+    batch = cfg.data.train_batch_size
+    if actor.ppo_mini_batch_size and batch % actor.ppo_mini_batch_size:
+        raise ConfigError(
+            f"{actor.ppo_mini_batch_size} must divide data.train_batch_size ({batch})",
+            key="actor.ppo_mini_batch_size",
+        )
+    world = cfg.trainer.world_size
+    minis = batch // actor.ppo_mini_batch_size if actor.ppo_mini_batch_size else 1
+    if (batch * cfg.rollout.n) // world < minis:
+        raise ConfigError(
+            f"{batch} prompts x {cfg.rollout.n} responses over {world} ranks leave fewer rows per "
+            f"rank than the {minis} mini-batches; raise data.train_batch_size",
+            key="actor.ppo_mini_batch_size",
+        )
+    if cfg.transfer.enable and (batch * cfg.rollout.n) % world:
+        raise ConfigError(
+            f"with transfer.enable the {batch} prompts x {cfg.rollout.n} responses must split "
+            f"evenly over the {world} ranks (each rank fetches its own rows, unpadded)",
+            key="data.train_batch_size",
+        )
+    if actor.max_tokens_per_micro_batch < cfg.data.max_prompt_length + response:
+        raise ConfigError(
+            f"{actor.max_tokens_per_micro_batch} is below the longest sequence "
+            f"({cfg.data.max_prompt_length} prompt + {response} response tokens)",
+            key="actor.max_tokens_per_micro_batch",
+        )
+
+
+def load_datasets(
+    cfg: PolyRLConfig,
+    tokenizer: Any,
+    out_dir: Path,
+    train_rows: Sequence[Mapping[str, Any]] | None = None,
+    val_rows: Sequence[Mapping[str, Any]] | None = None,
+) -> tuple[Any, Any]:
+    """Return the training and validation prompt datasets (validation may be ``None``).
+
+    Rows given directly win; otherwise ``data.task`` is generated into ``data.data_dir`` (or
+    ``out_dir/data``), else ``data.train_files`` / ``data.val_files`` are read.
+    """
+    from polyrl.data.dataset import RLDataset
+
+    data = cfg.data
+    kwargs = {
+        "max_prompt_length": data.max_prompt_length,
+        "prompt_key": data.prompt_key,
+        "truncation": data.truncation,
+    }
+    if train_rows is not None:
+        train = RLDataset(list(train_rows), tokenizer, **kwargs)
+        val = RLDataset(list(val_rows), tokenizer, **kwargs) if val_rows else None
+        return train, val
+    if data.task:
+        from polyrl.data.tasks import write_task_splits
+
+        data_dir = Path(data.data_dir) if data.data_dir else out_dir / "data"
+        train_path, test_path = write_task_splits(
+            data.task,
+            data_dir,
+            data.num_train,
+            data.num_val,
+            seed=cfg.seed_for("data"),
+            **data.task_options,
+        )
+        train_files = [str(train_path)]
+        val_files = list(data.val_files) or ([str(test_path)] if data.num_val > 0 else [])
+    else:
+        train_files, val_files = list(data.train_files), list(data.val_files)
+    train = RLDataset(train_files, tokenizer, **kwargs)
+    val = RLDataset(val_files, tokenizer, **kwargs) if val_files else None
+    return train, val
+
+
+def start_replicas(
+    cfg: PolyRLConfig, model_dir: Path, closers: list[Callable[[], None]]
+) -> list[str]:
+    """Start ``rollout.replicas`` rollout servers (unless ``rollout.urls`` names running ones).
+
+    Returns their URLs; each started server's stop is appended to ``closers``.
+    """
+    from polyrl.rollout.launcher import start_replicas as launch
+
+    urls = list(cfg.rollout.urls)
+    if urls:
+        return urls
+    options: dict[str, Any] = {"dtype": cfg.model.dtype, "seed": cfg.seed_for("rollout")}
+    if cfg.rollout.backend == "native":
+        options["max_num_seqs"] = cfg.rollout.max_num_seqs
+        if cfg.rollout.num_threads:
+            options["num_threads"] = cfg.rollout.num_threads
+        matmul = rollout_matmul_dtype(cfg)
+        if matmul != cfg.model.dtype:
+            options["matmul_dtype"] = matmul
+    replicas = launch(model_dir, cfg.rollout.replicas, backend=cfg.rollout.backend, options=options)
+    for replica in replicas:
+        closers.append(replica.stop)
+    return [str(r.url) for r in replicas]
+
+
+def engine_specs(
+    cfg: PolyRLConfig, model_dir: Path, total_steps: int, use_ref: bool, use_critic: bool
+) -> dict[str, Any]:
+    """Return the worker specs of the actor, and of the reference and critic when used."""
+    from polyrl.controller import WorkerSpec
+    from polyrl.model_engine import (
+        CheckpointConfig,
+        EngineConfig,
+        MixedPrecisionConfig,
+        ModelSpec,
+        OptimizerConfig,
+    )
+    from polyrl.workers.engine import EngineWorker
+
+    actor, critic = cfg.actor, cfg.critic
+    model = ModelSpec(
+        path=str(model_dir),
+        dtype=cfg.model.dtype,
+        trust_remote_code=cfg.model.trust_remote_code,
+    )
+    engine = EngineConfig(
+        device=cfg.trainer.device,
+        dynamic_batching=True,
+        max_tokens_per_micro_batch=actor.max_tokens_per_micro_batch,
+        gradient_checkpointing=actor.gradient_checkpointing,
+        share_prefix=actor.share_prefix,
+        grad_clip=actor.grad_clip,
+        mixed_precision=MixedPrecisionConfig(param_dtype=cfg.model.compute_dtype),
+        seed=cfg.seed,
+    )
+    ckpt = CheckpointConfig(max_to_keep=cfg.trainer.max_ckpt_to_keep)
+    specs: dict[str, Any] = {
+        "actor": WorkerSpec(
+            EngineWorker,
+            kwargs={
+                "role": "actor",
+                "model": model,
+                "engine": engine,
+                "optimizer": OptimizerConfig(
+                    name=actor.optimizer,
+                    lr=actor.lr,
+                    weight_decay=actor.weight_decay,
+                    scheduler=actor.lr_scheduler,
+                    warmup_ratio=actor.warmup_ratio,
+                    total_steps=max(total_steps, 1),
+                ),
+                "checkpoint": ckpt,
+            },
+        )
+    }
+    if use_ref:
+        specs["ref"] = WorkerSpec(
+            EngineWorker, kwargs={"role": "reference", "model": model, "engine": engine}
+        )
+    if use_critic:
+        critic_model = dataclasses.replace(
+            model, path=critic.model_path or str(model_dir), kind="value"
+        )
+        specs["critic"] = WorkerSpec(
+            EngineWorker,
+            kwargs={
+                "role": "critic",
+                "model": critic_model,
+                "engine": dataclasses.replace(engine, grad_clip=critic.grad_clip),
+                "optimizer": OptimizerConfig(
+                    name=critic.optimizer,
+                    lr=critic.lr,
+                    weight_decay=critic.weight_decay,
+                    total_steps=max(total_steps, 1),
+                ),
+                "checkpoint": ckpt,
+            },
+        )
+    return specs
+
+
+def start_engines(
+    cfg: PolyRLConfig, specs: Mapping[str, Any], closers: list[Callable[[], None]]
+) -> tuple[dict[str, Any], list[Any]]:
+    """Start the engine worker groups; return each role's view and the groups.
+
+    ``trainer.placement=colocated`` puts every role in one group (one process per rank),
+    ``separate`` gives each its own. Ray is started here when the run needs it (and its
+    shutdown appended to ``closers``).
+    """
+    from polyrl.controller import ResourcePool, WorkerGroup
+
+    world = cfg.trainer.world_size
+    backend = cfg.trainer.worker_backend
+    use_gpu = trains_on_gpu(cfg)
+    if backend == "ray":
+        import ray
+
+        if not ray.is_initialized():
+            from polyrl.trainer.sft import ray_init_options
+
+            ray.init(**ray_init_options(cfg))
+            closers.append(ray.shutdown)
+    layouts = (
+        [specs] if cfg.trainer.placement == "colocated" else [{k: v} for k, v in specs.items()]
+    )
+    views: dict[str, Any] = {}
+    groups: list[Any] = []
+    for layout in layouts:
+        name = "+".join(layout)
+        kwargs: dict[str, Any] = {"backend": backend, "name": f"rl-{name}"}
+        if backend == "ray":
+            # Separate groups on CPU share the cores: each asks for a fraction of one, so a
+            # two-core machine can still place actor, reference and critic.
+            kwargs["pool"] = ResourcePool(
+                f"rl-{name}",
+                world,
+                cpus_per_worker=1.0 if use_gpu else 1.0 / len(layouts),
+                gpus_per_worker=1.0 if use_gpu else 0.0,
+            )
+        else:
+            kwargs["world_size"] = world
+        group = WorkerGroup(layout, **kwargs)
+        groups.append(group)
+        for role in layout:
+            views[role] = group.role(role)
+    return views, groups
+
+
+def start_transfer_queue(cfg: PolyRLConfig, closers: list[Callable[[], None]]) -> tuple[Any, str]:
+    """Start the transfer queue (``transfer.backend``; auto follows the worker backend).
+
+    Returns the queue client and the backend it runs on; its close goes to ``closers``.
+    """
+    from polyrl.transfer import make_transfer_queue
+
+    backend = cfg.transfer.backend
+    if backend == "auto":
+        backend = "ray" if cfg.trainer.worker_backend == "ray" else "local"
+    options = {"num_storage_units": cfg.transfer.num_storage_units} if backend == "ray" else {}
+    queue = make_transfer_queue(backend, **options)
+    closers.append(queue.close)
+    return queue, backend

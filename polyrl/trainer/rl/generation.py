@@ -1,0 +1,245 @@
+"""The generation phase of an RL step: one object that hands the step a scored batch.
+
+Whatever produces the step's samples -- the driver itself (:class:`DriverRollout`) or the
+transfer queue's rollout workers (:class:`QueueRollout`) -- the step sees one call,
+``generate(step, indices, timing)``, which returns a reference to scored rows (a ``Batch`` or
+:class:`~polyrl.workers.store.StoredRows`) and the generation metrics. What differs between
+algorithms lives here, not in the step: ReMax's greedy baseline, DAPO's dynamic sampling, and
+putting the rollout replicas to sleep while the engines train (:class:`Replicas`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from polyrl.config import PolyRLConfig
+from polyrl.core.batch import Batch
+from polyrl.core.rollout_batch import rollout_widths, widen_rollout_batch
+from polyrl.trainer.rl.rollout import (
+    RolloutProducer,
+    attach_scores,
+    derive_seed,
+    group_varies,
+    select_groups,
+    timer,
+)
+from polyrl.trainer.rl.store_worker import ROLLOUT_FIELDS, StoreWorkers, merge_rollout_summaries
+from polyrl.workers.store import StepLayout, StoredRows
+
+__all__ = ["DriverRollout", "QueueRollout", "Replicas"]
+
+
+class Replicas:
+    """The rollout replicas as a step uses them: sleep while training, wake for new weights.
+
+    Args:
+        cfg: the run's configuration (``rollout`` group).
+        urls: the replicas' URLs.
+        producer: the driver's producer (its client reaches every replica).
+    """
+
+    def __init__(self, cfg: PolyRLConfig, urls: Sequence[str], producer: RolloutProducer) -> None:
+        self.cfg = cfg
+        self.urls = list(urls)
+        self.producer = producer
+
+    def sleep(self) -> None:
+        """Free the replicas' memory for training (``rollout.sleep_during_training``)."""
+        if self.cfg.rollout.sleep_during_training:
+            self.producer.run(self.producer.client.sleep())
+
+    def wake(self) -> None:
+        """Undo :meth:`sleep` (nothing when the replicas do not sleep)."""
+        if self.cfg.rollout.sleep_during_training:
+            self.producer.run(self.producer.client.wake_up())
+
+    def sync_weights(self, actor: Any, version: int) -> dict[str, float]:
+        """Wake the replicas and push the actor's weights as ``version``; return metrics."""
+        ro = self.cfg.rollout
+        self.wake()
+        stats = actor.sync_weights(
+            ro.weight_transport,
+            self.urls,
+            ro.weight_bucket_mb,
+            False,
+            version,
+            ro.weight_sync_mode,
+        )
+        first = next(s for s in stats if s is not None)
+        return {
+            "perf/weight_sync_bytes": float(first["bytes"]),
+            "perf/weight_sync_buckets": float(first["buckets"]),
+        }
+
+
+class DriverRollout:
+    """Generation in the driver: the step's rows are a scored :class:`~polyrl.core.batch.Batch`.
+
+    Args:
+        cfg: the run's configuration.
+        producer: samples and scores through the driver's rollout client.
+        replicas: put to sleep once the step's samples are in.
+        dataset: the training prompts, by index.
+        next_indices: the sampler's next prompt batch (DAPO asks for more).
+    """
+
+    def __init__(
+        self,
+        cfg: PolyRLConfig,
+        producer: RolloutProducer,
+        replicas: Replicas,
+        dataset: Any,
+        next_indices: Callable[[], Sequence[int]],
+    ) -> None:
+        self.cfg = cfg
+        self.producer = producer
+        self.replicas = replicas
+        self.dataset = dataset
+        self.next_indices = next_indices
+
+    def _sample(
+        self, items: Sequence[Any], seed: int, timing: dict[str, float]
+    ) -> tuple[Batch, dict[str, float]]:
+        """Generate ``rollout.n`` responses per item and score them (ReMax: and its baseline)."""
+        cfg, producer = self.cfg, self.producer
+        with timer(timing, "gen"):
+            batch, metrics = producer.generate(items, cfg.rollout.n, cfg.rollout.temperature, seed)
+        with timer(timing, "reward"):
+            scored = producer.score(batch)
+            baseline = None
+            if cfg.algorithm.adv_estimator == "remax":
+                greedy, _ = producer.generate(items, 1, 0.0, seed)
+                baseline = producer.score(greedy)[0].repeat_interleave(cfg.rollout.n)
+        metrics.update(attach_scores(batch, scored, baseline))
+        return batch, metrics
+
+    def generate(
+        self, step: int, indices: Sequence[int], timing: dict[str, float]
+    ) -> tuple[Batch, dict[str, float]]:
+        """Sample and score the step's prompts; the replicas sleep afterwards if configured."""
+        items = [self.dataset[i] for i in indices]
+        seed = derive_seed(self.cfg.seed_for("rollout"), step)
+        batch, metrics = self._sample(items, seed, timing)
+        if self.cfg.algorithm.filter_groups:
+            batch = self._keep_informative_groups(len(items), batch, seed, timing, metrics)
+        self.replicas.sleep()
+        return batch, metrics
+
+    def _keep_informative_groups(
+        self,
+        needed: int,
+        batch: Batch,
+        seed: int,
+        timing: dict[str, float],
+        metrics: dict[str, float],
+    ) -> Batch:
+        """DAPO dynamic sampling: keep ``needed`` prompt groups whose responses differ.
+
+        Samples further prompt batches (the sampler moves on, seeds derive from the step's)
+        until ``needed`` groups vary in ``algorithm.filter_groups_metric`` or
+        ``algorithm.max_gen_batches`` rounds were made; uninformative groups fill what is
+        still missing, so every step trains on the same number of rows.
+        """
+        algo, n = self.cfg.algorithm, self.cfg.rollout.n
+        judged = "acc" if algo.filter_groups_metric == "acc" else "score"
+        batches = [batch]
+        first = group_varies(batch[judged], n)
+        varies = first
+        while int(varies.sum()) < needed and len(batches) < algo.max_gen_batches:
+            items = [self.dataset[i] for i in self.next_indices()]
+            more, _ = self._sample(items, derive_seed(seed, len(batches)), timing)
+            # A prompt drawn again (the sampler wrapped an epoch) is a group of its own.
+            more.non_tensors["uid"] = np.array(
+                [f"{uid}#{len(batches)}" for uid in more.non_tensors["uid"]], dtype=object
+            )
+            batches.append(more)
+            varies = torch.cat([varies, group_varies(more[judged], n)])
+        chosen = select_groups(varies, needed)
+        rows = (chosen[:, None] * n + np.arange(n)).reshape(-1)
+        if len(batches) > 1:
+            widths = [rollout_widths(b) for b in batches]
+            width_p, width_r = max(w[0] for w in widths), max(w[1] for w in widths)
+            pad_id = self.producer.pad_id
+            batch = Batch.concat(
+                [widen_rollout_batch(b, width_p, width_r, pad_id) for b in batches]
+            )
+        metrics["filter/gen_batches"] = float(len(batches))
+        metrics["filter/informative_groups"] = float(varies[torch.from_numpy(chosen)].sum())
+        metrics["filter/first_batch_informative_fraction"] = float(first.float().mean())
+        return batch[rows]
+
+
+class QueueRollout:
+    """Generation in the transfer queue's rollout workers: the step's rows stay in the queue.
+
+    Each worker gets a share of the step's prompt indices, generates, scores (ReMax: its
+    baseline too) and puts its samples; the step gets a :class:`StoredRows` reference.
+
+    Args:
+        cfg: the run's configuration.
+        queue: the transfer queue client.
+        workers: the rollout workers.
+        replicas: put to sleep once the step's samples are in.
+        pad_id: the padding token id.
+    """
+
+    def __init__(
+        self,
+        cfg: PolyRLConfig,
+        queue: Any,
+        workers: StoreWorkers,
+        replicas: Replicas,
+        pad_id: int,
+    ) -> None:
+        self.cfg = cfg
+        self.queue = queue
+        self.workers = workers
+        self.replicas = replicas
+        self.pad_id = pad_id
+
+    def generate(
+        self, step: int, indices: Sequence[int], timing: dict[str, float]
+    ) -> tuple[StoredRows, dict[str, float]]:
+        """Have the workers sample and store the step's prompts; return the rows' reference."""
+        cfg, n = self.cfg, self.cfg.rollout.n
+        partition = f"step-{step}"
+        with timer(timing, "gen"):
+            seed = derive_seed(cfg.seed_for("rollout"), step)
+            shares = np.array_split(np.arange(len(indices)), len(self.workers))
+            calls = [
+                (
+                    partition,
+                    [int(indices[i]) for i in share],
+                    int(share[0]),
+                    n,
+                    cfg.rollout.temperature,
+                    seed,
+                )
+                for share in shares
+                if len(share)
+            ]
+            summary = merge_rollout_summaries(self.workers.call_each("rollout", calls))
+            meta = self.queue.get_meta(
+                list(ROLLOUT_FIELDS),
+                len(indices) * n,
+                partition,
+                consumer="trainer",
+                timeout=cfg.transfer.timeout_s,
+            )
+        timing["timing_s/reward"] = summary.pop("time_reward")
+        layout = StepLayout(
+            int(summary.pop("width_prompt")),
+            int(summary.pop("width_response")),
+            self.pad_id,
+            bool(summary.pop("rollout_log_probs")),
+        )
+        summary.pop("rows")
+        fields = ("score", "acc", "uid") + (
+            ("baseline",) if cfg.algorithm.adv_estimator == "remax" else ()
+        )
+        self.replicas.sleep()
+        return StoredRows(meta, layout, fields), summary

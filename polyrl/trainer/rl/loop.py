@@ -1,0 +1,563 @@
+"""The RL trainer behind ``polyrl train PRESET key=value ...`` and :class:`polyrl.GRPOTrainer`.
+
+One step, driven from this (controller) process and readable top to bottom in
+:meth:`RLTrainer.step`:
+
+1. **generate** -- ``rollout.n`` responses per prompt from the rollout servers (HTTP,
+   token-in/token-out, per-prompt seeds derived from the step);
+2. **reward** -- the reward manager scores the decoded responses (sandboxed worker processes);
+3. **old log-probs** (actor), **reference log-probs** (when a KL term is used) and **values**
+   (critic, for ``gae``) -- data-parallel calls on the engine worker groups;
+4. **advantages** on the driver with the estimator registered under
+   ``algorithm.adv_estimator`` (KL penalty folded into the rewards first when configured);
+5. **update** the critic, then the actor (``actor.ppo_epochs`` passes over mini-batches of
+   ``actor.ppo_mini_batch_size`` prompts);
+6. **sync** the actor's weights to every rollout replica (bucketed transfer; the replicas
+   report the new version);
+7. **validate** (mean@k / pass@k on the held-out split), **log** (verl metric names),
+   **checkpoint** (actor, critic, sampler, KL controller; atomic).
+
+The data of a step lives with the driver or, with ``transfer.enable``, in the transfer queue;
+the step is the same code either way: it asks its generation phase
+(:mod:`~polyrl.trainer.rl.generation`) for a reference to scored rows and hands that reference
+to the data plane (:mod:`~polyrl.trainer.rl.dataplane`) for every later phase.
+
+Placement: ``trainer.placement=colocated`` runs the actor, reference and critic engines in one
+process per rank (and, with ``rollout.sleep_during_training``, the rollout servers release their
+KV cache while the engines train); ``separate`` gives each engine its own worker group. Engine
+workers are Ray actors (``trainer.worker_backend=ray``) or local processes (``local``; at world
+size 1 the engines then run inside this process).
+
+Resuming (``trainer.resume_mode=auto``) restores the engines, the data sampler and the KL
+controller from the newest checkpoint, pushes the restored weights to the replicas, and drops
+the metric records logged after that checkpoint, so a resumed run logs what an uninterrupted
+one would have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from polyrl.config import ConfigError, PolyRLConfig, save_config, to_dict
+from polyrl.core.batch import Batch
+from polyrl.trainer.rl.build import (
+    check_config,
+    engine_specs,
+    load_datasets,
+    start_engines,
+    start_replicas,
+    start_transfer_queue,
+)
+from polyrl.trainer.rl.dataplane import DataPlane, InlinePlane, QueuePlane
+from polyrl.trainer.rl.generation import DriverRollout, QueueRollout, Replicas
+from polyrl.trainer.rl.metrics import CONSOLE_METRICS, DEFAULT_PLOT_METRICS, step_metrics
+from polyrl.trainer.rl.rollout import (
+    RolloutProducer,
+    derive_seed,
+    pad_id_of,
+    response_cap,
+    timer,
+)
+
+__all__ = ["RLTrainer", "run_rl"]
+
+PLOT_FILE = "learning_curves.png"
+SUMMARY_FILE = "rl_summary.json"
+HF_DIR = "hf_model"
+ACTOR_LOSS = "polyrl.trainer.rl_losses:actor_loss"
+CRITIC_LOSS = "polyrl.trainer.rl_losses:critic_loss"
+
+
+def _log(message: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(f"[rl] {message}", file=sys.stdout)
+    sys.stdout.flush()
+
+
+class RLTrainer:
+    """Runs RL post-training as configured by a :class:`~polyrl.config.PolyRLConfig`.
+
+    Args:
+        cfg: the run's configuration (``algorithm``, ``actor``, ``critic``, ``rollout``, ``data``,
+            ``reward``, ``trainer`` groups).
+        reward_fn: overrides ``reward.custom_function``: a ``"file.py:function"`` string or a
+            picklable module-level callable (see :class:`~polyrl.reward.RewardManager`).
+        train_rows / val_rows: prompt rows (dicts with ``prompt``, ``data_source``,
+            ``reward_model.ground_truth``) used instead of ``data.*`` files or tasks.
+        model_dir: a Hugging Face model directory used instead of ``model.path``.
+
+    :meth:`fit` runs the whole job and returns its summary; :meth:`step` is one training step,
+    for users composing their own loop after :meth:`setup`.
+    """
+
+    def __init__(
+        self,
+        cfg: PolyRLConfig,
+        *,
+        reward_fn: str | Callable[..., Any] | None = None,
+        train_rows: Sequence[Mapping[str, Any]] | None = None,
+        val_rows: Sequence[Mapping[str, Any]] | None = None,
+        model_dir: str | Path | None = None,
+    ) -> None:
+        check_config(cfg, has_rows=train_rows is not None)
+        self.cfg = cfg
+        self.reward_fn = reward_fn
+        self._train_rows = train_rows
+        self._val_rows = val_rows
+        self._model_dir = Path(model_dir) if model_dir is not None else None
+        self.out_dir = Path(cfg.trainer.output_dir)
+        self._closers: list[Callable[[], None]] = []
+        self._groups: list[Any] = []
+        self.producer: RolloutProducer | None = None
+        self.actor: Any = None
+        self.ref: Any = None
+        self.critic: Any = None
+        algo = cfg.algorithm
+        self.use_critic = algo.adv_estimator == "gae"
+        self.use_ref = algo.use_kl_in_reward or cfg.actor.use_kl_loss
+        minis = (
+            cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
+            if cfg.actor.ppo_mini_batch_size
+            else 1
+        )
+        self.num_mini_batches = minis
+        # Old log-probs equal the current ones when each step makes exactly one optimizer
+        # update; they are only computed when the update is off-policy or the KL penalty needs
+        # them (the loss then takes the detached current log-probs, ratio 1).
+        self.need_old_log_probs = cfg.actor.ppo_epochs > 1 or minis > 1 or algo.use_kl_in_reward
+        from polyrl.algo.kl import AdaptiveKLController, FixedKLController
+
+        if algo.kl_ctrl == "adaptive":
+            self.kl_ctrl: Any = AdaptiveKLController(algo.kl_coef, algo.target_kl, algo.kl_horizon)
+        else:
+            self.kl_ctrl = FixedKLController(algo.kl_coef)
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self) -> None:
+        """Build the model (if tiny), data, rollout replicas, engine groups and data plane."""
+        from polyrl.data.sampler import StatefulSampler
+        from polyrl.models.loader import load_tokenizer
+        from polyrl.trainer.sft import resolve_model_dir
+
+        cfg = self.cfg
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.out_dir / "rl_config.yaml")
+        self.model_dir = self._model_dir or resolve_model_dir(cfg, self.out_dir)
+        self.tokenizer = load_tokenizer(
+            self.model_dir, trust_remote_code=cfg.model.trust_remote_code
+        )
+        self.pad_id = pad_id_of(self.tokenizer)
+        self.train_ds, self.val_ds = load_datasets(
+            cfg, self.tokenizer, self.out_dir, self._train_rows, self._val_rows
+        )
+        if len(self.train_ds) < cfg.data.train_batch_size:
+            raise ConfigError(
+                f"{cfg.data.train_batch_size} exceeds the {len(self.train_ds)} training prompts",
+                key="data.train_batch_size",
+            )
+        self.sampler = StatefulSampler(
+            len(self.train_ds),
+            cfg.data.train_batch_size,
+            shuffle=cfg.data.shuffle,
+            seed=cfg.seed_for("data"),
+        )
+        self.total_steps = (
+            cfg.trainer.total_steps or cfg.trainer.total_epochs * self.sampler.batches_per_epoch
+        )
+        # Rollout replicas and the driver's client to them.
+        urls = start_replicas(cfg, self.model_dir, self._closers)
+        self.producer = RolloutProducer.connect(cfg, urls, self.tokenizer, self.reward_fn)
+        self._closers.append(self.producer.close)
+        self.producer.run(self.producer.client.wait_ready(timeout=300.0))
+        self.replicas = Replicas(cfg, urls, self.producer)
+        _log(f"rollout: {len(urls)} {cfg.rollout.backend} replica(s) at {', '.join(urls)}")
+        # Engine worker groups.
+        specs = engine_specs(cfg, self.model_dir, self.total_steps, self.use_ref, self.use_critic)
+        views, self._groups = start_engines(cfg, specs, self._closers)
+        self.actor, self.ref, self.critic = views["actor"], views.get("ref"), views.get("critic")
+        for view in views.values():
+            view.init_model()
+        _log(
+            f"engines: {', '.join(views)} on {cfg.trainer.world_size} rank(s), "
+            f"{cfg.trainer.placement} ({cfg.trainer.worker_backend}); old log-probs "
+            f"{'computed' if self.need_old_log_probs else 'skipped'}"
+        )
+        # Where the step's rows live, and who generates them.
+        self.plane: DataPlane
+        if cfg.transfer.enable:
+            self._setup_queue(views)
+        else:
+            self.plane = InlinePlane(cfg, cfg.trainer.world_size)
+            self.rollout: DriverRollout | QueueRollout = DriverRollout(
+                cfg, self.producer, self.replicas, self.train_ds, self.sampler.next_batch
+            )
+
+    def _setup_queue(self, views: Mapping[str, Any]) -> None:
+        """Start the transfer queue, attach it to the engines and start its rollout workers."""
+        from polyrl.trainer.rl.store_worker import StoreWorkers
+
+        cfg = self.cfg
+        queue, backend = start_transfer_queue(cfg, self._closers)
+        for view in {id(v): v for v in views.values()}.values():
+            view.attach_transfer_queue(queue)
+        count = cfg.transfer.num_rollout_workers
+        workers = StoreWorkers(
+            count,
+            backend,
+            cfg,
+            self.replicas.urls,
+            str(self.model_dir),
+            self.train_ds,
+            queue,
+            self.reward_fn,
+        )
+        self._closers.append(workers.close)
+        self.plane = QueuePlane(queue, workers)
+        self.rollout = QueueRollout(cfg, queue, workers, self.replicas, self.pad_id)
+        _log(f"transfer: {backend} queue, {count} rollout worker(s)")
+
+    # ------------------------------------------------------------------ phases
+    def generate(
+        self, items: Sequence[Mapping[str, Any]], n: int, temperature: float, seed: int
+    ) -> tuple[Batch, dict[str, float]]:
+        """Sample ``n`` responses per item (see :meth:`RolloutProducer.generate`)."""
+        assert self.producer is not None, "call setup() first"
+        return self.producer.generate(items, n, temperature, seed)
+
+    def score(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Score every row: ``(scores (B,), accuracy (B,), reward metrics)``."""
+        assert self.producer is not None, "call setup() first"
+        return self.producer.score(batch)
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Push the actor's weights to every replica as ``version``; returns timing metrics."""
+        return self.replicas.sync_weights(self.actor, version)
+
+    def _actor_loss_kwargs(self) -> dict[str, Any]:
+        actor = self.cfg.actor
+        return {
+            "policy_loss": actor.policy_loss,
+            "clip_ratio_low": actor.clip_ratio_low,
+            "clip_ratio_high": actor.clip_ratio_high,
+            "clip_ratio_c": actor.clip_ratio_c or None,
+            "loss_agg_mode": actor.loss_agg_mode,
+            "horizon": self.cfg.rollout.max_new_tokens,
+            "entropy_coeff": actor.entropy_coeff,
+            "use_kl_loss": actor.use_kl_loss,
+            "kl_loss_coef": actor.kl_loss_coef,
+            "kl_loss_type": actor.kl_loss_type,
+        }
+
+    def _critic_loss_kwargs(self) -> dict[str, Any]:
+        critic = self.cfg.critic
+        return {"cliprange_value": critic.cliprange_value, "loss_agg_mode": critic.loss_agg_mode}
+
+    # ------------------------------------------------------------------ one step
+    def step(self, step: int) -> dict[str, float]:
+        """Run training step ``step`` (1-based) and return its metrics."""
+        cfg, plane = self.cfg, self.plane
+        timing: dict[str, float] = {}
+        metrics: dict[str, float] = {}
+        indices = [int(i) for i in self.sampler.next_batch()]
+        with timer(timing, "step"):
+            # 1-2. generate and score (the replicas may sleep from here until the sync)
+            rows, generated = self.rollout.generate(step, indices, timing)
+            metrics.update(generated)
+            # 3. old log-probs, reference log-probs, values
+            if self.need_old_log_probs:
+                with timer(timing, "old_log_prob"):
+                    rows = plane.infer(
+                        self.actor.compute_log_prob, rows, "old_log_probs", share_prefix=True
+                    )
+            if self.use_ref:
+                with timer(timing, "ref"):
+                    rows = plane.infer(
+                        self.ref.compute_ref_log_prob, rows, "ref_log_probs", share_prefix=True
+                    )
+            if self.use_critic:
+                with timer(timing, "values"):
+                    rows = plane.infer(self.critic.compute_values, rows, "values")
+            # 4. advantages (KL penalty in the reward first)
+            with timer(timing, "adv"):
+                rows, data, self.kl_ctrl = plane.advantages(rows, self.kl_ctrl, response_cap(cfg))
+            # 5. updates
+            if self.use_critic:
+                with timer(timing, "update_critic"):
+                    metrics.update(
+                        plane.update(
+                            self.critic.update_critic,
+                            rows,
+                            CRITIC_LOSS,
+                            self._critic_loss_kwargs(),
+                            self.num_mini_batches,
+                            cfg.critic.ppo_epochs,
+                        )
+                    )
+            if step > cfg.trainer.critic_warmup:
+                with timer(timing, "update_actor"):
+                    metrics.update(
+                        plane.update(
+                            self.actor.update_actor,
+                            rows,
+                            ACTOR_LOSS,
+                            self._actor_loss_kwargs(),
+                            self.num_mini_batches,
+                            cfg.actor.ppo_epochs,
+                        )
+                    )
+                # 6. weight sync
+                with timer(timing, "update_weights"):
+                    metrics.update(self.sync_weights(step))
+            else:
+                self.replicas.wake()
+            metrics.update(plane.release(rows))
+        metrics.update(step_metrics(data, timing, self.sampler, cfg.trainer.world_size))
+        metrics.update(timing)
+        return metrics
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> dict[str, float]:
+        """mean@k and pass@k of the held-out prompts (``k = rollout.val_n``)."""
+        if self.val_ds is None:
+            return {}
+        cfg = self.cfg
+        k = cfg.rollout.val_n
+        scores, accs, sources, lengths = [], [], [], []
+        for start in range(0, len(self.val_ds), cfg.data.val_batch_size):
+            stop = min(start + cfg.data.val_batch_size, len(self.val_ds))
+            items = [self.val_ds[i] for i in range(start, stop)]
+            batch, _ = self.generate(
+                items,
+                k,
+                cfg.rollout.val_temperature,
+                derive_seed(cfg.seed_for("rollout"), -1, start),
+            )
+            s, a, _ = self.score(batch)
+            scores.append(s)
+            accs.append(a)
+            lengths.append(batch["response_length"].float())
+            sources += list(batch.non_tensors["data_source"])
+        score = torch.cat(scores).view(-1, k)
+        acc = torch.cat(accs).view(-1, k)
+        out = {
+            f"val/score/mean@{k}": float(score.mean()),
+            f"val/acc/mean@{k}": float(acc.mean()),
+            f"val/pass@{k}": float((acc.max(dim=1).values > 0).float().mean()),
+            "val/response_length/mean": float(torch.cat(lengths).mean()),
+        }
+        names = np.array(sources[::k], dtype=object)
+        for source in sorted(set(names)):
+            rows = torch.as_tensor(names == source)
+            out[f"val/{source}/acc/mean@{k}"] = float(acc[rows].mean())
+            out[f"val/{source}/pass@{k}"] = float((acc[rows].max(dim=1).values > 0).float().mean())
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+    def _roots(self) -> tuple[Path, Path]:
+        from polyrl.trainer.checkpointing import checkpoint_root
+
+        root = checkpoint_root(self.out_dir)
+        return root / "actor", root / "critic"
+
+    def save(self, step: int) -> str:
+        """Checkpoint the actor (with the trainer state) and the critic at ``step``."""
+        actor_root, critic_root = self._roots()
+        if self.critic is not None:
+            self.critic.save_checkpoint(str(critic_root), step, {})
+        state = {
+            "sampler": self.sampler.state_dict(),
+            "kl_coef": float(self.kl_ctrl.value),
+            "step": step,
+        }
+        # The actor goes last: its checkpoint marks the step as complete for resume.
+        return self.actor.save_checkpoint(str(actor_root), step, state)[0]
+
+    def load(self, path: str) -> int:
+        """Restore the engines and trainer state from the actor checkpoint ``path``."""
+        info = self.actor.load_checkpoint(path)[0]
+        step = int(info["step"])
+        state = info["extra_state"]
+        if self.critic is not None:
+            critic_path = self._roots()[1] / Path(path).name
+            if not critic_path.is_dir():
+                raise ConfigError(
+                    f"checkpoint {path} has no critic counterpart {critic_path}",
+                    key="trainer.resume_mode",
+                )
+            self.critic.load_checkpoint(str(critic_path))
+        try:
+            self.sampler.load_state_dict(state["sampler"])
+        except (KeyError, ValueError) as exc:
+            raise ConfigError(
+                f"cannot resume from {path}: {exc}; resume with the original data settings",
+                key="trainer.resume_mode",
+            ) from None
+        self.kl_ctrl.value = float(state.get("kl_coef", self.kl_ctrl.value))
+        return step
+
+    # ------------------------------------------------------------------ the run
+    def fit(self) -> dict[str, Any]:
+        """Run the configured job; return the summary written to ``rl_summary.json``."""
+        from tqdm import tqdm
+
+        from polyrl.trainer.checkpointing import resolve_resume_path
+        from polyrl.trainer.tracking import Tracker
+
+        started = time.perf_counter()
+        cfg, trainer = self.cfg, self.cfg.trainer
+        # A bad resume path fails before anything is started.
+        resume_from = resolve_resume_path(trainer.resume_mode, trainer.resume, self._roots()[0])
+        tracker = None
+        history: list[dict[str, Any]] = []
+        last_ckpt = resume_from
+        try:
+            self.setup()
+            step = 0
+            if resume_from is not None:
+                step = self.load(resume_from)
+                self.sync_weights(step)
+                _log(f"resumed from {resume_from} at step {step}")
+            validate = self.val_ds is not None and trainer.test_freq > 0
+            _log(
+                f"model {self.model_dir} | {len(self.train_ds)} train / "
+                f"{len(self.val_ds) if self.val_ds else 0} val prompts | {self.total_steps} steps "
+                f"of {cfg.data.train_batch_size} prompts x {cfg.rollout.n} | "
+                f"{cfg.algorithm.adv_estimator} / {cfg.actor.policy_loss}"
+            )
+            tracker = Tracker(
+                trainer.loggers,
+                self.out_dir,
+                project=trainer.project_name,
+                experiment=trainer.experiment_name,
+                config=to_dict(cfg),
+                resume_step=step if resume_from is not None else None,
+                total_steps=self.total_steps,
+            )
+
+            console = tracker.backends.get("console")
+            if console is not None:
+                # One readable line per step; every metric still goes to the other loggers.
+                console.keys = CONSOLE_METRICS
+                console.prefixes = ("val/",)
+
+            def record(metrics: dict[str, float], at: int) -> None:
+                history.append({"step": at, **tracker.log(metrics, at)})
+
+            if validate and trainer.val_before_train and resume_from is None:
+                tick = time.perf_counter()
+                val = self.validate()
+                val["timing_s/testing"] = time.perf_counter() - tick
+                record(val, step)
+            bar = tqdm(
+                total=self.total_steps,
+                initial=step,
+                desc="rl",
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
+            with bar:
+                while step < self.total_steps:
+                    step += 1
+                    metrics = self.step(step)
+                    if validate and (step % trainer.test_freq == 0 or step == self.total_steps):
+                        tick = time.perf_counter()
+                        metrics.update(self.validate())
+                        metrics["timing_s/testing"] = time.perf_counter() - tick
+                    metrics["training/global_step"] = float(step)
+                    # Log before saving: a crash in between re-runs the step from the previous
+                    # checkpoint, and resuming drops the records logged after it.
+                    record(metrics, step)
+                    bar.update(1)
+                    bar.set_postfix(score=f"{metrics.get('critic/score/mean', math.nan):.3f}")
+                    if trainer.save_freq and (
+                        step % trainer.save_freq == 0 or step == self.total_steps
+                    ):
+                        last_ckpt = self.save(step)
+            hf_dir = self.export_hf(self.out_dir / HF_DIR) if trainer.export_hf else None
+        finally:
+            if tracker is not None:
+                tracker.finish()
+            self.close()
+        return self._summary(tracker, history, step, resume_from, last_ckpt, hf_dir, started)
+
+    def _summary(
+        self,
+        tracker: Any,
+        history: list[dict[str, Any]],
+        step: int,
+        resume_from: str | None,
+        last_ckpt: str | None,
+        hf_dir: str | None,
+        started: float,
+    ) -> dict[str, Any]:
+        from polyrl.trainer.plotting import plot_learning_curves
+        from polyrl.trainer.tracking import read_metrics
+
+        trainer = self.cfg.trainer
+        k = self.cfg.rollout.val_n
+        metrics_file = tracker.metrics_path if tracker is not None else None
+        if metrics_file is None:
+            metrics_file = self.out_dir / ".rl_history.jsonl"
+            metrics_file.write_text("".join(json.dumps(r) + "\n" for r in history))
+        keys = list(trainer.plot_metrics) or [m.format(k=k) for m in DEFAULT_PLOT_METRICS]
+        plot = plot_learning_curves(metrics_file, self.out_dir / PLOT_FILE, keys, title="polyrl rl")
+        records = read_metrics(metrics_file)
+
+        def series(key: str) -> list[float]:
+            return [r[key] for r in records if r.get(key) is not None]
+
+        val_acc = series(f"val/acc/mean@{k}")
+        scores = series("critic/score/mean")
+        summary = {
+            "steps": step,
+            "resumed_from": resume_from,
+            "first_val_acc": val_acc[0] if val_acc else None,
+            "last_val_acc": val_acc[-1] if val_acc else None,
+            "first_score": scores[0] if scores else None,
+            "last_score": scores[-1] if scores else None,
+            "checkpoint": last_ckpt,
+            "hf_model": hf_dir,
+            "metrics": str(metrics_file),
+            "plot": str(plot) if plot else None,
+            "elapsed_s": round(time.perf_counter() - started, 2),
+        }
+        (self.out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        _log("done: " + " ".join(f"{k}={v}" for k, v in summary.items()))
+        return summary
+
+    def export_hf(self, directory: str | Path) -> str:
+        """Write the actor as a Hugging Face model directory (call before the run closes)."""
+        return self.actor.export_hf(str(directory))[0]
+
+    def close(self) -> None:
+        """Stop the worker groups, the rollout client and replicas, and the reward workers."""
+        for group in self._groups:
+            with contextlib.suppress(Exception):
+                if group.is_alive:
+                    group.shutdown()
+            if group.backend == "ray":
+                # The trainer made these pools: give their reservations back to the cluster.
+                with contextlib.suppress(Exception):
+                    group.pool.release()
+        self._groups.clear()
+        while self._closers:
+            closer = self._closers.pop()
+            with contextlib.suppress(Exception):
+                closer()
+
+
+def run_rl(cfg: PolyRLConfig, **kwargs: Any) -> dict[str, Any]:
+    """Run RL training for ``cfg`` (see :class:`RLTrainer` for ``kwargs``); returns the summary."""
+    return RLTrainer(cfg, **kwargs).fit()

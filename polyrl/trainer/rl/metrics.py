@@ -1,0 +1,108 @@
+"""What an RL step reports: verl's metric names, computed from the step's data and timings."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from polyrl.core.batch import Batch
+
+__all__ = [
+    "CONSOLE_METRICS",
+    "DEFAULT_PLOT_METRICS",
+    "REWARD_METRICS",
+    "batch_metrics",
+    "masked_stats",
+    "stats",
+    "step_metrics",
+]
+
+#: Metrics drawn in ``learning_curves.png`` when ``trainer.plot_metrics`` is empty.
+DEFAULT_PLOT_METRICS = (
+    "critic/score/mean",
+    "val/acc/mean@{k}",
+    "actor/ppo_kl",
+    "actor/kl_loss",
+    "actor/entropy",
+    "response_length/mean",
+)
+#: What the console line shows per step (all ``val/`` metrics are shown too).
+CONSOLE_METRICS = (
+    "critic/score/mean",
+    "critic/acc/mean",
+    "actor/pg_loss",
+    "actor/ppo_kl",
+    "actor/kl_loss",
+    "actor/entropy",
+    "actor/grad_norm",
+    "critic/vf_loss",
+    "response_length/mean",
+    "num_turns/mean",
+    "timing_s/step",
+    "perf/throughput",
+)
+#: The reward manager's metrics a step reports (failure counts and length shaping).
+REWARD_METRICS = (
+    "reward/errors",
+    "reward/timeouts",
+    "reward/overlong_penalty/mean",
+    "reward/overlong_fraction",
+)
+
+
+def stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
+    """``{prefix}/mean``, ``/max`` and ``/min`` of ``values`` (nothing when it is empty)."""
+    if values.numel() == 0:
+        return {}
+    v = values.float()
+    return {
+        f"{prefix}/mean": float(v.mean()),
+        f"{prefix}/max": float(v.max()),
+        f"{prefix}/min": float(v.min()),
+    }
+
+
+def masked_stats(prefix: str, values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """:func:`stats` of the entries of ``values`` where ``mask`` is non-zero."""
+    return stats(prefix, values[mask != 0])
+
+
+def batch_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
+    """Compute the step metrics that depend on the step's data only (verl names).
+
+    Scores, accuracy, rewards, advantages, returns, values, lengths, the rollout/engine
+    log-prob gap and token counts (``perf/total_num_tokens``, ``perf/response_tokens``).
+    """
+    mask = batch["loss_mask"]
+    resp_len = batch["response_length"].float()
+    out: dict[str, float] = {}
+    out.update(stats("critic/score", batch["score"]))
+    out["critic/acc/mean"] = float(batch["acc"].mean())
+    out.update(stats("critic/rewards", batch["token_level_rewards"].sum(1)))
+    out.update(masked_stats("critic/advantages", batch["advantages"], mask))
+    out.update(masked_stats("critic/returns", batch["returns"], mask))
+    if "values" in batch.tensor_keys:
+        out.update(masked_stats("critic/values", batch["values"], mask))
+    out.update(stats("response_length", resp_len))
+    out["response_length/clip_ratio"] = float((resp_len >= max_response_length).float().mean())
+    out.update(stats("prompt_length", batch["prompt_length"].float()))
+    if "old_log_probs" in batch.tensor_keys and "rollout_log_probs" in batch.tensor_keys:
+        gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
+        out["rollout/log_prob_gap"] = float((gap * mask).sum() / mask.sum().clamp(min=1.0))
+    out["perf/total_num_tokens"] = float(batch["attention_mask"].sum())
+    out["perf/response_tokens"] = float(resp_len.sum())
+    return out
+
+
+def step_metrics(
+    data: Mapping[str, float], timing: Mapping[str, float], sampler: Any, world_size: int
+) -> dict[str, float]:
+    """Add throughput (tokens per second per rank) and the epoch to the data metrics."""
+    out = dict(data)
+    step_s = timing.get("timing_s/step", 0.0)
+    tokens = out["perf/total_num_tokens"]
+    out["perf/throughput"] = tokens / step_s / world_size if step_s else 0.0
+    out["training/epoch"] = sampler.epoch + sampler.position / max(sampler.batches_per_epoch, 1)
+    return out
