@@ -46,7 +46,7 @@ from polyrl.rollout.native.sampler import Sampler, SamplingRow
 from polyrl.rollout.native.scheduler import Chunk, Scheduler, SeqStatus
 from polyrl.rollout.native.scheduler import Sequence as Seq
 
-__all__ = ["EngineConfig", "NativeEngine", "Sink"]
+__all__ = ["NativeEngine", "NativeEngineConfig", "Sink"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
 
 
 @dataclasses.dataclass
-class EngineConfig:
+class NativeEngineConfig:
     """Settings of the native engine.
 
     Attributes:
@@ -185,10 +185,10 @@ class NativeEngine:
     def __init__(
         self,
         model_dir: str | os.PathLike[str],
-        config: EngineConfig | None = None,
+        config: NativeEngineConfig | None = None,
         deliver: Deliver | None = None,
     ):
-        self.config = config = config or EngineConfig()
+        self.config = config = config or NativeEngineConfig()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         # Intra-op threads of the engine thread, which sets them itself (see _loop).
