@@ -17,7 +17,7 @@ from polyrl.core.rollout_api import (
 )
 from polyrl.models.loader import load_causal_lm
 from polyrl.models.tiny import build_tiny_model
-from polyrl.rollout.native import EngineConfig, NativeEngine
+from polyrl.rollout.native import NativeEngine, NativeEngineConfig
 
 SMALL = {"max_num_seqs": 16, "max_num_batched_tokens": 64, "kv_cache_tokens": 4096}
 
@@ -89,7 +89,7 @@ def hf_model(model_dir):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    eng = NativeEngine(model_dir, EngineConfig(**SMALL))
+    eng = NativeEngine(model_dir, NativeEngineConfig(**SMALL))
     eng.start()
     yield eng
     eng.shutdown()
@@ -99,7 +99,7 @@ def engine(model_dir):
 def test_greedy_equals_hf_generate(arch, tmp_path_factory):
     path = build_tiny_model(arch, tmp_path_factory.mktemp(arch) / "m", size="nano")
     model = load_causal_lm(path)
-    eng = NativeEngine(path, EngineConfig(**SMALL))
+    eng = NativeEngine(path, NativeEngineConfig(**SMALL))
     eng.start()
     try:
         ps = prompts(4, seed=1)
@@ -284,7 +284,7 @@ def test_prefix_cache_reuse_keeps_outputs(engine):
 def test_preemption_under_a_tiny_kv_budget(model_dir, hf_model):
     eng = NativeEngine(
         model_dir,
-        EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, kv_cache_tokens=96),
+        NativeEngineConfig(max_num_seqs=8, max_num_batched_tokens=64, kv_cache_tokens=96),
     )
     eng.start()
     try:
@@ -308,7 +308,7 @@ def test_seeded_samples_survive_preemption(model_dir, engine):
     reqs = [GenerateRequest(f"s{i}", tuple(p), params) for i, p in enumerate(ps)]
     roomy = run(engine, reqs)
     eng = NativeEngine(
-        model_dir, EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, kv_cache_tokens=96)
+        model_dir, NativeEngineConfig(max_num_seqs=8, max_num_batched_tokens=64, kv_cache_tokens=96)
     )
     eng.start()
     try:
@@ -346,7 +346,7 @@ def test_rejects_bad_requests_without_holding_anything(engine):
 
 
 def test_load_weights_switches_atomically_and_versions(model_dir, other_dir):
-    eng = NativeEngine(model_dir, EngineConfig(**SMALL))
+    eng = NativeEngine(model_dir, NativeEngineConfig(**SMALL))
     eng.start()
     old_model, new_model = load_causal_lm(model_dir), load_causal_lm(other_dir)
     try:
@@ -402,7 +402,7 @@ def test_load_weights_switches_atomically_and_versions(model_dir, other_dir):
 
 
 def test_sleep_and_wake_up(model_dir):
-    eng = NativeEngine(model_dir, EngineConfig(**SMALL))
+    eng = NativeEngine(model_dir, NativeEngineConfig(**SMALL))
     eng.start()
     try:
         p = prompts(1, seed=12)[0]

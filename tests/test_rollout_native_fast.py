@@ -16,7 +16,7 @@ from torch import nn
 from polyrl.core.rollout_api import GenerateRequest, SampleOutput, SamplingParams
 from polyrl.models.loader import load_causal_lm
 from polyrl.models.tiny import build_tiny_model
-from polyrl.rollout.native import EngineConfig, NativeEngine, cpu_kernels
+from polyrl.rollout.native import NativeEngine, NativeEngineConfig, cpu_kernels
 from polyrl.rollout.native.attention import StepMetadata, paged_attention
 from polyrl.rollout.native.fast_forward import _rope, build_fast_forward
 from polyrl.rollout.native.kv_cache import PagedKVCache
@@ -243,7 +243,7 @@ def test_fast_forward_matches_the_hf_forward(arch, tmp_path_factory):
     params = SamplingParams(max_new_tokens=10, seed=3, logprobs=True, ignore_eos=True)
     results = []
     for fast in (True, False):
-        eng = NativeEngine(path, EngineConfig(fast_forward=fast, **SMALL))
+        eng = NativeEngine(path, NativeEngineConfig(fast_forward=fast, **SMALL))
         assert (eng.runner.fast is not None) == fast
         eng.start()
         try:
@@ -323,8 +323,8 @@ def test_engine_bf16_matmuls_follow_every_kind_of_weight_update(
 ):
     """load_weights and a streamed in-place update both refresh the bf16 weight copies."""
     with pytest.raises(ValueError, match="matmul_dtype"):
-        EngineConfig(matmul_dtype="int8")
-    config = EngineConfig(matmul_dtype="bfloat16", **SMALL)
+        NativeEngineConfig(matmul_dtype="int8")
+    config = NativeEngineConfig(matmul_dtype="bfloat16", **SMALL)
     ps = prompts(3, seed=21, lo=4, hi=30)
     params = SamplingParams(max_new_tokens=8, temperature=0, logprobs=True, ignore_eos=True)
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from polyrl.core.rollout_api import EngineUnavailableError, GenerateRequest, SamplingParams
 from polyrl.models.loader import load_causal_lm
-from polyrl.rollout.native.engine import EngineConfig, NativeEngine
+from polyrl.rollout.native.engine import NativeEngine, NativeEngineConfig
 from polyrl.weights import (
     BucketMeta,
     LoadFnTarget,
@@ -213,7 +213,7 @@ class _Backend:
 
 @pytest.fixture
 def native(tiny_qwen2_dir, tiny_qwen2_seed1_dir):
-    engine = NativeEngine(tiny_qwen2_dir, EngineConfig(**OPTS))
+    engine = NativeEngine(tiny_qwen2_dir, NativeEngineConfig(**OPTS))
     engine.start()
     receiver = WeightReceiver(EngineTarget(_Backend(engine)))
     new = dict(load_causal_lm(tiny_qwen2_seed1_dir).named_parameters())

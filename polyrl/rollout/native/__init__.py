@@ -4,6 +4,6 @@ Importing this package loads torch and transformers; the HTTP layer reaches it t
 ``native`` entry of :func:`polyrl.rollout.base.create_backend`.
 """
 
-from polyrl.rollout.native.engine import EngineConfig, NativeEngine
+from polyrl.rollout.native.engine import NativeEngine, NativeEngineConfig
 
-__all__ = ["EngineConfig", "NativeEngine"]
+__all__ = ["NativeEngine", "NativeEngineConfig"]

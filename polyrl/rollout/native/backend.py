@@ -17,7 +17,7 @@ from polyrl.core.rollout_api import (
     SampleDelta,
 )
 from polyrl.rollout.base import register_backend
-from polyrl.rollout.native.engine import EngineConfig, NativeEngine, Sink
+from polyrl.rollout.native.engine import NativeEngine, NativeEngineConfig, Sink
 
 __all__ = ["NativeBackend"]
 
@@ -32,21 +32,21 @@ class NativeBackend:
 
     Args:
         model_dir: local HF model directory.
-        **options: :class:`EngineConfig` fields.
+        **options: :class:`NativeEngineConfig` fields.
 
     Raises:
-        TypeError: an option that is not an :class:`EngineConfig` field.
+        TypeError: an option that is not a :class:`NativeEngineConfig` field.
     """
 
     def __init__(self, model_dir: str | os.PathLike[str], **options: Any):
-        names = {f.name for f in dataclasses.fields(EngineConfig)}
+        names = {f.name for f in dataclasses.fields(NativeEngineConfig)}
         unknown = sorted(set(options) - names)
         if unknown:
             raise TypeError(
                 f"unknown native engine option(s) {unknown}; expected some of {sorted(names)}"
             )
         self.model_dir = str(model_dir)
-        self.config = EngineConfig(**options)
+        self.config = NativeEngineConfig(**options)
         self.engine: NativeEngine | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 

@@ -3,7 +3,9 @@
 :class:`NativeEngine` ties the pieces together: the :class:`~.scheduler.Scheduler` picks what
 runs, :meth:`_build_inputs` packs it (decode tokens first, then prefill chunks) for the paged
 attention of :mod:`.attention`, the :class:`~.runner.ModelRunner` runs the HF model once, and the
-:class:`~.sampler.Sampler` draws one token per finished chunk.
+:class:`~.sampler.Sampler` draws one token per finished chunk. Weight updates (versions,
+staging, streamed begin/commit/abort) belong to the :class:`~.weight_update.WeightUpdater` the
+engine holds; its weight methods delegate to it.
 
 Threading: one engine thread owns the model, the KV cache and every sequence. Other threads talk
 to it through a command queue that is drained *between* steps, which is what makes ``pause``,
@@ -45,8 +47,9 @@ from polyrl.rollout.native.runner import ModelRunner, StepInputs
 from polyrl.rollout.native.sampler import Sampler, SamplingRow
 from polyrl.rollout.native.scheduler import Chunk, Scheduler, SeqStatus
 from polyrl.rollout.native.scheduler import Sequence as Seq
+from polyrl.rollout.native.weight_update import EngineHooks, WeightUpdater
 
-__all__ = ["EngineConfig", "NativeEngine", "Sink"]
+__all__ = ["NativeEngine", "NativeEngineConfig", "Sink"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +60,6 @@ Deliver = Callable[[list[tuple[Sink, Any]]], None]
 """Hands a step's ``(sink, payload)`` pairs over to whoever runs the sinks."""
 
 _TPS_WINDOW_S = 5.0
-_STAGE_LOCK = threading.Lock()  # serialises staging into the shadows
 
 
 def _deliver_inline(items: list[tuple[Sink, Any]]) -> None:
@@ -88,7 +90,7 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
 
 
 @dataclasses.dataclass
-class EngineConfig:
+class NativeEngineConfig:
     """Settings of the native engine.
 
     Attributes:
@@ -185,10 +187,10 @@ class NativeEngine:
     def __init__(
         self,
         model_dir: str | os.PathLike[str],
-        config: EngineConfig | None = None,
+        config: NativeEngineConfig | None = None,
         deliver: Deliver | None = None,
     ):
-        self.config = config = config or EngineConfig()
+        self.config = config = config or NativeEngineConfig()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         # Intra-op threads of the engine thread, which sets them itself (see _loop).
@@ -259,7 +261,16 @@ class NativeEngine:
         self._kv_released = False
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self.weight_version = 0
+        self.weight_updater = WeightUpdater(
+            self.runner,
+            EngineHooks(
+                between_steps=self._command,
+                is_paused=lambda: self._paused,
+                set_paused=self._set_paused,
+                abort_requests=lambda: self._abort_groups(self._groups.values()),
+                reset_prefix_cache=self.allocator.reset_prefix_cache,
+            ),
+        )
         self._stats = BackendStats(kv_cache_blocks_total=num_blocks)
         self._tps_window: deque[tuple[float, int]] = deque()
         self._tps_lock = threading.Lock()
@@ -320,13 +331,7 @@ class NativeEngine:
             raise EngineUnavailableError(
                 "the engine is asleep (KV cache released); call /wake_up first"
             )
-        if self.runner.weights_discarded:
-            raise EngineUnavailableError(
-                "the weights were discarded by sleep(level=2); load new ones with "
-                "/update_weights first"
-            )
-        if self._weights_blocked is not None:
-            raise EngineUnavailableError(self._weights_blocked)
+        self.weight_updater.check_serving()
         return check_request_fits(request, self.vocab_size, self.max_model_len)
 
     def submit(self, request: GenerateRequest, sink: Sink, stream: bool = True) -> None:
@@ -406,28 +411,39 @@ class NativeEngine:
         ids = None if request_ids is None else list(request_ids)
 
         def run() -> int:
-            groups = (
-                list(self._groups.values())
-                if ids is None
-                else [self._groups[i] for i in ids if i in self._groups]
-            )
-            for group in groups:
-                for seq in group.seqs:
-                    if seq.status is not SeqStatus.FINISHED:
-                        self._finish(seq, "abort", None)
-            return len(groups)
+            if ids is None:
+                return self._abort_groups(self._groups.values())
+            return self._abort_groups([self._groups[i] for i in ids if i in self._groups])
 
         return self._command(run)
 
+    def _abort_groups(self, groups: Iterable[_Group]) -> int:
+        """End every unfinished sample of ``groups`` with ``abort``; return how many groups."""
+        groups = list(groups)  # finishing a request removes it from self._groups
+        for group in groups:
+            for seq in group.seqs:
+                if seq.status is not SeqStatus.FINISHED:
+                    self._finish(seq, "abort", None)
+        return len(groups)
+
     def pause(self) -> concurrent.futures.Future[None]:
         """Stop stepping; resolves once no step is running. Requests stay in flight."""
-        return self._command(lambda: setattr(self, "_paused", True))
+        return self._command(lambda: self._set_paused(True))
 
     def resume(self) -> concurrent.futures.Future[None]:
         """Resume stepping after :meth:`pause`."""
-        return self._command(lambda: setattr(self, "_paused", False))
+        return self._command(lambda: self._set_paused(False))
+
+    def _set_paused(self, paused: bool) -> None:
+        self._paused = paused
 
     # ---------------------------------------------------------------------------- weights
+    # The protocol lives in :class:`WeightUpdater` (``self.weight_updater``); these delegate.
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights in use; see :class:`WeightUpdater`."""
+        return self.weight_updater.version
 
     def load_weights(
         self,
@@ -435,172 +451,28 @@ class NativeEngine:
         version: int | None = None,
         partial: bool = False,
     ) -> int:
-        """Stage new weights, then switch to them atomically between two decode steps.
-
-        This is the hook weight-transfer transports feed: tensors are validated and copied to
-        a staging area while decoding continues; the switch itself is one in-place copy done
-        on the engine thread between steps, after which every new token reports the new
-        version. The prefix cache is dropped (its keys and values belong to the old weights);
-        in-flight sequences keep their KV and continue under the new weights.
-
-        Args:
-            named_tensors: ``(name, tensor)`` pairs named like ``model.named_parameters()``.
-            version: the new weight version (default: current + 1).
-            partial: allow updating a subset of the parameters.
-
-        Returns:
-            The new weight version.
-
-        Raises:
-            InvalidRequestError: unknown names, wrong shapes, missing parameters, bad version.
-        """
-        if version is not None and (
-            not isinstance(version, int) or isinstance(version, bool) or version < 0
-        ):
-            raise InvalidRequestError(
-                f"weight version must be an int >= 0, got {version!r}", param="version"
-            )
-        if partial and self.runner.weights_discarded:
-            raise InvalidRequestError(
-                "the weights were discarded by sleep(level=2); a partial update cannot "
-                "restore them, send every parameter",
-                param="partial",
-            )
-        self._check_not_streaming()
-        with _STAGE_LOCK:  # the shadows are shared by every staging path
-            staged = self.runner.stage_weights(named_tensors, partial=partial)
-            return self._switch(staged, version)
+        """Stage new weights and switch to them; see :meth:`WeightUpdater.load`."""
+        return self.weight_updater.load(named_tensors, version, partial)
 
     def update_weights_from_dir(
         self, path: str | os.PathLike[str], version: int | None = None
     ) -> int:
-        """Load all weights of a HF model directory (safetensors) and switch to them.
+        """Load a HF model directory's weights and switch; see :meth:`WeightUpdater.load_dir`."""
+        return self.weight_updater.load_dir(path, version)
 
-        Returns:
-            The new weight version.
-        """
-        self._check_not_streaming()
-        with _STAGE_LOCK:
-            staged = self.runner.load_dir(path)
-            return self._switch(staged, version)
-
-    def _switch(self, staged: dict[str, torch.Tensor], version: int | None) -> int:
-        def run() -> int:
-            self.runner.apply_weights(staged)
-            self.weight_version = self.weight_version + 1 if version is None else version
-            self.allocator.reset_prefix_cache()
-            if self._weights_blocked is not None and self._update is None:
-                params = self.runner._params
-                if len({id(params[n]) for n in staged}) == len({id(p) for p in params.values()}):
-                    self._unblock()  # a complete set repairs an interrupted in-place update
-            return self.weight_version
-
-        return self._command(run).result()
-
-    # Streamed updates (polyrl.weights): begin -> destination() per tensor -> commit | abort.
-    # ``staged``: tensors land in the shadows while decoding goes on, commit swaps pointers.
-    # ``inplace``: the engine is paused and tensors land in the live parameters; an update that
-    # does not commit leaves the replica refusing requests (503) until one does.
-
-    _update: tuple[str, str, bool] | None = None  # (transfer id, mode, paused by the update)
-    _weights_blocked: str | None = None  # why requests are refused (interrupted inplace update)
-    _blocked_resume = False  # whether repairing the weights should resume stepping
-
-    def _unblock(self) -> None:
-        self._weights_blocked = None
-        if self._blocked_resume:
-            self._paused = False
-        self._blocked_resume = False
-
-    def _check_not_streaming(self) -> None:
-        if self._update is not None:
-            raise InvalidRequestError(
-                f"streamed weight transfer {self._update[0]} is in progress; retry after it "
-                "commits or aborts",
-                param="weights",
-            )
-
-    def begin_weight_update(self, transfer_id: str, mode: str = "staged", inflight: str = "keep"):
-        """Start a streamed update (superseding any unfinished one).
-
-        Args:
-            transfer_id: the transfer's id.
-            mode: ``staged`` (atomic: shadows, decoding goes on) or ``inplace`` (bounded
-                memory: the engine is paused and the live parameters are overwritten).
-            inflight: ``keep`` running requests (async RL; ``inplace`` can only pause them),
-                ``pause`` stepping until the switch, or ``abort`` in-flight requests (on-policy).
-        """
-        if mode not in ("staged", "inplace"):
-            raise InvalidRequestError(
-                f"weight update mode {mode!r}; expected 'staged' or 'inplace'", param="mode"
-            )
-        if inflight not in ("keep", "pause", "abort"):
-            raise InvalidRequestError(
-                f"in-flight policy {inflight!r}; expected 'keep', 'pause' or 'abort'",
-                param="inflight",
-            )
-        if self.runner.offloaded:
-            raise InvalidRequestError(
-                "the weights are offloaded (sleep level 1); wake_up(tags=['weights']) first",
-                param="weights",
-            )
-        pause = mode == "inplace" or inflight != "keep"
-
-        def run() -> None:
-            if inflight == "abort":
-                for group in list(self._groups.values()):
-                    for seq in group.seqs:
-                        if seq.status is not SeqStatus.FINISHED:
-                            self._finish(seq, "abort", None)
-            previous = self._update
-            # Whether stepping was paused before any update paused it (by the user).
-            user_paused = False if (previous and previous[2]) else self._paused
-            if self._weights_blocked is not None:
-                # Mixed weights from an interrupted in-place update: nothing may step on them.
-                user_paused = user_paused and not self._blocked_resume
-                self._blocked_resume = False
-                stop = True
-            else:
-                stop = pause
-            if mode == "inplace":
-                self._weights_blocked = (
-                    f"an in-place weight update ({transfer_id}) is in progress; retry once it "
-                    "commits"
-                )
-            # Remember whether *we* paused, so commit/abort resumes only what they stopped.
-            self._update = (transfer_id, mode, not user_paused)
-            self._paused = True if stop else user_paused
-
-        self._command(run).result()
+    def begin_weight_update(
+        self, transfer_id: str, mode: str = "staged", inflight: str = "keep"
+    ) -> None:
+        """Start a streamed update; see :meth:`WeightUpdater.begin`."""
+        self.weight_updater.begin(transfer_id, mode, inflight)
 
     def weight_destination(self, transfer_id: str, name: str) -> torch.Tensor:
-        """Where the bytes of parameter ``name`` go in update ``transfer_id`` (contiguous)."""
-        update = self._update
-        if update is None or update[0] != transfer_id:
-            raise InvalidRequestError(
-                f"weight transfer {transfer_id} is not in progress on this engine "
-                f"(current: {update[0] if update else None})",
-                param="weights",
-            )
-        if update[1] == "staged":
-            return self.runner.shadow(name)
-        return self.runner.live(name)
+        """Where parameter ``name`` goes; see :meth:`WeightUpdater.destination`."""
+        return self.weight_updater.destination(transfer_id, name)
 
     def shared_weight_destinations(self, transfer_id: str) -> dict[str, Any] | None:
-        """Offer the shadows of staged update ``transfer_id`` as a shared arena, or ``None``.
-
-        A same-host sender then writes every parameter straight into its shadow (one copy);
-        see :meth:`ModelRunner.shared_shadows` for the layout and when it is not possible.
-        """
-        update = self._update
-        if update is None or update[0] != transfer_id:
-            raise InvalidRequestError(
-                f"weight transfer {transfer_id} is not in progress on this engine",
-                param="weights",
-            )
-        if update[1] != "staged":
-            return None  # in place: the live weights are not offered to another process
-        return self.runner.shared_shadows()
+        """Offer the shadows as a shared arena; see :meth:`WeightUpdater.shared_destinations`."""
+        return self.weight_updater.shared_destinations(transfer_id)
 
     def commit_weight_update(
         self,
@@ -609,82 +481,12 @@ class NativeEngine:
         version: int | None = None,
         partial: bool = False,
     ) -> int:
-        """Switch to the update's tensors between two steps; return the new version.
-
-        Raises:
-            InvalidRequestError: not the update in progress, or parameters missing (named).
-        """
-        update = self._update
-        if update is None or update[0] != transfer_id:
-            raise InvalidRequestError(
-                f"weight transfer {transfer_id} is not in progress on this engine",
-                param="weights",
-            )
-        params = self.runner._params
-        covered = {id(params[n]) for n in names if n in params}
-        missing = [n for n in self.runner._unique_names if id(params[n]) not in covered]
-        if missing and not partial:
-            self.abort_weight_update(transfer_id, f"{len(missing)} parameter(s) never arrived")
-            raise InvalidRequestError(
-                f"{len(missing)} parameter(s) missing from weight transfer {transfer_id}, e.g. "
-                f"{missing[:3]}; the old weights keep serving"
-                + (
-                    " (in-place: requests are refused until an update completes)"
-                    if update[1] == "inplace"
-                    else ""
-                ),
-                param="weights",
-            )
-
-        def run() -> int:
-            if self._update is None or self._update[0] != transfer_id:
-                raise InvalidRequestError(
-                    f"weight transfer {transfer_id} was superseded", param="weights"
-                )
-            if update[1] == "staged":
-                self.runner.swap_in(names)
-            else:
-                self.runner.mark_weights_changed()
-            self.weight_version = self.weight_version + 1 if version is None else version
-            self.allocator.reset_prefix_cache()
-            resume = self._update[2]
-            self._update = None
-            if self._weights_blocked is not None and (update[1] == "inplace" or not missing):
-                self._weights_blocked = None
-            if resume and self._weights_blocked is None:
-                self._paused = False
-            elif self._weights_blocked is not None:
-                self._blocked_resume = resume
-            return self.weight_version
-
-        return self._command(run).result()
+        """Switch to a streamed update; see :meth:`WeightUpdater.commit`."""
+        return self.weight_updater.commit(transfer_id, names, version, partial)
 
     def abort_weight_update(self, transfer_id: str | None, reason: str) -> bool:
-        """Drop update ``transfer_id`` (any when ``None``); True if one was in progress.
-
-        Staged: the old weights keep serving. In-place: the live weights may be partly
-        overwritten, so requests are refused (503, with ``reason``) until an update commits.
-        """
-
-        def run() -> bool:
-            update = self._update
-            if update is None or (transfer_id is not None and update[0] != transfer_id):
-                return False
-            self._update = None
-            if update[1] == "inplace" or self._weights_blocked is not None:
-                if update[1] == "inplace":
-                    self.runner.mark_weights_changed()
-                    self._weights_blocked = (
-                        f"the in-place weight update {update[0]} was interrupted ({reason}); "
-                        "the weights are incomplete, so this replica refuses requests until a "
-                        f"weight update completes (still version {self.weight_version})"
-                    )
-                self._blocked_resume = update[2]
-            elif update[2]:
-                self._paused = False
-            return True
-
-        return bool(self._command(run).result())
+        """Drop a streamed update; see :meth:`WeightUpdater.abort`."""
+        return self.weight_updater.abort(transfer_id, reason)
 
     # ------------------------------------------------------------------------------ sleep
 
@@ -697,12 +499,7 @@ class NativeEngine:
             raise InvalidRequestError(f"sleep level must be 1 or 2, got {level!r}", param="level")
 
         def run() -> dict[str, Any]:
-            aborted = 0
-            for group in list(self._groups.values()):
-                aborted += 1
-                for seq in group.seqs:
-                    if seq.status is not SeqStatus.FINISHED:
-                        self._finish(seq, "abort", None)
+            aborted = self._abort_groups(self._groups.values())
             self.allocator.reset_prefix_cache()
             kv = self.cache.nbytes
             self.cache.release()
