@@ -661,3 +661,51 @@ def test_config_error_survives_pickling():
     )
     assert copy.key == "trainer.total_steps"
     assert str(copy) == str(info.value)
+
+
+def test_constructor_kwargs_maps_sections_onto_a_constructor_by_field_name():
+    import dataclasses
+
+    from polyrl.config.schema import constructor_kwargs
+
+    @dataclasses.dataclass
+    class Target:
+        lr: float = 0.0
+        grad_clip: float = 0.0
+        name: str = ""
+
+    cfg = load_config("ppo", ["actor.lr=0.25", "actor.grad_clip=2.0", "critic.grad_clip=3.0"])
+    assert constructor_kwargs(Target, cfg.actor) == {
+        "lr": 0.25,
+        "grad_clip": 2.0,
+    }
+    # Later sections win; explicit values win over both.
+    got = constructor_kwargs(Target, cfg.actor, cfg.critic, name="adamw")
+    assert got["grad_clip"] == 3.0 and got["name"] == "adamw" and got["lr"] == cfg.critic.lr
+    with pytest.raises(TypeError, match="no field"):
+        constructor_kwargs(Target, cfg.actor, momentum=0.9)
+
+
+def test_rl_engine_specs_take_each_option_from_its_section(tmp_path):
+    from polyrl.trainer.rl.build import engine_specs
+
+    cfg = load_config(
+        "ppo",
+        [
+            "actor.grad_clip=2.5",
+            "actor.share_prefix=true",
+            "actor.lr=3e-6",
+            "actor.warmup_ratio=0.1",
+            "critic.grad_clip=0.5",
+            "critic.lr=2e-5",
+        ],
+    )
+    specs = engine_specs(cfg, tmp_path, total_steps=7, use_ref=True, use_critic=True)
+    actor, critic, ref = (specs[k].kwargs for k in ("actor", "critic", "ref"))
+    assert actor["engine"].grad_clip == 2.5 and actor["engine"].share_prefix is True
+    assert actor["optimizer"].lr == 3e-6 and actor["optimizer"].warmup_ratio == 0.1
+    assert actor["optimizer"].total_steps == 7
+    assert critic["engine"].grad_clip == 0.5 and critic["engine"].share_prefix is True
+    assert critic["optimizer"].lr == 2e-5 and critic["optimizer"].scheduler == "constant"
+    assert ref["engine"] is actor["engine"]
+    assert actor["model"].path == str(tmp_path) and critic["model"].kind == "value"

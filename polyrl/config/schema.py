@@ -43,11 +43,33 @@ __all__ = [
     "TrainerConfig",
     "TransferConfig",
     "check_value",
+    "constructor_kwargs",
     "option",
     "option_help",
     "resolved_type_hints",
     "type_name",
 ]
+
+
+def constructor_kwargs(target: type, *sections: Any, **explicit: Any) -> dict[str, Any]:
+    """Keyword arguments for the dataclass ``target`` from config sections, by field name.
+
+    A config section maps onto the constructor it configures: every field of ``target`` that
+    a section has under the same name is taken from it (later sections win), then
+    ``explicit`` values (for what the config spells differently or computes). Adding an
+    option then touches its config field and the constructor that uses it, nothing between.
+    """
+    names = {f.name for f in dataclasses.fields(target)}
+    out: dict[str, Any] = {}
+    for section in sections:
+        for f in dataclasses.fields(section):
+            if f.name in names:
+                out[f.name] = getattr(section, f.name)
+    unknown = sorted(set(explicit) - names)
+    if unknown:
+        raise TypeError(f"{target.__name__} has no field(s) {unknown}")
+    out.update(explicit)
+    return out
 
 
 class ConfigError(ValueError):

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from polyrl.config import ConfigError, PolyRLConfig
+from polyrl.config.schema import constructor_kwargs
 from polyrl.trainer.rl.rollout import response_cap
 
 __all__ = [
@@ -200,21 +201,19 @@ def engine_specs(
     )
     from polyrl.workers.engine import EngineWorker
 
+    # Each config section maps onto the constructor it configures by field name
+    # (constructor_kwargs); only what the config spells differently is named here.
     actor, critic = cfg.actor, cfg.critic
-    model = ModelSpec(
-        path=str(model_dir),
-        dtype=cfg.model.dtype,
-        trust_remote_code=cfg.model.trust_remote_code,
-    )
+    model = ModelSpec(**constructor_kwargs(ModelSpec, cfg.model, path=str(model_dir)))
     engine = EngineConfig(
-        device=cfg.trainer.device,
-        dynamic_batching=True,
-        max_tokens_per_micro_batch=actor.max_tokens_per_micro_batch,
-        gradient_checkpointing=actor.gradient_checkpointing,
-        share_prefix=actor.share_prefix,
-        grad_clip=actor.grad_clip,
-        mixed_precision=MixedPrecisionConfig(param_dtype=cfg.model.compute_dtype),
-        seed=cfg.seed,
+        **constructor_kwargs(
+            EngineConfig,
+            actor,
+            device=cfg.trainer.device,
+            dynamic_batching=True,
+            mixed_precision=MixedPrecisionConfig(param_dtype=cfg.model.compute_dtype),
+            seed=cfg.seed,
+        )
     )
     ckpt = CheckpointConfig(max_to_keep=cfg.trainer.max_ckpt_to_keep)
     specs: dict[str, Any] = {
@@ -225,12 +224,13 @@ def engine_specs(
                 "model": model,
                 "engine": engine,
                 "optimizer": OptimizerConfig(
-                    name=actor.optimizer,
-                    lr=actor.lr,
-                    weight_decay=actor.weight_decay,
-                    scheduler=actor.lr_scheduler,
-                    warmup_ratio=actor.warmup_ratio,
-                    total_steps=max(total_steps, 1),
+                    **constructor_kwargs(
+                        OptimizerConfig,
+                        actor,
+                        name=actor.optimizer,
+                        scheduler=actor.lr_scheduler,
+                        total_steps=max(total_steps, 1),
+                    )
                 ),
                 "checkpoint": ckpt,
             },
@@ -249,12 +249,14 @@ def engine_specs(
             kwargs={
                 "role": "critic",
                 "model": critic_model,
-                "engine": dataclasses.replace(engine, grad_clip=critic.grad_clip),
+                "engine": dataclasses.replace(engine, **constructor_kwargs(EngineConfig, critic)),
                 "optimizer": OptimizerConfig(
-                    name=critic.optimizer,
-                    lr=critic.lr,
-                    weight_decay=critic.weight_decay,
-                    total_steps=max(total_steps, 1),
+                    **constructor_kwargs(
+                        OptimizerConfig,
+                        critic,
+                        name=critic.optimizer,
+                        total_steps=max(total_steps, 1),
+                    )
                 ),
                 "checkpoint": ckpt,
             },
