@@ -90,6 +90,36 @@ def _read_chats(files: list[str], cfg: PolyRLConfig) -> list[dict[str, Any]]:
     return chats
 
 
+def data_files(cfg: PolyRLConfig, out_dir: Path) -> tuple[list[str], list[str]]:
+    """Return the run's training and validation files (a generated task's splits, or files).
+
+    With ``data.task`` the task's train/test splits are written under ``data.data_dir``
+    (default ``<out_dir>/data``); ``data.val_files``, when given, replace the generated test
+    split. Used by the SFT and RL trainers alike.
+
+    Raises:
+        ConfigError: neither a task nor training files are set.
+    """
+    data = cfg.data
+    if not data.task:
+        if not data.train_files:
+            raise ConfigError("no training data files", key="data.train_files")
+        return list(data.train_files), list(data.val_files)
+    from polyrl.data.tasks import write_task_splits
+
+    data_dir = Path(data.data_dir) if data.data_dir else out_dir / "data"
+    train_path, test_path = write_task_splits(
+        data.task,
+        data_dir,
+        data.num_train,
+        data.num_val,
+        seed=cfg.seed_for("data"),
+        **data.task_options,
+    )
+    val_files = list(data.val_files) or ([str(test_path)] if data.num_val > 0 else [])
+    return [str(train_path)], val_files
+
+
 def load_sft_datasets(
     cfg: PolyRLConfig, tokenizer: Any, max_length: int, out_dir: Path
 ) -> tuple[SFTDataset, SFTDataset | None]:
@@ -99,28 +129,7 @@ def load_sft_datasets(
     (default ``<out_dir>/data``) and each row becomes a chat ending in its ground truth;
     ``data.val_files``, when given, replace the generated test split.
     """
-    data = cfg.data
-    if data.task:
-        from polyrl.data.tasks import write_task_splits
-
-        data_dir = Path(data.data_dir) if data.data_dir else out_dir / "data"
-        train_path, test_path = write_task_splits(
-            data.task,
-            data_dir,
-            data.num_train,
-            data.num_val,
-            seed=cfg.seed_for("data"),
-            **data.task_options,
-        )
-        train_files = [str(train_path)]
-        if data.val_files:
-            val_files = list(data.val_files)
-        else:
-            val_files = [str(test_path)] if data.num_val > 0 else []
-    else:
-        if not data.train_files:
-            raise ConfigError("no training data files", key="data.train_files")
-        train_files, val_files = list(data.train_files), list(data.val_files)
+    train_files, val_files = data_files(cfg, out_dir)
     kwargs = {"max_length": max_length, "truncation": cfg.sft.truncation}
     train = SFTDataset(_read_chats(train_files, cfg), tokenizer, source="train data", **kwargs)
     val = None

@@ -140,22 +140,9 @@ def load_datasets(
         train = RLDataset(list(train_rows), tokenizer, **kwargs)
         val = RLDataset(list(val_rows), tokenizer, **kwargs) if val_rows else None
         return train, val
-    if data.task:
-        from polyrl.data.tasks import write_task_splits
+    from polyrl.trainer.sft import data_files
 
-        data_dir = Path(data.data_dir) if data.data_dir else out_dir / "data"
-        train_path, test_path = write_task_splits(
-            data.task,
-            data_dir,
-            data.num_train,
-            data.num_val,
-            seed=cfg.seed_for("data"),
-            **data.task_options,
-        )
-        train_files = [str(train_path)]
-        val_files = list(data.val_files) or ([str(test_path)] if data.num_val > 0 else [])
-    else:
-        train_files, val_files = list(data.train_files), list(data.val_files)
+    train_files, val_files = data_files(cfg, out_dir)
     train = RLDataset(train_files, tokenizer, **kwargs)
     val = RLDataset(val_files, tokenizer, **kwargs) if val_files else None
     return train, val
