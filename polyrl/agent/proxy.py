@@ -428,9 +428,9 @@ def serve_proxy(
         ready_file: where to write ``{"url", "pid"}`` once requests are accepted.
         log_level: uvicorn log level.
     """
+    from polyrl.core.http import serve_app
     from polyrl.models.loader import load_tokenizer
     from polyrl.rollout.client import RolloutClient
-    from polyrl.rollout.server import serve_app
 
     tokenizer = load_tokenizer(tokenizer_dir)
     client = RolloutClient(list(rollout_urls), api_key=api_key)

@@ -254,7 +254,8 @@ def serve_command(
 
     Returns the exit code once interrupted.
     """
-    from polyrl.rollout.server import serve, serve_app
+    from polyrl.core.http import serve_app
+    from polyrl.rollout.server import serve
 
     opts = dict(options or {})
     if replicas == 1:
