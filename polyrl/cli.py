@@ -240,8 +240,8 @@ def _serve_command(parser: argparse.ArgumentParser) -> Handler:
             raise CLIError(
                 f"unknown backend {args.backend!r}; available: {', '.join(available_backends())}"
             )
-        from polyrl.rollout.launcher import serve_command
         from polyrl.rollout.options import api_key_from_env, backend_options
+        from polyrl.workers.rollout_server import serve_command
 
         try:
             return serve_command(

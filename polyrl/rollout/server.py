@@ -1,8 +1,15 @@
 """The rollout HTTP server: one process per replica, any :class:`RolloutBackend` behind it.
 
-Run ``python -m polyrl.rollout.server MODEL_DIR --port 8000`` (or ``polyrl serve``). It binds
-127.0.0.1 unless told otherwise; with ``POLYRL_API_KEY`` set, every endpoint but ``/health``
+Run ``python -m polyrl.workers.rollout_server MODEL_DIR --port 8000`` (or ``polyrl serve``). It
+binds 127.0.0.1 unless told otherwise; with ``POLYRL_API_KEY`` set, every endpoint but ``/health``
 wants ``Authorization: Bearer <key>``.
+
+:func:`create_app` assembles the routers of :mod:`polyrl.rollout.routes` and then applies its
+``extensions``, functions ``(app, backend)`` that add routes of other services: the rollout
+service imports no other one. :mod:`polyrl.workers.rollout_server`, the entry point above (and
+what :class:`~polyrl.rollout.launcher.ServerProcess` runs), adds the ``/weights/*`` endpoints of
+:mod:`polyrl.weights.server_routes` that way. ``python -m polyrl.rollout.server`` takes the same
+flags and serves everything below but those.
 
 Endpoints
 ---------
@@ -79,9 +86,13 @@ from polyrl.rollout.routes.common import BearerAuth, RequestTable, add_error_han
 from polyrl.rollout.routes.generation import generation_router
 from polyrl.rollout.routes.openai import openai_router
 
-__all__ = ["build_parser", "create_app", "main", "serve", "watch_parent"]
+__all__ = ["AppExtension", "build_parser", "create_app", "main", "serve", "watch_parent"]
 
 logger = logging.getLogger(__name__)
+
+AppExtension = Callable[[FastAPI, RolloutBackend], Any]
+"""Adds routes (or state) to the app of a backend: ``extension(app, backend)``; what it
+returns is ignored. :func:`polyrl.weights.server_routes.register_weight_routes` is one."""
 
 
 def create_app(
@@ -89,6 +100,7 @@ def create_app(
     tokenizer: Any,
     api_key: str | None = None,
     manage_backend: bool = True,
+    extensions: Sequence[AppExtension] = (),
 ) -> FastAPI:
     """Build the FastAPI app serving ``backend``: the routers of :mod:`polyrl.rollout.routes`.
 
@@ -97,6 +109,8 @@ def create_app(
         tokenizer: the model's tokenizer (chat templates, text in and out).
         api_key: bearer token wanted on every endpoint but ``/health``; ``None`` = open.
         manage_backend: start the backend on app start-up and shut it down on exit.
+        extensions: called as ``extension(app, backend)`` in order once the rollout routes are
+            in, to add other services' routes (the bearer token guards them too).
     """
 
     @contextlib.asynccontextmanager
@@ -124,11 +138,8 @@ def create_app(
         # one more level that every request is matched through, ~10 us of event-loop time per
         # request (so of the GIL the engine thread needs) on FastAPI 0.165.
         app.router.routes.extend(router.routes)
-
-    # Deferred import: polyrl.weights builds on this module's backends, not the reverse.
-    from polyrl.weights.server_routes import register_weight_routes
-
-    register_weight_routes(app, backend)
+    for extend in extensions:
+        extend(app, backend)
     return app
 
 
@@ -141,6 +152,7 @@ def serve(
     ready_file: str | None = None,
     log_level: str = "warning",
     on_ready: Callable[[str], None] | None = None,
+    extensions: Sequence[AppExtension] = (),
     **options: Any,
 ) -> None:
     """Serve ``model_dir`` until interrupted (SIGINT/SIGTERM shut down gracefully).
@@ -154,20 +166,21 @@ def serve(
         ready_file: where to write ``{"url", "pid"}`` once requests are accepted.
         log_level: uvicorn log level.
         on_ready: called with the URL once requests are accepted.
+        extensions: passed to :func:`create_app`.
         **options: backend options (for ``native``: :class:`EngineConfig` fields).
     """
     from polyrl.models.loader import load_tokenizer
 
     engine = create_backend(backend, model_dir, **options)
     tokenizer = load_tokenizer(model_dir, trust_remote_code=bool(options.get("trust_remote_code")))
-    app = create_app(engine, tokenizer, api_key=api_key)
+    app = create_app(engine, tokenizer, api_key=api_key, extensions=extensions)
     asyncio.run(serve_app(app, host, port, ready_file, log_level, on_ready))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Build the parser of ``python -m polyrl.rollout.server``."""
+def build_parser(prog: str = "python -m polyrl.rollout.server") -> argparse.ArgumentParser:
+    """Build the parser of a rollout server process (``prog`` names it in ``--help``)."""
     parser = argparse.ArgumentParser(
-        prog="python -m polyrl.rollout.server",
+        prog=prog,
         description="Serve one rollout replica over HTTP (see polyrl.rollout.server).",
     )
     add_listen_arguments(parser)
@@ -201,9 +214,23 @@ def watch_parent(fd: int) -> threading.Thread:
     return thread
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m polyrl.rollout.server``; returns the exit code."""
-    args = build_parser().parse_args(argv)
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    extensions: Sequence[AppExtension] = (),
+    prog: str = "python -m polyrl.rollout.server",
+) -> int:
+    """Run a rollout server process; return the exit code.
+
+    The entry point of ``python -m polyrl.rollout.server`` (no extensions) and, with the weight
+    routes, of :mod:`polyrl.workers.rollout_server`.
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``); see :func:`build_parser`.
+        extensions: passed to :func:`create_app`.
+        prog: the program name shown in ``--help`` and usage errors.
+    """
+    args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     parent_fd = os.environ.pop(PARENT_FD_ENV, None)
     if parent_fd:
@@ -217,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             api_key=api_key_from_env(),
             ready_file=args.ready_file,
             log_level=args.log_level,
+            extensions=extensions,
             **backend_options(args),
         )
     except (ValueError, TypeError, FileNotFoundError, NotADirectoryError, OSError) as exc:
