@@ -240,8 +240,8 @@ def _serve_command(parser: argparse.ArgumentParser) -> Handler:
             raise CLIError(
                 f"unknown backend {args.backend!r}; available: {', '.join(available_backends())}"
             )
-        from polyrl.rollout.launcher import serve_command
         from polyrl.rollout.options import api_key_from_env, backend_options
+        from polyrl.workers.rollout_server import serve_command
 
         try:
             return serve_command(
@@ -325,6 +325,7 @@ def _agent_proxy_command(parser: argparse.ArgumentParser) -> Handler:
 
     def run(args: argparse.Namespace) -> int:
         from polyrl.agent.proxy import serve_proxy, tokenizer_dir_from_server
+        from polyrl.rollout.client import RolloutClient
         from polyrl.rollout.options import api_key_from_env
 
         for url in args.rollout:
@@ -338,11 +339,10 @@ def _agent_proxy_command(parser: argparse.ArgumentParser) -> Handler:
         if not os.path.isdir(tokenizer):
             raise CLIError(f"--tokenizer {tokenizer!r} is not a directory")
         serve_proxy(
-            args.rollout,
+            RolloutClient(list(args.rollout), api_key=api_key),
             tokenizer,
             host=args.host,
             port=args.port,
-            api_key=api_key,
             model_name=args.model_name,
             ready_file=args.ready_file,
             log_level=args.log_level,

@@ -436,8 +436,8 @@ def test_seeded_long_prompts_in_one_burst(backend: VLLMBackend, aio: Any) -> Non
 # ------------------------------------------------------------ the polyrl server, vllm inside
 
 _SERVE = (
-    "import sys; import polyrl.rollout.vllm_backend; from polyrl.rollout.server import main; "
-    "sys.exit(main(sys.argv[1:]))"
+    "import sys; import polyrl.rollout.vllm_backend; "
+    "from polyrl.workers.rollout_server import main; sys.exit(main(sys.argv[1:]))"
 )
 
 

@@ -27,7 +27,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -406,34 +406,32 @@ def create_proxy_app(proxy: RecordingProxy) -> FastAPI:
 
 
 def serve_proxy(
-    rollout_urls: Sequence[str],
+    client: Any,
     tokenizer_dir: str,
     *,
     host: str = "127.0.0.1",
     port: int = 8100,
-    api_key: str | None = None,
     model_name: str = "polyrl",
     ready_file: str | None = None,
     log_level: str = "warning",
 ) -> None:
-    """Serve the recording proxy until SIGINT/SIGTERM.
+    """Serve the recording proxy in front of ``client`` until SIGINT/SIGTERM.
 
     Args:
-        rollout_urls: rollout replica (or router) URLs.
+        client: the rollout client the proxy forwards to, not started yet (the app starts and
+            closes it): a :class:`~polyrl.rollout.client.RolloutClient` over the replica (or
+            router) URLs, built by whoever launches the proxy (``polyrl agent-proxy``).
         tokenizer_dir: local directory of the served model's tokenizer.
         host: address to bind (default: this machine only).
         port: port (0 picks a free one; see ``ready_file``).
-        api_key: bearer token for the rollout servers.
         model_name: the ``model`` reported in responses.
         ready_file: where to write ``{"url", "pid"}`` once requests are accepted.
         log_level: uvicorn log level.
     """
+    from polyrl.core.http import serve_app
     from polyrl.models.loader import load_tokenizer
-    from polyrl.rollout.client import RolloutClient
-    from polyrl.rollout.server import serve_app
 
     tokenizer = load_tokenizer(tokenizer_dir)
-    client = RolloutClient(list(rollout_urls), api_key=api_key)
     app = create_proxy_app(RecordingProxy(client, tokenizer, model_name=model_name))
     asyncio.run(serve_app(app, host, port, ready_file, log_level))
 

@@ -4,7 +4,9 @@
   :class:`~polyrl.rollout.base.RolloutBackend` protocol and the backend registry;
 * :mod:`polyrl.rollout.native` -- our own continuous-batching engine (paged KV cache);
 * :mod:`polyrl.rollout.server` -- the FastAPI server of one replica (token-in/token-out
-  ``/generate``, OpenAI-compatible endpoints, control and metrics);
+  ``/generate``, OpenAI-compatible endpoints, control and metrics), assembled from the routers
+  of :mod:`polyrl.rollout.routes`; its process entry point with the weight-transfer routes is
+  :mod:`polyrl.workers.rollout_server`;
 * :mod:`polyrl.rollout.client` -- :class:`~polyrl.rollout.client.RolloutClient`, the async
   replica manager (balancing, sticky sessions, health checks, retries, backpressure);
 * :mod:`polyrl.rollout.router` -- one port in front of several replicas;

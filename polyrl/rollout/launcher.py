@@ -1,9 +1,11 @@
 """Replica subprocesses and the ``polyrl serve`` command.
 
-:class:`ServerProcess` runs ``python -m polyrl.rollout.server`` as a child process on a port the
-child picks itself (no race for a "free" port) and waits until it accepts requests.
-:func:`serve_command` is what ``polyrl serve`` runs: one replica in-process, or several replica
-processes behind a router on the requested port.
+:class:`ServerProcess` runs ``python -m polyrl.workers.rollout_server`` (the rollout server with
+the weight-transfer routes; see :data:`SERVER_MODULE`) as a child process on a port the child
+picks itself (no race for a "free" port) and waits until it accepts requests.
+:func:`serve_command` runs one replica in-process, or several replica processes behind a router
+on the requested port; ``polyrl serve`` runs it through
+:func:`polyrl.workers.rollout_server.serve_command`, which adds the weight routes.
 """
 
 from __future__ import annotations
@@ -16,14 +18,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from polyrl.core.cpu import cores_per_process
 from polyrl.rollout.options import API_KEY_ENV, PARENT_FD_ENV
 
-__all__ = ["ServerProcess", "option_flags", "serve_command", "start_replicas"]
+if TYPE_CHECKING:
+    from polyrl.rollout.server import AppExtension
+
+__all__ = ["SERVER_MODULE", "ServerProcess", "option_flags", "serve_command", "start_replicas"]
+
+#: The module a replica process runs (``python -m``): the rollout server composed with the
+#: routes of the services around it (weight transfer), which the rollout service cannot import.
+SERVER_MODULE = "polyrl.workers.rollout_server"
 
 
 def option_flags(options: Mapping[str, Any]) -> list[str]:
@@ -57,6 +66,8 @@ class ServerProcess:
         options: backend options (``EngineConfig`` fields for ``native``).
         log_path: where the child's stdout/stderr go (default: a temporary file).
         env: extra environment variables for the child.
+        module: the module the child runs with ``python -m``; it takes the flags of
+            :func:`polyrl.rollout.server.build_parser`.
     """
 
     def __init__(
@@ -70,6 +81,7 @@ class ServerProcess:
         options: Mapping[str, Any] | None = None,
         log_path: str | os.PathLike[str] | None = None,
         env: Mapping[str, str] | None = None,
+        module: str = SERVER_MODULE,
     ):
         self.model_dir = str(model_dir)
         self.backend = backend
@@ -78,6 +90,7 @@ class ServerProcess:
         self.api_key = api_key
         self.options = dict(options or {})
         self.env = dict(env or {})
+        self.module = module
         self._tmp = tempfile.mkdtemp(prefix="polyrl-replica-")
         self.log_path = Path(log_path) if log_path else Path(self._tmp) / "server.log"
         self.ready_file = Path(self._tmp) / "ready.json"
@@ -93,7 +106,7 @@ class ServerProcess:
         return [
             sys.executable,
             "-m",
-            "polyrl.rollout.server",
+            self.module,
             self.model_dir,
             "--host",
             self.host,
@@ -249,12 +262,15 @@ def serve_command(
     ready_file: str | None = None,
     log_level: str = "warning",
     options: Mapping[str, Any] | None = None,
+    extensions: Sequence[AppExtension] = (),
 ) -> int:
     """Run ``polyrl serve``: one replica here, or ``replicas`` children behind a router.
 
-    Returns the exit code once interrupted.
+    ``extensions`` go to :func:`~polyrl.rollout.server.create_app` of the replica served here;
+    children run :data:`SERVER_MODULE`. Returns the exit code once interrupted.
     """
-    from polyrl.rollout.server import serve, serve_app
+    from polyrl.core.http import serve_app
+    from polyrl.rollout.server import serve
 
     opts = dict(options or {})
     if replicas == 1:
@@ -266,6 +282,7 @@ def serve_command(
             api_key=api_key,
             ready_file=ready_file,
             log_level=log_level,
+            extensions=extensions,
             **opts,
         )
         return 0

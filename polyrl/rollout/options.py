@@ -1,4 +1,4 @@
-"""Command-line options shared by ``polyrl serve`` and ``python -m polyrl.rollout.server``.
+"""Command-line options shared by ``polyrl serve`` and the rollout server processes.
 
 Kept free of heavy imports so ``polyrl --help`` stays fast.
 """

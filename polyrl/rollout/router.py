@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from polyrl.core.rollout_api import RolloutError
 from polyrl.rollout.client import RolloutClient, StreamedResponse
-from polyrl.rollout.server import BearerAuth, error_body
+from polyrl.rollout.routes.common import BearerAuth, error_body
 
 __all__ = ["create_router_app"]
 

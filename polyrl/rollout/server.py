@@ -1,8 +1,15 @@
 """The rollout HTTP server: one process per replica, any :class:`RolloutBackend` behind it.
 
-Run ``python -m polyrl.rollout.server MODEL_DIR --port 8000`` (or ``polyrl serve``). It binds
-127.0.0.1 unless told otherwise; with ``POLYRL_API_KEY`` set, every endpoint but ``/health``
+Run ``python -m polyrl.workers.rollout_server MODEL_DIR --port 8000`` (or ``polyrl serve``). It
+binds 127.0.0.1 unless told otherwise; with ``POLYRL_API_KEY`` set, every endpoint but ``/health``
 wants ``Authorization: Bearer <key>``.
+
+:func:`create_app` assembles the routers of :mod:`polyrl.rollout.routes` and then applies its
+``extensions``, functions ``(app, backend)`` that add routes of other services: the rollout
+service imports no other one. :mod:`polyrl.workers.rollout_server`, the entry point above (and
+what :class:`~polyrl.rollout.launcher.ServerProcess` runs), adds the ``/weights/*`` endpoints of
+:mod:`polyrl.weights.server_routes` that way. ``python -m polyrl.rollout.server`` takes the same
+flags and serves everything below but those.
 
 Endpoints
 ---------
@@ -54,37 +61,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
-import hmac
-import json
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from pathlib import Path
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import FastAPI
 
-from polyrl.core.rollout_api import (
-    BackendStats,
-    GenerateRequest,
-    InvalidRequestError,
-    ModelInfo,
-    RolloutBackend,
-    RolloutError,
-    SampleDelta,
-    SampleOutput,
-    SamplingParams,
-    collect_outputs,
-)
-from polyrl.rollout import openai_compat as oai
+from polyrl.core.http import serve_app
+from polyrl.core.rollout_api import RolloutBackend
 from polyrl.rollout.base import create_backend
 from polyrl.rollout.options import (
     PARENT_FD_ENV,
@@ -93,217 +81,18 @@ from polyrl.rollout.options import (
     api_key_from_env,
     backend_options,
 )
+from polyrl.rollout.routes.admin import admin_router
+from polyrl.rollout.routes.common import BearerAuth, RequestTable, add_error_handlers
+from polyrl.rollout.routes.generation import generation_router
+from polyrl.rollout.routes.openai import openai_router
 
-__all__ = ["BearerAuth", "create_app", "error_body", "main", "render_metrics", "serve", "serve_app"]
+__all__ = ["AppExtension", "build_parser", "create_app", "main", "serve", "watch_parent"]
 
 logger = logging.getLogger(__name__)
 
-
-def error_body(
-    message: str, error_type: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    """Build the JSON error object every endpoint answers with."""
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-
-
-def _error(exc: RolloutError) -> JSONResponse:
-    return JSONResponse(
-        error_body(exc.message, exc.error_type, exc.param, exc.code), status_code=exc.status
-    )
-
-
-async def _json_body(request: Request, required: bool = True) -> Any:
-    raw = await request.body()
-    if not raw.strip():
-        if required:
-            raise InvalidRequestError("the request body is empty; expected a JSON object")
-        return {}
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequestError(f"malformed JSON body: {exc}", code="malformed_json") from exc
-
-
-def _object(body: Any, what: str) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise InvalidRequestError(
-            f"the {what} body must be a JSON object, got {type(body).__name__}"
-        )
-    return body
-
-
-def _sse(data: Any) -> bytes:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
-
-
-_SSE_DONE = b"data: [DONE]\n\n"
-
-
-async def _wait_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
-    """Return once the ASGI server reports that the client went away."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
-    """Await ``work``, cancelling it if the client disconnects first (then return ``None``).
-
-    The handler has read the whole body, so the next ASGI ``receive`` only returns when the
-    client disconnects: one task waits on it. Polling ``request.is_disconnected()`` instead
-    cost every in-flight request a wake-up (and a task group) twice a second, all of it on the
-    event loop thread, which holds the GIL the engine thread needs between its torch calls.
-    """
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        return None
-    finally:
-        for t in (task, watcher):
-            if not t.done():
-                t.cancel()
-
-
-async def _merge(
-    streams: list[AsyncIterator[SampleDelta]],
-) -> AsyncIterator[tuple[int, SampleDelta]]:
-    """Interleave several delta streams, tagging each delta with its stream's index."""
-    if len(streams) == 1:
-        async with contextlib.aclosing(streams[0]) as only:
-            async for delta in only:
-                yield 0, delta
-        return
-    queue: asyncio.Queue[tuple[int, SampleDelta | BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int, stream: AsyncIterator[SampleDelta]) -> None:
-        try:
-            async with contextlib.aclosing(stream) as s:
-                async for delta in s:
-                    await queue.put((i, delta))
-            await queue.put((i, None))
-        except BaseException as exc:  # forwarded to the consumer
-            await queue.put((i, exc))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    left = len(streams)
-    try:
-        while left:
-            i, item = await queue.get()
-            if item is None:
-                left -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-class BearerAuth:
-    """ASGI middleware: every HTTP endpoint but ``/health`` wants ``Bearer <api_key>``.
-
-    A plain ASGI middleware rather than ``@app.middleware("http")``: Starlette's
-    ``BaseHTTPMiddleware`` wraps every request in a task group and routes ``receive`` through
-    extra tasks, which costs event-loop time (and so GIL time taken from the engine thread).
-    """
-
-    def __init__(self, app: Any, api_key: str):
-        self.app = app
-        self.key = api_key.encode()
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        """Pass the request on when it may go through; answer 401 otherwise."""
-        if scope["type"] != "http" or scope["path"] == "/health":
-            await self.app(scope, receive, send)
-            return
-        header = b""
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                header = value
-                break
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
-            await self.app(scope, receive, send)
-            return
-        response = JSONResponse(
-            error_body(
-                "missing or invalid bearer token (send 'Authorization: Bearer <key>')",
-                "authentication_error",
-            ),
-            status_code=401,
-        )
-        await response(scope, receive, send)
-
-
-def render_metrics(stats: BackendStats, info: ModelInfo) -> str:
-    """Prometheus text exposition of a backend's stats."""
-    label = f'model="{info.model}",backend="{info.backend}"'
-    lines: list[str] = []
-
-    def metric(name: str, kind: str, help_text: str, value: float, extra: str = "") -> None:
-        full = f"polyrl_rollout_{name}"
-        if not any(line.startswith(f"# HELP {full} ") for line in lines):
-            lines.append(f"# HELP {full} {help_text}")
-            lines.append(f"# TYPE {full} {kind}")
-        labels = label + (f",{extra}" if extra else "")
-        lines.append(f"{full}{{{labels}}} {value}")
-
-    metric("requests_running", "gauge", "Sequences admitted to the running batch.", stats.running)
-    metric("requests_waiting", "gauge", "Sequences queued for admission.", stats.waiting)
-    metric("paused", "gauge", "1 while stepping is paused.", int(stats.paused))
-    metric("sleeping", "gauge", "1 while KV cache or weights are released.", int(stats.sleeping))
-    metric("weight_version", "gauge", "Version of the weights in use.", stats.weight_version)
-    metric("prompt_tokens_total", "counter", "Prompt tokens received.", stats.prompt_tokens_total)
-    metric("generated_tokens_total", "counter", "Tokens generated.", stats.generated_tokens_total)
-    metric(
-        "generation_tokens_per_second",
-        "gauge",
-        "Generated tokens per second over the last few seconds.",
-        round(stats.generated_tokens_per_s, 3),
-    )
-    metric("kv_cache_usage_ratio", "gauge", "Fraction of KV blocks in use.", stats.kv_cache_usage)
-    metric("kv_cache_blocks_total", "gauge", "KV-cache blocks.", stats.kv_cache_blocks_total)
-    metric("kv_cache_blocks_used", "gauge", "KV-cache blocks held.", stats.kv_cache_blocks_used)
-    metric("kv_cache_bytes", "gauge", "Bytes of KV-cache memory held.", stats.kv_cache_bytes)
-    metric("weight_bytes", "gauge", "Bytes of weights on the device.", stats.weight_bytes)
-    metric(
-        "prefix_cache_hit_tokens_total",
-        "counter",
-        "Prompt tokens served from the prefix cache.",
-        stats.prefix_cache_hit_tokens_total,
-    )
-    metric("preemptions_total", "counter", "Sequences preempted.", stats.preemptions_total)
-    metric("engine_steps_total", "counter", "Engine steps run.", stats.steps_total)
-    for reason in ("stop", "length", "abort"):
-        metric(
-            "requests_finished_total",
-            "counter",
-            "Samples finished, by reason.",
-            stats.finished_total.get(reason, 0),
-            f'finish_reason="{reason}"',
-        )
-    metric(
-        "time_to_first_token_seconds_sum",
-        "counter",
-        "Sum of times from arrival to first token.",
-        round(stats.ttft_seconds_sum, 6),
-    )
-    metric(
-        "time_to_first_token_seconds_count",
-        "counter",
-        "Requests that produced a first token.",
-        stats.ttft_count,
-    )
-    return "\n".join(lines) + "\n"
+AppExtension = Callable[[FastAPI, RolloutBackend], Any]
+"""Adds routes (or state) to the app of a backend: ``extension(app, backend)``; what it
+returns is ignored. :func:`polyrl.weights.server_routes.register_weight_routes` is one."""
 
 
 def create_app(
@@ -311,14 +100,17 @@ def create_app(
     tokenizer: Any,
     api_key: str | None = None,
     manage_backend: bool = True,
+    extensions: Sequence[AppExtension] = (),
 ) -> FastAPI:
-    """Build the FastAPI app serving ``backend``.
+    """Build the FastAPI app serving ``backend``: the routers of :mod:`polyrl.rollout.routes`.
 
     Args:
         backend: the engine (started and stopped with the app when ``manage_backend``).
         tokenizer: the model's tokenizer (chat templates, text in and out).
         api_key: bearer token wanted on every endpoint but ``/health``; ``None`` = open.
         manage_backend: start the backend on app start-up and shut it down on exit.
+        extensions: called as ``extension(app, backend)`` in order once the rollout routes are
+            in, to add other services' routes (the bearer token guards them too).
     """
 
     @contextlib.asynccontextmanager
@@ -332,432 +124,23 @@ def create_app(
                 await backend.shutdown()
 
     app = FastAPI(title="polyrl rollout server", lifespan=lifespan, docs_url=None, redoc_url=None)
-
-    @app.exception_handler(RolloutError)
-    async def _rollout_error(request: Request, exc: RolloutError) -> JSONResponse:
-        return _error(exc)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(
-            error_body(f"{exc.detail}: {request.method} {request.url.path}", kind),
-            status_code=exc.status_code,
-        )
-
+    add_error_handlers(app)
     if api_key is not None:
         app.add_middleware(BearerAuth, api_key=api_key)
-
-    def info() -> ModelInfo:
-        return backend.info
-
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        s = backend.stats()
-        i = info()
-        return {
-            "status": "ok",
-            "model": i.model,
-            "backend": i.backend,
-            "weight_version": s.weight_version,
-            "paused": s.paused,
-            "sleeping": s.sleeping,
-            "running": s.running,
-            "waiting": s.waiting,
-            "max_model_len": i.max_model_len,
-            "vocab_size": i.vocab_size,
-            "eos_token_ids": list(i.eos_token_ids),
-            "pid": os.getpid(),
-        }
-
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(
-            render_metrics(backend.stats(), info()), media_type="text/plain; version=0.0.4"
-        )
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        i = info()
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": i.model,
-                    "object": "model",
-                    "owned_by": "polyrl",
-                    "max_model_len": i.max_model_len,
-                }
-            ],
-        }
-
-    # ------------------------------------------------------------------- /generate
-
-    def parse_generate(
-        body: dict[str, Any],
-    ) -> tuple[list[GenerateRequest], bool, bool, str]:
-        allowed = {"input_ids", "sampling_params", "request_id", "stream", "session_id"}
-        for key in body:
-            if key not in allowed:
-                hint = ""
-                if key in SamplingParams.field_names():
-                    hint = "; sampling parameters go inside 'sampling_params'"
-                raise InvalidRequestError(
-                    f"unknown field {key!r} for /generate{hint} (accepted: {sorted(allowed)})",
-                    param=key,
-                )
-        if "input_ids" not in body:
-            raise InvalidRequestError("missing required field 'input_ids'", param="input_ids")
-        ids = body["input_ids"]
-        if not isinstance(ids, list) or not ids:
-            raise InvalidRequestError(
-                "input_ids must be a non-empty list of token ids or of token-id lists",
-                param="input_ids",
-            )
-        batched = all(isinstance(x, list) for x in ids)
-        prompts = ids if batched else [ids]
-        params = SamplingParams.from_dict(body.get("sampling_params"))
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise InvalidRequestError("stream must be true or false", param="stream")
-        if stream and batched and len(prompts) > 1:
-            raise InvalidRequestError(
-                "stream=true takes a single prompt; send one request per prompt", param="stream"
-            )
-        rid = body.get("request_id") or f"gen-{uuid.uuid4().hex}"
-        if not isinstance(rid, str):
-            raise InvalidRequestError("request_id must be a string", param="request_id")
-        requests = []
-        for i, prompt in enumerate(prompts):
-            for pos, tok in enumerate(prompt):
-                if not isinstance(tok, int) or isinstance(tok, bool):
-                    raise InvalidRequestError(
-                        f"input_ids: token at position {pos} is {tok!r}; expected an int id",
-                        param="input_ids",
-                    )
-            req_id = rid if not batched else f"{rid}-{i}"
-            requests.append(GenerateRequest(req_id, tuple(prompt), params))
-        return requests, batched, stream, rid
-
-    # Client-visible request id -> engine request ids (a batch runs one per prompt).
-    inflight: dict[str, list[str]] = {}
-
-    async def open_streams(
-        key: str, reqs: list[GenerateRequest], stream: bool
-    ) -> list[AsyncIterator[SampleDelta]]:
-        if key in inflight:
-            raise InvalidRequestError(f"request_id {key!r} is already in flight", "request_id")
-        streams: list[AsyncIterator[SampleDelta]] = []
-        try:
-            for r in reqs:
-                streams.append(await backend.generate(r, stream=stream))
-        except BaseException:
-            await close_streams(streams)
-            raise
-        inflight[key] = [r.request_id for r in reqs]
-        return streams
-
-    async def close_streams(
-        streams: list[AsyncIterator[SampleDelta]], key: str | None = None
-    ) -> None:
-        if key is not None:
-            inflight.pop(key, None)
-        for s in streams:
-            await s.aclose()  # type: ignore[attr-defined]
-
-    async def run_requests(
-        request: Request, key: str, reqs: list[GenerateRequest]
-    ) -> list[Any] | None:
-        """Run requests to completion (``None`` if the client went away first)."""
-        streams = await open_streams(key, reqs, stream=False)
-        try:
-            work = asyncio.gather(
-                *(collect_outputs(r, s) for r, s in zip(reqs, streams, strict=True))
-            )
-            return await _until_disconnect(request, work)
-        finally:
-            await close_streams(streams, key)
-
-    @app.post("/generate")
-    async def generate(request: Request) -> Response:
-        body = _object(await _json_body(request), "/generate")
-        reqs, batched, stream, key = parse_generate(body)
-        if stream:
-            streams = await open_streams(key, reqs, stream=True)
-
-            async def events() -> AsyncIterator[bytes]:
-                try:
-                    async for d in streams[0]:
-                        yield _sse(
-                            {
-                                "request_id": key,
-                                "index": d.index,
-                                "token_ids": d.token_ids,
-                                "logprobs": d.logprobs,
-                                "top_logprobs": d.top_logprobs,
-                                "finish_reason": d.finish_reason,
-                                "stop_reason": d.stop_reason,
-                                "weight_version": d.weight_version,
-                            }
-                        )
-                    yield _SSE_DONE
-                finally:
-                    await close_streams(streams, key)
-
-            return StreamingResponse(events(), media_type="text/event-stream")
-
-        outs = await run_requests(request, key, reqs)
-        if outs is None:
-            return Response(status_code=499)
-        results = [o.to_dict() for o in outs]
-        if batched:
-            return JSONResponse(
-                {"results": results, "weight_version": max(r["weight_version"] for r in results)}
-            )
-        return JSONResponse(results[0])
-
-    # ------------------------------------------------------------------ OpenAI API
-
-    def job_requests(job: oai.OpenAIJob) -> list[GenerateRequest]:
-        return [
-            GenerateRequest(f"{job.request_id}-{i}", tuple(p), job.params)
-            for i, p in enumerate(job.prompts)
-        ]
-
-    async def stream_job(job: oai.OpenAIJob) -> StreamingResponse:
-        streams = await open_streams(job.request_id, job_requests(job), stream=True)
-        n = job.params.n
-        chat = job.kind == "chat.completion"
-
-        async def events() -> AsyncIterator[bytes]:
-            asms: dict[int, oai.TextAssembler] = {}
-            samples: dict[int, SampleOutput] = {}
-            try:
-                async with contextlib.aclosing(_merge(streams)) as merged:
-                    async for p, d in merged:
-                        idx = p * n + d.index
-                        asm = asms.get(idx)
-                        if asm is None:
-                            asm = asms[idx] = oai.TextAssembler(
-                                tokenizer, job.params.stop, job.skip_special_tokens
-                            )
-                            samples[idx] = SampleOutput(index=idx)
-                            if chat:
-                                yield _sse(
-                                    oai.chat_chunk(
-                                        job, idx, {"role": "assistant", "content": ""}, [], None, 0
-                                    )
-                                )
-                        offset = len(asm.sent)
-                        finished = d.finish_reason is not None
-                        text = asm.push(d.token_ids, finished, d.stop_reason)
-                        samples[idx].add(d)
-                        if not text and not finished and not d.token_ids:
-                            continue
-                        if chat:
-                            lp = oai.chat_logprobs_delta(
-                                asm, d.token_ids, d.logprobs, d.top_logprobs
-                            )
-                            delta = {"content": text} if text or not finished else {}
-                            yield _sse(
-                                oai.chat_chunk(
-                                    job,
-                                    idx,
-                                    delta,
-                                    d.token_ids,
-                                    d.finish_reason,
-                                    d.weight_version,
-                                    lp,
-                                )
-                            )
-                        else:
-                            lp = oai.completion_logprobs_delta(
-                                asm,
-                                d.token_ids,
-                                d.logprobs,
-                                d.top_logprobs,
-                                job.top_logprobs,
-                                offset,
-                            )
-                            yield _sse(
-                                oai.completion_chunk(
-                                    job,
-                                    idx,
-                                    text,
-                                    d.token_ids,
-                                    d.finish_reason,
-                                    d.weight_version,
-                                    lp,
-                                )
-                            )
-                if job.include_usage:
-                    yield _sse(oai.usage_chunk(job, list(samples.values())))
-                yield _SSE_DONE
-            finally:
-                await close_streams(streams, job.request_id)
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        job = oai.parse_completion_request(await _json_body(request), tokenizer, info())
-        if job.stream:
-            return await stream_job(job)
-        outs = await run_requests(request, job.request_id, job_requests(job))
-        if outs is None:
-            return Response(status_code=499)
-        return JSONResponse(oai.completion_response(job, tokenizer, [o.outputs for o in outs]))
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        job = oai.parse_chat_request(await _json_body(request), tokenizer, info())
-        if job.stream:
-            return await stream_job(job)
-        outs = await run_requests(request, job.request_id, job_requests(job))
-        if outs is None:
-            return Response(status_code=499)
-        return JSONResponse(oai.chat_response(job, tokenizer, outs[0].outputs))
-
-    # -------------------------------------------------------------------- control
-
-    @app.post("/pause")
-    async def pause() -> dict[str, Any]:
-        await backend.pause()
-        return {"paused": True}
-
-    @app.post("/resume")
-    async def resume() -> dict[str, Any]:
-        await backend.resume()
-        return {"paused": False}
-
-    @app.post("/abort")
-    async def abort(request: Request) -> dict[str, Any]:
-        body = _object(await _json_body(request, required=False), "/abort")
-        ids = body.get("request_ids")
-        if ids is not None and not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
-            raise InvalidRequestError("request_ids must be a list of strings", param="request_ids")
-        if ids is not None:
-            # A batched /generate or OpenAI request runs as several engine requests.
-            ids = [e for i in ids for e in inflight.get(i, [i])]
-        return {"aborted": await backend.abort(ids)}
-
-    @app.post("/sleep")
-    async def sleep(request: Request) -> dict[str, Any]:
-        body = _object(await _json_body(request, required=False), "/sleep")
-        level = body.get("level", 1)
-        if level not in (1, 2) or isinstance(level, bool):
-            raise InvalidRequestError(f"level must be 1 or 2, got {level!r}", param="level")
-        return await backend.sleep(level)
-
-    @app.post("/wake_up")
-    async def wake_up(request: Request) -> dict[str, Any]:
-        body = _object(await _json_body(request, required=False), "/wake_up")
-        tags = body.get("tags")
-        if tags is not None and not (
-            isinstance(tags, list) and all(isinstance(t, str) for t in tags)
-        ):
-            raise InvalidRequestError("tags must be a list of strings", param="tags")
-        return await backend.wake_up(tags)
-
-    @app.post("/update_weights")
-    async def update_weights(request: Request) -> dict[str, Any]:
-        body = _object(await _json_body(request), "/update_weights")
-        unknown = set(body) - {"path", "version"}
-        if unknown:
-            raise InvalidRequestError(
-                f"unknown field(s) {sorted(unknown)} for /update_weights; expected path, version",
-                param=sorted(unknown)[0],
-            )
-        path = body.get("path")
-        if not isinstance(path, str) or not path:
-            raise InvalidRequestError("path must name a weights directory", param="path")
-        version = body.get("version")
-        if version is not None and (
-            not isinstance(version, int) or isinstance(version, bool) or version < 0
-        ):
-            raise InvalidRequestError(f"version must be an int >= 0, got {version!r}", "version")
-        return {"weight_version": await backend.update_weights(path, version)}
-
-    # Deferred import: polyrl.weights builds on this module's backends, not the reverse.
-    from polyrl.weights.server_routes import register_weight_routes
-
-    register_weight_routes(app, backend)
+    # One table for both: /abort ends /generate and OpenAI requests alike.
+    table = RequestTable(backend)
+    for router in (
+        admin_router(backend),
+        openai_router(backend, tokenizer, table),
+        generation_router(backend, table),
+    ):
+        # The routes go into the app's own table: app.include_router would keep each router as
+        # one more level that every request is matched through, ~10 us of event-loop time per
+        # request (so of the GIL the engine thread needs) on FastAPI 0.165.
+        app.router.routes.extend(router.routes)
+    for extend in extensions:
+        extend(app, backend)
     return app
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP explicitly: asyncio only sets TCP_NODELAY on sockets whose proto says TCP
-    # (proto 0 does not), and without it Nagle + delayed ACKs add ~40 ms to every response.
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited by accepted sockets
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
-def _url(host: str, port: int) -> str:
-    shown = f"[{host}]" if ":" in host else host
-    return f"http://{shown}:{port}"
-
-
-async def serve_app(
-    app: FastAPI,
-    host: str,
-    port: int,
-    ready_file: str | None,
-    log_level: str,
-    on_ready: Callable[[str], None] | None = None,
-) -> None:
-    """Serve ``app`` with uvicorn on ``host:port`` until SIGINT/SIGTERM.
-
-    Args:
-        app: the ASGI app.
-        host: address to bind.
-        port: port (0 picks a free one).
-        ready_file: where to write ``{"url", "pid"}`` once requests are accepted.
-        log_level: uvicorn log level.
-        on_ready: called with the URL once requests are accepted.
-    """
-    import uvicorn
-
-    sock = _bind(host, port)
-    url = _url(host, sock.getsockname()[1])
-    config = uvicorn.Config(
-        app, log_level=log_level, access_log=False, timeout_keep_alive=30, lifespan="on"
-    )
-    server = uvicorn.Server(config)
-
-    async def announce() -> None:
-        while not server.started:
-            if server.should_exit:
-                return
-            await asyncio.sleep(0.05)
-        # What exists now (torch, the model, the app) lives as long as the process. Frozen, it
-        # leaves the collector's generations, so a full collection while serving stays cheap;
-        # unfrozen, one walks every object of torch and transformers (hundreds of ms on this
-        # server, with the GIL held, so the engine thread stalls too).
-        gc.collect()
-        gc.freeze()
-        if ready_file:
-            tmp = Path(ready_file).with_suffix(".tmp")
-            tmp.write_text(json.dumps({"url": url, "pid": os.getpid()}))
-            os.replace(tmp, ready_file)
-        if on_ready is not None:
-            on_ready(url)
-
-    if threading.current_thread() is threading.main_thread():
-        # uvicorn shuts down gracefully on SIGTERM and then re-raises the signal to the
-        # handler that was installed before it; a no-op one lets the process exit with 0.
-        signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    watcher = asyncio.ensure_future(announce())
-    try:
-        await server.serve(sockets=[sock])
-    finally:
-        watcher.cancel()
-        sock.close()
 
 
 def serve(
@@ -769,6 +152,7 @@ def serve(
     ready_file: str | None = None,
     log_level: str = "warning",
     on_ready: Callable[[str], None] | None = None,
+    extensions: Sequence[AppExtension] = (),
     **options: Any,
 ) -> None:
     """Serve ``model_dir`` until interrupted (SIGINT/SIGTERM shut down gracefully).
@@ -782,20 +166,21 @@ def serve(
         ready_file: where to write ``{"url", "pid"}`` once requests are accepted.
         log_level: uvicorn log level.
         on_ready: called with the URL once requests are accepted.
+        extensions: passed to :func:`create_app`.
         **options: backend options (for ``native``: :class:`EngineConfig` fields).
     """
     from polyrl.models.loader import load_tokenizer
 
     engine = create_backend(backend, model_dir, **options)
     tokenizer = load_tokenizer(model_dir, trust_remote_code=bool(options.get("trust_remote_code")))
-    app = create_app(engine, tokenizer, api_key=api_key)
+    app = create_app(engine, tokenizer, api_key=api_key, extensions=extensions)
     asyncio.run(serve_app(app, host, port, ready_file, log_level, on_ready))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Build the parser of ``python -m polyrl.rollout.server``."""
+def build_parser(prog: str = "python -m polyrl.rollout.server") -> argparse.ArgumentParser:
+    """Build the parser of a rollout server process (``prog`` names it in ``--help``)."""
     parser = argparse.ArgumentParser(
-        prog="python -m polyrl.rollout.server",
+        prog=prog,
         description="Serve one rollout replica over HTTP (see polyrl.rollout.server).",
     )
     add_listen_arguments(parser)
@@ -829,9 +214,23 @@ def watch_parent(fd: int) -> threading.Thread:
     return thread
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m polyrl.rollout.server``; returns the exit code."""
-    args = build_parser().parse_args(argv)
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    extensions: Sequence[AppExtension] = (),
+    prog: str = "python -m polyrl.rollout.server",
+) -> int:
+    """Run a rollout server process; return the exit code.
+
+    The entry point of ``python -m polyrl.rollout.server`` (no extensions) and, with the weight
+    routes, of :mod:`polyrl.workers.rollout_server`.
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``); see :func:`build_parser`.
+        extensions: passed to :func:`create_app`.
+        prog: the program name shown in ``--help`` and usage errors.
+    """
+    args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     parent_fd = os.environ.pop(PARENT_FD_ENV, None)
     if parent_fd:
@@ -845,6 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             api_key=api_key_from_env(),
             ready_file=args.ready_file,
             log_level=args.log_level,
+            extensions=extensions,
             **backend_options(args),
         )
     except (ValueError, TypeError, FileNotFoundError, NotADirectoryError, OSError) as exc:
