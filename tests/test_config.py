@@ -709,3 +709,24 @@ def test_rl_engine_specs_take_each_option_from_its_section(tmp_path):
     assert critic["optimizer"].lr == 2e-5 and critic["optimizer"].scheduler == "constant"
     assert ref["engine"] is actor["engine"]
     assert actor["model"].path == str(tmp_path) and critic["model"].kind == "value"
+
+
+def test_replica_options_map_the_rollout_group_onto_the_backend_options():
+    from polyrl.rollout.native.engine import NativeEngineConfig
+    from polyrl.trainer.rl.build import replica_options
+
+    cfg = load_config(
+        "demo", ["trainer.device=cpu", "rollout.max_num_seqs=7", "rollout.num_threads=1"]
+    )
+    options = replica_options(cfg)
+    assert options == {
+        "dtype": cfg.model.dtype,
+        "seed": cfg.seed_for("rollout"),
+        "max_num_seqs": 7,
+        "num_threads": 1,
+    }
+    NativeEngineConfig(**options)  # every key is an option of the native backend
+    bf16 = replica_options(
+        load_config("demo", ["trainer.device=cpu", "model.compute_dtype=bfloat16"])
+    )
+    assert bf16["matmul_dtype"] == "bfloat16" and "num_threads" not in bf16

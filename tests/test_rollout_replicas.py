@@ -200,3 +200,32 @@ def test_a_replica_outlives_no_parent_killed_without_cleanup(model_dir, tmp_path
             raise AssertionError("the replica kept running after its parent was killed")
     finally:
         parent.kill()
+
+
+def test_engine_options_travel_as_one_json_object_and_flags_override_them():
+    import argparse
+
+    from polyrl.rollout.launcher import ServerProcess
+    from polyrl.rollout.options import add_backend_arguments, backend_options
+
+    proc = ServerProcess("/m", options={"max_num_seqs": 3, "dtype": "bfloat16", "seed": None})
+    command = proc.command
+    raw = command[command.index("--engine-options") + 1]
+    assert json.loads(raw) == {"max_num_seqs": 3, "dtype": "bfloat16"}
+    parser = argparse.ArgumentParser()
+    add_backend_arguments(parser)
+    args = parser.parse_args(["--engine-options", raw, "--max-num-seqs", "9"])
+    assert backend_options(args) == {"max_num_seqs": 9, "dtype": "bfloat16"}
+    for bad in ("[1, 2]", "{not json"):
+        with pytest.raises(ValueError, match="--engine-options"):
+            backend_options(parser.parse_args(["--engine-options", bad]))
+    assert "--engine-options" not in ServerProcess("/m").command
+
+
+def test_each_backend_declares_its_options_class():
+    from polyrl.rollout.base import backend_options_class
+    from polyrl.rollout.native.engine import NativeEngineConfig
+
+    assert backend_options_class("native") is NativeEngineConfig
+    with pytest.raises(ValueError, match="unknown rollout backend"):
+        backend_options_class("nope")

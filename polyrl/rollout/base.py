@@ -45,6 +45,7 @@ __all__ = [
     "SampleOutput",
     "SamplingParams",
     "available_backends",
+    "backend_options_class",
     "check_request_fits",
     "collect_outputs",
     "create_backend",
@@ -87,12 +88,7 @@ def available_backends() -> list[str]:
     return sorted(set(_BACKENDS) | set(_LAZY_BACKENDS))
 
 
-def create_backend(name: str, model_dir: str, **options: Any) -> RolloutBackend:
-    """Build the backend registered as ``name`` for the model in ``model_dir``.
-
-    Raises:
-        ValueError: no backend of that name.
-    """
+def _factory(name: str) -> BackendFactory:
     if name not in _BACKENDS and name in _LAZY_BACKENDS:
         importlib.import_module(_LAZY_BACKENDS[name])
     factory = _BACKENDS.get(name)
@@ -101,4 +97,29 @@ def create_backend(name: str, model_dir: str, **options: Any) -> RolloutBackend:
             f"unknown rollout backend {name!r}{_suggest(name, available_backends())}; "
             f"available: {', '.join(available_backends())}"
         )
-    return factory(model_dir, **options)
+    return factory
+
+
+def backend_options_class(name: str) -> type:
+    """Return the dataclass whose fields are the options of the backend ``name``.
+
+    Callers that configure a backend (the RL trainer, from ``rollout.*``) map their settings
+    onto it by field name, so an option is declared once: on this dataclass.
+
+    Raises:
+        ValueError: no backend of that name, or it declares no ``options_class``.
+    """
+    factory = _factory(name)
+    options = getattr(factory, "options_class", None)
+    if options is None:
+        raise ValueError(f"rollout backend {name!r} declares no options_class")
+    return options
+
+
+def create_backend(name: str, model_dir: str, **options: Any) -> RolloutBackend:
+    """Build the backend registered as ``name`` for the model in ``model_dir``.
+
+    Raises:
+        ValueError: no backend of that name.
+    """
+    return _factory(name)(model_dir, **options)

@@ -28,30 +28,11 @@ from polyrl.rollout.options import API_KEY_ENV, PARENT_FD_ENV
 if TYPE_CHECKING:
     from polyrl.rollout.server import AppExtension
 
-__all__ = ["SERVER_MODULE", "ServerProcess", "option_flags", "serve_command", "start_replicas"]
+__all__ = ["SERVER_MODULE", "ServerProcess", "serve_command", "start_replicas"]
 
 #: The module a replica process runs (``python -m``): the rollout server composed with the
 #: routes of the services around it (weight transfer), which the rollout service cannot import.
 SERVER_MODULE = "polyrl.workers.rollout_server"
-
-
-def option_flags(options: Mapping[str, Any]) -> list[str]:
-    """Turn backend options (``EngineConfig`` field names) into server command-line flags."""
-    flags: list[str] = []
-    for key, value in options.items():
-        if value is None:
-            continue
-        if key == "enable_prefix_caching":
-            if not value:
-                flags.append("--no-prefix-caching")
-        elif key == "trust_remote_code":
-            if value:
-                flags.append("--trust-remote-code")
-        elif key == "num_threads":
-            flags += ["--threads", str(value)]
-        else:
-            flags += [f"--{key.replace('_', '-')}", str(value)]
-    return flags
 
 
 class ServerProcess:
@@ -63,7 +44,7 @@ class ServerProcess:
         host: address the replica binds.
         port: port (0: the child picks a free one).
         api_key: bearer token the replica requires (passed through the environment).
-        options: backend options (``EngineConfig`` fields for ``native``).
+        options: backend options (fields of the backend's ``options_class``).
         log_path: where the child's stdout/stderr go (default: a temporary file).
         env: extra environment variables for the child.
         module: the module the child runs with ``python -m``; it takes the flags of
@@ -116,8 +97,14 @@ class ServerProcess:
             self.backend,
             "--ready-file",
             str(self.ready_file),
-            *option_flags(self.options),
+            *self._option_args(),
         ]
+
+    def _option_args(self) -> list[str]:
+        # The backend options travel as one JSON object of option names: the launcher knows
+        # no option by name, so a new backend option needs no flag here.
+        options = {k: v for k, v in self.options.items() if v is not None}
+        return ["--engine-options", json.dumps(options)] if options else []
 
     def spawn(self) -> ServerProcess:
         """Start the child without waiting for it (see :meth:`wait_ready`)."""

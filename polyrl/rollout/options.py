@@ -6,6 +6,7 @@ Kept free of heavy imports so ``polyrl --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from typing import Any
 
@@ -89,6 +90,13 @@ def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
         help="do not reuse KV blocks of shared prompt prefixes",
     )
     group.add_argument(
+        "--engine-options",
+        default=None,
+        metavar="JSON",
+        help="backend options as one JSON object of option names (how the trainer's launcher "
+        "passes them); the flags above override its entries",
+    )
+    group.add_argument(
         "--trust-remote-code",
         action="store_true",
         default=None,
@@ -97,12 +105,32 @@ def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def backend_options(args: argparse.Namespace) -> dict[str, Any]:
-    """Return the engine options given on the command line (flags left out are not included)."""
+    """Return the engine options given on the command line (flags left out are not included).
+
+    ``--engine-options`` gives a JSON object of options; the other flags override its entries.
+
+    Raises:
+        ValueError: ``--engine-options`` is not a JSON object.
+    """
+    options: dict[str, Any] = {}
+    raw = getattr(args, "engine_options", None)
+    if raw is not None:
+        try:
+            options = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"--engine-options is not valid JSON ({exc}); expected an object"
+            ) from None
+        if not isinstance(options, dict):
+            raise ValueError(
+                f"--engine-options must be a JSON object of option names, got {raw[:80]!r}"
+            )
     names = [dest for _, dest, _, _ in _BACKEND_FLAGS] + [
         "enable_prefix_caching",
         "trust_remote_code",
     ]
-    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    options.update({n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
+    return options
 
 
 def api_key_from_env() -> str | None:

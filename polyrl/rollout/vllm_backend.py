@@ -623,6 +623,9 @@ class VLLMBackend:
         FileNotFoundError: ``model_dir`` has no ``config.json``.
     """
 
+    #: The dataclass whose fields are this backend's options.
+    options_class = VLLMOptions
+
     def __init__(self, model_dir: str | os.PathLike[str], **options: Any):
         names = {f.name for f in dataclasses.fields(VLLMOptions)}
         unknown = sorted(set(options) - names)

@@ -38,6 +38,9 @@ class NativeBackend:
         TypeError: an option that is not a :class:`NativeEngineConfig` field.
     """
 
+    #: The dataclass whose fields are this backend's options.
+    options_class = NativeEngineConfig
+
     def __init__(self, model_dir: str | os.PathLike[str], **options: Any):
         names = {f.name for f in dataclasses.fields(NativeEngineConfig)}
         unknown = sorted(set(options) - names)

@@ -21,6 +21,7 @@ __all__ = [
     "check_config",
     "engine_specs",
     "load_datasets",
+    "replica_options",
     "rollout_matmul_dtype",
     "start_engines",
     "start_replicas",
@@ -148,6 +149,32 @@ def load_datasets(
     return train, val
 
 
+def replica_options(cfg: PolyRLConfig) -> dict[str, Any]:
+    """Return the rollout backend's options for the replicas the trainer starts.
+
+    ``rollout.*`` maps onto the backend's options dataclass by field name, so an option is
+    declared once there and once in the config; the values computed from other groups
+    (dtype, seed, thread count, matmul dtype) are set here. Unset (``None``) options are left
+    to the backend's defaults.
+    """
+    from polyrl.rollout.base import backend_options_class
+
+    ro = cfg.rollout
+    options_class = backend_options_class(ro.backend)
+    matmul = rollout_matmul_dtype(cfg)
+    computed = {
+        "dtype": cfg.model.dtype,
+        "seed": cfg.seed_for("rollout"),
+        "num_threads": ro.num_threads or None,  # 0: the launcher's share of the cores
+        "matmul_dtype": matmul if matmul != cfg.model.dtype else None,
+    }
+    names = {f.name for f in dataclasses.fields(options_class)}
+    options = constructor_kwargs(
+        options_class, ro, **{k: v for k, v in computed.items() if k in names}
+    )
+    return {k: v for k, v in options.items() if v is not None}
+
+
 def start_replicas(
     cfg: PolyRLConfig, model_dir: Path, closers: list[Callable[[], None]]
 ) -> list[str]:
@@ -157,18 +184,10 @@ def start_replicas(
     """
     from polyrl.rollout.launcher import start_replicas as launch
 
-    urls = list(cfg.rollout.urls)
-    if urls:
-        return urls
-    options: dict[str, Any] = {"dtype": cfg.model.dtype, "seed": cfg.seed_for("rollout")}
-    if cfg.rollout.backend == "native":
-        options["max_num_seqs"] = cfg.rollout.max_num_seqs
-        if cfg.rollout.num_threads:
-            options["num_threads"] = cfg.rollout.num_threads
-        matmul = rollout_matmul_dtype(cfg)
-        if matmul != cfg.model.dtype:
-            options["matmul_dtype"] = matmul
-    replicas = launch(model_dir, cfg.rollout.replicas, backend=cfg.rollout.backend, options=options)
+    ro = cfg.rollout
+    if ro.urls:
+        return list(ro.urls)
+    replicas = launch(model_dir, ro.replicas, backend=ro.backend, options=replica_options(cfg))
     for replica in replicas:
         closers.append(replica.stop)
     return [str(r.url) for r in replicas]

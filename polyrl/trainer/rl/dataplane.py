@@ -42,7 +42,7 @@ class DataPlane(Protocol):
         """Run the advantage phase; return ``(rows, data metrics, KL controller)``."""
         ...
 
-    def update(self, method: Callable[..., Any], rows: Any, *args: Any) -> dict[str, float]:
+    def update(self, method: Callable[..., Any], rows: Any, **kwargs: Any) -> dict[str, float]:
         """Run an update ``method`` (``update_actor``/``update_critic``) on ``rows``."""
         ...
 
@@ -76,10 +76,10 @@ class InlinePlane:
         _, metrics = advantage_phase(rows, self.cfg, kl_ctrl, max_response_length)
         return rows, metrics, kl_ctrl
 
-    def update(self, method: Callable[..., Any], rows: Batch, *args: Any) -> dict[str, float]:
+    def update(self, method: Callable[..., Any], rows: Batch, **kwargs: Any) -> dict[str, float]:
         """Call ``method`` on the batch padded with zero-loss rows to the data-parallel size."""
         padded, _ = pad_batch_for_dp(rows, self.world_size)
-        return method(padded, *args)
+        return method(padded, **kwargs)
 
     def release(self, rows: Batch) -> dict[str, float]:
         """Nothing to release: the batch goes when the step drops it."""
@@ -109,11 +109,19 @@ class QueuePlane:
         self, rows: StoredRows, kl_ctrl: Any, max_response_length: int
     ) -> tuple[StoredRows, dict[str, float], Any]:
         """Run the advantage phase in rollout worker 0, on the stored rows."""
-        return self.workers.call(0, "advantages", rows, kl_ctrl, max_response_length)
+        return self.workers.call(
+            0,
+            "advantages",
+            rows=rows,
+            kl_ctrl=kl_ctrl,
+            max_response_length=max_response_length,
+        )
 
-    def update(self, method: Callable[..., Any], rows: StoredRows, *args: Any) -> dict[str, float]:
+    def update(
+        self, method: Callable[..., Any], rows: StoredRows, **kwargs: Any
+    ) -> dict[str, float]:
         """Have every rank fetch its shard of the rows and update on it."""
-        return method(rows, *args)
+        return method(rows, **kwargs)
 
     def release(self, rows: StoredRows) -> dict[str, float]:
         """Clear the step's partition; report the queue's size before and the rows moved."""

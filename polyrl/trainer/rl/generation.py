@@ -62,12 +62,11 @@ class Replicas:
         ro = self.cfg.rollout
         self.wake()
         stats = actor.sync_weights(
-            ro.weight_transport,
-            self.urls,
-            ro.weight_bucket_mb,
-            False,
-            version,
-            ro.weight_sync_mode,
+            transport=ro.weight_transport,
+            urls=self.urls,
+            bucket_mb=ro.weight_bucket_mb,
+            version=version,
+            mode=ro.weight_sync_mode,
         )
         first = next(s for s in stats if s is not None)
         return {
@@ -211,14 +210,14 @@ class QueueRollout:
             seed = derive_seed(cfg.seed_for("rollout"), step)
             shares = np.array_split(np.arange(len(indices)), len(self.workers))
             calls = [
-                (
-                    partition,
-                    [int(indices[i]) for i in share],
-                    int(share[0]),
-                    n,
-                    cfg.rollout.temperature,
-                    seed,
-                )
+                {
+                    "partition": partition,
+                    "indices": [int(indices[i]) for i in share],
+                    "first_index": int(share[0]),
+                    "n": n,
+                    "temperature": cfg.rollout.temperature,
+                    "seed": seed,
+                }
                 for share in shares
                 if len(share)
             ]

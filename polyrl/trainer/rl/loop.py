@@ -298,10 +298,10 @@ class RLTrainer:
                         plane.update(
                             self.critic.update_critic,
                             rows,
-                            CRITIC_LOSS,
-                            self._critic_loss_kwargs(),
-                            self.num_mini_batches,
-                            cfg.critic.ppo_epochs,
+                            loss=CRITIC_LOSS,
+                            loss_kwargs=self._critic_loss_kwargs(),
+                            num_mini_batches=self.num_mini_batches,
+                            epochs=cfg.critic.ppo_epochs,
                         )
                     )
             if step > cfg.trainer.critic_warmup:
@@ -310,10 +310,10 @@ class RLTrainer:
                         plane.update(
                             self.actor.update_actor,
                             rows,
-                            ACTOR_LOSS,
-                            self._actor_loss_kwargs(),
-                            self.num_mini_batches,
-                            cfg.actor.ppo_epochs,
+                            loss=ACTOR_LOSS,
+                            loss_kwargs=self._actor_loss_kwargs(),
+                            num_mini_batches=self.num_mini_batches,
+                            epochs=cfg.actor.ppo_epochs,
                         )
                     )
                 # 6. weight sync

@@ -331,30 +331,29 @@ class StoreWorkers:
     def __len__(self) -> int:
         return len(self.workers)
 
-    def call(self, index: int, method: str, *args: Any) -> Any:
-        """Call ``method`` on worker ``index`` and wait for its result."""
+    def call(self, index: int, method: str, **kwargs: Any) -> Any:
+        """Call ``method`` on worker ``index`` with named arguments; wait for its result."""
         worker = self.workers[index]
         if self.backend == "ray":
             import ray
 
-            return ray.get(getattr(worker, method).remote(*args))
-        return getattr(worker, method)(*args)
+            return ray.get(getattr(worker, method).remote(**kwargs))
+        return getattr(worker, method)(**kwargs)
 
-    def call_each(self, method: str, calls: Sequence[tuple[Any, ...]]) -> list[Any]:
-        """Call ``method`` on worker ``i`` with ``calls[i]``, all at once; wait for every one."""
+    def call_each(self, method: str, calls: Sequence[Mapping[str, Any]]) -> list[Any]:
+        """Call ``method`` on worker ``i`` with the named arguments ``calls[i]``, all at once."""
         workers = self.workers[: len(calls)]
         if self.backend == "ray":
             import ray
 
             return ray.get(
-                [getattr(w, method).remote(*a) for w, a in zip(workers, calls, strict=True)]
+                [getattr(w, method).remote(**kw) for w, kw in zip(workers, calls, strict=True)]
             )
         with ThreadPoolExecutor(len(calls)) as pool:
-            return list(
-                pool.map(
-                    lambda wa: getattr(wa[0], method)(*wa[1]), zip(workers, calls, strict=True)
-                )
-            )
+            futures = [
+                pool.submit(getattr(w, method), **kw) for w, kw in zip(workers, calls, strict=True)
+            ]
+            return [f.result() for f in futures]
 
     def close(self) -> None:
         """Close every worker (their clients and reward processes)."""
