@@ -24,38 +24,15 @@ from typing import Any
 
 import torch
 
+from polyrl.core.registry import Registry
+
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
-_ADVANTAGES: dict[str, AdvantageFn] = {}
-
-
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Register an advantage estimator under ``name`` (decorator)."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"advantage estimator name must be a non-empty str, got {name!r}")
-
-    def deco(fn: AdvantageFn) -> AdvantageFn:
-        if name in _ADVANTAGES and _ADVANTAGES[name] is not fn:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        _ADVANTAGES[name] = fn
-        return fn
-
-    return deco
-
-
-def get_advantage_estimator(name: str) -> AdvantageFn:
-    """Return the estimator registered under ``name``; raise ``KeyError`` listing known names."""
-    try:
-        return _ADVANTAGES[name]
-    except KeyError:
-        raise KeyError(
-            f"unknown advantage estimator {name!r}; expected one of {sorted(_ADVANTAGES)}"
-        ) from None
-
-
-def list_advantage_estimators() -> list[str]:
-    """Names of all registered advantage estimators."""
-    return sorted(_ADVANTAGES)
+#: Advantage estimators by name.
+ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
+register_advantage = ADVANTAGE_ESTIMATORS.register
+get_advantage_estimator = ADVANTAGE_ESTIMATORS.get
+list_advantage_estimators = ADVANTAGE_ESTIMATORS.names
 
 
 def _check(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

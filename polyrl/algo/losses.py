@@ -23,40 +23,17 @@ from collections.abc import Callable
 
 import torch
 
+from polyrl.core.registry import Registry
+
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 
-_POLICY_LOSSES: dict[str, PolicyLossFn] = {}
-
-
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Register a policy loss under ``name`` (decorator)."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"policy loss name must be a non-empty str, got {name!r}")
-
-    def deco(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in _POLICY_LOSSES and _POLICY_LOSSES[name] is not fn:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        _POLICY_LOSSES[name] = fn
-        return fn
-
-    return deco
-
-
-def get_policy_loss(name: str) -> PolicyLossFn:
-    """Return the policy loss registered under ``name``; raise ``KeyError`` listing known names."""
-    try:
-        return _POLICY_LOSSES[name]
-    except KeyError:
-        raise KeyError(
-            f"unknown policy loss {name!r}; expected one of {sorted(_POLICY_LOSSES)}"
-        ) from None
-
-
-def list_policy_losses() -> list[str]:
-    """Names of all registered policy losses."""
-    return sorted(_POLICY_LOSSES)
+#: Policy losses by name.
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+register_policy_loss = POLICY_LOSSES.register
+get_policy_loss = POLICY_LOSSES.get
+list_policy_losses = POLICY_LOSSES.names
 
 
 def _same_shape(mask: torch.Tensor, **tensors: torch.Tensor) -> None:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import importlib
 import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -42,11 +41,13 @@ import torch
 
 from polyrl.core.batch import Batch
 from polyrl.core.numerics import shifted_token_log_probs
+from polyrl.core.registry import Registry
 from polyrl.model_engine.batching import MicroBatchLayout, balance_batch_for_dp
 from polyrl.model_engine.config import CheckpointConfig, EngineConfig, ModelSpec, OptimizerConfig
 from polyrl.model_engine.losses import LossFn
 
 __all__ = [
+    "ENGINES",
     "InferFn",
     "ModelOutput",
     "TrainingEngine",
@@ -60,77 +61,6 @@ __all__ = [
 ]
 
 InferFn = Callable[["ModelOutput", Batch], Mapping[str, torch.Tensor]]
-
-_ENGINES: dict[str, type[TrainingEngine]] = {}
-# Backends shipped with polyrl, imported on first use so importing the interface stays light.
-_BUILTIN_BACKENDS: dict[str, str] = {"fsdp2": "polyrl.model_engine.fsdp2"}
-
-
-def register_engine(name: str) -> Callable[[type[TrainingEngine]], type[TrainingEngine]]:
-    """Class decorator registering a :class:`TrainingEngine` backend under ``name``."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"engine name must be a non-empty str, got {name!r}")
-
-    def deco(cls: type[TrainingEngine]) -> type[TrainingEngine]:
-        if not (isinstance(cls, type) and issubclass(cls, TrainingEngine)):
-            raise TypeError(
-                f"@register_engine({name!r}) needs a TrainingEngine subclass, got {cls}"
-            )
-        existing = _ENGINES.get(name)
-        if existing is not None and existing.__qualname__ != cls.__qualname__:
-            raise ValueError(f"engine backend {name!r} is already registered by {existing}")
-        _ENGINES[name] = cls
-        cls.backend_name = name
-        return cls
-
-    return deco
-
-
-def available_engines() -> list[str]:
-    """Names of the registered and built-in backends."""
-    return sorted(set(_ENGINES) | set(_BUILTIN_BACKENDS))
-
-
-def _engine_class(name: str) -> type[TrainingEngine]:
-    if name not in _ENGINES and name in _BUILTIN_BACKENDS:
-        importlib.import_module(_BUILTIN_BACKENDS[name])
-    if name not in _ENGINES:
-        raise ValueError(f"unknown engine backend {name!r}; available: {available_engines()}")
-    return _ENGINES[name]
-
-
-def _as_config(value: Any, cls: type, what: str) -> Any:
-    if value is None:
-        return cls()
-    if isinstance(value, cls):
-        return value
-    if isinstance(value, Mapping):
-        return cls(**value)
-    raise TypeError(f"{what} must be a {cls.__name__} or a dict, got {type(value).__name__}")
-
-
-def build_engine(
-    model: ModelSpec | Mapping[str, Any] | str,
-    engine: EngineConfig | Mapping[str, Any] | None = None,
-    optimizer: OptimizerConfig | Mapping[str, Any] | None = None,
-    checkpoint: CheckpointConfig | Mapping[str, Any] | None = None,
-    *,
-    initialize: bool = True,
-) -> TrainingEngine:
-    """Construct the backend named by ``engine.backend`` (and initialise it by default).
-
-    ``model`` may be a :class:`ModelSpec`, a dict of its fields, or just the model directory.
-    """
-    spec = (
-        ModelSpec(path=model) if isinstance(model, str) else _as_config(model, ModelSpec, "model")
-    )
-    eng_cfg = _as_config(engine, EngineConfig, "engine")
-    opt_cfg = _as_config(optimizer, OptimizerConfig, "optimizer")
-    ckpt_cfg = _as_config(checkpoint, CheckpointConfig, "checkpoint")
-    obj = _engine_class(eng_cfg.backend)(spec, eng_cfg, opt_cfg, ckpt_cfg)
-    if initialize:
-        obj.initialize()
-    return obj
 
 
 class ModelOutput:
@@ -441,3 +371,49 @@ class TrainingEngine(abc.ABC):
             return batch
         balanced, _ = balance_batch_for_dp(batch, self.world_size)
         return balanced.chunk(self.world_size)[self.rank]
+
+
+#: Training-engine backends by name; the built-in ones are imported on first use, so importing
+#: the interface stays light.
+ENGINES: Registry[type[TrainingEngine]] = Registry(
+    "engine backend",
+    lazy={"fsdp2": "polyrl.model_engine.fsdp2"},
+    base=TrainingEngine,
+    name_attr="backend_name",
+)
+register_engine = ENGINES.register
+available_engines = ENGINES.names
+
+
+def _as_config(value: Any, cls: type, what: str) -> Any:
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        return cls(**value)
+    raise TypeError(f"{what} must be a {cls.__name__} or a dict, got {type(value).__name__}")
+
+
+def build_engine(
+    model: ModelSpec | Mapping[str, Any] | str,
+    engine: EngineConfig | Mapping[str, Any] | None = None,
+    optimizer: OptimizerConfig | Mapping[str, Any] | None = None,
+    checkpoint: CheckpointConfig | Mapping[str, Any] | None = None,
+    *,
+    initialize: bool = True,
+) -> TrainingEngine:
+    """Construct the backend named by ``engine.backend`` (and initialise it by default).
+
+    ``model`` may be a :class:`ModelSpec`, a dict of its fields, or just the model directory.
+    """
+    spec = (
+        ModelSpec(path=model) if isinstance(model, str) else _as_config(model, ModelSpec, "model")
+    )
+    eng_cfg = _as_config(engine, EngineConfig, "engine")
+    opt_cfg = _as_config(optimizer, OptimizerConfig, "optimizer")
+    ckpt_cfg = _as_config(checkpoint, CheckpointConfig, "checkpoint")
+    obj = ENGINES.get(eng_cfg.backend)(spec, eng_cfg, opt_cfg, ckpt_cfg)
+    if initialize:
+        obj.initialize()
+    return obj
