@@ -19,15 +19,13 @@ from polyrl.algo.kl import (
     kl_penalty,
 )
 from polyrl.algo.losses import (
-    AGG_MODES,
-    agg_loss,
-    entropy_bonus,
     entropy_from_logits,
     get_policy_loss,
     list_policy_losses,
     register_policy_loss,
     value_loss,
 )
+from polyrl.core.numerics import AGG_MODES, agg_loss
 
 __all__ = [
     "AGG_MODES",
@@ -35,7 +33,6 @@ __all__ = [
     "FixedKLController",
     "agg_loss",
     "apply_kl_penalty",
-    "entropy_bonus",
     "entropy_from_logits",
     "get_advantage_estimator",
     "get_policy_loss",

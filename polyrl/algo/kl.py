@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from polyrl.algo.losses import agg_loss
+from polyrl.core.numerics import agg_loss
 
 KL_KINDS = ("k1", "k2", "k3")
 _ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
@@ -51,7 +51,8 @@ def kl_loss(
 ) -> torch.Tensor:
     """Return the aggregated per-token KL, to be added to the policy loss times a coefficient.
 
-    ``num_tokens`` / ``num_seqs``: mini-batch-wide counts (see :func:`~.losses.agg_loss`).
+    ``num_tokens`` / ``num_seqs``: mini-batch-wide counts (see
+    :func:`polyrl.core.numerics.agg_loss`).
     """
     return agg_loss(
         kl_penalty(logp, ref_logp, kind),

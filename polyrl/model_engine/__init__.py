@@ -24,7 +24,7 @@ from polyrl.model_engine.engine import (
     compute_values,
     register_engine,
 )
-from polyrl.model_engine.losses import aggregate_loss, sft_loss
+from polyrl.model_engine.losses import global_counts, sft_loss
 
 __all__ = [
     "CheckpointConfig",
@@ -35,13 +35,13 @@ __all__ = [
     "OptimizerConfig",
     "ParallelismConfig",
     "TrainingEngine",
-    "aggregate_loss",
     "available_engines",
     "build_engine",
     "compute_entropy",
     "compute_log_probs",
     "compute_log_probs_and_entropy",
     "compute_values",
+    "global_counts",
     "register_engine",
     "sft_loss",
 ]

@@ -12,7 +12,8 @@ A loss function has the signature ``loss_fn(model_output, batch) -> (loss, metri
   engine back-propagates each contribution and reports their sum over micro-batches and ranks as
   ``loss``.  To make that sum independent of how rows were split into micro-batches and ranks,
   normalise by the mini-batch-wide counts the engine puts in ``batch.meta``
-  (:data:`GLOBAL_TOKENS_KEY`, :data:`GLOBAL_SEQS_KEY`), which :func:`aggregate_loss` does;
+  (:data:`GLOBAL_TOKENS_KEY`, :data:`GLOBAL_SEQS_KEY`): pass :func:`global_counts` to
+  :func:`polyrl.core.numerics.agg_loss`;
 * ``metrics`` maps names to floats / 0-d tensors describing this micro-batch; the engine
   averages each over micro-batches and ranks, weighted by the micro-batch's loss-token count.
 """
@@ -24,18 +25,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from polyrl.core.numerics import masked_sum
+from polyrl.core.numerics import agg_loss
 
 if TYPE_CHECKING:
     from polyrl.core.batch import Batch
     from polyrl.model_engine.engine import ModelOutput
 
 __all__ = [
-    "AGG_MODES",
     "GLOBAL_SEQS_KEY",
     "GLOBAL_TOKENS_KEY",
     "LossFn",
-    "aggregate_loss",
+    "global_counts",
     "sft_loss",
 ]
 
@@ -44,57 +44,19 @@ GLOBAL_TOKENS_KEY = "global_token_count"
 #: ``batch.meta`` key: rows with at least one loss token in the whole mini-batch, all ranks.
 GLOBAL_SEQS_KEY = "global_seq_count"
 
-AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "sum")
-
 LossFn = Callable[["ModelOutput", "Batch"], tuple[torch.Tensor, Mapping[str, Any]]]
 
 
-def _global_count(batch: Batch, key: str, local: torch.Tensor) -> torch.Tensor | float:
-    value = batch.meta.get(key)
-    if value is None:
-        # Outside the engine (a single, unsplit batch) the local count is the global one.
-        return local.clamp(min=1)
-    value = float(value)
-    if value < 0:
-        raise ValueError(f"batch.meta[{key!r}] must be >= 0, got {value}")
-    return max(value, 1.0)
+def global_counts(batch: Batch) -> dict[str, Any]:
+    """``num_tokens`` / ``num_seqs`` of the whole mini-batch, for :func:`agg_loss`'s keywords.
 
-
-def aggregate_loss(
-    values: torch.Tensor, mask: torch.Tensor, batch: Batch, mode: str = "token_mean"
-) -> torch.Tensor:
-    """Reduce per-token ``values`` ``(b, T)`` to this micro-batch's share of a mini-batch loss.
-
-    Modes (``N`` = global loss tokens, ``S`` = global sequences with a loss token):
-
-    * ``token_mean``: ``sum(values * mask) / N`` -- every token weighs the same;
-    * ``seq_mean_token_mean``: ``sum_rows(mean over the row's tokens) / S``;
-    * ``seq_mean_token_sum``: ``sum_rows(sum over the row's tokens) / S``;
-    * ``sum``: ``sum(values * mask)`` (no normalisation).
-
-    The counts come from ``batch.meta`` (set by the engine); without them the micro-batch is taken
-    to be the whole mini-batch.
+    They come from ``batch.meta`` (set by the engine); without them (``None``) the micro-batch
+    is taken to be the whole mini-batch.
     """
-    if mode not in AGG_MODES:
-        raise ValueError(f"aggregate_loss: mode must be one of {list(AGG_MODES)}, got {mode!r}")
-    if values.shape != mask.shape or values.ndim != 2:
-        raise ValueError(
-            f"aggregate_loss: values and mask must both be (b, T), got {tuple(values.shape)} and "
-            f"{tuple(mask.shape)}"
-        )
-    mask_f = mask.to(values.dtype)
-    if mode == "sum":
-        return masked_sum(values * mask_f, mask != 0)
-    weighted = masked_sum(values * mask_f, mask != 0, dim=1)
-    if mode == "token_mean":
-        n = _global_count(batch, GLOBAL_TOKENS_KEY, (mask != 0).sum())
-        return weighted.sum() / n
-    has_tokens = (mask != 0).any(dim=1)
-    s = _global_count(batch, GLOBAL_SEQS_KEY, has_tokens.sum())
-    if mode == "seq_mean_token_mean":
-        per_row = weighted / mask_f.sum(dim=1).clamp(min=1)
-        return per_row.sum() / s
-    return weighted.sum() / s
+    return {
+        "num_tokens": batch.meta.get(GLOBAL_TOKENS_KEY),
+        "num_seqs": batch.meta.get(GLOBAL_SEQS_KEY),
+    }
 
 
 def sft_loss(output: ModelOutput, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -107,8 +69,6 @@ def sft_loss(output: ModelOutput, batch: Batch) -> tuple[torch.Tensor, dict[str,
         raise KeyError("sft_loss needs a 'loss_mask' column marking the tokens to learn")
     mask = batch["loss_mask"]
     nll = -output.log_probs
-    loss = aggregate_loss(nll, mask, batch, "token_mean")
-    with torch.no_grad():
-        count = (mask != 0).sum().clamp(min=1)
-        local = masked_sum(nll.detach() * mask.to(nll.dtype), mask != 0) / count
+    loss = agg_loss(nll, mask, "token-mean", **global_counts(batch))
+    local = agg_loss(nll.detach(), mask, "token-mean")
     return loss, {"sft/nll": float(local)}
