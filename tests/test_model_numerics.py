@@ -11,6 +11,8 @@ from polyrl.core.numerics import (
     AGG_MODES,
     agg_loss,
     masked_mean,
+    masked_var,
+    masked_whiten,
     shifted_token_log_probs,
     token_entropy,
     token_log_probs,
@@ -137,6 +139,17 @@ def test_masked_mean_ignores_masked_nans():
     mask = torch.tensor([[1, 0, 1], [1, 1, 0]])
     assert float(masked_mean(values, mask)) == pytest.approx(2.0)
     torch.testing.assert_close(masked_mean(values, mask, dim=1), torch.tensor([2.0, 2.0]))
+
+
+def test_masked_var_and_whiten_use_the_masked_entries_only():
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, float("nan"), 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    # Entries 1, 2, 3, 4: mean 2.5, squared deviations 2.25 + 0.25 + 0.25 + 2.25 = 5.
+    assert float(masked_var(values, mask)) == pytest.approx(5 / 3)
+    assert float(masked_var(values, mask, unbiased=False)) == pytest.approx(5 / 4)
+    expected = torch.tensor([[-1.5, -0.5, 0.5], [1.5, 0.0, 0.0]]) / (5 / 3) ** 0.5
+    torch.testing.assert_close(masked_whiten(values, mask), expected)
+    assert float(masked_var(values[:1, :1], mask[:1, :1])) == 0.0  # one entry: no spread
 
 
 # ---------------------------------------------------------------------------- loss aggregation

@@ -7,8 +7,6 @@ losses are looked up by name through registries so configs can select them.
 from polyrl.algo.advantages import (
     get_advantage_estimator,
     list_advantage_estimators,
-    masked_mean,
-    masked_whiten,
     register_advantage,
 )
 from polyrl.algo.kl import (
@@ -25,7 +23,7 @@ from polyrl.algo.losses import (
     register_policy_loss,
     value_loss,
 )
-from polyrl.core.numerics import AGG_MODES, agg_loss
+from polyrl.core.numerics import AGG_MODES, agg_loss, masked_mean, masked_whiten
 
 __all__ = [
     "AGG_MODES",

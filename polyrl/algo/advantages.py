@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from polyrl.core.numerics import masked_whiten
 from polyrl.core.registry import Registry
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -59,23 +60,6 @@ def _group_ids(index: Any, batch: int) -> torch.Tensor:
     dense: dict[Any, int] = {}
     ids = [dense.setdefault(x if not isinstance(x, list) else tuple(x), len(dense)) for x in items]
     return torch.tensor(ids, dtype=torch.long)
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of ``x`` over positions where ``mask`` is 1 (0 when the mask is empty)."""
-    mask = mask.to(x.dtype)
-    if dim is None:
-        return (x * mask).sum() / mask.sum().clamp(min=1.0)
-    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
-
-
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """``(x - mean) / sqrt(var + eps)`` over masked positions (Bessel variance); zero off-mask."""
-    mask = mask.to(x.dtype)
-    n = mask.sum()
-    mean = masked_mean(x, mask)
-    var = (((x - mean) ** 2) * mask).sum() / (n - 1).clamp(min=1.0)
-    return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
 def _group_stats(

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from polyrl.core.numerics import agg_loss
+from polyrl.core.numerics import agg_loss, masked_mean
 from polyrl.core.registry import Registry
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
@@ -145,9 +145,8 @@ def gspo(
     Same return contract as :func:`ppo_clip`; ``ppo_kl`` is the token mean of the log-ratio.
     """
     _same_shape(response_mask, log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages)
-    m = response_mask.to(log_prob.dtype)
     log_ratio = log_prob - old_log_prob
-    seq_log_ratio = (log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+    seq_log_ratio = masked_mean(log_ratio, response_mask, dim=-1)
     # Value equals the sequence ratio; gradient flows through each token's log-prob.
     token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + log_prob - log_prob.detach()
     ratio = torch.exp(torch.clamp(token_log_ratio, max=10.0))

@@ -10,8 +10,9 @@ All functions take a ``temperature``: logits are divided by it before the softma
 sampler with that temperature drew the tokens.
 
 Masked reductions over ``(B, T)`` tensors live here too: :func:`masked_sum`,
-:func:`masked_mean` and :func:`agg_loss`, the one reduction of a per-token loss to a scalar
-(every loss of polyrl, from the policy losses to the engine's SFT loss, aggregates with it).
+:func:`masked_mean`, :func:`masked_var`, :func:`masked_whiten`, and :func:`agg_loss`, the one
+reduction of a per-token loss to a scalar (every loss of polyrl, from the policy losses to the
+engine's SFT loss, aggregates with it).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ __all__ = [
     "agg_loss",
     "masked_mean",
     "masked_sum",
+    "masked_var",
+    "masked_whiten",
     "shifted_token_log_probs",
     "token_entropy",
     "token_log_probs",
@@ -246,6 +249,24 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     total = masked_sum(values, mask, dim)
     count = mask.bool().sum() if dim is None else mask.bool().sum(dim)
     return total / count.clamp(min=1).to(total.dtype)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``values`` over true ``mask`` entries (Bessel-corrected when ``unbiased``)."""
+    mean = masked_mean(values, mask)
+    count = mask.bool().sum().to(values.dtype)
+    if unbiased:
+        count = count - 1
+    return masked_sum((values - mean) ** 2, mask) / count.clamp(min=1.0)
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """``(values - mean) / sqrt(var + eps)`` over true ``mask`` entries (Bessel variance).
+
+    Statistics come from the masked entries only; entries off the mask are 0.
+    """
+    whitened = (values - masked_mean(values, mask)) * torch.rsqrt(masked_var(values, mask) + eps)
+    return whitened.masked_fill(~mask.bool(), 0.0)
 
 
 #: Loss aggregation modes of :func:`agg_loss` (verl's spelling).

@@ -21,7 +21,7 @@ import torch
 
 from polyrl.algo.kl import kl_loss as _kl_loss
 from polyrl.algo.losses import get_policy_loss, value_loss
-from polyrl.core.numerics import agg_loss
+from polyrl.core.numerics import agg_loss, masked_mean
 from polyrl.model_engine.losses import global_counts
 from polyrl.workers.engine import register_loss
 
@@ -107,9 +107,7 @@ def actor_loss(
     metrics: dict[str, Any] = dict(pg_metrics)
     metrics["pg_loss"] = pg_metrics["pg_loss"] * _local_scale(loss_agg_mode, mask, counts)
     if entropy is not None:
-        with torch.no_grad():
-            m = mask.to(entropy.dtype)
-            metrics["entropy"] = float((entropy.detach() * m).sum() / m.sum().clamp(min=1.0))
+        metrics["entropy"] = float(masked_mean(entropy.detach(), mask))
     if entropy is not None and entropy_coeff > 0:
         ent = agg_loss(entropy, mask, loss_agg_mode, horizon, **counts)
         loss = loss - entropy_coeff * ent
@@ -156,8 +154,7 @@ def critic_loss(
     )
     metrics = dict(metrics)
     metrics["vf_loss"] = metrics["vf_loss"] * _local_scale(loss_agg_mode, mask, counts)
-    m = mask.to(values.dtype)
-    metrics["vpred_mean"] = float((values.detach() * m).sum() / m.sum().clamp(min=1.0))
+    metrics["vpred_mean"] = float(masked_mean(values.detach(), mask))
     return loss, metrics
 
 

@@ -19,6 +19,7 @@ import torch
 
 from polyrl.config import PolyRLConfig
 from polyrl.core.batch import Batch
+from polyrl.core.numerics import masked_mean
 from polyrl.core.rollout_batch import build_rollout_batch, rollout_widths, widen_rollout_batch
 from polyrl.reward.shaping import overlong_penalty
 
@@ -398,7 +399,7 @@ def batch_metrics(
     out.update(stats("prompt_length", batch["prompt_length"].float()))
     if "old_log_probs" in batch.tensor_keys and "rollout_log_probs" in batch.tensor_keys:
         gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
-        out["rollout/log_prob_gap"] = float((gap * mask).sum() / mask.sum().clamp(min=1.0))
+        out["rollout/log_prob_gap"] = float(masked_mean(gap, mask))
     out["perf/total_num_tokens"] = float(batch["attention_mask"].sum())
     out["perf/response_tokens"] = float(resp_len.sum())
     return out
