@@ -45,7 +45,7 @@ SGD = {"name": "sgd", "lr": 0.5}
 def value_mse(output, batch, target: float = 0.0):
     """Critic loss used through its import path: mean squared distance of values to target."""
     from polyrl.core.numerics import agg_loss
-    from polyrl.model_engine.losses import global_counts
+    from polyrl.model_engine import global_counts
 
     mask = batch["loss_mask"]
     loss = agg_loss((output.values - target) ** 2, mask, "token-mean", **global_counts(batch))

@@ -20,7 +20,7 @@ import torch
 
 from polyrl.config import ConfigError, load_config
 from polyrl.core.batch import Batch
-from polyrl.model_engine.losses import GLOBAL_SEQS_KEY, GLOBAL_TOKENS_KEY
+from polyrl.model_engine.engine import GLOBAL_SEQS_KEY, GLOBAL_TOKENS_KEY
 from polyrl.trainer.rl import RLTrainer, build_rollout_batch, place_on_last_token
 from polyrl.trainer.rl_losses import actor_loss, critic_loss, state_values
 from polyrl.trainer.rl_rollout import (

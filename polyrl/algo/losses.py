@@ -1,7 +1,10 @@
-"""Policy losses (registry), the entropy of logits and the clipped value loss.
+"""RL loss math: policy losses (registry), the entropy of logits and the clipped value loss.
 
-Each loss reduces its per-token terms with :func:`polyrl.core.numerics.agg_loss` (modes
-``token-mean``, ``seq-mean-token-sum``, ``seq-mean-token-mean``, ``seq-mean-token-sum-norm``).
+Level: the algorithm layer. These are pure functions of ``(B, T)`` tensors (log-probs,
+advantages, values, a response mask) and know nothing of models or engines; the model-engine
+loss functions built on them are in :mod:`polyrl.trainer.rl_losses`. Each loss reduces its
+per-token terms with :func:`polyrl.core.numerics.agg_loss` (modes ``token-mean``,
+``seq-mean-token-sum``, ``seq-mean-token-mean``, ``seq-mean-token-sum-norm``).
 
 ``ppo_clip``: ``r = exp(logp - logp_old)``,
 ``L = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` and, for ``A < 0`` only (dual clip),

@@ -1,9 +1,11 @@
 """The RL losses as model-engine loss functions: ``fn(model_output, batch, **kwargs)``.
 
-The engine calls a loss once per micro-batch; these adapters read the RL columns of the batch,
-call the pure functions of :mod:`polyrl.algo`, and normalise by the mini-batch-wide counts the
-engine puts in ``batch.meta`` so that the micro-batch losses add up to the mini-batch loss
-whatever the split. The controller sends them to the workers by import path
+Level: the trainer layer, binding the algorithm layer's loss math (:mod:`polyrl.algo.losses`)
+to the model engine's loss plug-in signature (:data:`polyrl.model_engine.engine.LossFn`, where
+the SFT loss is). The engine calls a loss once per micro-batch; these adapters read the RL
+columns of the batch, call the pure functions of :mod:`polyrl.algo`, and normalise by the
+mini-batch-wide counts the engine puts in ``batch.meta`` so that the micro-batch losses add up
+to the mini-batch loss whatever the split. The controller sends them to the workers by import path
 (``"polyrl.trainer.rl_losses:actor_loss"``); they are also registered as ``"rl_actor"`` and
 ``"rl_critic"`` in :func:`polyrl.workers.engine.register_loss`.
 
@@ -22,7 +24,7 @@ import torch
 from polyrl.algo.kl import kl_loss as _kl_loss
 from polyrl.algo.losses import get_policy_loss, value_loss
 from polyrl.core.numerics import agg_loss, masked_mean
-from polyrl.model_engine.losses import global_counts
+from polyrl.model_engine.engine import global_counts
 from polyrl.workers.engine import register_loss
 
 if TYPE_CHECKING:

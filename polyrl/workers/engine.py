@@ -52,13 +52,14 @@ from polyrl.core.batch import Batch
 from polyrl.core.registry import Registry
 from polyrl.model_engine.config import CheckpointConfig, EngineConfig, ModelSpec, OptimizerConfig
 from polyrl.model_engine.engine import (
+    LossFn,
     TrainingEngine,
     build_engine,
     compute_log_probs,
     compute_log_probs_and_entropy,
     compute_values,
+    sft_loss,
 )
-from polyrl.model_engine.losses import LossFn, sft_loss
 
 __all__ = [
     "ENTROPY_KEY",
