@@ -38,6 +38,7 @@ from polyrl.config import (
     load_config,
     to_yaml,
 )
+from polyrl.core.registry import Registry
 
 __all__ = [
     "CLIError",
@@ -70,7 +71,7 @@ class _Command:
     setup: Setup
 
 
-_COMMANDS: dict[str, _Command] = {}
+_COMMANDS: Registry[_Command] = Registry("polyrl subcommand")
 
 
 def subcommand(name: str, help: str) -> Callable[[Setup], Setup]:
@@ -84,9 +85,7 @@ def subcommand(name: str, help: str) -> Callable[[Setup], Setup]:
     """
 
     def register(setup: Setup) -> Setup:
-        if name in _COMMANDS:
-            raise ValueError(f"polyrl subcommand {name!r} is already registered")
-        _COMMANDS[name] = _Command(name, help, setup)
+        _COMMANDS.add(name, _Command(name, help, setup))
         return setup
 
     return register
@@ -116,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"polyrl {_version()}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for cmd in _COMMANDS.values():
+    for _, cmd in _COMMANDS.items():
         sub = commands.add_parser(cmd.name, help=cmd.help, description=cmd.help)
         handler = cmd.setup(sub)
         if handler is not None:
@@ -234,12 +233,10 @@ def _serve_command(parser: argparse.ArgumentParser) -> Handler:
     def run(args: argparse.Namespace) -> int:
         if args.replicas < 1:
             raise CLIError(f"--replicas must be >= 1, got {args.replicas}")
-        from polyrl.rollout.base import available_backends
+        from polyrl.rollout.base import BACKENDS
 
-        if args.backend not in available_backends():
-            raise CLIError(
-                f"unknown backend {args.backend!r}; available: {', '.join(available_backends())}"
-            )
+        if args.backend not in BACKENDS:
+            raise CLIError(BACKENDS.unknown_message(args.backend))
         from polyrl.rollout.options import api_key_from_env, backend_options
         from polyrl.workers.rollout_server import serve_command
 

@@ -12,9 +12,7 @@ from hypothesis import strategies as st
 from polyrl.algo import (
     AdaptiveKLController,
     FixedKLController,
-    agg_loss,
     apply_kl_penalty,
-    entropy_bonus,
     entropy_from_logits,
     get_advantage_estimator,
     get_policy_loss,
@@ -204,30 +202,6 @@ def test_property_group_advantages_zero_mean(batch) -> None:
 
 # ---------------------------------------------------------------- losses
 
-LMAT = T([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [5.0, 5.0, 5.0]])
-LMASK = T([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
-
-
-@pytest.mark.parametrize(
-    ("mode", "horizon", "expected"),
-    [
-        ("token-mean", None, 10 / 4),
-        ("seq-mean-token-sum", None, (6 + 4) / 2),  # empty row excluded
-        ("seq-mean-token-mean", None, (2 + 4) / 2),
-        ("seq-mean-token-sum-norm", None, 10 / (3 * 3)),
-        ("seq-mean-token-sum-norm", 5, 10 / (3 * 5)),
-    ],
-)
-def test_agg_loss_modes(mode: str, horizon: int | None, expected: float) -> None:
-    assert agg_loss(LMAT, LMASK, mode, horizon).item() == pytest.approx(expected)
-
-
-def test_agg_loss_bad_mode() -> None:
-    with pytest.raises(ValueError, match="unknown loss_agg_mode 'x'"):
-        agg_loss(LMAT, LMASK, "x")
-    with pytest.raises(ValueError, match="loss_mat shape"):
-        agg_loss(LMAT[:, :2], LMASK)
-
 
 def test_ppo_clip_dual_clip_hand_values() -> None:
     ratios = T([[1.5, 0.5, 0.5, 5.0, 1.0]])
@@ -293,7 +267,6 @@ def test_unknown_policy_loss() -> None:
 def test_entropy() -> None:
     ent = entropy_from_logits(torch.zeros(1, 2, 4))
     close(ent, [[math.log(4), math.log(4)]])
-    assert entropy_bonus(T([[1.0, 3.0, 9.0]]), T([[1.0, 1.0, 0.0]])).item() == pytest.approx(2.0)
 
 
 def test_value_loss_clipped() -> None:

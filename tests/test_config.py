@@ -600,14 +600,12 @@ def test_cli_help_and_version(capsys):
 
 
 @pytest.fixture
-def restore_commands():
-    saved = dict(cli._COMMANDS)
+def drop_steps_command():
     yield
-    cli._COMMANDS.clear()
-    cli._COMMANDS.update(saved)
+    cli._COMMANDS.remove("steps")
 
 
-def test_subcommand_registry(restore_commands, capsys):
+def test_subcommand_registry(drop_steps_command, capsys):
     @cli.subcommand("steps", help="Print the configured step count.")
     def _setup(parser: argparse.ArgumentParser) -> cli.Handler:
         cli.add_config_arguments(parser)

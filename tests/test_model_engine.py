@@ -33,18 +33,19 @@ from engine_common import (  # noqa: E402
 )
 
 from polyrl.core.batch import Batch  # noqa: E402
+from polyrl.core.numerics import agg_loss  # noqa: E402
 from polyrl.model_engine import (  # noqa: E402
     CheckpointConfig,
     EngineConfig,
     ModelSpec,
     OptimizerConfig,
     TrainingEngine,
-    aggregate_loss,
     available_engines,
     build_engine,
     compute_entropy,
     compute_log_probs,
     compute_values,
+    global_counts,
     register_engine,
     sft_loss,
 )
@@ -227,7 +228,9 @@ def test_loss_aggregation_modes_are_split_invariant(tiny_dir, engines):
     batch = make_batch(6, 12, VOCAB, seed=11)
 
     def seq_loss(output, mb):
-        loss = aggregate_loss(-output.log_probs, mb["loss_mask"], mb, "seq_mean_token_mean")
+        loss = agg_loss(
+            -output.log_probs, mb["loss_mask"], "seq-mean-token-mean", **global_counts(mb)
+        )
         return loss, {}
 
     whole = engines(tiny_dir, EngineConfig(dynamic_batching=False, micro_batch_size=6))
@@ -591,7 +594,7 @@ def test_value_model_one_value_per_token_trains_and_exports(untied_llama_dir, tm
 
     def value_loss(output, mb):
         err = (output.values - mb["returns"]) ** 2
-        return aggregate_loss(err, mb["loss_mask"], mb), {}
+        return agg_loss(err, mb["loss_mask"], **global_counts(mb)), {}
 
     # Plain, unsharded reference: same backbone, same seeded head, whole batch at once.
     ref = ValueModel.from_pretrained(spec, seed=0)

@@ -8,7 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from polyrl.core.numerics import (
+    AGG_MODES,
+    agg_loss,
     masked_mean,
+    masked_var,
+    masked_whiten,
     shifted_token_log_probs,
     token_entropy,
     token_log_probs,
@@ -135,6 +139,81 @@ def test_masked_mean_ignores_masked_nans():
     mask = torch.tensor([[1, 0, 1], [1, 1, 0]])
     assert float(masked_mean(values, mask)) == pytest.approx(2.0)
     torch.testing.assert_close(masked_mean(values, mask, dim=1), torch.tensor([2.0, 2.0]))
+
+
+def test_masked_var_and_whiten_use_the_masked_entries_only():
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, float("nan"), 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    # Entries 1, 2, 3, 4: mean 2.5, squared deviations 2.25 + 0.25 + 0.25 + 2.25 = 5.
+    assert float(masked_var(values, mask)) == pytest.approx(5 / 3)
+    assert float(masked_var(values, mask, unbiased=False)) == pytest.approx(5 / 4)
+    expected = torch.tensor([[-1.5, -0.5, 0.5], [1.5, 0.0, 0.0]]) / (5 / 3) ** 0.5
+    torch.testing.assert_close(masked_whiten(values, mask), expected)
+    assert float(masked_var(values[:1, :1], mask[:1, :1])) == 0.0  # one entry: no spread
+
+
+# ---------------------------------------------------------------------------- loss aggregation
+NAN = float("nan")
+# Row 0: three tokens (sum 6, mean 2); row 1: one token (4); row 2: no token, NaN under the mask.
+LMAT = [[1.0, 2.0, 3.0], [4.0, NAN, 0.0], [5.0, NAN, 5.0]]
+LMASK = [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+
+
+@pytest.mark.parametrize(
+    ("mode", "horizon", "counts", "expected"),
+    [
+        ("token-mean", None, {}, 10 / 4),
+        ("token-mean", None, {"num_tokens": 8}, 10 / 8),
+        ("seq-mean-token-sum", None, {}, (6 + 4) / 2),  # the empty row does not count
+        ("seq-mean-token-sum", None, {"num_seqs": 5}, (6 + 4) / 5),
+        ("seq-mean-token-mean", None, {}, (2 + 4) / 2),
+        ("seq-mean-token-mean", None, {"num_seqs": 4}, (2 + 4) / 4),
+        ("seq-mean-token-sum-norm", None, {}, 10 / (3 * 3)),
+        ("seq-mean-token-sum-norm", 5, {}, 10 / (3 * 5)),
+        ("seq-mean-token-sum-norm", None, {"num_seqs": 2}, 10 / (2 * 3)),
+        ("sum", None, {"num_tokens": 8}, 10.0),
+    ],
+)
+def test_agg_loss_hand_values(mode, horizon, counts, expected):
+    assert mode in AGG_MODES
+    out = agg_loss(torch.tensor(LMAT), torch.tensor(LMASK), mode, horizon, **counts)
+    assert out.item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_agg_loss_weighs_tokens_by_the_mask_and_counts_nonzero_ones():
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 4.0, NAN]])
+    mask = torch.tensor([[0.5, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    # sum(L*M) = 0.5 + 2 + 8 = 10.5 over 4 tokens; row means 2.5 / 1.5 and 8 / 2.
+    assert agg_loss(values, mask).item() == pytest.approx(10.5 / 4)
+    assert agg_loss(values, mask, "seq-mean-token-mean").item() == pytest.approx(
+        (2.5 / 1.5 + 4) / 2
+    )
+    assert agg_loss(values, mask.bool(), "sum").item() == pytest.approx(1 + 2 + 8)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_agg_loss_of_micro_batches_with_global_counts_adds_up(mode):
+    gen = torch.Generator().manual_seed(3)
+    values = torch.randn(6, 7, generator=gen, dtype=torch.float64)
+    mask = (torch.rand(6, 7, generator=gen) < 0.5).double()
+    mask[4] = 0
+    counts = {"num_tokens": float(mask.sum()), "num_seqs": float((mask.sum(-1) > 0).sum())}
+    parts = sum(agg_loss(values[i : i + 2], mask[i : i + 2], mode, **counts) for i in (0, 2, 4))
+    assert float(parts) == pytest.approx(float(agg_loss(values, mask, mode)), rel=1e-12)
+
+
+def test_agg_loss_rejects_bad_input():
+    values, mask = torch.tensor(LMAT), torch.tensor(LMASK)
+    with pytest.raises(ValueError, match="unknown loss_agg_mode 'token_mean'"):
+        agg_loss(values, mask, "token_mean")
+    with pytest.raises(ValueError, match="loss_mat shape"):
+        agg_loss(values[:, :2], mask)
+    with pytest.raises(ValueError, match=r"mask must be \(B, T\)"):
+        agg_loss(values[0], mask[0])
+    with pytest.raises(ValueError, match="num_tokens must be >= 0"):
+        agg_loss(values, mask, num_tokens=-1)
+    with pytest.raises(ValueError, match="horizon must be positive"):
+        agg_loss(values, mask, "seq-mean-token-sum-norm", 0)
 
 
 # ------------------------------------------------------------------------------------ planning

@@ -44,10 +44,11 @@ SGD = {"name": "sgd", "lr": 0.5}
 
 def value_mse(output, batch, target: float = 0.0):
     """Critic loss used through its import path: mean squared distance of values to target."""
-    from polyrl.model_engine.losses import aggregate_loss
+    from polyrl.core.numerics import agg_loss
+    from polyrl.model_engine import global_counts
 
     mask = batch["loss_mask"]
-    loss = aggregate_loss((output.values - target) ** 2, mask, batch, "token_mean")
+    loss = agg_loss((output.values - target) ** 2, mask, "token-mean", **global_counts(batch))
     return loss, {}
 
 
@@ -76,7 +77,7 @@ def test_loss_registry_names_import_paths_and_kwargs():
     assert "sft" in available_losses()
     bound = resolve_loss(f"{__name__}:value_mse", {"target": 1.5})
     assert bound.keywords == {"target": 1.5} and bound.func is value_mse
-    with pytest.raises(ValueError, match=r"unknown loss 'nope'.*'sft'"):
+    with pytest.raises(ValueError, match=r"unknown loss 'nope'.*sft"):
         resolve_loss("nope")
     with pytest.raises(ValueError, match="does not accept kwargs"):
         resolve_loss("sft", {"beta": 1.0})

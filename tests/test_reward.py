@@ -84,8 +84,8 @@ def test_register_scorer_aliases_duplicates_and_bad_names():
         register_scorer("test_src_a", overwrite=True)(other)
         assert get_scorer("test_src_a") is other
     finally:
-        SCORERS.pop("test_src_a", None)
-        SCORERS.pop("test_src_b", None)
+        SCORERS.remove("test_src_a")
+        SCORERS.remove("test_src_b")
     with pytest.raises(ValueError, match="at least one"):
         register_scorer()
     with pytest.raises(ValueError, match="non-empty"):
@@ -665,7 +665,7 @@ def test_batch_missing_columns_are_named(builtin_pool):
         )
         with pytest.raises(ValueError, match="no tokenizer"):
             no_tokenizer.score(batch)
-    with pytest.raises(KeyError, match="registered data sources"):
+    with pytest.raises(KeyError, match="unknown scorer 'nope'"):
         builtin_pool.score_samples([{"data_source": "nope", "response": "1", "ground_truth": "1"}])
     with pytest.raises(ValueError, match="sample 1 has no 'response'"):
         builtin_pool.score_samples(
@@ -714,8 +714,8 @@ def test_user_registered_scorers_are_shipped_to_workers(builtin_pool):
         )
         assert ok.scores.tolist() == [1.0]
     finally:
-        SCORERS.pop("test_fixture_source", None)
-        SCORERS.pop("test_lambda_source", None)
+        SCORERS.remove("test_fixture_source")
+        SCORERS.remove("test_lambda_source")
 
 
 def test_failures_are_contained_and_counted(behave_pool):

@@ -21,7 +21,7 @@ import torch
 from polyrl.config import ConfigError, load_config
 from polyrl.core.batch import Batch
 from polyrl.core.rollout_batch import build_rollout_batch, rollout_widths, widen_rollout_batch
-from polyrl.model_engine.losses import GLOBAL_SEQS_KEY, GLOBAL_TOKENS_KEY
+from polyrl.model_engine.engine import GLOBAL_SEQS_KEY, GLOBAL_TOKENS_KEY
 from polyrl.trainer.rl import RLTrainer
 from polyrl.trainer.rl.advantage import place_on_last_token
 from polyrl.trainer.rl.rollout import group_varies, select_groups

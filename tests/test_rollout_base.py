@@ -363,7 +363,7 @@ def test_cli_serve_rejects_bad_arguments(tmp_path, capsys):
     from polyrl.cli import main
 
     assert main(["serve", str(tmp_path), "--backend", "nope"]) == 2
-    assert "unknown backend 'nope'" in capsys.readouterr().err
+    assert "unknown rollout backend 'nope'" in capsys.readouterr().err
     assert main(["serve", str(tmp_path), "--replicas", "0"]) == 2
     assert "--replicas must be >= 1" in capsys.readouterr().err
     assert main(["serve", str(tmp_path / "missing")]) == 2

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -12,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from polyrl.core.dtypes import DTYPE_SIZES, FLOAT_DTYPES, resolve_dtype
 from polyrl.core.rollout_api import EngineUnavailableError, GenerateRequest, SamplingParams
 from polyrl.models.loader import load_causal_lm
 from polyrl.rollout.native.engine import NativeEngine, NativeEngineConfig
@@ -25,7 +28,7 @@ from polyrl.weights import (
     create_transport,
     registered_transports,
 )
-from polyrl.weights.base import align_up
+from polyrl.weights.base import align_up, dtype_from_name, dtype_name
 from polyrl.weights.server_routes import EngineTarget
 
 
@@ -412,3 +415,27 @@ def test_control_channel_verifies_tls_only_where_a_replica_uses_it():
             assert transport._http._transport._pool._ssl_context.verify_mode == mode, urls
         finally:
             transport.close()
+
+
+def test_the_dtype_table_names_sizes_and_resolves_every_dtype():
+    for name, size in DTYPE_SIZES.items():
+        dtype = dtype_from_name(name)
+        assert dtype_name(dtype) == name and dtype.itemsize == size
+    assert [resolve_dtype(n) for n in FLOAT_DTYPES] == [
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+    ]
+    assert resolve_dtype("BF16") is torch.bfloat16 and resolve_dtype("half") is torch.float16
+    assert resolve_dtype(torch.float64) is torch.float64
+    with pytest.raises(ValueError, match="model.dtype: unknown dtype 'float8'"):
+        resolve_dtype("float8", "model.dtype")
+    with pytest.raises(ValueError, match="floating point"):
+        resolve_dtype(torch.int8)
+    with pytest.raises(WeightTransferError, match="cannot be transferred"):
+        dtype_name(torch.complex64)
+    with pytest.raises(WeightTransferError, match="unknown dtype 'torch.float32'"):
+        dtype_from_name("torch.float32")
+    # The table itself needs no torch: configs and the vLLM launcher read it.
+    code = "import sys, polyrl.core.dtypes, polyrl.config; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -21,18 +21,19 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
-import difflib
 import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from polyrl.core.batch import Batch
+from polyrl.core.registry import Registry
 from polyrl.core.rollout_api import SamplingParams
 
 __all__ = [
+    "AGENT_LOOPS",
     "AgentLoop",
     "ChatTemplateError",
     "GenerateClient",
@@ -361,53 +362,21 @@ def _eos_ids(tokenizer: Any) -> list[int]:
 
 # ----------------------------------------------------------------------------- registry
 
-_LOOPS: dict[str, type[AgentLoop]] = {}
-L = TypeVar("L", bound=type[AgentLoop])
-
-
-def register_agent_loop(name: str) -> Callable[[L], L]:
-    """Class decorator registering an :class:`AgentLoop` subclass under ``name``.
-
-    Raises:
-        ValueError: the name is taken by another class.
-        TypeError: the decorated object is not an ``AgentLoop`` subclass.
-    """
-
-    def deco(cls: L) -> L:
-        if not (isinstance(cls, type) and issubclass(cls, AgentLoop)):
-            raise TypeError(f"register_agent_loop({name!r}) needs an AgentLoop subclass")
-        if name in _LOOPS and _LOOPS[name] is not cls:
-            raise ValueError(f"agent loop {name!r} is already registered ({_LOOPS[name]})")
-        cls.name = name
-        _LOOPS[name] = cls
-        return cls
-
-    return deco
-
-
-def _load_builtins() -> None:
-    # Imported lazily so `polyrl.agent.base` stays importable on its own.
-    from polyrl.agent import env_loop, single_turn, tool_loop  # noqa: F401
-
-
-def available_agent_loops() -> list[str]:
-    """Names of the registered agent loops."""
-    _load_builtins()
-    return sorted(_LOOPS)
-
-
-def get_agent_loop(name: str) -> type[AgentLoop]:
-    """Return the loop class registered under ``name``.
-
-    Raises:
-        KeyError: unknown name (the message lists the known ones).
-    """
-    _load_builtins()
-    if name not in _LOOPS:
-        close = difflib.get_close_matches(name, list(_LOOPS), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise KeyError(f"unknown agent loop {name!r}{hint} (registered: {sorted(_LOOPS)})")
-    return _LOOPS[name]
+#: Agent-loop classes by name; the built-in loops' modules are imported on first use, so that
+#: ``polyrl.agent.base`` stays importable on its own.
+AGENT_LOOPS: Registry[type[AgentLoop]] = Registry(
+    "agent loop",
+    lazy={
+        "env": "polyrl.agent.env_loop",
+        "single_turn": "polyrl.agent.single_turn",
+        "tool": "polyrl.agent.tool_loop",
+    },
+    base=AgentLoop,
+    name_attr="name",
+)
+register_agent_loop = AGENT_LOOPS.register
+available_agent_loops = AGENT_LOOPS.names
+get_agent_loop = AGENT_LOOPS.get
 
 
 def create_agent_loop(name: str, tokenizer: Any, **kwargs: Any) -> AgentLoop:

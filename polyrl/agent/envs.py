@@ -11,13 +11,15 @@ An environment has ``reset(seed, **kwargs) -> observation`` and
 from __future__ import annotations
 
 import abc
-import difflib
 import random
 import re
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable
+from typing import Any
+
+from polyrl.core.registry import Registry
 
 __all__ = [
+    "ENVS",
     "CountdownEnv",
     "Env",
     "GuessNumberEnv",
@@ -44,38 +46,11 @@ class Env(abc.ABC):
         """Apply the model's turn text; return ``(observation, reward, done, info)``."""
 
 
-_ENVS: dict[str, type[Env]] = {}
-E = TypeVar("E", bound=type[Env])
-
-
-def register_env(name: str) -> Callable[[E], E]:
-    """Class decorator registering an :class:`Env` under ``name``."""
-
-    def deco(cls: E) -> E:
-        if name in _ENVS and _ENVS[name] is not cls:
-            raise ValueError(f"environment {name!r} is already registered")
-        _ENVS[name] = cls
-        return cls
-
-    return deco
-
-
-def available_envs() -> list[str]:
-    """Names of the registered environments."""
-    return sorted(_ENVS)
-
-
-def get_env(name: str) -> type[Env]:
-    """Return the environment class registered under ``name``.
-
-    Raises:
-        KeyError: unknown name.
-    """
-    if name not in _ENVS:
-        close = difflib.get_close_matches(name, list(_ENVS), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise KeyError(f"unknown environment {name!r}{hint} (registered: {sorted(_ENVS)})")
-    return _ENVS[name]
+#: Environment classes by name.
+ENVS: Registry[type[Env]] = Registry("environment", base=Env)
+register_env = ENVS.register
+available_envs = ENVS.names
+get_env = ENVS.get
 
 
 def create_env(name: str, **kwargs: Any) -> Env:

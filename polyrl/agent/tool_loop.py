@@ -17,11 +17,10 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
-import difflib
 import json
 import re
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from polyrl.agent.base import (
@@ -33,9 +32,11 @@ from polyrl.agent.base import (
     register_agent_loop,
 )
 from polyrl.agent.tools import Tool, ToolError, ToolResult, create_tool
+from polyrl.core.registry import Registry
 from polyrl.core.rollout_api import SamplingParams
 
 __all__ = [
+    "TOOL_PARSERS",
     "HermesToolParser",
     "ParsedToolCall",
     "ToolAgentLoop",
@@ -67,37 +68,15 @@ class ToolParser(abc.ABC):
         """Return the calls in ``text`` in order (malformed ones with ``error`` set)."""
 
 
-_PARSERS: dict[str, type[ToolParser]] = {}
-
-
-def register_tool_parser(name: str) -> Callable[[type[ToolParser]], type[ToolParser]]:
-    """Class decorator registering a :class:`ToolParser` under ``name``."""
-
-    def deco(cls: type[ToolParser]) -> type[ToolParser]:
-        if name in _PARSERS and _PARSERS[name] is not cls:
-            raise ValueError(f"tool parser {name!r} is already registered")
-        _PARSERS[name] = cls
-        return cls
-
-    return deco
-
-
-def available_tool_parsers() -> list[str]:
-    """Names of the registered tool-call parsers."""
-    return sorted(_PARSERS)
+#: Tool-call parser classes by name.
+TOOL_PARSERS: Registry[type[ToolParser]] = Registry("tool parser", base=ToolParser)
+register_tool_parser = TOOL_PARSERS.register
+available_tool_parsers = TOOL_PARSERS.names
 
 
 def get_tool_parser(name: str) -> ToolParser:
-    """Return a new parser instance for ``name``.
-
-    Raises:
-        KeyError: unknown parser name.
-    """
-    if name not in _PARSERS:
-        close = difflib.get_close_matches(name, list(_PARSERS), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise KeyError(f"unknown tool parser {name!r}{hint} (registered: {sorted(_PARSERS)})")
-    return _PARSERS[name]()
+    """Return a new parser instance for ``name``."""
+    return TOOL_PARSERS.get(name)()
 
 
 @register_tool_parser("hermes")

@@ -18,7 +18,6 @@ import ast
 import asyncio
 import contextlib
 import dataclasses
-import difflib
 import functools
 import math
 import operator
@@ -30,9 +29,12 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any
+
+from polyrl.core.registry import Registry
 
 __all__ = [
+    "TOOLS",
     "CalculatorTool",
     "CountdownCheckTool",
     "PythonSandboxTool",
@@ -96,43 +98,11 @@ class Tool(abc.ABC):
         """Run the tool on parsed arguments (``context``: the sample's ``tools_kwargs``)."""
 
 
-_TOOLS: dict[str, type[Tool]] = {}
-T = TypeVar("T", bound=type[Tool])
-
-
-def register_tool(name: str) -> Callable[[T], T]:
-    """Class decorator registering a :class:`Tool` subclass under ``name`` (also its ``name``).
-
-    Raises:
-        ValueError: the name is taken by another class.
-    """
-
-    def deco(cls: T) -> T:
-        if name in _TOOLS and _TOOLS[name] is not cls:
-            raise ValueError(f"tool {name!r} is already registered ({_TOOLS[name]})")
-        cls.name = name
-        _TOOLS[name] = cls
-        return cls
-
-    return deco
-
-
-def available_tools() -> list[str]:
-    """Names of the registered tools."""
-    return sorted(_TOOLS)
-
-
-def get_tool(name: str) -> type[Tool]:
-    """Return the tool class registered under ``name``.
-
-    Raises:
-        KeyError: unknown name (the message lists the known ones).
-    """
-    if name not in _TOOLS:
-        close = difflib.get_close_matches(name, list(_TOOLS), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise KeyError(f"unknown tool {name!r}{hint} (registered: {sorted(_TOOLS)})")
-    return _TOOLS[name]
+#: Tool classes by name (a tool's :attr:`Tool.name` is the name it is registered under).
+TOOLS: Registry[type[Tool]] = Registry("tool", base=Tool, name_attr="name")
+register_tool = TOOLS.register
+available_tools = TOOLS.names
+get_tool = TOOLS.get
 
 
 def create_tool(name: str, **kwargs: Any) -> Tool:

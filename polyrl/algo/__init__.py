@@ -7,8 +7,6 @@ losses are looked up by name through registries so configs can select them.
 from polyrl.algo.advantages import (
     get_advantage_estimator,
     list_advantage_estimators,
-    masked_mean,
-    masked_whiten,
     register_advantage,
 )
 from polyrl.algo.kl import (
@@ -19,15 +17,13 @@ from polyrl.algo.kl import (
     kl_penalty,
 )
 from polyrl.algo.losses import (
-    AGG_MODES,
-    agg_loss,
-    entropy_bonus,
     entropy_from_logits,
     get_policy_loss,
     list_policy_losses,
     register_policy_loss,
     value_loss,
 )
+from polyrl.core.numerics import AGG_MODES, agg_loss, masked_mean, masked_whiten
 
 __all__ = [
     "AGG_MODES",
@@ -35,7 +31,6 @@ __all__ = [
     "FixedKLController",
     "agg_loss",
     "apply_kl_penalty",
-    "entropy_bonus",
     "entropy_from_logits",
     "get_advantage_estimator",
     "get_policy_loss",

@@ -24,38 +24,16 @@ from typing import Any
 
 import torch
 
+from polyrl.core.numerics import masked_whiten
+from polyrl.core.registry import Registry
+
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
-_ADVANTAGES: dict[str, AdvantageFn] = {}
-
-
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Register an advantage estimator under ``name`` (decorator)."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"advantage estimator name must be a non-empty str, got {name!r}")
-
-    def deco(fn: AdvantageFn) -> AdvantageFn:
-        if name in _ADVANTAGES and _ADVANTAGES[name] is not fn:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        _ADVANTAGES[name] = fn
-        return fn
-
-    return deco
-
-
-def get_advantage_estimator(name: str) -> AdvantageFn:
-    """Return the estimator registered under ``name``; raise ``KeyError`` listing known names."""
-    try:
-        return _ADVANTAGES[name]
-    except KeyError:
-        raise KeyError(
-            f"unknown advantage estimator {name!r}; expected one of {sorted(_ADVANTAGES)}"
-        ) from None
-
-
-def list_advantage_estimators() -> list[str]:
-    """Names of all registered advantage estimators."""
-    return sorted(_ADVANTAGES)
+#: Advantage estimators by name.
+ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
+register_advantage = ADVANTAGE_ESTIMATORS.register
+get_advantage_estimator = ADVANTAGE_ESTIMATORS.get
+list_advantage_estimators = ADVANTAGE_ESTIMATORS.names
 
 
 def _check(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -82,23 +60,6 @@ def _group_ids(index: Any, batch: int) -> torch.Tensor:
     dense: dict[Any, int] = {}
     ids = [dense.setdefault(x if not isinstance(x, list) else tuple(x), len(dense)) for x in items]
     return torch.tensor(ids, dtype=torch.long)
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of ``x`` over positions where ``mask`` is 1 (0 when the mask is empty)."""
-    mask = mask.to(x.dtype)
-    if dim is None:
-        return (x * mask).sum() / mask.sum().clamp(min=1.0)
-    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
-
-
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """``(x - mean) / sqrt(var + eps)`` over masked positions (Bessel variance); zero off-mask."""
-    mask = mask.to(x.dtype)
-    n = mask.sum()
-    mean = masked_mean(x, mask)
-    var = (((x - mean) ** 2) * mask).sum() / (n - 1).clamp(min=1.0)
-    return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
 def _group_stats(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from polyrl.algo.losses import agg_loss
+from polyrl.core.numerics import agg_loss, masked_mean
 
 KL_KINDS = ("k1", "k2", "k3")
 _ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
@@ -51,7 +51,8 @@ def kl_loss(
 ) -> torch.Tensor:
     """Return the aggregated per-token KL, to be added to the policy loss times a coefficient.
 
-    ``num_tokens`` / ``num_seqs``: mini-batch-wide counts (see :func:`~.losses.agg_loss`).
+    ``num_tokens`` / ``num_seqs``: mini-batch-wide counts (see
+    :func:`polyrl.core.numerics.agg_loss`).
     """
     return agg_loss(
         kl_penalty(logp, ref_logp, kind),
@@ -115,11 +116,10 @@ def apply_kl_penalty(
             f"token_level_scores shape {tuple(token_level_scores.shape)} must equal mask shape "
             f"{tuple(mask.shape)}"
         )
-    m = mask.to(token_level_scores.dtype)
-    kld = kl_penalty(logp, ref_logp, kind) * m
+    kld = kl_penalty(logp, ref_logp, kind) * mask.to(token_level_scores.dtype)
     beta = kl_ctrl.value
     rewards = token_level_scores - beta * kld
-    per_seq = kld.sum(-1) / m.sum(-1).clamp(min=1.0)
+    per_seq = masked_mean(kld, mask, dim=-1)
     current_kl = float(per_seq.mean()) if per_seq.numel() else 0.0
     kl_ctrl.update(current_kl, n_steps=token_level_scores.shape[0])
     return rewards, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}

@@ -1,12 +1,10 @@
-"""Loss aggregation, policy losses (registry), entropy bonus and clipped value loss.
+"""RL loss math: policy losses (registry), the entropy of logits and the clipped value loss.
 
-Aggregation of a per-token loss ``L (B, T)`` under mask ``M``:
-
-- ``token-mean``: ``sum(L*M) / sum(M)``
-- ``seq-mean-token-sum``: mean over non-empty rows of ``sum_t L*M``
-- ``seq-mean-token-mean``: mean over non-empty rows of ``sum_t L*M / sum_t M``
-- ``seq-mean-token-sum-norm``: ``sum(L*M) / (B * H)`` with a constant horizon ``H``
-  (default ``T``), the Dr. GRPO normalisation without length bias.
+Level: the algorithm layer. These are pure functions of ``(B, T)`` tensors (log-probs,
+advantages, values, a response mask) and know nothing of models or engines; the model-engine
+loss functions built on them are in :mod:`polyrl.trainer.rl_losses`. Each loss reduces its
+per-token terms with :func:`polyrl.core.numerics.agg_loss` (modes ``token-mean``,
+``seq-mean-token-sum``, ``seq-mean-token-mean``, ``seq-mean-token-sum-norm``).
 
 ``ppo_clip``: ``r = exp(logp - logp_old)``,
 ``L = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` and, for ``A < 0`` only (dual clip),
@@ -23,40 +21,16 @@ from collections.abc import Callable
 
 import torch
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+from polyrl.core.numerics import agg_loss, masked_mean
+from polyrl.core.registry import Registry
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 
-_POLICY_LOSSES: dict[str, PolicyLossFn] = {}
-
-
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Register a policy loss under ``name`` (decorator)."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"policy loss name must be a non-empty str, got {name!r}")
-
-    def deco(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in _POLICY_LOSSES and _POLICY_LOSSES[name] is not fn:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        _POLICY_LOSSES[name] = fn
-        return fn
-
-    return deco
-
-
-def get_policy_loss(name: str) -> PolicyLossFn:
-    """Return the policy loss registered under ``name``; raise ``KeyError`` listing known names."""
-    try:
-        return _POLICY_LOSSES[name]
-    except KeyError:
-        raise KeyError(
-            f"unknown policy loss {name!r}; expected one of {sorted(_POLICY_LOSSES)}"
-        ) from None
-
-
-def list_policy_losses() -> list[str]:
-    """Names of all registered policy losses."""
-    return sorted(_POLICY_LOSSES)
+#: Policy losses by name.
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+register_policy_loss = POLICY_LOSSES.register
+get_policy_loss = POLICY_LOSSES.get
+list_policy_losses = POLICY_LOSSES.names
 
 
 def _same_shape(mask: torch.Tensor, **tensors: torch.Tensor) -> None:
@@ -67,44 +41,6 @@ def _same_shape(mask: torch.Tensor, **tensors: torch.Tensor) -> None:
             raise ValueError(
                 f"{name} shape {tuple(t.shape)} must equal mask shape {tuple(mask.shape)}"
             )
-
-
-def agg_loss(
-    loss_mat: torch.Tensor,
-    mask: torch.Tensor,
-    mode: str = "token-mean",
-    horizon: int | float | None = None,
-    *,
-    num_tokens: float | None = None,
-    num_seqs: float | None = None,
-) -> torch.Tensor:
-    """Reduce a per-token ``loss_mat (B, T)`` to a scalar under ``mask`` using ``mode``.
-
-    ``num_tokens`` / ``num_seqs`` replace the local token / non-empty row counts in the
-    denominators. A model engine that splits one mini-batch into micro-batches passes the
-    mini-batch-wide counts, so the micro-batch losses sum to the mini-batch loss.
-    """
-    _same_shape(mask, loss_mat=loss_mat)
-    m = mask.to(loss_mat.dtype)
-    masked = loss_mat * m
-    if mode == "token-mean":
-        n = m.sum().clamp(min=1.0) if num_tokens is None else max(float(num_tokens), 1.0)
-        return masked.sum() / n
-    lengths = m.sum(-1)
-    nonempty = (lengths > 0).to(loss_mat.dtype)
-    s = nonempty.sum().clamp(min=1.0) if num_seqs is None else max(float(num_seqs), 1.0)
-    if mode == "seq-mean-token-sum":
-        return (masked.sum(-1) * nonempty).sum() / s
-    if mode == "seq-mean-token-mean":
-        per_seq = masked.sum(-1) / lengths.clamp(min=1.0)
-        return (per_seq * nonempty).sum() / s
-    if mode == "seq-mean-token-sum-norm":
-        h = loss_mat.shape[-1] if horizon is None else horizon
-        if h <= 0:
-            raise ValueError(f"horizon must be positive, got {h}")
-        rows = loss_mat.shape[0] if num_seqs is None else max(float(num_seqs), 1.0)
-        return masked.sum() / (rows * h)
-    raise ValueError(f"unknown loss_agg_mode {mode!r}; expected one of {AGG_MODES}")
 
 
 def _clipped_surrogate(
@@ -212,9 +148,8 @@ def gspo(
     Same return contract as :func:`ppo_clip`; ``ppo_kl`` is the token mean of the log-ratio.
     """
     _same_shape(response_mask, log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages)
-    m = response_mask.to(log_prob.dtype)
     log_ratio = log_prob - old_log_prob
-    seq_log_ratio = (log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+    seq_log_ratio = masked_mean(log_ratio, response_mask, dim=-1)
     # Value equals the sequence ratio; gradient flows through each token's log-prob.
     token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + log_prob - log_prob.detach()
     ratio = torch.exp(torch.clamp(token_log_ratio, max=10.0))
@@ -234,19 +169,6 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Per-position entropy ``-sum_v p log p`` of categorical ``logits (..., V)``."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     return -(logp.exp() * logp).sum(-1)
-
-
-def entropy_bonus(
-    entropy: torch.Tensor,
-    mask: torch.Tensor,
-    mode: str = "token-mean",
-    horizon: int | float | None = None,
-    *,
-    num_tokens: float | None = None,
-    num_seqs: float | None = None,
-) -> torch.Tensor:
-    """Return the aggregated entropy, to be subtracted from the policy loss times a coefficient."""
-    return agg_loss(entropy, mask, mode, horizon, num_tokens=num_tokens, num_seqs=num_seqs)
 
 
 def value_loss(

@@ -26,6 +26,8 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Union
 
+from polyrl.core.dtypes import FLOAT_DTYPES
+
 __all__ = [
     "ActorConfig",
     "AgentConfig",
@@ -333,7 +335,6 @@ def _require_nonempty(value: str, key: str) -> None:
 
 TINY_ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe")
 TINY_SIZES = ("nano", "micro", "small")
-DTYPES = ("float32", "bfloat16", "float16")
 TASKS = ("", "arithmetic", "countdown", "string_reverse", "string_sort")
 TRUNCATIONS = ("error", "filter", "left", "right")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
@@ -377,12 +378,12 @@ class ModelConfig(ConfigGroup):
         "Tiny model size preset: nano ~0.3M, micro ~2.5M, small ~100M parameters.",
         choices=TINY_SIZES,
     )
-    dtype: str = option("float32", "Parameter dtype of the model.", choices=DTYPES)
+    dtype: str = option("float32", "Parameter dtype of the model.", choices=FLOAT_DTYPES)
     compute_dtype: str = option(
         "auto",
         "Compute dtype of the training engines (mixed precision; master weights and optimizer "
         "stay in dtype): auto = bfloat16 on CUDA, dtype on CPU.",
-        choices=("auto", *DTYPES),
+        choices=("auto", *FLOAT_DTYPES),
     )
     trust_remote_code: bool = option(
         False, "Allow running modelling code shipped inside the model directory."
@@ -488,7 +489,7 @@ class RolloutConfig(ConfigGroup):
         "auto",
         "Dtype of the native replicas' projection matmuls (norms, attention, KV cache and LM "
         "head stay in model.dtype); auto = the training engines' compute dtype.",
-        choices=("auto", *DTYPES),
+        choices=("auto", *FLOAT_DTYPES),
     )
     weight_transport: str = option(
         "shm", "How the trainer pushes new weights to the replicas.", choices=WEIGHT_TRANSPORTS

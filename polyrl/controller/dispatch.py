@@ -61,8 +61,10 @@ import torch
 
 from polyrl.controller.errors import DispatchError
 from polyrl.core.batch import Batch
+from polyrl.core.registry import Registry
 
 __all__ = [
+    "DISPATCH_MODES",
     "DataParallelLayout",
     "Dispatch",
     "DispatchContext",
@@ -565,11 +567,12 @@ class _DPComputeMetric(_DPCompute):
         return "generic"
 
 
-_REGISTRY: dict[str, DispatchMode] = {
-    mode.name: mode
-    for mode in (_OneToAll(), _AllToAll(), _RankZero(), _DPCompute(), _DPComputeMetric())
-}
-_BUILTIN_NAMES = frozenset(_REGISTRY)
+#: Dispatch modes by name: the built-in :class:`Dispatch` members and user modes.
+DISPATCH_MODES: Registry[DispatchMode] = Registry("dispatch mode")
+for _mode in (_OneToAll(), _AllToAll(), _RankZero(), _DPCompute(), _DPComputeMetric()):
+    DISPATCH_MODES.add(_mode.name, _mode)
+_BUILTIN_NAMES = frozenset(DISPATCH_MODES.names())
+available_dispatch_modes = DISPATCH_MODES.names
 
 
 def register_dispatch_mode(
@@ -597,11 +600,7 @@ def register_dispatch_mode(
         mode = DispatchMode(name, dispatch_fn, collect_fn)
     if mode.name in _BUILTIN_NAMES:
         raise ValueError(f"dispatch mode {mode.name!r} is built in and cannot be replaced")
-    if mode.name in _REGISTRY and not overwrite:
-        raise ValueError(
-            f"dispatch mode {mode.name!r} is already registered; pass overwrite=True to replace it"
-        )
-    _REGISTRY[mode.name] = mode
+    DISPATCH_MODES.add(mode.name, mode, overwrite=overwrite)
     return mode
 
 
@@ -612,17 +611,7 @@ def get_dispatch_mode(mode: Dispatch | str | DispatchMode) -> DispatchMode:
     key = mode.value if isinstance(mode, Dispatch) else mode
     if not isinstance(key, str):
         raise TypeError(f"dispatch must be a Dispatch, a mode name or a DispatchMode, got {mode!r}")
-    try:
-        return _REGISTRY[key]
-    except KeyError:
-        raise ValueError(
-            f"unknown dispatch mode {key!r}; registered modes: {sorted(_REGISTRY)}"
-        ) from None
-
-
-def available_dispatch_modes() -> list[str]:
-    """Names of every registered dispatch mode (built-in and user)."""
-    return sorted(_REGISTRY)
+    return DISPATCH_MODES.get(key)
 
 
 @dataclass(frozen=True)

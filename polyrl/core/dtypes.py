@@ -1,14 +1,20 @@
-"""The one dtype table: names accepted in configs and on the wire, and the resolver.
+"""The one dtype table: names accepted in configs and on the wire, their sizes, and the resolver.
 
 Configs and CLIs name floating dtypes (``"bfloat16"``, or an alias such as ``"bf16"``);
 weight buckets name every dtype a tensor may have on the wire by its canonical name.
+The tables are plain names, so configs and torch-free processes (a vLLM launcher) can use them
+without importing torch; only the functions returning torch dtypes import it.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
+    "DTYPE_SIZES",
     "FLOAT_DTYPES",
     "dtype_from_name",
     "dtype_name",
@@ -18,17 +24,18 @@ __all__ = [
 #: Canonical names of the floating dtypes a model's parameters may have (config choices).
 FLOAT_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 
-#: Canonical name of every dtype that may travel (weights on the wire, checkpoints).
-_BY_NAME: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
+#: Canonical name (the ``torch`` attribute) of every dtype that may travel (weights on the
+#: wire, checkpoints), with its size in bytes.
+DTYPE_SIZES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float64": 8,
+    "int64": 8,
+    "int32": 4,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
 }
 
 #: Other spellings users write for the floating dtypes.
@@ -41,22 +48,28 @@ _ALIASES: dict[str, str] = {
 }
 
 
+def _canonical(name: str, what: str) -> str:
+    key = name.lower() if isinstance(name, str) else name
+    key = _ALIASES.get(key, key)
+    if key not in FLOAT_DTYPES:
+        accepted = sorted([*FLOAT_DTYPES, *_ALIASES])
+        raise ValueError(f"{what}: unknown dtype {name!r}; expected one of {accepted}")
+    return key
+
+
 def resolve_dtype(name: str | torch.dtype, what: str = "dtype") -> torch.dtype:
     """Turn a floating dtype name (``"bfloat16"``, ``"bf16"``, ...) or dtype into a torch dtype.
 
     Raises:
         ValueError: naming ``what``, for an unknown name or a non-floating dtype.
     """
+    import torch
+
     if isinstance(name, torch.dtype):
         if not name.is_floating_point:
             raise ValueError(f"{what} must be a floating point type, got {name}")
         return name
-    key = name.lower() if isinstance(name, str) else name
-    key = _ALIASES.get(key, key)
-    if key not in FLOAT_DTYPES:
-        accepted = sorted([*FLOAT_DTYPES, *_ALIASES])
-        raise ValueError(f"{what}: unknown dtype {name!r}; expected one of {accepted}")
-    return _BY_NAME[key]
+    return getattr(torch, _canonical(name, what))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -65,10 +78,13 @@ def dtype_name(dtype: torch.dtype) -> str:
     Raises:
         ValueError: ``dtype`` has no wire name.
     """
-    for key, value in _BY_NAME.items():
-        if value == dtype:
-            return key
-    raise ValueError(f"dtype {dtype} cannot be transferred; expected one of {list(_BY_NAME)}")
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+        if name in DTYPE_SIZES:
+            return name
+    raise ValueError(f"dtype {dtype} cannot be transferred; expected one of {list(DTYPE_SIZES)}")
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -77,7 +93,8 @@ def dtype_from_name(name: str) -> torch.dtype:
     Raises:
         ValueError: ``name`` is not a canonical dtype name.
     """
-    try:
-        return _BY_NAME[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown dtype {name!r}; expected one of {list(_BY_NAME)}") from None
+    if not isinstance(name, str) or name not in DTYPE_SIZES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {list(DTYPE_SIZES)}")
+    import torch
+
+    return getattr(torch, name)

@@ -8,6 +8,11 @@ for backward, which recomputes each chunk's softmax from the (low-precision) log
 
 All functions take a ``temperature``: logits are divided by it before the softmax, matching how a
 sampler with that temperature drew the tokens.
+
+Masked reductions over ``(B, T)`` tensors live here too: :func:`masked_sum`,
+:func:`masked_mean`, :func:`masked_var`, :func:`masked_whiten`, and :func:`agg_loss`, the one
+reduction of a per-token loss to a scalar (every loss of polyrl, from the policy losses to the
+engine's SFT loss, aggregates with it).
 """
 
 from __future__ import annotations
@@ -15,8 +20,12 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "AGG_MODES",
+    "agg_loss",
     "masked_mean",
     "masked_sum",
+    "masked_var",
+    "masked_whiten",
     "shifted_token_log_probs",
     "token_entropy",
     "token_log_probs",
@@ -240,3 +249,93 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     total = masked_sum(values, mask, dim)
     count = mask.bool().sum() if dim is None else mask.bool().sum(dim)
     return total / count.clamp(min=1).to(total.dtype)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``values`` over true ``mask`` entries (Bessel-corrected when ``unbiased``)."""
+    mean = masked_mean(values, mask)
+    count = mask.bool().sum().to(values.dtype)
+    if unbiased:
+        count = count - 1
+    return masked_sum((values - mean) ** 2, mask) / count.clamp(min=1.0)
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """``(values - mean) / sqrt(var + eps)`` over true ``mask`` entries (Bessel variance).
+
+    Statistics come from the masked entries only; entries off the mask are 0.
+    """
+    whitened = (values - masked_mean(values, mask)) * torch.rsqrt(masked_var(values, mask) + eps)
+    return whitened.masked_fill(~mask.bool(), 0.0)
+
+
+#: Loss aggregation modes of :func:`agg_loss` (verl's spelling).
+AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+    "sum",
+)
+
+
+def _count(value: float | None, local: torch.Tensor, what: str) -> torch.Tensor | float:
+    """Return a denominator: the caller's (global) count if given, else the local one; >= 1."""
+    if value is None:
+        return local.clamp(min=1)
+    value = float(value)
+    if value < 0:
+        raise ValueError(f"{what} must be >= 0, got {value}")
+    return max(value, 1.0)
+
+
+def agg_loss(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token-mean",
+    horizon: int | float | None = None,
+    *,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+) -> torch.Tensor:
+    """Reduce a per-token loss ``values (B, T)`` to a scalar over ``mask`` using ``mode``.
+
+    ``mask`` holds 0/1 or per-token weights ``M``; with ``L*M`` summed only where ``M != 0``
+    (so masked-out entries may hold NaN/inf), ``N`` the number of tokens with ``M != 0`` and
+    ``S`` the number of rows holding one:
+
+    - ``token-mean``: ``sum(L*M) / N``
+    - ``seq-mean-token-sum``: ``sum_rows(sum_t L*M) / S``
+    - ``seq-mean-token-mean``: ``sum_rows(sum_t L*M / sum_t M) / S``
+    - ``seq-mean-token-sum-norm``: ``sum(L*M) / (B * H)`` with a constant horizon ``H``
+      (default ``T``), the Dr. GRPO normalisation without length bias
+    - ``sum``: ``sum(L*M)``, no normalisation.
+
+    ``num_tokens`` / ``num_seqs`` replace ``N`` / ``S`` (and ``B`` in ``seq-mean-token-sum-norm``).
+    A model engine that splits one mini-batch into micro-batches passes the mini-batch-wide
+    counts, so the micro-batch losses add up to the mini-batch loss whatever the split.
+    """
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be (B, T), got shape {tuple(mask.shape)}")
+    if values.shape != mask.shape:
+        raise ValueError(
+            f"loss_mat shape {tuple(values.shape)} must equal mask shape {tuple(mask.shape)}"
+        )
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; expected one of {AGG_MODES}")
+    weights = mask.to(values.dtype)
+    on = mask != 0
+    if mode == "sum":
+        return masked_sum(values * weights, on)
+    if mode == "token-mean":
+        return masked_sum(values * weights, on) / _count(num_tokens, on.sum(), "num_tokens")
+    if mode == "seq-mean-token-sum-norm":
+        h = values.shape[-1] if horizon is None else horizon
+        if h <= 0:
+            raise ValueError(f"horizon must be positive, got {h}")
+        rows = values.shape[0] if num_seqs is None else max(float(num_seqs), 1.0)
+        return masked_sum(values * weights, on) / (rows * h)
+    per_row = masked_sum(values * weights, on, dim=-1)
+    if mode == "seq-mean-token-mean":
+        per_row = per_row / weights.sum(-1).clamp(min=1.0)
+    return per_row.sum() / _count(num_seqs, on.any(-1).sum(), "num_seqs")

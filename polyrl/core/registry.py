@@ -12,11 +12,12 @@ from __future__ import annotations
 import difflib
 import importlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 __all__ = ["Registry", "UnknownNameError"]
 
 T = TypeVar("T")
+E = TypeVar("E")  # what a decorator returns: the decorated object, its own type kept
 
 
 class UnknownNameError(KeyError, ValueError):
@@ -26,6 +27,15 @@ class UnknownNameError(KeyError, ValueError):
         return str(self.args[0]) if self.args else ""
 
 
+def _definition(entry: object) -> tuple[str, str] | None:
+    """Return ``(module, qualname)`` of a named function or class, ``None`` for anything else."""
+    module = getattr(entry, "__module__", None)
+    qualname = getattr(entry, "__qualname__", None)
+    if not isinstance(module, str) or not isinstance(qualname, str) or "<lambda>" in qualname:
+        return None
+    return module, qualname
+
+
 class Registry(Generic[T]):
     """Entries of one kind by name.
 
@@ -33,18 +43,43 @@ class Registry(Generic[T]):
         kind: what an entry is, for error messages (``"rollout backend"``).
         lazy: ``name -> module``: importing the module registers the entry ``name``; it is
             imported on the first :meth:`get` of that name (and listed by :meth:`names`).
+        base: entries must be subclasses of this class (``TypeError`` otherwise).
+        name_attr: set this attribute of each entry to the name it is registered under.
+        hint: appended to the unknown-name message (another way to name an entry, say).
     """
 
-    def __init__(self, kind: str, lazy: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        kind: str,
+        lazy: Mapping[str, str] | None = None,
+        *,
+        base: type | None = None,
+        name_attr: str | None = None,
+        hint: str = "",
+    ) -> None:
         self.kind = kind
+        self.base = base
+        self.name_attr = name_attr
+        self.hint = hint
         self._entries: dict[str, T] = {}
         self._lazy: dict[str, str] = dict(lazy or {})
 
-    def register(self, name: str, *, overwrite: bool = False) -> Callable[[T], T]:
-        """Return a decorator that registers its object as ``name`` (returned unchanged)."""
+    def register(self, *names: str, overwrite: bool = False) -> Callable[[E], E]:
+        """Return a decorator that registers its object under every one of ``names``.
 
-        def decorate(entry: T) -> T:
-            self.add(name, entry, overwrite=overwrite)
+        The object is returned unchanged (but for :attr:`name_attr`). Either every name is
+        registered or, on an error, none.
+        """
+        if not names:
+            raise ValueError(f"registering needs at least one {self.kind} name")
+        for name in names:
+            self._check_name(name)
+
+        def decorate(entry: E) -> E:
+            for name in names:
+                self._check_entry(name, cast(T, entry), overwrite)
+            for name in names:
+                self._set(name, cast(T, entry))
             return entry
 
         return decorate
@@ -52,18 +87,40 @@ class Registry(Generic[T]):
     def add(self, name: str, entry: T, *, overwrite: bool = False) -> None:
         """Register ``entry`` as ``name``.
 
+        An entry defined by the same code as the registered one (same module and qualified
+        name: its module was imported again) replaces it without ``overwrite``.
+
         Raises:
-            ValueError: ``name`` is taken by another entry and ``overwrite`` is false.
+            ValueError: ``name`` is empty or taken by another entry and ``overwrite`` is false.
+            TypeError: ``entry`` is not a subclass of :attr:`base`.
         """
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"a {self.kind} needs a non-empty string name, got {name!r}")
-        existing = self._entries.get(name)
-        if existing is not None and existing is not entry and not overwrite:
-            raise ValueError(
-                f"{self.kind} {name!r} is already registered ({existing!r}); "
-                "pass overwrite=True to replace it"
+        self._check_name(name)
+        self._check_entry(name, entry, overwrite)
+        self._set(name, entry)
+
+    def _check_name(self, name: object) -> None:
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"{self.kind} names must be non-empty strings, got {name!r}")
+
+    def _check_entry(self, name: str, entry: T, overwrite: bool) -> None:
+        if self.base is not None and not (isinstance(entry, type) and issubclass(entry, self.base)):
+            raise TypeError(
+                f"{self.kind} {name!r} must be a {self.base.__name__} subclass, got {entry!r}"
             )
+        existing = self._entries.get(name)
+        if existing is None or existing is entry or overwrite:
+            return
+        if _definition(existing) is not None and _definition(existing) == _definition(entry):
+            return
+        raise ValueError(
+            f"{self.kind} {name!r} is already registered ({existing!r}); "
+            "pass overwrite=True to replace it"
+        )
+
+    def _set(self, name: str, entry: T) -> None:
         self._entries[name] = entry
+        if self.name_attr is not None:
+            setattr(entry, self.name_attr, name)
 
     def remove(self, name: str) -> None:
         """Unregister ``name`` (no error when it is not registered)."""
@@ -76,19 +133,22 @@ class Registry(Generic[T]):
         Raises:
             UnknownNameError: no entry has that name.
         """
-        if name not in self._entries and name in self._lazy:
-            importlib.import_module(self._lazy[name])
-        try:
-            return self._entries[name]
-        except (KeyError, TypeError):
-            raise UnknownNameError(self.unknown_message(name)) from None
+        if isinstance(name, str):
+            if name not in self._entries and name in self._lazy:
+                importlib.import_module(self._lazy[name])
+            if name in self._entries:
+                return self._entries[name]
+        raise UnknownNameError(self.unknown_message(name))
+
+    __getitem__ = get
 
     def unknown_message(self, name: object) -> str:
         """Return the message for an unknown ``name``: kind, closest match, known names."""
         known = self.names()
         close = difflib.get_close_matches(name, known, n=1) if isinstance(name, str) else []
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        return f"unknown {self.kind} {name!r}{hint} (known: {', '.join(known) or 'none'})"
+        extra = f"; {self.hint}" if self.hint else ""
+        return f"unknown {self.kind} {name!r}{hint} (known: {', '.join(known) or 'none'}){extra}"
 
     def names(self) -> list[str]:
         """Every registered name (lazy ones included), sorted."""
@@ -98,11 +158,14 @@ class Registry(Generic[T]):
         """``(name, entry)`` of every entry registered so far (lazy ones not imported)."""
         return sorted(self._entries.items())
 
-    def __contains__(self, name: object) -> bool:
-        return name in self._entries or name in self._lazy
+    def __contains__(self, name: Any) -> bool:
+        return isinstance(name, str) and (name in self._entries or name in self._lazy)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
 
     def __len__(self) -> int:
         return len(self.names())
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}: {', '.join(self.names())})"

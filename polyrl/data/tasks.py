@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from polyrl.core.registry import Registry
 from polyrl.data.io import write_rows
 from polyrl.data.schema import make_row
 
@@ -35,41 +36,13 @@ class TaskFn(Protocol):
         ...
 
 
-TASKS: dict[str, TaskFn] = {}
+TASKS: Registry[TaskFn] = Registry("task")
 """Registered task generators by name."""
+register_task = TASKS.register
+get_task = TASKS.get
 
 STYLES: tuple[str, ...] = ("short", "instruct")
 ANSWER_INSTRUCTION = "Give the final answer after ####."
-
-
-def register_task(name: str) -> Callable[[TaskFn], TaskFn]:
-    """Register a task generator under ``name`` (use as a decorator).
-
-    Raises:
-        ValueError: If ``name`` is empty or already registered.
-    """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"task name must be a non-empty string, got {name!r}")
-
-    def decorator(fn: TaskFn) -> TaskFn:
-        if name in TASKS:
-            raise ValueError(f"task {name!r} is already registered (by {TASKS[name]!r})")
-        TASKS[name] = fn
-        return fn
-
-    return decorator
-
-
-def get_task(name: str) -> TaskFn:
-    """Return the generator registered as ``name``.
-
-    Raises:
-        KeyError: Naming the unknown task and the registered ones.
-    """
-    try:
-        return TASKS[name]
-    except KeyError:
-        raise KeyError(f"unknown task {name!r}; registered tasks: {sorted(TASKS)}") from None
 
 
 def generate(name: str, num: int, seed: int, split: str = "train", **kwargs: Any) -> list[dict]:

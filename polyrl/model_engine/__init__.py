@@ -1,8 +1,7 @@
 """The model engine: one interface for SFT/DPO/reward/actor/critic training, pluggable backends.
 
-See :mod:`polyrl.model_engine.engine` for the interface and the batch column contract,
-:mod:`polyrl.model_engine.fsdp2` for the FSDP2 backend, and
-:mod:`polyrl.model_engine.losses` for the loss plug-in signature.
+See :mod:`polyrl.model_engine.engine` for the interface, the batch column contract and the loss
+plug-in signature, and :mod:`polyrl.model_engine.fsdp2` for the FSDP2 backend.
 """
 
 from polyrl.model_engine.config import (
@@ -22,9 +21,10 @@ from polyrl.model_engine.engine import (
     compute_log_probs,
     compute_log_probs_and_entropy,
     compute_values,
+    global_counts,
     register_engine,
+    sft_loss,
 )
-from polyrl.model_engine.losses import aggregate_loss, sft_loss
 
 __all__ = [
     "CheckpointConfig",
@@ -35,13 +35,13 @@ __all__ = [
     "OptimizerConfig",
     "ParallelismConfig",
     "TrainingEngine",
-    "aggregate_loss",
     "available_engines",
     "build_engine",
     "compute_entropy",
     "compute_log_probs",
     "compute_log_probs_and_entropy",
     "compute_values",
+    "global_counts",
     "register_engine",
     "sft_loss",
 ]

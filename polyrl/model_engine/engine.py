@@ -1,4 +1,4 @@
-"""The backend-agnostic model-engine interface, its registry, and per-micro-batch outputs.
+"""The backend-agnostic model-engine interface, its registry, outputs and loss plug-ins.
 
 An engine owns one model (a causal LM or a value model), its optimizer and LR schedule, sharded
 over the data-parallel ranks of ``torch.distributed``.  Trainers differ only in the data and the
@@ -27,13 +27,33 @@ temperature applied to log-probs and entropies.
 Each rank passes **its own share** of the mini-batch (the controller dispatches shares; a
 standalone script can use :meth:`TrainingEngine.shard_batch`).  Loss normalisation counts are
 summed over all ranks before the micro-batch loop, so results do not depend on the split.
+
+Loss functions
+--------------
+A loss function (:data:`LossFn`) has the signature ``loss_fn(model_output, batch) -> (loss,
+metrics)``; :func:`sft_loss` is the one defined here, the RL ones are in
+:mod:`polyrl.trainer.rl_losses`:
+
+* ``model_output`` is a :class:`ModelOutput` for one micro-batch; its per-token tensors
+  (``log_probs``, ``entropy``, ``values``) are ``(b, T)`` and aligned with the micro-batch's
+  columns;
+* ``batch`` is that micro-batch (a :class:`polyrl.core.batch.Batch` with the caller's columns,
+  only the rows of this micro-batch, and ``loss_mask`` already restricted to tokens that have a
+  prediction);
+* ``loss`` is a scalar tensor: **this micro-batch's contribution** to the mini-batch loss.  The
+  engine back-propagates each contribution and reports their sum over micro-batches and ranks as
+  ``loss``.  To make that sum independent of how rows were split into micro-batches and ranks,
+  normalise by the mini-batch-wide counts the engine puts in ``batch.meta``
+  (:data:`GLOBAL_TOKENS_KEY`, :data:`GLOBAL_SEQS_KEY`): pass :func:`global_counts` to
+  :func:`polyrl.core.numerics.agg_loss`;
+* ``metrics`` maps names to floats / 0-d tensors describing this micro-batch; the engine
+  averages each over micro-batches and ranks, weighted by the micro-batch's loss-token count.
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
-import importlib
 import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -41,13 +61,17 @@ from typing import Any
 import torch
 
 from polyrl.core.batch import Batch
-from polyrl.core.numerics import shifted_token_log_probs
+from polyrl.core.numerics import agg_loss, shifted_token_log_probs
+from polyrl.core.registry import Registry
 from polyrl.model_engine.batching import MicroBatchLayout, balance_batch_for_dp
 from polyrl.model_engine.config import CheckpointConfig, EngineConfig, ModelSpec, OptimizerConfig
-from polyrl.model_engine.losses import LossFn
 
 __all__ = [
+    "ENGINES",
+    "GLOBAL_SEQS_KEY",
+    "GLOBAL_TOKENS_KEY",
     "InferFn",
+    "LossFn",
     "ModelOutput",
     "TrainingEngine",
     "available_engines",
@@ -56,81 +80,18 @@ __all__ = [
     "compute_log_probs",
     "compute_log_probs_and_entropy",
     "compute_values",
+    "global_counts",
     "register_engine",
+    "sft_loss",
 ]
 
 InferFn = Callable[["ModelOutput", Batch], Mapping[str, torch.Tensor]]
+LossFn = Callable[["ModelOutput", Batch], tuple[torch.Tensor, Mapping[str, Any]]]
 
-_ENGINES: dict[str, type[TrainingEngine]] = {}
-# Backends shipped with polyrl, imported on first use so importing the interface stays light.
-_BUILTIN_BACKENDS: dict[str, str] = {"fsdp2": "polyrl.model_engine.fsdp2"}
-
-
-def register_engine(name: str) -> Callable[[type[TrainingEngine]], type[TrainingEngine]]:
-    """Class decorator registering a :class:`TrainingEngine` backend under ``name``."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"engine name must be a non-empty str, got {name!r}")
-
-    def deco(cls: type[TrainingEngine]) -> type[TrainingEngine]:
-        if not (isinstance(cls, type) and issubclass(cls, TrainingEngine)):
-            raise TypeError(
-                f"@register_engine({name!r}) needs a TrainingEngine subclass, got {cls}"
-            )
-        existing = _ENGINES.get(name)
-        if existing is not None and existing.__qualname__ != cls.__qualname__:
-            raise ValueError(f"engine backend {name!r} is already registered by {existing}")
-        _ENGINES[name] = cls
-        cls.backend_name = name
-        return cls
-
-    return deco
-
-
-def available_engines() -> list[str]:
-    """Names of the registered and built-in backends."""
-    return sorted(set(_ENGINES) | set(_BUILTIN_BACKENDS))
-
-
-def _engine_class(name: str) -> type[TrainingEngine]:
-    if name not in _ENGINES and name in _BUILTIN_BACKENDS:
-        importlib.import_module(_BUILTIN_BACKENDS[name])
-    if name not in _ENGINES:
-        raise ValueError(f"unknown engine backend {name!r}; available: {available_engines()}")
-    return _ENGINES[name]
-
-
-def _as_config(value: Any, cls: type, what: str) -> Any:
-    if value is None:
-        return cls()
-    if isinstance(value, cls):
-        return value
-    if isinstance(value, Mapping):
-        return cls(**value)
-    raise TypeError(f"{what} must be a {cls.__name__} or a dict, got {type(value).__name__}")
-
-
-def build_engine(
-    model: ModelSpec | Mapping[str, Any] | str,
-    engine: EngineConfig | Mapping[str, Any] | None = None,
-    optimizer: OptimizerConfig | Mapping[str, Any] | None = None,
-    checkpoint: CheckpointConfig | Mapping[str, Any] | None = None,
-    *,
-    initialize: bool = True,
-) -> TrainingEngine:
-    """Construct the backend named by ``engine.backend`` (and initialise it by default).
-
-    ``model`` may be a :class:`ModelSpec`, a dict of its fields, or just the model directory.
-    """
-    spec = (
-        ModelSpec(path=model) if isinstance(model, str) else _as_config(model, ModelSpec, "model")
-    )
-    eng_cfg = _as_config(engine, EngineConfig, "engine")
-    opt_cfg = _as_config(optimizer, OptimizerConfig, "optimizer")
-    ckpt_cfg = _as_config(checkpoint, CheckpointConfig, "checkpoint")
-    obj = _engine_class(eng_cfg.backend)(spec, eng_cfg, opt_cfg, ckpt_cfg)
-    if initialize:
-        obj.initialize()
-    return obj
+#: ``batch.meta`` key: loss tokens (non-zero ``loss_mask``) in the whole mini-batch, all ranks.
+GLOBAL_TOKENS_KEY = "global_token_count"
+#: ``batch.meta`` key: rows with at least one loss token in the whole mini-batch, all ranks.
+GLOBAL_SEQS_KEY = "global_seq_count"
 
 
 class ModelOutput:
@@ -246,6 +207,33 @@ def compute_log_probs_and_entropy(output: ModelOutput, batch: Batch) -> dict[str
 def compute_values(output: ModelOutput, batch: Batch) -> dict[str, torch.Tensor]:
     """``infer_batch`` function: ``{"values": (b, T)}``."""
     return {"values": output.values}
+
+
+def global_counts(batch: Batch) -> dict[str, Any]:
+    """``num_tokens`` / ``num_seqs`` of the whole mini-batch, for :func:`agg_loss`'s keywords.
+
+    They come from ``batch.meta`` (set by the engine); without them (``None``) the micro-batch
+    is taken to be the whole mini-batch.
+    """
+    return {
+        "num_tokens": batch.meta.get(GLOBAL_TOKENS_KEY),
+        "num_seqs": batch.meta.get(GLOBAL_SEQS_KEY),
+    }
+
+
+def sft_loss(output: ModelOutput, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    """Negative log-likelihood of the ``loss_mask`` tokens, averaged over all mini-batch tokens.
+
+    ``loss_mask`` may hold 0/1 or per-token weights.  Metric ``sft/nll``: this micro-batch's mean
+    NLL per loss token (the engine's ``loss`` is the exact mini-batch mean).
+    """
+    if "loss_mask" not in batch:
+        raise KeyError("sft_loss needs a 'loss_mask' column marking the tokens to learn")
+    mask = batch["loss_mask"]
+    nll = -output.log_probs
+    loss = agg_loss(nll, mask, "token-mean", **global_counts(batch))
+    local = agg_loss(nll.detach(), mask, "token-mean")
+    return loss, {"sft/nll": float(local)}
 
 
 class TrainingEngine(abc.ABC):
@@ -441,3 +429,49 @@ class TrainingEngine(abc.ABC):
             return batch
         balanced, _ = balance_batch_for_dp(batch, self.world_size)
         return balanced.chunk(self.world_size)[self.rank]
+
+
+#: Training-engine backends by name; the built-in ones are imported on first use, so importing
+#: the interface stays light.
+ENGINES: Registry[type[TrainingEngine]] = Registry(
+    "engine backend",
+    lazy={"fsdp2": "polyrl.model_engine.fsdp2"},
+    base=TrainingEngine,
+    name_attr="backend_name",
+)
+register_engine = ENGINES.register
+available_engines = ENGINES.names
+
+
+def _as_config(value: Any, cls: type, what: str) -> Any:
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        return cls(**value)
+    raise TypeError(f"{what} must be a {cls.__name__} or a dict, got {type(value).__name__}")
+
+
+def build_engine(
+    model: ModelSpec | Mapping[str, Any] | str,
+    engine: EngineConfig | Mapping[str, Any] | None = None,
+    optimizer: OptimizerConfig | Mapping[str, Any] | None = None,
+    checkpoint: CheckpointConfig | Mapping[str, Any] | None = None,
+    *,
+    initialize: bool = True,
+) -> TrainingEngine:
+    """Construct the backend named by ``engine.backend`` (and initialise it by default).
+
+    ``model`` may be a :class:`ModelSpec`, a dict of its fields, or just the model directory.
+    """
+    spec = (
+        ModelSpec(path=model) if isinstance(model, str) else _as_config(model, ModelSpec, "model")
+    )
+    eng_cfg = _as_config(engine, EngineConfig, "engine")
+    opt_cfg = _as_config(optimizer, OptimizerConfig, "optimizer")
+    ckpt_cfg = _as_config(checkpoint, CheckpointConfig, "checkpoint")
+    obj = ENGINES.get(eng_cfg.backend)(spec, eng_cfg, opt_cfg, ckpt_cfg)
+    if initialize:
+        obj.initialize()
+    return obj

@@ -65,7 +65,10 @@ from polyrl.model_engine.distributed import (
     select_device,
 )
 from polyrl.model_engine.engine import (
+    GLOBAL_SEQS_KEY,
+    GLOBAL_TOKENS_KEY,
     InferFn,
+    LossFn,
     ModelOutput,
     TrainingEngine,
     compute_log_probs,
@@ -78,7 +81,6 @@ from polyrl.model_engine.heads import (
     model_forward,
     no_split_module_classes,
 )
-from polyrl.model_engine.losses import GLOBAL_SEQS_KEY, GLOBAL_TOKENS_KEY, LossFn
 from polyrl.model_engine.optim import apply_configured_schedule, build_optimizer, build_scheduler
 from polyrl.model_engine.prefix import (
     PrefixSplit,

@@ -14,12 +14,20 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from polyrl.core.registry import Registry
+
 __all__ = ["SCORERS", "Scorer", "extract_answer", "get_scorer", "register_scorer"]
 
 Scorer = Callable[..., Any]
 
-#: Mapping of every registered ``data_source`` name (aliases included) to its scorer.
-SCORERS: dict[str, Scorer] = {}
+#: Every registered ``data_source`` name (aliases included) to its scorer. The built-in scorers
+#: (:mod:`polyrl.reward.scorers`) register themselves when ``polyrl.reward`` is imported.
+SCORERS: Registry[Scorer] = Registry(
+    "scorer",
+    hint="register one with @register_scorer(data_source) or pass a custom_function to the "
+    "RewardManager",
+)
+get_scorer = SCORERS.get
 
 
 def register_scorer(*data_sources: str, overwrite: bool = False) -> Callable[[Scorer], Scorer]:
@@ -30,59 +38,22 @@ def register_scorer(*data_sources: str, overwrite: bool = False) -> Callable[[Sc
         overwrite: Allow replacing an existing registration with a different function.
 
     Returns:
-        A decorator that registers the function and returns it unchanged.
+        A decorator that registers the function (under every name or, on an error, none) and
+        returns it unchanged.
 
     Raises:
         ValueError: If no name is given, a name is empty or not a string, or a name is
             already registered to a different function and ``overwrite`` is false.
+        TypeError: If the decorated object is not callable.
     """
-    if not data_sources:
-        raise ValueError("register_scorer needs at least one data_source name, got none")
-    for name in data_sources:
-        if not isinstance(name, str) or not name.strip():
-            raise ValueError(f"data_source names must be non-empty strings, got {name!r}")
+    register = SCORERS.register(*data_sources, overwrite=overwrite)
 
     def decorator(fn: Scorer) -> Scorer:
         if not callable(fn):
             raise TypeError(f"register_scorer expects a callable, got {type(fn).__name__}")
-        for name in data_sources:
-            existing = SCORERS.get(name)
-            if existing is not None and existing is not fn and not overwrite:
-                raise ValueError(
-                    f"data_source {name!r} is already registered to "
-                    f"{getattr(existing, '__qualname__', existing)!r}; pass overwrite=True "
-                    "to replace it"
-                )
-        for name in data_sources:
-            SCORERS[name] = fn
-        return fn
+        return register(fn)
 
     return decorator
-
-
-def get_scorer(data_source: str) -> Scorer:
-    """Return the scorer registered for ``data_source``.
-
-    Raises:
-        KeyError: If nothing is registered under that name; the message lists the
-            registered names.
-    """
-    _ensure_builtins()
-    try:
-        return SCORERS[data_source]
-    except (KeyError, TypeError):
-        known = ", ".join(sorted(SCORERS)) or "(none)"
-        raise KeyError(
-            f"no scorer registered for data_source {data_source!r}; registered data sources: "
-            f"{known}. Register one with @register_scorer({data_source!r}) or pass a "
-            "custom_function to the RewardManager."
-        ) from None
-
-
-def _ensure_builtins() -> None:
-    # The built-in scorers register themselves on import; importing lazily here keeps
-    # `get_scorer` correct even when a caller only imported this module.
-    from polyrl.reward import scorers  # noqa: F401
 
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)

@@ -7,10 +7,10 @@ this module stays cheap (no torch).
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
+from polyrl.core.registry import Registry
 from polyrl.core.rollout_api import (
     FINISH_REASONS,
     BackendStats,
@@ -25,12 +25,12 @@ from polyrl.core.rollout_api import (
     SampleDelta,
     SampleOutput,
     SamplingParams,
-    _suggest,
     check_request_fits,
     collect_outputs,
 )
 
 __all__ = [
+    "BACKENDS",
     "BackendStats",
     "DeltaStream",
     "EngineUnavailableError",
@@ -54,50 +54,15 @@ __all__ = [
 
 
 BackendFactory = Callable[..., RolloutBackend]
-_BACKENDS: dict[str, BackendFactory] = {}
-# Built-in backends register themselves when their module is imported; this maps a name to
-# the module to import on first use, so ``import polyrl.rollout`` never pulls in torch.
-_LAZY_BACKENDS: dict[str, str] = {
-    "native": "polyrl.rollout.native.backend",
-    "vllm": "polyrl.rollout.vllm_backend",
-}
-
-
-def register_backend(name: str) -> Callable[[BackendFactory], BackendFactory]:
-    """Class decorator registering a backend factory under ``name``.
-
-    The factory is called as ``factory(model_dir, **options)`` and returns a
-    :class:`RolloutBackend` (not yet started).
-
-    Raises:
-        ValueError: ``name`` is already registered by another factory.
-    """
-
-    def decorate(factory: BackendFactory) -> BackendFactory:
-        existing = _BACKENDS.get(name)
-        if existing is not None and existing is not factory:
-            raise ValueError(f"rollout backend {name!r} is already registered ({existing!r})")
-        _BACKENDS[name] = factory
-        return factory
-
-    return decorate
-
-
-def available_backends() -> list[str]:
-    """Names that :func:`create_backend` accepts."""
-    return sorted(set(_BACKENDS) | set(_LAZY_BACKENDS))
-
-
-def _factory(name: str) -> BackendFactory:
-    if name not in _BACKENDS and name in _LAZY_BACKENDS:
-        importlib.import_module(_LAZY_BACKENDS[name])
-    factory = _BACKENDS.get(name)
-    if factory is None:
-        raise ValueError(
-            f"unknown rollout backend {name!r}{_suggest(name, available_backends())}; "
-            f"available: {', '.join(available_backends())}"
-        )
-    return factory
+#: Backend factories by name, called as ``factory(model_dir, **options)`` and returning a
+#: :class:`RolloutBackend` (not yet started). Built-in backends register themselves when their
+#: module is imported, on first use, so ``import polyrl.rollout`` never pulls in torch.
+BACKENDS: Registry[BackendFactory] = Registry(
+    "rollout backend",
+    lazy={"native": "polyrl.rollout.native.backend", "vllm": "polyrl.rollout.vllm_backend"},
+)
+register_backend = BACKENDS.register
+available_backends = BACKENDS.names
 
 
 def backend_options_class(name: str) -> type:
@@ -109,17 +74,12 @@ def backend_options_class(name: str) -> type:
     Raises:
         ValueError: no backend of that name, or it declares no ``options_class``.
     """
-    factory = _factory(name)
-    options = getattr(factory, "options_class", None)
+    options = getattr(BACKENDS.get(name), "options_class", None)
     if options is None:
         raise ValueError(f"rollout backend {name!r} declares no options_class")
     return options
 
 
 def create_backend(name: str, model_dir: str, **options: Any) -> RolloutBackend:
-    """Build the backend registered as ``name`` for the model in ``model_dir``.
-
-    Raises:
-        ValueError: no backend of that name.
-    """
-    return _factory(name)(model_dir, **options)
+    """Build the backend registered as ``name`` for the model in ``model_dir``."""
+    return BACKENDS.get(name)(model_dir, **options)

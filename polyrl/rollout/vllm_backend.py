@@ -77,6 +77,7 @@ from typing import Any
 
 import httpx
 
+from polyrl.core.dtypes import DTYPE_SIZES, FLOAT_DTYPES
 from polyrl.core.rollout_api import (
     BackendStats,
     DeltaStream,
@@ -113,7 +114,7 @@ CPU_ATTENTION_HEAD_SIZES: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192,
 _SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 _EXT_MODULE = "polyrl_vllm_ext"
 _EXT_CLASS = f"{_EXT_MODULE}.PolyrlWorkerExtension"
-_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 0}
+_DTYPES = ("auto", *FLOAT_DTYPES)  # "auto": the checkpoint's
 _LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 _TPS_WINDOW_S = 5.0
 _FINISH_MAP = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -829,9 +830,10 @@ class VLLMBackend:
         s = self._shapes
         if not all(_is_pos_int(s.get(k)) for k in ("layers", "kv_heads", "head_dim")):
             return None  # unknown layout: leave the size to vLLM
-        width = _DTYPES[self.options.dtype]
-        if width == 0:
-            width = 4 if str(s.get("dtype") or "float32") in ("float32", "torch.float32") else 2
+        dtype = self.options.dtype
+        if dtype == "auto":
+            dtype = str(s.get("dtype") or "float32").removeprefix("torch.")
+        width = DTYPE_SIZES[dtype] if dtype in FLOAT_DTYPES else 2
         per_token = 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * width
         return max(per_token * self.options.kv_cache_tokens, 1 << 20)
 

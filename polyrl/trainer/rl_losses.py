@@ -1,9 +1,11 @@
 """The RL losses as model-engine loss functions: ``fn(model_output, batch, **kwargs)``.
 
-The engine calls a loss once per micro-batch; these adapters read the RL columns of the batch,
-call the pure functions of :mod:`polyrl.algo`, and normalise by the mini-batch-wide counts the
-engine puts in ``batch.meta`` so that the micro-batch losses add up to the mini-batch loss
-whatever the split. The controller sends them to the workers by import path
+Level: the trainer layer, binding the algorithm layer's loss math (:mod:`polyrl.algo.losses`)
+to the model engine's loss plug-in signature (:data:`polyrl.model_engine.engine.LossFn`, where
+the SFT loss is). The engine calls a loss once per micro-batch; these adapters read the RL
+columns of the batch, call the pure functions of :mod:`polyrl.algo`, and normalise by the
+mini-batch-wide counts the engine puts in ``batch.meta`` so that the micro-batch losses add up
+to the mini-batch loss whatever the split. The controller sends them to the workers by import path
 (``"polyrl.trainer.rl_losses:actor_loss"``); they are also registered as ``"rl_actor"`` and
 ``"rl_critic"`` in :func:`polyrl.workers.engine.register_loss`.
 
@@ -20,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from polyrl.algo.kl import kl_loss as _kl_loss
-from polyrl.algo.losses import entropy_bonus, get_policy_loss, value_loss
-from polyrl.model_engine.losses import GLOBAL_SEQS_KEY, GLOBAL_TOKENS_KEY
+from polyrl.algo.losses import get_policy_loss, value_loss
+from polyrl.core.numerics import agg_loss, masked_mean
+from polyrl.model_engine.engine import global_counts
 from polyrl.workers.engine import register_loss
 
 if TYPE_CHECKING:
@@ -43,18 +46,9 @@ def state_values(token_values: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _counts(batch: Batch) -> tuple[float | None, float | None]:
-    tokens = batch.meta.get(GLOBAL_TOKENS_KEY)
-    seqs = batch.meta.get(GLOBAL_SEQS_KEY)
-    return (
-        None if tokens is None else float(tokens),
-        None if seqs is None else float(seqs),
-    )
-
-
-def _local_scale(mode: str, mask: torch.Tensor, counts: tuple[float | None, float | None]) -> float:
+def _local_scale(mode: str, mask: torch.Tensor, counts: dict[str, Any]) -> float:
     """Factor turning a loss normalised by global counts into this micro-batch's own mean."""
-    tokens, seqs = counts
+    tokens, seqs = counts["num_tokens"], counts["num_seqs"]
     if mode == "token-mean":
         local = float((mask != 0).sum())
         return 1.0 if tokens is None or local == 0 else max(tokens, 1.0) / local
@@ -93,7 +87,7 @@ def actor_loss(
     """
     _require(batch, "loss_mask", "advantages", loss="actor_loss")
     mask = batch["loss_mask"]
-    counts = _counts(batch)
+    counts = global_counts(batch)
     # One pass over the vocabulary gives both; the entropy is always reported as a metric.
     log_prob, entropy = output.log_probs_and_entropy()
     if "old_log_probs" in batch.tensor_keys:
@@ -110,19 +104,14 @@ def actor_loss(
         clip_ratio_c=clip_ratio_c,
         loss_agg_mode=loss_agg_mode,
         horizon=horizon,
-        num_tokens=counts[0],
-        num_seqs=counts[1],
+        **counts,
     )
     metrics: dict[str, Any] = dict(pg_metrics)
     metrics["pg_loss"] = pg_metrics["pg_loss"] * _local_scale(loss_agg_mode, mask, counts)
     if entropy is not None:
-        with torch.no_grad():
-            m = mask.to(entropy.dtype)
-            metrics["entropy"] = float((entropy.detach() * m).sum() / m.sum().clamp(min=1.0))
+        metrics["entropy"] = float(masked_mean(entropy.detach(), mask))
     if entropy is not None and entropy_coeff > 0:
-        ent = entropy_bonus(
-            entropy, mask, loss_agg_mode, horizon, num_tokens=counts[0], num_seqs=counts[1]
-        )
+        ent = agg_loss(entropy, mask, loss_agg_mode, horizon, **counts)
         loss = loss - entropy_coeff * ent
         metrics["entropy_loss"] = float(ent.detach()) * _local_scale(loss_agg_mode, mask, counts)
     if use_kl_loss:
@@ -133,8 +122,7 @@ def actor_loss(
             mask,
             kl_loss_type,
             loss_agg_mode,
-            num_tokens=counts[0],
-            num_seqs=counts[1],
+            **counts,
         )
         loss = loss + kl_loss_coef * kl
         metrics["kl_loss"] = float(kl.detach()) * _local_scale(loss_agg_mode, mask, counts)
@@ -155,7 +143,7 @@ def critic_loss(
     """
     _require(batch, "loss_mask", "returns", "values", loss="critic_loss")
     mask = batch["loss_mask"]
-    counts = _counts(batch)
+    counts = global_counts(batch)
     values = state_values(output.values)
     loss, metrics = value_loss(
         values,
@@ -164,13 +152,11 @@ def critic_loss(
         mask,
         cliprange_value,
         loss_agg_mode,
-        num_tokens=counts[0],
-        num_seqs=counts[1],
+        **counts,
     )
     metrics = dict(metrics)
     metrics["vf_loss"] = metrics["vf_loss"] * _local_scale(loss_agg_mode, mask, counts)
-    m = mask.to(values.dtype)
-    metrics["vpred_mean"] = float((values.detach() * m).sum() / m.sum().clamp(min=1.0))
+    metrics["vpred_mean"] = float(masked_mean(values.detach(), mask))
     return loss, metrics
 
 

@@ -27,13 +27,16 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from polyrl.core.registry import Registry
 
 __all__ = [
     "METRICS_FILE",
     "RunInfo",
+    "TRACKERS",
     "Tracker",
     "TrackerBackend",
     "TrackerUnavailableError",
@@ -87,30 +90,12 @@ class TrackerBackend(abc.ABC):
         """Flush and close; called once at the end of the run."""
 
 
-_BACKENDS: dict[str, type[TrackerBackend]] = {}
-
-
-def register_tracker(name: str) -> Callable[[type[TrackerBackend]], type[TrackerBackend]]:
-    """Class decorator registering a :class:`TrackerBackend` under ``name``."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"tracker name must be a non-empty str, got {name!r}")
-
-    def deco(cls: type[TrackerBackend]) -> type[TrackerBackend]:
-        if not (isinstance(cls, type) and issubclass(cls, TrackerBackend)):
-            raise TypeError(f"@register_tracker({name!r}) needs a TrackerBackend subclass")
-        existing = _BACKENDS.get(name)
-        if existing is not None and existing.__qualname__ != cls.__qualname__:
-            raise ValueError(f"tracker {name!r} is already registered by {existing}")
-        _BACKENDS[name] = cls
-        cls.name = name
-        return cls
-
-    return deco
-
-
-def available_trackers() -> list[str]:
-    """Return the registered backend names."""
-    return sorted(_BACKENDS)
+#: Tracker backends by name.
+TRACKERS: Registry[type[TrackerBackend]] = Registry(
+    "tracker", base=TrackerBackend, name_attr="name"
+)
+register_tracker = TRACKERS.register
+available_trackers = TRACKERS.names
 
 
 def _need(module: str, backend: str) -> Any:
@@ -355,17 +340,15 @@ class Tracker:
     ) -> None:
         if isinstance(backends, str):
             raise TypeError("backends must be a list of tracker names, not a str")
-        unknown = [b for b in backends if b not in _BACKENDS]
-        if unknown:
-            raise ValueError(f"unknown tracker(s) {unknown}; available: {available_trackers()}")
+        classes = [TRACKERS.get(name) for name in backends]
         if len(set(backends)) != len(backends):
             raise ValueError(f"tracker names repeat: {list(backends)}")
         self.run = RunInfo(os.fspath(run_dir), project, experiment, config, resume_step)
         Path(self.run.run_dir).mkdir(parents=True, exist_ok=True)
         self.backends: dict[str, TrackerBackend] = {}
         try:
-            for name in backends:
-                self.backends[name] = _BACKENDS[name](self.run, total_steps=total_steps)
+            for name, cls in zip(backends, classes, strict=True):
+                self.backends[name] = cls(self.run, total_steps=total_steps)
         except BaseException:
             self.finish()
             raise

@@ -10,37 +10,23 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from polyrl.core.registry import Registry
 from polyrl.transfer.base import SampleInfo, Sampler
 
 __all__ = [
     "GroupSampler",
     "LengthBalancedSampler",
+    "SAMPLERS",
     "SequentialSampler",
     "get_sampler",
     "register_sampler",
     "registered_samplers",
 ]
 
-_SAMPLERS: dict[str, Callable[..., Sampler]] = {}
-
-
-def register_sampler(name: str) -> Callable[[Callable[..., Sampler]], Callable[..., Sampler]]:
-    """Class decorator registering a sampler factory under ``name``."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"sampler name must be a non-empty str, got {name!r}")
-
-    def deco(factory: Callable[..., Sampler]) -> Callable[..., Sampler]:
-        if name in _SAMPLERS and _SAMPLERS[name] is not factory:
-            raise ValueError(f"a sampler named {name!r} is already registered")
-        _SAMPLERS[name] = factory
-        return factory
-
-    return deco
-
-
-def registered_samplers() -> list[str]:
-    """Names of the registered samplers."""
-    return sorted(_SAMPLERS)
+#: Sampler factories by name, called with the sampler's keyword arguments.
+SAMPLERS: Registry[Callable[..., Sampler]] = Registry("sampler")
+register_sampler = SAMPLERS.register
+registered_samplers = SAMPLERS.names
 
 
 def get_sampler(name: str | Sampler, **kwargs: Any) -> Sampler:
@@ -57,12 +43,7 @@ def get_sampler(name: str | Sampler, **kwargs: Any) -> Sampler:
                 f"{type(name).__name__}"
             )
         return name
-    try:
-        factory = _SAMPLERS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown sampler {name!r}; registered samplers: {registered_samplers()}"
-        ) from None
+    factory = SAMPLERS.get(name)
     try:
         return factory(**kwargs)
     except TypeError as exc:

@@ -18,9 +18,11 @@ import torch
 
 from polyrl.core import dtypes
 from polyrl.core.errors import WeightTransferError
+from polyrl.core.registry import Registry
 
 __all__ = [
     "ALIGN",
+    "TRANSPORTS",
     "BucketMeta",
     "TensorMeta",
     "align_up",
@@ -228,33 +230,17 @@ class Transport(abc.ABC):
         """Release transport resources."""
 
 
-_REGISTRY: dict[str, type[Transport]] = {}
-
-
-def register_transport(name: str) -> Callable[[type[Transport]], type[Transport]]:
-    """Class decorator registering a :class:`Transport` under ``name``."""
-
-    def wrap(cls: type[Transport]) -> type[Transport]:
-        if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"transport {name!r} is already registered by {_REGISTRY[name]}")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return wrap
-
-
-def registered_transports() -> list[str]:
-    """Names of the registered transports."""
-    import polyrl.weights.transports  # noqa: F401 - registers the built-in transports
-
-    return sorted(_REGISTRY)
+#: Transport classes by name; the built-in ones are in :mod:`polyrl.weights.transports`.
+TRANSPORTS: Registry[type[Transport]] = Registry(
+    "weight transport",
+    lazy=dict.fromkeys(("shm", "disk", "dist", "cuda_ipc"), "polyrl.weights.transports"),
+    base=Transport,
+    name_attr="name",
+)
+register_transport = TRANSPORTS.register
+registered_transports = TRANSPORTS.names
 
 
 def create_transport(name: str, **options: Any) -> Transport:
     """Instantiate the transport registered as ``name``."""
-    import polyrl.weights.transports  # noqa: F401 - registers the built-in transports
-
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown weight transport {name!r}; expected one of {sorted(_REGISTRY)}")
-    return _REGISTRY[name](**options)
+    return TRANSPORTS.get(name)(**options)

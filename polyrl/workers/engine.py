@@ -49,20 +49,23 @@ import torch
 
 from polyrl.controller import Dispatch, Worker, register
 from polyrl.core.batch import Batch
+from polyrl.core.registry import Registry
 from polyrl.model_engine.config import CheckpointConfig, EngineConfig, ModelSpec, OptimizerConfig
 from polyrl.model_engine.engine import (
+    LossFn,
     TrainingEngine,
     build_engine,
     compute_log_probs,
     compute_log_probs_and_entropy,
     compute_values,
+    sft_loss,
 )
-from polyrl.model_engine.losses import LossFn, sft_loss
 from polyrl.workers.store import StoreClient, StoredRows
 from polyrl.workers.weight_sync import sync_engine_weights
 
 __all__ = [
     "ENTROPY_KEY",
+    "LOSSES",
     "LOG_PROBS_KEY",
     "REF_LOG_PROBS_KEY",
     "ROLES",
@@ -89,39 +92,34 @@ _ROLE_ALIASES = {"ref": "reference"}
 _TRAINABLE = ("actor", "critic")
 _MODEL_KIND = {"actor": "causal_lm", "reference": "causal_lm", "critic": "value"}
 
-_LOSSES: dict[str, Callable[..., Any]] = {}
-
 
 # ------------------------------------------------------------------------------ loss registry
+#: Loss functions ``fn(model_output, batch, **kwargs) -> (loss, metrics)`` by name.
+LOSSES: Registry[Callable[..., Any]] = Registry(
+    "loss", hint="or give an import path 'package.module:function'"
+)
+available_losses = LOSSES.names
+
+
 def register_loss(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register ``fn(model_output, batch, **kwargs) -> (loss, metrics)`` under ``name``.
 
     The registration must happen in the worker process too (e.g. at import of the module that
     defines the loss); otherwise pass the loss as ``"module:function"``.
     """
-    if not isinstance(name, str) or not name or ":" in name:
+    if not isinstance(name, str) or ":" in name:
         raise ValueError(f"loss name must be a non-empty str without ':', got {name!r}")
+    register = LOSSES.register(name)
 
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         if not callable(fn):
             raise TypeError(f"@register_loss({name!r}) must decorate a callable, got {fn!r}")
-        existing = _LOSSES.get(name)
-        if existing is not None and existing is not fn:
-            same = getattr(existing, "__qualname__", None) == getattr(fn, "__qualname__", None)
-            if not same:
-                raise ValueError(f"loss {name!r} is already registered by {existing!r}")
-        _LOSSES[name] = fn
-        return fn
+        return register(fn)
 
     return deco
 
 
 register_loss("sft")(sft_loss)
-
-
-def available_losses() -> list[str]:
-    """Names of the registered loss functions (import paths work too)."""
-    return sorted(_LOSSES)
 
 
 def _import_loss(path: str) -> Callable[..., Any]:
@@ -154,15 +152,7 @@ def resolve_loss(name: str, kwargs: Mapping[str, Any] | None = None) -> LossFn:
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"loss must be a registered name or 'module:function', got {name!r}")
-    if name in _LOSSES:
-        fn = _LOSSES[name]
-    elif ":" in name:
-        fn = _import_loss(name)
-    else:
-        raise ValueError(
-            f"unknown loss {name!r}; registered: {available_losses()}, or give an import path "
-            "'package.module:function'"
-        )
+    fn = _import_loss(name) if ":" in name else LOSSES.get(name)
     kwargs = dict(kwargs or {})
     if kwargs:
         try:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from polyrl.core.batch import Batch
+from polyrl.core.numerics import masked_mean
 
 __all__ = [
     "CONSOLE_METRICS",
@@ -90,7 +91,7 @@ def batch_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
     out.update(stats("prompt_length", batch["prompt_length"].float()))
     if "old_log_probs" in batch.tensor_keys and "rollout_log_probs" in batch.tensor_keys:
         gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
-        out["rollout/log_prob_gap"] = float((gap * mask).sum() / mask.sum().clamp(min=1.0))
+        out["rollout/log_prob_gap"] = float(masked_mean(gap, mask))
     out["perf/total_num_tokens"] = float(batch["attention_mask"].sum())
     out["perf/response_tokens"] = float(resp_len.sum())
     return out
