@@ -129,7 +129,7 @@ def test_registry_refuses_a_second_factory_for_a_name():
 
 
 def test_native_backend_rejects_unknown_option():
-    with pytest.raises(TypeError, match="unknown native engine option"):
+    with pytest.raises(TypeError, match="unknown native backend option"):
         create_backend("native", "/m", max_num_sqes=3)
 
 

@@ -21,16 +21,15 @@ import httpx
 import pytest
 import torch
 
-from polyrl.rollout.base import (
+from polyrl.core.rollout_api import (
     EngineUnavailableError,
     GenerateRequest,
     InvalidRequestError,
     RequestOutput,
     SamplingParams,
-    available_backends,
     collect_outputs,
-    create_backend,
 )
+from polyrl.rollout.base import available_backends, create_backend
 from polyrl.rollout.vllm_backend import VLLMBackend, VLLMOptions, vllm_available
 
 pytestmark = pytest.mark.slow

@@ -1,7 +1,8 @@
 """Rollout as an HTTP service: engines behind one server/client abstraction.
 
-* :mod:`polyrl.rollout.base` -- requests, sampling parameters, outputs, the
-  :class:`~polyrl.rollout.base.RolloutBackend` protocol and the backend registry;
+* :mod:`polyrl.rollout.base` -- the backend registry; requests, sampling parameters, outputs
+  and the :class:`~polyrl.core.rollout_api.RolloutBackend` protocol are the core's
+  (:mod:`polyrl.core.rollout_api`), so the agent loop and the trainer share them;
 * :mod:`polyrl.rollout.native` -- our own continuous-batching engine (paged KV cache);
 * :mod:`polyrl.rollout.server` -- the FastAPI server of one replica (token-in/token-out
   ``/generate``, OpenAI-compatible endpoints, control and metrics), assembled from the routers
@@ -35,10 +36,10 @@ __all__ = [
 ]
 
 _WHERE = {
-    "GenerateRequest": "polyrl.rollout.base",
-    "InvalidRequestError": "polyrl.rollout.base",
-    "RolloutBackend": "polyrl.rollout.base",
-    "SamplingParams": "polyrl.rollout.base",
+    "GenerateRequest": "polyrl.core.rollout_api",
+    "InvalidRequestError": "polyrl.core.rollout_api",
+    "RolloutBackend": "polyrl.core.rollout_api",
+    "SamplingParams": "polyrl.core.rollout_api",
     "available_backends": "polyrl.rollout.base",
     "create_backend": "polyrl.rollout.base",
     "register_backend": "polyrl.rollout.base",

@@ -1,53 +1,24 @@
 """Rollout backends by name: :func:`register_backend`, :func:`create_backend`.
 
-The request and output types every backend speaks are :mod:`polyrl.core.rollout_api`'s
-(re-exported here). Built-in backends are imported lazily, on first use, so that importing
+The request and output types every backend speaks are :mod:`polyrl.core.rollout_api`'s.
+Built-in backends are imported lazily, on first use, so that importing
 this module stays cheap (no torch).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from polyrl.core.registry import Registry
-from polyrl.core.rollout_api import (
-    FINISH_REASONS,
-    BackendStats,
-    DeltaStream,
-    EngineUnavailableError,
-    GenerateRequest,
-    InvalidRequestError,
-    ModelInfo,
-    RequestOutput,
-    RolloutBackend,
-    RolloutError,
-    SampleDelta,
-    SampleOutput,
-    SamplingParams,
-    check_request_fits,
-    collect_outputs,
-)
+from polyrl.core.rollout_api import RolloutBackend
 
 __all__ = [
     "BACKENDS",
-    "BackendStats",
-    "DeltaStream",
-    "EngineUnavailableError",
-    "FINISH_REASONS",
-    "GenerateRequest",
-    "InvalidRequestError",
-    "ModelInfo",
-    "RequestOutput",
-    "RolloutBackend",
-    "RolloutError",
-    "SampleDelta",
-    "SampleOutput",
-    "SamplingParams",
     "available_backends",
     "backend_options_class",
-    "check_request_fits",
-    "collect_outputs",
+    "check_backend_options",
     "create_backend",
     "register_backend",
 ]
@@ -63,6 +34,20 @@ BACKENDS: Registry[BackendFactory] = Registry(
 )
 register_backend = BACKENDS.register
 available_backends = BACKENDS.names
+
+
+def check_backend_options(backend: str, options_class: type, options: Mapping[str, Any]) -> None:
+    """Refuse options that are not fields of the backend's ``options_class``.
+
+    Raises:
+        TypeError: naming the unknown options and the accepted ones.
+    """
+    names = {f.name for f in dataclasses.fields(options_class)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise TypeError(
+            f"unknown {backend} backend option(s) {unknown}; expected some of {sorted(names)}"
+        )
 
 
 def backend_options_class(name: str) -> type:

