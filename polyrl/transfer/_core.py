@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from polyrl.core.batch import Batch, _tensor_from_numpy, _tensor_to_numpy
-from polyrl.transfer.base import BatchMeta, SampleInfo, Sampler, TransferError
+from polyrl.transfer.base import BatchMeta, MetaRequest, SampleInfo, Sampler, TransferError
 from polyrl.transfer.samplers import get_sampler
 
 # A column as shipped to / from a storage unit:
@@ -583,24 +583,18 @@ def resolve_sampler(sampler: str | Sampler, sampler_kwargs: Mapping[str, Any]) -
     return get_sampler(sampler, **dict(sampler_kwargs))
 
 
-def check_get_meta_args(
-    fields: Any,
-    batch_size: Any,
-    partition: Any,
-    consumer: Any,
-    sampler: str | Sampler,
-    timeout: float | None,
-    sampler_kwargs: Mapping[str, Any],
-) -> tuple[tuple[str, ...], int | None, Sampler]:
-    """Check ``get_meta``'s arguments; return the fields, the batch size and the sampler."""
-    fields = check_fields(fields)
-    batch_size = check_batch_size(batch_size)
-    check_partition(partition)
+def check_get_meta_args(request: MetaRequest) -> tuple[MetaRequest, Sampler]:
+    """Check ``get_meta``'s arguments; return them (fields a tuple) and the sampler object."""
+    fields = check_fields(request.fields)
+    batch_size = check_batch_size(request.batch_size)
+    check_partition(request.partition)
+    consumer, timeout = request.consumer, request.timeout
     if not isinstance(consumer, str) or not consumer:
         raise TypeError(f"consumer must be a non-empty str, got {consumer!r}")
     if timeout is not None and timeout < 0:
         raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout}")
-    return fields, batch_size, resolve_sampler(sampler, sampler_kwargs)
+    sampler = resolve_sampler(request.sampler, request.sampler_kwargs)
+    return request._replace(fields=fields, batch_size=batch_size), sampler
 
 
 def timeout_error(
