@@ -3,7 +3,8 @@
 An :class:`EngineWorker` is a :class:`~polyrl.controller.Worker` holding one
 :class:`~polyrl.model_engine.engine.TrainingEngine`.  A :class:`~polyrl.controller.WorkerGroup`
 drives it from the driver; the engine joins the ``torch.distributed`` group the controller
-already initialised (gloo on CPU, NCCL on GPUs), so every engine collective spans the group's ranks::
+already initialised (gloo on CPU, NCCL on GPUs), so every engine collective spans the group's
+ranks::
 
     from polyrl.controller import ResourcePool, WorkerGroup, WorkerSpec
     from polyrl.workers.engine import EngineWorker
