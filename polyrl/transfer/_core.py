@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -534,6 +535,38 @@ class MetadataStore:
         part = self._parts[partition]
         part.consumed.setdefault(consumer, set()).update(chosen)
         return self._meta(part, partition, chosen, fields), len(ready)
+
+    def take_or_wait(
+        self, request: MetaRequest, sampler: Sampler, deadline: float | None
+    ) -> tuple[BatchMeta | None, float | None]:
+        """One turn of a ``get_meta``: what to return, or how long to wait for a commit.
+
+        Returns ``(meta, None)`` when the call is served (an empty meta when it may not wait),
+        else ``(None, seconds)`` to wait on the commit condition before the next turn (None:
+        no limit). Both backends loop on it, each around its own condition (a thread's or an
+        event loop's). Raises ``get_meta``'s timeout error once ``deadline``
+        (:func:`time.monotonic`) has passed.
+        """
+        r = request
+        meta, n_ready = self.try_take(r.partition, r.fields, r.consumer, r.batch_size, sampler)
+        if meta is not None:
+            return meta, None
+        if r.batch_size is None or not r.block:
+            return BatchMeta.empty(r.partition, r.fields), None
+        if deadline is None:
+            return None, None
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise timeout_error(
+                r.partition,
+                r.consumer,
+                r.fields,
+                r.batch_size,
+                n_ready,
+                r.timeout,
+                self.has_partition(r.partition),
+            )
+        return None, remaining
 
     def committed(
         self, partition: str, sample_ids: Sequence[int], fields: Sequence[str]

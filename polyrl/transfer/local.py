@@ -25,7 +25,6 @@ from polyrl.transfer._core import (
     columns_to_batch,
     row_groups,
     row_lengths,
-    timeout_error,
 )
 from polyrl.transfer.base import BatchMeta, MetaRequest, TransferError, TransferQueue
 
@@ -97,26 +96,12 @@ class LocalTransferQueue(TransferQueue):
     def _get_meta(self, request: MetaRequest) -> BatchMeta:
         """Return references to ready samples not yet given to the consumer (see the base class)."""
         request, smp = check_get_meta_args(request)
-        fields, batch_size, partition, consumer, _, block, timeout, _ = request
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if request.timeout is None else time.monotonic() + request.timeout
         with self._cond:
             while True:
-                meta, n_ready = self._meta.try_take(partition, fields, consumer, batch_size, smp)
+                meta, wait = self._meta.take_or_wait(request, smp, deadline)
                 if meta is not None:
                     return meta
-                if batch_size is None or not block:
-                    return BatchMeta.empty(partition, fields)
-                wait = None if deadline is None else deadline - time.monotonic()
-                if wait is not None and wait <= 0:
-                    raise timeout_error(
-                        partition,
-                        consumer,
-                        fields,
-                        batch_size,
-                        n_ready,
-                        timeout,
-                        self._meta.has_partition(partition),
-                    )
                 self._cond.wait(wait)
 
     def _get_data(self, meta: BatchMeta, fields: Sequence[str] | None) -> Batch:

@@ -43,6 +43,7 @@ arguments (Ray runs them in dependency order); the producer waits once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 import uuid
@@ -68,7 +69,6 @@ from polyrl.transfer._core import (
     row_groups,
     row_lengths,
     slice_columns,
-    timeout_error,
 )
 from polyrl.transfer._twins import offload, waits_in_place
 from polyrl.transfer.base import BatchMeta, MetaRequest, Sampler, TransferError, TransferQueue
@@ -223,32 +223,19 @@ class TransferController:
         sampler_kwargs: dict[str, Any],
     ) -> BatchMeta:
         """Serve :meth:`TransferQueue.get_meta` (waits on the commit condition when blocking)."""
+        request = MetaRequest(
+            fields, batch_size, partition, consumer, sampler, block, timeout, sampler_kwargs
+        )
         smp = resolve_sampler(sampler, sampler_kwargs)
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         cond = self._condition()
         async with cond:
             while True:
-                meta, n_ready = self._meta.try_take(partition, fields, consumer, batch_size, smp)
+                meta, wait = self._meta.take_or_wait(request, smp, deadline)
                 if meta is not None:
                     return meta
-                if batch_size is None or not block:
-                    return BatchMeta.empty(partition, fields)
-                remaining = None if deadline is None else deadline - loop.time()
-                try:
-                    if remaining is not None and remaining <= 0:
-                        raise TimeoutError
-                    await asyncio.wait_for(cond.wait(), remaining)
-                except TimeoutError:
-                    raise timeout_error(
-                        partition,
-                        consumer,
-                        fields,
-                        batch_size,
-                        n_ready,
-                        timeout,
-                        self._meta.has_partition(partition),
-                    ) from None
+                with contextlib.suppress(TimeoutError):  # the next turn raises get_meta's error
+                    await asyncio.wait_for(cond.wait(), wait)
 
     async def has_partition(self, partition: str) -> bool:
         """Whether ``partition`` has metadata."""
