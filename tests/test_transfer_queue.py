@@ -283,6 +283,91 @@ def test_async_variants_do_not_block_the_event_loop():
     assert q.storage_bytes() == 0
 
 
+def test_sync_calls_work_in_a_thread_that_runs_an_event_loop():
+    import asyncio
+
+    q = LocalTransferQueue()
+
+    async def main():  # a sync call blocks this loop's thread, as any blocking call does
+        q.put(Batch({"x": torch.arange(3)}), "p")
+        data = q.get_data(q.get_meta(["x"], 3, "p", "c", timeout=10))
+        st = q.status("p")
+        q.clear("p")
+        return data, st
+
+    data, st = asyncio.run(main())
+    assert data["x"].tolist() == [0, 1, 2] and st["partitions"]["p"]["samples"] == 3
+    q.close()
+
+
+def test_sync_and_async_variants_keep_the_signatures_of_the_api():
+    import inspect
+
+    from polyrl.transfer import RayTransferQueue, TransferQueue
+
+    for cls in (TransferQueue, LocalTransferQueue, RayTransferQueue):
+        for name in ("put", "get_meta", "get_data", "clear", "status"):
+            sync, coro = getattr(cls, name), getattr(cls, f"async_{name}")
+            assert sync.__name__ == name and sync.__qualname__ == f"TransferQueue.{name}"
+            assert inspect.signature(sync) == inspect.signature(coro)
+            assert inspect.iscoroutinefunction(coro) and not inspect.iscoroutinefunction(sync)
+    params = inspect.signature(LocalTransferQueue.get_meta).parameters
+    assert list(params) == [
+        "self",
+        "fields",
+        "batch_size",
+        "partition",
+        "consumer",
+        "sampler",
+        "block",
+        "timeout",
+        "sampler_kwargs",
+    ]
+    assert params["sampler"].default == "sequential" and params["timeout"].default is None
+
+
+def test_client_loops_run_coroutines_for_blocked_callers_of_any_thread():
+    import asyncio
+
+    from polyrl.transfer._twins import ClientLoops, waits_in_place
+
+    loops = ClientLoops()
+
+    async def at_once():
+        return waits_in_place()
+
+    async def awaits():
+        await asyncio.sleep(0.01)
+        both = await asyncio.gather(asyncio.sleep(0, "a"), asyncio.sleep(0.01, "b"))
+        return both, waits_in_place(), asyncio.current_task() is not None
+
+    async def fails():
+        await asyncio.sleep(0)
+        raise TransferError("from the coroutine")
+
+    assert loops.run(at_once()) is True  # waits in place: nothing else runs on that loop
+    assert loops.run(awaits()) == (["a", "b"], True, True)
+    with pytest.raises(TransferError, match="from the coroutine"):
+        loops.run(fails())
+    assert asyncio.run(at_once()) is False  # awaited elsewhere, it must not block
+
+    async def inside_a_loop():  # this thread's loop cannot run another: a helper thread does
+        return loops.run(awaits()), threading.current_thread().name
+
+    (result, name) = asyncio.run(inside_a_loop())
+    assert result == (["a", "b"], True, True) and name == threading.current_thread().name
+    out: list[object] = []
+    threads = [threading.Thread(target=lambda: out.append(loops.run(awaits()))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert out == [(["a", "b"], True, True)] * 4
+    loops.close()
+    assert loops.run(at_once()) is True  # a closed ClientLoops opens a new loop when called
+    loops.close()
+
+
 # ----------------------------------------------------------------------------------------------
 # Samplers
 # ----------------------------------------------------------------------------------------------
@@ -463,6 +548,33 @@ def test_two_ray_queues_coexist_and_async_client(ray_queue):
         assert q1.storage_bytes() == 0
     finally:
         q2.close()
+
+
+def test_ray_sync_calls_from_an_async_actor_and_a_running_loop(ray_session, ray_queue):
+    import asyncio
+
+    ray = ray_session
+
+    @ray.remote(num_cpus=0)
+    class AsyncUser:  # an asyncio actor: its methods run on the actor's event loop
+        async def round_trip(self, queue, partition):
+            queue.put(Batch({"x": torch.arange(4)}), partition)
+            first = queue.get_data(queue.get_meta(["x"], 2, partition, "c", timeout=30))
+            meta = await queue.async_get_meta(["x"], 2, partition, "c", timeout=30)
+            rest = await queue.async_get_data(meta)
+            return first["x"].tolist() + rest["x"].tolist()
+
+    user = AsyncUser.remote()
+    assert ray.get(user.round_trip.remote(ray_queue, "actor-loop")) == [0, 1, 2, 3]
+    ray_queue.clear("actor-loop")
+
+    async def main():  # the driver's own loop: sync calls block it and work
+        ray_queue.put(Batch({"x": torch.arange(5)}), "driver-loop")
+        return ray_queue.get_data(ray_queue.get_meta(["x"], 5, "driver-loop", "c", timeout=30))
+
+    assert asyncio.run(main())["x"].tolist() == [0, 1, 2, 3, 4]
+    ray_queue.clear("driver-loop")
+    ray.kill(user)
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 
 from polyrl.core.batch import Batch, _tensor_from_numpy, _tensor_to_numpy
-from polyrl.transfer.base import BatchMeta, SampleInfo, Sampler, TransferError
+from polyrl.transfer.base import BatchMeta, MetaRequest, SampleInfo, Sampler, TransferError
 from polyrl.transfer.samplers import get_sampler
 
 # A column as shipped to / from a storage unit:
@@ -535,6 +536,38 @@ class MetadataStore:
         part.consumed.setdefault(consumer, set()).update(chosen)
         return self._meta(part, partition, chosen, fields), len(ready)
 
+    def take_or_wait(
+        self, request: MetaRequest, sampler: Sampler, deadline: float | None
+    ) -> tuple[BatchMeta | None, float | None]:
+        """One turn of a ``get_meta``: what to return, or how long to wait for a commit.
+
+        Returns ``(meta, None)`` when the call is served (an empty meta when it may not wait),
+        else ``(None, seconds)`` to wait on the commit condition before the next turn (None:
+        no limit). Both backends loop on it, each around its own condition (a thread's or an
+        event loop's). Raises ``get_meta``'s timeout error once ``deadline``
+        (:func:`time.monotonic`) has passed.
+        """
+        r = request
+        meta, n_ready = self.try_take(r.partition, r.fields, r.consumer, r.batch_size, sampler)
+        if meta is not None:
+            return meta, None
+        if r.batch_size is None or not r.block:
+            return BatchMeta.empty(r.partition, r.fields), None
+        if deadline is None:
+            return None, None
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise timeout_error(
+                r.partition,
+                r.consumer,
+                r.fields,
+                r.batch_size,
+                n_ready,
+                r.timeout,
+                self.has_partition(r.partition),
+            )
+        return None, remaining
+
     def committed(
         self, partition: str, sample_ids: Sequence[int], fields: Sequence[str]
     ) -> bool | None:
@@ -583,24 +616,18 @@ def resolve_sampler(sampler: str | Sampler, sampler_kwargs: Mapping[str, Any]) -
     return get_sampler(sampler, **dict(sampler_kwargs))
 
 
-def check_get_meta_args(
-    fields: Any,
-    batch_size: Any,
-    partition: Any,
-    consumer: Any,
-    sampler: str | Sampler,
-    timeout: float | None,
-    sampler_kwargs: Mapping[str, Any],
-) -> tuple[tuple[str, ...], int | None, Sampler]:
-    """Check ``get_meta``'s arguments; return the fields, the batch size and the sampler."""
-    fields = check_fields(fields)
-    batch_size = check_batch_size(batch_size)
-    check_partition(partition)
+def check_get_meta_args(request: MetaRequest) -> tuple[MetaRequest, Sampler]:
+    """Check ``get_meta``'s arguments; return them (fields a tuple) and the sampler object."""
+    fields = check_fields(request.fields)
+    batch_size = check_batch_size(request.batch_size)
+    check_partition(request.partition)
+    consumer, timeout = request.consumer, request.timeout
     if not isinstance(consumer, str) or not consumer:
         raise TypeError(f"consumer must be a non-empty str, got {consumer!r}")
     if timeout is not None and timeout < 0:
         raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout}")
-    return fields, batch_size, resolve_sampler(sampler, sampler_kwargs)
+    sampler = resolve_sampler(request.sampler, request.sampler_kwargs)
+    return request._replace(fields=fields, batch_size=batch_size), sampler
 
 
 def timeout_error(

@@ -12,13 +12,15 @@ coordinates the consumers; the rows move from the storage to the consumer direct
 
 from __future__ import annotations
 
-import asyncio
+import functools
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
+
+from polyrl.transfer._twins import ClientLoops, on_client_loop, serve
 
 if TYPE_CHECKING:
     from polyrl.core.batch import Batch
@@ -272,15 +274,39 @@ class BatchMeta:
         )
 
 
+class MetaRequest(NamedTuple):
+    """The arguments of one :meth:`TransferQueue.get_meta` call, as its backend gets them."""
+
+    fields: Sequence[str]
+    batch_size: int | None
+    partition: str
+    consumer: str
+    sampler: str | Sampler
+    block: bool
+    timeout: float | None
+    sampler_kwargs: dict[str, Any]
+
+
 class TransferQueue(ABC):
     """Client of a sample store; both backends implement it with the same semantics.
 
     Clients are picklable: hand one to a Ray actor and it talks to the same store.
-    The ``async_*`` variants take the same arguments and never block the event loop.
+    The ``async_*`` variants take the same arguments and never block the event loop; the sync
+    ones may be called from any thread, one that runs an event loop included (they block it).
+
+    A backend implements each call once, as the hook named after it (``_put``, ``_get_meta``,
+    ...): a coroutine (the Ray queue), or a plain method when its work blocks (the local queue;
+    awaited, it runs in a worker thread). The ``async_*`` methods call the hooks; the sync ones
+    run the ``async_*`` ones to completion on an event loop of the client's own (see
+    :mod:`polyrl.transfer._twins`).
     """
 
-    @abstractmethod
-    def put(
+    @functools.cached_property
+    def _loops(self) -> ClientLoops:
+        """The event loops of this client's sync calls (made on first use)."""
+        return ClientLoops()
+
+    async def async_put(
         self, batch: Batch, partition: str, sample_ids: Sequence[int] | None = None
     ) -> BatchMeta:
         """Store the rows of ``batch`` as samples of ``partition``.
@@ -296,9 +322,9 @@ class TransferQueue(ABC):
         Returns:
             A meta of the samples put, with ``fields`` = every column of ``batch``.
         """
+        return await serve(self._put, batch, partition, sample_ids)
 
-    @abstractmethod
-    def get_meta(
+    async def async_get_meta(
         self,
         fields: Sequence[str],
         batch_size: int | None,
@@ -327,73 +353,69 @@ class TransferQueue(ABC):
                 :class:`TransferError` says how many samples were ready and needed.
             **sampler_kwargs: arguments of a sampler given by name (``group_size``, ...).
         """
+        request = MetaRequest(
+            fields, batch_size, partition, consumer, sampler, block, timeout, sampler_kwargs
+        )
+        return await serve(self._get_meta, request)
 
-    @abstractmethod
-    def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Batch:
+    async def async_get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Batch:
         """Fetch the rows of ``meta`` (in its order) straight from the storage.
 
         Tensor fields whose rows all have one shape and dtype come back as stacked tensor
         columns; ragged ones and non-tensor values come back as object columns.
         """
+        return await serve(self._get_data, meta, fields)
 
-    @abstractmethod
-    def clear(self, partition: str) -> None:
+    async def async_clear(self, partition: str) -> None:
         """Drop the data and metadata of ``partition`` (a no-op for an unknown partition)."""
+        await serve(self._clear, partition)
 
-    @abstractmethod
-    def status(self, partition: str | None = None) -> dict[str, Any]:
+    async def async_status(self, partition: str | None = None) -> dict[str, Any]:
         """Readiness per field, consumption per consumer and bytes held.
 
         Returns ``{"partitions": {name: {"samples": int, "fields": {field: n_ready},
         "consumers": {name: n_consumed}}}, "storage_bytes": int, "units": [bytes, ...]}``
         (only ``partition`` when one is given).
         """
+        return await serve(self._status, partition)
+
+    put = on_client_loop(async_put)
+    get_meta = on_client_loop(async_get_meta)
+    get_data = on_client_loop(async_get_data)
+    clear = on_client_loop(async_clear)
+    status = on_client_loop(async_status)
 
     @abstractmethod
     def storage_bytes(self) -> int:
         """Bytes of sample data held by all storage units."""
 
-    def close(self) -> None:  # noqa: B027 - optional hook; the local backend has nothing to free
-        """Release what this client started (the Ray backend kills its actors)."""
+    def close(self) -> None:
+        """Release what this client started (the Ray backend kills its actors).
 
-    async def async_put(
-        self, batch: Batch, partition: str, sample_ids: Sequence[int] | None = None
-    ) -> BatchMeta:
-        """Async :meth:`put`."""
-        return await asyncio.to_thread(self.put, batch, partition, sample_ids)
+        Also closes the calling thread's event loop and the helper threads of the sync calls
+        (see :class:`~polyrl.transfer._twins.ClientLoops`); later calls open new ones.
+        """
+        self._loops.close()
 
-    async def async_get_meta(
-        self,
-        fields: Sequence[str],
-        batch_size: int | None,
-        partition: str,
-        consumer: str,
-        sampler: str | Sampler = "sequential",
-        block: bool = True,
-        timeout: float | None = None,
-        **sampler_kwargs: Any,
-    ) -> BatchMeta:
-        """Async :meth:`get_meta`."""
-        return await asyncio.to_thread(
-            self.get_meta,
-            fields,
-            batch_size,
-            partition,
-            consumer,
-            sampler,
-            block,
-            timeout,
-            **sampler_kwargs,
-        )
+    # The hooks: each call's one implementation (a coroutine or a blocking method, see above).
+    @abstractmethod
+    def _put(
+        self, batch: Batch, partition: str, sample_ids: Sequence[int] | None
+    ) -> BatchMeta | Awaitable[BatchMeta]:
+        """Serve :meth:`put`."""
 
-    async def async_get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Batch:
-        """Async :meth:`get_data`."""
-        return await asyncio.to_thread(self.get_data, meta, fields)
+    @abstractmethod
+    def _get_meta(self, request: MetaRequest) -> BatchMeta | Awaitable[BatchMeta]:
+        """Serve :meth:`get_meta` (its arguments unchecked)."""
 
-    async def async_clear(self, partition: str) -> None:
-        """Async :meth:`clear`."""
-        await asyncio.to_thread(self.clear, partition)
+    @abstractmethod
+    def _get_data(self, meta: BatchMeta, fields: Sequence[str] | None) -> Batch | Awaitable[Batch]:
+        """Serve :meth:`get_data`."""
 
-    async def async_status(self, partition: str | None = None) -> dict[str, Any]:
-        """Async :meth:`status`."""
-        return await asyncio.to_thread(self.status, partition)
+    @abstractmethod
+    def _clear(self, partition: str) -> None | Awaitable[None]:
+        """Serve :meth:`clear`."""
+
+    @abstractmethod
+    def _status(self, partition: str | None) -> dict[str, Any] | Awaitable[dict[str, Any]]:
+        """Serve :meth:`status`."""

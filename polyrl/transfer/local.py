@@ -25,9 +25,8 @@ from polyrl.transfer._core import (
     columns_to_batch,
     row_groups,
     row_lengths,
-    timeout_error,
 )
-from polyrl.transfer.base import BatchMeta, Sampler, TransferError, TransferQueue
+from polyrl.transfer.base import BatchMeta, MetaRequest, TransferError, TransferQueue
 
 __all__ = ["LocalTransferQueue"]
 
@@ -63,9 +62,7 @@ class LocalTransferQueue(TransferQueue):
         )
 
     # ------------------------------------------------------------------------------- writes
-    def put(
-        self, batch: Batch, partition: str, sample_ids: Sequence[int] | None = None
-    ) -> BatchMeta:
+    def _put(self, batch: Batch, partition: str, sample_ids: Sequence[int] | None) -> BatchMeta:
         """Store the rows of ``batch`` (see :meth:`TransferQueue.put`)."""
         check_partition(partition)
         cols = batch_to_columns(batch)
@@ -88,7 +85,7 @@ class LocalTransferQueue(TransferQueue):
             self._cond.notify_all()
         return meta
 
-    def clear(self, partition: str) -> None:
+    def _clear(self, partition: str) -> None:
         """Drop the data and metadata of ``partition``."""
         check_partition(partition)
         with self._cond:
@@ -96,43 +93,18 @@ class LocalTransferQueue(TransferQueue):
             self._store.clear(partition)
 
     # -------------------------------------------------------------------------------- reads
-    def get_meta(
-        self,
-        fields: Sequence[str],
-        batch_size: int | None,
-        partition: str,
-        consumer: str,
-        sampler: str | Sampler = "sequential",
-        block: bool = True,
-        timeout: float | None = None,
-        **sampler_kwargs: Any,
-    ) -> BatchMeta:
-        """Return references to ready samples not yet given to ``consumer`` (see the base class)."""
-        fields, batch_size, smp = check_get_meta_args(
-            fields, batch_size, partition, consumer, sampler, timeout, sampler_kwargs
-        )
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def _get_meta(self, request: MetaRequest) -> BatchMeta:
+        """Return references to ready samples not yet given to the consumer (see the base class)."""
+        request, smp = check_get_meta_args(request)
+        deadline = None if request.timeout is None else time.monotonic() + request.timeout
         with self._cond:
             while True:
-                meta, n_ready = self._meta.try_take(partition, fields, consumer, batch_size, smp)
+                meta, wait = self._meta.take_or_wait(request, smp, deadline)
                 if meta is not None:
                     return meta
-                if batch_size is None or not block:
-                    return BatchMeta.empty(partition, fields)
-                wait = None if deadline is None else deadline - time.monotonic()
-                if wait is not None and wait <= 0:
-                    raise timeout_error(
-                        partition,
-                        consumer,
-                        fields,
-                        batch_size,
-                        n_ready,
-                        timeout,
-                        self._meta.has_partition(partition),
-                    )
                 self._cond.wait(wait)
 
-    def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Batch:
+    def _get_data(self, meta: BatchMeta, fields: Sequence[str] | None) -> Batch:
         """Rows of ``meta`` in its order (see :meth:`TransferQueue.get_data`)."""
         if not isinstance(meta, BatchMeta):
             raise TypeError(f"get_data: expected a BatchMeta, got {type(meta).__name__}")
@@ -151,7 +123,7 @@ class LocalTransferQueue(TransferQueue):
         cols = {k: (kind, arr.copy(), dt) for k, (kind, arr, dt) in cols.items()}
         return columns_to_batch(n, [(range(n), cols)], fields)
 
-    def status(self, partition: str | None = None) -> dict[str, Any]:
+    def _status(self, partition: str | None) -> dict[str, Any]:
         """Readiness, consumption and bytes held (see :meth:`TransferQueue.status`)."""
         with self._cond:
             parts = self._meta.status(partition)

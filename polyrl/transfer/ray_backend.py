@@ -43,10 +43,11 @@ arguments (Ray runs them in dependency order); the producer waits once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -68,9 +69,9 @@ from polyrl.transfer._core import (
     row_groups,
     row_lengths,
     slice_columns,
-    timeout_error,
 )
-from polyrl.transfer.base import BatchMeta, Sampler, TransferError, TransferQueue
+from polyrl.transfer._twins import offload, waits_in_place
+from polyrl.transfer.base import BatchMeta, MetaRequest, Sampler, TransferError, TransferQueue
 from polyrl.transfer.fastpath import FastPathClient, FastPathServer, FastPathUnavailable
 from polyrl.transfer.segments import ShmBlock, map_block, segment_pool, sweep_segments
 
@@ -222,32 +223,19 @@ class TransferController:
         sampler_kwargs: dict[str, Any],
     ) -> BatchMeta:
         """Serve :meth:`TransferQueue.get_meta` (waits on the commit condition when blocking)."""
+        request = MetaRequest(
+            fields, batch_size, partition, consumer, sampler, block, timeout, sampler_kwargs
+        )
         smp = resolve_sampler(sampler, sampler_kwargs)
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         cond = self._condition()
         async with cond:
             while True:
-                meta, n_ready = self._meta.try_take(partition, fields, consumer, batch_size, smp)
+                meta, wait = self._meta.take_or_wait(request, smp, deadline)
                 if meta is not None:
                     return meta
-                if batch_size is None or not block:
-                    return BatchMeta.empty(partition, fields)
-                remaining = None if deadline is None else deadline - loop.time()
-                try:
-                    if remaining is not None and remaining <= 0:
-                        raise TimeoutError
-                    await asyncio.wait_for(cond.wait(), remaining)
-                except TimeoutError:
-                    raise timeout_error(
-                        partition,
-                        consumer,
-                        fields,
-                        batch_size,
-                        n_ready,
-                        timeout,
-                        self._meta.has_partition(partition),
-                    ) from None
+                with contextlib.suppress(TimeoutError):  # the next turn raises get_meta's error
+                    await asyncio.wait_for(cond.wait(), wait)
 
     async def has_partition(self, partition: str) -> bool:
         """Whether ``partition`` has metadata."""
@@ -423,29 +411,43 @@ def _unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
-def _ray_get(refs: Any) -> Any:
-    try:
+async def _resolve(refs: Any) -> Any:
+    """Return the value of an ObjectRef, or the values of a list of them (Ray's errors as is).
+
+    For a blocked caller (see :func:`~polyrl.transfer._twins.waits_in_place`) this is one
+    ``ray.get``, as a plain blocking call makes it; awaited, the references are awaited.
+    """
+    if waits_in_place():
         return ray.get(refs)
+    if isinstance(refs, list):
+        return list(await asyncio.gather(*refs))
+    return await refs
+
+
+async def _fetch(refs: Any) -> Any:
+    """:func:`_resolve`, raising the user-facing error of a failed task (see ``_unwrap``)."""
+    try:
+        return await _resolve(refs)
     except RayTaskError as exc:
         raise _unwrap(exc) from None
 
 
-def _ray_get_values(items: list[Any]) -> list[Any]:
-    """``ray.get`` the ObjectRefs of ``items``; other items are values already."""
+async def _fetch_values(items: list[Any]) -> list[Any]:
+    """:func:`_fetch` the ObjectRefs of ``items``; other items are values already."""
     refs = [x for x in items if isinstance(x, ray.ObjectRef)]
-    values = iter(_ray_get(refs) if refs else [])
+    values = iter(await _fetch(refs) if refs else [])
     return [next(values) if isinstance(x, ray.ObjectRef) else x for x in items]
 
 
-async def _awaitable(item: Any) -> Any:
-    return (await item) if isinstance(item, ray.ObjectRef) else item
+async def _fast_call(fast: FastPathClient, method: str, *args: Any) -> Any:
+    """Call ``method`` on the controller's socket (see :mod:`polyrl.transfer.fastpath`).
 
-
-async def _await(aw: Awaitable[Any]) -> Any:
-    try:
-        return await aw
-    except RayTaskError as exc:
-        raise _unwrap(exc) from None
+    For a blocked caller: on the calling thread's own connection, as a plain blocking call
+    makes it; awaited: on a connection of its own, so concurrent calls do not mix.
+    """
+    if waits_in_place():
+        return fast.call(method, *args)
+    return await fast.acall(method, *args)
 
 
 def _rows_index(pos: list[int]) -> slice | np.ndarray:
@@ -532,6 +534,7 @@ class RayTransferQueue(TransferQueue):
         state["_hints"] = {}
         state["_fast"] = None  # sockets stay with their process
         state["_fast_failed"] = False
+        state.pop("_loops", None)  # event loops and threads stay with their process
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -705,122 +708,53 @@ class RayTransferQueue(TransferQueue):
             raise TypeError(f"put: expected a polyrl Batch, got {type(batch).__name__}")
         return check_sample_ids(sample_ids, len(batch))
 
-    def put(
-        self, batch: Batch, partition: str, sample_ids: Sequence[int] | None = None
+    async def _put(
+        self, batch: Batch, partition: str, sample_ids: Sequence[int] | None
     ) -> BatchMeta:
         """Store the rows of ``batch`` (see :meth:`TransferQueue.put`)."""
         ids = self._check_put(batch, partition, sample_ids)
-        known = None if ids is None else _ray_get(self.controller.locate.remote(partition, ids))
-        sealed: list[Any] = []
-        try:
-            return _ray_get_values(self._submit_put(batch, partition, ids, known, sealed))[0]
-        finally:
-            self._settle(sealed)
-
-    async def async_put(
-        self, batch: Batch, partition: str, sample_ids: Sequence[int] | None = None
-    ) -> BatchMeta:
-        """Async :meth:`put`."""
-        ids = self._check_put(batch, partition, sample_ids)
         known = None
         if ids is not None:
-            known = await _await(self.controller.locate.remote(partition, ids))
+            known = await _fetch(self.controller.locate.remote(partition, ids))
         sealed: list[Any] = []
         try:
-            # In a thread: sealing copies the block, and its commit may be a blocking socket call.
-            refs = await asyncio.to_thread(self._submit_put, batch, partition, ids, known, sealed)
-            return (await _await(asyncio.gather(*[_awaitable(r) for r in refs])))[0]
+            # Sealing copies the block and its commit may be a blocking socket call: awaited,
+            # they run in a worker thread.
+            refs = await offload(self._submit_put, batch, partition, ids, known, sealed)
+            return (await _fetch_values(refs))[0]
         finally:
             self._settle(sealed)
 
-    def clear(self, partition: str) -> None:
+    async def _clear(self, partition: str) -> None:
         """Drop the metadata, then the data, of ``partition`` on every unit."""
         check_partition(partition)
         self._forget_hints(partition)
-        _ray_get(self.controller.clear.remote(partition))
-        _ray_get([u.clear.remote(partition) for u in self.units])
-
-    async def async_clear(self, partition: str) -> None:
-        """Async :meth:`clear`."""
-        check_partition(partition)
-        self._forget_hints(partition)
-        await _await(self.controller.clear.remote(partition))
-        await _await(asyncio.gather(*[u.clear.remote(partition) for u in self.units]))
+        await _fetch(self.controller.clear.remote(partition))
+        await _fetch([u.clear.remote(partition) for u in self.units])
 
     # -------------------------------------------------------------------------------- reads
-    def _get_meta_args(
-        self,
-        fields: Sequence[str],
-        batch_size: int | None,
-        partition: str,
-        consumer: str,
-        sampler: str | Sampler,
-        block: bool,
-        timeout: float | None,
-        sampler_kwargs: dict[str, Any],
-    ) -> tuple[Any, ...]:
-        # The sampler is built here too, so bad names/arguments fail in the caller, not the actor.
-        fields, batch_size, _ = check_get_meta_args(
-            fields, batch_size, partition, consumer, sampler, timeout, sampler_kwargs
-        )
-        return (fields, batch_size, partition, consumer, sampler, block, timeout, sampler_kwargs)
-
-    def _fast_get_meta(self, args: tuple[Any, ...]) -> FastPathClient | None:
+    def _fast_get_meta(self, request: MetaRequest) -> FastPathClient | None:
         """Return the fast-path client for this get_meta (None: go through Ray).
 
         Named samplers with plain arguments only: a Sampler object may not pickle outside Ray.
         """
-        sampler, sampler_kwargs = args[4], args[7]
-        plain = all(isinstance(v, int | float | str | bool | None) for v in sampler_kwargs.values())
-        if not isinstance(sampler, str) or not plain:
+        kwargs = request.sampler_kwargs
+        plain = all(isinstance(v, int | float | str | bool | None) for v in kwargs.values())
+        if not isinstance(request.sampler, str) or not plain:
             return None
         return self._fast_client()
 
-    def get_meta(
-        self,
-        fields: Sequence[str],
-        batch_size: int | None,
-        partition: str,
-        consumer: str,
-        sampler: str | Sampler = "sequential",
-        block: bool = True,
-        timeout: float | None = None,
-        **sampler_kwargs: Any,
-    ) -> BatchMeta:
-        """Return references to ready samples not yet given to ``consumer`` (see base class)."""
-        args = self._get_meta_args(
-            fields, batch_size, partition, consumer, sampler, block, timeout, sampler_kwargs
-        )
-        fast = self._fast_get_meta(args)
+    async def _get_meta(self, request: MetaRequest) -> BatchMeta:
+        """Serve :meth:`get_meta` (see the base class); awaited, the event loop keeps running."""
+        # The sampler is built here too, so bad names/arguments fail in the caller, not the actor.
+        request, _ = check_get_meta_args(request)
+        fast = self._fast_get_meta(request)
         if fast is not None:
             try:
-                return self._remember(*fast.call("get_meta_local", *args))
+                return self._remember(*(await _fast_call(fast, "get_meta_local", *request)))
             except FastPathUnavailable:
                 self._fast_down()
-        return self._remember(*_ray_get(self.controller.get_meta_hinted.remote(*args)))
-
-    async def async_get_meta(
-        self,
-        fields: Sequence[str],
-        batch_size: int | None,
-        partition: str,
-        consumer: str,
-        sampler: str | Sampler = "sequential",
-        block: bool = True,
-        timeout: float | None = None,
-        **sampler_kwargs: Any,
-    ) -> BatchMeta:
-        """Async :meth:`get_meta` (awaits the controller; the event loop keeps running)."""
-        args = self._get_meta_args(
-            fields, batch_size, partition, consumer, sampler, block, timeout, sampler_kwargs
-        )
-        fast = self._fast_get_meta(args)
-        if fast is not None:
-            try:
-                return self._remember(*(await fast.acall("get_meta_local", *args)))
-            except FastPathUnavailable:
-                self._fast_down()
-        return self._remember(*(await _await(self.controller.get_meta_hinted.remote(*args))))
+        return self._remember(*(await _fetch(self.controller.get_meta_hinted.remote(*request))))
 
     def _forget_hints(self, partition: str) -> None:
         # A hint holds a reference that pins the producer's object: drop it with the partition.
@@ -840,8 +774,8 @@ class RayTransferQueue(TransferQueue):
         """Return the fields to read, ``meta``'s source hint and, for a segment, its rows.
 
         A segment hint is read here (mapping it is local and cheap): the Batch comes back and
-        the hint is spent. An object-store hint comes back for the caller to fetch (sync or
-        async). ``(fields, None, None)``: no usable hint, ask the units.
+        the hint is spent. An object-store hint comes back for the caller to fetch (in place or
+        awaited). ``(fields, None, None)``: no usable hint, ask the units.
         """
         if not isinstance(meta, BatchMeta):
             return tuple(fields or ()), None, None
@@ -872,16 +806,11 @@ class RayTransferQueue(TransferQueue):
                     f"has units 0..{len(self.units) - 1}"
                 )
             pos_by_unit.setdefault(u, []).append(p)
-        positions, refs = [], []
-        for u, pos in pos_by_unit.items():
-            ids = [meta.sample_ids[p] for p in pos]
-            positions.append(pos)
-            refs.append(
-                self.units[u].get.remote(meta.partition, ids, fields, self._node(), strict=False)
-            )
+        positions = list(pos_by_unit.values())
+        refs = [self._read(meta, fields, pos, u) for u, pos in pos_by_unit.items()]
         return fields, positions, refs, list(pos_by_unit)
 
-    def _wait_for_adopted(
+    async def _wait_for_adopted(
         self,
         meta: BatchMeta,
         fields: Sequence[str],
@@ -905,13 +834,13 @@ class RayTransferQueue(TransferQueue):
                 return results
             for k in waiting:
                 ids = [meta.sample_ids[p] for p in positions[k]]
-                done = _ray_get(self.controller.committed.remote(meta.partition, ids, fields))
+                done = await _fetch(self.controller.committed.remote(meta.partition, ids, fields))
                 if done is None:
                     raise TransferError(
                         f"get_data: unknown partition {meta.partition!r} (never put, or cleared)"
                     )
                 if not done:  # the unit's own error names the missing fields and samples
-                    _ray_get(self.units[units[k]].get.remote(meta.partition, ids, fields))
+                    await _fetch(self._gathered(meta, fields, positions[k], units[k]))
                 if time.monotonic() > deadline:
                     raise TransferError(
                         f"get_data: samples {ids[:8]}{' ...' if len(ids) > 8 else ''} of "
@@ -919,20 +848,10 @@ class RayTransferQueue(TransferQueue):
                         f"{units[k]} but did not reach it within {self.adopt_timeout:g} s "
                         "(did their producer die during its put?)"
                     )
-            time.sleep(delay)
+            await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
-            again = _ray_get(
-                [
-                    self.units[units[k]].get.remote(
-                        meta.partition,
-                        [meta.sample_ids[p] for p in positions[k]],
-                        fields,
-                        self._node(),
-                        strict=False,
-                    )
-                    for k in waiting
-                ]
-            )
+            reads = [self._read(meta, fields, positions[k], units[k]) for k in waiting]
+            again = await _fetch(reads)
             for k, r in zip(waiting, again, strict=True):
                 results[k] = r
 
@@ -963,7 +882,13 @@ class RayTransferQueue(TransferQueue):
                 out[k] = ("cols", slice_columns(cols, slice(r[2], r[3])))
         return out, unmapped
 
+    def _read(self, meta: BatchMeta, fields: Sequence[str], pos: list[int], unit: int) -> Any:
+        """Ask ``unit`` for the rows at ``pos`` of ``meta`` as this reader: see StorageUnit.get."""
+        ids = [meta.sample_ids[p] for p in pos]
+        return self.units[unit].get.remote(meta.partition, ids, fields, self._node(), strict=False)
+
     def _gathered(self, meta: BatchMeta, fields: Sequence[str], pos: list[int], unit: int) -> Any:
+        """Ask ``unit`` for a gathered copy of the rows at ``pos`` (rows not held: an error)."""
         ids = [meta.sample_ids[p] for p in pos]
         return self.units[unit].get.remote(meta.partition, ids, fields)
 
@@ -985,7 +910,7 @@ class RayTransferQueue(TransferQueue):
                 out.append(slice_columns({f: cols[f] for f in fields}, slice(r[2], r[3])))
         return out
 
-    def _refetch(
+    async def _refetch(
         self,
         meta: BatchMeta,
         fields: Sequence[str],
@@ -994,10 +919,10 @@ class RayTransferQueue(TransferQueue):
     ) -> list[tuple[Any, ...]]:
         """Gathered copies from the units (when a producer's object is gone with its owner)."""
         pairs = zip(positions, units, strict=True)
-        return _ray_get([self._gathered(meta, fields, p, u) for p, u in pairs])
+        return await _fetch([self._gathered(meta, fields, p, u) for p, u in pairs])
 
-    def _missing_partition(self, meta: BatchMeta) -> TransferError | None:
-        if not _ray_get(self.controller.has_partition.remote(meta.partition)):
+    async def _missing_partition(self, meta: BatchMeta) -> TransferError | None:
+        if not await _fetch(self.controller.has_partition.remote(meta.partition)):
             return TransferError(
                 f"get_data: unknown partition {meta.partition!r} (never put, or cleared)"
             )
@@ -1007,7 +932,7 @@ class RayTransferQueue(TransferQueue):
         part = slice_columns({f: cols[f] for f in fields}, slice(hint[1], hint[2]))
         return columns_to_batch(len(meta), [(list(range(len(meta))), part)], fields)
 
-    def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Batch:
+    async def _get_data(self, meta: BatchMeta, fields: Sequence[str] | None) -> Batch:
         """Fetch the rows of ``meta`` from the storage units in parallel, in meta order.
 
         A meta this client got from :meth:`get_meta` that covers one in-order block put as one
@@ -1018,93 +943,48 @@ class RayTransferQueue(TransferQueue):
             return mapped
         if hint is not None:
             try:
-                return self._from_source(meta, chosen, hint, ray.get(hint[0][0]))
+                return self._from_source(meta, chosen, hint, await _resolve(hint[0][0]))
             except ObjectLostError:
                 pass  # the producer is gone: the storage unit still has the rows
         fields, positions, refs, units = self._data_calls(meta, fields)
         if not refs:
             return Batch(batch_size=0)
         try:
-            results = ray.get(refs)
+            results = await _resolve(refs)
         except RayTaskError as exc:
-            raise (self._missing_partition(meta) or _unwrap(exc)) from None
+            raise (await self._missing_partition(meta) or _unwrap(exc)) from None
         if any(r[0] == "missing" for r in results):
-            results = self._wait_for_adopted(meta, fields, positions, units, results)
+            results = await self._wait_for_adopted(meta, fields, positions, units, results)
         results, unmapped = self._map_segments(results, fields)
         if unmapped:
-            again = _ray_get(
+            again = await _fetch(
                 [self._gathered(meta, fields, positions[k], units[k]) for k in unmapped]
             )
             for k, r in zip(unmapped, again, strict=True):
                 results[k] = r
         try:
-            sources = ray.get(self._source_refs(results))
+            sources = await _resolve(self._source_refs(results))
         except ObjectLostError:  # the producer that owned it died; the unit still maps it
-            results, sources = self._refetch(meta, fields, positions, units), []
+            results, sources = await self._refetch(meta, fields, positions, units), []
         cols = self._columns(results, sources, fields)
         return columns_to_batch(len(meta), list(zip(positions, cols, strict=True)), fields)
 
-    async def async_get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Batch:
-        """Async :meth:`get_data`."""
-        chosen, hint, mapped = self._hinted_source(meta, fields)
-        if mapped is not None:
-            return mapped
-        if hint is not None:
-            try:
-                return self._from_source(meta, chosen, hint, await hint[0][0])
-            except ObjectLostError:
-                pass
-        fields, positions, refs, units = self._data_calls(meta, fields)
-        if not refs:
-            return Batch(batch_size=0)
-        try:
-            results = await asyncio.gather(*refs)
-        except RayTaskError as exc:
-            missing = None
-            if not await self.controller.has_partition.remote(meta.partition):
-                missing = TransferError(
-                    f"get_data: unknown partition {meta.partition!r} (never put, or cleared)"
-                )
-            raise (missing or _unwrap(exc)) from None
-        if any(r[0] == "missing" for r in results):
-            results = await asyncio.to_thread(
-                self._wait_for_adopted, meta, fields, positions, units, list(results)
-            )
-        results, unmapped = self._map_segments(list(results), fields)
-        if unmapped:
-            again = await _await(
-                asyncio.gather(
-                    *[self._gathered(meta, fields, positions[k], units[k]) for k in unmapped]
-                )
-            )
-            for k, r in zip(unmapped, again, strict=True):
-                results[k] = r
-        try:
-            sources = list(await asyncio.gather(*self._source_refs(results)))
-        except ObjectLostError:
-            results = await asyncio.to_thread(self._refetch, meta, fields, positions, units)
-            sources = []
-        cols = self._columns(list(results), sources, fields)
-        return columns_to_batch(len(meta), list(zip(positions, cols, strict=True)), fields)
+    async def _unit_bytes(self) -> list[int]:
+        return await _fetch([u.nbytes.remote() for u in self.units])
 
-    def status(self, partition: str | None = None) -> dict[str, Any]:
+    async def _status(self, partition: str | None) -> dict[str, Any]:
         """Readiness, consumption and bytes held per unit (see :meth:`TransferQueue.status`)."""
         parts_ref = self.controller.status.remote(partition)
-        units = _ray_get([u.nbytes.remote() for u in self.units])
-        return {"partitions": _ray_get(parts_ref), "storage_bytes": sum(units), "units": units}
-
-    async def async_status(self, partition: str | None = None) -> dict[str, Any]:
-        """Async :meth:`status`."""
-        parts = await _await(self.controller.status.remote(partition))
-        units = list(await _await(asyncio.gather(*[u.nbytes.remote() for u in self.units])))
-        return {"partitions": parts, "storage_bytes": sum(units), "units": units}
+        units = await self._unit_bytes()
+        return {"partitions": await _fetch(parts_ref), "storage_bytes": sum(units), "units": units}
 
     def storage_bytes(self) -> int:
         """Bytes of sample data held by all units."""
-        return int(sum(_ray_get([u.nbytes.remote() for u in self.units])))
+        return int(sum(self._loops.run(self._unit_bytes())))
 
     def close(self) -> None:
-        """Kill the controller and the units if this client started them."""
+        """Kill the controller and the units if this client started them (see the base class)."""
+        super().close()
         if not self._owns_actors:
             return
         for actor in [self.controller, *self.units]:
