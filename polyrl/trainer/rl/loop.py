@@ -45,7 +45,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from polyrl.config import ConfigError, PolyRLConfig, save_config, to_dict
@@ -60,10 +59,9 @@ from polyrl.trainer.rl.build import (
 )
 from polyrl.trainer.rl.dataplane import DataPlane, InlinePlane, QueuePlane
 from polyrl.trainer.rl.generation import DriverRollout, QueueRollout, Replicas
-from polyrl.trainer.rl.metrics import CONSOLE_METRICS, DEFAULT_PLOT_METRICS, step_metrics
+from polyrl.trainer.rl.metrics import CONSOLE_METRICS, step_metrics, write_summary
 from polyrl.trainer.rl.rollout import (
     RolloutProducer,
-    derive_seed,
     pad_id_of,
     response_cap,
     timer,
@@ -71,8 +69,6 @@ from polyrl.trainer.rl.rollout import (
 
 __all__ = ["RLTrainer", "run_rl"]
 
-PLOT_FILE = "learning_curves.png"
-SUMMARY_FILE = "rl_summary.json"
 HF_DIR = "hf_model"
 ACTOR_LOSS = "polyrl.trainer.rl_losses:actor_loss"
 CRITIC_LOSS = "polyrl.trainer.rl_losses:critic_loss"
@@ -331,37 +327,8 @@ class RLTrainer:
         """mean@k and pass@k of the held-out prompts (``k = rollout.val_n``)."""
         if self.val_ds is None:
             return {}
-        cfg = self.cfg
-        k = cfg.rollout.val_n
-        scores, accs, sources, lengths = [], [], [], []
-        for start in range(0, len(self.val_ds), cfg.data.val_batch_size):
-            stop = min(start + cfg.data.val_batch_size, len(self.val_ds))
-            items = [self.val_ds[i] for i in range(start, stop)]
-            batch, _ = self.generate(
-                items,
-                k,
-                cfg.rollout.val_temperature,
-                derive_seed(cfg.seed_for("rollout"), -1, start),
-            )
-            s, a, _ = self.score(batch)
-            scores.append(s)
-            accs.append(a)
-            lengths.append(batch["response_length"].float())
-            sources += list(batch.non_tensors["data_source"])
-        score = torch.cat(scores).view(-1, k)
-        acc = torch.cat(accs).view(-1, k)
-        out = {
-            f"val/score/mean@{k}": float(score.mean()),
-            f"val/acc/mean@{k}": float(acc.mean()),
-            f"val/pass@{k}": float((acc.max(dim=1).values > 0).float().mean()),
-            "val/response_length/mean": float(torch.cat(lengths).mean()),
-        }
-        names = np.array(sources[::k], dtype=object)
-        for source in sorted(set(names)):
-            rows = torch.as_tensor(names == source)
-            out[f"val/{source}/acc/mean@{k}"] = float(acc[rows].mean())
-            out[f"val/{source}/pass@{k}"] = float((acc[rows].max(dim=1).values > 0).float().mean())
-        return out
+        assert self.producer is not None, "call setup() first"
+        return self.producer.evaluate(self.val_ds)
 
     # ------------------------------------------------------------------ checkpoints
     def _roots(self) -> tuple[Path, Path]:
@@ -490,50 +457,22 @@ class RLTrainer:
             if tracker is not None:
                 tracker.finish()
             self.close()
-        return self._summary(tracker, history, step, resume_from, last_ckpt, hf_dir, started)
-
-    def _summary(
-        self,
-        tracker: Any,
-        history: list[dict[str, Any]],
-        step: int,
-        resume_from: str | None,
-        last_ckpt: str | None,
-        hf_dir: str | None,
-        started: float,
-    ) -> dict[str, Any]:
-        from polyrl.trainer.plotting import plot_learning_curves
-        from polyrl.trainer.tracking import read_metrics
-
-        trainer = self.cfg.trainer
-        k = self.cfg.rollout.val_n
         metrics_file = tracker.metrics_path if tracker is not None else None
         if metrics_file is None:
             metrics_file = self.out_dir / ".rl_history.jsonl"
             metrics_file.write_text("".join(json.dumps(r) + "\n" for r in history))
-        keys = list(trainer.plot_metrics) or [m.format(k=k) for m in DEFAULT_PLOT_METRICS]
-        plot = plot_learning_curves(metrics_file, self.out_dir / PLOT_FILE, keys, title="polyrl rl")
-        records = read_metrics(metrics_file)
-
-        def series(key: str) -> list[float]:
-            return [r[key] for r in records if r.get(key) is not None]
-
-        val_acc = series(f"val/acc/mean@{k}")
-        scores = series("critic/score/mean")
-        summary = {
-            "steps": step,
-            "resumed_from": resume_from,
-            "first_val_acc": val_acc[0] if val_acc else None,
-            "last_val_acc": val_acc[-1] if val_acc else None,
-            "first_score": scores[0] if scores else None,
-            "last_score": scores[-1] if scores else None,
-            "checkpoint": last_ckpt,
-            "hf_model": hf_dir,
-            "metrics": str(metrics_file),
-            "plot": str(plot) if plot else None,
-            "elapsed_s": round(time.perf_counter() - started, 2),
-        }
-        (self.out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        summary = write_summary(
+            self.cfg,
+            self.out_dir,
+            metrics_file,
+            {
+                "steps": step,
+                "resumed_from": resume_from,
+                "checkpoint": last_ckpt,
+                "hf_model": hf_dir,
+                "elapsed_s": round(time.perf_counter() - started, 2),
+            },
+        )
         _log("done: " + " ".join(f"{k}={v}" for k, v in summary.items()))
         return summary
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,7 +20,11 @@ __all__ = [
     "masked_stats",
     "stats",
     "step_metrics",
+    "write_summary",
 ]
+
+PLOT_FILE = "learning_curves.png"
+SUMMARY_FILE = "rl_summary.json"
 
 #: Metrics drawn in ``learning_curves.png`` when ``trainer.plot_metrics`` is empty.
 DEFAULT_PLOT_METRICS = (
@@ -107,3 +113,41 @@ def step_metrics(
     out["perf/throughput"] = tokens / step_s / world_size if step_s else 0.0
     out["training/epoch"] = sampler.epoch + sampler.position / max(sampler.batches_per_epoch, 1)
     return out
+
+
+def write_summary(
+    cfg: Any, out_dir: Path, metrics_file: Path, run: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Draw the learning curves and write ``rl_summary.json``; return the summary.
+
+    ``run`` holds what only the run knows (steps, checkpoint, elapsed time); the first and
+    last validation accuracy and score come from ``metrics_file``.
+    """
+    from polyrl.trainer.plotting import plot_learning_curves
+    from polyrl.trainer.tracking import read_metrics
+
+    k = cfg.rollout.val_n
+    keys = list(cfg.trainer.plot_metrics) or [m.format(k=k) for m in DEFAULT_PLOT_METRICS]
+    plot = plot_learning_curves(metrics_file, out_dir / PLOT_FILE, keys, title="polyrl rl")
+    records = read_metrics(metrics_file)
+
+    def series(key: str) -> list[float]:
+        return [r[key] for r in records if r.get(key) is not None]
+
+    val_acc = series(f"val/acc/mean@{k}")
+    scores = series("critic/score/mean")
+    summary = {
+        "steps": run.get("steps"),
+        "resumed_from": run.get("resumed_from"),
+        "first_val_acc": val_acc[0] if val_acc else None,
+        "last_val_acc": val_acc[-1] if val_acc else None,
+        "first_score": scores[0] if scores else None,
+        "last_score": scores[-1] if scores else None,
+        "checkpoint": run.get("checkpoint"),
+        "hf_model": run.get("hf_model"),
+        "metrics": str(metrics_file),
+        "plot": str(plot) if plot else None,
+        "elapsed_s": run.get("elapsed_s"),
+    }
+    (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -347,6 +347,40 @@ class RolloutProducer:
         metrics["rollout/weight_version"] = float(max(versions)) if versions else 0.0
         return batch, metrics
 
+    def evaluate(self, dataset: Any) -> dict[str, float]:
+        """mean@k and pass@k (``k = rollout.val_n``) of ``dataset``'s prompts, per data source.
+
+        Samples at ``rollout.val_temperature`` in batches of ``data.val_batch_size`` prompts,
+        with seeds of their own (they never collide with a training step's).
+        """
+        cfg = self.cfg
+        k = cfg.rollout.val_n
+        scores, accs, sources, lengths = [], [], [], []
+        for start in range(0, len(dataset), cfg.data.val_batch_size):
+            stop = min(start + cfg.data.val_batch_size, len(dataset))
+            items = [dataset[i] for i in range(start, stop)]
+            seed = derive_seed(cfg.seed_for("rollout"), -1, start)
+            batch, _ = self.generate(items, k, cfg.rollout.val_temperature, seed)
+            s, a, _ = self.score(batch)
+            scores.append(s)
+            accs.append(a)
+            lengths.append(batch["response_length"].float())
+            sources += list(batch.non_tensors["data_source"])
+        score = torch.cat(scores).view(-1, k)
+        acc = torch.cat(accs).view(-1, k)
+        out = {
+            f"val/score/mean@{k}": float(score.mean()),
+            f"val/acc/mean@{k}": float(acc.mean()),
+            f"val/pass@{k}": float((acc.max(dim=1).values > 0).float().mean()),
+            "val/response_length/mean": float(torch.cat(lengths).mean()),
+        }
+        names = np.array(sources[::k], dtype=object)
+        for source in sorted(set(names)):
+            rows = torch.as_tensor(names == source)
+            out[f"val/{source}/acc/mean@{k}"] = float(acc[rows].mean())
+            out[f"val/{source}/pass@{k}"] = float((acc[rows].max(dim=1).values > 0).float().mean())
+        return out
+
     def score(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """Score every row: ``(scores (B,), accuracy (B,), reward metrics)``."""
         scoring = Batch(
