@@ -322,3 +322,37 @@ def test_adaptive_kl_controller() -> None:
     assert ctrl.value == pytest.approx(0.0988)
     with pytest.raises(ValueError, match="target_kl must be > 0"):
         AdaptiveKLController(0.1, target_kl=0.0, horizon=10)
+
+
+# ------------------------------------------------------------------ rollout correction (TIS)
+def test_rollout_importance_weights_token_and_sequence_by_hand():
+    from polyrl.algo import rollout_importance_weights
+
+    mask = T([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    rollout = T([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
+    # old - rollout: row 0 ln2, ln4, (masked ln8); row 1 -ln2, (masked).
+    old = rollout + T([[math.log(2), math.log(4), math.log(8)], [-math.log(2), 5.0, 5.0]])
+    w, m = rollout_importance_weights(old, rollout, mask, "token", threshold=3.0)
+    close(w, [[2.0, 3.0, 1.0], [0.5, 1.0, 1.0]])  # truncated at 3; 1 off the mask
+    assert m["rollout_is_mean"] == pytest.approx((2 + 4 + 0.5) / 3)
+    assert m["rollout_is_max"] == pytest.approx(4.0)
+    assert m["rollout_is_clipfrac"] == pytest.approx(1 / 3)
+    w, m = rollout_importance_weights(old, rollout, mask, "sequence", threshold=3.0)
+    # Row 0: exp(ln2 + ln4) = 8, truncated to 3 on both tokens; row 1: 0.5.
+    close(w, [[3.0, 3.0, 1.0], [0.5, 1.0, 1.0]])
+    assert m["rollout_is_mean"] == pytest.approx((8 + 0.5) / 2)
+    assert m["rollout_is_max"] == pytest.approx(8.0)
+    assert m["rollout_is_clipfrac"] == pytest.approx(0.5)
+    assert not w.requires_grad
+
+
+def test_rollout_importance_weights_refuse_bad_settings():
+    from polyrl.algo import rollout_importance_weights
+
+    x, mask = torch.zeros(1, 2), torch.ones(1, 2)
+    with pytest.raises(ValueError, match="level"):
+        rollout_importance_weights(x, x, mask, "geometric")
+    with pytest.raises(ValueError, match="threshold"):
+        rollout_importance_weights(x, x, mask, "token", threshold=0.5)
+    with pytest.raises(ValueError, match="shape"):
+        rollout_importance_weights(x, torch.zeros(1, 3), mask)

@@ -130,6 +130,25 @@ def test_actor_loss_on_policy_is_minus_mean_advantage_and_split_invariant():
         assert sum(parts).item() == pytest.approx(ref.item(), abs=1e-6), mode
 
 
+def test_actor_loss_weights_advantages_by_the_rollout_correction():
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    adv = torch.tensor([[1.0, -1.0, 0.0]])
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5]]))
+    rollout = torch.log(torch.tensor([[0.25, 0.5, 0.5]]))  # token 0: weight 2, truncated to 1.5
+    logp = old.clone().requires_grad_(True)
+    batch = _rl_batch(adv, mask, old_log_probs=old, rollout_log_probs=rollout)
+    plain, _ = actor_loss(_Output(logp), batch, clip_ratio_c=None)
+    loss, m = actor_loss(
+        _Output(logp), batch, clip_ratio_c=None, rollout_is="token", rollout_is_threshold=1.5
+    )
+    # Ratio 1: token-mean of -w A = -(1.5 * 1 + 1 * -1) / 2, against -(1 - 1) / 2 without.
+    assert plain.item() == pytest.approx(0.0)
+    assert loss.item() == pytest.approx(-0.25)
+    assert m["rollout_is_mean"] == pytest.approx(1.5) and m["rollout_is_clipfrac"] == 0.5
+    with pytest.raises(KeyError, match="rollout_log_probs"):
+        actor_loss(_Output(logp), _rl_batch(adv, mask), rollout_is="sequence")
+
+
 def test_actor_loss_clips_and_adds_kl_and_entropy_terms():
     mask = torch.ones(1, 2)
     old = torch.log(torch.tensor([[0.5, 0.5]]))
@@ -636,3 +655,27 @@ def test_shared_prefix_update_gives_the_metrics_of_a_full_forward(tmp_path):
         for key in ("actor/pg_loss", "actor/ppo_kl", "actor/entropy", "actor/grad_norm"):
             assert shared[key] == pytest.approx(full[key], rel=1e-4, abs=1e-6), key
         assert shared["actor/compute_tokens"] < full["actor/compute_tokens"]
+
+
+def test_grpo_step_with_the_rollout_correction_reports_its_weights(tmp_path):
+    overrides = _e2e_overrides(
+        tmp_path,
+        "tis",
+        "trainer.worker_backend=local",
+        "trainer.total_steps=2",
+        "model.tiny_size=nano",
+        "algorithm.rollout_is=sequence",
+        "algorithm.rollout_is_threshold=2.0",
+    )
+    trainer = RLTrainer(load_config("demo", overrides))
+    try:
+        trainer.setup()
+        metrics = trainer.step(1)
+    finally:
+        trainer.close()
+    # fp32 rollout against an fp32 trainer: the rollout's policy is the trainer's up to
+    # rounding, so the weights are 1 within it and none is truncated.
+    assert metrics["actor/rollout_is_mean"] == pytest.approx(1.0, abs=1e-3)
+    assert metrics["actor/rollout_is_max"] == pytest.approx(1.0, abs=1e-3)
+    assert metrics["actor/rollout_is_clipfrac"] == 0.0
+    assert math.isfinite(metrics["actor/pg_loss"])

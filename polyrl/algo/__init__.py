@@ -21,6 +21,7 @@ from polyrl.algo.losses import (
     get_policy_loss,
     list_policy_losses,
     register_policy_loss,
+    rollout_importance_weights,
     value_loss,
 )
 from polyrl.core.numerics import AGG_MODES, agg_loss, masked_mean, masked_whiten
@@ -38,6 +39,7 @@ __all__ = [
     "kl_penalty",
     "list_advantage_estimators",
     "list_policy_losses",
+    "rollout_importance_weights",
     "masked_mean",
     "masked_whiten",
     "register_advantage",

@@ -13,6 +13,7 @@ per-token terms with :func:`polyrl.core.numerics.agg_loss` (modes ``token-mean``
 ``r_{i,t} = sg[s_i] * exp(logp - sg[logp])`` (value ``s_i``, gradient of the token), then the
 same clipped surrogate, aggregated by default with ``seq-mean-token-mean``.
 Value loss: ``0.5 * agg(max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2))``.
+Rollout correction (TIS): :func:`rollout_importance_weights`.
 """
 
 from __future__ import annotations
@@ -201,3 +202,58 @@ def value_loss(
         "vf_clipfrac": float(agg_loss((vf2 > vf1).to(values.dtype), mask)),
     }
     return loss, metrics
+
+
+#: Levels of the rollout importance-sampling correction (``algorithm.rollout_is``).
+ROLLOUT_IS_LEVELS = ("token", "sequence")
+
+
+def rollout_importance_weights(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    mask: torch.Tensor,
+    level: str = "token",
+    threshold: float = 2.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Return truncated importance weights from the rollout's policy to the trainer's (TIS).
+
+    The rollout engine samples with its own numerics (another dtype, kernels, batch shapes),
+    so its policy ``pi_rollout`` is not exactly the trainer's ``pi_old``. Weighting each
+    token's policy-gradient term by ``w = pi_old / pi_rollout``, truncated at ``threshold``,
+    corrects for the gap:
+
+    * ``token``: ``w_t = exp(logp_old_t - logp_rollout_t)``;
+    * ``sequence``: one weight per response, ``exp(sum_t (logp_old_t - logp_rollout_t))``
+      over its masked tokens, given to each of its tokens.
+
+    Returns the truncated weights (``(B, T)``, detached, 1 off the mask) and the metrics
+    ``rollout_is_mean`` / ``rollout_is_max`` (of the weights before truncation, over masked
+    tokens or, at the sequence level, over responses) and ``rollout_is_clipfrac`` (the share
+    of them truncated).
+
+    Raises:
+        ValueError: an unknown ``level``, a ``threshold`` below 1, or mismatched shapes.
+    """
+    _same_shape(mask, old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob)
+    if level not in ROLLOUT_IS_LEVELS:
+        raise ValueError(f"rollout_is level must be one of {ROLLOUT_IS_LEVELS}, got {level!r}")
+    if not threshold >= 1.0:
+        raise ValueError(f"rollout_is_threshold must be >= 1, got {threshold}")
+    on = mask != 0
+    log_ratio = torch.where(on, (old_log_prob - rollout_log_prob).detach().float(), 0.0)
+    # Clamped in log space so that exp() stays finite; the truncation is far below.
+    if level == "token":
+        raw = torch.exp(log_ratio.clamp(max=20.0))
+        values = raw[on]
+    else:
+        per_seq = torch.exp(log_ratio.sum(dim=-1).clamp(max=20.0))
+        values = per_seq[on.any(dim=-1)]
+        raw = per_seq.unsqueeze(-1).expand_as(log_ratio)
+    empty = values.numel() == 0
+    metrics = {
+        "rollout_is_mean": 1.0 if empty else float(values.mean()),
+        "rollout_is_max": 1.0 if empty else float(values.max()),
+        "rollout_is_clipfrac": 0.0 if empty else float((values > threshold).float().mean()),
+    }
+    weights = torch.where(on, raw.clamp(max=threshold), 1.0)
+    return weights.to(old_log_prob.dtype), metrics

@@ -669,6 +669,15 @@ class AlgorithmConfig(ConfigGroup):
     max_gen_batches: int = option(
         10, "Dynamic sampling: generation rounds per step at most (then uninformative fill).", ge=1
     )
+    rollout_is: str = option(
+        "none",
+        "Truncated importance sampling from the rollout's log-probs to the trainer's old "
+        "policy (corrects rollout/training numerics): per token, per sequence, or none.",
+        choices=("none", "token", "sequence"),
+    )
+    rollout_is_threshold: float = option(
+        2.0, "Rollout importance weights are truncated at this value.", ge=1.0
+    )
 
 
 @dataclasses.dataclass

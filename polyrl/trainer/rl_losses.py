@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from polyrl.algo.kl import kl_loss as _kl_loss
-from polyrl.algo.losses import get_policy_loss, value_loss
+from polyrl.algo.losses import get_policy_loss, rollout_importance_weights, value_loss
 from polyrl.core.numerics import agg_loss, masked_mean
 from polyrl.model_engine.engine import global_counts
 from polyrl.workers.engine import register_loss
@@ -78,12 +78,20 @@ def actor_loss(
     use_kl_loss: bool = False,
     kl_loss_coef: float = 0.001,
     kl_loss_type: str = "k3",
+    rollout_is: str = "none",
+    rollout_is_threshold: float = 2.0,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """Policy-gradient loss of one micro-batch (PPO clip or GSPO, plus entropy and KL terms).
 
     Metrics (the engine averages them over micro-batches): ``pg_loss``, ``pg_clipfrac``,
     ``pg_clipfrac_lower``, ``ppo_kl``, ``entropy`` (token mean of the current policy's entropy),
     and ``entropy_loss`` / ``kl_loss`` when those terms are on.
+
+    ``rollout_is`` (``token`` or ``sequence``; ``none`` is off) weights each token's advantage
+    by the truncated importance weight from the rollout's log-probs (``rollout_log_probs``) to
+    the old policy's (:func:`~polyrl.algo.losses.rollout_importance_weights`); every policy
+    loss here is linear in the advantage, so this weights each token's policy-gradient term.
+    Adds ``rollout_is_mean``, ``rollout_is_max`` and ``rollout_is_clipfrac``.
     """
     _require(batch, "loss_mask", "advantages", loss="actor_loss")
     mask = batch["loss_mask"]
@@ -94,10 +102,18 @@ def actor_loss(
         old_log_prob = batch["old_log_probs"].to(log_prob.dtype)
     else:
         old_log_prob = log_prob.detach()
+    advantages = batch["advantages"].to(log_prob.dtype)
+    is_metrics: dict[str, float] = {}
+    if rollout_is != "none":
+        _require(batch, "rollout_log_probs", loss=f"actor_loss with rollout_is={rollout_is}")
+        weights, is_metrics = rollout_importance_weights(
+            old_log_prob, batch["rollout_log_probs"], mask, rollout_is, rollout_is_threshold
+        )
+        advantages = advantages * weights
     loss, pg_metrics = get_policy_loss(policy_loss)(
         log_prob,
         old_log_prob,
-        batch["advantages"].to(log_prob.dtype),
+        advantages,
         mask,
         clip_ratio_low=clip_ratio_low,
         clip_ratio_high=clip_ratio_high,
@@ -106,7 +122,7 @@ def actor_loss(
         horizon=horizon,
         **counts,
     )
-    metrics: dict[str, Any] = dict(pg_metrics)
+    metrics: dict[str, Any] = {**pg_metrics, **is_metrics}
     metrics["pg_loss"] = pg_metrics["pg_loss"] * _local_scale(loss_agg_mode, mask, counts)
     if entropy is not None:
         metrics["entropy"] = float(masked_mean(entropy.detach(), mask))

@@ -253,6 +253,8 @@ class RLTrainer:
             "use_kl_loss": actor.use_kl_loss,
             "kl_loss_coef": actor.kl_loss_coef,
             "kl_loss_type": actor.kl_loss_type,
+            "rollout_is": self.cfg.algorithm.rollout_is,
+            "rollout_is_threshold": self.cfg.algorithm.rollout_is_threshold,
         }
 
     def _critic_loss_kwargs(self) -> dict[str, Any]:
