@@ -728,3 +728,40 @@ def test_replica_options_map_the_rollout_group_onto_the_backend_options():
         load_config("demo", ["trainer.device=cpu", "model.compute_dtype=bfloat16"])
     )
     assert bf16["matmul_dtype"] == "bfloat16" and "num_threads" not in bf16
+
+
+@pytest.mark.parametrize(
+    ("trainer", "rollout", "same_host", "same_gpu", "expected"),
+    [
+        ("cuda", "cuda", True, True, ("cuda_ipc", {})),
+        ("cuda", "cuda", True, False, ("dist", {"backend": "nccl"})),
+        ("cuda", "cuda", False, False, ("dist", {"backend": "nccl"})),
+        ("cpu", "cpu", True, False, ("shm", {})),
+        ("cuda", "cpu", True, False, ("shm", {})),
+        ("cpu", "cpu", False, False, ("dist", {"backend": "gloo"})),
+        ("cuda", "cpu", False, False, ("dist", {"backend": "gloo"})),
+    ],
+)
+def test_auto_weight_transport_follows_the_placement(
+    trainer, rollout, same_host, same_gpu, expected
+):
+    from polyrl.trainer.rl.build import choose_transport
+
+    assert choose_transport(trainer, rollout, same_host, same_gpu) == expected
+
+
+def test_weight_transport_of_a_run_resolves_auto_and_keeps_a_named_one():
+    from polyrl.trainer.rl.build import choose_transport, weight_transport
+
+    local = ["http://127.0.0.1:8001", "http://localhost:8002"]
+    cfg = load_config("demo", ["trainer.device=cpu", "trainer.worker_backend=local"])
+    assert cfg.rollout.weight_transport == "auto"
+    assert weight_transport(cfg, local) == ("shm", {})
+    assert weight_transport(cfg, ["http://rollout-node:8000"]) == ("dist", {"backend": "gloo"})
+    named = load_config(
+        "demo",
+        ["trainer.device=cpu", "trainer.worker_backend=local", "rollout.weight_transport=disk"],
+    )
+    assert weight_transport(named, local) == ("disk", {})
+    with pytest.raises(ValueError, match="rollout device"):
+        choose_transport("cpu", "tpu", True)

@@ -344,7 +344,7 @@ OPTIMIZERS = ("adamw", "adam", "sgd")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 SFT_TRUNCATIONS = ("error", "filter", "right")
 ROLLOUT_BACKENDS = ("native", "vllm")
-WEIGHT_TRANSPORTS = ("shm", "dist", "disk")
+WEIGHT_TRANSPORTS = ("auto", "shm", "dist", "disk", "cuda_ipc")
 ADV_ESTIMATORS = (
     "gae",
     "grpo",
@@ -492,7 +492,11 @@ class RolloutConfig(ConfigGroup):
         choices=("auto", *FLOAT_DTYPES),
     )
     weight_transport: str = option(
-        "shm", "How the trainer pushes new weights to the replicas.", choices=WEIGHT_TRANSPORTS
+        "auto",
+        "How the trainer pushes new weights to the replicas. auto picks by placement: "
+        "cuda_ipc when a replica shares the trainer's GPU, dist over NCCL between GPUs, shm on "
+        "one CPU host, dist over gloo between hosts.",
+        choices=WEIGHT_TRANSPORTS,
     )
     weight_bucket_mb: float = option(64.0, "Bucket size of a weight transfer in MiB.", gt=0.0)
     weight_sync_mode: str = option(

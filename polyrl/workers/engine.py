@@ -509,6 +509,7 @@ class EngineWorker(Worker):
         version: int | None = None,
         mode: str = "staged",
         inflight: str = "keep",
+        transport_options: dict[str, Any] | None = None,
     ) -> dict[str, Any] | None:
         """Send this group's weights to the rollout replicas ``urls`` over ``transport``.
 
@@ -525,6 +526,7 @@ class EngineWorker(Worker):
             version=version,
             mode=mode,
             inflight=inflight,
+            transport_options=transport_options,
         )
 
     # ------------------------------------------------------------------ checkpoints and weights

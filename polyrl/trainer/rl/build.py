@@ -19,6 +19,7 @@ from polyrl.trainer.rl.rollout import response_cap
 
 __all__ = [
     "check_config",
+    "choose_transport",
     "engine_specs",
     "load_datasets",
     "replica_options",
@@ -27,6 +28,7 @@ __all__ = [
     "start_replicas",
     "start_transfer_queue",
     "trains_on_gpu",
+    "weight_transport",
 ]
 
 
@@ -173,6 +175,53 @@ def replica_options(cfg: PolyRLConfig) -> dict[str, Any]:
         options_class, ro, **{k: v for k, v in computed.items() if k in names}
     )
     return {k: v for k, v in options.items() if v is not None}
+
+
+def choose_transport(
+    trainer_device: str, rollout_device: str, same_host: bool, same_gpu: bool = False
+) -> tuple[str, dict[str, Any]]:
+    """Return the weight transport (name, options) that suits where trainer and replicas run.
+
+    CUDA IPC when a replica shares the trainer's GPU; NCCL broadcast (``dist``) when both run
+    on GPUs otherwise; shared memory when they share a host; a gloo broadcast between hosts.
+    The devices are ``"cpu"`` or ``"cuda"``.
+    """
+    for what, device in (("trainer", trainer_device), ("rollout", rollout_device)):
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"{what} device must be 'cpu' or 'cuda', got {device!r}")
+    on_gpus = trainer_device == rollout_device == "cuda"
+    if on_gpus and same_gpu:
+        return "cuda_ipc", {}
+    if on_gpus:
+        return "dist", {"backend": "nccl"}
+    if same_host:
+        return "shm", {}
+    return "dist", {"backend": "gloo"}
+
+
+def weight_transport(cfg: PolyRLConfig, urls: Sequence[str]) -> tuple[str, dict[str, Any]]:
+    """Resolve ``rollout.weight_transport`` for this run's placement (``auto`` chooses).
+
+    The replicas share the trainer's host when their URLs are loopback addresses and the
+    engines are local processes or Ray runs on one node. A transport named explicitly is
+    used as named (``dist`` over NCCL when both sides train and serve on GPUs).
+    """
+    from urllib.parse import urlsplit
+
+    trainer = "cuda" if trains_on_gpu(cfg) else "cpu"
+    rollout = "cpu"  # the launched replicas serve on the CPU (rollout.device is issue 22)
+    loopback = all(urlsplit(u).hostname in ("127.0.0.1", "localhost", "::1") for u in urls)
+    one_node = True
+    if cfg.trainer.worker_backend == "ray":
+        import ray
+
+        one_node = not ray.is_initialized() or len([n for n in ray.nodes() if n["Alive"]]) <= 1
+    name = cfg.rollout.weight_transport
+    if name == "auto":
+        return choose_transport(trainer, rollout, same_host=loopback and one_node)
+    if name == "dist" and trainer == rollout == "cuda":
+        return name, {"backend": "nccl"}
+    return name, {}
 
 
 def start_replicas(

@@ -40,12 +40,21 @@ class Replicas:
         cfg: the run's configuration (``rollout`` group).
         urls: the replicas' URLs.
         producer: the driver's producer (its client reaches every replica).
+        transport: the weight transport's name and options (see
+            :func:`~polyrl.trainer.rl.build.weight_transport`).
     """
 
-    def __init__(self, cfg: PolyRLConfig, urls: Sequence[str], producer: RolloutProducer) -> None:
+    def __init__(
+        self,
+        cfg: PolyRLConfig,
+        urls: Sequence[str],
+        producer: RolloutProducer,
+        transport: tuple[str, dict[str, Any]],
+    ) -> None:
         self.cfg = cfg
         self.urls = list(urls)
         self.producer = producer
+        self.transport, self.transport_options = transport
 
     def sleep(self) -> None:
         """Free the replicas' memory for training (``rollout.sleep_during_training``)."""
@@ -62,7 +71,8 @@ class Replicas:
         ro = self.cfg.rollout
         self.wake()
         stats = actor.sync_weights(
-            transport=ro.weight_transport,
+            transport=self.transport,
+            transport_options=self.transport_options,
             urls=self.urls,
             bucket_mb=ro.weight_bucket_mb,
             version=version,

@@ -56,6 +56,7 @@ from polyrl.trainer.rl.build import (
     start_engines,
     start_replicas,
     start_transfer_queue,
+    weight_transport,
 )
 from polyrl.trainer.rl.dataplane import DataPlane, InlinePlane, QueuePlane
 from polyrl.trainer.rl.generation import DriverRollout, QueueRollout, Replicas
@@ -176,7 +177,6 @@ class RLTrainer:
         self.producer = RolloutProducer.connect(cfg, urls, self.tokenizer, self.reward_fn)
         self._closers.append(self.producer.close)
         self.producer.run(self.producer.client.wait_ready(timeout=300.0))
-        self.replicas = Replicas(cfg, urls, self.producer)
         _log(f"rollout: {len(urls)} {cfg.rollout.backend} replica(s) at {', '.join(urls)}")
         # Engine worker groups.
         specs = engine_specs(cfg, self.model_dir, self.total_steps, self.use_ref, self.use_critic)
@@ -184,10 +184,13 @@ class RLTrainer:
         self.actor, self.ref, self.critic = views["actor"], views.get("ref"), views.get("critic")
         for view in views.values():
             view.init_model()
+        transport = weight_transport(cfg, urls)
+        self.replicas = Replicas(cfg, urls, self.producer, transport)
         _log(
             f"engines: {', '.join(views)} on {cfg.trainer.world_size} rank(s), "
             f"{cfg.trainer.placement} ({cfg.trainer.worker_backend}); old log-probs "
-            f"{'computed' if self.need_old_log_probs else 'skipped'}"
+            f"{'computed' if self.need_old_log_probs else 'skipped'}; weights over "
+            f"{transport[0]}"
         )
         # Where the step's rows live, and who generates them.
         self.plane: DataPlane
