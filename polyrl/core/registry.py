@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import difflib
 import importlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Generic, TypeVar, cast
 
-__all__ = ["Registry", "UnknownNameError"]
+__all__ = ["Registry", "UnknownNameError", "did_you_mean"]
 
 T = TypeVar("T")
 E = TypeVar("E")  # what a decorator returns: the decorated object, its own type kept
@@ -25,6 +25,14 @@ class UnknownNameError(KeyError, ValueError):
 
     def __str__(self) -> str:  # KeyError's own str() would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+def did_you_mean(name: object, options: Iterable[str]) -> str:
+    """Return ``"; did you mean 'x'?"`` for the option closest to ``name``, or ``""``."""
+    if not isinstance(name, str):
+        return ""
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _definition(entry: object) -> tuple[str, str] | None:
@@ -145,8 +153,7 @@ class Registry(Generic[T]):
     def unknown_message(self, name: object) -> str:
         """Return the message for an unknown ``name``: kind, closest match, known names."""
         known = self.names()
-        close = difflib.get_close_matches(name, known, n=1) if isinstance(name, str) else []
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        hint = did_you_mean(name, known)
         extra = f"; {self.hint}" if self.hint else ""
         return f"unknown {self.kind} {name!r}{hint} (known: {', '.join(known) or 'none'}){extra}"
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import difflib
 import inspect
 import math
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
+
+from polyrl.core.registry import did_you_mean
 
 __all__ = [
     "FINISH_REASONS",
@@ -74,11 +75,6 @@ class EngineUnavailableError(RolloutError):
 
     status = 503
     error_type = "service_unavailable"
-
-
-def _suggest(name: str, options: Sequence[str]) -> str:
-    close = difflib.get_close_matches(name, list(options), n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _is_int(value: Any) -> bool:
@@ -195,7 +191,7 @@ class SamplingParams:
         unknown = [k for k in data if k not in names]
         if unknown:
             raise InvalidRequestError(
-                f"unknown sampling parameter {unknown[0]!r}{_suggest(unknown[0], names)} "
+                f"unknown sampling parameter {unknown[0]!r}{did_you_mean(unknown[0], names)} "
                 f"(accepted: {', '.join(names)})",
                 param=str(unknown[0]),
             )

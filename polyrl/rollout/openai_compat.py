@@ -12,12 +12,12 @@ Unknown request fields are rejected (a typo such as ``temprature`` must not pass
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from polyrl.core.registry import did_you_mean
 from polyrl.core.rollout_api import (
     MAX_TOP_LOGPROBS,
     InvalidRequestError,
@@ -102,8 +102,7 @@ def _fail(message: str, param: str | None = None, code: str | None = None) -> In
 def _check_fields(body: Mapping[str, Any], allowed: set[str], endpoint: str) -> None:
     for key in body:
         if key not in allowed:
-            close = difflib.get_close_matches(key, sorted(allowed), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            hint = did_you_mean(key, sorted(allowed))
             raise _fail(f"unknown field {key!r} for {endpoint}{hint}", param=key)
 
 
