@@ -15,6 +15,7 @@ import torch
 
 from polyrl.config import ConfigError, PolyRLConfig
 from polyrl.config.schema import constructor_kwargs
+from polyrl.core.dtypes import dtype_name
 from polyrl.trainer.rl.rollout import response_cap
 
 __all__ = [
@@ -52,7 +53,7 @@ def rollout_matmul_dtype(cfg: PolyRLConfig) -> str:
         return cfg.rollout.matmul_dtype
     precision = MixedPrecisionConfig(param_dtype=cfg.model.compute_dtype)
     compute = precision.compute_dtype("cuda" if trains_on_gpu(cfg) else "cpu", cfg.model.dtype)
-    return str(compute).removeprefix("torch.")
+    return dtype_name(compute)
 
 
 def check_config(cfg: PolyRLConfig, has_rows: bool = False) -> None:
