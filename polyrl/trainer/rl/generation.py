@@ -21,7 +21,6 @@ from polyrl.core.batch import Batch
 from polyrl.core.rollout_batch import rollout_widths, widen_rollout_batch
 from polyrl.trainer.rl.rollout import (
     RolloutProducer,
-    attach_scores,
     derive_seed,
     group_varies,
     select_groups,
@@ -113,18 +112,8 @@ class DriverRollout:
     def _sample(
         self, items: Sequence[Any], seed: int, timing: dict[str, float]
     ) -> tuple[Batch, dict[str, float]]:
-        """Generate ``rollout.n`` responses per item and score them (ReMax: and its baseline)."""
-        cfg, producer = self.cfg, self.producer
-        with timer(timing, "gen"):
-            batch, metrics = producer.generate(items, cfg.rollout.n, cfg.rollout.temperature, seed)
-        with timer(timing, "reward"):
-            scored = producer.score(batch)
-            baseline = None
-            if cfg.algorithm.adv_estimator == "remax":
-                greedy, _ = producer.generate(items, 1, 0.0, seed)
-                baseline = producer.score(greedy)[0].repeat_interleave(cfg.rollout.n)
-        metrics.update(attach_scores(batch, scored, baseline))
-        return batch, metrics
+        ro = self.cfg.rollout
+        return self.producer.sample_and_score(items, ro.n, ro.temperature, seed, timing)
 
     def generate(
         self, step: int, indices: Sequence[int], timing: dict[str, float]

@@ -65,6 +65,7 @@ from polyrl.trainer.rl.rollout import (
     RolloutProducer,
     pad_id_of,
     response_cap,
+    reward_manager,
     timer,
 )
 
@@ -172,9 +173,11 @@ class RLTrainer:
         self.total_steps = (
             cfg.trainer.total_steps or cfg.trainer.total_epochs * self.sampler.batches_per_epoch
         )
-        # Rollout replicas and the driver's client to them.
+        # The reward workers boot while the rollout replicas start.
+        rewards = reward_manager(cfg, self.reward_fn)
+        self._closers.append(rewards.close)
         urls = start_replicas(cfg, self.model_dir, self._closers)
-        self.producer = RolloutProducer.connect(cfg, urls, self.tokenizer, self.reward_fn)
+        self.producer = RolloutProducer.connect(cfg, urls, self.tokenizer, rewards)
         self._closers.append(self.producer.close)
         self.producer.run(self.producer.client.wait_ready(timeout=300.0))
         _log(f"rollout: {len(urls)} {cfg.rollout.backend} replica(s) at {', '.join(urls)}")

@@ -32,6 +32,7 @@ __all__ = [
     "group_varies",
     "pad_id_of",
     "response_cap",
+    "reward_manager",
     "select_groups",
     "timer",
 ]
@@ -125,16 +126,35 @@ def derive_seed(base: int, *parts: int) -> int:
     return value
 
 
+def reward_manager(cfg: PolyRLConfig, reward_fn: Any = None) -> Any:
+    """Return the run's reward manager (``reward.*``; ``reward_fn`` overrides the function).
+
+    Its worker processes start booting at once: build it before slow set-up work (starting
+    the replicas) so that they are ready by the first step.
+    """
+    from polyrl.reward.manager import RewardManager
+
+    fn = reward_fn if reward_fn is not None else cfg.reward.custom_function
+    return RewardManager(
+        custom_function=fn or None,
+        num_workers=cfg.reward.num_workers,
+        timeout_s=cfg.reward.timeout_s,
+        error_reward=cfg.reward.error_reward,
+    )
+
+
 class RolloutProducer:
     """Samples and scores responses for RL: the generate and reward phases of a step.
 
+    Build one with :meth:`connect`; it owns its reward workers, its event loop and its client,
+    and :meth:`close` releases them.
+
     Args:
         cfg: the run's configuration (``rollout``, ``data``, ``agent`` groups are read).
-        client: a started :class:`~polyrl.rollout.client.RolloutClient`.
+        client: a :class:`~polyrl.rollout.client.RolloutClient` (started on ``loop``).
         tokenizer: the policy's tokenizer (decodes responses for the reward).
-        pad_id: the token id used for padding.
         rewards: a :class:`~polyrl.reward.RewardManager`.
-        run: runs a coroutine to completion on the client's event loop.
+        loop: the event loop the client runs on.
     """
 
     def __init__(
@@ -142,58 +162,48 @@ class RolloutProducer:
         cfg: PolyRLConfig,
         client: Any,
         tokenizer: Any,
-        pad_id: int,
         rewards: Any,
-        run: Any,
+        loop: asyncio.AbstractEventLoop,
     ) -> None:
         self.cfg = cfg
         self.client = client
         self.tokenizer = tokenizer
-        self.pad_id = int(pad_id)
+        self.pad_id = pad_id_of(tokenizer)
         self.rewards = rewards
-        self._run = run
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop = loop
 
     @classmethod
     def connect(
-        cls, cfg: PolyRLConfig, urls: Sequence[str], tokenizer: Any, reward_fn: Any = None
+        cls, cfg: PolyRLConfig, urls: Sequence[str], tokenizer: Any, rewards: Any
     ) -> RolloutProducer:
-        """Build a producer that owns its reward workers, event loop and client to ``urls``.
+        """Build a producer with its own event loop and client to ``urls``.
 
-        ``reward_fn`` overrides ``reward.custom_function``. The driver and every transfer-queue
-        rollout worker build theirs this way; :meth:`close` releases what it made.
+        It scores with ``rewards`` (see :func:`reward_manager`) and closes them. The driver and
+        every transfer-queue rollout worker build theirs this way.
         """
-        from polyrl.reward.manager import RewardManager
         from polyrl.rollout.client import RolloutClient
 
-        fn = reward_fn if reward_fn is not None else cfg.reward.custom_function
-        rewards = RewardManager(
-            custom_function=fn or None,
-            num_workers=cfg.reward.num_workers,
-            timeout_s=cfg.reward.timeout_s,
-            error_reward=cfg.reward.error_reward,
-        )
-        loop = asyncio.new_event_loop()
-        client = RolloutClient(list(urls), max_concurrency=512)
         producer = cls(
-            cfg, client, tokenizer, pad_id_of(tokenizer), rewards, loop.run_until_complete
+            cfg,
+            RolloutClient(list(urls), max_concurrency=512),
+            tokenizer,
+            rewards,
+            asyncio.new_event_loop(),
         )
-        producer._loop = loop
-        loop.run_until_complete(client.start())
+        producer.run(producer.client.start())
         return producer
 
     def run(self, coro: Any) -> Any:
         """Run ``coro`` to completion on the client's event loop."""
-        return self._run(coro)
+        return self._loop.run_until_complete(coro)
 
     def close(self) -> None:
-        """Close the client, its event loop and the reward workers (those :meth:`connect` made)."""
+        """Close the client, its event loop and the reward workers."""
         try:
-            if self._loop is not None:
+            if not self._loop.is_closed():
                 with contextlib.suppress(Exception):
-                    self._loop.run_until_complete(self.client.close())
+                    self.run(self.client.close())
                 self._loop.close()
-                self._loop = None
         finally:
             self.rewards.close()
 
@@ -243,7 +253,7 @@ class RolloutProducer:
                     )
                 )
 
-            batch, metrics = self.pack_single_turn(items, self._run(run()))
+            batch, metrics = self.pack_single_turn(items, self.run(run()))
         self.add_row_info(batch, items, n)
         return batch, metrics
 
@@ -329,7 +339,7 @@ class RolloutProducer:
             for j in range(n):
                 # Each copy samples with its own seed; turn k of a copy uses seed + k.
                 samples.append({**item, "seed": derive_seed(seed, first_index + i, j)})
-        trajectories = self._run(
+        trajectories = self.run(
             run_agent_loops(
                 samples,
                 self.client,
@@ -345,6 +355,32 @@ class RolloutProducer:
         metrics = {k: float(v) for k, v in batch.meta.pop("agent_metrics", {}).items()}
         versions = [v for t in trajectories for v in t.weight_versions]
         metrics["rollout/weight_version"] = float(max(versions)) if versions else 0.0
+        return batch, metrics
+
+    def sample_and_score(
+        self,
+        items: Sequence[Mapping[str, Any]],
+        n: int,
+        temperature: float,
+        seed: int,
+        timing: dict[str, float],
+        first_index: int = 0,
+    ) -> tuple[Batch, dict[str, float]]:
+        """:meth:`generate`, then :meth:`score`, and :func:`attach_scores` the result.
+
+        For ReMax the greedy response of each item is sampled and scored too, as the rows'
+        ``baseline``. The times go to ``timing`` (``gen``; ``reward``, which includes the
+        greedy sample); the metrics are the generation's plus the reward manager's.
+        """
+        with timer(timing, "gen"):
+            batch, metrics = self.generate(items, n, temperature, seed, first_index)
+        with timer(timing, "reward"):
+            scored = self.score(batch)
+            baseline = None
+            if self.cfg.algorithm.adv_estimator == "remax":
+                greedy, _ = self.generate(items, 1, 0.0, seed, first_index)
+                baseline = self.score(greedy)[0].repeat_interleave(n)
+        metrics.update(attach_scores(batch, scored, baseline))
         return batch, metrics
 
     def evaluate(self, dataset: Any) -> dict[str, float]:

@@ -36,12 +36,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-import torch
 
 from polyrl.config import PolyRLConfig
 from polyrl.core.batch import Batch
 from polyrl.trainer.rl.advantage import advantage_phase
-from polyrl.trainer.rl.rollout import RolloutProducer, attach_scores
+from polyrl.trainer.rl.rollout import RolloutProducer, attach_scores, reward_manager
 from polyrl.workers.store import StoreClient, StoredRows
 
 __all__ = [
@@ -157,7 +156,9 @@ class StoreRolloutWorker:
         self.store = StoreClient(queue)
         self.dataset = dataset
         tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-        self.producer = RolloutProducer.connect(cfg, urls, tokenizer, reward_fn)
+        self.producer = RolloutProducer.connect(
+            cfg, urls, tokenizer, reward_manager(cfg, reward_fn)
+        )
         # One scoring thread: the reward manager serves one call at a time.
         self._scorer = ThreadPoolExecutor(1, thread_name_prefix="polyrl-score")
 
@@ -190,16 +191,11 @@ class StoreRolloutWorker:
         return summary
 
     def _finish(
-        self,
-        batch: Batch,
-        gen_metrics: Mapping[str, float],
-        baseline: torch.Tensor | None,
-        scored: tuple[torch.Tensor, torch.Tensor, Mapping[str, float]],
-        reward_s: float,
+        self, batch: Batch, metrics: Mapping[str, float], reward_s: float
     ) -> tuple[Batch, dict[str, float]]:
-        summary = {k: float(v) for k, v in gen_metrics.items()}
-        summary.update(attach_scores(batch, scored, baseline))
+        """Turn a scored batch into queue rows and this worker's summary of them."""
         rows = sample_rows(batch)
+        summary = {k: float(v) for k, v in metrics.items()}
         summary.update(
             {
                 "rows": float(len(rows)),
@@ -221,20 +217,11 @@ class StoreRolloutWorker:
         seed: int,
     ) -> dict[str, float]:
         """All items at once (agent loops): generate, then score, then put."""
-        batch, gen_metrics = self.producer.generate(items, n, temperature, seed, first_index)
-        tick = time.perf_counter()
-        scored = self.producer.score(batch)
-        baseline = None
-        if self.cfg.algorithm.adv_estimator == "remax":
-            greedy, _ = self.producer.generate(items, 1, 0.0, seed, first_index)
-            baseline = self.producer.score(greedy)[0].repeat_interleave(n)
-        rows, summary = self._finish(
-            batch,
-            gen_metrics,
-            baseline,
-            scored,
-            time.perf_counter() - tick,
+        timing: dict[str, float] = {}
+        batch, metrics = self.producer.sample_and_score(
+            items, n, temperature, seed, timing, first_index
         )
+        rows, summary = self._finish(batch, metrics, timing["timing_s/reward"])
         start = first_index * n
         self.queue.put(rows, partition, sample_ids=list(range(start, start + len(rows))))
         return summary
@@ -292,13 +279,8 @@ async def _rollout_streamed(
             producer.add_row_info(greedy, [item], 1)
             greedy_scores = await loop.run_in_executor(worker._scorer, producer.score, greedy)
             baseline = greedy_scores[0].repeat_interleave(n)
-        rows, summary = worker._finish(
-            batch,
-            gen_metrics,
-            baseline,
-            scored,
-            time.perf_counter() - tick,
-        )
+        gen_metrics.update(attach_scores(batch, scored, baseline))
+        rows, summary = worker._finish(batch, gen_metrics, time.perf_counter() - tick)
         start = index * n
         await worker.queue.async_put(
             rows, partition, sample_ids=list(range(start, start + len(rows)))
