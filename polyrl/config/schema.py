@@ -345,6 +345,7 @@ LR_SCHEDULERS = ("constant", "linear", "cosine")
 SFT_TRUNCATIONS = ("error", "filter", "right")
 ROLLOUT_BACKENDS = ("native", "vllm")
 WEIGHT_TRANSPORTS = ("auto", "shm", "dist", "disk", "cuda_ipc")
+ROLLOUT_PLACEMENTS = ("auto", "hybrid", "separate")
 ADV_ESTIMATORS = (
     "gae",
     "grpo",
@@ -477,9 +478,52 @@ class RolloutConfig(ConfigGroup):
     seed: int = option(-1, "Sampling seed; -1 uses the top-level seed.", ge=-1)
     stop_token_ids: list[int] = option([], "Token ids that end a response besides EOS.")
     backend: str = option("native", "Rollout server backend.", choices=ROLLOUT_BACKENDS)
-    replicas: int = option(1, "Rollout server replicas (processes) the RL trainer starts.", ge=1)
+    replicas: int = option(
+        0,
+        "Rollout server replicas the RL trainer starts; 0 = auto: one per gpus_per_replica of "
+        "the trainer's GPUs in hybrid placement, else 1.",
+        ge=0,
+    )
     urls: list[str] = option(
         [], "Already running rollout servers to use instead of starting replicas."
+    )
+    device: str = option(
+        "auto",
+        "Device the replicas serve on; auto = cuda when the trainer trains on CUDA, else cpu.",
+        choices=DEVICES,
+    )
+    dtype: str = option(
+        "auto",
+        "Weights and KV-cache dtype of the replicas, independent of the training dtype; auto = "
+        "bfloat16 on CUDA, model.dtype on CPU.",
+        choices=("auto", *FLOAT_DTYPES),
+    )
+    placement: str = option(
+        "auto",
+        "hybrid: each replica shares the GPUs of trainer ranks and sleeps while the engines "
+        "train (verl's default); separate: replicas get GPUs of their own. auto = hybrid on "
+        "CUDA, separate on CPU.",
+        choices=ROLLOUT_PLACEMENTS,
+    )
+    tensor_parallel_size: int = option(
+        1, "GPUs one replica shards its model over (vllm, sglang).", ge=1
+    )
+    gpus_per_replica: int = option(0, "GPUs each replica holds; 0 = tensor_parallel_size.", ge=0)
+    gpu_memory_utilization: float = option(
+        0.5,
+        "Fraction of each GPU a vllm/sglang replica may take (weights and KV cache); leave "
+        "room for training in hybrid placement.",
+        gt=0.0,
+        le=1.0,
+    )
+    max_model_len: int = option(
+        0, "Longest prompt + response a replica accepts; 0 = the model's own limit.", ge=0
+    )
+    enforce_eager: bool = option(
+        False, "vllm/sglang on CUDA: no CUDA graphs (slower decoding, faster start-up)."
+    )
+    enable_prefix_caching: bool = option(
+        True, "Reuse the KV cache of shared prompt prefixes (the n samples of one prompt)."
     )
     max_num_seqs: int = option(256, "Most sequences a native replica decodes at once.", ge=1)
     num_threads: int = option(
@@ -506,15 +550,32 @@ class RolloutConfig(ConfigGroup):
         choices=("staged", "inplace"),
     )
     sleep_during_training: bool = option(
-        False, "Release the replicas' KV cache while the engines train (colocated placement)."
+        False,
+        "Release the replicas' KV cache (and, on GPUs, their weights) while the engines train; "
+        "always on in hybrid placement.",
     )
     val_n: int = option(1, "Responses per validation prompt (k of mean@k / pass@k).", ge=1)
     val_temperature: float = option(0.0, "Validation sampling temperature; 0 means greedy.", ge=0.0)
 
     def validate(self) -> None:
-        """Reject top_k == 0, and a matmul dtype for a backend other than native."""
+        """Reject top_k == 0, native tensor parallelism, too few GPUs per replica, and so on.
+
+        A matmul dtype applies to the native backend only.
+        """
         if self.top_k == 0:
             raise ConfigError("invalid value 0; use -1 to turn top_k off, or k >= 1", key="top_k")
+        if self.tensor_parallel_size > 1 and self.backend == "native":
+            raise ConfigError(
+                f"{self.tensor_parallel_size}: the native backend serves a model on one device; "
+                "use backend vllm or sglang for tensor parallelism, or set it to 1",
+                key="tensor_parallel_size",
+            )
+        if self.gpus_per_replica and self.gpus_per_replica < self.tensor_parallel_size:
+            raise ConfigError(
+                f"{self.gpus_per_replica} is fewer than tensor_parallel_size "
+                f"({self.tensor_parallel_size}); each replica needs a GPU per shard",
+                key="gpus_per_replica",
+            )
         if self.matmul_dtype != "auto" and self.backend != "native":
             raise ConfigError(
                 f"applies to the native backend only (backend is {self.backend!r}); leave it "

@@ -371,7 +371,7 @@ class LocalBackend(Backend):
                 sys_path=sys_path,
                 init_distributed=init_distributed,
                 dist_timeout_s=dist_timeout_s,
-                use_gpu=pool.use_gpu,
+                use_gpu=pool.pins_gpu,
                 backend_kind="inline" if mode == "inline" else "local",
             )
             for rank in range(world)

@@ -144,7 +144,7 @@ class RayBackend(Backend):
                     sys_path=sys_path,
                     init_distributed=init_distributed,
                     dist_timeout_s=dist_timeout_s,
-                    use_gpu=pool.use_gpu,
+                    use_gpu=pool.pins_gpu,
                     backend_kind="ray",
                 )
                 actor = _RayHostActor.options(

@@ -52,6 +52,9 @@ class ResourcePool:
         max_colocate_count: how many worker processes may share one bundle (each takes an equal
             fraction of it). Colocated *roles* share one process and need no extra count.
         ready_timeout_s: how long to wait for the cluster to grant the reservation.
+        claim_device: whether each rank selects its GPU in its own process
+            (``torch.cuda.set_device``). ``False`` for ranks that hand their GPUs to a child
+            process (rollout replica servers) and must not hold a CUDA context themselves.
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class ResourcePool:
         strategy: str = "PACK",
         max_colocate_count: int = 1,
         ready_timeout_s: float = 60.0,
+        claim_device: bool = True,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"ResourcePool name must be a non-empty str, got {name!r}")
@@ -102,8 +106,11 @@ class ResourcePool:
         self.strategy = strategy
         self.max_colocate_count = max_colocate_count
         self.ready_timeout_s = float(ready_timeout_s)
+        self.claim_device = bool(claim_device)
         self._pg: Any = None
         self._rank_order: list[tuple[int, str]] | None = None
+        # Set on a pool made by share(): it places its ranks in this pool's bundles.
+        self._owner: ResourcePool | None = None
 
     def __repr__(self) -> str:
         return (
@@ -120,6 +127,43 @@ class ResourcePool:
     def use_gpu(self) -> bool:
         """Whether bundles request GPUs."""
         return self.gpus_per_worker > 0
+
+    @property
+    def pins_gpu(self) -> bool:
+        """Whether each rank's process selects its GPU (bundles with GPUs, ``claim_device``)."""
+        return self.use_gpu and self.claim_device
+
+    def share(self, name: str, *, claim_device: bool = False) -> ResourcePool:
+        """Return a pool whose rank ``i`` runs in this pool's ``i``-th rank bundle, beside it.
+
+        Hybrid placement: rollout replica processes run on the GPUs of the training ranks.
+        Each process of the new pool takes the same share of a bundle as this pool's workers
+        (``1 / max_colocate_count``; Ray then exposes the bundle's GPU to both), so this pool
+        needs ``max_colocate_count >= 2``. The new pool never reserves or releases anything:
+        its placement group is this pool's.
+
+        Raises:
+            ResourcePoolError: this pool leaves no room in its bundles (``max_colocate_count``
+                is 1).
+        """
+        if self.max_colocate_count < 2:
+            raise ResourcePoolError(
+                f"ResourcePool {self.name!r}: cannot share bundles with {name!r}: its workers "
+                "take whole bundles (create it with max_colocate_count >= 2)"
+            )
+        view = ResourcePool(
+            name,
+            self.num_workers,
+            cpus_per_worker=self.cpus_per_worker,
+            gpus_per_worker=self.gpus_per_worker,
+            resources_per_worker=self.resources_per_worker,
+            strategy=self.strategy,
+            max_colocate_count=self.max_colocate_count,
+            ready_timeout_s=self.ready_timeout_s,
+            claim_device=claim_device,
+        )
+        view._owner = self
+        return view
 
     def bundle(self) -> dict[str, float]:
         """Return the resources of one bundle, in Ray's bundle format."""
@@ -151,6 +195,8 @@ class ResourcePool:
         import ray
         from ray.util.placement_group import placement_group
 
+        if self._owner is not None:
+            return self._owner.placement_group()
         if self._pg is not None:
             return self._pg
         if not ray.is_initialized():
@@ -183,6 +229,8 @@ class ResourcePool:
         Ranks of one node are contiguous and nodes ordered by their lowest bundle index, so rank 0
         is on bundle 0's node.
         """
+        if self._owner is not None:
+            return self._owner.rank_bundles()
         if self._rank_order is not None:
             return self._rank_order
         from ray.util.placement_group import placement_group_table
@@ -208,7 +256,10 @@ class ResourcePool:
         return self._rank_order
 
     def release(self) -> None:
-        """Remove the placement group (its workers must be gone first); idempotent."""
+        """Remove the placement group (its workers must be gone first); idempotent.
+
+        A pool made by :meth:`share` releases nothing: the placement group is its owner's.
+        """
         if self._pg is None:
             return
         import ray

@@ -28,7 +28,7 @@ from polyrl.rollout.options import API_KEY_ENV, PARENT_FD_ENV
 if TYPE_CHECKING:
     from polyrl.rollout.server import AppExtension
 
-__all__ = ["SERVER_MODULE", "ServerProcess", "serve_command", "start_replicas"]
+__all__ = ["SERVER_MODULE", "ServerProcess", "serve_command", "start_processes", "start_replicas"]
 
 #: The module a replica process runs (``python -m``): the rollout server composed with the
 #: routes of the services around it (weight transfer), which the rollout service cannot import.
@@ -225,7 +225,13 @@ def start_replicas(
     """
     if not isinstance(count, int) or count < 1:
         raise ValueError(f"replica count must be an int >= 1, got {count!r}")
-    replicas = [ServerProcess(model_dir, **kwargs) for _ in range(count)]
+    return start_processes([ServerProcess(model_dir, **kwargs) for _ in range(count)], timeout)
+
+
+def start_processes(
+    replicas: Sequence[ServerProcess], timeout: float = 300.0
+) -> list[ServerProcess]:
+    """Spawn every replica, then wait for all of them; on failure every one is stopped."""
     try:
         for r in replicas:
             r.spawn()
@@ -235,7 +241,7 @@ def start_replicas(
         for r in replicas:
             r.stop()
         raise
-    return replicas
+    return list(replicas)
 
 
 def serve_command(

@@ -7,6 +7,7 @@ itself lives in :mod:`polyrl.trainer.rl.loop`.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,16 +20,27 @@ from polyrl.core.dtypes import dtype_name
 from polyrl.trainer.rl.rollout import response_cap
 
 __all__ = [
+    "RolloutServers",
     "check_config",
     "choose_transport",
     "engine_specs",
+    "gpus_per_replica",
     "load_datasets",
+    "local_replica_gpus",
+    "replica_count",
     "replica_options",
+    "replica_processes",
+    "rollout_device",
+    "rollout_dtype",
     "rollout_matmul_dtype",
+    "rollout_placement",
+    "sleeps_during_training",
     "start_engines",
+    "start_ray_replicas",
     "start_replicas",
     "start_transfer_queue",
     "trains_on_gpu",
+    "visible_gpus",
     "weight_transport",
 ]
 
@@ -38,6 +50,53 @@ def trains_on_gpu(cfg: PolyRLConfig) -> bool:
     return cfg.trainer.device == "cuda" or (
         cfg.trainer.device == "auto" and torch.cuda.is_available()
     )
+
+
+def rollout_device(cfg: PolyRLConfig) -> str:
+    """Where the replicas serve (``rollout.device``; auto follows the training engines)."""
+    if cfg.rollout.device != "auto":
+        return cfg.rollout.device
+    return "cuda" if trains_on_gpu(cfg) else "cpu"
+
+
+def rollout_placement(cfg: PolyRLConfig) -> str:
+    """``hybrid`` or ``separate`` (``rollout.placement``; auto is hybrid on CUDA)."""
+    if cfg.rollout.placement != "auto":
+        return cfg.rollout.placement
+    return "hybrid" if rollout_device(cfg) == "cuda" else "separate"
+
+
+def rollout_dtype(cfg: PolyRLConfig) -> str:
+    """Return the replicas' weights dtype (``rollout.dtype``; auto: bf16 on CUDA, else model's)."""
+    if cfg.rollout.dtype != "auto":
+        return cfg.rollout.dtype
+    return "bfloat16" if rollout_device(cfg) == "cuda" else cfg.model.dtype
+
+
+def gpus_per_replica(cfg: PolyRLConfig) -> int:
+    """GPUs one replica holds (0 on CPU)."""
+    if rollout_device(cfg) != "cuda":
+        return 0
+    return cfg.rollout.gpus_per_replica or cfg.rollout.tensor_parallel_size
+
+
+def replica_count(cfg: PolyRLConfig) -> int:
+    """How many replicas the trainer starts (``rollout.replicas``; 0 = auto).
+
+    Auto: in hybrid placement on GPUs, one replica per ``gpus_per_replica`` of the training
+    GPUs (every training GPU also serves), else one.
+    """
+    if cfg.rollout.replicas:
+        return cfg.rollout.replicas
+    per = gpus_per_replica(cfg)
+    if rollout_placement(cfg) == "hybrid" and per:
+        return max(1, cfg.trainer.world_size // per)
+    return 1
+
+
+def sleeps_during_training(cfg: PolyRLConfig) -> bool:
+    """Whether the replicas free their memory while the engines train (always in hybrid)."""
+    return cfg.rollout.sleep_during_training or rollout_placement(cfg) == "hybrid"
 
 
 def rollout_matmul_dtype(cfg: PolyRLConfig) -> str:
@@ -156,20 +215,25 @@ def replica_options(cfg: PolyRLConfig) -> dict[str, Any]:
     """Return the rollout backend's options for the replicas the trainer starts.
 
     ``rollout.*`` maps onto the backend's options dataclass by field name, so an option is
-    declared once there and once in the config; the values computed from other groups
-    (dtype, seed, thread count, matmul dtype) are set here. Unset (``None``) options are left
-    to the backend's defaults.
+    declared once there and once in the config (tensor parallel size, GPU memory share, enforce
+    eager, prefix caching, ...); the values resolved from ``auto`` or from other groups
+    (device, dtype, seed, thread count, matmul dtype, model length, sleep mode) are set here.
+    Unset (``None``) options are left to the backend's defaults.
     """
     from polyrl.rollout.base import backend_options_class
 
     ro = cfg.rollout
     options_class = backend_options_class(ro.backend)
     matmul = rollout_matmul_dtype(cfg)
+    dtype = rollout_dtype(cfg)
     computed = {
-        "dtype": cfg.model.dtype,
+        "dtype": dtype,
+        "device": rollout_device(cfg),
         "seed": cfg.seed_for("rollout"),
         "num_threads": ro.num_threads or None,  # 0: the launcher's share of the cores
-        "matmul_dtype": matmul if matmul != cfg.model.dtype else None,
+        "matmul_dtype": matmul if matmul != dtype else None,
+        "max_model_len": ro.max_model_len or None,  # 0: the model's own limit
+        "enable_sleep_mode": sleeps_during_training(cfg),
     }
     names = {f.name for f in dataclasses.fields(options_class)}
     options = constructor_kwargs(
@@ -200,47 +264,230 @@ def choose_transport(
     return "dist", {"backend": "gloo"}
 
 
-def weight_transport(cfg: PolyRLConfig, urls: Sequence[str]) -> tuple[str, dict[str, Any]]:
+@dataclasses.dataclass
+class RolloutServers:
+    """The rollout servers a run uses, and what the weight transport needs to know of them.
+
+    Attributes:
+        urls: the servers' URLs.
+        api_key: the key they require (``None``: none).
+        same_host: whether every server runs on the host of the sending engine rank.
+        placement: ``hybrid`` or ``separate`` (external servers count as separate).
+        group: the Ray worker group whose ranks run the servers (``None`` otherwise).
+    """
+
+    urls: list[str]
+    api_key: str | None = None
+    same_host: bool = True
+    placement: str = "separate"
+    group: Any = None
+
+    def close(self) -> None:
+        """Stop the servers of the Ray group and the group (before the engines' pools go)."""
+        group, self.group = self.group, None
+        if group is None:
+            return
+        try:
+            if group.is_alive:
+                group.stop_server()
+        finally:
+            group.shutdown()
+            group.pool.release()  # nothing for a pool shared with the engines
+
+
+def weight_transport(
+    cfg: PolyRLConfig, servers: RolloutServers, trainer_host: str = "127.0.0.1"
+) -> tuple[str, dict[str, Any]]:
     """Resolve ``rollout.weight_transport`` for this run's placement (``auto`` chooses).
 
-    The replicas share the trainer's host when their URLs are loopback addresses and the
-    engines are local processes or Ray runs on one node. A transport named explicitly is
-    used as named (``dist`` over NCCL when both sides train and serve on GPUs).
+    A transport named explicitly is used as named (``dist`` over NCCL when both sides train
+    and serve on GPUs). ``dist`` between hosts opens its rendezvous on ``trainer_host`` (the
+    sending rank's address); the servers' API key travels with every transport.
     """
+    trainer = "cuda" if trains_on_gpu(cfg) else "cpu"
+    rollout = rollout_device(cfg)
+    name = cfg.rollout.weight_transport
+    options: dict[str, Any] = {}
+    if name == "auto":
+        same_gpu = servers.placement == "hybrid" and servers.same_host
+        name, options = choose_transport(trainer, rollout, servers.same_host, same_gpu)
+    elif name == "dist" and trainer == rollout == "cuda":
+        options = {"backend": "nccl"}
+    if name == "dist" and not servers.same_host:
+        options["host"] = trainer_host
+    if servers.api_key:
+        options["api_key"] = servers.api_key
+    return name, options
+
+
+def visible_gpus() -> list[str]:
+    """Return this process's GPUs as ``CUDA_VISIBLE_DEVICES`` names them (all when unset)."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if value is not None:
+        return [g.strip() for g in value.split(",") if g.strip()]
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def local_replica_gpus(
+    placement: str, replicas: int, per_replica: int, engine_gpus: int, visible: Sequence[str]
+) -> list[list[str]]:
+    """Return the GPUs of each replica started as a subprocess on this machine.
+
+    The engine ranks use the first ``engine_gpus`` of ``visible`` (rank ``i`` on GPU ``i``).
+    Hybrid: replica ``i`` shares ``visible[i*g : (i+1)*g]`` with the ranks there; separate:
+    replicas take the GPUs after the engines'. ``g`` is ``per_replica``; 0 means CPU replicas
+    (no GPUs).
+
+    Raises:
+        ConfigError: the replicas do not fit on the GPUs.
+    """
+    if not per_replica:
+        return [[] for _ in range(replicas)]
+    need = replicas * per_replica
+    if placement == "hybrid":
+        first, room, where = 0, min(engine_gpus, len(visible)), "the trainer's"
+    else:
+        first, room, where = engine_gpus, len(visible) - engine_gpus, "spare"
+    if need > room:
+        raise ConfigError(
+            f"{replicas} replica(s) x {per_replica} GPU(s) need {need} GPUs but only {room} of "
+            f"this machine's {len(visible)} are {where} ({placement} placement); lower "
+            "rollout.replicas or rollout.gpus_per_replica",
+            key="rollout.replicas",
+        )
+    return [
+        list(visible[first + i * per_replica : first + (i + 1) * per_replica])
+        for i in range(replicas)
+    ]
+
+
+def replica_processes(
+    cfg: PolyRLConfig, model_dir: Path, visible: Sequence[str] | None = None
+) -> list[Any]:
+    """Return the replica subprocesses a run on one machine starts (not started yet).
+
+    Each gets the backend options of :func:`replica_options` and, on GPUs, its own
+    ``CUDA_VISIBLE_DEVICES`` (:func:`local_replica_gpus` over ``visible``, default
+    :func:`visible_gpus`).
+    """
+    from polyrl.rollout.launcher import ServerProcess
+
+    count = replica_count(cfg)
+    per = gpus_per_replica(cfg)
+    gpus = local_replica_gpus(
+        rollout_placement(cfg),
+        count,
+        per,
+        cfg.trainer.world_size,
+        visible_gpus() if visible is None and per else (visible or []),
+    )
+    options = replica_options(cfg)
+    return [
+        ServerProcess(
+            model_dir,
+            backend=cfg.rollout.backend,
+            options=options,
+            env={"CUDA_VISIBLE_DEVICES": ",".join(g)} if g else None,
+        )
+        for g in gpus
+    ]
+
+
+def _loopback(urls: Sequence[str]) -> bool:
     from urllib.parse import urlsplit
 
-    trainer = "cuda" if trains_on_gpu(cfg) else "cpu"
-    rollout = "cpu"  # the launched replicas serve on the CPU (rollout.device is issue 22)
-    loopback = all(urlsplit(u).hostname in ("127.0.0.1", "localhost", "::1") for u in urls)
-    one_node = True
-    if cfg.trainer.worker_backend == "ray":
-        import ray
-
-        one_node = not ray.is_initialized() or len([n for n in ray.nodes() if n["Alive"]]) <= 1
-    name = cfg.rollout.weight_transport
-    if name == "auto":
-        return choose_transport(trainer, rollout, same_host=loopback and one_node)
-    if name == "dist" and trainer == rollout == "cuda":
-        return name, {"backend": "nccl"}
-    return name, {}
+    return all(urlsplit(u).hostname in ("127.0.0.1", "localhost", "::1") for u in urls)
 
 
 def start_replicas(
-    cfg: PolyRLConfig, model_dir: Path, closers: list[Callable[[], None]]
-) -> list[str]:
-    """Start ``rollout.replicas`` rollout servers (unless ``rollout.urls`` names running ones).
+    cfg: PolyRLConfig,
+    model_dir: Path,
+    closers: list[Callable[[], None]],
+    engine_groups: Sequence[Any] = (),
+) -> RolloutServers:
+    """Start the run's rollout servers (unless ``rollout.urls`` names running ones).
 
-    Returns their URLs; each started server's stop is appended to ``closers``.
+    With the ``ray`` worker backend the servers run on Ray actors placed by a resource pool
+    (:func:`start_ray_replicas`); otherwise as subprocesses of this process
+    (:func:`replica_processes`). Each started server's stop goes to ``closers``.
     """
-    from polyrl.rollout.launcher import start_replicas as launch
+    from polyrl.rollout.options import API_KEY_ENV
 
     ro = cfg.rollout
     if ro.urls:
-        return list(ro.urls)
-    replicas = launch(model_dir, ro.replicas, backend=ro.backend, options=replica_options(cfg))
-    for replica in replicas:
-        closers.append(replica.stop)
-    return [str(r.url) for r in replicas]
+        return RolloutServers(
+            list(ro.urls), os.environ.get(API_KEY_ENV) or None, same_host=_loopback(ro.urls)
+        )
+    if cfg.trainer.worker_backend == "ray":
+        return start_ray_replicas(cfg, model_dir, closers, engine_groups)
+    from polyrl.rollout.launcher import start_processes
+
+    processes = replica_processes(cfg, model_dir)
+    start_processes(processes)
+    for process in processes:
+        closers.append(process.stop)
+    return RolloutServers([str(p.url) for p in processes], placement=rollout_placement(cfg))
+
+
+def start_ray_replicas(
+    cfg: PolyRLConfig,
+    model_dir: Path,
+    closers: list[Callable[[], None]],
+    engine_groups: Sequence[Any] = (),
+) -> RolloutServers:
+    """Start the rollout servers on Ray actors of a :class:`RolloutReplicaWorker` group.
+
+    Hybrid placement: one rank beside each rank of the first engine group, in the same bundles
+    (:meth:`~polyrl.controller.ResourcePool.share`); separate: a pool of its own with one bundle
+    of ``gpus_per_replica`` GPUs per replica. Servers bind their node's address and require a
+    key made for this run.
+    """
+    import secrets
+
+    from polyrl.controller import ResourcePool, WorkerGroup, WorkerSpec
+    from polyrl.workers.rollout_replica import RolloutReplicaWorker, replica_plans
+
+    placement = rollout_placement(cfg)
+    per = gpus_per_replica(cfg)
+    count = replica_count(cfg)
+    if placement == "hybrid":
+        if not engine_groups:
+            raise ValueError("hybrid placement on Ray starts the replicas beside the engines")
+        pool = engine_groups[0].pool.share("rl-rollout")
+        ranks_per_replica = max(per, 1)
+        if count * ranks_per_replica > pool.world_size:
+            raise ConfigError(
+                f"{count} replica(s) x {ranks_per_replica} GPU(s) exceed the {pool.world_size} "
+                "training ranks they share in hybrid placement; lower rollout.replicas",
+                key="rollout.replicas",
+            )
+    else:
+        pool = ResourcePool(
+            "rl-rollout",
+            count,
+            cpus_per_worker=1.0,
+            gpus_per_worker=float(per),
+            claim_device=False,
+        )
+        ranks_per_replica = 1
+    api_key = secrets.token_urlsafe(24)
+    spec = WorkerSpec(
+        RolloutReplicaWorker,
+        kwargs={
+            "model_dir": str(model_dir),
+            "backend": cfg.rollout.backend,
+            "options": replica_options(cfg),
+            "api_key": api_key,
+        },
+    )
+    group = WorkerGroup(spec, pool=pool, backend="ray", name="rl-rollout", init_distributed=False)
+    plans = replica_plans(group.placement(), ranks_per_replica)[:count]
+    trainer_node = engine_groups[0].worker_info[0].node_id if engine_groups else None
+    same_host = trainer_node is not None and all(p.node_id == trainer_node for p in plans)
+    servers = RolloutServers([], api_key, same_host, placement, group)
+    closers.append(servers.close)  # also called by the trainer before the engines stop
+    servers.urls = [u for u in group.start_server(plans) if u is not None]
+    return servers
 
 
 def engine_specs(
@@ -340,11 +587,18 @@ def start_engines(
         if not ray.is_initialized():
             from polyrl.trainer.sft import ray_init_options
 
-            ray.init(**ray_init_options(cfg))
+            options = ray_init_options(cfg)
+            if not use_gpu and "address" not in options and "num_cpus" not in options:
+                # On one CPU host the engines and the replica servers share the cores as they
+                # do without Ray; give Ray a CPU slot for each replica besides the engines'.
+                options["num_cpus"] = max(os.cpu_count() or 1, world + replica_count(cfg))
+            ray.init(**options)
             closers.append(ray.shutdown)
     layouts = (
         [specs] if cfg.trainer.placement == "colocated" else [{k: v} for k, v in specs.items()]
     )
+    # Hybrid placement: the replicas' Ray ranks run in the first group's bundles beside it.
+    shared = backend == "ray" and not cfg.rollout.urls and rollout_placement(cfg) == "hybrid"
     views: dict[str, Any] = {}
     groups: list[Any] = []
     for layout in layouts:
@@ -358,6 +612,7 @@ def start_engines(
                 world,
                 cpus_per_worker=1.0 if use_gpu else 1.0 / len(layouts),
                 gpus_per_worker=1.0 if use_gpu else 0.0,
+                max_colocate_count=2 if shared and not groups else 1,
             )
         else:
             kwargs["world_size"] = world

@@ -19,6 +19,7 @@ import torch
 from polyrl.config import PolyRLConfig
 from polyrl.core.batch import Batch
 from polyrl.core.rollout_batch import rollout_widths, widen_rollout_batch
+from polyrl.trainer.rl.build import sleeps_during_training
 from polyrl.trainer.rl.rollout import (
     RolloutProducer,
     derive_seed,
@@ -56,13 +57,13 @@ class Replicas:
         self.transport, self.transport_options = transport
 
     def sleep(self) -> None:
-        """Free the replicas' memory for training (``rollout.sleep_during_training``)."""
-        if self.cfg.rollout.sleep_during_training:
+        """Free the replicas' memory for training (see :func:`sleeps_during_training`)."""
+        if sleeps_during_training(self.cfg):
             self.producer.run(self.producer.client.sleep())
 
     def wake(self) -> None:
         """Undo :meth:`sleep` (nothing when the replicas do not sleep)."""
-        if self.cfg.rollout.sleep_during_training:
+        if sleeps_during_training(self.cfg):
             self.producer.run(self.producer.client.wake_up())
 
     def sync_weights(self, actor: Any, version: int) -> dict[str, float]:

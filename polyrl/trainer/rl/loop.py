@@ -50,9 +50,11 @@ import torch
 from polyrl.config import ConfigError, PolyRLConfig, save_config, to_dict
 from polyrl.core.batch import Batch
 from polyrl.trainer.rl.build import (
+    RolloutServers,
     check_config,
     engine_specs,
     load_datasets,
+    rollout_device,
     start_engines,
     start_replicas,
     start_transfer_queue,
@@ -117,6 +119,7 @@ class RLTrainer:
         self.out_dir = Path(cfg.trainer.output_dir)
         self._closers: list[Callable[[], None]] = []
         self._groups: list[Any] = []
+        self.servers: RolloutServers | None = None
         self.producer: RolloutProducer | None = None
         self.actor: Any = None
         self.ref: Any = None
@@ -173,21 +176,28 @@ class RLTrainer:
         self.total_steps = (
             cfg.trainer.total_steps or cfg.trainer.total_epochs * self.sampler.batches_per_epoch
         )
-        # The reward workers boot while the rollout replicas start.
+        # The reward workers boot while the engines and the rollout replicas start.
         rewards = reward_manager(cfg, self.reward_fn)
         self._closers.append(rewards.close)
-        urls = start_replicas(cfg, self.model_dir, self._closers)
-        self.producer = RolloutProducer.connect(cfg, urls, self.tokenizer, rewards)
-        self._closers.append(self.producer.close)
-        self.producer.run(self.producer.client.wait_ready(timeout=300.0))
-        _log(f"rollout: {len(urls)} {cfg.rollout.backend} replica(s) at {', '.join(urls)}")
-        # Engine worker groups.
+        # Engine worker groups first: in hybrid placement the replicas run beside their ranks.
         specs = engine_specs(cfg, self.model_dir, self.total_steps, self.use_ref, self.use_critic)
         views, self._groups = start_engines(cfg, specs, self._closers)
         self.actor, self.ref, self.critic = views["actor"], views.get("ref"), views.get("critic")
         for view in views.values():
             view.init_model()
-        transport = weight_transport(cfg, urls)
+        self.servers = start_replicas(cfg, self.model_dir, self._closers, self._groups)
+        urls = self.servers.urls
+        self.producer = RolloutProducer.connect(
+            cfg, urls, self.tokenizer, rewards, api_key=self.servers.api_key
+        )
+        self._closers.append(self.producer.close)
+        self.producer.run(self.producer.client.wait_ready(timeout=300.0))
+        _log(
+            f"rollout: {len(urls)} {cfg.rollout.backend} replica(s) on "
+            f"{rollout_device(cfg)}, {self.servers.placement} placement, at {', '.join(urls)}"
+        )
+        sender = self._groups[0].worker_info[0]
+        transport = weight_transport(cfg, self.servers, trainer_host=sender.node_ip)
         self.replicas = Replicas(cfg, urls, self.producer, transport)
         _log(
             f"engines: {', '.join(views)} on {cfg.trainer.world_size} rank(s), "
@@ -223,6 +233,7 @@ class RLTrainer:
             self.train_ds,
             queue,
             self.reward_fn,
+            self.servers.api_key if self.servers else None,
         )
         self._closers.append(workers.close)
         self.plane = QueuePlane(queue, workers)
@@ -490,6 +501,10 @@ class RLTrainer:
 
     def close(self) -> None:
         """Stop the worker groups, the rollout client and replicas, and the reward workers."""
+        if self.servers is not None:
+            # Replicas on Ray may run in the engines' bundles: they go first.
+            with contextlib.suppress(Exception):
+                self.servers.close()
         for group in self._groups:
             with contextlib.suppress(Exception):
                 if group.is_alive:

@@ -174,18 +174,24 @@ class RolloutProducer:
 
     @classmethod
     def connect(
-        cls, cfg: PolyRLConfig, urls: Sequence[str], tokenizer: Any, rewards: Any
+        cls,
+        cfg: PolyRLConfig,
+        urls: Sequence[str],
+        tokenizer: Any,
+        rewards: Any,
+        api_key: str | None = None,
     ) -> RolloutProducer:
         """Build a producer with its own event loop and client to ``urls``.
 
-        It scores with ``rewards`` (see :func:`reward_manager`) and closes them. The driver and
-        every transfer-queue rollout worker build theirs this way.
+        It scores with ``rewards`` (see :func:`reward_manager`) and closes them; ``api_key`` is
+        the servers' key. The driver and every transfer-queue rollout worker build theirs this
+        way.
         """
         from polyrl.rollout.client import RolloutClient
 
         producer = cls(
             cfg,
-            RolloutClient(list(urls), max_concurrency=512),
+            RolloutClient(list(urls), api_key=api_key, max_concurrency=512),
             tokenizer,
             rewards,
             asyncio.new_event_loop(),

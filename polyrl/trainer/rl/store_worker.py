@@ -138,6 +138,7 @@ class StoreRolloutWorker:
         dataset: the training prompts (an :class:`~polyrl.data.dataset.RLDataset`).
         queue: the transfer queue client.
         reward_fn: the trainer's reward function override (``None``: ``reward.*`` settings).
+        api_key: the rollout servers' key.
     """
 
     def __init__(
@@ -148,6 +149,7 @@ class StoreRolloutWorker:
         dataset: Any,
         queue: Any,
         reward_fn: Any = None,
+        api_key: str | None = None,
     ) -> None:
         from polyrl.models.loader import load_tokenizer
 
@@ -157,7 +159,7 @@ class StoreRolloutWorker:
         self.dataset = dataset
         tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
         self.producer = RolloutProducer.connect(
-            cfg, urls, tokenizer, reward_manager(cfg, reward_fn)
+            cfg, urls, tokenizer, reward_manager(cfg, reward_fn), api_key=api_key
         )
         # One scoring thread: the reward manager serves one call at a time.
         self._scorer = ThreadPoolExecutor(1, thread_name_prefix="polyrl-score")
