@@ -343,7 +343,7 @@ WORKER_BACKENDS = ("ray", "local")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 SFT_TRUNCATIONS = ("error", "filter", "right")
-ROLLOUT_BACKENDS = ("native", "vllm")
+ROLLOUT_BACKENDS = ("native", "vllm", "sglang")
 WEIGHT_TRANSPORTS = ("auto", "shm", "dist", "disk", "cuda_ipc")
 ADV_ESTIMATORS = (
     "gae",
