@@ -223,7 +223,8 @@ class SGLangOptions:
         startup_timeout: seconds to wait for the server to come up.
         warmup: send one tiny request in ``start()`` so the first real one is not slow.
         log_path: file for the server's output (default: a private temporary directory).
-        extra_args: more SGLang server flags (``$POLYRL_SGLANG_ARGS`` is appended too).
+        extra_args: more SGLang server flags, a list or one shell-syntax string
+            (``$POLYRL_SGLANG_ARGS`` is appended too).
         env: more environment variables for the server.
         metrics_interval: seconds between scrapes of SGLang's ``/metrics``.
         buffered_stream_interval: tokens per SGLang chunk when the caller does not stream.
@@ -723,8 +724,11 @@ class SGLangBackend:
 
     def __init__(self, model_dir: str | os.PathLike[str], **options: Any):
         check_backend_options("sglang", SGLangOptions, options)
-        if "extra_args" in options and options["extra_args"] is not None:
-            options["extra_args"] = tuple(options["extra_args"])
+        extra = options.get("extra_args")
+        if isinstance(extra, str):  # one string in shell syntax, as $POLYRL_SGLANG_ARGS
+            options["extra_args"] = tuple(shlex.split(extra))
+        elif extra is not None:
+            options["extra_args"] = tuple(extra)
         self.model_dir = Path(model_dir).expanduser().resolve()
         self.options = SGLangOptions(**{k: v for k, v in options.items() if v is not None})
         self._shapes = _model_shapes(self.model_dir)
@@ -1284,14 +1288,14 @@ class SGLangBackend:
         Running requests are retracted while SGLang loads and re-prefilled under the new
         weights after (SGLang flushes its radix cache).
         """
-        from polyrl.models.loader import safetensors_files
-
         new_version = self._next_version(version)
-        try:
-            safetensors_files(str(path))
-        except FileNotFoundError as exc:
-            raise InvalidRequestError(str(exc), param="path") from exc
-        path = str(Path(path).resolve())
+        weights = Path(path)
+        if not weights.is_dir() or not any(weights.glob("*.safetensors")):
+            raise InvalidRequestError(
+                f"weights path {str(path)!r} is not a directory holding *.safetensors files",
+                param="path",
+            )
+        path = str(weights.resolve())
         async with self._weights_lock:
             answer = await self._updating(
                 {"model_path": path, "weight_version": str(new_version), "flush_cache": True},
