@@ -755,3 +755,14 @@ def test_sleep_needs_memory_saver_when_launched(model_dir: Path) -> None:
     backend = SGLangBackend(model_dir)
     with pytest.raises(InvalidRequestError, match="enable_sleep_mode=true"):
         _run(backend.sleep())
+
+
+def test_weight_routes_stage_a_directory_for_sglang(model_dir: Path) -> None:
+    """The /weights/* routes stage transfers as a safetensors dir for update_weights(path)."""
+    from polyrl.weights.server_routes import register_weight_routes
+    from polyrl.weights.staging import SafetensorsDirTarget
+
+    app = FastAPI()
+    receiver = register_weight_routes(app, SGLangBackend(model_dir))
+    assert receiver is not None
+    assert isinstance(receiver.target, SafetensorsDirTarget)
