@@ -30,7 +30,11 @@ BackendFactory = Callable[..., RolloutBackend]
 #: module is imported, on first use, so ``import polyrl.rollout`` never pulls in torch.
 BACKENDS: Registry[BackendFactory] = Registry(
     "rollout backend",
-    lazy={"native": "polyrl.rollout.native.backend", "vllm": "polyrl.rollout.vllm_backend"},
+    lazy={
+        "native": "polyrl.rollout.native.backend",
+        "vllm": "polyrl.rollout.vllm_backend",
+        "sglang": "polyrl.rollout.sglang_backend",
+    },
 )
 register_backend = BACKENDS.register
 available_backends = BACKENDS.names

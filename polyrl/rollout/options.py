@@ -65,7 +65,9 @@ def add_listen_arguments(parser: argparse.ArgumentParser, default_port: int = 80
         "--port", type=int, default=default_port, help=f"port (default {default_port}; 0 = any)"
     )
     parser.add_argument(
-        "--backend", default="native", help="inference backend: native (default) or vllm"
+        "--backend",
+        default="native",
+        help="inference backend: native (default), vllm or sglang",
     )
     parser.add_argument(
         "--ready-file",
