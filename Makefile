@@ -30,8 +30,8 @@ test-fast: $(STAMP)
 # ruff (style, docstrings, imports) and import-linter (the layer contracts in pyproject.toml:
 # a service imports only the core and the model definitions, never another service).
 lint: $(STAMP)
-	$(VENV)/bin/ruff check polyrl tests benchmarks
-	$(VENV)/bin/ruff format --check polyrl tests benchmarks
+	$(VENV)/bin/ruff check polyrl tests tests_gpu benchmarks
+	$(VENV)/bin/ruff format --check polyrl tests tests_gpu benchmarks
 	$(VENV)/bin/lint-imports
 
 clean-venv:
@@ -66,3 +66,15 @@ RL_STEP_BF16_ARGS = --bf16 --polyrl-override actor.share_prefix=true \
 bench-rl-step-bf16: $(STAMP)
 	bash scripts/setup_trl_venv.sh
 	$(PY) benchmarks/rl_step.py $(RL_STEP_BF16_ARGS)
+
+# On a machine with CUDA, offline (e.g. the lent GPU box, from the repo root): tests_gpu and
+# benchmarks/gpu_step.py on the system torch, with the wheels that `make gpu-wheels` downloads
+# into gpu_wheels/ where PyPI is reachable (carry that folder). Report: $OUT/gpu_report.md or
+# outputs/gpu_report.md. Not part of `make test`; needs no .venv. GPU_STAGES picks stages.
+GPU_STAGES ?=
+.PHONY: test-gpu gpu-wheels
+test-gpu:
+	bash scripts/gpu_check.sh $(GPU_STAGES)
+
+gpu-wheels:
+	bash scripts/gpu_wheels.sh

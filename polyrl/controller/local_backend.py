@@ -356,7 +356,12 @@ class LocalBackend(Backend):
         self.mode = mode
         self._executor = cf.ThreadPoolExecutor(2, thread_name_prefix=f"polyrl-{self.group_name}")
         # Same format as the ray backend: classes defined in a script's __main__ travel by value.
-        from ray import cloudpickle
+        # Ray's vendored copy when Ray is installed, else the standalone package: the local
+        # backend must run where Ray is not (e.g. a GPU box with only the local path's wheels).
+        try:
+            from ray import cloudpickle
+        except ImportError:
+            import cloudpickle
 
         roles_blob = cloudpickle.dumps(roles)
         sys_path = driver_import_path()
