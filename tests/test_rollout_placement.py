@@ -25,6 +25,7 @@ from polyrl.trainer.rl.build import (
     sleeps_during_training,
     weight_transport,
 )
+from polyrl.weights.base import CUDA_IPC_ENV
 
 GPU_RUN = ["trainer.device=cuda", "trainer.worker_backend=local"]
 
@@ -91,9 +92,15 @@ def test_local_replica_gpus_refuses_replicas_that_do_not_fit():
 def test_native_replicas_on_gpus_get_their_device_dtype_and_gpus(tmp_path):
     cfg = load_config("demo", [*GPU_RUN, "trainer.n_gpus_per_node=2"])
     processes = replica_processes(cfg, tmp_path, visible=["2", "3"])
+    # Each replica sees its own GPU, and may map the trainer's CUDA IPC handles (auto
+    # transport in hybrid placement).
     assert [p.env for p in processes] == [
-        {"CUDA_VISIBLE_DEVICES": "2"},
-        {"CUDA_VISIBLE_DEVICES": "3"},
+        {"CUDA_VISIBLE_DEVICES": "2", CUDA_IPC_ENV: "1"},
+        {"CUDA_VISIBLE_DEVICES": "3", CUDA_IPC_ENV: "1"},
+    ]
+    nccl = load_config("demo", [*GPU_RUN, "rollout.weight_transport=dist"])
+    assert [p.env for p in replica_processes(nccl, tmp_path, visible=["0"])] == [
+        {"CUDA_VISIBLE_DEVICES": "0"}
     ]
     for process in processes:
         assert process.command[process.command.index("--backend") + 1] == "native"

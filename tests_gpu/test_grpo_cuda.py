@@ -35,8 +35,6 @@ def run_demo(out: Path, overrides: list[str], timeout: float) -> subprocess.Comp
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
-        # The replica maps the trainer's CUDA-IPC buckets only when told to (they are pickles).
-        "POLYRL_WEIGHTS_CUDA_IPC": "1",
         "PYTHONUNBUFFERED": "1",
     }
     command = [
@@ -64,6 +62,9 @@ def test_colocated_grpo_on_one_gpu_raises_the_reward(tmp_path):
     out = tmp_path / "demo"
     proc = run_demo(out, GPU_OVERRIDES + [f"trainer.total_steps={RL_STEPS}"], timeout=560)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
+    # auto picks CUDA IPC: the replica shares the trainer's GPU (and the trainer lets it map
+    # the handles).
+    assert "weights over cuda_ipc" in proc.stdout + proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     records = rl_scores(out)
     assert [r["step"] for r in records] == list(range(1, RL_STEPS + 1))

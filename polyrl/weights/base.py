@@ -22,6 +22,7 @@ from polyrl.core.registry import Registry
 
 __all__ = [
     "ALIGN",
+    "CUDA_IPC_ENV",
     "TRANSPORTS",
     "BucketMeta",
     "TensorMeta",
@@ -35,6 +36,10 @@ __all__ = [
     "register_transport",
     "registered_transports",
 ]
+
+#: A rollout server accepts ``cuda_ipc`` buckets only with this variable set to ``1``: their
+#: handles are pickles, i.e. code execution for whoever may POST to it (trusted senders only).
+CUDA_IPC_ENV = "POLYRL_WEIGHTS_CUDA_IPC"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

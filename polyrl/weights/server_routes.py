@@ -39,7 +39,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from polyrl.weights.base import BucketMeta, WeightTransferError
+from polyrl.weights.base import CUDA_IPC_ENV, BucketMeta, WeightTransferError
 from polyrl.weights.receiver import LoadFnTarget, NameMap, WeightReceiver, WeightTarget
 from polyrl.weights.transports import make_group, read_bucket_file
 
@@ -246,9 +246,9 @@ def _read_source(
     elif kind == "cuda_ipc":
         # UNTESTED (no GPU where this was written): map the sender's CUDA buffer by handle.
         # The handle is a pickle, i.e. code execution for whoever can POST here: opt-in only.
-        if os.environ.get("POLYRL_WEIGHTS_CUDA_IPC") != "1":
+        if os.environ.get(CUDA_IPC_ENV) != "1":
             raise WeightTransferError(
-                "cuda_ipc buckets are refused: set POLYRL_WEIGHTS_CUDA_IPC=1 on the rollout "
+                f"cuda_ipc buckets are refused: set {CUDA_IPC_ENV}=1 on the rollout "
                 "server to accept them (their handles are pickles; trusted senders only)"
             )
         import base64

@@ -95,6 +95,8 @@ class RolloutReplicaWorker(Worker):
         backend: rollout backend name.
         options: backend options (see :func:`polyrl.trainer.rl.build.replica_options`).
         api_key: the key servers bound beyond loopback require.
+        env: environment variables of the servers (their ``CUDA_VISIBLE_DEVICES`` is added
+            from the replica plan).
         start_timeout: seconds a server may take to get ready.
     """
 
@@ -104,12 +106,14 @@ class RolloutReplicaWorker(Worker):
         backend: str,
         options: Mapping[str, Any],
         api_key: str | None = None,
+        env: Mapping[str, str] | None = None,
         start_timeout: float = 600.0,
     ) -> None:
         self.model_dir = model_dir
         self.backend = backend
         self.options = dict(options)
         self.api_key = api_key
+        self.env = dict(env or {})
         self.start_timeout = start_timeout
         self.server: ServerProcess | None = None
 
@@ -132,7 +136,9 @@ class RolloutReplicaWorker(Worker):
             raise ValueError(
                 f"a replica bound to {plan.host} must require an API key; none was given"
             )
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(plan.gpus)} if plan.gpus else {}
+        env = dict(self.env)
+        if plan.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(plan.gpus)
         self.server = ServerProcess(
             self.model_dir,
             backend=self.backend,

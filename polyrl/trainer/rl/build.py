@@ -28,6 +28,7 @@ __all__ = [
     "load_datasets",
     "local_replica_gpus",
     "replica_count",
+    "replica_env",
     "replica_options",
     "replica_processes",
     "rollout_device",
@@ -361,6 +362,21 @@ def local_replica_gpus(
     ]
 
 
+def replica_env(cfg: PolyRLConfig, gpus: Sequence[str]) -> dict[str, str]:
+    """Return the environment a replica on ``gpus`` runs with (besides the inherited one).
+
+    Its ``CUDA_VISIBLE_DEVICES``; and, for the trainer's own CUDA replicas when the transport
+    may be ``cuda_ipc``, the opt-in that lets them map the trainer's IPC handles (the servers
+    only take requests from this run: loopback, or its API key).
+    """
+    from polyrl.weights.base import CUDA_IPC_ENV
+
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else {}
+    if rollout_device(cfg) == "cuda" and cfg.rollout.weight_transport in ("auto", "cuda_ipc"):
+        env[CUDA_IPC_ENV] = "1"
+    return env
+
+
 def replica_processes(
     cfg: PolyRLConfig, model_dir: Path, visible: Sequence[str] | None = None
 ) -> list[Any]:
@@ -387,7 +403,7 @@ def replica_processes(
             model_dir,
             backend=cfg.rollout.backend,
             options=options,
-            env={"CUDA_VISIBLE_DEVICES": ",".join(g)} if g else None,
+            env=replica_env(cfg, g),
         )
         for g in gpus
     ]
@@ -478,6 +494,7 @@ def start_ray_replicas(
             "backend": cfg.rollout.backend,
             "options": replica_options(cfg),
             "api_key": api_key,
+            "env": replica_env(cfg, []),
         },
     )
     group = WorkerGroup(spec, pool=pool, backend="ray", name="rl-rollout", init_distributed=False)
