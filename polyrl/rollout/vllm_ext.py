@@ -148,53 +148,50 @@ def open_cuda_ipc(handle: str, device_uuid: str | None = None) -> Any:
 def iter_shared(layout: dict[str, Any], tie_lm_head: bool) -> Iterator[tuple[str, Any]]:
     """Yield ``(name, tensor)`` for every tensor of a layout (see the module doc), in order.
 
-    Segment tensors are views of the mapped files (no copy); the mappings are closed once the
-    iteration ends. The tied output head is handled as in :func:`with_tied_head`.
+    Segment tensors are views of the mapped files (no copy). A mapping is never closed here:
+    ``torch.frombuffer`` views keep its object alive, and it is unmapped when the last view
+    (one the model kept, say) is gone -- closing it earlier would leave them dangling. The
+    tied output head is handled as in :func:`with_tied_head`.
     """
     import torch
 
-    maps: list[mmap.mmap] = []
     views: list[Any] = []
+    for seg in layout.get("segments", ()):
+        size = int(seg["size"])
+        fd = os.open(str(seg["path"]), os.O_RDWR)
+        try:
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED) if size else None
+        finally:
+            os.close(fd)
+        views.append(
+            None if mapping is None else torch.frombuffer(mapping, dtype=torch.uint8, count=size)
+        )
+
+    def tensors() -> Iterator[tuple[str, Any]]:
+        for entry in layout["tensors"]:
+            name = str(entry["name"])
+            dtype = getattr(torch, str(entry["dtype"]))
+            shape = [int(d) for d in entry["shape"]]
+            if "cuda_ipc" in entry:
+                tensor = open_cuda_ipc(str(entry["cuda_ipc"]), entry.get("device_uuid"))
+                yield name, tensor.view(dtype).view(shape)
+                continue
+            numel = 1
+            for d in shape:
+                numel *= d
+            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            start = int(entry["offset"])
+            flat = views[int(entry["segment"])]
+            if flat is None or start < 0 or start + nbytes > flat.numel():
+                raise ValueError(
+                    f"tensor {name!r} ({nbytes} bytes at {start}) lies outside its segment"
+                )
+            yield name, flat[start : start + nbytes].view(dtype).view(shape)
+
     try:
-        for seg in layout.get("segments", ()):
-            size = int(seg["size"])
-            fd = os.open(str(seg["path"]), os.O_RDWR)
-            try:
-                mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-            finally:
-                os.close(fd)
-            maps.append(mapping)
-            views.append(torch.frombuffer(mapping, dtype=torch.uint8, count=size) if size else None)
-
-        def tensors() -> Iterator[tuple[str, Any]]:
-            for entry in layout["tensors"]:
-                name = str(entry["name"])
-                dtype = getattr(torch, str(entry["dtype"]))
-                shape = [int(d) for d in entry["shape"]]
-                if "cuda_ipc" in entry:
-                    tensor = open_cuda_ipc(str(entry["cuda_ipc"]), entry.get("device_uuid"))
-                    yield name, tensor.view(dtype).view(shape)
-                    continue
-                numel = 1
-                for d in shape:
-                    numel *= d
-                nbytes = numel * torch.empty((), dtype=dtype).element_size()
-                start = int(entry["offset"])
-                flat = views[int(entry["segment"])]
-                if flat is None or start < 0 or start + nbytes > flat.numel():
-                    raise ValueError(
-                        f"tensor {name!r} ({nbytes} bytes at {start}) lies outside its segment"
-                    )
-                yield name, flat[start : start + nbytes].view(dtype).view(shape)
-
         yield from with_tied_head(tensors(), tie_lm_head)
     finally:
-        views.clear()
-        for mapping in maps:
-            try:
-                mapping.close()
-            except BufferError:  # the model kept a view: the mapping dies with it
-                pass
+        views.clear()  # the mappings go with the last view of them
 
 
 class PolyrlWorkerExtension:
