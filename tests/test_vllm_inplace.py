@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ import torch
 from fastapi import FastAPI
 from safetensors.torch import save_file
 from test_weights_core import LoopbackTransport
+from test_weights_staging import DirBackend
 
 from polyrl.core.arena import SharedArena
 from polyrl.core.rollout_api import InvalidRequestError
@@ -250,16 +250,13 @@ def test_a_layout_pointing_outside_its_segment_is_refused():
 # ----------------------------------------------------------------- SharedArenaTarget
 
 
-class MemoryBackend:
+class MemoryBackend(DirBackend):
     """A stand-in for vLLM: ``load_weights`` packs and reads as the worker would."""
 
     def __init__(self, model_dir: Path, dtype: str = "float32"):
-        self.model_dir = model_dir
+        super().__init__(model_dir, tied=True)
         self.dtype = dtype
-        self.weight_version = 0
-        self.weights: dict[str, torch.Tensor] = {}
         self.loads: list[dict[str, Any]] = []
-        self.calls: list[str] = []
         self.weight_load = "memory"
 
     def serving_dtype(self) -> str:
@@ -275,30 +272,6 @@ class MemoryBackend:
             packed.close()
         self.weight_version = self.weight_version + 1 if version is None else version
         return self.weight_version
-
-    async def update_weights(self, path, version=None) -> int:
-        raise AssertionError("the memory path must not reload from a directory")
-
-    async def abort(self, ids) -> int:
-        self.calls.append("abort")
-        return 0
-
-    async def pause(self) -> None:
-        self.calls.append("pause")
-
-    async def resume(self) -> None:
-        self.calls.append("resume")
-
-
-@pytest.fixture
-def loop():
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
-    loop.close()
 
 
 def arena_setup(model_dir: Path, loop, tmp_path: Path, dtype: str = "float32"):

@@ -8,9 +8,10 @@ How each :class:`~polyrl.core.rollout_api.RolloutBackend` method maps onto the v
 
 * ``start`` -- launches vLLM's OpenAI server (``.venv-vllm/bin/python -m
   vllm.entrypoints.launchers.api_server.entry --model MODEL_DIR``) on 127.0.0.1, a free port,
-  with ``VLLM_SERVER_DEV_MODE=1`` (for the control endpoints below),
-  ``VLLM_CPU_OMP_THREADS_BIND`` (default: the cores this process may run on), an explicit
-  KV-cache size, ``--logprobs-mode processed_logprobs`` and the worker extension of
+  with ``VLLM_SERVER_DEV_MODE=1`` (for the control endpoints below), on CPU
+  ``VLLM_CPU_OMP_THREADS_BIND`` (default: the cores this process may run on) and an explicit
+  KV-cache size, on CUDA the GPU flags of :class:`VLLMOptions` and the inherited
+  ``CUDA_VISIBLE_DEVICES``, ``--logprobs-mode processed_logprobs`` and the worker extension of
   :mod:`polyrl.rollout.vllm_ext`; waits for ``/health``, then sends one warm-up request (the
   first forward pass on CPU takes ~15-25 s) so that it is not paid by the first real request.
   The child gets ``SIGTERM`` if this process dies, and lives in its own process group, which
@@ -29,14 +30,21 @@ How each :class:`~polyrl.core.rollout_api.RolloutBackend` method maps onto the v
 * ``pause``/``resume`` -- a gate in this backend holds new requests, and vLLM's
   ``POST /pause?mode=keep`` freezes in-flight ones where they are (``/resume`` undoes both).
 * ``sleep``/``wake_up`` -- in-flight requests are aborted, then vLLM's ``/sleep?level=L`` and
-  ``/wake_up?tags=...``; while asleep ``generate`` answers 503. vLLM's CPU worker keeps its
-  memory while "asleep" (it logs that sleep mode is unsupported), so on CPU this only gates.
-  After ``sleep(level=2)`` the weights count as discarded until ``update_weights``.
+  ``/wake_up?tags=...``; while asleep ``generate`` answers 503. On CUDA with
+  ``enable_sleep_mode`` this frees GPU memory (level 1 offloads the weights to CPU memory,
+  level 2 discards them; both drop the KV cache); on CUDA without it vLLM is not called and
+  this only gates. vLLM's CPU worker keeps its memory while "asleep" (it logs that sleep mode
+  is unsupported), so on CPU this only gates too. After ``sleep(level=2)`` the weights count as
+  discarded until ``update_weights`` or ``load_weights``.
 * ``update_weights`` -- pauses vLLM, calls the worker extension's ``polyrl_reload_weights``
   through ``POST /collective_rpc`` (which runs the model runner's ``reload_weights(...,
   is_checkpoint_format=True)`` and, for tied embeddings, sends ``lm_head.weight`` explicitly),
   drops the prefix cache (running requests are re-prefilled under the new weights), resumes,
   and bumps the weight version this backend reports on every token from then on.
+* ``load_weights`` -- the same switch from tensors in memory: CPU tensors in POSIX shared
+  memory, CUDA tensors as CUDA IPC handles (:mod:`polyrl.rollout.vllm_weights`), loaded by the
+  extension's ``polyrl_load_shared``; no file is written. ``/weights/*`` transfers use it
+  unless ``weight_load="disk"``.
 * ``stats`` -- request, token and TTFT counters kept here, plus KV-cache use, prefix-cache hits
   and preemptions scraped from vLLM's ``/metrics`` every ``metrics_interval`` seconds.
 
