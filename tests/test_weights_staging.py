@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 from pathlib import Path
 
 import pytest
@@ -53,17 +52,6 @@ class DirBackend:
 
     async def resume(self) -> None:
         self.calls.append("resume")
-
-
-@pytest.fixture
-def loop():
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
-    loop.close()
 
 
 def checkpoint(tmp_path: Path, seed: int) -> dict[str, torch.Tensor]:

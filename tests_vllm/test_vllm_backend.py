@@ -349,6 +349,54 @@ def test_update_weights_switches_and_matches_hf(
     aio.run(go())
 
 
+def checkpoint_pairs(model: Path) -> list[tuple[str, torch.Tensor]]:
+    """Return the tensors of a safetensors model directory, as CPU tensors."""
+    from safetensors import safe_open
+
+    pairs = []
+    for path in sorted(model.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                pairs.append((name, f.get_tensor(name)))
+    return pairs
+
+
+def test_load_weights_from_memory_matches_hf(
+    backend: VLLMBackend, model_dir: Path, model_dir_v2: Path, aio: Any
+) -> None:
+    """Tensors handed over in shared memory switch vLLM in place; no file is left behind."""
+
+    def arenas() -> set[str]:
+        return {p.name for p in Path("/dev/shm").glob(f"polyrl-arena-{os.getpid()}-*")}
+
+    async def go() -> None:
+        before = arenas()
+        v0 = backend.weight_version
+        v1 = await backend.load_weights(checkpoint_pairs(model_dir_v2))
+        assert v1 == v0 + 1 == backend.weight_version
+        for prompt in PROMPTS:
+            out = await run_one(backend, prompt, **greedy())
+            ref_ids, ref_lps = hf_greedy(model_dir_v2, prompt, 12)
+            assert out.outputs[0].output_ids == ref_ids
+            assert out.outputs[0].logprobs == pytest.approx(ref_lps, abs=2e-3)
+            assert out.weight_version == v1
+        # A wrong set never reaches vLLM.
+        with pytest.raises(InvalidRequestError, match="missing"):
+            await backend.load_weights(checkpoint_pairs(model_dir)[:-1])
+        assert backend.weight_version == v1
+        # And back, as bfloat16 tensors on the way (vLLM casts them to its float32).
+        pairs = [(n, t.to(torch.bfloat16)) for n, t in checkpoint_pairs(model_dir)]
+        assert await backend.load_weights(pairs, version=v1 + 4) == v1 + 4
+        out = await run_one(backend, PROMPTS[1], **greedy())
+        assert out.weight_version == v1 + 4
+        await backend.update_weights(str(model_dir))  # exact weights for the tests after
+        out = await run_one(backend, PROMPTS[1], **greedy())
+        assert out.outputs[0].output_ids == hf_greedy(model_dir, PROMPTS[1], 12)[0]
+        assert arenas() <= before  # each shared segment went after its load
+
+    aio.run(go())
+
+
 def test_sleep_and_wake_up(backend: VLLMBackend, model_dir: Path, aio: Any) -> None:
     """Asleep the backend answers 503; level 2 needs new weights before serving again."""
 

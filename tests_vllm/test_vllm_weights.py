@@ -1,7 +1,10 @@
 """Weight transfer engine → the polyrl server with ``--backend vllm`` (CPU, tiny model).
 
-The server (a subprocess) fronts a real vLLM server; ``/weights/*`` stages each transfer as a
-safetensors directory and reloads it into vLLM once, at commit. Run with ``make test-vllm``.
+The server (a subprocess) fronts a real vLLM server. Every test runs against both ways a
+transfer reaches vLLM (the ``weight_load`` option): ``memory`` (the default) receives into a
+shared-memory arena that vLLM's worker reads in place at commit, writing no file; ``disk``
+stages a safetensors directory and reloads it into vLLM once, at commit. Run with
+``make test-vllm``.
 """
 
 from __future__ import annotations
@@ -26,13 +29,19 @@ pytestmark = pytest.mark.slow
 BUCKET_MB = 0.25  # the tiny model is ~1 MB: several buckets, tensors split across them
 
 
+@pytest.fixture(scope="module", params=["memory", "disk"])
+def weight_load(request: pytest.FixtureRequest) -> str:
+    """How transfers reach vLLM: ``memory`` (in place, no file) or ``disk`` (staged dir)."""
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def server(model_dir: Path, vllm_venv: Path) -> Iterator[str]:
+def server(model_dir: Path, vllm_venv: Path, weight_load: str) -> Iterator[str]:
     """Start the polyrl HTTP server with the vLLM backend in its own process; yield its URL."""
     proc = ServerProcess(
         model_dir,
         backend="vllm",
-        options={"dtype": "float32"},
+        options={"dtype": "float32", "weight_load": weight_load},
         env={"POLYRL_VLLM_VENV": str(vllm_venv)},
     )
     try:
@@ -88,8 +97,12 @@ def staging_dirs() -> list[str]:
     return sorted(p.name for p in Path("/dev/shm").glob("polyrl-stage-*"))
 
 
-def test_updates_over_shm_disk_and_dist_switch_vllm(server, model_dir, model_dir_v2):
-    """An update from a model engine (or a checkpoint) changes vLLM's greedy outputs to HF's."""
+def test_updates_over_shm_disk_and_dist_switch_vllm(server, weight_load, model_dir, model_dir_v2):
+    """An update from a model engine (or a checkpoint) changes vLLM's greedy outputs to HF's.
+
+    With ``weight_load="memory"`` no safetensors directory is ever written: the tensors land in
+    the replica's shared arena, which vLLM's worker reads in place.
+    """
     start = version(server)
     assert (
         generate(server, PROMPTS[1])["outputs"][0]["output_ids"]
@@ -100,11 +113,13 @@ def test_updates_over_shm_disk_and_dist_switch_vllm(server, model_dir, model_dir
     # the receiver while a commit waits for vLLM's reload on that same loop.
     stop = threading.Event()
     polls: list[int] = []
+    staged: set[str] = set()  # staging directories seen while the transfers ran
 
     def poll() -> None:
         with httpx.Client(base_url=server, timeout=120) as client:
             while not stop.is_set():
                 polls.append(client.get("/weights/status").status_code)
+                staged.update(set(staging_dirs()) - set(before))
                 time.sleep(0.005)
 
     poller = threading.Thread(target=poll, daemon=True)
@@ -119,15 +134,28 @@ def test_updates_over_shm_disk_and_dist_switch_vllm(server, model_dir, model_dir
                 engine.close()
         else:
             stats = send(kind, server, checkpoint_tensors(model))
-        assert stats.buckets > 2, kind
+        if kind == "shm" and weight_load == "memory":
+            # Same host: the sender writes every tensor straight into the offered arena.
+            assert stats.direct_tensors == stats.tensors > 0 and stats.buckets == 0, stats
+        else:
+            assert stats.buckets > 2, kind
         assert stats.replica_versions == [start + i] == [version(server)], kind
         assert_serves(server, model, start + i)
-        last = httpx.get(server + "/weights/status").json()["last"]
-        assert last["outcome"] == "committed", kind
+        status = httpx.get(server + "/weights/status").json()
+        assert status["last"]["outcome"] == "committed", kind
+        if weight_load == "memory":
+            # The arena (the model, once, in float32) stays for the next transfer.
+            assert status["held_bytes"] >= sum(
+                t.numel() * 4 for _, t in checkpoint_tensors(model_dir)
+            ), kind
     stop.set()
     poller.join(30)
     assert len(polls) > 10 and set(polls) == {200}
     assert set(staging_dirs()) <= set(before)  # each staging directory went after its reload
+    if weight_load == "memory":
+        assert staged == set()  # no safetensors directory, not even for a moment
+    else:
+        assert staged  # the disk path really staged directories
 
 
 def test_interrupted_transfers_keep_the_old_version_then_a_retry_succeeds(

@@ -27,7 +27,14 @@ import torch
 from polyrl.core.errors import WeightTransferError
 from polyrl.core.shm import shm_root, sweep_dead
 
-__all__ = ["ARENA_PREFIX", "ArenaWriter", "SharedArena", "default_arena_root", "sweep_dead"]
+__all__ = [
+    "ARENA_PREFIX",
+    "ArenaWriter",
+    "SharedArena",
+    "arena_of",
+    "default_arena_root",
+    "sweep_dead",
+]
 
 #: File-name prefix of arenas; the creating process's pid follows it.
 ARENA_PREFIX = "polyrl-arena-"
@@ -113,6 +120,16 @@ class SharedArena:
 
     def __del__(self) -> None:
         self.unlink()
+
+
+def arena_of(tensor: torch.Tensor) -> SharedArena | None:
+    """Return the live arena of this process that holds ``tensor``'s memory, or ``None``."""
+    if tensor.device.type != "cpu":
+        return None
+    for arena in list(_LIVE):
+        if not arena._unlinked and arena.contains(tensor):
+            return arena
+    return None
 
 
 @atexit.register

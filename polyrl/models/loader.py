@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import struct
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,15 @@ from transformers import (
 
 from polyrl.core.dtypes import resolve_dtype
 
-__all__ = ["checkpoint_shapes", "load_causal_lm", "load_tokenizer", "safetensors_files"]
+__all__ = [
+    "checkpoint_dtypes",
+    "checkpoint_shapes",
+    "load_causal_lm",
+    "load_tokenizer",
+    "missing_weights",
+    "safetensors_files",
+    "weight_mismatch",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -194,3 +203,58 @@ def checkpoint_shapes(model_dir: str | os.PathLike[str]) -> dict[str, tuple[int,
             if name != "__metadata__":
                 shapes[name] = tuple(int(d) for d in entry["shape"])
     return shapes
+
+
+#: safetensors header dtype codes → torch dtype names.
+_ST_DTYPE_NAMES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+
+
+def checkpoint_dtypes(model_dir: str | os.PathLike[str]) -> dict[str, str]:
+    """Names and torch dtype names (``float32``, ...) of a safetensors model directory's tensors."""
+    dtypes: dict[str, str] = {}
+    for file in safetensors_files(str(model_dir)):
+        for name, entry in _read_header(file).items():
+            if name != "__metadata__":
+                code = str(entry["dtype"])
+                dtypes[name] = _ST_DTYPE_NAMES.get(code, code.lower())
+    return dtypes
+
+
+_LM_HEAD = "lm_head.weight"
+
+
+def weight_mismatch(
+    expected: dict[str, tuple[int, ...]], name: str, shape: Sequence[int]
+) -> str | None:
+    """Why tensor ``name`` of ``shape`` does not fit a checkpoint's ``expected`` shapes, or None.
+
+    A tied output head (``lm_head.weight`` where the checkpoint has only the input embedding,
+    as Hugging Face saves tied models) is accepted.
+    """
+    want = expected.get(name)
+    if want is None:
+        if name == _LM_HEAD and any(n.endswith("embed_tokens.weight") for n in expected):
+            return None
+        return (
+            f"unknown tensor {name!r}: the serving model has no such weight "
+            f"(expected names like {sorted(expected)[:3]})"
+        )
+    if tuple(want) != tuple(shape):
+        return f"tensor {name!r} has shape {list(shape)}, the serving model expects {list(want)}"
+    return None
+
+
+def missing_weights(expected: dict[str, tuple[int, ...]], names: Iterable[str]) -> list[str]:
+    """Names of ``expected`` (a checkpoint's tensors) absent from ``names``, sorted."""
+    return sorted(set(expected) - set(names))

@@ -8,9 +8,10 @@ How each :class:`~polyrl.core.rollout_api.RolloutBackend` method maps onto the v
 
 * ``start`` -- launches vLLM's OpenAI server (``.venv-vllm/bin/python -m
   vllm.entrypoints.launchers.api_server.entry --model MODEL_DIR``) on 127.0.0.1, a free port,
-  with ``VLLM_SERVER_DEV_MODE=1`` (for the control endpoints below),
-  ``VLLM_CPU_OMP_THREADS_BIND`` (default: the cores this process may run on), an explicit
-  KV-cache size, ``--logprobs-mode processed_logprobs`` and the worker extension of
+  with ``VLLM_SERVER_DEV_MODE=1`` (for the control endpoints below), on CPU
+  ``VLLM_CPU_OMP_THREADS_BIND`` (default: the cores this process may run on) and an explicit
+  KV-cache size, on CUDA the GPU flags of :class:`VLLMOptions` and the inherited
+  ``CUDA_VISIBLE_DEVICES``, ``--logprobs-mode processed_logprobs`` and the worker extension of
   :mod:`polyrl.rollout.vllm_ext`; waits for ``/health``, then sends one warm-up request (the
   first forward pass on CPU takes ~15-25 s) so that it is not paid by the first real request.
   The child gets ``SIGTERM`` if this process dies, and lives in its own process group, which
@@ -29,14 +30,21 @@ How each :class:`~polyrl.core.rollout_api.RolloutBackend` method maps onto the v
 * ``pause``/``resume`` -- a gate in this backend holds new requests, and vLLM's
   ``POST /pause?mode=keep`` freezes in-flight ones where they are (``/resume`` undoes both).
 * ``sleep``/``wake_up`` -- in-flight requests are aborted, then vLLM's ``/sleep?level=L`` and
-  ``/wake_up?tags=...``; while asleep ``generate`` answers 503. vLLM's CPU worker keeps its
-  memory while "asleep" (it logs that sleep mode is unsupported), so on CPU this only gates.
-  After ``sleep(level=2)`` the weights count as discarded until ``update_weights``.
+  ``/wake_up?tags=...``; while asleep ``generate`` answers 503. On CUDA with
+  ``enable_sleep_mode`` this frees GPU memory (level 1 offloads the weights to CPU memory,
+  level 2 discards them; both drop the KV cache); on CUDA without it vLLM is not called and
+  this only gates. vLLM's CPU worker keeps its memory while "asleep" (it logs that sleep mode
+  is unsupported), so on CPU this only gates too. After ``sleep(level=2)`` the weights count as
+  discarded until ``update_weights`` or ``load_weights``.
 * ``update_weights`` -- pauses vLLM, calls the worker extension's ``polyrl_reload_weights``
   through ``POST /collective_rpc`` (which runs the model runner's ``reload_weights(...,
   is_checkpoint_format=True)`` and, for tied embeddings, sends ``lm_head.weight`` explicitly),
   drops the prefix cache (running requests are re-prefilled under the new weights), resumes,
   and bumps the weight version this backend reports on every token from then on.
+* ``load_weights`` -- the same switch from tensors in memory: CPU tensors in POSIX shared
+  memory, CUDA tensors as CUDA IPC handles (:mod:`polyrl.rollout.vllm_weights`), loaded by the
+  extension's ``polyrl_load_shared``; no file is written. ``/weights/*`` transfers use it
+  unless ``weight_load="disk"``.
 * ``stats`` -- request, token and TTFT counters kept here, plus KV-cache use, prefix-cache hits
   and preemptions scraped from vLLM's ``/metrics`` every ``metrics_interval`` seconds.
 
@@ -115,6 +123,8 @@ _SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 _EXT_MODULE = "polyrl_vllm_ext"
 _EXT_CLASS = f"{_EXT_MODULE}.PolyrlWorkerExtension"
 _DTYPES = ("auto", *FLOAT_DTYPES)  # "auto": the checkpoint's
+_WEIGHT_LOADS = ("memory", "disk")
+_CPU_KV_CACHE_TOKENS = 65536  # kv_cache_tokens' default on CPU
 _LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 _TPS_WINDOW_S = 5.0
 _FINISH_MAP = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -192,14 +202,20 @@ class VLLMOptions:
     ``polyrl serve --backend vllm --dtype bfloat16 --max-num-seqs 64 ...`` works unchanged.
 
     Attributes:
-        dtype: ``float32`` (default), ``bfloat16``, ``float16`` or ``auto`` (the checkpoint's).
-        device: ``cpu`` (default) or ``cuda`` / ``cuda:i`` (sets ``CUDA_VISIBLE_DEVICES``);
-            which platform vLLM runs on is decided by the vLLM build in the venv.
+        dtype: the serving dtype, independent of the trainer's: ``float32`` (default),
+            ``bfloat16``, ``float16`` or ``auto`` (``bfloat16`` on CUDA; the checkpoint's on
+            CPU).
+        device: ``cpu`` (default), ``cuda`` or ``cuda:i``. On CUDA the server keeps the
+            ``CUDA_VISIBLE_DEVICES`` it inherits (the launcher sets it per replica); ``cuda:i``
+            narrows it to its ``i``-th entry (or to GPU ``i`` when it is unset). Which
+            platform vLLM runs on is decided by the vLLM build in the venv.
         max_model_len: longest prompt + output (default: the model's).
         max_num_seqs: most sequences vLLM runs at once (default: vLLM's).
         max_num_batched_tokens: most tokens per engine step (default: vLLM's).
         kv_cache_tokens: KV-cache budget in tokens, turned into ``--kv-cache-memory-bytes``
-            from the model's layer/head shapes (default 65536).
+            from the model's layer/head shapes. Default: 65536 on CPU; on CUDA the cache is
+            sized by vLLM from ``gpu_memory_utilization`` unless this is set (and
+            ``gpu_memory_utilization`` is not).
         block_size: KV-cache block size (vLLM's CPU kernels want a multiple of 32).
         seed: vLLM's global seed (requests without a seed draw from it).
         num_threads: cores to bind when ``omp_threads_bind`` is not given (default: all this
@@ -208,7 +224,22 @@ class VLLMOptions:
         enable_prefix_caching: reuse KV blocks of shared prompt prefixes.
         trust_remote_code: allow modelling code shipped in the model directory.
 
+    GPU (``device`` ``cuda``):
+        tensor_parallel_size: GPUs one replica shards the model over (``>= 1``; above 1 only
+            on CUDA, with plain ``device="cuda"``: the GPUs are those visible to the server).
+        gpu_memory_utilization: fraction of each GPU vLLM may use, in (0, 1] (default:
+            vLLM's). Ignored on CPU (never passed there), where ``kv_cache_tokens`` sizes the
+            cache.
+        enable_sleep_mode: start vLLM with ``--enable-sleep-mode``, so that ``sleep(1)``
+            offloads the weights to CPU memory and drops the KV cache, ``sleep(2)`` drops
+            both, and ``wake_up`` restores them. Off (and on CPU, where it is ignored),
+            ``sleep`` only gates requests and the memory stays in use.
+
     vLLM-only:
+        weight_load: how ``/weights/*`` transfers reach vLLM: ``memory`` (default:
+            :meth:`VLLMBackend.load_weights`, tensors handed over in shared memory or as
+            CUDA IPC handles) or ``disk`` (staged as a safetensors directory that vLLM
+            reloads, :class:`polyrl.weights.staging.SafetensorsDirTarget`).
         enable_chunked_prefill: let vLLM split long prompts over steps. Default: off on CPU,
             where vllm-cpu 0.32 crashes its engine when a seeded request is prefilled in chunks
             (it rewinds the request's random generator by offset, which CPU generators lack);
@@ -216,7 +247,8 @@ class VLLMOptions:
             ``max_num_batched_tokens`` to ``max_model_len``).
         vllm_venv: the vLLM virtual environment (default: :func:`default_vllm_venv`).
         omp_threads_bind: ``VLLM_CPU_OMP_THREADS_BIND`` value, e.g. ``"0-1"`` or ``"auto"``.
-        enforce_eager: no ``torch.compile`` (default: compiling takes minutes on few cores).
+        enforce_eager: no ``torch.compile`` / CUDA graphs (default: compiling takes minutes on
+            few cores; on CUDA set it to false for graph capture).
         logprobs_mode: vLLM ``--logprobs-mode`` (default ``processed_logprobs``).
         startup_timeout: seconds to wait for the server to come up.
         warmup: send one tiny request in ``start()`` so the first real one is not slow.
@@ -232,7 +264,7 @@ class VLLMOptions:
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
-    kv_cache_tokens: int = 65536
+    kv_cache_tokens: int | None = None
     block_size: int | None = None
     seed: int | None = None
     num_threads: int | None = None
@@ -251,6 +283,10 @@ class VLLMOptions:
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     metrics_interval: float = 1.0
     buffered_stream_interval: int = 16
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float | None = None
+    enable_sleep_mode: bool = False
+    weight_load: str = "memory"
 
     def __post_init__(self) -> None:
         def bad(name: str, expected: str) -> ValueError:
@@ -272,9 +308,30 @@ class VLLMOptions:
             value = getattr(self, name)
             if value is not None and not _is_pos_int(value):
                 raise bad(name, "an int >= 1 (or None for the default)")
-        for name in ("kv_cache_tokens", "buffered_stream_interval"):
+        for name in ("kv_cache_tokens",):
+            if getattr(self, name) is not None and not _is_pos_int(getattr(self, name)):
+                raise bad(name, "an int >= 1 (or None for the default)")
+        for name in ("buffered_stream_interval", "tensor_parallel_size"):
             if not _is_pos_int(getattr(self, name)):
                 raise bad(name, "an int >= 1")
+        on_cuda = self.device.startswith("cuda")
+        if self.tensor_parallel_size > 1 and not on_cuda:
+            raise bad("tensor_parallel_size", f"1 on device {self.device!r} (> 1 needs cuda)")
+        if self.tensor_parallel_size > 1 and self.device != "cuda":
+            raise bad(
+                "tensor_parallel_size",
+                f"1 with device {self.device!r}, which names one GPU; use device='cuda' and "
+                "CUDA_VISIBLE_DEVICES to give a replica several",
+            )
+        gmu = self.gpu_memory_utilization
+        if gmu is not None and (
+            isinstance(gmu, bool) or not isinstance(gmu, int | float) or not 0 < gmu <= 1
+        ):
+            raise bad("gpu_memory_utilization", "a fraction in (0, 1] (or None for vLLM's)")
+        if not isinstance(self.enable_sleep_mode, bool):
+            raise bad("enable_sleep_mode", "true or false")
+        if self.weight_load not in _WEIGHT_LOADS:
+            raise bad("weight_load", f"one of {', '.join(_WEIGHT_LOADS)}")
         if self.seed is not None and (
             not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0
         ):
@@ -659,6 +716,8 @@ class VLLMBackend:
         self._stopping = False
         self._weight_version = 0
         self._weights_lock = asyncio.Lock()
+        self._expected_shapes: dict[str, tuple[int, ...]] | None = None
+        self._weight_bytes_cache: int | None = None
         self._engine_pause = True  # whether vLLM's /pause endpoint answered
         self._keep_log = False
         self._counters: dict[str, float] = {
@@ -786,7 +845,7 @@ class VLLMBackend:
             "--served-model-name",
             name,
             "--dtype",
-            o.dtype,
+            self.serving_dtype(),
             "--logprobs-mode",
             o.logprobs_mode,
             "--worker-extension-cls",
@@ -796,6 +855,13 @@ class VLLMBackend:
         kv_bytes = self._kv_cache_bytes()
         if kv_bytes is not None:
             cmd += ["--kv-cache-memory-bytes", str(kv_bytes)]
+        if self.on_cuda:
+            if o.gpu_memory_utilization is not None:
+                cmd += ["--gpu-memory-utilization", repr(float(o.gpu_memory_utilization))]
+            if o.tensor_parallel_size > 1:
+                cmd += ["--tensor-parallel-size", str(o.tensor_parallel_size)]
+            if o.enable_sleep_mode:
+                cmd.append("--enable-sleep-mode")
         for flag, value in (
             ("--max-model-len", o.max_model_len),
             ("--max-num-seqs", o.max_num_seqs),
@@ -821,18 +887,46 @@ class VLLMBackend:
         cmd += shlex.split(os.environ.get(VLLM_ARGS_ENV, ""))
         return cmd
 
+    @property
+    def on_cuda(self) -> bool:
+        """Whether the server runs on GPUs (``device`` ``cuda`` or ``cuda:i``)."""
+        return self.options.device.startswith("cuda")
+
+    @property
+    def weight_load(self) -> str:
+        """How ``/weights/*`` transfers reach vLLM: ``memory`` or ``disk`` (see the options)."""
+        return self.options.weight_load
+
+    def serving_dtype(self) -> str:
+        """Return the ``--dtype`` vLLM gets: ``auto`` is ``bfloat16`` on CUDA, vLLM's on CPU."""
+        dtype = self.options.dtype
+        if dtype == "auto" and self.on_cuda:
+            return "bfloat16"
+        return dtype
+
     def _kv_cache_bytes(self) -> int | None:
+        """``--kv-cache-memory-bytes`` from ``kv_cache_tokens``; ``None``: vLLM sizes it."""
+        o = self.options
+        tokens = o.kv_cache_tokens
+        if self.on_cuda and (tokens is None or o.gpu_memory_utilization is not None):
+            return None  # vLLM fills gpu_memory_utilization of the GPU
         s = self._shapes
         if not all(_is_pos_int(s.get(k)) for k in ("layers", "kv_heads", "head_dim")):
             return None  # unknown layout: leave the size to vLLM
-        dtype = self.options.dtype
+        dtype = self.serving_dtype()
         if dtype == "auto":
             dtype = str(s.get("dtype") or "float32").removeprefix("torch.")
         width = DTYPE_SIZES[dtype] if dtype in FLOAT_DTYPES else 2
         per_token = 2 * s["layers"] * s["kv_heads"] * s["head_dim"] * width
-        return max(per_token * self.options.kv_cache_tokens, 1 << 20)
+        return max(per_token * (tokens or _CPU_KV_CACHE_TOKENS), 1 << 20)
 
     def _environment(self, ext_dir: str) -> dict[str, str]:
+        """Return the server's environment: ours, less what must not leak, plus vLLM's.
+
+        On CUDA the inherited ``CUDA_VISIBLE_DEVICES`` is kept (``cuda:i`` narrows it to its
+        ``i``-th entry) and no ``VLLM_CPU_*`` variable is set. ``VLLM_CPU_KVCACHE_SPACE`` is
+        always removed: vLLM lets it override ``--kv-cache-memory-bytes``, in whole GiB.
+        """
         o = self.options
         env = dict(os.environ)
         # The polyrl venv must not leak into vLLM's interpreter, nor our API key into its env.
@@ -844,6 +938,9 @@ class VLLMBackend:
             "VLLM_CPU_KVCACHE_SPACE",
         ):
             env.pop(key, None)
+        if self.on_cuda:
+            for key in [k for k in env if k.startswith("VLLM_CPU_")]:
+                env.pop(key)
         env["PATH"] = f"{self.venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
         env["PYTHONPATH"] = ext_dir
         env["VLLM_SERVER_DEV_MODE"] = "1"
@@ -862,7 +959,17 @@ class VLLMBackend:
                 bind = _cpu_list(cpus)
             env["VLLM_CPU_OMP_THREADS_BIND"] = bind
         elif ":" in o.device:
-            env["CUDA_VISIBLE_DEVICES"] = o.device.split(":", 1)[1]
+            index = int(o.device.split(":", 1)[1])
+            visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+            if not visible:
+                env["CUDA_VISIBLE_DEVICES"] = str(index)
+            elif index < len(visible):
+                env["CUDA_VISIBLE_DEVICES"] = visible[index].strip()
+            else:
+                raise ValueError(
+                    f"device {o.device!r}: CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r} "
+                    f"shows only {len(visible)} GPU(s)"
+                )
         env.update(o.env)
         return env
 
@@ -1120,26 +1227,59 @@ class VLLMBackend:
         self._paused = False
         self._gate.set()
 
+    @property
+    def _engine_sleeps(self) -> bool:
+        """Whether vLLM itself is told to sleep: on CPU (it ignores it) and with sleep mode.
+
+        On CUDA without ``enable_sleep_mode`` vLLM refuses ``/sleep``: there the backend only
+        gates requests and the memory stays in use.
+        """
+        return not self.on_cuda or self.options.enable_sleep_mode
+
+    def _weight_bytes(self) -> int:
+        """Bytes of the served weights (all tensor-parallel shards together)."""
+        if self._weight_bytes_cache is None:
+            from polyrl.models.loader import checkpoint_dtypes, checkpoint_shapes
+
+            dtype = self.serving_dtype()
+            total = 0
+            dtypes = checkpoint_dtypes(self.model_dir)
+            for name, shape in checkpoint_shapes(self.model_dir).items():
+                kind = dtype if dtype in DTYPE_SIZES else dtypes.get(name, "float32")
+                total += math.prod(shape) * DTYPE_SIZES.get(kind, 4)
+            self._weight_bytes_cache = total
+        return self._weight_bytes_cache
+
     async def sleep(self, level: int = 1) -> dict[str, Any]:
         """Abort in-flight requests, then ``/sleep?level=level``; ``generate`` answers 503 after.
 
-        On CPU vLLM keeps its memory (its CPU worker ignores sleep), so the byte counts are 0.
+        With ``enable_sleep_mode`` on CUDA, level 1 offloads the weights to CPU memory and drops
+        the KV cache, level 2 drops both (the weights must be loaded again after ``wake_up``).
+        On CPU vLLM keeps its memory (its CPU worker ignores sleep), and on CUDA without sleep
+        mode vLLM is not told at all: both only gate requests, and the byte counts are 0.
         """
         if level not in (1, 2) or isinstance(level, bool):
             raise InvalidRequestError(f"sleep level must be 1 or 2, got {level!r}", param="level")
         aborted = await self.abort(None)
-        answer = await self._call("POST", "/sleep", params={"level": level, "mode": "abort"})
+        answer = None
+        if self._engine_sleeps:
+            answer = await self._call("POST", "/sleep", params={"level": level, "mode": "abort"})
         self._kv_released = True
         self._weights_asleep = True
         if level == 2:
             self._weights_discarded = True
-        on_cpu = self.options.device == "cpu"
+        frees = self.on_cuda and self.options.enable_sleep_mode
         kv = int(float(self._scraped.get("cache_config", {}).get("kv_cache_memory_bytes") or 0))
+        weights = 0
+        if frees:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                weights = self._weight_bytes()
         return {
             "level": level,
             "aborted_requests": aborted,
-            "kv_cache_bytes_released": 0 if on_cpu else kv,
-            "weight_bytes_released": 0 if on_cpu else None,
+            "kv_cache_bytes_released": kv if frees else 0,
+            # Level 1 moves the weights to CPU memory: GPU memory released all the same.
+            "weight_bytes_released": weights if frees else 0,
             "vllm": answer,
         }
 
@@ -1152,12 +1292,54 @@ class VLLMBackend:
                 f"unknown wake_up tag(s) {sorted(unknown)}; expected 'kv_cache' and/or 'weights'",
                 param="tags",
             )
-        answer = await self._call("POST", "/wake_up", params={"tags": sorted(wanted)})
+        answer = None
+        if self._engine_sleeps:
+            answer = await self._call("POST", "/wake_up", params={"tags": sorted(wanted)})
         if "kv_cache" in wanted:
             self._kv_released = False
         if "weights" in wanted:
             self._weights_asleep = False
         return {"needs_weights": self._weights_discarded, "vllm": answer}
+
+    @staticmethod
+    def _check_version(version: int | None) -> None:
+        if version is not None and (
+            not isinstance(version, int) or isinstance(version, bool) or version < 0
+        ):
+            raise InvalidRequestError(
+                f"version must be an int >= 0, got {version!r}", param="version"
+            )
+
+    async def _swap_weights(self, method: str, args: list[Any], version: int | None) -> Any:
+        """Run the worker extension's ``method`` as one atomic switch; return its answer.
+
+        From a client's point of view: vLLM is paused (in-flight requests kept, new ones
+        held), the workers load, the prefix cache is dropped (running requests are
+        re-prefilled under the new weights), vLLM resumes, then the version is bumped.
+        """
+        async with self._weights_lock:
+            if self._weights_asleep and self._engine_sleeps:
+                await self._call("POST", "/wake_up", params={"tags": ["weights"]})
+            self._weights_asleep = False
+            freeze = self._engine_pause and not self._paused
+            if freeze:
+                await self._call("POST", "/pause", params={"mode": "keep"})
+            try:
+                answer = await self._call(
+                    "POST",
+                    "/collective_rpc",
+                    json_body={"method": method, "args": args},
+                    timeout=None,
+                )
+                await self._call(
+                    "POST", "/reset_prefix_cache", params={"reset_running_requests": "true"}
+                )
+            finally:
+                if freeze:
+                    await self._call("POST", "/resume")
+            self._weights_discarded = False
+            self._weight_version = self._weight_version + 1 if version is None else version
+            return answer
 
     async def update_weights(self, path: str, version: int | None = None) -> int:
         """Reload all weights in place from a safetensors directory; return the new version.
@@ -1167,41 +1349,74 @@ class VLLMBackend:
         """
         from polyrl.models.loader import safetensors_files
 
-        if version is not None and (
-            not isinstance(version, int) or isinstance(version, bool) or version < 0
-        ):
-            raise InvalidRequestError(
-                f"version must be an int >= 0, got {version!r}", param="version"
-            )
+        self._check_version(version)
         try:
             safetensors_files(str(path))
         except FileNotFoundError as exc:
             raise InvalidRequestError(str(exc), param="path") from exc
         path = str(Path(path).resolve())
-        async with self._weights_lock:
-            if self._weights_asleep:
-                await self._call("POST", "/wake_up", params={"tags": ["weights"]})
-                self._weights_asleep = False
-            freeze = self._engine_pause and not self._paused
-            if freeze:
-                await self._call("POST", "/pause", params={"mode": "keep"})
-            try:
-                answer = await self._call(
-                    "POST",
-                    "/collective_rpc",
-                    json_body={"method": "polyrl_reload_weights", "args": [path]},
-                    timeout=None,
-                )
-                await self._call(
-                    "POST", "/reset_prefix_cache", params={"reset_running_requests": "true"}
-                )
-            finally:
-                if freeze:
-                    await self._call("POST", "/resume")
-            logger.info("vLLM reloaded weights from %s: %s", path, answer)
-            self._weights_discarded = False
-            self._weight_version = self._weight_version + 1 if version is None else version
-            return self._weight_version
+        answer = await self._swap_weights("polyrl_reload_weights", [path], version)
+        logger.info("vLLM reloaded weights from %s: %s", path, answer)
+        return self._weight_version
+
+    def _check_weight_set(self, pairs: Sequence[tuple[str, Any]]) -> None:
+        """Refuse a set that is not the served checkpoint's: unknown, misshapen or missing."""
+        from polyrl.models.loader import checkpoint_shapes, missing_weights, weight_mismatch
+
+        if self._expected_shapes is None:
+            self._expected_shapes = checkpoint_shapes(self.model_dir)
+        expected = self._expected_shapes
+        seen: set[str] = set()
+        for name, tensor in pairs:
+            problem = weight_mismatch(expected, name, tuple(tensor.shape))
+            if problem is None and name in seen:
+                problem = f"tensor {name!r} appears twice"
+            if problem is not None:
+                raise InvalidRequestError(problem + "; the old weights keep serving")
+            seen.add(name)
+        missing = missing_weights(expected, seen)
+        if missing:
+            raise InvalidRequestError(
+                f"{len(missing)} tensor(s) missing from the weights: {missing[:8]}; the old "
+                "weights keep serving"
+            )
+
+    async def load_weights(
+        self, named_tensors: Sequence[tuple[str, Any]], version: int | None = None
+    ) -> int:
+        """Load ``(name, tensor)`` pairs into vLLM in place, from memory; return the new version.
+
+        No file is written and nothing is read from disk: CPU tensors reach the workers in
+        POSIX shared memory (referenced where they lie when they are already in a shared
+        arena, else copied once into a fresh one), CUDA tensors as CUDA IPC handles that each
+        worker, every tensor-parallel rank, opens (:mod:`polyrl.rollout.vllm_weights`). The
+        worker extension's ``polyrl_load_shared`` feeds them to vLLM's checkpoint-format
+        reload (tied output head included), as :meth:`update_weights` does from a directory,
+        with the same atomic switch.
+
+        Raises:
+            InvalidRequestError: a bad version, or a set that is not the served model's
+                (unknown, misshapen, repeated or missing tensors); vLLM is not touched.
+        """
+        from polyrl.rollout.vllm_weights import pack_weights
+
+        self._check_version(version)
+        pairs = list(named_tensors)
+        self._check_weight_set(pairs)
+        packed = await asyncio.to_thread(pack_weights, pairs)
+        try:
+            answer = await self._swap_weights(
+                "polyrl_load_shared", [json.dumps(packed.layout)], version
+            )
+        finally:
+            packed.close()
+        logger.info(
+            "vLLM loaded %d tensors from memory (%d bytes copied to shared memory): %s",
+            len(pairs),
+            packed.copied_bytes,
+            answer,
+        )
+        return self._weight_version
 
     # ----------------------------------------------------------------------------- stats
 

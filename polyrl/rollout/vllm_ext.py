@@ -1,4 +1,4 @@
-"""A vLLM worker extension: in-place weight reload from a safetensors directory.
+"""A vLLM worker extension: in-place weight reload from a safetensors directory or from memory.
 
 This module runs inside the vLLM server's worker process, in the vLLM virtual environment
 (``.venv-vllm``), not in polyrl's. It is therefore self-contained: it imports only the standard
@@ -14,17 +14,45 @@ kernels generally) vLLM repacks linear weights into a kernel layout when the mod
 Copying checkpoint tensors straight into the parameters would scramble them; the model
 runner's ``reload_weights(weights_iterator=..., is_checkpoint_format=True)`` path re-runs the
 checkpoint-to-kernel processing layer by layer.
+
+Two sources feed that path: ``polyrl_reload_weights(path)`` reads a safetensors directory;
+``polyrl_load_shared(layout_json)`` takes the tensors from memory, as described by a *layout*
+(made by :func:`polyrl.rollout.vllm_weights.pack_weights`)::
+
+    {"segments": [{"path": "/dev/shm/polyrl-arena-...", "size": int}, ...],
+     "tensors": [{"name": str, "dtype": "float32", "shape": [int, ...],
+                  "segment": int, "offset": int}                   # bytes in a segment
+                 | {"name": str, "dtype": ..., "shape": ...,
+                    "cuda_ipc": base64(pickle((rebuild, args))),  # torch's reduce_tensor
+                    "device_uuid": str}, ...]}
+
+A segment is a POSIX shared-memory file the polyrl process wrote and keeps until the call
+returns; every worker maps it and reads its tensors in place (no copy before the reload's
+own). A CUDA tensor travels as a CUDA IPC handle: each worker -- every tensor-parallel rank --
+opens the handle itself, on the GPU that holds the memory (found by ``device_uuid``, since the
+two processes may number their visible GPUs differently), and the reload copies from it into
+its own shard. The handles are pickles: this method trusts its caller, the polyrl process that
+started this server (``/collective_rpc`` listens on 127.0.0.1 only).
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import mmap
 import os
+import pickle
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
-__all__ = ["PolyrlWorkerExtension", "iter_safetensors_dir", "safetensors_files"]
+__all__ = [
+    "PolyrlWorkerExtension",
+    "iter_safetensors_dir",
+    "iter_shared",
+    "safetensors_files",
+    "with_tied_head",
+]
 
 _EMBED_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight", "transformer.wte.weight")
 _LM_HEAD = "lm_head.weight"
@@ -55,28 +83,115 @@ def safetensors_files(path: str) -> list[str]:
     return files
 
 
+def with_tied_head(
+    items: Iterable[tuple[str, Any]], tie_lm_head: bool
+) -> Iterator[tuple[str, Any]]:
+    """Yield ``items``, then (tied, no ``lm_head.weight`` among them) the embedding as the head.
+
+    HF drops the tied copy when saving (and polyrl's senders skip it): vLLM's CPU path keeps a
+    separately packed copy of the output head, which would otherwise stay stale.
+    """
+    embed = None
+    saw_head = False
+    for name, tensor in items:
+        if name == _LM_HEAD:
+            saw_head = True
+        elif name in _EMBED_NAMES:
+            embed = tensor
+        yield name, tensor
+    if tie_lm_head and not saw_head and embed is not None:
+        yield _LM_HEAD, embed
+
+
 def iter_safetensors_dir(path: str, tie_lm_head: bool) -> Iterator[tuple[str, Any]]:
     """Yield ``(name, tensor)`` for every tensor of a safetensors model directory.
 
-    With ``tie_lm_head`` and no ``lm_head.weight`` in the checkpoint (HF drops the tied copy
-    when saving), the input embedding is also yielded as ``lm_head.weight``: vLLM's CPU path
-    keeps a separately packed copy of the output head, which otherwise stays stale.
+    The tied output head is handled as in :func:`with_tied_head`.
     """
     from safetensors import safe_open
 
-    embed = None
-    saw_head = False
-    for file in safetensors_files(path):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                tensor = f.get_tensor(name)
-                if name == _LM_HEAD:
-                    saw_head = True
-                elif name in _EMBED_NAMES:
-                    embed = tensor
-                yield name, tensor
-    if tie_lm_head and not saw_head and embed is not None:
-        yield _LM_HEAD, embed
+    def tensors() -> Iterator[tuple[str, Any]]:
+        for file in safetensors_files(path):
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+    yield from with_tied_head(tensors(), tie_lm_head)
+
+
+def _local_cuda_index(uuid: str | None, fallback: int) -> int:
+    """Return this process's index of the GPU with UUID ``uuid`` (``fallback`` if unknown)."""
+    import torch
+
+    if uuid:
+        for i in range(torch.cuda.device_count()):
+            if str(torch.cuda.get_device_properties(i).uuid) == uuid:
+                return i
+        raise RuntimeError(
+            f"a CUDA IPC weight lives on GPU {uuid}, which this vLLM worker cannot see "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+        )
+    return fallback
+
+
+def open_cuda_ipc(handle: str, device_uuid: str | None = None) -> Any:
+    """Rebuild a CUDA tensor from ``base64(pickle((rebuild, args)))`` of ``reduce_tensor``."""
+    rebuild, args = pickle.loads(base64.b64decode(handle))  # noqa: S301 - our own parent's
+    args = list(args)
+    # torch's rebuild_cuda_tensor takes the storage's device index at position 6; the sender
+    # and this worker may number the GPUs differently (CUDA_VISIBLE_DEVICES), the UUID not.
+    if len(args) > 6 and isinstance(args[6], int) and not isinstance(args[6], bool):
+        args[6] = _local_cuda_index(device_uuid, args[6])
+    return rebuild(*args)
+
+
+def iter_shared(layout: dict[str, Any], tie_lm_head: bool) -> Iterator[tuple[str, Any]]:
+    """Yield ``(name, tensor)`` for every tensor of a layout (see the module doc), in order.
+
+    Segment tensors are views of the mapped files (no copy). A mapping is never closed here:
+    ``torch.frombuffer`` views keep its object alive, and it is unmapped when the last view
+    (one the model kept, say) is gone -- closing it earlier would leave them dangling. The
+    tied output head is handled as in :func:`with_tied_head`.
+    """
+    import torch
+
+    views: list[Any] = []
+    for seg in layout.get("segments", ()):
+        size = int(seg["size"])
+        fd = os.open(str(seg["path"]), os.O_RDWR)
+        try:
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED) if size else None
+        finally:
+            os.close(fd)
+        views.append(
+            None if mapping is None else torch.frombuffer(mapping, dtype=torch.uint8, count=size)
+        )
+
+    def tensors() -> Iterator[tuple[str, Any]]:
+        for entry in layout["tensors"]:
+            name = str(entry["name"])
+            dtype = getattr(torch, str(entry["dtype"]))
+            shape = [int(d) for d in entry["shape"]]
+            if "cuda_ipc" in entry:
+                tensor = open_cuda_ipc(str(entry["cuda_ipc"]), entry.get("device_uuid"))
+                yield name, tensor.view(dtype).view(shape)
+                continue
+            numel = 1
+            for d in shape:
+                numel *= d
+            nbytes = numel * torch.empty((), dtype=dtype).element_size()
+            start = int(entry["offset"])
+            flat = views[int(entry["segment"])]
+            if flat is None or start < 0 or start + nbytes > flat.numel():
+                raise ValueError(
+                    f"tensor {name!r} ({nbytes} bytes at {start}) lies outside its segment"
+                )
+            yield name, flat[start : start + nbytes].view(dtype).view(shape)
+
+    try:
+        yield from with_tied_head(tensors(), tie_lm_head)
+    finally:
+        views.clear()  # the mappings go with the last view of them
 
 
 class PolyrlWorkerExtension:
@@ -94,6 +209,21 @@ class PolyrlWorkerExtension:
         Returns:
             ``{"tensors": count, "tied_lm_head": bool, "seconds": float}``.
         """
+        return self._polyrl_reload(lambda tied: iter_safetensors_dir(path, tie_lm_head=tied))
+
+    def polyrl_load_shared(self, layout_json: str) -> dict[str, Any]:
+        """Reload every weight in place from memory: shared-memory segments or CUDA IPC handles.
+
+        ``layout_json`` is a layout (see the module doc) as JSON.
+
+        Returns:
+            ``{"tensors": count, "tied_lm_head": bool, "seconds": float}``.
+        """
+        layout = json.loads(layout_json)
+        return self._polyrl_reload(lambda tied: iter_shared(layout, tie_lm_head=tied))
+
+    def _polyrl_reload(self, source: Any) -> dict[str, Any]:
+        """Feed ``source(tied)``'s ``(name, tensor)`` pairs to the runner's reload path."""
         runner = self.model_runner
         # The worker's own reload_weights wraps the runner's in vLLM's config context.
         reload = getattr(self, "reload_weights", None) or getattr(runner, "reload_weights", None)
@@ -112,7 +242,7 @@ class PolyrlWorkerExtension:
 
         def counted() -> Iterator[tuple[str, Any]]:
             nonlocal count
-            for item in iter_safetensors_dir(path, tie_lm_head=tied):
+            for item in source(tied):
                 count += 1
                 yield item
 

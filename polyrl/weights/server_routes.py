@@ -17,9 +17,12 @@ joins the sender's group.
 
 Backends with a streaming interface (the native engine: ``begin_weight_update``,
 ``weight_destination``, ``commit_weight_update``, ``abort_weight_update``) receive every chunk
-straight into place; others with an atomic ``load_weights`` get the whole set at commit; those
-that only reload from a directory (vLLM: ``update_weights(path)``) get it staged as a
-safetensors directory and reloaded once at commit (:mod:`polyrl.weights.staging`).
+straight into place. vLLM (``load_weights`` and a checkpoint ``model_dir``, with
+``weight_load == "memory"``, its default) receives into a shared-memory arena handed to its
+workers in place at commit; with ``weight_load == "disk"`` -- and for any backend that only
+reloads from a directory (``update_weights(path)``) -- the set is staged as a safetensors
+directory and reloaded once at commit (:mod:`polyrl.weights.staging`). Other backends with an
+atomic ``load_weights`` get the whole set at commit, in temporaries.
 """
 
 from __future__ import annotations
@@ -298,30 +301,41 @@ def register_weight_routes(
 ) -> WeightReceiver | None:
     """Add the ``/weights/*`` endpoints for ``backend``.
 
-    Streams into the backend's engine when it supports streamed updates, else collects the
-    tensors for its atomic ``load_weights``, else (a backend with ``update_weights(path)`` and
-    ``model_dir``: vLLM) stages them as a safetensors directory reloaded once at commit.
-    Returns the receiver, or ``None`` when the backend can do none of these.
+    In order: streams into the backend's engine when it supports streamed updates; for a
+    backend with ``load_weights`` and a checkpoint ``model_dir`` (vLLM) whose ``weight_load``
+    is not ``"disk"``, receives into a shared-memory arena given to ``load_weights`` at commit;
+    for a backend with ``update_weights(path)`` and ``model_dir`` (vLLM with
+    ``weight_load="disk"``), stages a safetensors directory reloaded once at commit; for any
+    other ``load_weights``, collects temporaries for it. Returns the receiver, or ``None``
+    when the backend can do none of these.
     """
     loop_holder: dict[str, asyncio.AbstractEventLoop] = {}
+
+    def run(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop_holder["loop"]).result()
+
     target: WeightTarget
-    if hasattr(backend, "load_weights") and hasattr(backend, "engine"):
+    has_load = hasattr(backend, "load_weights")
+    has_checkpoint = hasattr(backend, "model_dir")
+    from_disk = getattr(backend, "weight_load", "memory") == "disk"
+    if has_load and hasattr(backend, "engine"):
         target = EngineTarget(backend)
-    elif hasattr(backend, "load_weights"):
+    elif has_load and has_checkpoint and not from_disk:
+        # vLLM: the transfer lands in shared memory, its workers load it from there in place.
+        from polyrl.weights.staging import SharedArenaTarget
 
-        def load(pairs: list[tuple[str, torch.Tensor]], version: int) -> int:
-            coro = backend.load_weights(pairs, None if version < 0 else version)
-            return asyncio.run_coroutine_threadsafe(coro, loop_holder["loop"]).result()
-
-        target = LoadFnTarget(load, lambda: int(backend.weight_version))
-    elif hasattr(backend, "update_weights") and hasattr(backend, "model_dir"):
-        # vLLM: stage the transfer as a safetensors directory, reload it once at commit.
+        target = SharedArenaTarget(backend, run)
+    elif hasattr(backend, "update_weights") and has_checkpoint and (from_disk or not has_load):
+        # vLLM with weight_load="disk": a safetensors directory, reloaded once at commit.
         from polyrl.weights.staging import SafetensorsDirTarget
 
-        def run(coro: Any) -> Any:
-            return asyncio.run_coroutine_threadsafe(coro, loop_holder["loop"]).result()
-
         target = SafetensorsDirTarget(backend, run)
+    elif has_load:
+
+        def load(pairs: list[tuple[str, torch.Tensor]], version: int) -> int:
+            return run(backend.load_weights(pairs, None if version < 0 else version))
+
+        target = LoadFnTarget(load, lambda: int(backend.weight_version))
     else:
         return None
     receiver = WeightReceiver(target, name_map, stall_timeout=stall_timeout)
