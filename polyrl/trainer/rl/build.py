@@ -235,6 +235,8 @@ def replica_options(cfg: PolyRLConfig) -> dict[str, Any]:
         "matmul_dtype": matmul if matmul != dtype else None,
         "max_model_len": ro.max_model_len or None,  # 0: the model's own limit
         "enable_sleep_mode": sleeps_during_training(cfg),
+        # CUDA graphs are a GPU matter: on CPU the backend keeps its own default (eager).
+        "enforce_eager": ro.enforce_eager if rollout_device(cfg) == "cuda" else None,
     }
     names = {f.name for f in dataclasses.fields(options_class)}
     options = constructor_kwargs(
