@@ -35,6 +35,7 @@ __all__ = [
     "rollout_dtype",
     "rollout_matmul_dtype",
     "rollout_placement",
+    "run_api_key",
     "sleeps_during_training",
     "start_engines",
     "start_ray_replicas",
@@ -380,12 +381,15 @@ def replica_env(cfg: PolyRLConfig, gpus: Sequence[str]) -> dict[str, str]:
 
 
 def replica_processes(
-    cfg: PolyRLConfig, model_dir: Path, visible: Sequence[str] | None = None
+    cfg: PolyRLConfig,
+    model_dir: Path,
+    visible: Sequence[str] | None = None,
+    api_key: str | None = None,
 ) -> list[Any]:
     """Return the replica subprocesses a run on one machine starts (not started yet).
 
-    Each gets the backend options of :func:`replica_options` and, on GPUs, its own
-    ``CUDA_VISIBLE_DEVICES`` (:func:`local_replica_gpus` over ``visible``, default
+    Each gets the backend options of :func:`replica_options`, ``api_key`` and, on GPUs, its
+    own ``CUDA_VISIBLE_DEVICES`` (:func:`local_replica_gpus` over ``visible``, default
     :func:`visible_gpus`).
     """
     from polyrl.rollout.launcher import ServerProcess
@@ -404,6 +408,7 @@ def replica_processes(
         ServerProcess(
             model_dir,
             backend=cfg.rollout.backend,
+            api_key=api_key,
             options=options,
             env=replica_env(cfg, g),
         )
@@ -440,11 +445,22 @@ def start_replicas(
         return start_ray_replicas(cfg, model_dir, closers, engine_groups)
     from polyrl.rollout.launcher import start_processes
 
-    processes = replica_processes(cfg, model_dir)
+    # Even on loopback: another local process must not pause the replicas or push weights.
+    api_key = run_api_key()
+    processes = replica_processes(cfg, model_dir, api_key=api_key)
     start_processes(processes)
     for process in processes:
         closers.append(process.stop)
-    return RolloutServers([str(p.url) for p in processes], placement=rollout_placement(cfg))
+    return RolloutServers(
+        [str(p.url) for p in processes], api_key, placement=rollout_placement(cfg)
+    )
+
+
+def run_api_key() -> str:
+    """Return a fresh key for the servers a run starts (they accept nothing without it)."""
+    import secrets
+
+    return secrets.token_urlsafe(24)
 
 
 def start_ray_replicas(
@@ -460,8 +476,6 @@ def start_ray_replicas(
     of ``gpus_per_replica`` GPUs per replica. Servers bind their node's address and require a
     key made for this run.
     """
-    import secrets
-
     from polyrl.controller import ResourcePool, WorkerGroup, WorkerSpec
     from polyrl.workers.rollout_replica import RolloutReplicaWorker, replica_plans
 
@@ -488,7 +502,7 @@ def start_ray_replicas(
             claim_device=False,
         )
         ranks_per_replica = 1
-    api_key = secrets.token_urlsafe(24)
+    api_key = run_api_key()
     spec = WorkerSpec(
         RolloutReplicaWorker,
         kwargs={
