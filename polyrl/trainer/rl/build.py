@@ -119,6 +119,11 @@ def rollout_matmul_dtype(cfg: PolyRLConfig) -> str:
 
 def check_config(cfg: PolyRLConfig, has_rows: bool = False) -> None:
     """Refuse settings that cannot run together, naming the option to change."""
+    from polyrl.trainer.sft import check_devices
+    from polyrl.trainer.tracking import check_trackers
+
+    check_devices(cfg, ("trainer.device", "rollout.device"))
+    check_trackers(cfg.trainer.loggers)
     algo, actor = cfg.algorithm, cfg.actor
     if not has_rows and not cfg.data.task and not cfg.data.train_files:
         raise ConfigError(
