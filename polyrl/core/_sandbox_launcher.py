@@ -358,7 +358,10 @@ def main():
         print(repr(report), file=sys.stderr)
         return 0
     if os.geteuid() == 0:
-        os.setgroups([])  # root's supplementary groups must not reach the sandbox
+        try:
+            os.setgroups([])  # root's supplementary groups must not reach the sandbox
+        except PermissionError:  # root of a user namespace with setgroups denied: none to drop
+            pass
     up_r, up_w = os.pipe()
     down_r, down_w = os.pipe()
     pid = os.fork()
