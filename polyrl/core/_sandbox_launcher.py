@@ -313,17 +313,19 @@ def load_report(data):
         return {"error": "the sandbox's init ended without a report"}
 
 
-def die_with_parent(parent):
+def die_with_parent(parent, undumpable=True):
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(1)
-    prctl(PR_SET_DUMPABLE, 0)
+    if undumpable:  # nobody else of our uid may ptrace us or open our /proc files
+        prctl(PR_SET_DUMPABLE, 0)
 
 
 def sandboxed_main(cfg, code, to_parent, from_parent, start):
     """Enter the namespaces, build the root, supervise the init (the launcher's child)."""
     parent = os.getppid()
-    die_with_parent(parent)
+    die_with_parent(parent, undumpable=False)
+    prctl(PR_SET_DUMPABLE, 1)  # the parent (not root, maybe) must write our /proc/PID/uid_map
     try:
         enter_namespaces(to_parent, from_parent)
         fds = open_paths(cfg)

@@ -13,9 +13,10 @@ start-up (tens of milliseconds) plus a few milliseconds of namespace and mount s
 
 What it guarantees (each is tested in ``tests/test_sandbox.py`` as an escape attempt):
 
-* **Files**: the code sees a minimal read-only tree: the interpreter's prefix, the shared
-  library directories (``/usr/lib``, ``/lib`` and their 64-bit twins), optionally the current
-  environment's ``site-packages`` (``site_packages=True``) and ``/etc/ld.so.cache``; nothing
+* **Files**: the code sees a minimal read-only tree: the interpreter binary, its standard
+  library and ``libpython`` directory, the shared library directories (``/usr/lib``, ``/lib``
+  and their 64-bit twins), optionally the current environment's ``site-packages``
+  (``site_packages=True``, the default) and ``/etc/ld.so.cache``; nothing
   else of the host (no project directory, ``/home``, ``/root``, ``/etc``, ``/var``,
   ``/usr/bin``). ``/dev`` has only ``null``, ``zero``, ``full``, ``random`` and ``urandom``;
   ``/proc`` is a fresh one that shows only the sandbox's processes.
@@ -212,35 +213,36 @@ def _covered(path: str, roots: list[str]) -> bool:
     return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 
+_PROBE = (
+    "import json, site, sys, sysconfig; p = sysconfig.get_paths(vars={'base': sys.base_prefix, "
+    "'platbase': sys.base_exec_prefix}); print(json.dumps(["
+    "[p['stdlib'], p['platstdlib'], sysconfig.get_config_var('LIBDIR') or p['stdlib']], "
+    "site.getsitepackages() if hasattr(site, 'getsitepackages') else []]))"
+)
+
+
 @functools.cache
 def _mounts(python: str, site_packages: bool, ro_binds: tuple[str, ...]) -> dict[str, Any]:
     """Find the host paths ``python`` needs in the sandbox: binds, symlinks, sys.path."""
-    probe = subprocess.run(
-        [python, "-I", "-c", "import site, sys, json; print(json.dumps([sys.prefix, "
-         "sys.base_prefix, site.getsitepackages() if hasattr(site, 'getsitepackages') else []]))"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )  # fmt: skip
-    prefix, base_prefix, site_dirs = json.loads(probe.stdout)
+    probe = subprocess.run([python, "-I", "-c", _PROBE], capture_output=True, text=True, check=True)
+    stdlib, site_dirs = json.loads(probe.stdout)
     exe = os.path.realpath(python)
-    binds: list[str] = []
     symlinks: dict[str, str] = {}
+    wanted: list[str] = [exe, "/etc/ld.so.cache"]
     for d in _LIB_DIRS:
         if os.path.islink(d):
             symlinks[d] = os.readlink(d)
         elif os.path.isdir(d):
-            binds.append(d)
+            wanted.append(d)
     extra: list[str] = []
     if site_packages:
         extra = [os.path.realpath(p) for p in site_dirs if os.path.isdir(p)]
         extra += _pth_dirs(extra)
-    wanted = [os.path.realpath(base_prefix), exe, "/etc/ld.so.cache", *extra]
-    wanted += [os.path.realpath(p) for p in ro_binds]
+    wanted += [os.path.realpath(p) for p in [*stdlib, *extra, *ro_binds]]
+    binds: list[str] = []  # parents before children; a path under another one is not bound
     for path in sorted(set(wanted), key=len):
         if os.path.exists(path) and not _covered(path, binds):
             binds.append(path)
-    del prefix
     return {"exe": exe, "binds": binds, "symlinks": symlinks, "path": extra}
 
 
