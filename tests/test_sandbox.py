@@ -148,7 +148,7 @@ def test_fork_bomb_is_bounded():
 def test_setsid_double_fork_survivor_dies_with_the_call():
     marker = f"survivor-{uuid.uuid4().hex}"
     attempt = f"""
-        import os, sys
+        import os, sys, time
         if os.fork() == 0:
             os.setsid()
             if os.fork() == 0:
@@ -158,6 +158,17 @@ def test_setsid_double_fork_survivor_dies_with_the_call():
                 os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(30)",
                                           {marker!r}])
             os._exit(0)
+        def running():
+            for p in os.listdir("/proc"):
+                try:
+                    if {marker!r}.encode() in open(f"/proc/{{p}}/cmdline", "rb").read():
+                        return True
+                except OSError:
+                    pass
+        for _ in range(500):  # wait until the survivor runs (its argv shows in /proc)
+            if running():
+                break
+            time.sleep(0.01)
         print("spawned")
     """
     control = run(attempt, UNSAFE)
