@@ -346,3 +346,33 @@ def test_missing_user_namespaces_fail_loudly():
     assert out.returncode != 0
     assert SandboxUnavailable.__name__ in out.stderr, out.stderr
     assert "unshare(user, mount, pid" in out.stderr and "isolation='none'" in out.stderr
+
+
+def test_cancelling_the_call_kills_the_sandbox():
+    marker = f"cancelled-{uuid.uuid4().hex}"
+    attempt = f"""
+        import os, sys
+        if os.fork() == 0:
+            os.setsid()
+            os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(30)",
+                                      {marker!r}])
+        import time; time.sleep(30)
+    """
+
+    async def cancelled():
+        task = asyncio.ensure_future(arun_in_sandbox(textwrap.dedent(attempt), FAST))
+        for _ in range(300):  # until the survivor-to-be runs
+            await asyncio.sleep(0.01)
+            if host_processes_with(marker):
+                break
+        assert host_processes_with(marker)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancelled())
+    # the launcher was killed; its child and the namespace's init follow (parent-death signal)
+    deadline = time.monotonic() + 3
+    while host_processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert host_processes_with(marker) == []
