@@ -111,3 +111,27 @@ def test_a_failed_upstream_call_records_nothing(tiny_qwen2_tokenizer):
     after = proxy.trajectory("s1")
     assert after["num_segments"] == 1 and after["num_turns"] == 2
     assert client.calls == 5
+
+
+# ------------------------------------------------------------------------------ checkpoints
+def test_a_truncated_checkpoint_file_is_named_as_corrupt(tiny_qwen2_dir, tmp_path, engines):
+    from polyrl.model_engine.checkpoint import CorruptCheckpointError
+
+    root = tmp_path / "ckpt"
+    engines(str(tiny_qwen2_dir)).save_checkpoint(str(root), 1)
+    step = root / "global_step_1"
+    rng = step / "rng" / "rank_0.pt"
+    rng.write_bytes(rng.read_bytes()[:40])
+    with pytest.raises(CorruptCheckpointError) as info:
+        engines(str(tiny_qwen2_dir)).load_checkpoint(str(root))
+    message = str(info.value)
+    assert f"checkpoint {str(step)!r} is corrupt" in message
+    assert "'rng/rank_0.pt' (the RNG state)" in message
+
+    rng.write_bytes(b"")
+    with pytest.raises(CorruptCheckpointError, match="rng/rank_0.pt"):
+        engines(str(tiny_qwen2_dir)).load_checkpoint(str(root))
+    state = step / "engine_state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    with pytest.raises(CorruptCheckpointError, match="'engine_state.pt' \\(the engine state\\)"):
+        engines(str(tiny_qwen2_dir)).load_checkpoint(str(root))
