@@ -265,14 +265,26 @@ def _sft_command(parser: argparse.ArgumentParser) -> Handler:
 
     def run(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
+        from polyrl.model_engine.checkpoint import CorruptCheckpointError
         from polyrl.trainer.sft import run_sft
         from polyrl.trainer.sft_data import SFTDataError
         from polyrl.trainer.tracking import TrackerUnavailableError
 
+        user_errors = (
+            SFTDataError,
+            TrackerUnavailableError,
+            FileNotFoundError,
+            CorruptCheckpointError,
+        )
         try:
             run_sft(cfg)
-        except (SFTDataError, TrackerUnavailableError, FileNotFoundError) as exc:
-            raise CLIError(str(exc)) from exc
+        except user_errors as exc:
+            raise CLIError(str(_cause(exc))) from exc
+        except Exception as exc:
+            cause = _cause(exc)
+            if cause is exc or not isinstance(cause, user_errors):
+                raise
+            raise CLIError(str(cause)) from exc
         return 0
 
     return run
@@ -285,6 +297,7 @@ def _train_command(parser: argparse.ArgumentParser) -> Handler:
     def run(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
         from polyrl.data.schema import RowValidationError
+        from polyrl.model_engine.checkpoint import CorruptCheckpointError
         from polyrl.reward import RewardFunctionError
         from polyrl.reward.manager import RewardFailureError
         from polyrl.trainer.rl import run_rl
@@ -296,6 +309,7 @@ def _train_command(parser: argparse.ArgumentParser) -> Handler:
             RowValidationError,
             RewardFunctionError,
             RewardFailureError,
+            CorruptCheckpointError,
         )
         try:
             run_rl(cfg)
