@@ -222,13 +222,18 @@ def _config_presets(args: argparse.Namespace) -> int:
 
 @subcommand("serve", help="Serve a model for rollout over HTTP (generate, OpenAI API, control).")
 def _serve_command(parser: argparse.ArgumentParser) -> Handler:
-    from polyrl.rollout.options import add_backend_arguments, add_listen_arguments
+    from polyrl.rollout.options import (
+        add_backend_arguments,
+        add_limit_arguments,
+        add_listen_arguments,
+    )
 
     add_listen_arguments(parser)
     parser.add_argument(
         "--replicas", type=int, default=1, help="engine replicas behind one port (default 1)"
     )
     add_backend_arguments(parser)
+    add_limit_arguments(parser)
 
     def run(args: argparse.Namespace) -> int:
         if args.replicas < 1:
@@ -237,9 +242,13 @@ def _serve_command(parser: argparse.ArgumentParser) -> Handler:
 
         if args.backend not in BACKENDS:
             raise CLIError(BACKENDS.unknown_message(args.backend))
-        from polyrl.rollout.options import api_key_from_env, backend_options
+        from polyrl.rollout.options import api_key_from_env, backend_options, limits_from_args
         from polyrl.workers.rollout_server import serve_command
 
+        try:
+            limits = limits_from_args(args)
+        except ValueError as exc:
+            raise CLIError(str(exc)) from exc
         try:
             return serve_command(
                 args.model_dir,
@@ -251,6 +260,8 @@ def _serve_command(parser: argparse.ArgumentParser) -> Handler:
                 ready_file=args.ready_file,
                 log_level=args.log_level,
                 options=backend_options(args),
+                limits=limits,
+                insecure=args.insecure,
             )
         except (ValueError, TypeError, OSError, RuntimeError) as exc:
             raise CLIError(str(exc)) from exc
