@@ -209,7 +209,8 @@ def test_405_carries_allow(loop, app):
 def test_chat_templates_come_from_the_model_or_the_allow_list(loop, app):
     msgs = [{"role": "user", "content": "hi"}]
     bomb = {"chat_template": "{{ 'ab ' * 33000000 }}"}
-    r = post(loop, app, "/v1/chat/completions", json={"messages": msgs, "chat_template_kwargs": bomb})
+    body = {"messages": msgs, "chat_template_kwargs": bomb}
+    r = post(loop, app, "/v1/chat/completions", json=body)
     assert r.status_code == 400 and r.json()["error"]["code"] == "chat_template_not_allowed"
     assert "plain" in r.json()["error"]["message"]
     named = {"chat_template": "plain"}
