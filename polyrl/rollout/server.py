@@ -45,15 +45,28 @@ Errors
 ------
 Every error body is ``{"error": {"message", "type", "param", "code"}}``:
 
-* 400 ``invalid_request_error``: malformed JSON, missing/unknown field, wrong type, invalid
-  sampling parameter, unknown token id (``code: invalid_token_id``), prompt plus
-  ``max_new_tokens`` longer than the context (``code: context_length_exceeded``), duplicate
-  in-flight ``request_id``;
+* 400 ``invalid_request_error``: malformed JSON (``code: malformed_json``: bad syntax, NaN,
+  an integer over 4,300 digits), nesting deeper than ``--max-json-depth``
+  (``json_too_deep``), missing/unknown field, wrong type, invalid sampling parameter, unknown
+  token id (``code: invalid_token_id``), prompt plus ``max_new_tokens`` longer than the context
+  (``code: context_length_exceeded``; a text longer than any prompt that fits is refused
+  before tokenizing), more than ``--max-sequences`` prompts x ``n`` (``too_many_sequences``),
+  a chat template the server does not allow (``chat_template_not_allowed``), rendering and
+  tokenizing past ``--render-timeout`` (``render_timeout``);
 * 401 ``authentication_error``: missing or wrong bearer token;
-* 404: unknown path; 405: wrong method;
+* 404: unknown path; 405: wrong method (with ``Allow``);
+* 409: ``request_id`` already in flight (``duplicate_request_id``);
+* 413: body over ``--max-body-bytes`` (``body_too_large``);
+* 429 ``rate_limit_error`` (``Retry-After: 1``): the prompt tokens (x ``n``) of the requests
+  in flight would pass ``--max-queued-tokens``;
 * 503 ``service_unavailable``: the engine is asleep or its weights were discarded.
 
-A rejected request never reaches the engine, so it holds no slot or KV block.
+A rejected request never reaches the engine, so it holds no slot or KV block. Every POST body
+is described in ``/openapi.json`` (:mod:`polyrl.rollout.schemas`). Chat templates come from
+the model or from ``--chat-template NAME=FILE`` (a request may name one); a request's own
+template is refused unless ``--allow-request-chat-template``. Templates and the tokenizer run
+in worker threads, so ``/health`` answers while a long prompt is prepared. Binding beyond
+loopback needs ``POLYRL_API_KEY`` or ``--insecure``.
 """
 
 from __future__ import annotations
