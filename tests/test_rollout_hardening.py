@@ -162,12 +162,15 @@ def test_version_minus_one_names_the_field(loop, app):
 
 def test_duplicate_in_flight_request_id_is_409(loop, app):
     first = {"input_ids": [5, 6], "sampling_params": LONG, "request_id": "dup"}
-    r1, r2, _ = call(
+    # Paused, the first request stays in flight however fast the engine is.
+    _, r1, r2, _, _ = call(
         loop,
         app,
+        ("POST", "/pause", {}),
         ("POST", "/generate", {"json": first}),
         ("POST", "/generate", {"json": {"input_ids": [7], "request_id": "dup"}}),
         ("POST", "/abort", {"json": {"request_ids": ["dup"]}}),
+        ("POST", "/resume", {}),
     )
     assert r2.status_code == 409, r2.text
     assert r2.json()["error"]["code"] == "duplicate_request_id"
@@ -180,12 +183,14 @@ def test_sequences_and_queued_tokens_are_limited(loop, app):
     r = post(loop, app, "/generate", json={"input_ids": list(range(1, 66))})
     assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_tokens"
     holder = {"input_ids": list(range(1, 51)), "sampling_params": LONG, "request_id": "big"}
-    r1, r2, _ = call(
+    _, r1, r2, _, _ = call(
         loop,
         app,
+        ("POST", "/pause", {}),
         ("POST", "/generate", {"json": holder}),
         ("POST", "/v1/completions", {"json": {"prompt": list(range(1, 21)), "max_tokens": 1}}),
         ("POST", "/abort", {"json": {}}),
+        ("POST", "/resume", {}),
     )
     assert r2.status_code == 429 and r2.headers["retry-after"] == "1", r2.text
     assert r2.json()["error"]["type"] == "rate_limit_error"
