@@ -223,13 +223,18 @@ def _config_presets(args: argparse.Namespace) -> int:
 
 @subcommand("serve", help="Serve a model for rollout over HTTP (generate, OpenAI API, control).")
 def _serve_command(parser: argparse.ArgumentParser) -> Handler:
-    from polyrl.rollout.options import add_backend_arguments, add_listen_arguments
+    from polyrl.rollout.options import (
+        add_backend_arguments,
+        add_limit_arguments,
+        add_listen_arguments,
+    )
 
     add_listen_arguments(parser)
     parser.add_argument(
         "--replicas", type=int, default=1, help="engine replicas behind one port (default 1)"
     )
     add_backend_arguments(parser)
+    add_limit_arguments(parser)
 
     def run(args: argparse.Namespace) -> int:
         if args.replicas < 1:
@@ -238,9 +243,13 @@ def _serve_command(parser: argparse.ArgumentParser) -> Handler:
 
         if args.backend not in BACKENDS:
             raise CLIError(BACKENDS.unknown_message(args.backend))
-        from polyrl.rollout.options import api_key_from_env, backend_options
+        from polyrl.rollout.options import api_key_from_env, backend_options, limits_from_args
         from polyrl.workers.rollout_server import serve_command
 
+        try:
+            limits = limits_from_args(args)
+        except ValueError as exc:
+            raise CLIError(str(exc)) from exc
         try:
             return serve_command(
                 args.model_dir,
@@ -252,6 +261,8 @@ def _serve_command(parser: argparse.ArgumentParser) -> Handler:
                 ready_file=args.ready_file,
                 log_level=args.log_level,
                 options=backend_options(args),
+                limits=limits,
+                insecure=args.insecure,
             )
         except (ValueError, TypeError, OSError, RuntimeError) as exc:
             raise CLIError(str(exc)) from exc
@@ -346,12 +357,26 @@ def _agent_proxy_command(parser: argparse.ArgumentParser) -> Handler:
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8100, help="port (default 8100; 0 = any)")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="key callers must send as 'Authorization: Bearer KEY' (several: comma-separated); "
+        "prefer the POLYRL_PROXY_API_KEY environment variable, which ps does not show. "
+        "Without either, the rollout server's key (POLYRL_API_KEY) is the proxy's key too",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow listening beyond loopback without a key (anyone reaching it can use it)",
+    )
     parser.add_argument("--model-name", default="polyrl", help="model name shown in answers")
     parser.add_argument("--ready-file", default=None, help="write {'url', 'pid'} here when up")
     parser.add_argument("--log-level", default="warning", help="uvicorn log level")
 
     def run(args: argparse.Namespace) -> int:
-        from polyrl.agent.proxy import serve_proxy, tokenizer_dir_from_server
+        from polyrl.agent.proxy import PROXY_API_KEY_ENV, serve_proxy, tokenizer_dir_from_server
+        from polyrl.core.http_guard import exposure_problem, insecure_warning, is_loopback
         from polyrl.rollout.client import RolloutClient
         from polyrl.rollout.options import api_key_from_env
 
@@ -359,6 +384,17 @@ def _agent_proxy_command(parser: argparse.ArgumentParser) -> Handler:
             if not url.startswith(("http://", "https://")):
                 raise CLIError(f"--rollout {url!r} must start with http:// or https://")
         api_key = api_key_from_env()
+        raw_keys = args.api_key or os.environ.get(PROXY_API_KEY_ENV) or ""
+        proxy_keys = [k.strip() for k in raw_keys.split(",") if k.strip()]
+        if not proxy_keys and api_key:
+            # Never forward with the server's key for callers who do not know a key.
+            proxy_keys = [api_key]
+        hint = f"set {PROXY_API_KEY_ENV} (or --api-key)"
+        problem = exposure_problem(args.host, bool(proxy_keys), args.insecure, hint)
+        if problem is not None:
+            raise CLIError(problem)
+        if not proxy_keys and args.insecure and not is_loopback(args.host):
+            print(insecure_warning(args.host, "the agent proxy"), file=sys.stderr, flush=True)
         try:
             tokenizer = args.tokenizer or tokenizer_dir_from_server(args.rollout[0], api_key)
         except ValueError as exc:
@@ -373,6 +409,7 @@ def _agent_proxy_command(parser: argparse.ArgumentParser) -> Handler:
             model_name=args.model_name,
             ready_file=args.ready_file,
             log_level=args.log_level,
+            api_keys=proxy_keys,
         )
         return 0
 

@@ -16,6 +16,14 @@ records, per session, the exact prompt and completion token ids:
 (``prompt_ids``, ``response_ids``, ``response_mask``: 1 on model tokens, ``rollout_log_probs``),
 ``DELETE /sessions/{id}`` ends a session. Run it with ``polyrl agent-proxy --rollout URL``;
 it binds 127.0.0.1 by default.
+
+Access: with API keys set (``create_proxy_app(..., api_keys=...)``; ``polyrl agent-proxy``
+takes ``--api-key`` or ``POLYRL_PROXY_API_KEY``, several comma-separated, and falls back to
+the rollout server's own key), every endpoint but ``/health`` wants
+``Authorization: Bearer <key>``, and sessions are scoped per key: a caller with one key can
+neither continue, read nor end a session created with another. Generated session ids are
+random (128 bits). Templates are rendered and text tokenized in a worker thread, so a long
+conversation never stalls the event loop.
 """
 
 from __future__ import annotations
@@ -23,21 +31,40 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from polyrl.agent.base import Trajectory, chat_delta_ids
 from polyrl.agent.tool_loop import HermesToolParser
+from polyrl.core.http_guard import (
+    DEFAULT_MAX_BODY_BYTES,
+    BodyLimit,
+    bearer_token,
+    json_request_body,
+    key_matches,
+    parse_json,
+)
 from polyrl.core.rollout_api import InvalidRequestError, RolloutError, SamplingParams
 
-__all__ = ["RecordingProxy", "create_proxy_app", "serve_proxy", "tokenizer_dir_from_server"]
+__all__ = [
+    "PROXY_API_KEY_ENV",
+    "RecordingProxy",
+    "create_proxy_app",
+    "serve_proxy",
+    "tokenizer_dir_from_server",
+]
+
+#: Environment variable with the proxy's own key(s), comma-separated.
+PROXY_API_KEY_ENV = "POLYRL_PROXY_API_KEY"
 
 SESSION_HEADER = "X-Session-Id"
 _FIELDS = {
@@ -60,6 +87,31 @@ _FIELDS = {
     "logprobs",
     "top_logprobs",
 }
+
+
+class _ChatBody(BaseModel):
+    """``POST /v1/chat/completions`` of the proxy (the OpenAI fields it reads or tolerates)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = None
+    stream: bool | None = None
+    user: str | None = None
+    parallel_tool_calls: bool | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 def _text(content: Any, index: int) -> str:
@@ -85,8 +137,8 @@ def _text(content: Any, index: int) -> str:
 def _canonical_args(args: Any) -> str:
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
+            args = parse_json(args) if args.strip() else {}
+        except ValueError:  # not JSON (or too deep, huge numbers): compared as text
             return args
     return json.dumps(args, sort_keys=True)
 
@@ -175,8 +227,9 @@ class RecordingProxy:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_sessions = max_sessions
-        self.sessions: OrderedDict[str, list[_Segment]] = OrderedDict()
-        self._locks: dict[str, asyncio.Lock] = {}
+        # (owner, session id) -> segments; the owner is who created it (see owner_of).
+        self.sessions: OrderedDict[tuple[str, str], list[_Segment]] = OrderedDict()
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._parser = HermesToolParser()
         eos = tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list | tuple) else [eos])
@@ -212,8 +265,46 @@ class RecordingProxy:
                 return seg
         return None
 
-    async def chat(self, body: Any, session_id: str | None) -> tuple[dict[str, Any], str]:
+    def _render(
+        self, segments: list[_Segment], messages: list[dict[str, Any]], tools: Any
+    ) -> tuple[_Segment, list[int], bool]:
+        """Find (or start) the segment ``messages`` continue: ``(segment, new ids, is new)``.
+
+        Runs in a worker thread: chat templates and the tokenizer are CPU work.
+        """
+        seg = self._find_segment(segments, messages, tools)
+        try:
+            if seg is not None:
+                delta = chat_delta_ids(
+                    self.tokenizer,
+                    messages,
+                    len(messages) - len(seg.messages),
+                    tools=tools,
+                    last_ended_with_eos=seg.last_eos,
+                )
+                return seg, delta, False
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False
+            )
+            prompt = list(self.tokenizer.encode(text, add_special_tokens=False))
+        except RolloutError:
+            raise
+        except Exception as exc:  # template errors are the request's fault
+            raise InvalidRequestError(
+                f"the chat template failed on these messages: {exc}", param="messages"
+            ) from exc
+        # Not appended to the session yet: that waits until the rollout server answers.
+        return _Segment(tools, [], Trajectory(prompt_ids=prompt)), [], True
+
+    async def chat(
+        self, body: Any, session_id: str | None, owner: str = ""
+    ) -> tuple[dict[str, Any], str]:
         """Answer one ``/v1/chat/completions`` body; return ``(response, session_id)``.
+
+        Args:
+            body: the request body.
+            session_id: from the ``X-Session-Id`` header (else ``user``, else a new one).
+            owner: who calls (:func:`owner_of` their key); sessions are per owner.
 
         Raises:
             InvalidRequestError: malformed request (HTTP 400).
@@ -225,9 +316,21 @@ class RecordingProxy:
             raise InvalidRequestError(
                 f"unsupported fields {unknown} for the recording proxy", param=unknown[0]
             )
+        try:
+            _ChatBody.model_validate(body)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err["loc"])
+            raise InvalidRequestError(
+                f"invalid /v1/chat/completions body: {where}: {err['msg']}",
+                param=str(err["loc"][0]) if err["loc"] else None,
+            ) from None
         sid = session_id or body.get("user") or f"session-{uuid.uuid4().hex}"
         if not isinstance(sid, str):
-            raise InvalidRequestError("the session id ('user' or X-Session-Id) must be a string")
+            raise InvalidRequestError(
+                "the session id ('user' or X-Session-Id) must be a string", param="user"
+            )
+        key = (owner, sid)
         messages = _clean_messages(body.get("messages"))
         tools = body.get("tools") or None
         if tools is not None and not (
@@ -235,18 +338,18 @@ class RecordingProxy:
         ):
             raise InvalidRequestError("tools must be a list of objects", param="tools")
         params = self._params(body)
-        lock = self._locks.setdefault(sid, asyncio.Lock())
+        lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
-            segments = self.sessions.setdefault(sid, [])
-            self.sessions.move_to_end(sid)
+            segments = self.sessions.setdefault(key, [])
+            self.sessions.move_to_end(key)
             while len(self.sessions) > self.max_sessions:
                 old, _ = self.sessions.popitem(last=False)
                 self._locks.pop(old, None)
             try:
                 traj, out, result, reply = await self._call(sid, segments, messages, tools, params)
             except BaseException:
-                if not segments and self.sessions.get(sid) is segments:
-                    del self.sessions[sid]  # a session whose only call failed never was
+                if not segments and self.sessions.get(key) is segments:
+                    del self.sessions[key]  # a session whose only call failed never was
                 raise
         return self._response(
             reply, out, result, len(traj.prompt_ids) + len(traj.response_ids)
@@ -265,30 +368,7 @@ class RecordingProxy:
         Nothing is recorded unless the rollout server answers: a failed call leaves the session
         as it was (no new segment, no partial turn).
         """
-        seg = self._find_segment(segments, messages, tools)
-        new_segment = seg is None
-        try:
-            if seg is not None:
-                delta = chat_delta_ids(
-                    self.tokenizer,
-                    messages,
-                    len(messages) - len(seg.messages),
-                    tools=tools,
-                    last_ended_with_eos=seg.last_eos,
-                )
-            else:
-                text = self.tokenizer.apply_chat_template(
-                    messages, tools=tools, add_generation_prompt=True, tokenize=False
-                )
-                prompt = list(self.tokenizer.encode(text, add_special_tokens=False))
-                seg = _Segment(tools, [], Trajectory(prompt_ids=prompt))
-                delta = []
-        except RolloutError:
-            raise
-        except Exception as exc:  # template errors are the request's fault
-            raise InvalidRequestError(
-                f"the chat template failed on these messages: {exc}", param="messages"
-            ) from exc
+        seg, delta, new_segment = await asyncio.to_thread(self._render, segments, messages, tools)
         traj = seg.traj
         result = await self.client.generate(
             traj.prompt_ids + traj.response_ids + delta, params, session_id=sid
@@ -343,13 +423,13 @@ class RecordingProxy:
             "weight_version": int(result.weight_version or 0),
         }
 
-    def trajectory(self, session_id: str) -> dict[str, Any]:
+    def trajectory(self, session_id: str, owner: str = "") -> dict[str, Any]:
         """Return the assembled session: the latest segment's fields plus every segment.
 
         Raises:
-            KeyError: unknown session.
+            KeyError: unknown session (or one of another owner).
         """
-        segments = self.sessions.get(session_id)
+        segments = self.sessions.get((owner, session_id))
         if not segments:
             raise KeyError(session_id)
         return {
@@ -359,14 +439,19 @@ class RecordingProxy:
             "segments": [s.to_json() for s in segments],
         }
 
-    def trajectories(self, session_id: str) -> list[Trajectory]:
+    def trajectories(self, session_id: str, owner: str = "") -> list[Trajectory]:
         """Return the session's segments as :class:`Trajectory` objects (in-process use)."""
-        return [s.traj for s in self.sessions.get(session_id, [])]
+        return [s.traj for s in self.sessions.get((owner, session_id), [])]
 
-    def end(self, session_id: str) -> bool:
-        """Forget a session; return whether it existed."""
-        self._locks.pop(session_id, None)
-        return self.sessions.pop(session_id, None) is not None
+    def end(self, session_id: str, owner: str = "") -> bool:
+        """Forget a session of ``owner``; return whether it existed."""
+        self._locks.pop((owner, session_id), None)
+        return self.sessions.pop((owner, session_id), None) is not None
+
+
+def owner_of(key: bytes | None) -> str:
+    """Return the owner name of sessions created with ``key`` (``""`` without keys)."""
+    return "" if key is None else hashlib.sha256(key).hexdigest()[:16]
 
 
 def _error(status: int, message: str, kind: str, param: Any = None) -> JSONResponse:
@@ -374,8 +459,33 @@ def _error(status: int, message: str, kind: str, param: Any = None) -> JSONRespo
     return JSONResponse(body, status_code=status)
 
 
-def create_proxy_app(proxy: RecordingProxy) -> FastAPI:
-    """Build the FastAPI app serving ``proxy``."""
+def create_proxy_app(
+    proxy: RecordingProxy,
+    api_keys: Sequence[str] = (),
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """Build the FastAPI app serving ``proxy``.
+
+    Args:
+        proxy: the state and logic.
+        api_keys: keys accepted as ``Authorization: Bearer <key>`` on every endpoint but
+            ``/health``; sessions are scoped per key. Empty: open (loopback use).
+        max_body_bytes: larger request bodies get 413.
+    """
+    keys = [k.encode() for k in api_keys if k]
+
+    def caller(request: Request) -> str | JSONResponse:
+        """Return the caller's owner name, or the 401 to answer."""
+        if not keys:
+            return ""
+        key = key_matches(bearer_token(request.scope["headers"]), keys)
+        if key is None:
+            return _error(
+                401,
+                "missing or invalid bearer token (send 'Authorization: Bearer <key>')",
+                "authentication_error",
+            )
+        return owner_of(key)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -386,41 +496,54 @@ def create_proxy_app(proxy: RecordingProxy) -> FastAPI:
             await proxy.client.close()
 
     app = FastAPI(title="polyrl agent proxy", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "sessions": len(proxy.sessions)}
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> Any:
+        owner = caller(request)
+        if isinstance(owner, JSONResponse):
+            return owner
         return {
             "object": "list",
             "data": [{"id": proxy.model_name, "object": "model", "owned_by": "polyrl"}],
         }
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=json_request_body(_ChatBody))
     async def chat(request: Request) -> Any:
+        owner = caller(request)
+        if isinstance(owner, JSONResponse):
+            return owner
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(400, "the request body is not valid JSON", "invalid_request_error")
+            body = parse_json(await request.body())
+        except InvalidRequestError as exc:
+            return _error(400, exc.message, exc.error_type)
         try:
-            answer, sid = await proxy.chat(body, request.headers.get(SESSION_HEADER))
+            answer, sid = await proxy.chat(body, request.headers.get(SESSION_HEADER), owner)
         except RolloutError as exc:
             status = int(getattr(exc, "status", 500))
             return _error(status, str(exc), getattr(exc, "error_type", "server_error"), exc.param)
         return JSONResponse(answer, headers={SESSION_HEADER: sid})
 
     @app.get("/sessions/{session_id}/trajectory")
-    async def trajectory(session_id: str) -> Any:
+    async def trajectory(session_id: str, request: Request) -> Any:
+        owner = caller(request)
+        if isinstance(owner, JSONResponse):
+            return owner
         try:
-            return proxy.trajectory(session_id)
+            return proxy.trajectory(session_id, owner)
         except KeyError:
             return _error(404, f"unknown session {session_id!r}", "not_found_error")
 
     @app.delete("/sessions/{session_id}")
-    async def end(session_id: str) -> Any:
-        if not proxy.end(session_id):
+    async def end(session_id: str, request: Request) -> Any:
+        owner = caller(request)
+        if isinstance(owner, JSONResponse):
+            return owner
+        if not proxy.end(session_id, owner):
             return _error(404, f"unknown session {session_id!r}", "not_found_error")
         return {"session_id": session_id, "ended": True}
 
@@ -436,6 +559,7 @@ def serve_proxy(
     model_name: str = "polyrl",
     ready_file: str | None = None,
     log_level: str = "warning",
+    api_keys: Sequence[str] = (),
 ) -> None:
     """Serve the recording proxy in front of ``client`` until SIGINT/SIGTERM.
 
@@ -449,12 +573,14 @@ def serve_proxy(
         model_name: the ``model`` reported in responses.
         ready_file: where to write ``{"url", "pid"}`` once requests are accepted.
         log_level: uvicorn log level.
+        api_keys: the keys callers must present (see :func:`create_proxy_app`).
     """
     from polyrl.core.http import serve_app
     from polyrl.models.loader import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
-    app = create_proxy_app(RecordingProxy(client, tokenizer, model_name=model_name))
+    proxy = RecordingProxy(client, tokenizer, model_name=model_name)
+    app = create_proxy_app(proxy, api_keys=api_keys)
     asyncio.run(serve_app(app, host, port, ready_file, log_level))
 
 

@@ -28,6 +28,8 @@ __all__ = [
     "EngineUnavailableError",
     "GenerateRequest",
     "InvalidRequestError",
+    "OverloadedError",
+    "RequestConflictError",
     "ModelInfo",
     "RequestOutput",
     "RolloutBackend",
@@ -68,6 +70,19 @@ class InvalidRequestError(RolloutError, ValueError):
 
     status = 400
     error_type = "invalid_request_error"
+
+
+class RequestConflictError(InvalidRequestError):
+    """The request collides with one in flight, e.g. a reused ``request_id`` (HTTP 409)."""
+
+    status = 409
+
+
+class OverloadedError(RolloutError):
+    """The server holds as much work as it accepts; retry later (HTTP 429)."""
+
+    status = 429
+    error_type = "rate_limit_error"
 
 
 class EngineUnavailableError(RolloutError):

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from polyrl.core.cpu import cores_per_process
-from polyrl.rollout.options import API_KEY_ENV, PARENT_FD_ENV
+from polyrl.rollout.options import API_KEY_ENV, PARENT_FD_ENV, ServerLimits
 
 if TYPE_CHECKING:
     from polyrl.rollout.server import AppExtension
@@ -53,6 +53,7 @@ class ServerProcess:
         env: extra environment variables for the child.
         module: the module the child runs with ``python -m``; it takes the flags of
             :func:`polyrl.rollout.server.build_parser`.
+        limits: the request limits of the child (default: its defaults).
     """
 
     _SAVED_TAIL_CHARS = 16_000
@@ -69,8 +70,10 @@ class ServerProcess:
         log_path: str | os.PathLike[str] | None = None,
         env: Mapping[str, str] | None = None,
         module: str = SERVER_MODULE,
+        limits: ServerLimits | None = None,
     ):
         self.model_dir = str(model_dir)
+        self.limits = limits
         self.backend = backend
         self.host = host
         self.port = port
@@ -113,7 +116,8 @@ class ServerProcess:
         # The backend options travel as one JSON object of option names: the launcher knows
         # no option by name, so a new backend option needs no flag here.
         options = {k: v for k, v in self.options.items() if v is not None}
-        return ["--engine-options", json.dumps(options)] if options else []
+        args = ["--engine-options", json.dumps(options)] if options else []
+        return args + (self.limits.to_args() if self.limits is not None else [])
 
     def spawn(self) -> ServerProcess:
         """Start the child without waiting for it (see :meth:`wait_ready`)."""
@@ -272,14 +276,19 @@ def serve_command(
     log_level: str = "warning",
     options: Mapping[str, Any] | None = None,
     extensions: Sequence[AppExtension] = (),
+    limits: ServerLimits | None = None,
+    insecure: bool = False,
 ) -> int:
     """Run ``polyrl serve``: one replica here, or ``replicas`` children behind a router.
 
     ``extensions`` go to :func:`~polyrl.rollout.server.create_app` of the replica served here;
     children run :data:`SERVER_MODULE`. Returns the exit code once interrupted.
+
+    Raises:
+        ValueError: ``host`` is beyond loopback with no ``api_key`` and not ``insecure``.
     """
     from polyrl.core.http import serve_app
-    from polyrl.rollout.server import serve
+    from polyrl.rollout.server import check_exposure, serve
 
     opts = dict(options or {})
     if replicas == 1:
@@ -292,20 +301,25 @@ def serve_command(
             ready_file=ready_file,
             log_level=log_level,
             extensions=extensions,
+            limits=limits,
+            insecure=insecure,
             **opts,
         )
         return 0
+    check_exposure(host, api_key, insecure)  # before any replica starts
     if backend == "native" and "num_threads" not in opts:
         # Replicas share the machine's cores instead of each claiming all of them.
         opts["num_threads"] = cores_per_process(replicas)
-    children = start_replicas(model_dir, replicas, backend=backend, api_key=api_key, options=opts)
+    children = start_replicas(
+        model_dir, replicas, backend=backend, api_key=api_key, options=opts, limits=limits
+    )
     try:
         from polyrl.rollout.client import RolloutClient
         from polyrl.rollout.router import create_router_app
 
         urls = [c.url for c in children if c.url]
         client = RolloutClient(urls, api_key=api_key)
-        app = create_router_app(client, api_key=api_key)
+        app = create_router_app(client, api_key=api_key, limits=limits)
         asyncio.run(serve_app(app, host, port, ready_file, log_level))
     except KeyboardInterrupt:
         return 130

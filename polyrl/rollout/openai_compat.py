@@ -7,11 +7,18 @@
 ``extra_body``; every choice also carries ``token_ids`` (the completion's token ids),
 ``prompt_token_ids`` and ``weight_version``, reachable from the client as ``model_extra``.
 Unknown request fields are rejected (a typo such as ``temprature`` must not pass silently).
+
+Chat templates come from the model, or from an allow-list the server was started with
+(:class:`PromptPolicy`): a request may *name* one in ``chat_template_kwargs.chat_template``,
+and brings a template of its own only where the server allows it explicitly (a template is
+code the server runs). Text longer than any prompt that could fit the context
+(:attr:`PromptPolicy.max_prompt_chars`) is refused before it is tokenized.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -28,6 +35,7 @@ from polyrl.core.rollout_api import (
 
 __all__ = [
     "OpenAIJob",
+    "PromptPolicy",
     "TextAssembler",
     "chat_chunk",
     "chat_response",
@@ -99,6 +107,114 @@ def _fail(message: str, param: str | None = None, code: str | None = None) -> In
     return InvalidRequestError(message, param=param, code=code)
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptPolicy:
+    """Which chat templates a request may use, and how much text it may send.
+
+    Attributes:
+        templates: name -> Jinja template, the allow-list a request may name (besides the
+            model's own named templates).
+        allow_request_templates: accept a template text from the request itself.
+        max_prompt_chars: longest text (a prompt string, a rendered chat) that is tokenized;
+            ``None`` = no limit. :meth:`for_model` derives it from the context length.
+    """
+
+    templates: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    allow_request_templates: bool = False
+    max_prompt_chars: int | None = None
+
+    @staticmethod
+    def longest_token_chars(tokenizer: Any) -> int:
+        """Characters of the longest entry of the tokenizer's vocabulary (at least 1)."""
+        try:
+            return max(1, max(map(len, tokenizer.get_vocab())))
+        except (AttributeError, TypeError, ValueError):
+            return 64
+
+    @classmethod
+    def for_model(
+        cls,
+        tokenizer: Any,
+        max_model_len: int,
+        templates: Mapping[str, str] | None = None,
+        allow_request_templates: bool = False,
+    ) -> PromptPolicy:
+        """Return the policy of a server of ``max_model_len`` tokens.
+
+        A text longer than ``max_model_len`` times the longest vocabulary entry cannot fit the
+        context whatever its tokens, so it is refused before tokenizing.
+        """
+        return cls(
+            templates=dict(templates or {}),
+            allow_request_templates=allow_request_templates,
+            max_prompt_chars=max_model_len * cls.longest_token_chars(tokenizer),
+        )
+
+    def check_text(self, text: str, param: str) -> None:
+        """Refuse ``text`` when it is longer than any prompt that fits the context."""
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise _fail(
+                f"the {param} text has {len(text)} characters; no prompt longer than "
+                f"{self.max_prompt_chars} fits this model's context",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def template_kwargs(self, tokenizer: Any, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """Check ``chat_template_kwargs``; resolve an allow-listed template name to its text.
+
+        Raises:
+            InvalidRequestError: a template the policy does not allow, or a keyword that is a
+                parameter of ``apply_chat_template`` itself rather than a template variable.
+        """
+        out = dict(kwargs)
+        reserved = _reserved_template_kwargs(tokenizer)
+        bad = sorted(k for k in out if k in reserved)
+        if bad:
+            raise _fail(
+                f"chat_template_kwargs may not set {bad} (they are not template variables)",
+                param="chat_template_kwargs",
+            )
+        name = out.pop("chat_template", None)
+        if name is None:
+            return out
+        if not isinstance(name, str) or not name:
+            raise _fail(
+                "chat_template_kwargs.chat_template must be a template name",
+                param="chat_template_kwargs",
+            )
+        own = getattr(tokenizer, "chat_template", None)
+        if name in self.templates:
+            out["chat_template"] = self.templates[name]
+        elif isinstance(own, Mapping) and name in own:
+            out["chat_template"] = name  # one of the model's own named templates
+        elif self.allow_request_templates:
+            out["chat_template"] = name
+        else:
+            names = sorted(self.templates) + (sorted(own) if isinstance(own, Mapping) else [])
+            raise _fail(
+                "this server takes no chat template from requests; chat_template may name "
+                f"one of {names} (the server's --chat-template allow-list)",
+                param="chat_template_kwargs",
+                code="chat_template_not_allowed",
+            )
+        return out
+
+
+def _reserved_template_kwargs(tokenizer: Any) -> set[str]:
+    """``apply_chat_template``'s own parameters (``chat_template`` aside)."""
+    try:
+        params = inspect.signature(tokenizer.apply_chat_template).parameters
+    except (TypeError, ValueError, AttributeError):
+        return set()
+    return {
+        n
+        for n, p in params.items()
+        if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+        and n not in ("chat_template", "documents")
+    }
+
+
 def _check_fields(body: Mapping[str, Any], allowed: set[str], endpoint: str) -> None:
     for key in body:
         if key not in allowed:
@@ -152,7 +268,9 @@ def _sampling(body: Mapping[str, Any], max_new: Any, logprobs: bool, top: int) -
         return SamplingParams.from_dict(raw)
     except InvalidRequestError as exc:
         if exc.param == "max_new_tokens":
-            raise _fail(exc.message.replace("max_new_tokens", "max_tokens"), "max_tokens") from exc
+            raise _fail(
+                exc.message.replace("max_new_tokens", "max_tokens"), param="max_tokens"
+            ) from exc
         raise
 
 
@@ -183,10 +301,13 @@ def _request_id(body: Mapping[str, Any], prefix: str) -> str:
     return rid
 
 
-def parse_completion_request(body: Any, tokenizer: Any, info: ModelInfo) -> OpenAIJob:
+def parse_completion_request(
+    body: Any, tokenizer: Any, info: ModelInfo, policy: PromptPolicy | None = None
+) -> OpenAIJob:
     """Parse a ``/v1/completions`` body.
 
     ``prompt`` may be a string, a list of strings, a list of token ids or a list of such lists.
+    ``policy`` bounds the text tokenized (default: no bound).
 
     Raises:
         InvalidRequestError: on any malformed or unsupported field.
@@ -205,10 +326,14 @@ def parse_completion_request(body: Any, tokenizer: Any, info: ModelInfo) -> Open
     prompt = body.get("prompt")
     if prompt is None:
         raise _fail("missing required field 'prompt'", param="prompt")
+    policy = policy or PromptPolicy()
     prompts: list[list[int]]
     if isinstance(prompt, str):
+        policy.check_text(prompt, "prompt")
         prompts = [tokenizer(prompt).input_ids]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        for p in prompt:
+            policy.check_text(p, "prompt")
         prompts = [tokenizer(p).input_ids for p in prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
         prompts = [_check_token_list(p, "prompt") for p in prompt]
@@ -264,10 +389,13 @@ def _message_text(content: Any, index: int) -> str | None:
     )
 
 
-def parse_chat_request(body: Any, tokenizer: Any, info: ModelInfo) -> OpenAIJob:
+def parse_chat_request(
+    body: Any, tokenizer: Any, info: ModelInfo, policy: PromptPolicy | None = None
+) -> OpenAIJob:
     """Parse a ``/v1/chat/completions`` body; the prompt is rendered by the chat template.
 
-    ``tools`` are handed to the template (which lists them in the system turn).
+    ``tools`` are handed to the template (which lists them in the system turn). ``policy``
+    says which templates ``chat_template_kwargs`` may name (default: the model's only).
 
     Raises:
         InvalidRequestError: malformed messages or fields, or a template that fails on them.
@@ -294,9 +422,11 @@ def parse_chat_request(body: Any, tokenizer: Any, info: ModelInfo) -> OpenAIJob:
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, Mapping) or fmt.get("type") != "text"):
         raise _fail("only response_format {'type': 'text'} is supported", param="response_format")
+    policy = policy or PromptPolicy()
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, Mapping):
         raise _fail("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    kwargs = policy.template_kwargs(tokenizer, kwargs)
     add_gen = _flag(body, "add_generation_prompt", True)
     cont = _flag(body, "continue_final_message", False)
     if add_gen and cont and "add_generation_prompt" in body:
@@ -314,13 +444,18 @@ def parse_chat_request(body: Any, tokenizer: Any, info: ModelInfo) -> OpenAIJob:
             **kwargs,
         )
     except Exception as exc:  # jinja errors of any kind are the request's fault
-        raise _fail(f"the chat template failed on these messages: {exc}", "messages") from exc
+        raise _fail(f"the chat template failed on these messages: {exc}", param="messages") from exc
+    if not isinstance(text, str):
+        raise _fail("the chat template did not render to text", param="messages")
+    policy.check_text(text, "messages")
     prompt_ids = tokenizer(text, add_special_tokens=False).input_ids
     logprobs = _flag(body, "logprobs", False)
     top = body.get("top_logprobs")
     if top is not None:
         if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise _fail(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+            raise _fail(
+                f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs"
+            )
         if not logprobs and top:
             raise _fail("top_logprobs needs logprobs=true", param="top_logprobs")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))

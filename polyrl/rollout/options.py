@@ -6,16 +6,21 @@ Kept free of heavy imports so ``polyrl --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
     "API_KEY_ENV",
     "PARENT_FD_ENV",
+    "ServerLimits",
     "add_backend_arguments",
+    "add_limit_arguments",
     "add_listen_arguments",
     "backend_options",
+    "limits_from_args",
 ]
 
 #: Environment variable holding the bearer token (kept out of argv, where ``ps`` shows it).
@@ -76,6 +81,168 @@ def add_listen_arguments(parser: argparse.ArgumentParser, default_port: int = 80
     )
     parser.add_argument(
         "--log-level", default="warning", help="uvicorn log level (default warning)"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+    """What one rollout server (or router) accepts from its clients.
+
+    Attributes:
+        max_body_bytes: largest request body; larger ones get 413.
+        max_json_depth: deepest nesting of arrays/objects in a body; deeper ones get 400.
+        max_sequences: most sequences one request may ask for (prompts x ``n``); 400 above.
+        max_queued_tokens: most prompt tokens (counted once per sample: prompt length x
+            ``n``) held by the requests in flight; a request that would go over gets 429.
+        render_timeout: seconds a chat template and the tokenizer may take on one request's
+            prompt (they run off the event loop); 400 ``render_timeout`` past it.
+        render_threads: threads that render and tokenize prompts.
+        allow_request_chat_template: accept a Jinja template from the request
+            (``chat_template_kwargs.chat_template``). Off by default: a template is code the
+            server runs; with it off a request may only *name* a template of the model or of
+            ``chat_templates``.
+        chat_templates: name -> template file, the templates a request may name.
+    """
+
+    max_body_bytes: int = 8 << 20
+    max_json_depth: int = 64
+    max_sequences: int = 1024
+    max_queued_tokens: int = 1 << 22
+    render_timeout: float = 10.0
+    render_threads: int = 2
+    allow_request_chat_template: bool = False
+    chat_templates: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_json_depth", "max_sequences", "max_queued_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.render_threads, int) or self.render_threads < 1:
+            raise ValueError(f"render_threads must be an int >= 1, got {self.render_threads!r}")
+        if not isinstance(self.render_timeout, int | float) or not self.render_timeout > 0:
+            raise ValueError(f"render_timeout must be > 0 seconds, got {self.render_timeout!r}")
+
+    def load_templates(self) -> dict[str, str]:
+        """Read the allow-listed template files.
+
+        Raises:
+            ValueError: a file cannot be read.
+        """
+        out = {}
+        for name, path in self.chat_templates.items():
+            try:
+                with open(path, encoding="utf-8") as f:
+                    out[name] = f.read()
+            except OSError as exc:
+                raise ValueError(f"--chat-template {name}={path}: cannot read it: {exc}") from exc
+        return out
+
+    def to_args(self) -> list[str]:
+        """Return the command-line flags that give a server process these limits."""
+        default = ServerLimits()
+        args: list[str] = []
+        for flag, name in _LIMIT_FLAGS:
+            value = getattr(self, name)
+            if value != getattr(default, name):
+                args += [flag, str(value)]
+        if self.allow_request_chat_template:
+            args.append("--allow-request-chat-template")
+        for name, path in self.chat_templates.items():
+            args += ["--chat-template", f"{name}={path}"]
+        return args
+
+
+_LIMIT_FLAGS = (
+    ("--max-body-bytes", "max_body_bytes"),
+    ("--max-json-depth", "max_json_depth"),
+    ("--max-sequences", "max_sequences"),
+    ("--max-queued-tokens", "max_queued_tokens"),
+    ("--render-timeout", "render_timeout"),
+    ("--render-threads", "render_threads"),
+)
+
+
+def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the request limits of :class:`ServerLimits` and ``--insecure``."""
+    d = ServerLimits()
+    group = parser.add_argument_group("request limits")
+    group.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=d.max_body_bytes,
+        help=f"largest request body in bytes; larger get 413 (default {d.max_body_bytes})",
+    )
+    group.add_argument(
+        "--max-json-depth",
+        type=int,
+        default=d.max_json_depth,
+        help=f"deepest JSON nesting in a body (default {d.max_json_depth})",
+    )
+    group.add_argument(
+        "--max-sequences",
+        type=int,
+        default=d.max_sequences,
+        help=f"most sequences (prompts x n) per request (default {d.max_sequences})",
+    )
+    group.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=d.max_queued_tokens,
+        help="most prompt tokens (x n) of the requests in flight; beyond it requests get 429 "
+        f"(default {d.max_queued_tokens})",
+    )
+    group.add_argument(
+        "--render-timeout",
+        type=float,
+        default=d.render_timeout,
+        help=f"seconds to render and tokenize one prompt (default {d.render_timeout:g})",
+    )
+    group.add_argument(
+        "--render-threads",
+        type=int,
+        default=d.render_threads,
+        help=f"threads rendering and tokenizing prompts (default {d.render_threads})",
+    )
+    group.add_argument(
+        "--chat-template",
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="allow requests to name this Jinja chat template "
+        "(chat_template_kwargs.chat_template = NAME); repeatable",
+    )
+    group.add_argument(
+        "--allow-request-chat-template",
+        action="store_true",
+        help="let requests bring their own Jinja chat template (trusted clients only: a "
+        "template is code the server runs)",
+    )
+    group.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow listening beyond loopback without an API key (the server is then open "
+        "to anyone who can reach it)",
+    )
+
+
+def limits_from_args(args: argparse.Namespace) -> ServerLimits:
+    """Build :class:`ServerLimits` from :func:`add_limit_arguments`' flags.
+
+    Raises:
+        ValueError: a bad limit or ``--chat-template`` value.
+    """
+    templates = {}
+    for item in getattr(args, "chat_template", None) or []:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--chat-template wants NAME=FILE, got {item!r}")
+        templates[name] = path
+    d = ServerLimits()
+    return ServerLimits(
+        **{name: getattr(args, name, getattr(d, name)) for _, name in _LIMIT_FLAGS},
+        allow_request_chat_template=bool(getattr(args, "allow_request_chat_template", False)),
+        chat_templates=templates,
     )
 
 

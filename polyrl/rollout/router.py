@@ -10,13 +10,15 @@ The router is a small FastAPI app around a :class:`~polyrl.rollout.client.Rollou
   broadcast to every replica;
 * ``/health`` reports every replica; ``/metrics`` concatenates theirs, each series labelled
   with ``replica="<i>"``; ``/v1/models`` is answered by any replica.
+
+Bodies are capped in size and nesting (:class:`~polyrl.rollout.options.ServerLimits`) before
+the router reads them; a malformed one gets 400 here, without reaching a replica.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -24,14 +26,37 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from polyrl.core.rollout_api import RolloutError
+from polyrl.core.http_guard import BodyLimit, json_request_body, parse_json
+from polyrl.core.rollout_api import InvalidRequestError, RolloutError
 from polyrl.rollout.client import RolloutClient, StreamedResponse
-from polyrl.rollout.routes.common import BearerAuth, error_body
+from polyrl.rollout.options import ServerLimits
+from polyrl.rollout.routes.common import BearerAuth, error_response
+from polyrl.rollout.schemas import (
+    AbortBody,
+    ChatCompletionBody,
+    CompletionBody,
+    GenerateBody,
+    SleepBody,
+    UpdateWeightsBody,
+    WakeUpBody,
+    check_body,
+)
 
 __all__ = ["create_router_app"]
 
-_FORWARDED = ("/generate", "/v1/completions", "/v1/chat/completions")
-_BROADCAST = ("/pause", "/resume", "/abort", "/sleep", "/wake_up", "/update_weights")
+_FORWARDED = {
+    "/generate": GenerateBody,
+    "/v1/completions": CompletionBody,
+    "/v1/chat/completions": ChatCompletionBody,
+}
+_BROADCAST = {
+    "/pause": None,
+    "/resume": None,
+    "/abort": AbortBody,
+    "/sleep": SleepBody,
+    "/wake_up": WakeUpBody,
+    "/update_weights": UpdateWeightsBody,
+}
 _SERIES = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(.*)$")
 
 
@@ -53,14 +78,15 @@ def _label_metrics(text: str, replica: int, seen_meta: set[str]) -> list[str]:
     return out
 
 
-def _session_of(request: Request, raw: bytes) -> tuple[str | None, bool]:
-    """Session id and stream flag of a forwarded body (the body itself is passed on as is)."""
+def _session_of(request: Request, raw: bytes, max_depth: int) -> tuple[str | None, bool]:
+    """Session id and stream flag of a forwarded body (the body itself is passed on as is).
+
+    Raises:
+        InvalidRequestError: the body is malformed or nested too deep.
+    """
     session = request.headers.get("x-session-id")
     stream = False
-    try:
-        body = json.loads(raw) if raw.strip() else None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return session, False  # the replica answers malformed JSON with its own 400
+    body = parse_json(raw, max_depth) if raw.strip() else None
     if isinstance(body, dict):
         sid = body.get("session_id")
         if isinstance(sid, str):
@@ -69,13 +95,17 @@ def _session_of(request: Request, raw: bytes) -> tuple[str | None, bool]:
     return session, stream
 
 
-def create_router_app(client: RolloutClient, api_key: str | None = None) -> FastAPI:
+def create_router_app(
+    client: RolloutClient, api_key: str | None = None, limits: ServerLimits | None = None
+) -> FastAPI:
     """Build the router app over ``client`` (started and closed with the app).
 
     Args:
         client: the replica manager (its ``api_key`` is what replicas expect).
         api_key: bearer token the router itself wants on every endpoint but ``/health``.
+        limits: body size and nesting caps (the replicas apply the others).
     """
+    limits = limits or ServerLimits()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -89,17 +119,16 @@ def create_router_app(client: RolloutClient, api_key: str | None = None) -> Fast
 
     @app.exception_handler(RolloutError)
     async def _rollout_error(request: Request, exc: RolloutError) -> JSONResponse:
-        return JSONResponse(
-            error_body(exc.message, exc.error_type, exc.param, exc.code), status_code=exc.status
-        )
+        return error_response(exc)
 
     if api_key is not None:
         # A plain ASGI middleware (not @app.middleware): no task group per request.
         app.add_middleware(BearerAuth, api_key=api_key)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
 
     async def forward(request: Request) -> Response:
         raw = await request.body()
-        session, stream = _session_of(request, raw)
+        session, stream = _session_of(request, raw, limits.max_json_depth)
         response, replica = await client.send(
             "POST", request.url.path, content=raw, session_id=session, stream=stream
         )
@@ -126,18 +155,17 @@ def create_router_app(client: RolloutClient, api_key: str | None = None) -> Fast
             headers=headers,
         )
 
-    for path in _FORWARDED:
-        app.add_api_route(path, forward, methods=["POST"])
+    for path, model in _FORWARDED.items():
+        app.add_api_route(path, forward, methods=["POST"], openapi_extra=json_request_body(model))
 
-    def broadcaster(path: str) -> Callable[[Request], Awaitable[Response]]:
+    def broadcaster(path: str, model: Any) -> Callable[[Request], Awaitable[Response]]:
         async def run(request: Request) -> Response:
             raw = await request.body()
-            try:
-                body = json.loads(raw) if raw.strip() else {}
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                return JSONResponse(
-                    error_body(f"malformed JSON body: {exc}", "invalid_request_error"), 400
-                )
+            body = parse_json(raw, limits.max_json_depth) if raw.strip() else {}
+            if not isinstance(body, dict):
+                raise InvalidRequestError(f"the {path} body must be a JSON object")
+            if model is not None:
+                check_body(model, body, path)
             answers = await client.broadcast(path, body)
             merged: dict[str, Any] = {"replicas": answers}
             if path == "/abort":
@@ -150,8 +178,9 @@ def create_router_app(client: RolloutClient, api_key: str | None = None) -> Fast
 
         return run
 
-    for path in _BROADCAST:
-        app.add_api_route(path, broadcaster(path), methods=["POST"])
+    for path, model in _BROADCAST.items():
+        extra = json_request_body(model, required=path == "/update_weights") if model else None
+        app.add_api_route(path, broadcaster(path, model), methods=["POST"], openapi_extra=extra)
 
     @app.get("/health")
     async def health() -> JSONResponse:

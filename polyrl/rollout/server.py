@@ -45,15 +45,28 @@ Errors
 ------
 Every error body is ``{"error": {"message", "type", "param", "code"}}``:
 
-* 400 ``invalid_request_error``: malformed JSON, missing/unknown field, wrong type, invalid
-  sampling parameter, unknown token id (``code: invalid_token_id``), prompt plus
-  ``max_new_tokens`` longer than the context (``code: context_length_exceeded``), duplicate
-  in-flight ``request_id``;
+* 400 ``invalid_request_error``: malformed JSON (``code: malformed_json``: bad syntax, NaN,
+  an integer over 4,300 digits), nesting deeper than ``--max-json-depth``
+  (``json_too_deep``), missing/unknown field, wrong type, invalid sampling parameter, unknown
+  token id (``code: invalid_token_id``), prompt plus ``max_new_tokens`` longer than the context
+  (``code: context_length_exceeded``; a text longer than any prompt that fits is refused
+  before tokenizing), more than ``--max-sequences`` prompts x ``n`` (``too_many_sequences``),
+  a chat template the server does not allow (``chat_template_not_allowed``), rendering and
+  tokenizing past ``--render-timeout`` (``render_timeout``);
 * 401 ``authentication_error``: missing or wrong bearer token;
-* 404: unknown path; 405: wrong method;
+* 404: unknown path; 405: wrong method (with ``Allow``);
+* 409: ``request_id`` already in flight (``duplicate_request_id``);
+* 413: body over ``--max-body-bytes`` (``body_too_large``);
+* 429 ``rate_limit_error`` (``Retry-After: 1``): the prompt tokens (x ``n``) of the requests
+  in flight would pass ``--max-queued-tokens``;
 * 503 ``service_unavailable``: the engine is asleep or its weights were discarded.
 
-A rejected request never reaches the engine, so it holds no slot or KV block.
+A rejected request never reaches the engine, so it holds no slot or KV block. Every POST body
+is described in ``/openapi.json`` (:mod:`polyrl.rollout.schemas`). Chat templates come from
+the model or from ``--chat-template NAME=FILE`` (a request may name one); a request's own
+template is refused unless ``--allow-request-chat-template``. Templates and the tokenizer run
+in worker threads, so ``/health`` answers while a long prompt is prepared. Binding beyond
+loopback needs ``POLYRL_API_KEY`` or ``--insecure``.
 """
 
 from __future__ import annotations
@@ -72,21 +85,35 @@ from typing import Any
 from fastapi import FastAPI
 
 from polyrl.core.http import serve_app
+from polyrl.core.http_guard import BodyLimit, exposure_problem, insecure_warning, is_loopback
 from polyrl.core.rollout_api import RolloutBackend
 from polyrl.rollout.base import create_backend
+from polyrl.rollout.openai_compat import PromptPolicy
 from polyrl.rollout.options import (
+    API_KEY_ENV,
     PARENT_FD_ENV,
+    ServerLimits,
     add_backend_arguments,
+    add_limit_arguments,
     add_listen_arguments,
     api_key_from_env,
     backend_options,
+    limits_from_args,
 )
 from polyrl.rollout.routes.admin import admin_router
-from polyrl.rollout.routes.common import BearerAuth, RequestTable, add_error_handlers
+from polyrl.rollout.routes.common import BearerAuth, RenderPool, RequestTable, add_error_handlers
 from polyrl.rollout.routes.generation import generation_router
 from polyrl.rollout.routes.openai import openai_router
 
-__all__ = ["AppExtension", "build_parser", "create_app", "main", "serve", "watch_parent"]
+__all__ = [
+    "AppExtension",
+    "build_parser",
+    "check_exposure",
+    "create_app",
+    "main",
+    "serve",
+    "watch_parent",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +128,7 @@ def create_app(
     api_key: str | None = None,
     manage_backend: bool = True,
     extensions: Sequence[AppExtension] = (),
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     """Build the FastAPI app serving ``backend``: the routers of :mod:`polyrl.rollout.routes`.
 
@@ -111,7 +139,18 @@ def create_app(
         manage_backend: start the backend on app start-up and shut it down on exit.
         extensions: called as ``extension(app, backend)`` in order once the rollout routes are
             in, to add other services' routes (the bearer token guards them too).
+        limits: what requests may ask for (body size, nesting, sequences, queued tokens,
+            chat templates); default :class:`~polyrl.rollout.options.ServerLimits`.
+
+    Raises:
+        ValueError: an allow-listed chat template file cannot be read.
     """
+    limits = limits or ServerLimits()
+    policy = PromptPolicy(
+        templates=limits.load_templates(),
+        allow_request_templates=limits.allow_request_chat_template,
+    )
+    renderer = RenderPool(limits.render_threads, limits.render_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -122,16 +161,20 @@ def create_app(
         finally:
             if manage_backend:
                 await backend.shutdown()
+            renderer.close()
 
     app = FastAPI(title="polyrl rollout server", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.limits = limits
     add_error_handlers(app)
     if api_key is not None:
         app.add_middleware(BearerAuth, api_key=api_key)
+    # Outermost: a body over the limit is refused before anything (auth included) reads it.
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
     # One table for both: /abort ends /generate and OpenAI requests alike.
-    table = RequestTable(backend)
+    table = RequestTable(backend, limits)
     for router in (
         admin_router(backend),
-        openai_router(backend, tokenizer, table),
+        openai_router(backend, tokenizer, table, renderer, policy),
         generation_router(backend, table),
     ):
         # The routes go into the app's own table: app.include_router would keep each router as
@@ -153,6 +196,8 @@ def serve(
     log_level: str = "warning",
     on_ready: Callable[[str], None] | None = None,
     extensions: Sequence[AppExtension] = (),
+    limits: ServerLimits | None = None,
+    insecure: bool = False,
     **options: Any,
 ) -> None:
     """Serve ``model_dir`` until interrupted (SIGINT/SIGTERM shut down gracefully).
@@ -167,14 +212,32 @@ def serve(
         log_level: uvicorn log level.
         on_ready: called with the URL once requests are accepted.
         extensions: passed to :func:`create_app`.
+        limits: passed to :func:`create_app`.
+        insecure: allow a non-loopback ``host`` without ``api_key`` (a warning is printed).
         **options: backend options (for ``native``: :class:`EngineConfig` fields).
+
+    Raises:
+        ValueError: ``host`` is beyond loopback, with no ``api_key`` and not ``insecure``.
     """
     from polyrl.models.loader import load_tokenizer
 
+    check_exposure(host, api_key, insecure)
     engine = create_backend(backend, model_dir, **options)
     tokenizer = load_tokenizer(model_dir, trust_remote_code=bool(options.get("trust_remote_code")))
-    app = create_app(engine, tokenizer, api_key=api_key, extensions=extensions)
+    app = create_app(engine, tokenizer, api_key=api_key, extensions=extensions, limits=limits)
     asyncio.run(serve_app(app, host, port, ready_file, log_level, on_ready))
+
+
+def check_exposure(host: str, api_key: str | None, insecure: bool) -> None:
+    """Refuse (``ValueError``) a non-loopback ``host`` without a key unless ``insecure``.
+
+    With ``insecure`` and no key, print a warning on stderr instead.
+    """
+    problem = exposure_problem(host, bool(api_key), insecure, f"set {API_KEY_ENV}")
+    if problem is not None:
+        raise ValueError(problem)
+    if insecure and not api_key and not is_loopback(host):
+        print(insecure_warning(host, "the rollout server"), file=sys.stderr, flush=True)
 
 
 def build_parser(prog: str = "python -m polyrl.rollout.server") -> argparse.ArgumentParser:
@@ -185,6 +248,7 @@ def build_parser(prog: str = "python -m polyrl.rollout.server") -> argparse.Argu
     )
     add_listen_arguments(parser)
     add_backend_arguments(parser)
+    add_limit_arguments(parser)
     return parser
 
 
@@ -245,6 +309,8 @@ def main(
             ready_file=args.ready_file,
             log_level=args.log_level,
             extensions=extensions,
+            limits=limits_from_args(args),
+            insecure=args.insecure,
             **backend_options(args),
         )
     except (ValueError, TypeError, FileNotFoundError, NotADirectoryError, OSError) as exc:

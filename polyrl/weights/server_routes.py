@@ -28,7 +28,6 @@ atomic ``load_weights`` get the whole set at commit, in temporaries.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import resource
 import sys
@@ -41,7 +40,9 @@ from typing import Any
 import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
 
+from polyrl.core.http_guard import json_request_body, parse_json
 from polyrl.weights.base import CUDA_IPC_ENV, BucketMeta, WeightTransferError
 from polyrl.weights.receiver import LoadFnTarget, NameMap, WeightReceiver, WeightTarget
 from polyrl.weights.transports import bucket_file_name, make_group, read_bucket_file
@@ -317,6 +318,48 @@ def _direct_of(body: dict[str, Any]) -> dict[str, int | None]:
     return {str(k): None if v is None else int(v) for k, v in direct.items()}
 
 
+class _Body(BaseModel):
+    # Documentation of the bodies (the handlers read and check them themselves).
+    model_config = ConfigDict(extra="allow")
+
+
+class _BeginBody(_Body):
+    transfer_id: str
+    version: int = -1
+    mode: str = "staged"
+    inflight: str = "keep"
+    stall_timeout: float | None = None
+    measure_memory: bool = False
+    direct: bool = False
+
+
+class _BucketBody(_Body):
+    meta: dict[str, Any]
+    source: dict[str, Any]
+
+
+class _CommitBody(_Body):
+    transfer_id: str
+    version: int = -1
+    buckets: int | None = None
+    direct: dict[str, int | None] | None = None
+
+
+class _DistInitBody(_Body):
+    host: str
+    port: int
+    rank: int
+    world_size: int
+    timeout: float = 120.0
+    backend: str = "gloo"
+    device: str | None = None
+
+
+class _AbortBody(_Body):
+    transfer_id: str | None = None
+    reason: str | None = None
+
+
 def register_weight_routes(
     app: FastAPI,
     backend: Any,
@@ -371,9 +414,10 @@ def register_weight_routes(
 
     async def body_of(request: Request) -> dict[str, Any]:
         try:
-            body = json.loads(await request.body() or b"{}")
-        except json.JSONDecodeError as exc:
-            raise WeightTransferError(f"malformed JSON body: {exc}") from exc
+            # Depth-capped; huge integers and bad encodings are errors too, never a 500.
+            body = parse_json(await request.body() or b"{}")
+        except ValueError as exc:
+            raise WeightTransferError(str(exc)) from exc
         if not isinstance(body, dict):
             raise WeightTransferError("the body must be a JSON object")
         return body
@@ -391,7 +435,7 @@ def register_weight_routes(
             status_code=400,
         )
 
-    @app.post("/weights/begin")
+    @app.post("/weights/begin", openapi_extra=json_request_body(_BeginBody))
     async def begin(request: Request) -> Any:
         loop_holder["loop"] = asyncio.get_running_loop()
         try:
@@ -420,7 +464,7 @@ def register_weight_routes(
             answer["direct"] = offer
         return answer
 
-    @app.post("/weights/bucket")
+    @app.post("/weights/bucket", openapi_extra=json_request_body(_BucketBody))
     async def bucket(request: Request) -> Any:
         try:
             body = await body_of(request)
@@ -432,7 +476,7 @@ def register_weight_routes(
             return fail(exc)
         return {"buckets": meta.index + 1}
 
-    @app.post("/weights/commit")
+    @app.post("/weights/commit", openapi_extra=json_request_body(_CommitBody))
     async def commit(request: Request) -> Any:
         loop_holder["loop"] = asyncio.get_running_loop()
         try:
@@ -448,7 +492,7 @@ def register_weight_routes(
             return fail(exc)
         return {"weight_version": version}
 
-    @app.post("/weights/dist/init")
+    @app.post("/weights/dist/init", openapi_extra=json_request_body(_DistInitBody))
     async def dist_init(request: Request) -> Any:
         try:
             body = await body_of(request)
@@ -466,7 +510,7 @@ def register_weight_routes(
             return fail(exc)
         return {"rank": int(_required(body, "rank"))}
 
-    @app.post("/weights/abort")
+    @app.post("/weights/abort", openapi_extra=json_request_body(_AbortBody, required=False))
     async def abort(request: Request) -> Any:
         try:
             body = await body_of(request)

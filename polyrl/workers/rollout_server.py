@@ -18,6 +18,7 @@ from fastapi import FastAPI
 
 from polyrl.core.rollout_api import RolloutBackend
 from polyrl.rollout import launcher, server
+from polyrl.rollout.options import ServerLimits
 from polyrl.rollout.server import AppExtension
 from polyrl.weights.server_routes import register_weight_routes
 
@@ -34,10 +35,16 @@ def create_replica_app(
     tokenizer: Any,
     api_key: str | None = None,
     manage_backend: bool = True,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     """Build a replica's app: :func:`polyrl.rollout.server.create_app` plus :data:`EXTENSIONS`."""
     return server.create_app(
-        backend, tokenizer, api_key=api_key, manage_backend=manage_backend, extensions=EXTENSIONS
+        backend,
+        tokenizer,
+        api_key=api_key,
+        manage_backend=manage_backend,
+        extensions=EXTENSIONS,
+        limits=limits,
     )
 
 

@@ -36,6 +36,7 @@ from polyrl.core.rollout_api import (
     GenerateRequest,
     InvalidRequestError,
     ModelInfo,
+    RequestConflictError,
     SampleDelta,
     check_request_fits,
 )
@@ -350,9 +351,10 @@ class NativeEngine:
             if self._stopping:
                 raise EngineUnavailableError("the engine is shutting down")
             if request.request_id in self._active_ids:
-                raise InvalidRequestError(
+                raise RequestConflictError(
                     f"request_id {request.request_id!r} is already in flight",
                     param="request_id",
+                    code="duplicate_request_id",
                 )
             self._active_ids.add(request.request_id)
         self._command(lambda: self._add_or_fail(request, sink, stream, max_new))

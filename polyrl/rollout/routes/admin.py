@@ -14,8 +14,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
+from polyrl.core.http_guard import json_request_body
 from polyrl.core.rollout_api import BackendStats, InvalidRequestError, ModelInfo, RolloutBackend
 from polyrl.rollout.routes.common import json_body, json_object
+from polyrl.rollout.schemas import SleepBody, UpdateWeightsBody, WakeUpBody, check_body
 
 __all__ = ["admin_router", "render_metrics"]
 
@@ -82,6 +84,19 @@ def render_metrics(stats: BackendStats, info: ModelInfo) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _sleep_level(body: dict[str, Any]) -> int:
+    level = body.get("level", 1)
+    if level not in (1, 2) or isinstance(level, bool):
+        raise InvalidRequestError(f"level must be 1 or 2, got {level!r}", param="level")
+    return int(level)
+
+
+def _check_update(body: dict[str, Any]) -> None:
+    path = body.get("path")
+    if not isinstance(path, str) or not path:
+        raise InvalidRequestError("path must name a weights directory", param="path")
+
+
 def admin_router(backend: RolloutBackend) -> APIRouter:
     """Build the router of the health, metrics and control endpoints of ``backend``."""
     router = APIRouter()
@@ -121,17 +136,16 @@ def admin_router(backend: RolloutBackend) -> APIRouter:
         await backend.resume()
         return {"paused": False}
 
-    @router.post("/sleep")
+    @router.post("/sleep", openapi_extra=json_request_body(SleepBody, required=False))
     async def sleep(request: Request) -> dict[str, Any]:
         body = json_object(await json_body(request, required=False), "/sleep")
-        level = body.get("level", 1)
-        if level not in (1, 2) or isinstance(level, bool):
-            raise InvalidRequestError(f"level must be 1 or 2, got {level!r}", param="level")
-        return await backend.sleep(level)
+        check_body(SleepBody, body, "/sleep", _sleep_level)
+        return await backend.sleep(_sleep_level(body))
 
-    @router.post("/wake_up")
+    @router.post("/wake_up", openapi_extra=json_request_body(WakeUpBody, required=False))
     async def wake_up(request: Request) -> dict[str, Any]:
         body = json_object(await json_body(request, required=False), "/wake_up")
+        check_body(WakeUpBody, body, "/wake_up")
         tags = body.get("tags")
         if tags is not None and not (
             isinstance(tags, list) and all(isinstance(t, str) for t in tags)
@@ -139,9 +153,10 @@ def admin_router(backend: RolloutBackend) -> APIRouter:
             raise InvalidRequestError("tags must be a list of strings", param="tags")
         return await backend.wake_up(tags)
 
-    @router.post("/update_weights")
+    @router.post("/update_weights", openapi_extra=json_request_body(UpdateWeightsBody))
     async def update_weights(request: Request) -> dict[str, Any]:
         body = json_object(await json_body(request), "/update_weights")
+        check_body(UpdateWeightsBody, body, "/update_weights", _check_update)
         unknown = set(body) - {"path", "version"}
         if unknown:
             raise InvalidRequestError(
@@ -155,7 +170,9 @@ def admin_router(backend: RolloutBackend) -> APIRouter:
         if version is not None and (
             not isinstance(version, int) or isinstance(version, bool) or version < 0
         ):
-            raise InvalidRequestError(f"version must be an int >= 0, got {version!r}", "version")
+            raise InvalidRequestError(
+                f"version must be an int >= 0, got {version!r}", param="version"
+            )
         return {"weight_version": await backend.update_weights(path, version)}
 
     return router

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from polyrl.core.http_guard import json_request_body
 from polyrl.core.rollout_api import (
     GenerateRequest,
     InvalidRequestError,
@@ -16,6 +17,7 @@ from polyrl.core.rollout_api import (
     SamplingParams,
 )
 from polyrl.rollout.routes.common import SSE_DONE, RequestTable, json_body, json_object, sse
+from polyrl.rollout.schemas import AbortBody, GenerateBody, check_body
 
 __all__ = ["generation_router", "parse_generate"]
 
@@ -81,9 +83,10 @@ def generation_router(backend: RolloutBackend, table: RequestTable) -> APIRouter
     """
     router = APIRouter()
 
-    @router.post("/generate")
+    @router.post("/generate", openapi_extra=json_request_body(GenerateBody))
     async def generate(request: Request) -> Response:
         body = json_object(await json_body(request), "/generate")
+        check_body(GenerateBody, body, "/generate", parse_generate)
         reqs, batched, stream, key = parse_generate(body)
         if stream:
             streams = await table.open_streams(key, reqs, stream=True)
@@ -119,9 +122,10 @@ def generation_router(backend: RolloutBackend, table: RequestTable) -> APIRouter
             )
         return JSONResponse(results[0])
 
-    @router.post("/abort")
+    @router.post("/abort", openapi_extra=json_request_body(AbortBody, required=False))
     async def abort(request: Request) -> dict[str, Any]:
         body = json_object(await json_body(request, required=False), "/abort")
+        check_body(AbortBody, body, "/abort")
         ids = body.get("request_ids")
         if ids is not None and not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
             raise InvalidRequestError("request_ids must be a list of strings", param="request_ids")

@@ -2,27 +2,32 @@
 
 ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streamed or
 not). Request parsing and response building are in :mod:`polyrl.rollout.openai_compat`; this
-module runs the parsed jobs on the backend and streams their text.
+module runs the parsed jobs on the backend and streams their text. Parsing (chat template,
+tokenizer) runs in a :class:`~polyrl.rollout.routes.common.RenderPool`, off the event loop.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from polyrl.core.http_guard import json_request_body
 from polyrl.core.rollout_api import GenerateRequest, RolloutBackend, SampleOutput
 from polyrl.rollout import openai_compat as oai
 from polyrl.rollout.routes.common import (
     SSE_DONE,
+    RenderPool,
     RequestTable,
     json_body,
     merge_streams,
     sse,
 )
+from polyrl.rollout.schemas import ChatCompletionBody, CompletionBody, check_body
 
 __all__ = ["openai_router"]
 
@@ -34,15 +39,49 @@ def _job_requests(job: oai.OpenAIJob) -> list[GenerateRequest]:
     ]
 
 
-def openai_router(backend: RolloutBackend, tokenizer: Any, table: RequestTable) -> APIRouter:
+def _checked(model: Any, what: str, parse: Any) -> Any:
+    def run(body: Any, tokenizer: Any, info: Any, policy: oai.PromptPolicy | None) -> Any:
+        check_body(model, body, what, lambda b: parse(b, tokenizer, info, policy))
+        return parse(body, tokenizer, info, policy)
+
+    return run
+
+
+_parse_completion = _checked(CompletionBody, "/v1/completions", oai.parse_completion_request)
+_parse_chat = _checked(ChatCompletionBody, "/v1/chat/completions", oai.parse_chat_request)
+
+
+def openai_router(
+    backend: RolloutBackend,
+    tokenizer: Any,
+    table: RequestTable,
+    renderer: RenderPool | None = None,
+    policy: oai.PromptPolicy | None = None,
+) -> APIRouter:
     """Build the router of the OpenAI-compatible ``/v1/...`` endpoints.
 
     Args:
         backend: the engine (its :class:`~polyrl.core.rollout_api.ModelInfo` names the model).
         tokenizer: the model's tokenizer (chat templates, text in and out).
         table: runs the requests and keeps them in flight for ``/abort``.
+        renderer: where templates are rendered and text tokenized (default: a pool of its own).
+        policy: which templates requests may use (default: the model's only); without a
+            ``max_prompt_chars`` of its own, texts are bounded by the context length.
     """
     router = APIRouter()
+    pool = renderer or RenderPool()
+    base = policy or oai.PromptPolicy()
+    policies: list[oai.PromptPolicy] = []
+
+    def prompt_policy() -> oai.PromptPolicy:
+        # The backend knows its context length once started, not when the app is built.
+        if not policies:
+            p = base
+            if p.max_prompt_chars is None:
+                chars = oai.PromptPolicy.longest_token_chars(tokenizer)
+                p = dataclasses.replace(p, max_prompt_chars=backend.info.max_model_len * chars)
+            policies.append(p)
+        return policies[0]
 
     async def stream_job(job: oai.OpenAIJob) -> StreamingResponse:
         streams = await table.open_streams(job.request_id, _job_requests(job), stream=True)
@@ -133,9 +172,10 @@ def openai_router(backend: RolloutBackend, tokenizer: Any, table: RequestTable) 
             ],
         }
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", openapi_extra=json_request_body(CompletionBody))
     async def completions(request: Request) -> Response:
-        job = oai.parse_completion_request(await json_body(request), tokenizer, backend.info)
+        body = await json_body(request)
+        job = await pool.run(_parse_completion, body, tokenizer, backend.info, prompt_policy())
         if job.stream:
             return await stream_job(job)
         outs = await table.run_requests(request, job.request_id, _job_requests(job))
@@ -143,9 +183,10 @@ def openai_router(backend: RolloutBackend, tokenizer: Any, table: RequestTable) 
             return Response(status_code=499)
         return JSONResponse(oai.completion_response(job, tokenizer, [o.outputs for o in outs]))
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", openapi_extra=json_request_body(ChatCompletionBody))
     async def chat_completions(request: Request) -> Response:
-        job = oai.parse_chat_request(await json_body(request), tokenizer, backend.info)
+        body = await json_body(request)
+        job = await pool.run(_parse_chat, body, tokenizer, backend.info, prompt_policy())
         if job.stream:
             return await stream_job(job)
         outs = await table.run_requests(request, job.request_id, _job_requests(job))
