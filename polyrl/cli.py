@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -32,6 +33,7 @@ import yaml
 
 from polyrl.config import (
     ConfigError,
+    ConfigNote,
     PolyRLConfig,
     available_presets,
     describe,
@@ -151,7 +153,15 @@ def config_from_args(args: argparse.Namespace) -> PolyRLConfig:
     if preset is not None and "=" in preset and not preset.endswith((".yaml", ".yml")):
         overrides.insert(0, preset)
         preset = None
-    return load_config(preset, overrides)
+    with warnings.catch_warnings(record=True) as notes:
+        warnings.simplefilter("always", ConfigNote)
+        cfg = load_config(preset, overrides)
+    for note in notes:
+        if issubclass(note.category, ConfigNote):
+            print(f"polyrl: note: {note.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(note.message, note.category, note.filename, note.lineno)
+    return cfg
 
 
 def _inline_yaml(value: Any) -> str:

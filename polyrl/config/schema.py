@@ -17,13 +17,15 @@ Adding a group is a new ``ConfigGroup`` dataclass plus one field on :class:`Poly
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import dataclasses
 import functools
 import math
 import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, Union
 
 from polyrl.core.dtypes import FLOAT_DTYPES
@@ -46,10 +48,12 @@ __all__ = [
     "TransferConfig",
     "check_value",
     "constructor_kwargs",
+    "deferred_validation",
     "option",
     "option_help",
     "resolved_type_hints",
     "type_name",
+    "validate_tree",
 ]
 
 
@@ -312,7 +316,7 @@ def _group_fields(cls: type) -> dict[str, tuple[dataclasses.Field[Any], Any]]:
 
 
 def _group_class(tp: Any) -> type | None:
-    """The :class:`ConfigGroup` class an option of type ``tp`` (or ``tp | None``) holds."""
+    """Return the :class:`ConfigGroup` class an option of type ``tp`` (or ``tp | None``) holds."""
     if _is_union(tp):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         tp = args[0] if len(args) == 1 else None
@@ -349,6 +353,41 @@ def _checked(field: dataclasses.Field[Any], tp: Any, value: Any, key: str) -> An
     return value
 
 
+_DEFER_VALIDATE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "polyrl_defer_validate", default=False
+)
+
+
+@contextlib.contextmanager
+def deferred_validation() -> Iterator[None]:
+    """Build groups without their cross-field :meth:`ConfigGroup.validate` inside the block.
+
+    Per-option checks still run. The loader applies a list of overrides in this mode, so that
+    their order does not matter (``rollout.tensor_parallel_size=2`` may come before
+    ``rollout.backend=vllm``), then calls :func:`validate_tree` once.
+    """
+    token = _DEFER_VALIDATE.set(True)
+    try:
+        yield
+    finally:
+        _DEFER_VALIDATE.reset(token)
+
+
+def validate_tree(obj: Any, prefix: str = "") -> None:
+    """Run :meth:`ConfigGroup.validate` on ``obj`` and every group under it.
+
+    Raises:
+        ConfigError: keyed by the option's dotted path from ``obj``.
+    """
+    for name, (_, tp) in _group_fields(type(obj)).items():
+        if _group_class(tp) is not None and isinstance(getattr(obj, name), ConfigGroup):
+            validate_tree(getattr(obj, name), f"{prefix}{name}.")
+    try:
+        obj.validate()
+    except ConfigError as exc:
+        raise exc.prefixed(prefix[:-1]) from None
+
+
 class ConfigGroup:
     """Base class of every option group; validates fields after ``__init__`` and on assignment.
 
@@ -367,7 +406,8 @@ class ConfigGroup:
         for name, (f, tp) in _group_fields(type(self)).items():
             # Normalise ints given for float options so equality and YAML output are stable.
             object.__setattr__(self, name, _checked(f, tp, getattr(self, name), name))
-        self.validate()
+        if not _DEFER_VALIDATE.get():
+            self.validate()
 
     def __setattr__(self, name: str, value: Any) -> None:
         spec = _group_fields(type(self)).get(name)
