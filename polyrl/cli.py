@@ -197,6 +197,13 @@ def _config_command(parser: argparse.ArgumentParser) -> None:
     presets = actions.add_parser("presets", help="List the bundled presets.")
     presets.set_defaults(handler=_config_presets)
 
+    verl = actions.add_parser(
+        "verl",
+        help="List the verl keys polyrl reads, and what each means here.",
+        description="List the verl config keys polyrl accepts (polyrl/config/verl_compat.py).",
+    )
+    verl.set_defaults(handler=_config_verl)
+
 
 def _config_show(args: argparse.Namespace) -> int:
     sys.stdout.write(to_yaml(config_from_args(args)))
@@ -227,6 +234,13 @@ def _config_describe(args: argparse.Namespace) -> int:
 
 def _config_presets(args: argparse.Namespace) -> int:
     sys.stdout.write("\n".join(available_presets()) + "\n")
+    return 0
+
+
+def _config_verl(args: argparse.Namespace) -> int:
+    from polyrl.config.verl_compat import markdown_table
+
+    sys.stdout.write(markdown_table())
     return 0
 
 
