@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -33,6 +34,7 @@ import yaml
 
 from polyrl.config import (
     ConfigError,
+    ConfigNote,
     PolyRLConfig,
     available_presets,
     describe,
@@ -152,7 +154,15 @@ def config_from_args(args: argparse.Namespace) -> PolyRLConfig:
     if preset is not None and "=" in preset and not preset.endswith((".yaml", ".yml")):
         overrides.insert(0, preset)
         preset = None
-    return load_config(preset, overrides)
+    with warnings.catch_warnings(record=True) as notes:
+        warnings.simplefilter("always", ConfigNote)
+        cfg = load_config(preset, overrides)
+    for note in notes:
+        if issubclass(note.category, ConfigNote):
+            print(f"polyrl: note: {note.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(note.message, note.category, note.filename, note.lineno)
+    return cfg
 
 
 def _inline_yaml(value: Any) -> str:
@@ -188,6 +198,13 @@ def _config_command(parser: argparse.ArgumentParser) -> None:
     presets = actions.add_parser("presets", help="List the bundled presets.")
     presets.set_defaults(handler=_config_presets)
 
+    verl = actions.add_parser(
+        "verl",
+        help="List the verl keys polyrl reads, and what each means here.",
+        description="List the verl config keys polyrl accepts (polyrl/config/verl_compat.py).",
+    )
+    verl.set_defaults(handler=_config_verl)
+
 
 def _config_show(args: argparse.Namespace) -> int:
     sys.stdout.write(to_yaml(config_from_args(args)))
@@ -218,6 +235,13 @@ def _config_describe(args: argparse.Namespace) -> int:
 
 def _config_presets(args: argparse.Namespace) -> int:
     sys.stdout.write("\n".join(available_presets()) + "\n")
+    return 0
+
+
+def _config_verl(args: argparse.Namespace) -> int:
+    from polyrl.config.verl_compat import markdown_table
+
+    sys.stdout.write(markdown_table())
     return 0
 
 

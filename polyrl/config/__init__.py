@@ -7,6 +7,7 @@
 """
 
 from polyrl.config.loader import (
+    ConfigNote,
     OptionInfo,
     apply_overrides,
     available_presets,
@@ -48,6 +49,7 @@ __all__ = [
     "AlgorithmConfig",
     "ConfigError",
     "ConfigGroup",
+    "ConfigNote",
     "CriticConfig",
     "DataConfig",
     "ModelConfig",

@@ -13,6 +13,7 @@ import difflib
 import os
 import types
 import typing
+import warnings
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
@@ -20,15 +21,19 @@ from typing import Any, NamedTuple, TypeVar, Union
 
 import yaml
 
+from polyrl.config import verl_compat
 from polyrl.config.schema import (
     ConfigError,
     PolyRLConfig,
     check_value,
+    deferred_validation,
     resolved_type_hints,
     type_name,
+    validate_tree,
 )
 
 __all__ = [
+    "ConfigNote",
     "OptionInfo",
     "apply_overrides",
     "available_presets",
@@ -229,6 +234,13 @@ def _dotted_keys(cls: type, prefix: str = "") -> list[str]:
 
 
 def _unknown_key(path: str, root: type, source: str | None) -> ConfigError:
+    if verl_compat.is_verl_only(path):
+        # Never guess across groups for a verl key: a near spelling means something else here.
+        return ConfigError(
+            f"verl option '{path}' has no polyrl equivalent; drop it, or see "
+            "'polyrl config verl' (docs/migrating_from_verl.md) for the keys polyrl reads",
+            source=source,
+        )
     candidates = _dotted_keys(root)
     close = difflib.get_close_matches(path, candidates, n=1, cutoff=0.6)
     if not close:
@@ -324,6 +336,13 @@ def _convert(value: Any, tp: Any, key: str, current: Any, root: type, source: st
             raise _mismatch(tp, value, key, hint=" (write [] for an empty list)")
         elif isinstance(value, Mapping):
             raise _mismatch(tp, value, key)
+        elif isinstance(value, str) and value.strip().startswith("["):
+            # verl's quoted list form: data.train_files="['a.parquet','b.parquet']".
+            try:
+                parsed = yaml.load(value, Loader=_UniqueKeyLoader)
+            except yaml.YAMLError:
+                parsed = None
+            items = parsed if isinstance(parsed, list) else [value]
         else:
             items = [value]  # a lone scalar means a one-element list: loggers=console
         return [_convert(v, elem, f"{key}[{i}]", None, root, source) for i, v in enumerate(items)]
@@ -467,20 +486,215 @@ def _override_patch(parts: list[str], value: _OverrideValue, root: type, source:
     return patch
 
 
+class ConfigNote(UserWarning):
+    """What the loader decided for the user: a preset value dropped, a verl key read or ignored.
+
+    :func:`load_config` and :func:`apply_overrides` report these with :func:`warnings.warn`;
+    ``polyrl`` prints each as one ``polyrl: note: ...`` line.
+    """
+
+
+def _is_schema_path(parts: list[str], root: type) -> bool:
+    """Whether ``parts`` names a group or option of ``root`` (or a key inside a dict option)."""
+    cls: Any = root
+    for part in parts:
+        if not _is_group(cls):
+            return typing.get_origin(cls) is dict
+        fields = {f.name: f for f in _init_fields(cls)}
+        if part not in fields:
+            return False
+        cls = _strip_optional(resolved_type_hints(cls)[part])
+    return True
+
+
+def _flat_keys(parts: list[str], value: Any) -> list[str]:
+    """Dotted keys an override sets: ``data={a: 1}`` sets ``data.a``."""
+    parsed = value.parsed if isinstance(value, _OverrideValue) else value
+    key = ".".join(parts)
+    if isinstance(parsed, Mapping) and parsed:
+        return [k for name, v in parsed.items() for k in _flat_keys([*parts, str(name)], v)]
+    return [key]
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a == b and type(a) is type(b) or (a is None and b is None)
+
+
+@dataclasses.dataclass
+class _Overrides:
+    """Overrides read and translated (verl keys to polyrl ones), ready to apply."""
+
+    patches: list[tuple[str, dict[str, Any]]] = dataclasses.field(default_factory=list)
+    user_keys: set[str] = dataclasses.field(default_factory=set)
+    """polyrl keys the user set, directly or through a verl alias."""
+    verl_given: dict[str, Any] = dataclasses.field(default_factory=dict)
+    derived: list[verl_compat.VerlKey] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    ignored: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    """verl keys accepted without effect, by the reason."""
+
+
+def _read_overrides(overrides: Sequence[str], root: type) -> _Overrides:
+    if isinstance(overrides, str):
+        raise ConfigError("overrides must be a list of 'key=value' strings, not one string")
+    out = _Overrides()
+    for text in overrides:
+        parts, value = parse_override(text)
+        key, source = ".".join(parts), f"override '{text}'"
+        schema = _is_schema_path(parts, root)
+        entry = verl_compat.lookup(key)
+        if entry is not None and schema and entry.polyrl != key:
+            entry = None  # a polyrl key keeps its polyrl meaning
+        if entry is None:
+            out.patches.append((source, _override_patch(parts, value, root, source)))
+            out.user_keys.update(_flat_keys(parts, value))
+            continue
+        given = value.raw if value.yaml_error is not None else value.parsed
+        if entry.kind == "ignored":
+            out.ignored.setdefault(entry.note, []).append(key)
+        elif entry.kind == "off":
+            if not any(given == v for v in entry.off):
+                raise ConfigError(
+                    f"verl option {key}={given!r} has no polyrl equivalent: {entry.note}",
+                    source=source,
+                )
+        elif entry.kind == "derived":
+            out.verl_given[key] = given
+            if all(d.derive is not entry.derive for d in out.derived):
+                out.derived.append(entry)
+        else:
+            converted: Any = value
+            if entry.convert is not None:
+                try:
+                    converted = entry.convert(given)
+                except verl_compat.VerlValueError as exc:
+                    raise ConfigError(f"verl option {key}: {exc}", source=source) from None
+                if converted is verl_compat.SKIP:
+                    continue
+                if _same(converted, given):
+                    converted = value  # unchanged: keep the raw text for string options
+            target = entry.polyrl.split(".")
+            out.patches.append((source, _override_patch(target, converted, root, source)))
+            out.user_keys.add(entry.polyrl)
+    for reason, keys in out.ignored.items():
+        out.notes.append(f"verl option(s) {', '.join(keys)} ignored: {reason}")
+    return out
+
+
+def _derive_of(verl_key: str) -> Any:
+    entry = verl_compat.lookup(verl_key)
+    return entry.derive if entry is not None else None
+
+
+def _set(cfg: T, key: str, value: Any, source: str) -> T:
+    root = type(cfg)
+    return _apply(cfg, _override_patch(key.split("."), value, root, source), "", root, source)
+
+
+def _finish(cfg: T, read: _Overrides) -> T:
+    """Apply what depends on every override: verl's derived values, then the length rule."""
+    for entry in read.derived:
+        source = f"verl option {entry.verl}"
+        try:
+            values = entry.derive(read.verl_given, cfg) if entry.derive else {}
+        except verl_compat.VerlValueError as exc:
+            raise ConfigError(str(exc), key=entry.verl) from None
+        for key, value in values.items():
+            if key in read.user_keys and not entry.force:
+                read.notes.append(f"{key} set explicitly; not derived from the verl options")
+                continue
+            cfg = _set(cfg, key, value, source)
+            given = ", ".join(
+                f"{k}={v}" for k, v in read.verl_given.items() if _derive_of(k) is entry.derive
+            )
+            read.notes.append(f"{key}={value} (from verl's {given}; {entry.note})")
+            read.user_keys.add(key)
+    # verl generates data.max_response_length tokens; polyrl caps a turn at
+    # rollout.max_new_tokens too, so the one the user set wins.
+    rollout, data, agent = (getattr(cfg, n, None) for n in ("rollout", "data", "agent"))
+    if (
+        rollout is not None
+        and data is not None
+        and "data.max_response_length" in read.user_keys
+        and "rollout.max_new_tokens" not in read.user_keys
+        and not getattr(agent, "enable", False)
+        and rollout.max_new_tokens != data.max_response_length
+    ):
+        cfg = _set(cfg, "rollout.max_new_tokens", data.max_response_length, "data")
+        read.notes.append(
+            f"rollout.max_new_tokens={data.max_response_length} follows the given "
+            "data.max_response_length (set rollout.max_new_tokens to cap it lower)"
+        )
+    trainer = getattr(cfg, "trainer", None)
+    if (
+        trainer is not None
+        and {"trainer.total_steps", "trainer.total_epochs"} <= read.user_keys
+        and trainer.total_steps
+    ):
+        read.notes.append(
+            f"trainer.total_steps={trainer.total_steps} and trainer.total_epochs="
+            f"{trainer.total_epochs} both given: total_steps wins"
+        )
+    return cfg
+
+
+def _emit(notes: Sequence[str]) -> None:
+    for note in notes:
+        warnings.warn(note, ConfigNote, stacklevel=3)
+
+
 def apply_overrides(cfg: T, overrides: Sequence[str]) -> T:
     """Return a copy of ``cfg`` with ``key.sub=value`` overrides applied in order.
+
+    verl keys (``actor_rollout_ref.actor.optim.lr=1e-6``) are read as the polyrl options they
+    mean (see :mod:`polyrl.config.verl_compat`). Notes on what was translated, ignored or
+    derived are reported as :class:`ConfigNote` warnings.
 
     Raises:
         ConfigError: naming the bad override and key (see :func:`parse_override`).
     """
-    if isinstance(overrides, str):
-        raise ConfigError("overrides must be a list of 'key=value' strings, not one string")
-    root = type(cfg)
-    for text in overrides:
-        parts, value = parse_override(text)
-        source = f"override '{text}'"
-        cfg = _apply(cfg, _override_patch(parts, value, root, source), "", root, source)
+    read = _read_overrides(overrides, type(cfg))
+    cfg = _apply_all(cfg, read)
+    _emit(read.notes)
     return cfg
+
+
+def _apply_all(cfg: T, read: _Overrides) -> T:
+    """Apply the overrides in order, then the cross-field checks once (order-independent)."""
+    root = type(cfg)
+    with deferred_validation():
+        for source, patch in read.patches:
+            cfg = _apply(cfg, patch, "", root, source)
+        cfg = _finish(cfg, read)
+    try:
+        validate_tree(cfg)
+    except ConfigError as exc:
+        raise exc.with_source("the overrides" if read.patches else None) from None
+    return cfg
+
+
+def _drop_preset_keys(data: dict[str, Any], user: set[str], source: str) -> list[str]:
+    """Drop the preset values that contradict what the user asked for; return notes.
+
+    * the user's ``data.train_files`` replaces a preset's generated ``data.task``;
+    * the user's ``trainer.total_epochs`` (without ``trainer.total_steps``) replaces a
+      preset's ``trainer.total_steps``.
+    """
+    notes: list[str] = []
+
+    def drop(group: str, name: str, because: str) -> None:
+        section = data.get(group)
+        if isinstance(section, dict) and section.get(name):
+            notes.append(f"{source} sets {group}.{name}={section[name]}; dropped: {because} given")
+            section = dict(section)
+            del section[name]
+            data[group] = section
+
+    if "data.train_files" in user and "data.task" not in user:
+        drop("data", "task", "data.train_files")
+    if "trainer.total_epochs" in user and "trainer.total_steps" not in user:
+        drop("trainer", "total_steps", "trainer.total_epochs")
+    return notes
 
 
 def load_config(
@@ -488,11 +702,23 @@ def load_config(
 ) -> PolyRLConfig:
     """Load the full polyrl config.
 
+    What the user sets wins over the preset: an override replaces the preset's value of the
+    same key, and
+
+    * ``data.train_files`` drops the preset's ``data.task`` (train on the user's files);
+    * ``trainer.total_epochs`` drops the preset's ``trainer.total_steps`` (whichever of the two
+      the user sets decides the run length; given both, a non-zero ``total_steps`` wins and a
+      note says so);
+    * ``data.max_response_length`` also sets ``rollout.max_new_tokens`` unless that is given.
+
+    Each such decision is reported as a :class:`ConfigNote` warning.
+
     Args:
         preset: Bundled preset name (``default``, ``demo``; see :func:`available_presets`) or a
             YAML file path. ``None`` means ``default``.
         overrides: ``key.sub=value`` strings applied after the preset, in order, e.g.
-            ``["trainer.total_steps=5", "data.train_files=[a.parquet,b.parquet]"]``.
+            ``["trainer.total_steps=5", "data.train_files=[a.parquet,b.parquet]"]``; verl keys
+            are read as the polyrl options they mean (:mod:`polyrl.config.verl_compat`).
 
     Returns:
         A validated :class:`PolyRLConfig` instance.
@@ -502,8 +728,11 @@ def load_config(
             invalid value or malformed override.
     """
     data, source = read_preset("default" if preset is None else preset)
-    cfg = from_dict(data, PolyRLConfig, source=source)
-    return apply_overrides(cfg, overrides)
+    read = _read_overrides(overrides, PolyRLConfig)
+    notes = _drop_preset_keys(data, read.user_keys, source)
+    cfg = _apply_all(from_dict(data, PolyRLConfig, source=source), read)
+    _emit(notes + read.notes)
+    return cfg
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

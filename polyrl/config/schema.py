@@ -17,13 +17,15 @@ Adding a group is a new ``ConfigGroup`` dataclass plus one field on :class:`Poly
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import dataclasses
 import functools
 import math
 import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, Union
 
 from polyrl.core.dtypes import FLOAT_DTYPES
@@ -46,10 +48,12 @@ __all__ = [
     "TransferConfig",
     "check_value",
     "constructor_kwargs",
+    "deferred_validation",
     "option",
     "option_help",
     "resolved_type_hints",
     "type_name",
+    "validate_tree",
 ]
 
 
@@ -304,25 +308,113 @@ def _check_choices(value: Any, choices: tuple[Any, ...], key: str) -> None:
             raise ConfigError(f"invalid value {item!r}{where}; expected one of: {allowed}", key=key)
 
 
+@functools.cache
+def _group_fields(cls: type) -> dict[str, tuple[dataclasses.Field[Any], Any]]:
+    """``name -> (field, resolved type)`` of a config group class."""
+    hints = resolved_type_hints(cls)
+    return {f.name: (f, hints[f.name]) for f in dataclasses.fields(cls)}
+
+
+def _group_class(tp: Any) -> type | None:
+    """Return the :class:`ConfigGroup` class an option of type ``tp`` (or ``tp | None``) holds."""
+    if _is_union(tp):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        tp = args[0] if len(args) == 1 else None
+    if isinstance(tp, type) and issubclass(tp, ConfigGroup) and dataclasses.is_dataclass(tp):
+        return tp
+    return None
+
+
+def _group_from_mapping(cls: type, value: Any, key: str) -> Any:
+    """Build group ``cls`` from a mapping of its options (nested mappings for nested groups)."""
+    from polyrl.core.registry import did_you_mean
+
+    names = _group_fields(cls)
+    for name in value:
+        if name not in names:
+            hint = did_you_mean(name, names)
+            raise ConfigError(f"unknown option {name!r} of {cls.__name__}{hint}", key=key)
+    try:
+        return cls(**value)
+    except ConfigError as exc:
+        raise exc.prefixed(key) from None
+
+
+def _checked(field: dataclasses.Field[Any], tp: Any, value: Any, key: str) -> Any:
+    """Return ``value`` checked (type, choices, bounds) for ``field``; mappings become groups."""
+    group = _group_class(tp)
+    if group is not None and isinstance(value, dict):
+        value = _group_from_mapping(group, value, key)
+    value = check_value(value, tp, key)
+    if "choices" in field.metadata:
+        _check_choices(value, field.metadata["choices"], key)
+    if "bounds" in field.metadata:
+        _check_bounds(value, field.metadata["bounds"], key)
+    return value
+
+
+_DEFER_VALIDATE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "polyrl_defer_validate", default=False
+)
+
+
+@contextlib.contextmanager
+def deferred_validation() -> Iterator[None]:
+    """Build groups without their cross-field :meth:`ConfigGroup.validate` inside the block.
+
+    Per-option checks still run. The loader applies a list of overrides in this mode, so that
+    their order does not matter (``rollout.tensor_parallel_size=2`` may come before
+    ``rollout.backend=vllm``), then calls :func:`validate_tree` once.
+    """
+    token = _DEFER_VALIDATE.set(True)
+    try:
+        yield
+    finally:
+        _DEFER_VALIDATE.reset(token)
+
+
+def validate_tree(obj: Any, prefix: str = "") -> None:
+    """Run :meth:`ConfigGroup.validate` on ``obj`` and every group under it.
+
+    Raises:
+        ConfigError: keyed by the option's dotted path from ``obj``.
+    """
+    for name, (_, tp) in _group_fields(type(obj)).items():
+        if _group_class(tp) is not None and isinstance(getattr(obj, name), ConfigGroup):
+            validate_tree(getattr(obj, name), f"{prefix}{name}.")
+    try:
+        obj.validate()
+    except ConfigError as exc:
+        raise exc.prefixed(prefix[:-1]) from None
+
+
 class ConfigGroup:
-    """Base class of every option group; validates fields after ``__init__``.
+    """Base class of every option group; validates fields after ``__init__`` and on assignment.
 
     Subclasses are ``@dataclasses.dataclass`` classes whose fields are declared with
     :func:`option`. For checks that involve several fields, override :meth:`validate` (raise
     :class:`ConfigError` with ``key=`` the field name) instead of ``__post_init__``.
+
+    A group option also takes a mapping of that group's options
+    (``PolyRLConfig(rollout={"n": 4})``). Assigning an option after construction
+    (``cfg.actor.lr = 1e-6``) checks its type, choices and bounds the same way, naming
+    ``Group.option`` in the error; the cross-field :meth:`validate` runs when a group is built
+    (and the trainers check the whole config before they start).
     """
 
     def __post_init__(self) -> None:
-        hints = resolved_type_hints(type(self))
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = check_value(getattr(self, f.name), hints[f.name], f.name)
+        for name, (f, tp) in _group_fields(type(self)).items():
             # Normalise ints given for float options so equality and YAML output are stable.
-            object.__setattr__(self, f.name, value)
-            if "choices" in f.metadata:
-                _check_choices(value, f.metadata["choices"], f.name)
-            if "bounds" in f.metadata:
-                _check_bounds(value, f.metadata["bounds"], f.name)
-        self.validate()
+            object.__setattr__(self, name, _checked(f, tp, getattr(self, name), name))
+        if not _DEFER_VALIDATE.get():
+            self.validate()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        spec = _group_fields(type(self)).get(name)
+        if spec is not None and name in self.__dict__:
+            # A reassignment (``__init__`` sets each field once; __post_init__ checks those).
+            value = _checked(spec[0], spec[1], value, f"{type(self).__name__}.{name}")
+        object.__setattr__(self, name, value)
 
     def validate(self) -> None:
         """Cross-field checks; the default has none. Raise ``ConfigError(detail, key=name)``."""

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from polyrl.config import ConfigError, PolyRLConfig
-from polyrl.config.schema import constructor_kwargs
+from polyrl.config.schema import constructor_kwargs, validate_tree
 from polyrl.core.dtypes import dtype_name
 from polyrl.trainer.rl.rollout import response_cap
 
@@ -117,11 +117,15 @@ def rollout_matmul_dtype(cfg: PolyRLConfig) -> str:
     return dtype_name(compute)
 
 
-def check_config(cfg: PolyRLConfig, has_rows: bool = False) -> None:
-    """Refuse settings that cannot run together, naming the option to change."""
+def check_config(cfg: PolyRLConfig, has_rows: bool = False, has_model: bool = False) -> None:
+    """Refuse settings that cannot run together, naming the option to change.
+
+    ``has_rows`` / ``has_model``: the caller passes prompt rows / a model directory itself.
+    """
     from polyrl.trainer.sft import check_devices
     from polyrl.trainer.tracking import check_trackers
 
+    validate_tree(cfg)  # cross-field checks, also after options were assigned one by one
     check_devices(cfg, ("trainer.device", "rollout.device"))
     check_trackers(cfg.trainer.loggers)
     algo, actor = cfg.algorithm, cfg.actor
@@ -129,6 +133,18 @@ def check_config(cfg: PolyRLConfig, has_rows: bool = False) -> None:
         raise ConfigError(
             "no training data: set data.task (a generated task) or data.train_files",
             key="data.train_files",
+        )
+    if cfg.critic.model_path and not cfg.model.path and not has_model:
+        role = (
+            "the critic's start"
+            if algo.adv_estimator == "gae"
+            else f"unused: {algo.adv_estimator} trains no critic"
+        )
+        raise ConfigError(
+            f"is empty, so the policy would be a freshly built random model, while "
+            f"critic.model_path={cfg.critic.model_path!r} ({role}); set model.path (verl: "
+            "actor_rollout_ref.model.path) to the policy model",
+            key="model.path",
         )
     if algo.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and (
         cfg.rollout.n < 2

@@ -110,7 +110,7 @@ class RLTrainer:
         val_rows: Sequence[Mapping[str, Any]] | None = None,
         model_dir: str | Path | None = None,
     ) -> None:
-        check_config(cfg, has_rows=train_rows is not None)
+        check_config(cfg, has_rows=train_rows is not None, has_model=model_dir is not None)
         self.cfg = cfg
         self.reward_fn = reward_fn
         self._train_rows = train_rows
@@ -176,6 +176,7 @@ class RLTrainer:
         self.total_steps = (
             cfg.trainer.total_steps or cfg.trainer.total_epochs * self.sampler.batches_per_epoch
         )
+        _log(f"data: {self.describe_data()}")
         # The reward workers boot while the engines and the rollout replicas start.
         rewards = reward_manager(cfg, self.reward_fn)
         self._closers.append(rewards.close)
@@ -214,6 +215,31 @@ class RLTrainer:
             self.rollout: DriverRollout | QueueRollout = DriverRollout(
                 cfg, self.producer, self.replicas, self.train_ds, self.sampler.next_batch
             )
+
+    def describe_data(self) -> str:
+        """One line: where the prompts come from, how many, and how the step count was set."""
+        cfg, data, trainer = self.cfg, self.cfg.data, self.cfg.trainer
+        if self._train_rows is not None:
+            source = "rows passed in Python"
+        elif data.task:
+            source = f"generated task {data.task!r}"
+        else:
+            source = "files " + ", ".join(data.train_files)
+        if data.val_files and self._train_rows is None:
+            source += " | val files " + ", ".join(data.val_files)
+        val = len(self.val_ds) if self.val_ds is not None else 0
+        per_epoch = self.sampler.batches_per_epoch
+        if trainer.total_steps:
+            how = f"trainer.total_steps (an epoch is {per_epoch})"
+        else:
+            how = (
+                f"trainer.total_epochs={trainer.total_epochs} x {per_epoch} batches of "
+                f"{cfg.data.train_batch_size} prompts"
+            )
+        return (
+            f"{source} -> {len(self.train_ds)} train / {val} val prompts | "
+            f"{self.total_steps} steps from {how}"
+        )
 
     def _setup_queue(self, views: Mapping[str, Any]) -> None:
         """Start the transfer queue, attach it to the engines and start its rollout workers."""

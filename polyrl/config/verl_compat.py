@@ -1,0 +1,565 @@
+"""verl's config keys, accepted as aliases of the polyrl options they mean.
+
+A verl launch line (``python3 -m verl.trainer.main_ppo actor_rollout_ref.actor.optim.lr=1e-6
+...``) runs as ``polyrl train grpo actor_rollout_ref.actor.optim.lr=1e-6 ...``: the loader looks
+every key that is not a polyrl option up in :data:`VERL_KEYS` (a key that is one, like
+``data.train_files``, keeps its polyrl meaning; a few take verl-only values too, e.g.
+``trainer.save_freq=-1``). The table is data, so ``docs/migrating_from_verl.md`` and
+``polyrl config verl`` are generated from it.
+
+The policy, one rule per kind of entry:
+
+* ``alias`` -- same meaning: the value (converted where the spelling differs, e.g.
+  ``rollout.name=hf`` is ``rollout.backend=native``) sets the polyrl option.
+* ``derived`` -- same intent, other units: the polyrl value is computed once every override
+  is in (``ppo_micro_batch_size_per_gpu`` becomes a token budget, ``custom_reward_function.path``
+  and ``.name`` become ``reward.custom_function``); a polyrl option the user set explicitly wins.
+* ``ignored`` -- tunes only speed or memory (FSDP offload, log-prob micro-batches, ...), or
+  states what polyrl always does: accepted, changes nothing, and a note says so.
+* ``off`` -- a verl feature polyrl does not have: accepted at its "off" value (``lora_rank=0``,
+  ``reward_model.enable=False``), an error naming the missing feature otherwise.
+* anything else under a verl-only group (``actor_rollout_ref.*``, ``custom_reward_function.*``,
+  ``reward_model.*``, ...) is an error saying the verl option has no polyrl equivalent --
+  never a "did you mean" pointing at an option that means something else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+__all__ = [
+    "SKIP",
+    "VERL_KEYS",
+    "VERL_ONLY_ROOTS",
+    "VerlKey",
+    "VerlValueError",
+    "lookup",
+    "markdown_table",
+]
+
+Kind = Literal["alias", "derived", "ignored", "off"]
+
+SKIP: Any = object()
+"""Returned by a converter for a verl value that means "keep polyrl's default" (``null``)."""
+
+#: Top-level groups polyrl does not have: an unknown key under one is a verl option.
+VERL_ONLY_ROOTS = (
+    "actor_rollout_ref",
+    "custom_reward_function",
+    "reward_model",
+    "reward_manager",
+    "global_profiler",
+    "ray_kwargs",
+    "ray_init",
+    "transfer_queue",
+)
+
+
+class VerlValueError(ValueError):
+    """A verl value that has no polyrl meaning (the message says what to do instead)."""
+
+
+Derive = Callable[[Mapping[str, Any], Any], dict[str, Any]]
+"""``(verl values given, the config so far) -> {polyrl key: value}``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class VerlKey:
+    """One verl key (or, ending in ``.*``, a whole verl subtree) and what it means here."""
+
+    verl: str
+    kind: Kind
+    polyrl: str = ""
+    """The polyrl option it sets (or, for ``derived``, computes); empty when none."""
+    note: str = ""
+    convert: Callable[[Any], Any] | None = None
+    """verl value -> polyrl value (``alias``), may return :data:`SKIP` or raise
+    :class:`VerlValueError`."""
+    off: Any = None
+    """``off`` entries: the values accepted (a tuple of them)."""
+    derive: Derive | None = None
+    """``derived`` entries: computes the polyrl values once every override is applied."""
+    force: bool = False
+    """``derived``: wins over an explicitly set polyrl option too (verl's own precedence)."""
+
+
+# ------------------------------------------------------------------------------- converters
+def _null_to(default: Any) -> Callable[[Any], Any]:
+    return lambda v: default if v is None else v
+
+
+def _null_skip(v: Any) -> Any:
+    return SKIP if v is None else v
+
+
+def _minus_one_to_zero(v: Any) -> Any:
+    return 0 if v == -1 or v is None else v
+
+
+def _lower(v: Any) -> Any:
+    return v.lower() if isinstance(v, str) else v
+
+
+_ROLLOUT_NAMES = {"vllm": "vllm", "sglang": "sglang", "hf": "native"}
+
+
+def _rollout_name(v: Any) -> Any:
+    if v not in _ROLLOUT_NAMES:
+        raise VerlValueError(
+            f"rollout engine {v!r} has no polyrl backend; use vllm, sglang or hf "
+            "(polyrl's native engine)"
+        )
+    return _ROLLOUT_NAMES[v]
+
+
+_LOGGERS = {"file": "jsonl"}
+
+
+def _loggers(v: Any) -> Any:
+    items = [v] if isinstance(v, str) else list(v or [])
+    return [_LOGGERS.get(x, x) for x in items]
+
+
+_LOSS_MODES = {"vanilla": "ppo_clip", "gspo": "gspo"}
+
+
+def _loss_mode(v: Any) -> Any:
+    if v not in _LOSS_MODES:
+        raise VerlValueError(f"policy loss {v!r} has no polyrl equivalent (vanilla, gspo)")
+    return _LOSS_MODES[v]
+
+
+_AGENT_LOOPS = {"single_turn_agent": "single_turn", "tool_agent": "tool"}
+
+
+def _agent_loop(v: Any) -> Any:
+    return _AGENT_LOOPS.get(v, v)
+
+
+def _top_k(v: Any) -> Any:
+    return -1 if v in (0, None) else v  # verl's hf rollout reads 0 as "off"
+
+
+def _resume_mode(v: Any) -> Any:
+    return "never" if v == "disable" else v
+
+
+def _rollout_is(v: Any) -> Any:
+    return "none" if v is None else v
+
+
+# ----------------------------------------------------------------------------- derivations
+def _micro_batch_budget(per_gpu: bool) -> Derive:
+    key = "ppo_micro_batch_size_per_gpu" if per_gpu else "ppo_micro_batch_size"
+
+    def derive(given: Mapping[str, Any], cfg: Any) -> dict[str, Any]:
+        micro = given.get(f"actor_rollout_ref.actor.{key}")
+        if micro is None:
+            return {}
+        if not isinstance(micro, int) or isinstance(micro, bool) or micro < 1:
+            raise VerlValueError(f"expected a positive int, got {micro!r}")
+        if not per_gpu:
+            micro = max(1, micro // cfg.trainer.world_size)
+        return {
+            "actor.max_tokens_per_micro_batch": micro
+            * (cfg.data.max_prompt_length + cfg.data.max_response_length)
+        }
+
+    return derive
+
+
+def _reward_function(given: Mapping[str, Any], cfg: Any) -> dict[str, Any]:
+    path = given.get("custom_reward_function.path")
+    if not path:
+        return {}
+    name = given.get("custom_reward_function.name") or "compute_score"
+    return {"reward.custom_function": f"{path}:{name}"}
+
+
+def _clip_ratio(given: Mapping[str, Any], cfg: Any) -> dict[str, Any]:
+    ratio = given.get("actor_rollout_ref.actor.clip_ratio")
+    if ratio is None:
+        return {}
+    return {"actor.clip_ratio_low": ratio, "actor.clip_ratio_high": ratio}
+
+
+def _filter_overlong(given: Mapping[str, Any], cfg: Any) -> dict[str, Any]:
+    return {"data.truncation": "filter"} if given.get("data.filter_overlong_prompts") else {}
+
+
+def _overlong_buffer(given: Mapping[str, Any], cfg: Any) -> dict[str, Any]:
+    root = "reward_model.overlong_buffer"
+    if not given.get(f"{root}.enable"):
+        return {}
+    out = {}
+    if given.get(f"{root}.len") is not None:
+        out["reward.overlong_buffer_len"] = given[f"{root}.len"]
+    if given.get(f"{root}.penalty_factor") is not None:
+        out["reward.overlong_penalty_factor"] = given[f"{root}.penalty_factor"]
+    return out
+
+
+# ----------------------------------------------------------------------------------- table
+def _a(verl: str, polyrl: str = "", note: str = "", convert: Any = None) -> VerlKey:
+    return VerlKey(verl, "alias", polyrl or verl, note, convert)
+
+
+def _i(verl: str, note: str) -> VerlKey:
+    return VerlKey(verl, "ignored", note=note)
+
+
+def _o(verl: str, off: tuple[Any, ...], note: str) -> VerlKey:
+    return VerlKey(verl, "off", note=note, off=off)
+
+
+def _d(verl: str, polyrl: str, note: str, derive: Derive, force: bool = False) -> VerlKey:
+    return VerlKey(verl, "derived", polyrl, note, derive=derive, force=force)
+
+
+_PERF = "tunes speed or memory only; polyrl has no such knob"
+_LOGPROB = "log-prob passes form micro-batches by actor.max_tokens_per_micro_batch"
+_CRITIC_MB = "the critic forms micro-batches by actor.max_tokens_per_micro_batch"
+_PAD = "polyrl always removes padding (token-budget micro-batches)"
+_AR = "actor_rollout_ref"
+
+VERL_KEYS: tuple[VerlKey, ...] = (
+    # ---- model
+    _a(f"{_AR}.model.path", "model.path"),
+    _a(f"{_AR}.model.trust_remote_code", "model.trust_remote_code"),
+    _a(
+        f"{_AR}.model.enable_gradient_checkpointing",
+        "actor.gradient_checkpointing",
+        "also applies to the reference and critic engines",
+    ),
+    _i(f"{_AR}.model.use_remove_padding", _PAD),
+    _i(f"{_AR}.model.use_fused_kernels", _PERF),
+    _i(f"{_AR}.model.use_liger", _PERF),
+    _i(f"{_AR}.model.use_shm", _PERF),
+    _i(f"{_AR}.model.enable_activation_offload", _PERF),
+    _o(f"{_AR}.model.lora_rank", (0,), "LoRA training is not supported; train all weights"),
+    _o(f"{_AR}.model.external_lib", (None,), "use model.trust_remote_code for custom models"),
+    _o(f"{_AR}.model.custom_chat_template", (None,), "the model directory's template is used"),
+    _o(f"{_AR}.model.override_config", ({},), "edit the model's config.json instead"),
+    _o(f"{_AR}.model.tokenizer_path", (None,), "the tokenizer is read from model.path"),
+    _i(f"{_AR}.hybrid_engine", "rollout.placement=auto is hybrid on CUDA (verl's default)"),
+    _i(f"{_AR}.nccl_timeout", _PERF),
+    # ---- actor optimizer
+    _a(f"{_AR}.actor.optim.lr", "actor.lr"),
+    _a(f"{_AR}.actor.optim.weight_decay", "actor.weight_decay"),
+    _a(f"{_AR}.actor.optim.lr_warmup_steps_ratio", "actor.warmup_ratio"),
+    _a(f"{_AR}.actor.optim.lr_scheduler_type", "actor.lr_scheduler", convert=_lower),
+    _a(f"{_AR}.actor.optim.warmup_style", "actor.lr_scheduler", convert=_null_skip),
+    _a(f"{_AR}.actor.optim.clip_grad", "actor.grad_clip"),
+    _a(f"{_AR}.actor.optim.optimizer", "actor.optimizer", convert=_lower),
+    _o(f"{_AR}.actor.optim.lr_warmup_steps", (-1, None), "use actor.warmup_ratio"),
+    _o(f"{_AR}.actor.optim.min_lr_ratio", (0, 0.0, None), "the actor's schedule has no floor"),
+    _i(f"{_AR}.actor.optim.total_training_steps", "polyrl schedules over the run's steps"),
+    _a(f"{_AR}.actor.grad_clip", "actor.grad_clip"),
+    # ---- actor batching
+    _a(
+        f"{_AR}.actor.ppo_mini_batch_size",
+        "actor.ppo_mini_batch_size",
+        "same unit: prompts per optimizer step (times rollout.n rows)",
+    ),
+    _d(
+        f"{_AR}.actor.ppo_micro_batch_size_per_gpu",
+        "actor.max_tokens_per_micro_batch",
+        "polyrl forms micro-batches by token budget: set to micro x (max_prompt_length + "
+        "max_response_length); results do not depend on it",
+        _micro_batch_budget(per_gpu=True),
+    ),
+    _d(
+        f"{_AR}.actor.ppo_micro_batch_size",
+        "actor.max_tokens_per_micro_batch",
+        "global micro-batch / world size, as a token budget (see ppo_micro_batch_size_per_gpu)",
+        _micro_batch_budget(per_gpu=False),
+    ),
+    _a(f"{_AR}.actor.ppo_max_token_len_per_gpu", "actor.max_tokens_per_micro_batch"),
+    _i(f"{_AR}.actor.use_dynamic_bsz", "polyrl always forms micro-batches by token budget"),
+    _a(f"{_AR}.actor.ppo_epochs", "actor.ppo_epochs"),
+    _o(f"{_AR}.actor.shuffle", (False,), "mini-batches keep the batch order"),
+    # ---- actor loss
+    _d(
+        f"{_AR}.actor.clip_ratio",
+        "actor.clip_ratio_low",
+        "sets actor.clip_ratio_low and actor.clip_ratio_high",
+        _clip_ratio,
+    ),
+    _a(f"{_AR}.actor.clip_ratio_low", "actor.clip_ratio_low"),
+    _a(f"{_AR}.actor.clip_ratio_high", "actor.clip_ratio_high"),
+    _a(f"{_AR}.actor.clip_ratio_c", "actor.clip_ratio_c"),
+    _a(f"{_AR}.actor.entropy_coeff", "actor.entropy_coeff"),
+    _a(f"{_AR}.actor.use_kl_loss", "actor.use_kl_loss"),
+    _a(f"{_AR}.actor.kl_loss_coef", "actor.kl_loss_coef"),
+    _a(f"{_AR}.actor.kl_loss_type", "actor.kl_loss_type"),
+    _a(f"{_AR}.actor.loss_agg_mode", "actor.loss_agg_mode"),
+    _a(
+        f"{_AR}.actor.policy_loss.loss_mode",
+        "actor.policy_loss",
+        "vanilla is ppo_clip",
+        _loss_mode,
+    ),
+    # ---- actor engine
+    _i(f"{_AR}.actor.strategy", "polyrl's engine shards the model itself"),
+    _i(f"{_AR}.actor.fsdp_config.*", _PERF),
+    _i(f"{_AR}.actor.checkpoint.*", "checkpoints hold model, optimizer and sampler state"),
+    _i(f"{_AR}.actor.use_torch_compile", _PERF),
+    _i(f"{_AR}.actor.entropy_from_logits_with_chunking", _PERF),
+    _i(f"{_AR}.actor.entropy_checkpointing", _PERF),
+    _i(f"{_AR}.actor.profiler.*", _PERF),
+    _o(f"{_AR}.actor.ulysses_sequence_parallel_size", (1,), "no sequence parallelism"),
+    # ---- rollout
+    _a(f"{_AR}.rollout.name", "rollout.backend", "hf is polyrl's native engine", _rollout_name),
+    _i(f"{_AR}.rollout.mode", "rollout servers are always asynchronous"),
+    _a(f"{_AR}.rollout.n", "rollout.n"),
+    _a(f"{_AR}.rollout.temperature", "rollout.temperature"),
+    _a(f"{_AR}.rollout.top_p", "rollout.top_p"),
+    _a(f"{_AR}.rollout.top_k", "rollout.top_k", "0 and -1 both turn it off", _top_k),
+    _a(f"{_AR}.rollout.response_length", "rollout.max_new_tokens"),
+    _a(f"{_AR}.rollout.prompt_length", "data.max_prompt_length"),
+    _a(f"{_AR}.rollout.gpu_memory_utilization", "rollout.gpu_memory_utilization"),
+    _a(f"{_AR}.rollout.tensor_model_parallel_size", "rollout.tensor_parallel_size"),
+    _a(f"{_AR}.rollout.dtype", "rollout.dtype"),
+    _a(f"{_AR}.rollout.enforce_eager", "rollout.enforce_eager"),
+    _a(f"{_AR}.rollout.enable_prefix_caching", "rollout.enable_prefix_caching"),
+    _a(f"{_AR}.rollout.max_num_seqs", "rollout.max_num_seqs"),
+    _a(f"{_AR}.rollout.max_model_len", "rollout.max_model_len", convert=_null_to(0)),
+    _i(f"{_AR}.rollout.free_cache_engine", "hybrid placement always frees the KV cache"),
+    _i(f"{_AR}.rollout.max_num_batched_tokens", _PERF),
+    _i(f"{_AR}.rollout.enable_chunked_prefill", _PERF),
+    _i(f"{_AR}.rollout.load_format", _PERF),
+    _i(f"{_AR}.rollout.disable_log_stats", _PERF),
+    _i(f"{_AR}.rollout.cudagraph_capture_sizes", _PERF),
+    _i(f"{_AR}.rollout.engine_kwargs.*", _PERF),
+    _i(f"{_AR}.rollout.layered_summon", _PERF),
+    _i(f"{_AR}.rollout.calculate_log_probs", "rollouts always return their log-probs"),
+    _i(f"{_AR}.rollout.log_prob_micro_batch_size_per_gpu", _LOGPROB),
+    _i(f"{_AR}.rollout.log_prob_micro_batch_size", _LOGPROB),
+    _i(f"{_AR}.rollout.log_prob_use_dynamic_bsz", _LOGPROB),
+    _i(f"{_AR}.rollout.log_prob_max_token_len_per_gpu", _LOGPROB),
+    _o(f"{_AR}.rollout.do_sample", (True,), "set rollout.temperature=0 for greedy decoding"),
+    _o(f"{_AR}.rollout.data_parallel_size", (1,), "use rollout.replicas for more engines"),
+    _o(f"{_AR}.rollout.expert_parallel_size", (1,), "no expert parallelism in rollout"),
+    _o(f"{_AR}.rollout.pipeline_model_parallel_size", (1,), "no pipeline parallelism"),
+    _a(f"{_AR}.rollout.val_kwargs.n", "rollout.val_n"),
+    _a(f"{_AR}.rollout.val_kwargs.temperature", "rollout.val_temperature"),
+    _i(f"{_AR}.rollout.val_kwargs.do_sample", "rollout.val_temperature=0 is greedy"),
+    _o(f"{_AR}.rollout.val_kwargs.top_p", (1, 1.0), "validation samples with top_p 1"),
+    _o(f"{_AR}.rollout.val_kwargs.top_k", (-1, 0), "validation samples without top_k"),
+    _a(f"{_AR}.rollout.multi_turn.enable", "agent.enable"),
+    _a(f"{_AR}.rollout.multi_turn.max_assistant_turns", "agent.max_turns", convert=_null_skip),
+    _a(f"{_AR}.rollout.multi_turn.max_tool_response_length", "agent.max_tool_response_tokens"),
+    _a(f"{_AR}.rollout.multi_turn.format", "agent.tool_parser"),
+    _o(
+        f"{_AR}.rollout.multi_turn.tool_config_path",
+        (None,),
+        "name registered tools in agent.tools",
+    ),
+    _a(f"{_AR}.rollout.agent.default_agent_loop", "agent.default_loop", convert=_agent_loop),
+    _i(f"{_AR}.rollout.agent.num_workers", "see agent.max_concurrency"),
+    # ---- reference
+    _i(f"{_AR}.ref.log_prob_micro_batch_size_per_gpu", _LOGPROB),
+    _i(f"{_AR}.ref.log_prob_micro_batch_size", _LOGPROB),
+    _i(f"{_AR}.ref.log_prob_use_dynamic_bsz", _LOGPROB),
+    _i(f"{_AR}.ref.log_prob_max_token_len_per_gpu", _LOGPROB),
+    _i(f"{_AR}.ref.fsdp_config.*", _PERF),
+    _i(f"{_AR}.ref.strategy", "polyrl's engine shards the model itself"),
+    _i(f"{_AR}.ref.use_torch_compile", _PERF),
+    # ---- critic
+    _a("critic.model.path", "critic.model_path"),
+    _a("critic.optim.lr", "critic.lr"),
+    _a("critic.optim.weight_decay", "critic.weight_decay"),
+    _a("critic.optim.clip_grad", "critic.grad_clip"),
+    _a("critic.optim.optimizer", "critic.optimizer", convert=_lower),
+    _o("critic.optim.lr_warmup_steps_ratio", (0, 0.0), "the critic has no warmup"),
+    _o("critic.optim.lr_warmup_steps", (-1, None), "the critic has no warmup"),
+    _i("critic.optim.total_training_steps", "polyrl schedules over the run's steps"),
+    _a("critic.grad_clip", "critic.grad_clip"),
+    _i(
+        "critic.model.enable_gradient_checkpointing",
+        "the critic follows actor.gradient_checkpointing",
+    ),
+    _i("critic.model.use_remove_padding", _PAD),
+    _i("critic.model.trust_remote_code", "the critic follows model.trust_remote_code"),
+    _i("critic.model.fsdp_config.*", _PERF),
+    _i("critic.strategy", "polyrl's engine shards the model itself"),
+    _i("critic.ppo_micro_batch_size_per_gpu", _CRITIC_MB),
+    _i("critic.ppo_micro_batch_size", _CRITIC_MB),
+    _i("critic.forward_micro_batch_size_per_gpu", _CRITIC_MB),
+    _i("critic.forward_micro_batch_size", _CRITIC_MB),
+    _i("critic.use_dynamic_bsz", _CRITIC_MB),
+    _i("critic.ppo_max_token_len_per_gpu", _CRITIC_MB),
+    _i("critic.forward_max_token_len_per_gpu", _CRITIC_MB),
+    _o("critic.ppo_mini_batch_size", (None,), "the critic updates on actor.ppo_mini_batch_size"),
+    _o("critic.ulysses_sequence_parallel_size", (1,), "no sequence parallelism"),
+    _o("critic.enable", (None,), "a critic runs exactly when algorithm.adv_estimator=gae"),
+    # ---- algorithm
+    _a("algorithm.kl_ctrl.kl_coef", "algorithm.kl_coef"),
+    _a("algorithm.kl_ctrl.type", "algorithm.kl_ctrl"),
+    _a("algorithm.kl_ctrl.target_kl", "algorithm.target_kl"),
+    _a("algorithm.kl_ctrl.horizon", "algorithm.kl_horizon"),
+    _a("algorithm.norm_adv_by_std_in_grpo", "algorithm.norm_adv_by_std"),
+    _o("algorithm.use_pf_ppo", (False,), "no prioritized-replay PPO"),
+    _a("algorithm.rollout_correction.rollout_is", "algorithm.rollout_is", convert=_rollout_is),
+    _a("algorithm.rollout_correction.rollout_is_threshold", "algorithm.rollout_is_threshold"),
+    _o("algorithm.rollout_correction.rollout_rs", (None,), "no rejection sampling"),
+    _o("algorithm.rollout_correction.bypass_mode", (False,), "old log-probs are recomputed"),
+    _a("algorithm.filter_groups.enable", "algorithm.filter_groups"),
+    _a("algorithm.filter_groups.metric", "algorithm.filter_groups_metric"),
+    _a("algorithm.filter_groups.max_num_gen_batches", "algorithm.max_gen_batches"),
+    # ---- reward
+    _d(
+        "custom_reward_function.path",
+        "reward.custom_function",
+        "with .name (default compute_score) becomes 'path:name'",
+        _reward_function,
+    ),
+    _d(
+        "custom_reward_function.name",
+        "reward.custom_function",
+        "see custom_reward_function.path",
+        _reward_function,
+    ),
+    _o(
+        "reward_model.enable",
+        (False,),
+        "no reward models; score with reward.custom_function or a built-in scorer",
+    ),
+    _o(
+        "reward_model.reward_manager",
+        ("naive", "dapo"),
+        "polyrl's reward manager scores each response (naive); dapo's overlong penalty is "
+        "reward.overlong_buffer_len",
+    ),
+    _i("reward_model.launch_reward_fn_async", "rewards are always scored in worker processes"),
+    _d(
+        "reward_model.overlong_buffer.enable",
+        "reward.overlong_buffer_len",
+        "with .len and .penalty_factor (DAPO)",
+        _overlong_buffer,
+    ),
+    _d("reward_model.overlong_buffer.len", "reward.overlong_buffer_len", "", _overlong_buffer),
+    _d(
+        "reward_model.overlong_buffer.penalty_factor",
+        "reward.overlong_penalty_factor",
+        "",
+        _overlong_buffer,
+    ),
+    _o("reward_manager.name", ("naive",), "polyrl's reward manager is verl's naive one"),
+    # ---- data
+    _a("data.train_files", note="a path, a list, or verl's \"['a','b']\" string"),
+    _a("data.val_files", note="a path, a list, or verl's \"['a','b']\" string"),
+    _a("data.train_batch_size"),
+    _a("data.val_batch_size", convert=_null_skip),
+    _a("data.max_prompt_length"),
+    _a(
+        "data.max_response_length",
+        note="also sets rollout.max_new_tokens unless that is given (verl generates this long)",
+    ),
+    _a("data.prompt_key"),
+    _a("data.truncation", note="verl's middle has no polyrl equivalent"),
+    _a("data.shuffle"),
+    _a("data.seed", convert=_null_skip),
+    _d(
+        "data.filter_overlong_prompts",
+        "data.truncation",
+        "true sets data.truncation=filter (whatever data.truncation says, as in verl)",
+        _filter_overlong,
+        force=True,
+    ),
+    _i("data.filter_overlong_prompts_workers", _PERF),
+    _i("data.dataloader_num_workers", _PERF),
+    _i("data.use_shm", _PERF),
+    _i("data.return_raw_chat", "prompts are rendered with the chat template on the driver"),
+    _i("data.return_raw_input_ids", "prompts are rendered with the chat template on the driver"),
+    _i("data.return_full_prompt", "prompts are rendered with the chat template on the driver"),
+    _o("data.tokenizer", (None,), "the tokenizer is read from model.path"),
+    _o("data.reward_fn_key", ("data_source",), "scorers are picked by the data_source column"),
+    _o("data.train_max_samples", (-1, None), "subset the files instead"),
+    _o("data.val_max_samples", (-1, None), "subset the files instead"),
+    _o("data.custom_cls.path", (None,), "polyrl reads parquet/jsonl rows"),
+    _o("data.validation_shuffle", (False,), "validation keeps the file order"),
+    # ---- trainer
+    _a("trainer.logger", "trainer.loggers", "file is jsonl", _loggers),
+    _a("trainer.total_epochs"),
+    _a("trainer.total_training_steps", "trainer.total_steps", "null is 0", _null_to(0)),
+    _a("trainer.default_local_dir", "trainer.output_dir"),
+    _a("trainer.save_freq", note="-1 is 0 (never)", convert=_minus_one_to_zero),
+    _a("trainer.test_freq", note="-1 is 0 (never)", convert=_minus_one_to_zero),
+    _a("trainer.resume_mode", note="disable is never", convert=_resume_mode),
+    _a("trainer.resume_from_path", "trainer.resume_mode", "a checkpoint path", _null_skip),
+    _a("trainer.max_actor_ckpt_to_keep", "trainer.max_ckpt_to_keep", convert=_null_skip),
+    _a("trainer.max_critic_ckpt_to_keep", "trainer.max_ckpt_to_keep", convert=_null_skip),
+    _a("trainer.n_gpus_per_node"),
+    _a("trainer.nnodes"),
+    _a("trainer.project_name"),
+    _a("trainer.experiment_name"),
+    _a("trainer.val_before_train"),
+    _a("trainer.critic_warmup"),
+    _a("trainer.device"),
+    _i("trainer.balance_batch", "tunes speed only (token balance over ranks)"),
+    _i("trainer.log_val_generations", "validation generations are not logged"),
+    _i("trainer.use_legacy_worker_impl", "polyrl has one worker implementation"),
+    _i("trainer.ray_wait_register_center_timeout", _PERF),
+    _i("trainer.del_local_ckpt_after_load", "checkpoints are kept (trainer.max_ckpt_to_keep)"),
+    _i("trainer.esi_redundant_time", _PERF),
+    _o("trainer.val_only", (False,), "validate with trainer.total_steps=0 and test_freq"),
+    _o("trainer.default_hdfs_dir", (None,), "checkpoints go to trainer.output_dir"),
+    _o("trainer.rollout_data_dir", (None,), "rollouts are not dumped"),
+    _o("trainer.validation_data_dir", (None,), "validation generations are not dumped"),
+    # ---- ray, profiling, transfer
+    _a("ray_kwargs.ray_init.num_cpus", "ray.num_cpus", convert=_null_to(0)),
+    _a("ray_init.num_cpus", "ray.num_cpus", convert=_null_to(0)),
+    _i("ray_kwargs.timeline_json_file", _PERF),
+    _i("global_profiler.*", _PERF),
+    _a("transfer_queue.enable", "transfer.enable"),
+)
+
+_EXACT = {e.verl: e for e in VERL_KEYS if not e.verl.endswith(".*")}
+_SUBTREES = [e for e in VERL_KEYS if e.verl.endswith(".*")]
+
+
+def lookup(key: str) -> VerlKey | None:
+    """Return the entry of verl ``key`` (exact, or under a ``.*`` subtree), or ``None``."""
+    entry = _EXACT.get(key)
+    if entry is not None:
+        return entry
+    for sub in _SUBTREES:
+        if key.startswith(sub.verl[:-1]):
+            return sub
+    return None
+
+
+def is_verl_only(key: str) -> bool:
+    """Whether ``key`` lies under a group that only verl has (``actor_rollout_ref``, ...)."""
+    return key.split(".", 1)[0] in VERL_ONLY_ROOTS
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _fmt_off(values: tuple[Any, ...]) -> str:
+    return ", ".join("null" if v is None else str(v) for v in values)
+
+
+def markdown_table() -> str:
+    """Return :data:`VERL_KEYS` as a Markdown table: verl key, polyrl key, note."""
+    rows = ["| verl key | polyrl key | note |", "| --- | --- | --- |"]
+    for e in VERL_KEYS:
+        if e.kind == "alias":
+            target = "(same key)" if e.polyrl == e.verl else f"`{e.polyrl}`"
+            note = e.note
+        elif e.kind == "derived":
+            target = f"`{e.polyrl}` (derived)"
+            note = e.note
+        elif e.kind == "ignored":
+            target = "ignored"
+            note = e.note
+        else:
+            target = f"only {_fmt_off(e.off)}"
+            note = f"other values are an error: {e.note}"
+        rows.append(f"| `{e.verl}` | {target} | {_cell(note)} |")
+    return "\n".join(rows) + "\n"

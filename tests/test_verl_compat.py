@@ -1,0 +1,392 @@
+"""verl compatibility: verl keys as polyrl aliases, the user's keys over the preset's, and
+verl's own example launch lines run end to end as ``polyrl train``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from polyrl.config import (
+    ConfigError,
+    ConfigNote,
+    PolyRLConfig,
+    RLConfig,
+    apply_overrides,
+    load_config,
+    verl_compat,
+)
+from polyrl.config.loader import _is_schema_path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load(preset: str | None, overrides: list[str]) -> tuple[PolyRLConfig, list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ConfigNote)
+        cfg = load_config(preset, overrides)
+    return cfg, [str(w.message) for w in caught if issubclass(w.category, ConfigNote)]
+
+
+# ------------------------------------------------------------------ the user's keys win
+def test_train_files_drop_the_presets_task_and_say_so():
+    cfg, notes = _load("grpo", ["data.train_files=train.parquet"])
+    assert cfg.data.task == "" and cfg.data.train_files == ["train.parquet"]
+    assert any("data.task=arithmetic; dropped: data.train_files given" in n for n in notes)
+    # Without train files the preset's task stays; an explicit task wins over the rule.
+    assert load_config("grpo").data.task == "arithmetic"
+    cfg, _ = _load("grpo", ["data.train_files=[a]", "data.task=countdown"])
+    assert cfg.data.task == "countdown"
+
+
+def test_total_epochs_drop_the_presets_total_steps():
+    cfg, notes = _load("grpo", ["trainer.total_epochs=1"])
+    assert cfg.trainer.total_steps == 0 and cfg.trainer.total_epochs == 1
+    assert any("trainer.total_steps=100; dropped: trainer.total_epochs" in n for n in notes)
+    cfg, notes = _load("grpo", ["trainer.total_epochs=3", "trainer.total_steps=7"])
+    assert cfg.trainer.total_steps == 7
+    assert any("both given: total_steps wins" in n for n in notes)
+    cfg, notes = _load("grpo", ["trainer.total_steps=5"])
+    assert cfg.trainer.total_steps == 5 and not notes
+
+
+def test_max_response_length_sets_max_new_tokens_unless_given():
+    cfg, notes = _load("grpo", ["data.max_response_length=64"])
+    assert cfg.rollout.max_new_tokens == 64
+    assert any("rollout.max_new_tokens=64 follows" in n for n in notes)
+    cfg, _ = _load("grpo", ["data.max_response_length=64", "rollout.max_new_tokens=32"])
+    assert cfg.rollout.max_new_tokens == 32
+    # The agent loop caps a turn with max_new_tokens, the trajectory with the data length.
+    cfg, _ = _load("grpo_tool", ["data.max_response_length=512"])
+    assert cfg.rollout.max_new_tokens == 128
+
+
+def test_override_order_does_not_matter_for_cross_field_checks():
+    a = load_config(None, ["rollout.tensor_parallel_size=2", "rollout.backend=vllm"])
+    b = load_config(None, ["rollout.backend=vllm", "rollout.tensor_parallel_size=2"])
+    assert a == b
+    with pytest.raises(ConfigError, match="tensor_parallel_size.*native backend"):
+        load_config(None, ["rollout.tensor_parallel_size=2"])
+
+
+def test_config_objects_take_mappings_and_check_assignments():
+    cfg = RLConfig(rollout=dict(n=4), actor={"lr": 1})
+    assert cfg.rollout.n == 4 and cfg.actor.lr == 1.0 and isinstance(cfg.actor.lr, float)
+    with pytest.raises(ConfigError, match=r"rollout: unknown option 'nn'.*did you mean 'n'"):
+        RLConfig(rollout=dict(nn=4))
+    with pytest.raises(ConfigError, match=r"rollout.n: expected int, got str '4'"):
+        RLConfig(rollout=dict(n="4"))
+    with pytest.raises(ConfigError, match=r"ActorConfig.lr: expected float, got str '1e-6'"):
+        cfg.actor.lr = "1e-6"
+    with pytest.raises(ConfigError, match=r"RolloutConfig.n: value 0 out of range"):
+        cfg.rollout.n = 0
+    with pytest.raises(ConfigError, match=r"invalid value 'gpt2'"):
+        cfg.model.tiny_arch = "gpt2"
+    cfg.actor.lr = 2
+    cfg.rollout = {"n": 3}
+    assert cfg.actor.lr == 2.0 and cfg.rollout.n == 3
+
+
+# ------------------------------------------------------------------------- verl keys
+def test_verl_keys_set_the_polyrl_options_they_mean():
+    cfg, notes = _load(
+        "grpo",
+        [
+            "actor_rollout_ref.model.path=/models/qwen",
+            "actor_rollout_ref.actor.optim.lr=1e-6",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "actor_rollout_ref.actor.clip_ratio=0.3",
+            "actor_rollout_ref.rollout.name=hf",
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.rollout.top_k=0",
+            "actor_rollout_ref.rollout.response_length=24",
+            "algorithm.kl_ctrl.kl_coef=0.01",
+            "algorithm.kl_ctrl.type=adaptive",
+            "custom_reward_function.path=/r.py",
+            "trainer.logger=['console','file']",
+            "trainer.total_training_steps=null",
+            "trainer.save_freq=-1",
+            "trainer.default_local_dir=/ckpt",
+            "data.max_prompt_length=40",
+            "data.max_response_length=24",
+            "actor_rollout_ref.model.lora_rank=0",
+            "reward_model.enable=False",
+            "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+        ],
+    )
+    assert cfg.model.path == "/models/qwen" and cfg.actor.lr == 1e-6
+    assert cfg.actor.ppo_mini_batch_size == 16
+    assert cfg.actor.max_tokens_per_micro_batch == 4 * (40 + 24)
+    assert cfg.actor.clip_ratio_low == cfg.actor.clip_ratio_high == 0.3
+    assert cfg.rollout.backend == "native" and cfg.rollout.n == 4 and cfg.rollout.top_k == -1
+    assert cfg.rollout.max_new_tokens == 24
+    assert cfg.algorithm.kl_coef == 0.01 and cfg.algorithm.kl_ctrl == "adaptive"
+    assert cfg.reward.custom_function == "/r.py:compute_score"
+    assert cfg.trainer.loggers == ["console", "jsonl"]
+    assert cfg.trainer.total_steps == 0 and cfg.trainer.save_freq == 0
+    assert cfg.trainer.output_dir == "/ckpt"
+    assert any("fsdp_config.param_offload ignored" in n for n in notes)
+    assert any("actor.max_tokens_per_micro_batch=256" in n for n in notes)
+
+
+def test_explicit_polyrl_option_wins_over_a_derived_one():
+    cfg, notes = _load(
+        "grpo",
+        [
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            "actor.max_tokens_per_micro_batch=5000",
+        ],
+    )
+    assert cfg.actor.max_tokens_per_micro_batch == 5000
+    assert any("set explicitly" in n for n in notes)
+
+
+@pytest.mark.parametrize(
+    ("override", "words"),
+    [
+        ("actor_rollout_ref.model.pth=x", ["verl option 'actor_rollout_ref.model.pth'", "no"]),
+        ("actor_rollout_ref.actor.foo.bar=1", ["has no polyrl equivalent"]),
+        ("custom_reward_function.foo=1", ["has no polyrl equivalent"]),
+        ("actor_rollout_ref.rollout.name=trtllm", ["'trtllm'", "vllm, sglang or hf"]),
+        ("actor_rollout_ref.model.lora_rank=8", ["lora_rank=8", "LoRA"]),
+        ("reward_model.enable=True", ["reward_model.enable=True", "no reward models"]),
+        ("trainer.val_only=True", ["trainer.val_only", "no polyrl equivalent"]),
+    ],
+)
+def test_verl_keys_without_a_polyrl_meaning_say_so(override, words):
+    with pytest.raises(ConfigError) as info:
+        load_config("grpo", [override])
+    msg = str(info.value)
+    for word in words:
+        assert word in msg, msg
+    assert "did you mean" not in msg
+
+
+def test_list_options_take_verls_scalar_and_string_forms():
+    for text in ["data.train_files=a.parquet", "data.train_files=\"['a.parquet']\""]:
+        assert load_config(None, [text]).data.train_files == ["a.parquet"]
+    cfg = load_config(None, ["data.val_files=\"['a.parquet', 'b.parquet']\""])
+    assert cfg.data.val_files == ["a.parquet", "b.parquet"]
+    assert load_config(None, ["rollout.stop_token_ids=7"]).rollout.stop_token_ids == [7]
+    assert load_config(None, ["trainer.logger=console"]).trainer.loggers == ["console"]
+
+
+def test_apply_overrides_reads_verl_keys_too():
+    cfg = apply_overrides(PolyRLConfig(), ["actor_rollout_ref.actor.optim.lr=3e-6"])
+    assert cfg.actor.lr == 3e-6
+
+
+def test_every_alias_target_is_a_polyrl_option_and_the_doc_is_current():
+    for entry in verl_compat.VERL_KEYS:
+        if entry.kind in ("alias", "derived"):
+            assert _is_schema_path(entry.polyrl.split("."), PolyRLConfig), entry
+        if entry.kind != "alias" or entry.polyrl != entry.verl:
+            # A verl key that is a polyrl key too must not mean something else here.
+            assert not _is_schema_path(entry.verl.split("."), PolyRLConfig), entry
+    doc = (REPO / "docs" / "migrating_from_verl.md").read_text()
+    assert verl_compat.markdown_table() in doc, "regenerate: polyrl config verl --format markdown"
+
+
+def test_critic_model_path_without_model_path_is_refused():
+    from polyrl.trainer.rl.build import check_config
+
+    cfg = load_config("grpo", ["critic.model_path=/models/qwen"])
+    with pytest.raises(ConfigError, match=r"model.path: is empty.*critic.model_path"):
+        check_config(cfg)
+    check_config(cfg, has_model=True)
+
+
+# ------------------------------------------------------------------- verl's launch lines
+# From verl's examples/grpo_trainer/run_qwen2-7b.sh and examples/ppo_trainer/
+# run_deepseek7b_llm.sh; the values the test changes are in _SHRINK.
+VERL_GRPO = """
+    algorithm.adv_estimator=grpo
+    data.train_files=$HOME/data/gsm8k/train.parquet
+    data.val_files=$HOME/data/gsm8k/test.parquet
+    data.train_batch_size=1024
+    data.max_prompt_length=512
+    data.max_response_length=1024
+    data.filter_overlong_prompts=True
+    data.truncation='error'
+    actor_rollout_ref.model.path=Qwen/Qwen2-7B-Instruct
+    actor_rollout_ref.actor.optim.lr=1e-6
+    actor_rollout_ref.model.use_remove_padding=True
+    actor_rollout_ref.actor.ppo_mini_batch_size=256
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40
+    actor_rollout_ref.actor.use_kl_loss=True
+    actor_rollout_ref.actor.kl_loss_coef=0.001
+    actor_rollout_ref.actor.kl_loss_type=low_var_kl
+    actor_rollout_ref.actor.entropy_coeff=0
+    actor_rollout_ref.model.enable_gradient_checkpointing=True
+    actor_rollout_ref.actor.fsdp_config.param_offload=False
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40
+    actor_rollout_ref.rollout.tensor_model_parallel_size=2
+    actor_rollout_ref.rollout.name=vllm
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.6
+    actor_rollout_ref.rollout.n=5
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40
+    actor_rollout_ref.ref.fsdp_config.param_offload=True
+    algorithm.use_kl_in_reward=False
+    trainer.critic_warmup=0
+    trainer.logger='["console","wandb"]'
+    trainer.project_name='verl_grpo_example_gsm8k'
+    trainer.experiment_name='qwen2_7b_function_rm'
+    trainer.n_gpus_per_node=8
+    trainer.nnodes=1
+    trainer.save_freq=20
+    trainer.test_freq=5
+    trainer.total_epochs=15
+"""
+
+VERL_PPO = """
+    algorithm.adv_estimator=gae
+    data.train_files=$HOME/data/gsm8k/train.parquet
+    data.val_files=$HOME/data/gsm8k/test.parquet
+    data.train_batch_size=1024
+    data.max_prompt_length=512
+    data.max_response_length=512
+    data.filter_overlong_prompts=True
+    data.truncation='error'
+    actor_rollout_ref.model.path=deepseek-ai/deepseek-llm-7b-chat
+    actor_rollout_ref.actor.optim.lr=1e-6
+    actor_rollout_ref.model.use_remove_padding=True
+    actor_rollout_ref.actor.ppo_mini_batch_size=256
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16
+    actor_rollout_ref.actor.fsdp_config.param_offload=False
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+    actor_rollout_ref.actor.use_kl_loss=False
+    actor_rollout_ref.model.enable_gradient_checkpointing=True
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32
+    actor_rollout_ref.rollout.tensor_model_parallel_size=4
+    actor_rollout_ref.rollout.name=vllm
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.4
+    critic.optim.lr=1e-5
+    critic.model.use_remove_padding=True
+    critic.model.path=deepseek-ai/deepseek-llm-7b-chat
+    critic.model.enable_gradient_checkpointing=True
+    critic.ppo_micro_batch_size_per_gpu=32
+    critic.model.fsdp_config.param_offload=False
+    critic.model.fsdp_config.optimizer_offload=False
+    algorithm.use_kl_in_reward=False
+    trainer.critic_warmup=0
+    trainer.logger='["console","wandb"]'
+    trainer.project_name='verl_example_gsm8k'
+    trainer.experiment_name='deepseek_llm_7b_function_rm'
+    trainer.n_gpus_per_node=8
+    trainer.nnodes=1
+    trainer.save_freq=20
+    trainer.test_freq=1
+    trainer.use_legacy_worker_impl=auto
+    trainer.total_epochs=15
+"""
+
+# Shrunk to 2 steps of a nano model on CPU: 16 train prompts / 8 per batch, one epoch.
+_SHRINK = {
+    "data.train_batch_size": "8",
+    "data.max_prompt_length": "64",
+    "data.max_response_length": "8",
+    "actor_rollout_ref.actor.ppo_mini_batch_size": "4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "2",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": "1",
+    "actor_rollout_ref.rollout.name": "hf",
+    "actor_rollout_ref.rollout.n": "4",
+    "trainer.logger": '\'["console","file"]\'',
+    "trainer.n_gpus_per_node": "1",
+    "trainer.save_freq": "-1",
+    "trainer.test_freq": "2",
+    "trainer.total_epochs": "1",
+}
+
+
+def _verl_args(script: str, model: Path, train: Path, test: Path) -> list[str]:
+    """The verl launch line's arguments as a shell would pass them, values shrunk."""
+    paths = {
+        "data.train_files": str(train),
+        "data.val_files": str(test),
+        "actor_rollout_ref.model.path": str(model),
+        "critic.model.path": str(model),
+    }
+    args = []
+    for line in script.split():
+        key, _, value = line.partition("=")
+        value = paths.get(key, _SHRINK.get(key, value))
+        # The shell strips one level of quotes: trainer.logger='["console"]' -> ["console"].
+        if len(value) >= 2 and value[0] == value[-1] == "'":
+            value = value[1:-1]
+        args.append(f"{key}={value}")
+    return args
+
+
+def _run_verl_line(tmp_path: Path, tiny_dir: Path, preset: str, script: str) -> str:
+    from polyrl.data.tasks import write_task_splits
+
+    train, test = write_task_splits("arithmetic", tmp_path / "gsm8k", 16, 8, seed=0, max_digits=1)
+    reward = tmp_path / "reward.py"
+    reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return -len(solution_str) / 50.0\n"
+    )
+    args = _verl_args(script, tiny_dir, train, test) + [
+        f"custom_reward_function.path={reward}",
+        f"trainer.default_local_dir={tmp_path / 'out'}",
+        # The test machine: CPU, engines in local processes.
+        "trainer.device=cpu",
+        "trainer.worker_backend=local",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "polyrl.cli", "train", preset, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def _summary(tmp_path: Path) -> dict:
+    return json.loads((tmp_path / "out" / "rl_summary.json").read_text())
+
+
+@pytest.mark.slow
+def test_verls_grpo_example_line_trains(tmp_path, tiny_qwen2_dir):
+    started = time.perf_counter()
+    out = _run_verl_line(tmp_path, tiny_qwen2_dir, "grpo", VERL_GRPO)
+    assert "polyrl: note: preset 'grpo' sets data.task=arithmetic; dropped" in out
+    assert "trainer.total_steps=100; dropped" in out
+    data_line = next(line for line in out.splitlines() if line.startswith("[rl] data:"))
+    assert "train.parquet" in data_line and "16 train / 8 val prompts" in data_line
+    assert "2 steps from trainer.total_epochs=1 x 2 batches of 8 prompts" in data_line
+    summary = _summary(tmp_path)
+    assert summary["steps"] == 2
+    cfg = load_config(tmp_path / "out" / "rl_config.yaml")
+    assert cfg.model.path == str(tiny_qwen2_dir) and cfg.actor.use_kl_loss
+    assert cfg.actor.kl_loss_type == "low_var_kl" and cfg.rollout.n == 4
+    assert cfg.data.truncation == "filter" and cfg.trainer.loggers == ["console", "jsonl"]
+    assert (tmp_path / "out" / "metrics.jsonl").is_file()
+    print(f"verl GRPO line: {time.perf_counter() - started:.1f}s")
+
+
+@pytest.mark.slow
+def test_verls_ppo_example_line_trains(tmp_path, tiny_qwen2_dir):
+    started = time.perf_counter()
+    out = _run_verl_line(tmp_path, tiny_qwen2_dir, "ppo", VERL_PPO)
+    assert "critic.ppo_micro_batch_size_per_gpu" in out  # named in the "ignored" note
+    summary = _summary(tmp_path)
+    assert summary["steps"] == 2
+    cfg = load_config(tmp_path / "out" / "rl_config.yaml")
+    assert cfg.algorithm.adv_estimator == "gae" and cfg.critic.model_path == str(tiny_qwen2_dir)
+    assert cfg.critic.lr == 1e-5 and not cfg.algorithm.use_kl_in_reward
+    records = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert any("critic/vf_loss" in r for r in records)
+    print(f"verl PPO line: {time.perf_counter() - started:.1f}s")
