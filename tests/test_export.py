@@ -290,3 +290,37 @@ def test_polyrl_export_bad_inputs_are_one_line_errors(saved, tiny_qwen2_dir, tmp
     )
     assert (tmp_path / "notes" / "a.txt").read_text() == "mine"
     assert "base model" in _error(capsys, str(good), str(tiny_qwen2_dir), "--overwrite")
+
+
+@pytest.mark.slow
+def test_polyrl_export_reshards_a_two_rank_checkpoint(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from polyrl.trainer.sft import run_sft
+
+    out = tmp_path / "dp2"
+    cfg = load_config(
+        "sft_demo",
+        [
+            f"trainer.output_dir={out}",
+            "trainer.n_gpus_per_node=2",
+            "trainer.worker_backend=local",
+            "data.num_train=32",
+            "data.num_val=8",
+            "trainer.total_steps=1",
+            "trainer.save_freq=1",
+            "trainer.test_freq=0",
+            "trainer.loggers=[jsonl]",
+            "sft.lr=0.01",
+        ],
+    )
+    summary = run_sft(cfg)
+    assert (
+        json.loads((Path(summary["checkpoint"]) / ckpt.COMPLETE_MARKER).read_text())["world_size"]
+        == 2
+    )
+    assert cli.main(["export", str(out / "checkpoints"), str(tmp_path / "one_rank")]) == 0
+    ours = load_file(tmp_path / "one_rank" / "model.safetensors")
+    theirs = load_file(out / "hf_model" / "model.safetensors")
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
