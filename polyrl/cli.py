@@ -360,6 +360,51 @@ def _train_command(parser: argparse.ArgumentParser) -> Handler:
     return run
 
 
+@subcommand("export", help="Turn a saved checkpoint into a Hugging Face model directory (CPU).")
+def _export_command(parser: argparse.ArgumentParser) -> Handler:
+    parser.add_argument(
+        "checkpoint",
+        metavar="CHECKPOINT",
+        help="a global_step_<N> directory, a folder of them (newest taken), or a run's "
+        "output_dir (its actor checkpoints)",
+    )
+    parser.add_argument("out", metavar="OUT", help="Hugging Face model directory to write")
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="base model directory for config and tokenizer (default: the one the checkpoint "
+        "records)",
+    )
+    parser.add_argument(
+        "--dtype", default=None, help="weight dtype (default: the checkpoint's, e.g. float32)"
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an existing model directory at OUT"
+    )
+
+    def run(args: argparse.Namespace) -> int:
+        from transformers.utils import logging as hf_logging
+
+        from polyrl.model_engine.export import CheckpointExportError, export_checkpoint
+
+        hf_logging.disable_progress_bar()  # one line out, one line for an error
+        try:
+            result = export_checkpoint(
+                args.checkpoint,
+                args.out,
+                model_dir=args.model,
+                dtype=args.dtype,
+                overwrite=args.overwrite,
+            )
+        except CheckpointExportError as exc:
+            raise CLIError(str(exc)) from exc
+        print(f"exported step {result.step} of {result.checkpoint} to {result.directory}")
+        return 0
+
+    return run
+
+
 @subcommand(
     "agent-proxy",
     help="OpenAI-compatible recording proxy: agents' calls become drift-free trajectories.",

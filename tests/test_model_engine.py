@@ -548,6 +548,12 @@ def test_export_hf_loads_with_transformers_and_gives_engine_logits(
     am = batch["attention_mask"].bool()
     torch.testing.assert_close(hf_logits[am], engine_logits[am], atol=1e-5, rtol=1e-5)
     assert hf.config.use_cache is True
+    # fully_shard swaps the class for FSDP<Name>: the export names the model's own class.
+    source = json.loads((Path(src) / "config.json").read_text())
+    assert type(engine.model).__name__.startswith("FSDP")
+    exported_config = json.loads(Path(out, "config.json").read_text())
+    assert exported_config["architectures"] == source["architectures"]
+    assert os.path.isfile(os.path.join(out, "generation_config.json"))
 
     names = set(read_safetensors(out))
     exported = dict(engine.named_tensors())

@@ -728,7 +728,7 @@ class TrainerConfig(ConfigGroup):
         choices=PLACEMENTS,
     )
     export_hf: bool = option(
-        False, "RL: write the final policy as a Hugging Face directory to output_dir/hf_model."
+        True, "RL: write the final policy as a Hugging Face directory to output_dir/hf_model."
     )
     critic_warmup: int = option(
         0, "RL steps that train only the critic before the actor starts updating.", ge=0

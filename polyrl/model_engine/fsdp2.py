@@ -89,7 +89,7 @@ from polyrl.model_engine.prefix import (
     supports_shared_prefix,
 )
 
-__all__ = ["FSDP2Engine"]
+__all__ = ["FSDP2Engine", "unwrapped_class_name"]
 
 _STATE_FORMAT = "polyrl.fsdp2"
 _STATE_VERSION = 1
@@ -119,6 +119,19 @@ def _clean_name(name: str) -> str:
     for prefix in _WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name
+
+
+def unwrapped_class_name(module: torch.nn.Module) -> str:
+    """Return the model's own class name, as Hugging Face writes it in ``architectures``.
+
+    ``fully_shard`` swaps a module's class for a generated ``FSDP<Name>`` subclass of
+    :class:`FSDPModule` and the original class; the first class in the MRO that is not an FSDP
+    class is the original one.
+    """
+    for cls in type(module).__mro__:
+        if not issubclass(cls, FSDPModule):
+            return cls.__name__
+    return type(module).__name__
 
 
 def _to_float(value: Any, what: str) -> float:
@@ -741,13 +754,18 @@ class FSDP2Engine(TrainingEngine):
             config = model.export_config()
         else:
             config = model.config.__class__.from_dict(model.config.to_dict())
-            config.architectures = [type(model).__name__]
+            config.architectures = [unwrapped_class_name(model)]
         config.use_cache = True  # training turned the cache off; inference wants it back
         config.dtype = str(dtype).removeprefix("torch.")
         config.save_pretrained(tmp)
         src = self.model_spec.path
         if os.path.isfile(os.path.join(src, "generation_config.json")):
             shutil.copy2(os.path.join(src, "generation_config.json"), tmp)
+        elif not isinstance(model, ValueModel):
+            # Generation defaults (bos/eos/pad ids) from the config, as save_pretrained would.
+            from transformers import GenerationConfig
+
+            GenerationConfig.from_model_config(config).save_pretrained(tmp)
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(tmp)
             return

@@ -481,7 +481,11 @@ def run_sft(cfg: PolyRLConfig) -> dict[str, Any]:
                 bar.set_postfix(loss=f"{out['loss']:.4f}")
                 if trainer.save_freq and (step % trainer.save_freq == 0 or step == total):
                     last_ckpt = runner.save(str(root), step, {"sampler": sampler.state_dict()})
-        hf_dir = runner.export_hf(str(out_dir / HF_DIR)) if sft.export_hf else None
+        hf_dir = None
+        if sft.export_hf:
+            tick = time.perf_counter()
+            hf_dir = runner.export_hf(str(out_dir / HF_DIR))
+            _log(f"model exported to {hf_dir} in {time.perf_counter() - tick:.2f}s")
     finally:
         if tracker is not None:
             tracker.finish()

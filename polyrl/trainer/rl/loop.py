@@ -17,6 +17,10 @@ One step, driven from this (controller) process and readable top to bottom in
 7. **validate** (mean@k / pass@k on the held-out split), **log** (verl metric names),
    **checkpoint** (actor, critic, sampler, KL controller; atomic).
 
+At the end of the run the policy is written as a Hugging Face model directory,
+``<output_dir>/hf_model`` (``trainer.export_hf``, on by default; ``polyrl export`` turns any saved
+actor checkpoint into one too).
+
 The data of a step lives with the driver or, with ``transfer.enable``, in the transfer queue;
 the step is the same code either way: it asks its generation phase
 (:mod:`~polyrl.trainer.rl.generation`) for a reference to scored rows and hands that reference
@@ -497,7 +501,11 @@ class RLTrainer:
                         step % trainer.save_freq == 0 or step == self.total_steps
                     ):
                         last_ckpt = self.save(step)
-            hf_dir = self.export_hf(self.out_dir / HF_DIR) if trainer.export_hf else None
+            hf_dir = None
+            if trainer.export_hf:
+                tick = time.perf_counter()
+                hf_dir = self.export_hf(self.out_dir / HF_DIR)
+                _log(f"policy exported to {hf_dir} in {time.perf_counter() - tick:.2f}s")
         finally:
             if tracker is not None:
                 tracker.finish()
