@@ -58,9 +58,7 @@ def test_requests_in_flight_on_a_killed_replica_are_resent_whole(two_replicas):
     results, retries = asyncio.run(with_a_kill())
     assert len(results) == len(prompts)
     # Greedy and token-in/token-out: the re-sent requests give the tokens they would have.
-    assert [r.outputs[0].output_ids for r in results] == [
-        r.outputs[0].output_ids for r in expected
-    ]
+    assert [r.outputs[0].output_ids for r in results] == [r.outputs[0].output_ids for r in expected]
     assert {r.replica for r in results} == {urls[1]}
     assert retries >= 8
 
@@ -96,9 +94,7 @@ def test_requests_wait_for_a_lone_replica_to_come_back(two_replicas):
             return expected, await tasks, restarted["url"], client.retries
 
     expected, results, new_url, retries = asyncio.run(go())
-    assert [r.outputs[0].output_ids for r in results] == [
-        r.outputs[0].output_ids for r in expected
-    ]
+    assert [r.outputs[0].output_ids for r in results] == [r.outputs[0].output_ids for r in expected]
     assert {r.replica for r in results} == {new_url}
     assert retries >= 4
     assert "restarting the replica" in lone.log_tail()
