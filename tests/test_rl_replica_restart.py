@@ -181,3 +181,46 @@ def test_a_replica_that_keeps_dying_fails_the_run_naming_it(tmp_path):
     message = str(caught.value)
     assert f"rollout replica {url} lost" in message
     assert "restarting the replica on port" in message  # the log tail
+
+
+def test_on_ray_the_rank_restarts_its_server(tmp_path, ray_session):
+    cfg = _config(
+        tmp_path,
+        "trainer.worker_backend=ray",
+        "trainer.device=cpu",
+        "rollout.replicas=2",
+        "rollout.num_threads=1",
+    )
+    trainer = RLTrainer(cfg)
+    try:
+        trainer.setup()
+        group = trainer.servers.group
+        trainer.step(1)
+        # The server of rank 0 is a child process of that Ray actor: kill it as a crash would.
+        actor_pid = group.worker_info[0].pid
+        children = [
+            int(p.name)
+            for p in Path("/proc").iterdir()
+            if p.name.isdigit()
+            and _parent_of(p) == actor_pid
+            and "rollout_server" in (p / "cmdline").read_text(errors="replace")
+        ]
+        assert len(children) == 1, children
+        os.kill(children[0], signal.SIGKILL)
+        metrics = trainer.step(2)
+        assert metrics["rollout/replica_restarts"] == 1
+        versions = [
+            httpx.get(f"{u}/health", timeout=10).json()["weight_version"]
+            for u in trainer.replicas.urls
+        ]
+        assert versions == [2, 2]
+        assert all(state["alive"] for state in group.server_state())
+    finally:
+        trainer.close()
+
+
+def _parent_of(proc: Path) -> int:
+    try:
+        return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
