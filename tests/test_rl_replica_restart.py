@@ -224,3 +224,25 @@ def _parent_of(proc: Path) -> int:
         return int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
     except (OSError, ValueError, IndexError):
         return -1
+
+
+def test_a_hung_replica_counts_as_dead_and_its_restart_replaces_it(tiny_qwen2_dir):
+    import time
+
+    from polyrl.rollout.launcher import ServerProcess
+    from polyrl.trainer.rl.supervisor import LocalReplica, ReplicaSupervisor
+
+    process = ServerProcess(tiny_qwen2_dir, options={"num_threads": 1}).start(timeout=120)
+    try:
+        supervisor = ReplicaSupervisor([LocalReplica(process)], 120.0, 1, unresponsive_s=1.0)
+        assert supervisor.dead() == []
+        os.kill(process.process.pid, signal.SIGSTOP)  # running, but answers nothing
+        assert supervisor.dead() == []  # silent for less than a second so far
+        time.sleep(1.2)
+        [hung] = supervisor.dead()
+        old, new = supervisor.restart(hung)
+        assert process.alive and supervisor.restarts == 1
+        assert httpx.get(f"{new}/health", timeout=10).json()["status"] == "ok"
+        assert supervisor.dead() == []
+    finally:
+        process.stop()

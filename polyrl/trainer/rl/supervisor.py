@@ -16,6 +16,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import httpx
+
 __all__ = ["LocalReplica", "RayReplica", "ReplicaLostError", "ReplicaSupervisor"]
 
 
@@ -109,20 +111,31 @@ class RayReplica:
 class ReplicaSupervisor:
     """Finds dead replicas and restarts them, within a budget.
 
+    A replica is dead when its server process is not running, or when it runs but has not
+    answered ``/health`` for ``unresponsive_s`` seconds (hung: its restart kills it first).
+
     Args:
         handles: one handle per replica (:class:`LocalReplica` or :class:`RayReplica`).
         restart_timeout_s: seconds one restart may take (``rollout.restart_timeout_s``).
         max_restarts: restarts allowed per replica (``rollout.max_replica_restarts``).
+        unresponsive_s: seconds without an answer to ``/health`` after which a running
+            replica counts as dead.
     """
 
     def __init__(
-        self, handles: Sequence[Any], restart_timeout_s: float = 300.0, max_restarts: int = 3
+        self,
+        handles: Sequence[Any],
+        restart_timeout_s: float = 300.0,
+        max_restarts: int = 3,
+        unresponsive_s: float = 120.0,
     ) -> None:
         self.handles = list(handles)
         self.restart_timeout_s = restart_timeout_s
         self.max_restarts = max_restarts
+        self.unresponsive_s = unresponsive_s
         self.restarts = 0
         self._counts = [0] * len(self.handles)
+        self._silent_since: dict[int, float] = {}  # handle index -> first failed /health
 
     @property
     def urls(self) -> list[str]:
@@ -139,8 +152,24 @@ class ReplicaSupervisor:
         while True:
             found = [h for h in self.handles if not h.alive()]
             if found or time.monotonic() >= deadline:
-                return found
+                return found or self._hung()
             time.sleep(0.05)
+
+    def _hung(self) -> list[Any]:
+        """Return the running replicas that have not answered ``/health`` for too long."""
+        hung = []
+        now = time.monotonic()
+        probe = min(5.0, max(self.unresponsive_s / 2, 0.5))
+        for index, handle in enumerate(self.handles):
+            try:
+                httpx.get(f"{handle.url}/health", timeout=probe).raise_for_status()
+            except httpx.HTTPError:
+                since = self._silent_since.setdefault(index, now)
+                if now - since >= self.unresponsive_s:
+                    hung.append(handle)
+                continue
+            self._silent_since.pop(index, None)
+        return hung
 
     def restart(self, handle: Any) -> tuple[str, str]:
         """Restart ``handle``'s replica; return its old and new URL.
@@ -160,6 +189,7 @@ class ReplicaSupervisor:
             )
         self._counts[index] += 1
         self.restarts += 1
+        self._silent_since.pop(index, None)
         try:
             new = handle.restart(self.restart_timeout_s)
         except Exception as exc:
