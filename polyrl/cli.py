@@ -15,8 +15,9 @@ is one decorated setup function in this module::
 
         return run
 
-User errors (:class:`CLIError`, :class:`~polyrl.config.ConfigError`) print one line on stderr
-and exit with code 2; anything else is a bug and keeps its traceback.
+User errors (:class:`CLIError`, :class:`~polyrl.config.ConfigError`, and what a command maps to
+them: bad data rows, a reward function that cannot be loaded or fails on too many samples)
+print one line on stderr and exit with code 2; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -264,14 +265,26 @@ def _sft_command(parser: argparse.ArgumentParser) -> Handler:
 
     def run(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
+        from polyrl.model_engine.checkpoint import CorruptCheckpointError
         from polyrl.trainer.sft import run_sft
         from polyrl.trainer.sft_data import SFTDataError
         from polyrl.trainer.tracking import TrackerUnavailableError
 
+        user_errors = (
+            SFTDataError,
+            TrackerUnavailableError,
+            FileNotFoundError,
+            CorruptCheckpointError,
+        )
         try:
             run_sft(cfg)
-        except (SFTDataError, TrackerUnavailableError, FileNotFoundError) as exc:
-            raise CLIError(str(exc)) from exc
+        except user_errors as exc:
+            raise CLIError(str(_cause(exc))) from exc
+        except Exception as exc:
+            cause = _cause(exc)
+            if cause is exc or not isinstance(cause, user_errors):
+                raise
+            raise CLIError(str(cause)) from exc
         return 0
 
     return run
@@ -283,13 +296,30 @@ def _train_command(parser: argparse.ArgumentParser) -> Handler:
 
     def run(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
+        from polyrl.data.schema import RowValidationError
+        from polyrl.model_engine.checkpoint import CorruptCheckpointError
+        from polyrl.reward import RewardFunctionError
+        from polyrl.reward.manager import RewardFailureError
         from polyrl.trainer.rl import run_rl
         from polyrl.trainer.tracking import TrackerUnavailableError
 
+        user_errors = (
+            TrackerUnavailableError,
+            FileNotFoundError,
+            RowValidationError,
+            RewardFunctionError,
+            RewardFailureError,
+            CorruptCheckpointError,
+        )
         try:
             run_rl(cfg)
-        except (TrackerUnavailableError, FileNotFoundError) as exc:
-            raise CLIError(str(exc)) from exc
+        except user_errors as exc:
+            raise CLIError(str(_cause(exc))) from exc
+        except Exception as exc:
+            cause = _cause(exc)
+            if cause is exc or not isinstance(cause, user_errors):
+                raise
+            raise CLIError(str(cause)) from exc
         return 0
 
     return run
@@ -347,6 +377,12 @@ def _agent_proxy_command(parser: argparse.ArgumentParser) -> Handler:
         return 0
 
     return run
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """Return the error a remote worker raised (Ray task errors keep it in ``cause``), or exc."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
 
 
 def _one_line(exc: BaseException) -> str:

@@ -15,7 +15,6 @@ from polyrl.agent.tools import (
     PythonSandboxTool,
     ToolError,
     create_tool,
-    network_namespace_command,
     safe_calculate,
 )
 
@@ -136,7 +135,8 @@ def test_sandbox_runs_code_and_truncates_output():
 def test_sandbox_blocks_network_with_audit_hook(listener):
     port, accepted = listener
     before = len(accepted)
-    tool = PythonSandboxTool(network="audit", timeout=10)
+    tool = PythonSandboxTool(timeout=10)
+    assert tool.isolation == "namespaces+audit"
     out = run_code(tool, CONNECT.format(port=port))
     assert out.error and "network access is disabled" in out.text
     assert "CONNECTED" not in out.text
@@ -144,30 +144,30 @@ def test_sandbox_blocks_network_with_audit_hook(listener):
     control_connect(port, accepted, before + 1)
 
 
-@pytest.mark.skipif(network_namespace_command() is None, reason="unshare -n / -rn unavailable")
 def test_sandbox_network_namespace_alone_blocks_network(listener):
     """The OS layer on its own (audit hook off): the child has no usable network at all."""
     port, accepted = listener
     before = len(accepted)
-    tool = PythonSandboxTool(network="namespace", audit_hook=False, timeout=10)
-    assert tool.isolation == "netns"
+    tool = PythonSandboxTool(audit_hook=False, timeout=10)
+    assert tool.isolation == "namespaces"
     out = run_code(tool, CONNECT.format(port=port))
     assert out.error and "CONNECTED" not in out.text
     assert "Network is unreachable" in out.text or "Connection refused" in out.text
     control_connect(port, accepted, before + 1)
-    assert PythonSandboxTool().isolation == "netns+audit"
 
 
 def test_sandbox_contains_writes_outside_its_directory(tmp_path):
-    target = tmp_path / "escaped.txt"
+    # the sandbox's working directory is its private /tmp: the hook refuses anything outside
+    target = f"/var/tmp/polyrl-escaped-{os.getpid()}.txt"
     tool = PythonSandboxTool()
     out = run_code(
         tool,
         f"open('inside.txt', 'w').write('ok')\nprint(open('inside.txt').read())\n"
-        f"open({str(target)!r}, 'w').write('pwned')",
+        f"open({target!r}, 'w').write('pwned')",
     )
     assert out.text.startswith("ok\n") and out.error and "outside the sandbox" in out.text
-    assert not target.exists()
+    assert not os.path.exists(target)
+    target = tmp_path / "escaped.txt"
     for code in [
         f"import os; os.rename('x', {str(tmp_path / 'y')!r})",
         f"import os; os.mkdir({str(tmp_path / 'd')!r})",
@@ -175,31 +175,26 @@ def test_sandbox_contains_writes_outside_its_directory(tmp_path):
     ]:
         assert run_code(tool, code).error
     assert not (tmp_path / "d").exists() and not os.path.exists("/tmp/polyrl-sandbox-escape")
-    if os.geteuid() == 0:
-        # OS layer alone: as `nobody`, the child cannot write to a directory we own.
-        bare = PythonSandboxTool(audit_hook=False, network="namespace")
-        assert bare.drop_to == 65534
-        out = run_code(bare, f"open({str(target)!r}, 'w').write('pwned')")
-        assert out.error and "Permission denied" in out.text and not target.exists()
+    # OS layer alone: the host's directories are not even visible (tests/test_sandbox.py has
+    # the ctypes and other attempts that the audit hook would not see)
+    bare = PythonSandboxTool(audit_hook=False)
+    out = run_code(bare, f"open({str(target)!r}, 'w').write('pwned')")
+    assert out.error and "No such file or directory" in out.text and not target.exists()
 
 
 def test_sandbox_contains_memory_bomb_infinite_loop_and_big_files():
-    tool = PythonSandboxTool(memory_mb=256, cpu_seconds=1, timeout=2, file_size_mb=1)
+    # the CPU limit gets a wall-clock margin: on a loaded machine 1 CPU second takes longer
+    tool = PythonSandboxTool(memory_mb=256, cpu_seconds=1, timeout=15, file_size_mb=1)
     bomb = run_code(tool, "x = bytearray(4 * 1024 ** 3)\nprint('allocated')")
     assert bomb.error and "MemoryError" in bomb.text and "allocated" not in bomb.text
     spin = run_code(tool, "while True:\n    pass")
     assert spin.error and "CPU time limit" in spin.text
-    sleep = run_code(tool, "import time\ntime.sleep(60)")
+    sleep = run_code(PythonSandboxTool(timeout=2), "import time\ntime.sleep(60)")
     assert sleep.error and "wall-clock timeout of 2 s" in sleep.text
     fat = run_code(tool, "open('f', 'wb').write(b'0' * (4 << 20))")
     assert fat.error and ("SIGXFSZ" in fat.text or "File too large" in fat.text)
     # the parent is unharmed and the sandbox still works afterwards
     assert run_code(tool, "print(6 * 7)").text == "42\n"
-    # the same limits when set by the preexec_fn fallback (machines without prlimit)
-    tool._prlimit = None
-    assert "prlimit" not in " ".join(tool.command())
-    assert "MemoryError" in run_code(tool, "x = bytearray(4 * 1024 ** 3)").text
-    assert "CPU time limit" in run_code(tool, "while True:\n    pass").text
 
 
 def test_sandbox_tool_in_loop_context_and_bad_args():
@@ -207,5 +202,7 @@ def test_sandbox_tool_in_loop_context_and_bad_args():
     assert call(tool, {"code": "print(sum(range(10)))"}) == "45\n"
     with pytest.raises(ToolError, match="non-empty string"):
         call(tool, {"code": ""})
-    with pytest.raises(ValueError, match="network must be"):
-        PythonSandboxTool(network="none")
+    with pytest.raises(ValueError, match="isolation must be"):
+        PythonSandboxTool(isolation="chroot")
+    with pytest.raises(ValueError, match="memory_mb must be"):
+        PythonSandboxTool(memory_mb=0)

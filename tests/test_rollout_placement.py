@@ -227,3 +227,43 @@ def test_external_servers_use_the_key_from_the_environment(tmp_path, monkeypatch
     local = load_config("demo", ["trainer.device=cpu", "rollout.urls=[http://127.0.0.1:8000]"])
     assert start_replicas(local, tmp_path, closers).same_host
     assert os.environ.get(API_KEY_ENV) is None
+
+
+@pytest.mark.slow
+def test_the_trainers_replicas_refuse_requests_without_the_runs_key(tmp_path):
+    import httpx
+
+    from polyrl.trainer.rl import RLTrainer
+
+    cfg = load_config(
+        "demo",
+        [
+            f"trainer.output_dir={tmp_path}",
+            "trainer.device=cpu",
+            "trainer.worker_backend=local",
+            "trainer.loggers=[jsonl]",
+            "trainer.val_before_train=false",
+            "data.num_train=16",
+            "data.train_batch_size=4",
+            "rollout.n=2",
+            "rollout.max_new_tokens=4",
+            "data.max_response_length=4",
+            "reward.num_workers=1",
+        ],
+    )
+    trainer = RLTrainer(cfg)
+    try:
+        trainer.setup()
+        (url,) = trainer.servers.urls
+        key = trainer.servers.api_key
+        assert key and len(key) >= 32
+        for method, path in (("get", "/v1/models"), ("post", "/pause"), ("get", "/weights/status")):
+            assert httpx.request(method, url + path, timeout=10).status_code == 401, path
+            wrong = {"Authorization": "Bearer not-the-key"}
+            assert httpx.request(method, url + path, headers=wrong, timeout=10).status_code == 401
+        ok = httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        assert ok.status_code == 200
+        # The run itself holds the key: a step generates, scores and syncs weights.
+        assert trainer.step(1)["rollout/weight_version"] == 0
+    finally:
+        trainer.close()

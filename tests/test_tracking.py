@@ -118,7 +118,7 @@ def test_optional_backends_log_or_name_the_extra(tmp_path, monkeypatch, name):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     if importlib.util.find_spec(name) is None:
-        with pytest.raises(TrackerUnavailableError, match=r"pip install polyrl\[tracking\]"):
+        with pytest.raises(TrackerUnavailableError, match=r"pip install -e .*\[tracking\]"):
             Tracker([name], tmp_path)
         return
     with Tracker([name], tmp_path, project="proj", experiment="run", config={"a": {"b": 1}}) as t:
@@ -179,3 +179,30 @@ def test_plot_writes_one_panel_per_present_key(tmp_path):
         plot_learning_curves(tmp_path / "absent.jsonl", tmp_path / "x.png", ["a"])
     with pytest.raises(ValueError, match="non-empty list"):
         plot_learning_curves(metrics, tmp_path / "x.png", "train/loss")
+
+
+def test_plot_is_a_grid_without_constant_panels(tmp_path):
+    import matplotlib.image
+
+    from polyrl.trainer.plotting import grid_shape
+
+    assert [grid_shape(n) for n in (1, 2, 3, 4, 6, 7)] == [
+        (1, 1),
+        (1, 2),
+        (1, 3),
+        (2, 3),
+        (2, 3),
+        (3, 3),
+    ]
+    path = tmp_path / METRICS_FILE
+    rows = [
+        {"step": s, **{f"m{k}": float(k * s) for k in range(1, 6)}, "flat": 0.0}
+        for s in range(1, 6)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    keys = [*(f"m{k}" for k in range(1, 6)), "flat"]
+    assert "flat" not in curves(read_metrics(path), keys)  # constant over 5 steps: left out
+    five = matplotlib.image.imread(plot_learning_curves(path, tmp_path / "g.png", keys)).shape
+    one = matplotlib.image.imread(plot_learning_curves(path, tmp_path / "o.png", ["m1"])).shape
+    # 5 panels: 2 rows of 3 columns (not one 5:1 row with a sixth, flat panel).
+    assert (five[0], five[1]) == (2 * one[0], 3 * one[1])

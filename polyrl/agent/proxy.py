@@ -242,48 +242,70 @@ class RecordingProxy:
             while len(self.sessions) > self.max_sessions:
                 old, _ = self.sessions.popitem(last=False)
                 self._locks.pop(old, None)
-            seg = self._find_segment(segments, messages, tools)
             try:
-                if seg is not None:
-                    delta = chat_delta_ids(
-                        self.tokenizer,
-                        messages,
-                        len(messages) - len(seg.messages),
-                        tools=tools,
-                        last_ended_with_eos=seg.last_eos,
-                    )
-                else:
-                    text = self.tokenizer.apply_chat_template(
-                        messages, tools=tools, add_generation_prompt=True, tokenize=False
-                    )
-                    prompt = list(self.tokenizer.encode(text, add_special_tokens=False))
-                    seg = _Segment(tools, [], Trajectory(prompt_ids=prompt))
-                    segments.append(seg)
-                    delta = []
-            except RolloutError:
+                traj, out, result, reply = await self._call(sid, segments, messages, tools, params)
+            except BaseException:
+                if not segments and self.sessions.get(sid) is segments:
+                    del self.sessions[sid]  # a session whose only call failed never was
                 raise
-            except Exception as exc:  # template errors are the request's fault
-                raise InvalidRequestError(
-                    f"the chat template failed on these messages: {exc}", param="messages"
-                ) from exc
-            traj = seg.traj
-            result = await self.client.generate(
-                traj.prompt_ids + traj.response_ids + delta, params, session_id=sid
-            )
-            out = result.outputs[0]
-            # Recorded only once the server answered: a failed call leaves the session as it was.
-            traj.append_env(delta)
-            traj.append_model(out.output_ids, out.logprobs)
-            traj.num_turns += 1
-            traj.finish_reason = str(out.finish_reason or "")
-            traj.weight_versions.append(int(out.weight_version or 0))
-            seg.last_eos = bool(out.output_ids) and int(out.output_ids[-1]) in self.eos_ids
-            text = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
-            reply = self._reply(text, tools is not None)
-            seg.messages = messages + [reply]
         return self._response(
             reply, out, result, len(traj.prompt_ids) + len(traj.response_ids)
         ), sid
+
+    async def _call(
+        self,
+        sid: str,
+        segments: list[_Segment],
+        messages: list[dict[str, Any]],
+        tools: Any,
+        params: dict[str, Any],
+    ) -> tuple[Trajectory, Any, Any, dict[str, Any]]:
+        """Generate the reply to ``messages`` and record it in ``segments``.
+
+        Nothing is recorded unless the rollout server answers: a failed call leaves the session
+        as it was (no new segment, no partial turn).
+        """
+        seg = self._find_segment(segments, messages, tools)
+        new_segment = seg is None
+        try:
+            if seg is not None:
+                delta = chat_delta_ids(
+                    self.tokenizer,
+                    messages,
+                    len(messages) - len(seg.messages),
+                    tools=tools,
+                    last_ended_with_eos=seg.last_eos,
+                )
+            else:
+                text = self.tokenizer.apply_chat_template(
+                    messages, tools=tools, add_generation_prompt=True, tokenize=False
+                )
+                prompt = list(self.tokenizer.encode(text, add_special_tokens=False))
+                seg = _Segment(tools, [], Trajectory(prompt_ids=prompt))
+                delta = []
+        except RolloutError:
+            raise
+        except Exception as exc:  # template errors are the request's fault
+            raise InvalidRequestError(
+                f"the chat template failed on these messages: {exc}", param="messages"
+            ) from exc
+        traj = seg.traj
+        result = await self.client.generate(
+            traj.prompt_ids + traj.response_ids + delta, params, session_id=sid
+        )
+        out = result.outputs[0]
+        if new_segment:
+            segments.append(seg)
+        traj.append_env(delta)
+        traj.append_model(out.output_ids, out.logprobs)
+        traj.num_turns += 1
+        traj.finish_reason = str(out.finish_reason or "")
+        traj.weight_versions.append(int(out.weight_version or 0))
+        seg.last_eos = bool(out.output_ids) and int(out.output_ids[-1]) in self.eos_ids
+        text = self.tokenizer.decode(out.output_ids, skip_special_tokens=True)
+        reply = self._reply(text, tools is not None)
+        seg.messages = messages + [reply]
+        return traj, out, result, reply
 
     def _reply(self, text: str, with_tools: bool) -> dict[str, Any]:
         calls = [c for c in self._parser.parse(text) if c.error is None] if with_tools else []

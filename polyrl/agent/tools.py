@@ -1,7 +1,7 @@
 """Tools an agent can call: the ``Tool`` interface, a registry and the shipped tools.
 
 * ``calculator``: arithmetic on numbers, evaluated by walking the Python AST (never ``eval``).
-* ``python``: runs code in a sandboxed subprocess (see :class:`PythonSandboxTool`).
+* ``python``: runs code in the namespace sandbox of :mod:`polyrl.core.sandbox`.
 * ``countdown_check``: checks a candidate countdown expression against the sample's numbers
   and target (reusing the countdown scorer's safe expression evaluator).
 
@@ -15,23 +15,14 @@ from __future__ import annotations
 
 import abc
 import ast
-import asyncio
-import contextlib
 import dataclasses
-import functools
 import math
 import operator
-import os
-import resource
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from polyrl.core.registry import Registry
+from polyrl.core.sandbox import SandboxConfig, SandboxError, arun_in_sandbox, check_sandbox
 
 __all__ = [
     "TOOLS",
@@ -44,7 +35,6 @@ __all__ = [
     "available_tools",
     "create_tool",
     "get_tool",
-    "network_namespace_command",
     "register_tool",
     "safe_calculate",
 ]
@@ -243,17 +233,13 @@ class CountdownCheckTool(Tool):
 
 # ----------------------------------------------------------------------------- python sandbox
 
-_NOBODY = 65534
-
-# Runs in the child before the user's code: installs an audit hook (which cannot be removed)
-# that refuses network use, writes outside the sandbox directory and new processes. ctypes is
-# allowed (numpy needs it) and could bypass the hook: the network namespace and the dropped
-# privileges are the OS-level layers that still hold then.
-_BOOTSTRAP = r"""
+# Runs in the sandboxed interpreter before the user's code (``SandboxConfig.preamble``): an
+# audit hook (which cannot be removed) that refuses network use, writes outside the working
+# directory and new processes, so the model gets a clear message. It is a courtesy layer only:
+# ctypes gets past it; the namespaces of polyrl.core.sandbox are what the kernel enforces.
+_AUDIT_PREAMBLE = r"""
 import os, sys
 _root = os.path.realpath(os.getcwd())
-_code = compile(open("main.py", encoding="utf-8").read(), "main.py", "exec")
-_net = {NET!r}
 _W = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 _PATH_EVENTS = {"os.remove": 1, "os.rmdir": 1, "os.mkdir": 1, "os.rename": 2, "os.replace": 2,
     "os.chmod": 1, "os.chown": 1, "os.link": 2, "os.symlink": 2, "os.truncate": 1,
@@ -269,7 +255,7 @@ def _inside(p):
         return False
     return rp == _root or rp.startswith(_root + os.sep)
 def _hook(event, args):
-    if _net and event.startswith("socket.") and event not in ("socket.__new__",):
+    if event.startswith("socket.") and event != "socket.__new__":
         raise PermissionError("sandbox: network access is disabled (" + event + ")")
     if event == "open":
         path, mode, flags = args
@@ -283,58 +269,36 @@ def _hook(event, args):
     elif event in _PROC:
         raise PermissionError("sandbox: " + event + " is not allowed")
 sys.addaudithook(_hook)
-del _hook
-exec(_code, {"__name__": "__main__", "__builtins__": __builtins__})
 """
-
-
-@functools.cache
-def network_namespace_command() -> tuple[str, ...] | None:
-    """Return the command prefix running a child in a new, empty network namespace, if any.
-
-    ``unshare -n`` (needs CAP_SYS_ADMIN, e.g. root) or ``unshare -rn`` (an unprivileged user
-    namespace); ``None`` when neither is available here.
-    """
-    exe = shutil.which("unshare")
-    if exe is None:
-        return None
-    for flags in (("-n",), ("-r", "-n")):
-        try:
-            ok = subprocess.run([exe, *flags, "true"], capture_output=True, timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        if ok.returncode == 0:
-            return (exe, *flags)
-    return None
 
 
 @register_tool("python")
 class PythonSandboxTool(Tool):
-    """Run Python code in a contained subprocess and return its output.
+    """Run Python code in the namespace sandbox of :mod:`polyrl.core.sandbox`; return its output.
 
-    Containment (each layer is tested in ``tests/test_agent_tools.py``):
-
-    * resource limits: CPU seconds (``RLIMIT_CPU``), address space (``RLIMIT_AS``), file size
-      (``RLIMIT_FSIZE``), no core dumps; a wall-clock timeout kills the whole process group;
-    * a fresh temporary directory as the working directory, deleted afterwards;
-    * network: a new, empty network namespace (``unshare -n``) when available, plus an audit
-      hook installed before the code runs that refuses socket use;
-    * files: the audit hook refuses writes, renames and deletions outside the directory; when
-      running as root the child also drops to user ``nobody`` (``setpriv``), so the OS refuses
-      writes to anything the sandbox does not own;
-    * processes: the audit hook refuses fork/exec/subprocess (ctypes stays allowed for numpy,
-      so the hook is a second layer; the namespace and ``nobody`` are the OS-enforced ones).
+    The code runs in fresh user, mount, PID, network, IPC and UTS namespaces as an unprivileged
+    uid, sees a read-only minimal filesystem (the interpreter, shared libraries and this
+    environment's site-packages), writes only to a private ``disk_mb`` tmpfs (its working
+    directory, gone after the call), has no network, at most ``max_procs`` processes and the
+    CPU, memory and file-size limits below; every process it starts dies with the call. See
+    :mod:`polyrl.core.sandbox` for the guarantees and their limits, ``tests/test_sandbox.py``
+    for the escape attempts they stop.
 
     Args:
-        timeout: wall-clock seconds before the process group is killed.
-        cpu_seconds: CPU-time limit.
-        memory_mb: address-space limit.
+        timeout: wall-clock seconds before the whole sandbox is killed.
+        cpu_seconds: CPU-time limit (per process).
+        memory_mb: address-space limit (per process).
         file_size_mb: largest file the code may write.
+        disk_mb: size of the private writable directory.
+        max_procs: processes and threads the code may have.
         max_output_chars: the output shown to the model is cut to this length.
-        network: ``"auto"`` (namespace when available; audit hook always), ``"namespace"``
-            (require the namespace), ``"audit"`` (audit hook only).
-        audit_hook: install the audit hook (disable only to test the OS layers alone).
-        drop_privileges: when root, run the code as ``nobody``.
+        isolation: ``"namespaces"`` (the sandbox; the constructor fails with instructions
+            where the machine cannot build it) or ``"none"``: rlimits and a temporary
+            directory only, UNSAFE (the code can read and write whatever this process can).
+        audit_hook: also install an audit hook that refuses sockets, writes outside the
+            working directory and new processes with a clear message (not a security
+            boundary: ctypes gets past it).
+        site_packages: let the code import this environment's packages (e.g. numpy).
     """
 
     description = "Run a Python 3 program and return what it prints (stdout and stderr)."
@@ -351,151 +315,58 @@ class PythonSandboxTool(Tool):
         cpu_seconds: int = 5,
         memory_mb: int = 512,
         file_size_mb: int = 16,
+        disk_mb: int = 64,
+        max_procs: int = 16,
         max_output_chars: int = 4000,
-        network: str = "auto",
+        isolation: str = "namespaces",
         audit_hook: bool = True,
-        drop_privileges: bool = True,
+        site_packages: bool = True,
     ):
-        if network not in ("auto", "namespace", "audit"):
-            raise ValueError(f"network must be 'auto', 'namespace' or 'audit', got {network!r}")
-        for name, value in (
-            ("timeout", timeout),
-            ("cpu_seconds", cpu_seconds),
-            ("memory_mb", memory_mb),
-            ("file_size_mb", file_size_mb),
-            ("max_output_chars", max_output_chars),
-        ):
-            if not isinstance(value, int | float) or value <= 0:
-                raise ValueError(f"{name} must be a positive number, got {value!r}")
-        self.timeout = float(timeout)
-        self.cpu_seconds = int(cpu_seconds)
-        self.memory_bytes = int(memory_mb) << 20
-        self.file_size_bytes = int(file_size_mb) << 20
-        self.max_output_chars = int(max_output_chars)
-        self.audit_hook = audit_hook
-        self.netns: tuple[str, ...] | None = None
-        if network in ("auto", "namespace"):
-            self.netns = network_namespace_command()
-            if self.netns is None and network == "namespace":
-                raise RuntimeError(
-                    "network='namespace' needs a working 'unshare -n' or 'unshare -rn'; use "
-                    "network='auto' or 'audit' on this machine"
-                )
-        if network == "audit" and not audit_hook:
-            raise ValueError("network='audit' needs audit_hook=True (nothing would block it)")
-        setpriv = shutil.which("setpriv")
-        # `unshare -r` maps us to root inside a user namespace; setpriv cannot drop to nobody
-        # there, and the mapped "root" has no real privileges anyway.
-        self.drop_to: int | None = (
-            _NOBODY
-            if drop_privileges and os.geteuid() == 0 and setpriv and "-r" not in (self.netns or ())
-            else None
+        if not isinstance(max_output_chars, int) or max_output_chars <= 0:
+            raise ValueError(f"max_output_chars must be a positive int, got {max_output_chars!r}")
+        self.max_output_chars = max_output_chars
+        self.audit_hook = bool(audit_hook)
+        self.config = SandboxConfig(
+            timeout=timeout,
+            cpu_seconds=cpu_seconds,
+            memory_mb=memory_mb,
+            file_size_mb=file_size_mb,
+            disk_mb=disk_mb,
+            max_procs=max_procs,
+            max_output_bytes=4 * max_output_chars,
+            isolation=isolation,
+            site_packages=site_packages,
+            preamble=_AUDIT_PREAMBLE if audit_hook else "",
         )
-        self._setpriv = setpriv
-        # prlimit sets the limits in the exec chain; without it they are set in a preexec_fn
-        # (between fork and exec), which is less safe in a multi-threaded parent.
-        self._prlimit = shutil.which("prlimit")
+        check_sandbox(isolation)  # fails here, with what to enable, not at the first call
 
     @property
     def isolation(self) -> str:
-        """Which network layers are active: ``netns+audit``, ``netns`` or ``audit``."""
-        layers = (["netns"] if self.netns else []) + (["audit"] if self.audit_hook else [])
-        return "+".join(layers)
-
-    def _limits(self) -> None:  # runs in the child between fork and exec
-        resource.setrlimit(resource.RLIMIT_CPU, (self.cpu_seconds, self.cpu_seconds + 1))
-        resource.setrlimit(resource.RLIMIT_AS, (self.memory_bytes, self.memory_bytes))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (self.file_size_bytes, self.file_size_bytes))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-    def command(self) -> list[str]:
-        """Return the child's argv (namespace prefix, privilege drop, isolated Python)."""
-        cmd: list[str] = []
-        if self._prlimit:
-            cmd += [
-                self._prlimit,
-                f"--cpu={self.cpu_seconds}:{self.cpu_seconds + 1}",
-                f"--as={self.memory_bytes}",
-                f"--fsize={self.file_size_bytes}",
-                "--core=0",
-                "--",
-            ]
-        cmd += list(self.netns or ())
-        if self.drop_to is not None:
-            cmd += [
-                str(self._setpriv),
-                f"--reuid={self.drop_to}",
-                f"--regid={self.drop_to}",
-                "--clear-groups",
-            ]
-        boot = _BOOTSTRAP.replace("{NET!r}", repr(self.audit_hook))
-        if not self.audit_hook:
-            boot = boot.replace("sys.addaudithook(_hook)", "")
-        return [*cmd, sys.executable, "-I", "-u", "-c", boot]  # -u: output in order
+        """The active layers: ``namespaces+audit``, ``namespaces``, ``none+audit``..."""
+        return self.config.isolation + ("+audit" if self.audit_hook else "")
 
     async def run_code(self, code: str) -> ToolResult:
         """Run ``code`` and return its (truncated) output plus how it ended."""
-        workdir = tempfile.mkdtemp(prefix="polyrl-sandbox-")
-        proc: asyncio.subprocess.Process | None = None
         try:
-            with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
-                f.write(code)
-            if self.drop_to is not None:
-                os.chown(workdir, self.drop_to, self.drop_to)
-                os.chown(os.path.join(workdir, "main.py"), self.drop_to, self.drop_to)
-            proc = await asyncio.create_subprocess_exec(
-                *self.command(),
-                cwd=workdir,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                preexec_fn=None if self._prlimit else self._limits,
-                start_new_session=True,
-                env={"PATH": "/usr/bin:/bin", "HOME": workdir, "LANG": "C.UTF-8"},
+            res = await arun_in_sandbox(code, self.config)
+        except SandboxError as exc:
+            return ToolResult(f"[sandbox error: {exc}]", error=True)
+        out = res.output
+        if len(out) > self.max_output_chars or res.truncated:
+            out = (
+                out[: self.max_output_chars]
+                + f"\n[output truncated: {res.output_bytes} bytes in all]"
             )
-            keep = bytearray()
-            total = 0
-
-            async def drain() -> None:
-                # Read everything (so the child never blocks on a full pipe) but keep a bounded
-                # prefix: a print loop cannot exhaust our memory.
-                nonlocal total
-                assert proc.stdout is not None
-                while chunk := await proc.stdout.read(65536):
-                    total += len(chunk)
-                    room = 4 * self.max_output_chars - len(keep)
-                    if room > 0:
-                        keep.extend(chunk[:room])
-
-            timed_out = False
-            try:
-                await asyncio.wait_for(asyncio.gather(drain(), proc.wait()), self.timeout)
-            except TimeoutError:
-                timed_out = True
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                await proc.wait()
-            out = keep.decode("utf-8", errors="replace")
-            if len(out) > self.max_output_chars or total > len(keep):
-                out = out[: self.max_output_chars] + f"\n[output truncated: {total} bytes in all]"
-            rc = proc.returncode
-            if timed_out:
-                return ToolResult(
-                    out + f"\n[killed: wall-clock timeout of {self.timeout:g} s]", error=True
-                )
-            if rc is not None and rc < 0:
-                sig = signal.Signals(-rc).name
-                why = " (CPU time limit)" if sig in ("SIGXCPU", "SIGKILL") else ""
-                return ToolResult(out + f"\n[killed by {sig}{why}]", error=True)
-            if rc:
-                return ToolResult(out + f"\n[exit code {rc}]", error=True)
-            return ToolResult(out)
-        finally:
-            # Also on cancellation (the loop's own timeout): never leave the child running.
-            if proc is not None and proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-            shutil.rmtree(workdir, ignore_errors=True)
+        if res.timed_out:
+            return ToolResult(
+                out + f"\n[killed: wall-clock timeout of {self.config.timeout:g} s]", error=True
+            )
+        if res.signal is not None:
+            why = " (CPU time limit)" if res.signal in ("SIGXCPU", "SIGKILL") else ""
+            return ToolResult(out + f"\n[killed by {res.signal}{why}]", error=True)
+        if res.exit_code:
+            return ToolResult(out + f"\n[exit code {res.exit_code}]", error=True)
+        return ToolResult(out)
 
     async def call(self, arguments: Mapping[str, Any], **context: Any) -> ToolResult | str:
         """Run ``arguments["code"]``."""

@@ -438,6 +438,13 @@ class RewardConfig(ConfigGroup):
     timeout_s: float = option(10.0, "Seconds allowed to score one response.", gt=0.0)
     num_workers: int = option(1, "Reward worker processes; 0 scores in the calling process.", ge=0)
     error_reward: float = option(0.0, "Reward given when scoring raises or times out.")
+    max_failure_fraction: float = option(
+        0.5,
+        "Stop the run when more than this fraction of a batch's samples fail to score "
+        "(raise, time out or return garbage); 1 never stops.",
+        ge=0.0,
+        le=1.0,
+    )
     overlong_buffer_len: int = option(
         0,
         "DAPO soft overlong punishment: penalise the last N tokens before the length cap "

@@ -24,10 +24,12 @@ from typing import Any
 
 __all__ = [
     "COMPLETE_MARKER",
+    "CorruptCheckpointError",
     "atomic_write_text",
     "find_latest_checkpoint",
     "is_complete_checkpoint",
     "list_checkpoints",
+    "load_checkpoint_file",
     "new_tmp_dir",
     "prune_checkpoints",
     "publish_dir",
@@ -40,6 +42,35 @@ COMPLETE_MARKER = "COMPLETE"
 LATEST_FILE = "latest"
 _STEP_RE = re.compile(r"^global_step_(\d+)$")
 _TMP_PREFIX = ".tmp-"
+
+
+class CorruptCheckpointError(ValueError):
+    """A file of a published checkpoint cannot be read back: it is truncated or damaged."""
+
+
+def load_checkpoint_file(checkpoint: str, name: str, what: str) -> Any:
+    """``torch.load`` one file of a checkpoint on the CPU, naming it if it cannot be read.
+
+    Args:
+        checkpoint: the checkpoint directory.
+        name: the file's path inside it (``"rng/rank_0.pt"``).
+        what: what the file holds, for the message (``"the RNG state"``).
+
+    Raises:
+        CorruptCheckpointError: the file is truncated, damaged or not a torch file.
+    """
+    import pickle
+
+    import torch
+
+    path = os.path.join(checkpoint, name)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (OSError, EOFError, RuntimeError, pickle.UnpicklingError, ValueError) as exc:
+        raise CorruptCheckpointError(
+            f"checkpoint {checkpoint!r} is corrupt: its file {name!r} ({what}) cannot be read "
+            f"({type(exc).__name__}: {exc}); resume from another checkpoint or start afresh"
+        ) from exc
 
 
 def step_dir_name(step: int) -> str:

@@ -838,9 +838,7 @@ class FSDP2Engine(TrainingEngine):
         if self._optim_offloaded is not None:
             raise RuntimeError("load_checkpoint: optimizer state is offloaded; call reload() first")
         resolved = ckpt.resolve_checkpoint(os.path.abspath(path))
-        engine_state = torch.load(
-            os.path.join(resolved, "engine_state.pt"), map_location="cpu", weights_only=False
-        )
+        engine_state = ckpt.load_checkpoint_file(resolved, "engine_state.pt", "the engine state")
         if engine_state.get("format") != _STATE_FORMAT:
             raise ValueError(f"{resolved!r} is not an FSDP2 engine checkpoint")
         if engine_state.get("model_kind") != self.model_spec.kind:
@@ -874,9 +872,16 @@ class FSDP2Engine(TrainingEngine):
                 stacklevel=2,
             )
         self._optimizer_steps = int(engine_state["optimizer_steps"])
-        rng_file = os.path.join(resolved, "rng", f"rank_{self.rank}.pt")
-        if os.path.isfile(rng_file):
-            self._set_rng_state(torch.load(rng_file, map_location="cpu", weights_only=False))
+        rng_file = os.path.join("rng", f"rank_{self.rank}.pt")
+        if os.path.isfile(os.path.join(resolved, rng_file)):
+            rng = ckpt.load_checkpoint_file(resolved, rng_file, "the RNG state")
+            try:
+                self._set_rng_state(rng)
+            except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+                raise ckpt.CorruptCheckpointError(
+                    f"checkpoint {resolved!r} is corrupt: its file {rng_file!r} does not hold "
+                    f"an RNG state ({type(exc).__name__}: {exc})"
+                ) from exc
         self._barrier()
         return {
             "step": int(engine_state["step"]),

@@ -1,7 +1,7 @@
 """Rewards: registered rule-based scorers, user reward functions and a robust manager.
 
-``RewardManager`` / ``RewardResult`` are imported lazily so that reward worker processes,
-which import this package, do not pay for importing torch.
+``RewardManager`` / ``RewardResult`` / ``RewardFailureError`` are imported lazily so that
+reward worker processes, which import this package, do not pay for importing torch.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from polyrl.reward.scorers import (
 )
 from polyrl.reward.user_fn import (
     GarbageResultError,
+    RewardFunctionError,
     bind_scorer,
     call_scorer,
     load_user_function,
@@ -30,12 +31,14 @@ from polyrl.reward.user_fn import (
 )
 
 if TYPE_CHECKING:
-    from polyrl.reward.manager import RewardManager, RewardResult
+    from polyrl.reward.manager import RewardFailureError, RewardManager, RewardResult
 
 __all__ = [
     "SCORERS",
     "ExpressionError",
     "GarbageResultError",
+    "RewardFailureError",
+    "RewardFunctionError",
     "RewardManager",
     "RewardResult",
     "arithmetic_score",
@@ -58,7 +61,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("RewardManager", "RewardResult"):
+    if name in ("RewardFailureError", "RewardManager", "RewardResult"):
         from polyrl.reward import manager
 
         return getattr(manager, name)

@@ -9,6 +9,12 @@ replaced when needed and the run goes on.
 ``num_workers=0`` scores in the calling process instead. That is meant for debugging
 (breakpoints, tracebacks, profilers): exceptions and garbage are still caught, but no
 timeout is enforced and a scorer that kills its process kills the caller.
+
+A scorer that hangs on every sample costs a batch about one ``timeout_s``, not one per sample:
+when the first samples tried in a batch (one per worker, at least two) all time out and no
+sample of the batch has finished, the scorer is taken to be hung and the batch's other
+samples are marked as timeouts without being tried. With ``max_failure_fraction`` set, a batch
+where more than that fraction of the samples fail raises :class:`RewardFailureError`.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from polyrl.reward.user_fn import bind_scorer, load_user_function
 if TYPE_CHECKING:
     from polyrl.core.batch import Batch
 
-__all__ = ["RewardManager", "RewardResult"]
+__all__ = ["RewardFailureError", "RewardManager", "RewardResult"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +63,61 @@ _METRIC_FOR_STATUS = {
     "garbage": "reward/garbage",
 }
 _MAX_BOOT_FAILURES = 3
+#: Timed-out samples, with none finished, after which a batch's scorer is deemed hung (at
+#: least this many, and at least one per worker).
+_MIN_HUNG_SAMPLES = 2
 _BUILTIN_MODULE = "polyrl.reward.scorers"
+
+
+class RewardFailureError(RuntimeError):
+    """More of a batch's samples failed to score than ``max_failure_fraction`` allows.
+
+    The message is one line: the fraction, the counts by kind and the first failure (its
+    sample index, ``data_source`` and the exception's last line); :attr:`first_failure` holds
+    that failure's whole text (a traceback for exceptions).
+
+    Attributes:
+        failed: Samples that failed (errors, timeouts and garbage results).
+        total: Samples in the batch.
+        max_fraction: The limit that was exceeded.
+        first_index: Index of the first failed sample.
+        first_data_source: Its ``data_source`` (``None`` when the batch has none).
+        first_failure: The first failure's full message.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        failed: int = 0,
+        total: int = 0,
+        max_fraction: float = 0.0,
+        first_index: int = -1,
+        first_data_source: Any = None,
+        first_failure: str = "",
+    ):
+        super().__init__(message)
+        self.failed = failed
+        self.total = total
+        self.max_fraction = max_fraction
+        self.first_index = first_index
+        self.first_data_source = first_data_source
+        self.first_failure = first_failure
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keyword attributes survive pickling (a Ray actor's error reaches the driver).
+        return (type(self), (str(self),), self.__dict__)
+
+
+def _summary(message: str) -> str:
+    """One line from a failure message: a traceback's last line plus where it was raised."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return "(no message)"
+    if not lines[0].startswith("Traceback"):
+        return " ".join(lines)
+    where = next((line for line in reversed(lines) if line.startswith("File ")), None)
+    return f"{lines[-1]} ({where})" if where else lines[-1]
 
 
 @dataclass
@@ -169,6 +229,9 @@ class RewardManager:
         mp_context: ``"spawn"`` or ``"forkserver"``; how worker processes are started.
         chunk_size: Samples sent to a worker at a time (default: adaptive, at most 32).
         startup_timeout_s: Longest a new worker may take to start before it is an error.
+        max_failure_fraction: Largest fraction of a batch's samples that may fail to score
+            (error, timeout or garbage) before :meth:`score` raises
+            :class:`RewardFailureError` instead of returning (``None``: never raise).
 
     Workers are started in the constructor and reused; call :meth:`close` (or use the
     manager as a context manager) to stop them. Concurrent ``score`` calls from several
@@ -186,6 +249,7 @@ class RewardManager:
         mp_context: str = "spawn",
         chunk_size: int | None = None,
         startup_timeout_s: float = 120.0,
+        max_failure_fraction: float | None = None,
     ):
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
@@ -201,6 +265,12 @@ class RewardManager:
             raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
         if not startup_timeout_s > 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s!r}")
+        if max_failure_fraction is not None and not (
+            isinstance(max_failure_fraction, int | float) and 0.0 <= max_failure_fraction <= 1.0
+        ):
+            raise ValueError(
+                f"max_failure_fraction must be in [0, 1] or None, got {max_failure_fraction!r}"
+            )
 
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s) if timeout_s is not None else None
@@ -208,6 +278,9 @@ class RewardManager:
         self.tokenizer = tokenizer
         self.chunk_size = chunk_size
         self.startup_timeout_s = float(startup_timeout_s)
+        self.max_failure_fraction = (
+            float(max_failure_fraction) if max_failure_fraction is not None else None
+        )
         self.has_custom_function = custom_function is not None
         self._custom_payload: Payload | None = None
         custom_fn = self._resolve_custom(custom_function)
@@ -300,6 +373,7 @@ class RewardManager:
         Raises:
             ValueError: If required columns are missing or cannot be derived.
             KeyError: If a ``data_source`` has no registered scorer (and no custom function).
+            RewardFailureError: If more than ``max_failure_fraction`` of the samples failed.
         """
         return self._score_items(self._items_from_batch(batch))
 
@@ -312,6 +386,7 @@ class RewardManager:
 
         Raises:
             ValueError: If a sample is not a mapping or lacks a required key.
+            RewardFailureError: If more than ``max_failure_fraction`` of the samples failed.
         """
         if isinstance(samples, Mapping) or not isinstance(samples, Sequence):
             raise ValueError(f"score_samples expects a list of dicts, got {type(samples).__name__}")
@@ -485,7 +560,33 @@ class RewardManager:
             ]
         else:
             outcomes = self._run_pool(items)
-        return self._assemble(items, outcomes, time.perf_counter() - start)
+        result = self._assemble(items, outcomes, time.perf_counter() - start)
+        self._check_failures(items, result)
+        return result
+
+    def _check_failures(self, items: list[Item], result: RewardResult) -> None:
+        """Raise :class:`RewardFailureError` if too many of the batch's samples failed."""
+        limit = self.max_failure_fraction
+        failed = len(result.failures)
+        if limit is None or not failed or failed <= limit * len(items):
+            return
+        position = next(p for p, status in enumerate(result.statuses) if status != "ok")
+        index, data_source = items[position][0], items[position][1]
+        counts = collections.Counter(result.statuses)
+        total = len(items)
+        raise RewardFailureError(
+            f"reward scoring failed on {failed} of {total} samples ({failed / total:.0%}: "
+            f"{counts['error']} errors, {counts['timeout']} timeouts, {counts['garbage']} "
+            f"garbage results), more than max_failure_fraction={limit:g} "
+            f"(reward.max_failure_fraction) allows; first failure (sample {index}, "
+            f"data_source {data_source!r}): {_summary(result.failures[index])}",
+            failed=failed,
+            total=total,
+            max_fraction=limit,
+            first_index=index,
+            first_data_source=data_source,
+            first_failure=result.failures[index],
+        )
 
     def _ensure_workers(self) -> None:
         for i, w in enumerate(self._workers):
@@ -516,12 +617,19 @@ class RewardManager:
             items[i : i + size] for i in range(0, n, size)
         )
         remaining = n
+        # Samples that timed out, and that ended any other way, in this batch so far.
+        timed_out = finished = 0
+        hung_after = max(_MIN_HUNG_SAMPLES, self.num_workers)
 
         def record(worker: _Worker, outcome: Outcome) -> None:
-            nonlocal remaining
+            nonlocal remaining, timed_out, finished
             assert worker.chunk is not None
             outcomes[position[worker.chunk[worker.pos][0]]] = outcome
             remaining -= 1
+            if outcome[0] == "timeout":
+                timed_out += 1
+            else:
+                finished += 1
             worker.pos += 1
             if worker.pos == len(worker.chunk):
                 worker.chunk = None
@@ -539,6 +647,29 @@ class RewardManager:
                     pending.appendleft(rest)
             worker.chunk = None
             self._replace(slot, booted=booted)
+
+        def skip_rest() -> None:
+            """Mark every sample not yet scored as a timeout; replace busy workers."""
+            nonlocal remaining
+            message = (
+                f"not scored: the first {timed_out} samples tried in this batch all took longer "
+                f"than timeout_s={self.timeout_s} and none finished, so the scorer was taken to "
+                "be hung and the batch's other samples were skipped"
+            )
+            skipped: Outcome = ("timeout", 0.0, {}, message)
+            for slot, worker in enumerate(self._workers):
+                if worker is None or worker.chunk is None:
+                    continue
+                drain(slot)  # results that arrived in the meantime still count
+                if worker.chunk is None:
+                    continue
+                while worker.chunk is not None:
+                    record(worker, skipped)
+                self._replace(slot, booted=True)
+            while pending:
+                for item in pending.popleft():
+                    outcomes[position[item[0]]] = skipped
+                    remaining -= 1
 
         def drain(slot: int) -> bool:
             """Handle every message waiting from a worker; False if its pipe is closed."""
@@ -635,6 +766,8 @@ class RewardManager:
                                 "worker was killed",
                                 booted=True,
                             )
+                if remaining and finished == 0 and timed_out >= hung_after:
+                    skip_rest()
         except BaseException:
             # A worker still holding a chunk would send stale results later: discard it.
             for slot, worker in enumerate(self._workers):

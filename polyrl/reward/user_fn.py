@@ -25,6 +25,7 @@ from typing import Any
 __all__ = [
     "SUPPORTED_ARGUMENTS",
     "GarbageResultError",
+    "RewardFunctionError",
     "ScorerBinding",
     "bind_scorer",
     "call_scorer",
@@ -51,6 +52,35 @@ class GarbageResultError(ValueError):
     """A reward function returned something that is not a finite score or a score dict."""
 
 
+class RewardFunctionError(Exception):
+    """A user reward function cannot be loaded or called as given: a user error.
+
+    What :func:`load_user_function` and :func:`bind_scorer` raise is also an instance of the
+    built-in type the failure corresponds to (``ImportError``, ``AttributeError``,
+    ``TypeError``, ``ValueError`` or ``FileNotFoundError``).
+    """
+
+
+class _SpecError(RewardFunctionError, ValueError):
+    pass
+
+
+class _FileNotFound(RewardFunctionError, FileNotFoundError):
+    pass
+
+
+class _ImportFailed(RewardFunctionError, ImportError):
+    pass
+
+
+class _NoSuchFunction(RewardFunctionError, AttributeError):
+    pass
+
+
+class _BadSignature(RewardFunctionError, TypeError):
+    pass
+
+
 def load_user_function(spec: str) -> Callable[..., Any]:
     """Load ``"path/to/file.py:function_name"`` and return the function.
 
@@ -60,6 +90,7 @@ def load_user_function(spec: str) -> Callable[..., Any]:
     worker processes instead of being pickled.
 
     Raises:
+        RewardFunctionError: For each failure below; it is also an instance of that type.
         ValueError: If ``spec`` is not of the form ``"path.py:function"``.
         FileNotFoundError: If the file does not exist.
         ImportError: If executing the file fails.
@@ -67,18 +98,18 @@ def load_user_function(spec: str) -> Callable[..., Any]:
         TypeError: If the name is not callable.
     """
     if not isinstance(spec, str) or spec.count(":") < 1:
-        raise ValueError(
+        raise _SpecError(
             f"user function spec must look like 'path/to/file.py:function_name', got {spec!r}"
         )
     path, _, name = spec.rpartition(":")
     if not path or not name or not name.isidentifier():
-        raise ValueError(
+        raise _SpecError(
             f"user function spec must look like 'path/to/file.py:function_name' with a valid "
             f"Python identifier after the last ':', got {spec!r}"
         )
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"reward function file {path!r} (from spec {spec!r}) not found")
+        raise _FileNotFound(f"reward function file {path!r} (from spec {spec!r}) not found")
 
     digest = hashlib.sha1(path.encode()).hexdigest()[:12]
     module_name = f"{USER_MODULE_PREFIX}{digest}"
@@ -86,14 +117,14 @@ def load_user_function(spec: str) -> Callable[..., Any]:
     if module is None or getattr(module, "__file__", None) != path:
         loader_spec = importlib.util.spec_from_file_location(module_name, path)
         if loader_spec is None or loader_spec.loader is None:
-            raise ImportError(f"cannot import reward function file {path!r}: not a Python file")
+            raise _ImportFailed(f"cannot import reward function file {path!r}: not a Python file")
         module = importlib.util.module_from_spec(loader_spec)
         sys.modules[module_name] = module
         try:
             loader_spec.loader.exec_module(module)
         except BaseException as exc:
             sys.modules.pop(module_name, None)
-            raise ImportError(
+            raise _ImportFailed(
                 f"importing reward function file {path!r} failed: {type(exc).__name__}: {exc}"
             ) from exc
 
@@ -101,13 +132,13 @@ def load_user_function(spec: str) -> Callable[..., Any]:
         available = sorted(
             k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
         )
-        raise AttributeError(
+        raise _NoSuchFunction(
             f"reward function file {path!r} has no attribute {name!r}; callables defined "
             f"there: {', '.join(available) or '(none)'}"
         )
     fn = getattr(module, name)
     if not callable(fn):
-        raise TypeError(
+        raise _BadSignature(
             f"{name!r} in {path!r} is a {type(fn).__name__}, not a callable reward function"
         )
     try:
@@ -148,14 +179,17 @@ def bind_scorer(fn: Callable[..., Any]) -> ScorerBinding:
 
     Raises:
         TypeError: If ``fn`` is not callable, its signature cannot be inspected, or it
-            requires a parameter that is not one of :data:`SUPPORTED_ARGUMENTS`.
+            requires a parameter that is not one of :data:`SUPPORTED_ARGUMENTS` (it is also
+            a :class:`RewardFunctionError`).
     """
     if not callable(fn):
-        raise TypeError(f"reward function must be callable, got {type(fn).__name__}")
+        raise _BadSignature(f"reward function must be callable, got {type(fn).__name__}")
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError) as exc:
-        raise TypeError(f"cannot inspect the signature of reward function {fn!r}: {exc}") from exc
+        raise _BadSignature(
+            f"cannot inspect the signature of reward function {fn!r}: {exc}"
+        ) from exc
 
     names: list[str] = []
     positional: list[str] = []
@@ -173,7 +207,7 @@ def bind_scorer(fn: Callable[..., Any]) -> ScorerBinding:
                 positional.append(param.name)
                 continue
             if param.default is inspect.Parameter.empty:
-                raise TypeError(
+                raise _BadSignature(
                     f"reward function {label} has positional-only parameter {param.name!r} "
                     "that cannot be supplied; supported parameter names: "
                     f"{', '.join(SUPPORTED_ARGUMENTS)}"
@@ -182,7 +216,7 @@ def bind_scorer(fn: Callable[..., Any]) -> ScorerBinding:
         if known:
             names.append(param.name)
         elif param.default is inspect.Parameter.empty:
-            raise TypeError(
+            raise _BadSignature(
                 f"reward function {label} requires parameter {param.name!r}, which the reward "
                 f"manager cannot supply; supported parameter names: "
                 f"{', '.join(SUPPORTED_ARGUMENTS)} (or accept **kwargs)"

@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,11 +47,15 @@ class ServerProcess:
         port: port (0: the child picks a free one).
         api_key: bearer token the replica requires (passed through the environment).
         options: backend options (fields of the backend's ``options_class``).
-        log_path: where the child's stdout/stderr go (default: a temporary file).
+        log_path: where the child's stdout/stderr go (default: a file in the replica's
+            temporary directory, which :meth:`stop` and :meth:`kill` remove; a log at a
+            ``log_path`` of the caller's is kept).
         env: extra environment variables for the child.
         module: the module the child runs with ``python -m``; it takes the flags of
             :func:`polyrl.rollout.server.build_parser`.
     """
+
+    _SAVED_TAIL_CHARS = 16_000
 
     def __init__(
         self,
@@ -75,6 +81,9 @@ class ServerProcess:
         self._tmp = tempfile.mkdtemp(prefix="polyrl-replica-")
         self.log_path = Path(log_path) if log_path else Path(self._tmp) / "server.log"
         self.ready_file = Path(self._tmp) / "ready.json"
+        # Also removed if this object is collected or the interpreter exits without a stop().
+        self._remove_tmp = weakref.finalize(self, shutil.rmtree, self._tmp, ignore_errors=True)
+        self._saved_tail = ""
         self.process: subprocess.Popen[bytes] | None = None
         self.url: str | None = None
         # Write end of the child's lifeline pipe: never written, closed by the kernel when this
@@ -136,11 +145,11 @@ class ServerProcess:
         return self
 
     def log_tail(self, chars: int = 4000) -> str:
-        """Return the end of the child's log."""
+        """Return the end of the child's log (kept in memory once the log file is removed)."""
         try:
             return self.log_path.read_text(errors="replace")[-chars:]
         except OSError:
-            return ""
+            return self._saved_tail[-chars:]
 
     def wait_ready(self, timeout: float = 300.0) -> str:
         """Wait until the child accepts requests; return its URL.
@@ -164,10 +173,9 @@ class ServerProcess:
                     f"{self.log_tail()}"
                 )
             if time.monotonic() > deadline:
+                tail = self.log_tail()
                 self.stop()
-                raise TimeoutError(
-                    f"rollout server not ready after {timeout} s; log tail:\n{self.log_tail()}"
-                )
+                raise TimeoutError(f"rollout server not ready after {timeout} s; log tail:\n{tail}")
             time.sleep(0.05)
 
     def start(self, timeout: float = 300.0) -> ServerProcess:
@@ -220,8 +228,13 @@ class ServerProcess:
         return self.process is not None and self.process.poll() is None
 
     def stop(self, timeout: float = 15.0) -> int | None:
-        """Ask the child to shut down (SIGTERM), kill it if it lingers; return its exit code."""
+        """Ask the child to shut down (SIGTERM), kill it if it lingers; return its exit code.
+
+        The replica's temporary directory goes too (with the log, unless ``log_path`` was
+        given); :meth:`log_tail` still returns the end of the log.
+        """
         if self.process is None:
+            self._remove_tmp()
             return None
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -230,20 +243,23 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        self._close_lifeline()
+        self._close()
         return self.process.returncode
 
-    def _close_lifeline(self) -> None:
+    def _close(self) -> None:
         if self._lifeline is not None:
             os.close(self._lifeline)
             self._lifeline = None
+        if self._remove_tmp.alive:
+            self._saved_tail = self.log_tail(self._SAVED_TAIL_CHARS)
+            self._remove_tmp()
 
     def kill(self) -> None:
-        """Kill the child at once (SIGKILL), as a crash would."""
+        """Kill the child at once (SIGKILL), as a crash would; remove its temporary directory."""
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
             self.process.wait()
-        self._close_lifeline()
+        self._close()
 
     def __enter__(self) -> ServerProcess:
         return self.start()

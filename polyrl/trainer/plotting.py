@@ -10,7 +10,18 @@ from typing import Any
 
 from polyrl.trainer.tracking import read_metrics
 
-__all__ = ["curves", "plot_learning_curves"]
+__all__ = ["curves", "grid_shape", "plot_learning_curves"]
+
+#: Panels per row of the learning-curve grid.
+MAX_COLUMNS = 3
+
+
+def grid_shape(panels: int, max_columns: int = MAX_COLUMNS) -> tuple[int, int]:
+    """Return ``(rows, columns)`` of a grid holding ``panels`` panels, rows filled first."""
+    if panels < 1:
+        raise ValueError(f"panels must be >= 1, got {panels}")
+    columns = min(panels, max_columns)
+    return -(-panels // columns), columns
 
 
 def curves(
@@ -18,7 +29,9 @@ def curves(
 ) -> dict[str, tuple[list[int], list[float]]]:
     """``{key: (steps, values)}`` for each key that has at least one finite value.
 
-    Later records for the same step replace earlier ones (a resumed run re-logs steps).
+    Later records for the same step replace earlier ones (a resumed run re-logs steps). A key
+    whose values never change over two or more steps is left out: a flat panel shows nothing
+    (a metric that is constant for the whole run, e.g. a zero KL without a KL term).
     """
     out: dict[str, tuple[list[int], list[float]]] = {}
     for key in keys:
@@ -31,6 +44,8 @@ def curves(
             if not isinstance(step, int) or not math.isfinite(value):
                 continue
             by_step[step] = float(value)
+        if len(by_step) > 1 and len(set(by_step.values())) == 1:
+            continue
         if by_step:
             steps = sorted(by_step)
             out[key] = (steps, [by_step[s] for s in steps])
@@ -43,10 +58,11 @@ def plot_learning_curves(
     keys: Sequence[str],
     title: str | None = None,
 ) -> Path | None:
-    """Draw one panel per metric key (x: step) and write a PNG.
+    """Draw one panel per metric key (x: step) in a grid of up to three columns; write a PNG.
 
-    Keys missing from the file are skipped; when none is present nothing is written and
-    ``None`` is returned.  The PNG is written through a temporary file and a rename.
+    Keys missing from the file, or constant over the run, are skipped (see :func:`curves`);
+    when none is left nothing is written and ``None`` is returned. The PNG is written through
+    a temporary file and a rename.
     """
     if isinstance(keys, str) or not keys:
         raise ValueError(f"keys must be a non-empty list of metric names, got {keys!r}")
@@ -59,11 +75,13 @@ def plot_learning_curves(
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    n = len(found)
-    fig = Figure(figsize=(5.0 * n, 3.6), dpi=100)
+    rows, columns = grid_shape(len(found))
+    fig = Figure(figsize=(5.0 * columns, 3.6 * rows), dpi=100)
     FigureCanvasAgg(fig)
-    axes = fig.subplots(1, n, squeeze=False)[0]
-    for ax, (key, (steps, values)) in zip(axes, found.items(), strict=True):
+    axes = fig.subplots(rows, columns, squeeze=False).ravel()
+    for ax in axes[len(found) :]:
+        ax.set_visible(False)  # the unused cells of the last row
+    for ax, (key, (steps, values)) in zip(axes, found.items(), strict=False):
         marker = "o" if len(steps) <= 30 else None
         ax.plot(steps, values, marker=marker, markersize=3, linewidth=1.5)
         ax.set_title(key)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,7 @@ from polyrl.trainer.sft_data import SFTDataError, SFTDataset, chats_from_rows, c
 __all__ = [
     "DEFAULT_PLOT_METRICS",
     "SFTRunner",
+    "check_devices",
     "load_sft_datasets",
     "ray_init_options",
     "resolve_model_dir",
@@ -293,7 +294,29 @@ def _validate(runner: SFTRunner, val: SFTDataset, batch_size: int, pad_id: int) 
     return {"val/loss": weighted / max(tokens, 1.0), "val/num_tokens": tokens}
 
 
+def check_devices(cfg: PolyRLConfig, keys: Sequence[str] = ("trainer.device",)) -> None:
+    """Refuse ``cuda`` in the device options ``keys`` on a machine without CUDA, at once.
+
+    Otherwise Ray waits for GPUs that never come and the run fails a minute later.
+    """
+    import torch
+
+    for key in keys:
+        group, name = key.split(".")
+        if getattr(getattr(cfg, group), name) == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(
+                "is cuda but this machine has no CUDA device visible to torch "
+                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
+                "use cpu or auto",
+                key=key,
+            )
+
+
 def _check_config(cfg: PolyRLConfig, max_length: int) -> None:
+    from polyrl.trainer.tracking import check_trackers
+
+    check_devices(cfg)
+    check_trackers(cfg.trainer.loggers)
     sft = cfg.sft
     if not cfg.data.task and not cfg.data.train_files:
         raise ConfigError(

@@ -17,6 +17,7 @@ which become chats by appending the ground truth as the assistant turn
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -136,6 +137,9 @@ def tokenize_chat(
     return TokenizedChat(ids, mask)
 
 
+_ROW_PREFIX = re.compile(r"^row( \d+)?: ")
+
+
 def chat_from_rl_row(row: Mapping[str, Any], prompt_key: str = "prompt") -> list[dict[str, Any]]:
     """``row[prompt_key]`` messages plus the ground truth as the assistant's answer."""
     if prompt_key not in row:
@@ -143,6 +147,7 @@ def chat_from_rl_row(row: Mapping[str, Any], prompt_key: str = "prompt") -> list
     prompt = row[prompt_key]
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
+    validate_messages(prompt, field=prompt_key)  # an int or a list of non-dicts is named here
     answer = ground_truth_of(row)
     if not isinstance(answer, str | int | float) or isinstance(answer, bool):
         raise SFTDataError(
@@ -169,6 +174,7 @@ def chats_from_rows(
         where = f"{source}: row {i}"
         try:
             if messages_key in row and row[messages_key] is not None:
+                validate_messages(row[messages_key], index=i, field=messages_key)
                 messages = [dict(m) for m in row[messages_key]]
             elif prompt_key in row:
                 messages = chat_from_rl_row(row, prompt_key)
@@ -179,7 +185,8 @@ def chats_from_rows(
                 )
             validate_messages(messages, index=i, field=messages_key)
         except (SFTDataError, RowValidationError, TypeError) as exc:
-            raise SFTDataError(f"{where}: {exc}") from None
+            # Validation messages start with "row [i]: " themselves; ``where`` says it once.
+            raise SFTDataError(f"{where}: {_ROW_PREFIX.sub('', str(exc))}") from None
         if not any(m["role"] == "assistant" for m in messages):
             raise SFTDataError(f"{where}: the conversation has no assistant message to learn")
         tools = row.get("tools")

@@ -41,6 +41,7 @@ __all__ = [
     "TrackerBackend",
     "TrackerUnavailableError",
     "available_trackers",
+    "check_trackers",
     "format_metrics",
     "read_metrics",
     "register_tracker",
@@ -48,7 +49,18 @@ __all__ = [
 
 #: File name of the ``jsonl`` backend inside the run directory.
 METRICS_FILE = "metrics.jsonl"
-_EXTRA_HINT = "pip install polyrl[tracking]"
+
+
+def install_hint(extra: str) -> str:
+    """Return the command that installs polyrl's ``extra`` the way polyrl was installed.
+
+    A source checkout (``pyproject.toml`` beside the package) takes an editable install of the
+    checkout; an installed wheel takes the package from the index.
+    """
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").is_file():
+        return f"{sys.executable} -m pip install -e '{root}[{extra}]'"
+    return f"{sys.executable} -m pip install 'polyrl[{extra}]'"
 
 
 class TrackerUnavailableError(ImportError):
@@ -79,6 +91,9 @@ class TrackerBackend(abc.ABC):
 
     name: str = ""
 
+    #: Modules the backend imports (checked before a run starts, see check_trackers).
+    requires: tuple[str, ...] = ()
+
     def __init__(self, run: RunInfo) -> None:
         self.run = run
 
@@ -98,6 +113,27 @@ register_tracker = TRACKERS.register
 available_trackers = TRACKERS.names
 
 
+def check_trackers(names: Sequence[str]) -> None:
+    """Check that the packages of the trackers ``names`` are installed, before a run starts.
+
+    Finds the modules without importing them (cheap), so a missing package is reported before
+    Ray, the replicas and the engines start rather than at the first step.
+
+    Raises:
+        TrackerUnavailableError: naming the tracker, the package and the install command.
+        UnknownNameError: a name that is not a registered tracker.
+    """
+    import importlib.util
+
+    for name in names:
+        for module in getattr(TRACKERS.get(name), "requires", ()):
+            if importlib.util.find_spec(module) is None:
+                raise TrackerUnavailableError(
+                    f"tracker {name!r} needs the {module!r} package, which is not installed; "
+                    f"install it with: {install_hint('tracking')}"
+                )
+
+
 def _need(module: str, backend: str) -> Any:
     import importlib
 
@@ -106,7 +142,7 @@ def _need(module: str, backend: str) -> Any:
     except ImportError as exc:
         raise TrackerUnavailableError(
             f"tracker {backend!r} needs the {module.split('.')[0]!r} package, which is not "
-            f"installed ({exc}); install it with: {_EXTRA_HINT}"
+            f"installed ({exc}); install it with: {install_hint('tracking')}"
         ) from exc
 
 
@@ -186,6 +222,8 @@ class JsonlTracker(TrackerBackend):
 class TensorBoardTracker(TrackerBackend):
     """Scalars in TensorBoard event files under ``<run_dir>/tensorboard``."""
 
+    requires = ("tensorboard",)
+
     def __init__(self, run: RunInfo, total_steps: int | None = None) -> None:
         super().__init__(run)
         _need("tensorboard", "tensorboard")
@@ -213,6 +251,8 @@ def _purge(run: RunInfo) -> int | None:
 @register_tracker("wandb")
 class WandbTracker(TrackerBackend):
     """A Weights & Biases run, offline by default (``WANDB_MODE`` overrides), in ``run_dir``."""
+
+    requires = ("wandb",)
 
     def __init__(self, run: RunInfo, total_steps: int | None = None) -> None:
         super().__init__(run)
@@ -242,6 +282,8 @@ _MLFLOW_BAD = re.compile(r"[^0-9A-Za-z_\-. /]")
 @register_tracker("mlflow")
 class MlflowTracker(TrackerBackend):
     """An MLflow run in a local file store under ``<run_dir>/mlruns``."""
+
+    requires = ("mlflow",)
 
     def __init__(self, run: RunInfo, total_steps: int | None = None) -> None:
         super().__init__(run)

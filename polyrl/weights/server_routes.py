@@ -44,7 +44,7 @@ from fastapi.responses import JSONResponse
 
 from polyrl.weights.base import CUDA_IPC_ENV, BucketMeta, WeightTransferError
 from polyrl.weights.receiver import LoadFnTarget, NameMap, WeightReceiver, WeightTarget
-from polyrl.weights.transports import make_group, read_bucket_file
+from polyrl.weights.transports import bucket_file_name, make_group, read_bucket_file
 
 __all__ = ["EngineTarget", "register_weight_routes"]
 
@@ -262,24 +262,48 @@ def _read_source(
         receiver.receive(meta, gpu[: meta.nbytes])
         torch.cuda.current_stream(gpu.device).synchronize()  # done before the sender reuses it
     elif kind == "shm":
+        name = str(_required(source, "name", "source"))
+        if "/" in name.lstrip("/") or name in ("", ".", ".."):
+            raise WeightTransferError(
+                f"bucket {meta.index}: refusing shared memory name {name!r}: a segment is named "
+                "by one path component (it lives in /dev/shm), not by a path"
+            )
         try:
-            seg = shm.get(str(source["name"]), meta.nbytes)
+            seg = shm.get(name, meta.nbytes)
         except (FileNotFoundError, KeyError) as exc:
             raise WeightTransferError(
                 f"bucket {meta.index}: shared memory {source.get('name')!r} is gone: {exc}"
             ) from exc
         receiver.receive(meta, seg.buf)
     elif kind == "disk":
-        path = str(source.get("path"))
+        path = str(_required(source, "path", "source"))
+        expected = bucket_file_name(meta.transfer_id, meta.index)
+        if os.path.basename(path) != expected:
+            raise WeightTransferError(
+                f"bucket {meta.index}: refusing disk path {path!r}: the disk transport sends "
+                f"bucket {meta.index} of transfer {meta.transfer_id!r} as a file named "
+                f"{expected!r}, and no other file is read"
+            )
         try:
             data = read_bucket_file(path, lambda n: receiver.scratch(meta.index % 2, n))
-        except (OSError, KeyError, ValueError) as exc:
+        except (OSError, KeyError, ValueError, WeightTransferError) as exc:
             raise WeightTransferError(f"bucket {meta.index}: cannot read {path!r}: {exc}") from exc
         receiver.receive(meta, data)
     else:
         raise WeightTransferError(
             f"unknown bucket source kind {kind!r}; expected shm, dist, cuda_ipc or disk"
         )
+
+
+def _required(body: dict[str, Any], name: str, within: str = "") -> Any:
+    """Return ``body[name]``; a missing field is a request error that names it."""
+    if name not in body:
+        field = f"{within}.{name}" if within else name
+        raise WeightTransferError(
+            f"missing field {field!r} in the request body ({within or 'it'} has "
+            f"{sorted(body) or 'no fields'})"
+        )
+    return body[name]
 
 
 def _direct_of(body: dict[str, Any]) -> dict[str, int | None]:
@@ -375,7 +399,7 @@ def register_weight_routes(
             timeout = body.get("stall_timeout")
             current = await asyncio.to_thread(
                 receiver.begin,
-                str(body["transfer_id"]),
+                str(_required(body, "transfer_id")),
                 int(body.get("version", -1)),
                 str(body.get("mode", "staged")),
                 str(body.get("inflight", "keep")),
@@ -383,10 +407,12 @@ def register_weight_routes(
                 bool(body.get("measure_memory", False)),
             )
             shm.drop_stale()
-            dist_state.reset(str(body["transfer_id"]))
+            dist_state.reset(str(_required(body, "transfer_id")))
             offer = None
             if body.get("direct"):
-                offer = await asyncio.to_thread(receiver.offer_direct, str(body["transfer_id"]))
+                offer = await asyncio.to_thread(
+                    receiver.offer_direct, str(_required(body, "transfer_id"))
+                )
         except Exception as exc:  # noqa: BLE001 - engine validation errors name the problem
             return fail(exc)
         answer: dict[str, Any] = {"weight_version": current}
@@ -398,9 +424,9 @@ def register_weight_routes(
     async def bucket(request: Request) -> Any:
         try:
             body = await body_of(request)
-            meta = BucketMeta.from_dict(body["meta"])
+            meta = BucketMeta.from_dict(_required(body, "meta"))
             await asyncio.to_thread(
-                _read_source, receiver, meta, dict(body["source"]), dist_state, shm
+                _read_source, receiver, meta, dict(_required(body, "source")), dist_state, shm
             )
         except Exception as exc:  # noqa: BLE001 - unknown names, shapes, checksums, sources
             return fail(exc)
@@ -413,7 +439,7 @@ def register_weight_routes(
             body = await body_of(request)
             version = await asyncio.to_thread(
                 receiver.commit,
-                str(body["transfer_id"]),
+                str(_required(body, "transfer_id")),
                 int(body.get("version", -1)),
                 None if body.get("buckets") is None else int(body["buckets"]),
                 _direct_of(body),
@@ -428,17 +454,17 @@ def register_weight_routes(
             body = await body_of(request)
             await asyncio.to_thread(
                 dist_state.init,
-                str(body["host"]),
-                int(body["port"]),
-                int(body["rank"]),
-                int(body["world_size"]),
+                str(_required(body, "host")),
+                int(_required(body, "port")),
+                int(_required(body, "rank")),
+                int(_required(body, "world_size")),
                 float(body.get("timeout", 120.0)),
                 str(body.get("backend", "gloo")),
                 body.get("device"),
             )
         except (WeightTransferError, KeyError, ValueError, TypeError, RuntimeError) as exc:
             return fail(exc)
-        return {"rank": int(body["rank"])}
+        return {"rank": int(_required(body, "rank"))}
 
     @app.post("/weights/abort")
     async def abort(request: Request) -> Any:

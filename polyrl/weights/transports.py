@@ -299,7 +299,7 @@ class DiskTransport(HttpControlTransport):
         return buf[:nbytes]
 
     def _path(self, meta: BucketMeta) -> Path:
-        return self.directory / f"{meta.transfer_id}-{meta.index:05d}.safetensors"
+        return self.directory / bucket_file_name(meta.transfer_id, meta.index)
 
     def _source(self, slot: int, meta: BucketMeta) -> dict[str, Any]:
         path = self._path(meta)
@@ -341,14 +341,34 @@ def write_bucket_file(path: str | os.PathLike[str], data: torch.Tensor) -> None:
             f.write(memoryview(data.contiguous().numpy()))
 
 
+def bucket_file_name(transfer_id: str, index: int) -> str:
+    """Name of the file the disk transport writes bucket ``index`` of a transfer to."""
+    return f"{transfer_id}-{index:05d}.safetensors"
+
+
 def read_bucket_file(path: str | os.PathLike[str], into: Callable[[int], torch.Tensor]):
     """Read the bucket of a file written by :func:`write_bucket_file` (or safetensors).
 
     ``into(nbytes)`` returns the (reused) uint8 tensor to read into; returns it filled.
+
+    Raises:
+        WeightTransferError: the file is not such a bucket file (or is truncated).
     """
     with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
+        total = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if not 0 <= size <= total - 8:
+            raise WeightTransferError(
+                f"{path}: not a bucket file (its first 8 bytes do not give the length of a "
+                f"header that fits in its {total} bytes)"
+            )
+        try:
+            header = json.loads(f.read(size))
+        except ValueError as exc:
+            raise WeightTransferError(f"{path}: not a bucket file (bad header: {exc})") from None
+        if not isinstance(header, dict):
+            raise WeightTransferError(f"{path}: not a bucket file (its header is not an object)")
         entry = header.get("bucket")
         if not entry or entry.get("dtype") != "U8":
             raise WeightTransferError(

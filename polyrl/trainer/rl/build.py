@@ -36,6 +36,7 @@ __all__ = [
     "rollout_dtype",
     "rollout_matmul_dtype",
     "rollout_placement",
+    "run_api_key",
     "sleeps_during_training",
     "start_engines",
     "start_ray_replicas",
@@ -119,6 +120,11 @@ def rollout_matmul_dtype(cfg: PolyRLConfig) -> str:
 
 def check_config(cfg: PolyRLConfig, has_rows: bool = False) -> None:
     """Refuse settings that cannot run together, naming the option to change."""
+    from polyrl.trainer.sft import check_devices
+    from polyrl.trainer.tracking import check_trackers
+
+    check_devices(cfg, ("trainer.device", "rollout.device"))
+    check_trackers(cfg.trainer.loggers)
     algo, actor = cfg.algorithm, cfg.actor
     if not has_rows and not cfg.data.task and not cfg.data.train_files:
         raise ConfigError(
@@ -386,12 +392,15 @@ def replica_env(cfg: PolyRLConfig, gpus: Sequence[str]) -> dict[str, str]:
 
 
 def replica_processes(
-    cfg: PolyRLConfig, model_dir: Path, visible: Sequence[str] | None = None
+    cfg: PolyRLConfig,
+    model_dir: Path,
+    visible: Sequence[str] | None = None,
+    api_key: str | None = None,
 ) -> list[Any]:
     """Return the replica subprocesses a run on one machine starts (not started yet).
 
-    Each gets the backend options of :func:`replica_options` and, on GPUs, its own
-    ``CUDA_VISIBLE_DEVICES`` (:func:`local_replica_gpus` over ``visible``, default
+    Each gets the backend options of :func:`replica_options`, ``api_key`` and, on GPUs, its
+    own ``CUDA_VISIBLE_DEVICES`` (:func:`local_replica_gpus` over ``visible``, default
     :func:`visible_gpus`).
     """
     from polyrl.rollout.launcher import ServerProcess
@@ -410,6 +419,7 @@ def replica_processes(
         ServerProcess(
             model_dir,
             backend=cfg.rollout.backend,
+            api_key=api_key,
             options=options,
             env=replica_env(cfg, g),
         )
@@ -446,12 +456,17 @@ def start_replicas(
         return start_ray_replicas(cfg, model_dir, closers, engine_groups)
     from polyrl.rollout.launcher import start_processes
 
-    processes = replica_processes(cfg, model_dir)
+    # Even on loopback: another local process must not pause the replicas or push weights.
+    api_key = run_api_key()
+    processes = replica_processes(cfg, model_dir, api_key=api_key)
     start_processes(processes)
     for process in processes:
         closers.append(process.stop)
     return RolloutServers(
-        [str(p.url) for p in processes], placement=rollout_placement(cfg), processes=processes
+        [str(p.url) for p in processes],
+        api_key,
+        placement=rollout_placement(cfg),
+        processes=processes,
     )
 
 
@@ -475,6 +490,13 @@ def replica_supervisor(cfg: PolyRLConfig, servers: RolloutServers) -> Any:
     return ReplicaSupervisor(handles, ro.restart_timeout_s, ro.max_replica_restarts)
 
 
+def run_api_key() -> str:
+    """Return a fresh key for the servers a run starts (they accept nothing without it)."""
+    import secrets
+
+    return secrets.token_urlsafe(24)
+
+
 def start_ray_replicas(
     cfg: PolyRLConfig,
     model_dir: Path,
@@ -488,8 +510,6 @@ def start_ray_replicas(
     of ``gpus_per_replica`` GPUs per replica. Servers bind their node's address and require a
     key made for this run.
     """
-    import secrets
-
     from polyrl.controller import ResourcePool, WorkerGroup, WorkerSpec
     from polyrl.workers.rollout_replica import RolloutReplicaWorker, replica_plans
 
@@ -516,7 +536,7 @@ def start_ray_replicas(
             claim_device=False,
         )
         ranks_per_replica = 1
-    api_key = secrets.token_urlsafe(24)
+    api_key = run_api_key()
     spec = WorkerSpec(
         RolloutReplicaWorker,
         kwargs={

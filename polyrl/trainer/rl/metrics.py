@@ -54,6 +54,7 @@ CONSOLE_METRICS = (
 REWARD_METRICS = (
     "reward/errors",
     "reward/timeouts",
+    "reward/garbage",
     "reward/overlong_penalty/mean",
     "reward/overlong_fraction",
 )

@@ -140,6 +140,7 @@ def reward_manager(cfg: PolyRLConfig, reward_fn: Any = None) -> Any:
         num_workers=cfg.reward.num_workers,
         timeout_s=cfg.reward.timeout_s,
         error_reward=cfg.reward.error_reward,
+        max_failure_fraction=cfg.reward.max_failure_fraction,
     )
 
 

@@ -111,7 +111,7 @@ def merge_rollout_summaries(summaries: Sequence[Mapping[str, float]]) -> dict[st
     keys = {k for s in summaries for k in s}
     for key in sorted(keys):
         values = [(float(s[key]), w) for s, w in zip(summaries, rows, strict=True) if key in s]
-        if key in ("rows", "reward/errors", "reward/timeouts"):
+        if key in ("rows", "reward/errors", "reward/timeouts", "reward/garbage"):
             out[key] = sum(v for v, _ in values)
         elif key.startswith("width_") or key.endswith("/max") or key.endswith("weight_version"):
             out[key] = max(v for v, _ in values)
