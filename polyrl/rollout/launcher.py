@@ -198,7 +198,13 @@ class ServerProcess:
         """
         from urllib.parse import urlsplit
 
-        self.kill()
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()  # not kill(): the log and the temporary directory stay
+            self.process.wait()
+        self._close_lifeline()
+        if not self._remove_tmp.alive:  # stopped before: a new temporary directory
+            Path(self._tmp).mkdir(parents=True, exist_ok=True)
+            self._remove_tmp = weakref.finalize(self, shutil.rmtree, self._tmp, ignore_errors=True)
         previous = None if self.process is None else self.process.returncode
         old_port = urlsplit(self.url).port if self.url else None
         deadline = time.monotonic() + timeout
@@ -246,10 +252,13 @@ class ServerProcess:
         self._close()
         return self.process.returncode
 
-    def _close(self) -> None:
+    def _close_lifeline(self) -> None:
         if self._lifeline is not None:
             os.close(self._lifeline)
             self._lifeline = None
+
+    def _close(self) -> None:
+        self._close_lifeline()
         if self._remove_tmp.alive:
             self._saved_tail = self.log_tail(self._SAVED_TAIL_CHARS)
             self._remove_tmp()
