@@ -655,6 +655,19 @@ class RolloutConfig(ConfigGroup):
     )
     val_n: int = option(1, "Responses per validation prompt (k of mean@k / pass@k).", ge=1)
     val_temperature: float = option(0.0, "Validation sampling temperature; 0 means greedy.", ge=0.0)
+    # Lost replicas (the trainer's own; not rollout.urls): restarts and how long they may take.
+    restart_timeout_s: float = option(
+        300.0,
+        "Seconds a lost replica may take to restart and take the current weights; with no "
+        "replica left, generation waits that long before the run fails naming the replica.",
+        gt=0.0,
+    )
+    max_replica_restarts: int = option(
+        3,
+        "Restarts of each replica the trainer started after it dies (crash, kill); one more "
+        "loss fails the run with the replica's log tail. 0: never restart.",
+        ge=0,
+    )
 
     def validate(self) -> None:
         """Reject top_k == 0, native tensor parallelism, too few GPUs per replica, and so on.

@@ -9,7 +9,13 @@ The rest of polyrl (agent loop, trainer) talks to rollout only through this clie
 * **health checks**: a background task polls ``/health``; a replica that fails a request or a
   check is taken out of rotation until a check succeeds again;
 * **retries**: a request that fails on the transport (connection refused, reset, replica
-  killed mid-answer) is retried on another replica, up to ``max_retries`` times;
+  killed mid-answer) or that a dying or overloaded replica answers with a 5xx status is re-sent
+  whole (same body: token-in/token-out, same sampling parameters and seed) to another replica,
+  up to ``max_retries`` times; :attr:`RolloutClient.retries` counts the re-sends, and an error
+  that exhausts them names every replica tried;
+* **waiting for a replica**: with ``replica_wait`` seconds, a request that finds no healthy
+  replica waits that long for one to come back (a restarted replica, see
+  :meth:`RolloutClient.replace_replica`) before failing;
 * **backpressure**: at most ``max_concurrency`` requests are in flight; further calls wait.
 
 Control calls (``pause``, ``abort``, ``update_weights``, ...) are broadcast to every replica.
@@ -42,6 +48,11 @@ __all__ = [
 
 _MAX_SESSIONS = 100_000
 
+#: Statuses that send a request to another replica: a replica shutting down, crashed inside
+#: (500), asleep or overloaded (503), or a router in front of one failing (502, 504). With no
+#: other replica left the last answer is returned as it is.
+RETRY_STATUSES = frozenset({500, 502, 503, 504})
+
 
 class RolloutHTTPError(RolloutError):
     """A replica answered with an error status; ``status`` and the server's message are kept."""
@@ -66,10 +77,15 @@ class NoReplicaAvailableError(RolloutError):
 
 @dataclasses.dataclass
 class Replica:
-    """One replica's address and the client's view of it."""
+    """One replica's address and the client's view of it.
+
+    ``healthy`` follows requests and health checks; ``enabled`` is the owner's say (a replica
+    restarted but not yet given the current weights is held out of rotation).
+    """
 
     url: str
     healthy: bool = True
+    enabled: bool = True
     outstanding: int = 0
     served: int = 0
     failures: int = 0
@@ -137,6 +153,8 @@ class RolloutClient:
         timeout: seconds to wait for a response (generation included).
         connect_timeout: seconds to wait for a connection.
         health_interval: seconds between background health checks (0 disables them).
+        replica_wait: seconds a request waits for a healthy replica when none is left (0: it
+            fails at once).
 
     Use as ``async with RolloutClient(urls) as client: ...`` (or ``await start()`` and
     ``await close()``).
@@ -152,6 +170,7 @@ class RolloutClient:
         timeout: float = 600.0,
         connect_timeout: float = 5.0,
         health_interval: float = 2.0,
+        replica_wait: float = 0.0,
     ):
         if isinstance(urls, str):
             urls = [urls]
@@ -171,6 +190,9 @@ class RolloutClient:
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.health_interval = health_interval
+        self.replica_wait = replica_wait
+        #: Requests re-sent to another replica after a failure (transport error or 5xx).
+        self.retries = 0
         self._sessions: OrderedDict[str, Replica] = OrderedDict()
         self._slots = asyncio.Semaphore(max_concurrency)
         self._http: httpx.AsyncClient | None = None
@@ -250,6 +272,60 @@ class RolloutClient:
         replica.failures += 1
         replica.last_error = f"{type(exc).__name__}: {exc}"
 
+    # ------------------------------------------------------------------------ replicas
+
+    def replace_replica(self, old_url: str, new_url: str, *, enabled: bool = True) -> Replica:
+        """Put ``new_url`` in the place of ``old_url`` (a replica restarted elsewhere).
+
+        The new replica takes the old one's position (``/metrics`` labels stay) and starts
+        healthy; sessions pinned to the old one are re-balanced; requests still waiting for a
+        replica pick it up (with ``enabled=False`` only once :meth:`enable_replica` lets it in).
+        ``old_url`` may also be ``new_url`` (restarted on the same port).
+
+        Raises:
+            KeyError: ``old_url`` is not one of this client's replicas.
+        """
+        old_url, new_url = old_url.rstrip("/"), new_url.rstrip("/")
+        for i, replica in enumerate(self.replicas):
+            if replica.url == old_url:
+                fresh = Replica(new_url, enabled=enabled)
+                self.replicas[i] = fresh
+                return fresh
+        raise KeyError(f"{old_url} is not a replica of this client ({self.urls})")
+
+    def enable_replica(self, url: str, enabled: bool = True) -> None:
+        """Let a replica take requests (``enabled=False``: hold it out of rotation).
+
+        Raises:
+            KeyError: ``url`` is not one of this client's replicas.
+        """
+        url = url.rstrip("/")
+        for replica in self.replicas:
+            if replica.url == url:
+                replica.enabled = enabled
+                return
+        raise KeyError(f"{url} is not a replica of this client ({self.urls})")
+
+    def add_replica(self, url: str) -> Replica:
+        """Put one more replica in rotation (no-op if it is there already)."""
+        url = url.rstrip("/")
+        for replica in self.replicas:
+            if replica.url == url:
+                return replica
+        replica = Replica(url)
+        self.replicas.append(replica)
+        return replica
+
+    def remove_replica(self, url: str) -> None:
+        """Take a replica out of rotation for good (its in-flight requests still finish)."""
+        url = url.rstrip("/")
+        self.replicas = [r for r in self.replicas if r.url != url]
+
+    @property
+    def urls(self) -> list[str]:
+        """The replicas' URLs, in order."""
+        return [r.url for r in self.replicas]
+
     # ------------------------------------------------------------------------- routing
 
     def pick(self, session_id: str | None = None, exclude: Sequence[Replica] = ()) -> Replica:
@@ -258,9 +334,13 @@ class RolloutClient:
         Raises:
             NoReplicaAvailableError: every replica is down or excluded.
         """
-        candidates = [r for r in self.replicas if r.healthy and r not in exclude]
+        candidates = [r for r in self.replicas if r.healthy and r.enabled and r not in exclude]
         if not candidates:
-            down = "; ".join(f"{r.url}: {r.last_error}" for r in self.replicas if not r.healthy)
+            down = "; ".join(
+                f"{r.url}: {r.last_error if r.enabled else 'held out of rotation'}"
+                for r in self.replicas
+                if not (r.healthy and r.enabled)
+            )
             raise NoReplicaAvailableError(
                 f"no healthy rollout replica left ({len(self.replicas)} known; {down or 'none'})"
             )
@@ -292,27 +372,50 @@ class RolloutClient:
         session_id: str | None = None,
         stream: bool = False,
     ) -> tuple[httpx.Response | StreamedResponse, Replica]:
-        """Send one request to a chosen replica, retrying elsewhere on transport failures.
+        """Send one request to a chosen replica, re-sending it elsewhere when that one fails.
 
-        Returns the response (any status) and the replica that answered. With ``stream``
-        the body is not read: iterate it and ``aclose()`` it. The concurrency slot and the
-        replica's outstanding count are held until the body is read (or closed).
+        A transport failure (the replica is gone: connection refused or reset, killed
+        mid-answer) takes the replica out of rotation and re-sends the whole request to
+        another; so does an answer with a status in :data:`RETRY_STATUSES`, which is returned
+        as it is when no other replica is left. With no healthy replica at all the request
+        waits up to ``replica_wait`` seconds for one. Returns the response (any status) and the
+        replica that answered. With ``stream`` the body is not read: iterate it and
+        ``aclose()`` it. The concurrency slot and the replica's outstanding count are held
+        until the body is read (or closed).
 
         Raises:
-            NoReplicaAvailableError: no replica could be reached.
+            NoReplicaAvailableError: no replica could be reached; the message names each
+                replica tried and its error.
         """
         http = self._client()
         await self._slots.acquire()
         tried: list[Replica] = []
-        last_exc: BaseException | None = None
+        errors: list[str] = []
+        kept: tuple[httpx.Response, Replica] | None = None  # a retryable answer, if no other
+        deadline: float | None = None
+        attempts = 0
         try:
-            for _ in range(self.max_retries + 1):
+            while attempts <= self.max_retries:
                 try:
                     replica = self.pick(session_id, exclude=tried)
                 except NoReplicaAvailableError:
-                    if last_exc is None:
-                        raise
-                    break
+                    if kept is not None:
+                        break
+                    if deadline is None:
+                        deadline = time.monotonic() + self.replica_wait
+                    if time.monotonic() >= deadline:
+                        if not errors:
+                            raise
+                        break
+                    await asyncio.sleep(min(0.1, max(deadline - time.monotonic(), 0.0)))
+                    if any(r.healthy and r.enabled and r not in tried for r in self.replicas):
+                        continue
+                    # A replica tried before that is healthy again (restarted in place).
+                    tried = [r for r in tried if not (r.healthy and r.enabled)]
+                    continue
+                if attempts:
+                    self.retries += 1
+                attempts += 1
                 tried.append(replica)
                 replica.outstanding += 1
                 try:
@@ -323,26 +426,51 @@ class RolloutClient:
                 except httpx.TransportError as exc:
                     replica.outstanding -= 1
                     self._mark_down(replica, exc)
-                    last_exc = exc
+                    errors.append(f"{replica.url}: {type(exc).__name__}: {exc}")
                     continue
                 except BaseException:
                     replica.outstanding -= 1
                     raise
                 replica.served += 1
                 self.bytes_sent += len(req.content)
-                if stream:
-                    return StreamedResponse(response, replica, self._slots), replica
-                self.bytes_received += len(response.content)
-                replica.outstanding -= 1
-                self._slots.release()
-                return response, replica
+                if response.status_code in RETRY_STATUSES:
+                    try:
+                        if stream:
+                            await response.aread()
+                    except httpx.TransportError as exc:
+                        self._mark_down(replica, exc)
+                        errors.append(f"{replica.url}: {type(exc).__name__}: {exc}")
+                        continue
+                    finally:
+                        replica.outstanding -= 1
+                        if stream:
+                            await response.aclose()
+                    errors.append(f"{replica.url}: HTTP {response.status_code}")
+                    kept = (response, replica)
+                    continue
+                return self._answer(response, replica, stream)
+            if kept is not None:
+                response, replica = kept
+                replica.outstanding += 1
+                return self._answer(response, replica, stream)
             raise NoReplicaAvailableError(
-                f"request to {path} failed on {len(tried)} replica(s); last error: "
-                f"{type(last_exc).__name__}: {last_exc}"
+                f"{method} {path} failed on {len(tried)} replica(s) after {attempts} attempt(s): "
+                + "; ".join(errors)
             )
         except BaseException:
             self._slots.release()
             raise
+
+    def _answer(
+        self, response: httpx.Response, replica: Replica, stream: bool
+    ) -> tuple[httpx.Response | StreamedResponse, Replica]:
+        """Hand back ``response`` (its slot and outstanding count are released with its body)."""
+        if stream:
+            return StreamedResponse(response, replica, self._slots), replica
+        self.bytes_received += len(response.content)
+        replica.outstanding -= 1
+        self._slots.release()
+        return response, replica
 
     async def post_json(
         self, path: str, body: Mapping[str, Any], session_id: str | None = None
@@ -451,12 +579,16 @@ class RolloutClient:
     async def broadcast(self, path: str, body: Mapping[str, Any] | None = None) -> list[Any]:
         """POST to every healthy replica; return their JSON answers in replica order.
 
+        Every replica's call runs to its end before an error is raised (the first, in replica
+        order), so one lost replica does not leave the others' calls unfinished.
+
         Raises:
             RolloutHTTPError: a replica answered with an error status.
-            NoReplicaAvailableError: no replica is healthy.
+            NoReplicaAvailableError: no replica is healthy, or one could not be reached (the
+                message names it).
         """
         http = self._client()
-        targets = [r for r in self.replicas if r.healthy]
+        targets = [r for r in self.replicas if r.healthy and r.enabled]
         if not targets:
             raise NoReplicaAvailableError("no healthy rollout replica to send the command to")
 
@@ -473,7 +605,11 @@ class RolloutClient:
                 raise RolloutHTTPError(r.status_code, message, err, replica.url)
             return r.json()
 
-        return list(await asyncio.gather(*(one(r) for r in targets)))
+        answers = await asyncio.gather(*(one(r) for r in targets), return_exceptions=True)
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                raise answer
+        return list(answers)
 
     async def pause(self) -> None:
         """Pause every replica."""

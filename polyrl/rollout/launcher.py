@@ -92,6 +92,8 @@ class ServerProcess:
         # Write end of the child's lifeline pipe: never written, closed by the kernel when this
         # process dies however it dies, which the child sees as end-of-file and shuts down.
         self._lifeline: int | None = None
+        # The port a restart binds again (see restart()); None: ``port``.
+        self._bind_port: int | None = None
 
     @property
     def command(self) -> list[str]:
@@ -104,7 +106,7 @@ class ServerProcess:
             "--host",
             self.host,
             "--port",
-            str(self.port),
+            str(self.port if self._bind_port is None else self._bind_port),
             "--backend",
             self.backend,
             "--ready-file",
@@ -186,6 +188,50 @@ class ServerProcess:
         self.wait_ready(timeout)
         return self
 
+    def restart(self, timeout: float = 300.0) -> str:
+        """Start the replica again, with the same command and environment; return its URL.
+
+        A child still running is killed first. The new child binds the port of the old one
+        when it can, so the URL stays; when that port is taken meanwhile it binds ``port``
+        (0: a new free one). The log goes on in the same file after a line that marks the
+        restart.
+
+        Raises:
+            RuntimeError: the new child exited before getting ready (log tail in the message).
+            TimeoutError: it did not get ready in ``timeout`` seconds.
+        """
+        from urllib.parse import urlsplit
+
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()  # not kill(): the log and the temporary directory stay
+            self.process.wait()
+        self._close_lifeline()
+        if not self._remove_tmp.alive:  # stopped before: a new temporary directory
+            Path(self._tmp).mkdir(parents=True, exist_ok=True)
+            self._remove_tmp = weakref.finalize(self, shutil.rmtree, self._tmp, ignore_errors=True)
+        previous = None if self.process is None else self.process.returncode
+        old_port = urlsplit(self.url).port if self.url else None
+        deadline = time.monotonic() + timeout
+        for port in dict.fromkeys([old_port, None]):  # the old port first, then ``port``
+            self.process = None
+            self.url = None
+            self._close_lifeline()
+            self.ready_file.unlink(missing_ok=True)
+            self._bind_port = port
+            with open(self.log_path, "ab") as log:
+                log.write(
+                    f"\n[polyrl] restarting the replica on port {port or self.port} (it exited "
+                    f"with {previous})\n".encode()
+                )
+            self.spawn()
+            try:
+                return self.wait_ready(max(deadline - time.monotonic(), 1.0))
+            except RuntimeError:
+                if port is None:
+                    raise
+                previous = None if self.process is None else self.process.returncode
+        raise AssertionError("unreachable")
+
     @property
     def alive(self) -> bool:
         """Whether the child process is running."""
@@ -210,10 +256,13 @@ class ServerProcess:
         self._close()
         return self.process.returncode
 
-    def _close(self) -> None:
+    def _close_lifeline(self) -> None:
         if self._lifeline is not None:
             os.close(self._lifeline)
             self._lifeline = None
+
+    def _close(self) -> None:
+        self._close_lifeline()
         if self._remove_tmp.alive:
             self._saved_tail = self.log_tail(self._SAVED_TAIL_CHARS)
             self._remove_tmp()

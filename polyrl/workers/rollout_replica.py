@@ -157,6 +157,29 @@ class RolloutReplicaWorker(Worker):
         return {"command": self.server.command, "env": dict(self.server.env)}
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
+    def server_state(self, tail_chars: int = 2000) -> dict[str, Any] | None:
+        """Describe the server of this rank: ``url``, ``alive`` and, once dead, ``log_tail``.
+
+        ``None`` on ranks that lead no replica.
+        """
+        if self.server is None:
+            return None
+        alive = self.server.alive
+        tail = "" if alive else self.server.log_tail(tail_chars)
+        return {"url": self.server.url, "alive": alive, "log_tail": tail}
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def restart_server(self, ranks: Sequence[int], timeout: float | None = None) -> str | None:
+        """Restart the server of this rank if it is one of ``ranks``; return its new URL.
+
+        Same command, node and devices as before (see
+        :meth:`~polyrl.rollout.launcher.ServerProcess.restart`); ``None`` on other ranks.
+        """
+        if self.server is None or self.rank not in ranks:
+            return None
+        return self.server.restart(timeout or self.start_timeout)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     def stop_server(self) -> int | None:
         """Stop this rank's server; return its exit code."""
         if self.server is None:

@@ -31,6 +31,7 @@ __all__ = [
     "replica_env",
     "replica_options",
     "replica_processes",
+    "replica_supervisor",
     "rollout_device",
     "rollout_dtype",
     "rollout_matmul_dtype",
@@ -299,6 +300,9 @@ class RolloutServers:
         same_host: whether every server runs on the host of the sending engine rank.
         placement: ``hybrid`` or ``separate`` (external servers count as separate).
         group: the Ray worker group whose ranks run the servers (``None`` otherwise).
+        processes: the servers' :class:`~polyrl.rollout.launcher.ServerProcess` children, when
+            this process started them (in ``urls`` order).
+        leaders: the ranks of ``group`` that run each server (in ``urls`` order).
     """
 
     urls: list[str]
@@ -306,6 +310,8 @@ class RolloutServers:
     same_host: bool = True
     placement: str = "separate"
     group: Any = None
+    processes: list[Any] = dataclasses.field(default_factory=list)
+    leaders: list[int] = dataclasses.field(default_factory=list)
 
     def close(self) -> None:
         """Stop the servers of the Ray group and the group (before the engines' pools go)."""
@@ -473,8 +479,31 @@ def start_replicas(
     for process in processes:
         closers.append(process.stop)
     return RolloutServers(
-        [str(p.url) for p in processes], api_key, placement=rollout_placement(cfg)
+        [str(p.url) for p in processes],
+        api_key,
+        placement=rollout_placement(cfg),
+        processes=processes,
     )
+
+
+def replica_supervisor(cfg: PolyRLConfig, servers: RolloutServers) -> Any:
+    """Return the :class:`~polyrl.trainer.rl.supervisor.ReplicaSupervisor` of the run's replicas.
+
+    ``None`` for servers the run did not start (``rollout.urls``).
+    """
+    from polyrl.trainer.rl.supervisor import LocalReplica, RayReplica, ReplicaSupervisor
+
+    if servers.processes:
+        handles: list[Any] = [LocalReplica(p) for p in servers.processes]
+    elif servers.group is not None and servers.leaders:
+        handles = [
+            RayReplica(servers.group, rank, url)
+            for rank, url in zip(servers.leaders, servers.urls, strict=True)
+        ]
+    else:
+        return None
+    ro = cfg.rollout
+    return ReplicaSupervisor(handles, ro.restart_timeout_s, ro.max_replica_restarts)
 
 
 def run_api_key() -> str:
@@ -540,7 +569,9 @@ def start_ray_replicas(
     same_host = trainer_node is not None and all(p.node_id == trainer_node for p in plans)
     servers = RolloutServers([], api_key, same_host, placement, group)
     closers.append(servers.close)  # also called by the trainer before the engines stop
-    servers.urls = [u for u in group.start_server(plans) if u is not None]
+    started = group.start_server(plans)
+    servers.leaders = [rank for rank, url in enumerate(started) if url is not None]
+    servers.urls = [started[rank] for rank in servers.leaders]
     return servers
 
 

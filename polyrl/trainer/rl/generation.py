@@ -10,15 +10,18 @@ putting the rollout replicas to sleep while the engines train (:class:`Replicas`
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import httpx
 import numpy as np
 import torch
 
 from polyrl.config import PolyRLConfig
 from polyrl.core.batch import Batch
 from polyrl.core.rollout_batch import rollout_widths, widen_rollout_batch
+from polyrl.rollout.client import NoReplicaAvailableError
 from polyrl.trainer.rl.build import sleeps_during_training
 from polyrl.trainer.rl.rollout import (
     RolloutProducer,
@@ -28,6 +31,7 @@ from polyrl.trainer.rl.rollout import (
     timer,
 )
 from polyrl.trainer.rl.store_worker import ROLLOUT_FIELDS, StoreWorkers, merge_rollout_summaries
+from polyrl.trainer.rl.supervisor import ReplicaSupervisor
 from polyrl.workers.store import StepLayout, StoredRows
 
 __all__ = ["DriverRollout", "QueueRollout", "Replicas"]
@@ -36,13 +40,27 @@ __all__ = ["DriverRollout", "QueueRollout", "Replicas"]
 class Replicas:
     """The rollout replicas as a step uses them: sleep while training, wake for new weights.
 
+    With a ``supervisor`` (replicas this run started) a replica that dies is restarted, brought
+    to the weights the others serve and put back in rotation: while the step generates
+    (:meth:`watch` runs beside the generation; requests wait up to
+    ``rollout.restart_timeout_s`` when no replica is left), and during a weight sync (the
+    survivors get the new weights, the restarted replica too). The weights pushed to a
+    restarted replica are the actor's, which are those of the last sync from the end of a sync
+    until the next update.
+
     Args:
         cfg: the run's configuration (``rollout`` group).
         urls: the replicas' URLs.
         producer: the driver's producer (its client reaches every replica).
         transport: the weight transport's name and options (see
             :func:`~polyrl.trainer.rl.build.weight_transport`).
+        supervisor: restarts dead replicas (``None``: replicas the run does not own).
+        actor: the actor's engine view, which pushes the weights (set by :meth:`sync_weights`
+            otherwise).
     """
+
+    #: Seconds between two looks for dead replicas while a step generates.
+    poll_s = 0.5
 
     def __init__(
         self,
@@ -50,39 +68,166 @@ class Replicas:
         urls: Sequence[str],
         producer: RolloutProducer,
         transport: tuple[str, dict[str, Any]],
+        supervisor: ReplicaSupervisor | None = None,
+        actor: Any = None,
     ) -> None:
         self.cfg = cfg
         self.urls = list(urls)
         self.producer = producer
         self.transport, self.transport_options = transport
+        self.supervisor = supervisor
+        self.actor = actor
+        #: The weight version every replica serves (0: the model's own weights).
+        self.version = 0
+        if supervisor is not None:
+            # With no replica left, requests wait for a restarted one.
+            producer.client.replica_wait = cfg.rollout.restart_timeout_s
+            producer.watch = self.watch
 
     def sleep(self) -> None:
         """Free the replicas' memory for training (see :func:`sleeps_during_training`)."""
         if sleeps_during_training(self.cfg):
-            self.producer.run(self.producer.client.sleep())
+            self._broadcast(self.producer.client.sleep)
 
     def wake(self) -> None:
         """Undo :meth:`sleep` (nothing when the replicas do not sleep)."""
         if sleeps_during_training(self.cfg):
-            self.producer.run(self.producer.client.wake_up())
+            self._broadcast(self.producer.client.wake_up)
+
+    def _broadcast(self, call: Callable[[], Any]) -> None:
+        """Run a client broadcast; a replica found dead meanwhile is left to its restart."""
+        try:
+            self.producer.run(call())
+        except NoReplicaAvailableError:
+            if self.supervisor is None or not self.supervisor.dead(grace_s=2.0):
+                raise
+
+    def metrics(self) -> dict[str, float]:
+        """``rollout/replica_restarts`` and ``rollout/request_retries`` (both since the start)."""
+        restarts = self.supervisor.restarts if self.supervisor is not None else 0
+        return {
+            "rollout/replica_restarts": float(restarts),
+            "rollout/request_retries": float(self.producer.client.retries),
+        }
 
     def sync_weights(self, actor: Any, version: int) -> dict[str, float]:
-        """Wake the replicas and push the actor's weights as ``version``; return metrics."""
-        ro = self.cfg.rollout
+        """Wake the replicas and push the actor's weights as ``version``; return metrics.
+
+        Replicas found dead first are restarted and get this sync; one that dies during it is
+        restarted and gets it too, after the survivors.
+        """
+        self.actor = actor
+        self.recover(push=False)
         self.wake()
-        stats = actor.sync_weights(
-            transport=self.transport,
-            transport_options=self.transport_options,
-            urls=self.urls,
-            bucket_mb=ro.weight_bucket_mb,
-            version=version,
-            mode=ro.weight_sync_mode,
-        )
-        first = next(s for s in stats if s is not None)
+        first = self._push(self.urls, version)
+        self.version = version
         return {
             "perf/weight_sync_bytes": float(first["bytes"]),
             "perf/weight_sync_buckets": float(first["buckets"]),
         }
+
+    # ------------------------------------------------------------------ lost replicas
+    def recover(self, push: bool = True) -> list[str]:
+        """Restart every dead replica, push it the current weights and put it in rotation.
+
+        ``push=False`` leaves the weights, and the return to rotation, to the sync about to
+        run. Returns the new URLs. Runs in the trainer's thread, or in a thread of its own
+        while the step generates.
+        """
+        if self.supervisor is None:
+            return []
+        restarted = [self._restart(h) for h in self.supervisor.dead()]
+        if push and restarted:
+            if self.version > 0:
+                self._push(restarted, self.version)
+            else:  # the model's own weights, which a fresh replica loads
+                for url in restarted:
+                    self._admit(url)
+        return restarted
+
+    def _restart(self, handle: Any) -> str:
+        assert self.supervisor is not None
+        old, new = self.supervisor.restart(handle)
+        self.urls = [new if u == old else u for u in self.urls]
+        # Out of rotation until it has the weights: requests meanwhile go elsewhere (or wait).
+        # (From the watch's thread too: one list item and one flag change, atomic for the
+        # client's event loop.)
+        self.producer.client.replace_replica(old, new, enabled=False)
+        return new
+
+    def _admit(self, url: str) -> None:
+        self.producer.client.enable_replica(url)
+
+    async def watch(self) -> None:
+        """Restart replicas that die while the step generates; runs until cancelled.
+
+        Cancelled in the middle of a restart, it returns once that restart is done.
+
+        Raises:
+            ReplicaLostError: a replica could not be restarted (budget, failure, timeout).
+        """
+        while True:
+            recovery = asyncio.ensure_future(asyncio.to_thread(self.recover))
+            try:
+                await asyncio.shield(recovery)
+            except asyncio.CancelledError:
+                # The generation ended: a restart in progress finishes first, so that its push
+                # of the weights never overlaps the update that follows.
+                await recovery
+                raise
+            await asyncio.sleep(self.poll_s)
+
+    def _push(self, urls: Sequence[str], version: int) -> dict[str, Any]:
+        """Push the actor's weights to ``urls`` as ``version``; return the sender's statistics.
+
+        A replica that dies during the push is restarted, and the push goes on with the
+        survivors that do not serve ``version`` yet and the restarted replicas.
+
+        Raises:
+            ReplicaLostError: a dead replica could not be restarted.
+            RuntimeError: the push failed with no replica dead; the unreachable ones are named.
+        """
+        ro = self.cfg.rollout
+        targets = list(urls)
+        while True:
+            try:
+                stats = self.actor.sync_weights(
+                    transport=self.transport,
+                    transport_options=self.transport_options,
+                    urls=targets,
+                    bucket_mb=ro.weight_bucket_mb,
+                    version=version,
+                    mode=ro.weight_sync_mode,
+                )
+                for url in targets:  # restarted ones included: they have the weights now
+                    self._admit(url)
+                return next(s for s in stats if s is not None)
+            except Exception as exc:
+                dead = self.supervisor.dead(grace_s=2.0) if self.supervisor is not None else []
+                if not dead:
+                    unreachable = [u for u in targets if _weight_version(u) is None]
+                    if unreachable:
+                        raise RuntimeError(
+                            f"weight sync of version {version} failed: rollout replica(s) "
+                            f"{', '.join(unreachable)} unreachable ({type(exc).__name__}: {exc})"
+                        ) from exc
+                    raise
+                lost = {h.url for h in dead}
+                restarted = [self._restart(h) for h in dead]
+                behind = [
+                    u for u in targets if u not in lost and (_weight_version(u) or 0) < version
+                ]
+                targets = behind + restarted
+
+
+def _weight_version(url: str) -> int | None:
+    """Return the weight version ``url`` serves (``None``: it does not answer ``/health``)."""
+    try:
+        response = httpx.get(f"{url}/health", timeout=10.0)
+        response.raise_for_status()
+        return int(response.json()["weight_version"])
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
 
 
 class DriverRollout:

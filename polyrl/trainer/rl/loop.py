@@ -58,6 +58,7 @@ from polyrl.trainer.rl.build import (
     check_config,
     engine_specs,
     load_datasets,
+    replica_supervisor,
     rollout_device,
     start_engines,
     start_replicas,
@@ -203,7 +204,14 @@ class RLTrainer:
         )
         sender = self._groups[0].worker_info[0]
         transport = weight_transport(cfg, self.servers, trainer_host=sender.node_ip)
-        self.replicas = Replicas(cfg, urls, self.producer, transport)
+        self.replicas = Replicas(
+            cfg,
+            urls,
+            self.producer,
+            transport,
+            supervisor=replica_supervisor(cfg, self.servers),
+            actor=self.actor,
+        )
         _log(
             f"engines: {', '.join(views)} on {cfg.trainer.world_size} rank(s), "
             f"{cfg.trainer.placement} ({cfg.trainer.worker_backend}); old log-probs "
@@ -367,6 +375,7 @@ class RLTrainer:
             else:
                 self.replicas.wake()
             metrics.update(plane.release(rows))
+        metrics.update(self.replicas.metrics())
         metrics.update(step_metrics(data, timing, self.sampler, cfg.trainer.world_size))
         metrics.update(timing)
         return metrics

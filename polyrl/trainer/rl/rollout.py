@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -156,6 +156,12 @@ class RolloutProducer:
         tokenizer: the policy's tokenizer (decodes responses for the reward).
         rewards: a :class:`~polyrl.reward.RewardManager`.
         loop: the event loop the client runs on.
+
+    Attributes:
+        watch: an optional coroutine function run beside every generation on the client's
+            loop, cancelled when the generation ends; an error it raises ends the generation
+            (the trainer's restart of lost replicas, see
+            :meth:`~polyrl.trainer.rl.generation.Replicas.watch`).
     """
 
     def __init__(
@@ -172,6 +178,7 @@ class RolloutProducer:
         self.pad_id = pad_id_of(tokenizer)
         self.rewards = rewards
         self._loop = loop
+        self.watch: Callable[[], Awaitable[None]] | None = None
 
     @classmethod
     def connect(
@@ -203,6 +210,27 @@ class RolloutProducer:
     def run(self, coro: Any) -> Any:
         """Run ``coro`` to completion on the client's event loop."""
         return self._loop.run_until_complete(coro)
+
+    def run_watched(self, coro: Any) -> Any:
+        """:meth:`run` ``coro`` with :attr:`watch` beside it (just ``coro`` without one)."""
+        watch = self.watch
+        if watch is None:
+            return self.run(coro)
+
+        async def both() -> Any:
+            main = asyncio.ensure_future(coro)
+            guard = asyncio.ensure_future(watch())
+            try:
+                await asyncio.wait({main, guard}, return_when=asyncio.FIRST_COMPLETED)
+                if guard.done() and not main.done():
+                    guard.result()  # the watch failed (or ended): its error ends the generation
+                return await main
+            finally:
+                for task in (main, guard):
+                    task.cancel()
+                await asyncio.gather(main, guard, return_exceptions=True)
+
+        return self.run(both())
 
     def close(self) -> None:
         """Close the client, its event loop and the reward workers."""
@@ -260,7 +288,7 @@ class RolloutProducer:
                     )
                 )
 
-            batch, metrics = self.pack_single_turn(items, self.run(run()))
+            batch, metrics = self.pack_single_turn(items, self.run_watched(run()))
         self.add_row_info(batch, items, n)
         return batch, metrics
 
@@ -346,7 +374,7 @@ class RolloutProducer:
             for j in range(n):
                 # Each copy samples with its own seed; turn k of a copy uses seed + k.
                 samples.append({**item, "seed": derive_seed(seed, first_index + i, j)})
-        trajectories = self.run(
+        trajectories = self.run_watched(
             run_agent_loops(
                 samples,
                 self.client,

@@ -1,0 +1,202 @@
+"""Restarting the rollout replicas a run started when one of them dies.
+
+A :class:`ReplicaSupervisor` holds one handle per replica the trainer started: a
+:class:`LocalReplica` (a :class:`~polyrl.rollout.launcher.ServerProcess` child of this process)
+or a :class:`RayReplica` (the server of one rank of the
+:class:`~polyrl.workers.rollout_replica.RolloutReplicaWorker` group, which restarts it on its
+node). It only tells which replicas are dead and restarts them, within a budget of restarts per
+replica and a time bound per restart; bringing a restarted replica to the current weights and
+putting it back in rotation is :class:`~polyrl.trainer.rl.generation.Replicas`' part. Replicas
+named by ``rollout.urls`` are not the run's own: nothing restarts them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import httpx
+
+__all__ = ["LocalReplica", "RayReplica", "ReplicaLostError", "ReplicaSupervisor"]
+
+
+class ReplicaLostError(RuntimeError):
+    """A replica died and could not be brought back (restart budget spent, failed, too slow).
+
+    Attributes:
+        url: the replica's URL when it was lost.
+        log_tail: the end of its server log.
+    """
+
+    def __init__(self, url: str, reason: str, log_tail: str = "") -> None:
+        message = f"rollout replica {url} lost: {reason}"
+        if log_tail:
+            message += f"; its log ends with:\n{log_tail}"
+        super().__init__(message)
+        self.url = url
+        self.log_tail = log_tail
+
+
+class ReplicaHandle(Protocol):
+    """What the supervisor needs of one replica."""
+
+    url: str
+
+    def alive(self) -> bool:
+        """Whether its server process runs."""
+
+    def restart(self, timeout: float) -> str:
+        """Start its server again (same options and environment); return the new URL."""
+
+    def log_tail(self) -> str:
+        """Return the end of its server log."""
+
+
+class LocalReplica:
+    """A replica running as a child process of this one."""
+
+    def __init__(self, process: Any) -> None:
+        self.process = process
+        self.url = str(process.url)
+
+    def alive(self) -> bool:
+        """Whether the child runs."""
+        return bool(self.process.alive)
+
+    def restart(self, timeout: float) -> str:
+        """Start the child again (new port); return its URL."""
+        self.url = self.process.restart(timeout)
+        return self.url
+
+    def log_tail(self) -> str:
+        """Return the end of the child's log."""
+        return str(self.process.log_tail(2000))
+
+
+class RayReplica:
+    """A replica whose server runs under rank ``rank`` of a Ray rollout worker group."""
+
+    def __init__(self, group: Any, rank: int, url: str) -> None:
+        self.group = group
+        self.rank = rank
+        self.url = url
+
+    def _state(self) -> dict[str, Any]:
+        return self.group.server_state()[self.rank] or {}
+
+    def alive(self) -> bool:
+        """Whether the rank's server runs (a rank that is gone counts as dead too)."""
+        try:
+            return bool(self._state().get("alive"))
+        except Exception:  # noqa: BLE001 - the actor itself is gone
+            return False
+
+    def restart(self, timeout: float) -> str:
+        """Have the rank start its server again; return the new URL."""
+        url = self.group.restart_server([self.rank], timeout)[self.rank]
+        if not url:
+            raise RuntimeError(f"rank {self.rank} of the rollout group has no server to restart")
+        self.url = str(url)
+        return self.url
+
+    def log_tail(self) -> str:
+        """Return the end of the rank's server log."""
+        try:
+            return str(self._state().get("log_tail") or "")
+        except Exception as exc:  # noqa: BLE001
+            return f"(no log: {type(exc).__name__}: {exc})"
+
+
+class ReplicaSupervisor:
+    """Finds dead replicas and restarts them, within a budget.
+
+    A replica is dead when its server process is not running, or when it runs but has not
+    answered ``/health`` for ``unresponsive_s`` seconds (hung: its restart kills it first).
+
+    Args:
+        handles: one handle per replica (:class:`LocalReplica` or :class:`RayReplica`).
+        restart_timeout_s: seconds one restart may take (``rollout.restart_timeout_s``).
+        max_restarts: restarts allowed per replica (``rollout.max_replica_restarts``).
+        unresponsive_s: seconds without an answer to ``/health`` after which a running
+            replica counts as dead.
+    """
+
+    def __init__(
+        self,
+        handles: Sequence[Any],
+        restart_timeout_s: float = 300.0,
+        max_restarts: int = 3,
+        unresponsive_s: float = 120.0,
+    ) -> None:
+        self.handles = list(handles)
+        self.restart_timeout_s = restart_timeout_s
+        self.max_restarts = max_restarts
+        self.unresponsive_s = unresponsive_s
+        self.restarts = 0
+        self._counts = [0] * len(self.handles)
+        self._silent_since: dict[int, float] = {}  # handle index -> first failed /health
+
+    @property
+    def urls(self) -> list[str]:
+        """The replicas' current URLs."""
+        return [h.url for h in self.handles]
+
+    def dead(self, grace_s: float = 0.0) -> list[Any]:
+        """Return the handles whose server is not running; wait up to ``grace_s`` for one to die.
+
+        The grace covers a replica whose connection just failed but whose process has not
+        been reaped yet.
+        """
+        deadline = time.monotonic() + grace_s
+        while True:
+            found = [h for h in self.handles if not h.alive()]
+            if found or time.monotonic() >= deadline:
+                return found or self._hung()
+            time.sleep(0.05)
+
+    def _hung(self) -> list[Any]:
+        """Return the running replicas that have not answered ``/health`` for too long."""
+        hung = []
+        now = time.monotonic()
+        probe = min(5.0, max(self.unresponsive_s / 2, 0.5))
+        for index, handle in enumerate(self.handles):
+            try:
+                httpx.get(f"{handle.url}/health", timeout=probe).raise_for_status()
+            except httpx.HTTPError:
+                since = self._silent_since.setdefault(index, now)
+                if now - since >= self.unresponsive_s:
+                    hung.append(handle)
+                continue
+            self._silent_since.pop(index, None)
+        return hung
+
+    def restart(self, handle: Any) -> tuple[str, str]:
+        """Restart ``handle``'s replica; return its old and new URL.
+
+        Raises:
+            ReplicaLostError: its restarts are spent, or the restart failed or took longer than
+                ``restart_timeout_s`` (the message has the URL and the log tail).
+        """
+        index = self.handles.index(handle)
+        old = handle.url
+        if self._counts[index] >= self.max_restarts:
+            raise ReplicaLostError(
+                old,
+                f"it died again after {self._counts[index]} restart(s) "
+                "(rollout.max_replica_restarts)",
+                handle.log_tail(),
+            )
+        self._counts[index] += 1
+        self.restarts += 1
+        self._silent_since.pop(index, None)
+        try:
+            new = handle.restart(self.restart_timeout_s)
+        except Exception as exc:
+            raise ReplicaLostError(
+                old,
+                f"restart {self._counts[index]} failed within rollout.restart_timeout_s="
+                f"{self.restart_timeout_s:g}: {type(exc).__name__}: {str(exc).splitlines()[0]}",
+                handle.log_tail(),
+            ) from exc
+        return old, new
