@@ -347,3 +347,20 @@ def test_wrong_return_stops_the_first_step(tmp_path, tiny_qwen2_dir):
         match=r"'wrong_length' returned a list of 3 values for a batch of 8 completions",
     ):
         trainer.train()
+
+
+def test_config_custom_function_may_be_batched_and_rows_need_only_a_prompt(tmp_path):
+    from polyrl.trainer.rl.rollout import has_custom_reward, reward_manager
+
+    path = tmp_path / "trl_reward.py"
+    path.write_text("def reward(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    cfg = RLConfig(reward={"custom_function": f"{path}:reward", "num_workers": 0})
+    assert has_custom_reward(cfg)  # polyrl train: rows then need only a prompt
+    manager = reward_manager(cfg)
+    try:
+        assert isinstance(manager, RewardFunctionsManager)
+        assert [f.name for f in manager.functions] == ["reward"]
+        result = manager.score(_batch(["a", "b"], [{"prompt": "p"}] * 2))
+        assert result.scores.tolist() == [1.0, 1.0]
+    finally:
+        manager.close()
