@@ -14,7 +14,13 @@ import torch
 from torch.utils.data import Dataset
 
 from polyrl.data.io import read_rows
-from polyrl.data.schema import RowValidationError, ground_truth_of, row_uid, validate_row
+from polyrl.data.schema import (
+    RowValidationError,
+    complete_row,
+    ground_truth_of,
+    row_uid,
+    validate_row,
+)
 
 if TYPE_CHECKING:
     from polyrl.core.batch import Batch
@@ -71,8 +77,10 @@ class RLDataset(Dataset):
     * ``"right"``: keep the first ``max_prompt_length`` tokens (drop from the end).
 
     ``dataset[i]`` is a fresh copy of the row's own fields plus ``input_ids`` (1-D
-    ``torch.long``, unpadded), ``raw_prompt`` (the chat messages) and ``uid`` (stable string id
-    of the prompt, see :func:`polyrl.data.schema.row_uid`; made unique within the dataset).
+    ``torch.long``, unpadded), ``raw_prompt`` (the chat messages), ``uid`` (stable string id
+    of the prompt, see :func:`polyrl.data.schema.row_uid`; made unique within the dataset) and
+    ``source_row`` (the row as it was given, before any field was filled in or converted: what
+    batched, TRL-style reward functions receive).
 
     Args:
         rows_or_paths: Row dicts, or one or more ``.parquet`` / ``.jsonl`` / ``.json`` files.
@@ -83,6 +91,8 @@ class RLDataset(Dataset):
         truncation: One of ``"error"``, ``"filter"``, ``"left"``, ``"right"``.
         apply_chat_template_kwargs: Extra keyword arguments for ``apply_chat_template``
             (e.g. ``{"enable_thinking": False}``).
+        require_reward_fields: When false (a custom reward function scores every row), a row
+            needs only its prompt: see :func:`polyrl.data.schema.complete_row`.
     """
 
     def __init__(
@@ -93,6 +103,7 @@ class RLDataset(Dataset):
         prompt_key: str = "prompt",
         truncation: TruncationPolicy = "error",
         apply_chat_template_kwargs: Mapping[str, Any] | None = None,
+        require_reward_fields: bool = True,
     ) -> None:
         if isinstance(max_prompt_length, bool) or not isinstance(max_prompt_length, int):
             raise TypeError(f"max_prompt_length must be an int, got {max_prompt_length!r}")
@@ -115,6 +126,7 @@ class RLDataset(Dataset):
         self.prompt_key = prompt_key
         self.truncation: str = truncation
         self.apply_chat_template_kwargs = kwargs
+        self.require_reward_fields = require_reward_fields
         pad = getattr(tokenizer, "pad_token_id", None)
         if pad is None:
             pad = getattr(tokenizer, "eos_token_id", None)
@@ -123,6 +135,7 @@ class RLDataset(Dataset):
         raw_rows = _load(rows_or_paths)
         self.num_rows_total = len(raw_rows)
         self.rows: list[dict[str, Any]] = []
+        self.source_rows: list[dict[str, Any]] = []  # each kept row as it was given
         self.input_ids: list[list[int]] = []
         self.source_indices: list[int] = []  # position of each kept row in the input
         self.filtered_indices: list[int] = []
@@ -143,6 +156,7 @@ class RLDataset(Dataset):
                 self.num_truncated += 1
                 ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
             self.rows.append(row)
+            self.source_rows.append(dict(raw_rows[i]))
             self.input_ids.append(ids)
             self.source_indices.append(i)
         self.num_filtered = len(self.filtered_indices)
@@ -159,7 +173,17 @@ class RLDataset(Dataset):
     def _prepare(self, row: Any, index: int) -> dict[str, Any]:
         if not isinstance(row, Mapping):
             raise RowValidationError(f"row {index} must be a dict, got {type(row).__name__}")
-        row = dict(row)
+        if not self.require_reward_fields:
+            row = complete_row(row, prompt_key=self.prompt_key)
+        elif self.prompt_key in row and ("data_source" not in row or "reward_model" not in row):
+            missing = [f for f in ("data_source", "reward_model") if f not in row]
+            raise RowValidationError(
+                f"row {index} is missing required field(s) {missing}; it has {sorted(row)} (a "
+                "row needs only its prompt when a reward function scores it: pass reward_funcs= "
+                "or set reward.custom_function)"
+            )
+        else:
+            row = dict(row)
         if isinstance(row.get(self.prompt_key), str):
             row[self.prompt_key] = [{"role": "user", "content": row[self.prompt_key]}]
         validate_row(row, index, prompt_key=self.prompt_key)
@@ -221,6 +245,7 @@ class RLDataset(Dataset):
         item["input_ids"] = torch.tensor(self.input_ids[index], dtype=torch.long)
         item["raw_prompt"] = copy.deepcopy(item[self.prompt_key])
         item["uid"] = self.uids[index]
+        item["source_row"] = copy.deepcopy(self.source_rows[index])
         return item
 
     def collate(self, items: Sequence[Mapping[str, Any]]) -> Batch:

@@ -25,6 +25,9 @@ REQUIRED_FIELDS: tuple[str, ...] = ("data_source", "prompt", "reward_model")
 OPTIONAL_FIELDS: dict[str, Any] = {"ability": "unknown", "extra_info": {}}
 """Fields a row may omit, with the value :func:`normalize_row` fills in."""
 
+CUSTOM_DATA_SOURCE = "custom"
+"""``data_source`` of rows that name none, under a custom reward function (:func:`complete_row`)."""
+
 MESSAGE_ROLES: frozenset[str] = frozenset({"system", "user", "assistant", "tool"})
 """Chat roles accepted in ``prompt`` messages."""
 
@@ -166,6 +169,31 @@ def normalize_row(row: Mapping[str, Any]) -> dict[str, Any]:
     reward_model = dict(out["reward_model"])
     reward_model.setdefault("style", "rule")
     out["reward_model"] = reward_model
+    return out
+
+
+def complete_row(row: Mapping[str, Any], *, prompt_key: str = "prompt") -> dict[str, Any]:
+    """Fill in what a row needs when a custom reward function scores it (TRL-style rows).
+
+    Such a row needs only its prompt: ``data_source`` defaults to :data:`CUSTOM_DATA_SOURCE`,
+    ``reward_model`` to ``{"ground_truth": row.get("ground_truth")}``, and every column that is
+    not a schema field (``answer``, ``solution``, ...) is also put into ``extra_info`` (where
+    ``extra_info`` does not already have that key), so a verl-style ``compute_score(...,
+    extra_info)`` sees it. Returns a shallow copy; fields the row has are kept as they are.
+    """
+    out = dict(row)
+    schema_fields = {prompt_key, *REQUIRED_FIELDS, *OPTIONAL_FIELDS}
+    columns = {k: v for k, v in row.items() if k not in schema_fields}
+    if columns:
+        extra = out.get("extra_info")
+        if extra is None or isinstance(extra, Mapping):
+            merged = dict(extra or {})
+            for key, value in columns.items():
+                merged.setdefault(key, value)
+            out["extra_info"] = merged
+    out.setdefault("data_source", CUSTOM_DATA_SOURCE)
+    if "reward_model" not in out:
+        out["reward_model"] = {"ground_truth": row.get("ground_truth")}
     return out
 
 

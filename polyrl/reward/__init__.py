@@ -24,6 +24,7 @@ from polyrl.reward.scorers import (
 from polyrl.reward.user_fn import (
     GarbageResultError,
     RewardFunctionError,
+    RewardResultError,
     bind_scorer,
     call_scorer,
     load_user_function,
@@ -41,6 +42,7 @@ __all__ = [
     "RewardFunctionError",
     "RewardManager",
     "RewardResult",
+    "RewardResultError",
     "arithmetic_score",
     "bind_scorer",
     "call_scorer",

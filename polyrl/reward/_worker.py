@@ -19,6 +19,7 @@ from polyrl.reward.user_fn import (
     USER_MODULE_PREFIX,
     GarbageResultError,
     ScorerBinding,
+    WrongResultTypeError,
     bind_scorer,
     load_user_function,
     normalize_result,
@@ -28,7 +29,8 @@ from polyrl.reward.user_fn import (
 Item = tuple[int, Any, Any, Any, Any, Any]
 # How a worker rebuilds a function: ("spec", "path.py:name") or ("pickle", bytes).
 Payload = tuple[str, Any]
-# One outcome: (status, score, extras, message); status is "ok", "error" or "garbage".
+# One outcome: (status, score, extras, message); status is "ok", "error", "garbage" or
+# "wrong_type" (the function returned a list, a string...: the manager raises).
 Outcome = tuple[str, float, dict[str, float], str]
 
 _MAX_MESSAGE_CHARS = 2000
@@ -95,6 +97,8 @@ def score_one(item: Item, resolver: ScorerResolver) -> Outcome:
         return "error", 0.0, {}, _describe(exc)
     try:
         score, extras = normalize_result(raw)
+    except WrongResultTypeError as exc:
+        return "wrong_type", 0.0, {}, str(exc)[:_MAX_MESSAGE_CHARS]
     except GarbageResultError as exc:
         return "garbage", 0.0, {}, str(exc)[:_MAX_MESSAGE_CHARS]
     return "ok", score, extras, ""

@@ -46,7 +46,12 @@ from polyrl.reward._worker import (
     worker_main,
 )
 from polyrl.reward.registry import get_scorer
-from polyrl.reward.user_fn import bind_scorer, load_user_function
+from polyrl.reward.user_fn import (
+    RewardResultError,
+    bind_scorer,
+    callable_name,
+    load_user_function,
+)
 
 if TYPE_CHECKING:
     from polyrl.core.batch import Batch
@@ -282,6 +287,8 @@ class RewardManager:
             float(max_failure_fraction) if max_failure_fraction is not None else None
         )
         self.has_custom_function = custom_function is not None
+        #: The custom function's name, for error messages (``""`` without one).
+        self.custom_name = ""
         self._custom_payload: Payload | None = None
         custom_fn = self._resolve_custom(custom_function)
         self._resolver = ScorerResolver(custom_fn) if num_workers == 0 else None
@@ -310,6 +317,7 @@ class RewardManager:
                 f"None, got {type(custom_function).__name__}"
             )
         bind_scorer(custom_function)  # fail now, in the caller, on an unsupported signature
+        self.custom_name = callable_name(custom_function)
         if self.num_workers > 0:
             self._custom_payload = make_payload(custom_function)
         return custom_function
@@ -560,9 +568,27 @@ class RewardManager:
             ]
         else:
             outcomes = self._run_pool(items)
+        self._check_result_types(items, outcomes)
         result = self._assemble(items, outcomes, time.perf_counter() - start)
         self._check_failures(items, result)
         return result
+
+    def _check_result_types(self, items: list[Item], outcomes: list[Outcome]) -> None:
+        """Raise :class:`RewardResultError` if a function returned several values for a sample."""
+        for item, (status, _, _, message) in zip(items, outcomes, strict=True):
+            if status != "wrong_type":
+                continue
+            name = (
+                repr(self.custom_name)
+                if self.has_custom_function
+                else f"registered for data_source {item[1]!r}"
+            )
+            what = message.removeprefix("reward function returned ").split("; expected")[0]
+            raise RewardResultError(
+                f"reward function {name} returned {what} for sample {item[0]}; a per-sample "
+                "function must return one number (or a dict with a 'score'); a function that "
+                "scores the whole batch must take a 'completions' parameter (TRL style)"
+            )
 
     def _check_failures(self, items: list[Item], result: RewardResult) -> None:
         """Raise :class:`RewardFailureError` if too many of the batch's samples failed."""

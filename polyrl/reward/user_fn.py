@@ -11,6 +11,7 @@ Supported names: ``prompt``, ``response`` (alias ``solution_str``), ``ground_tru
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import inspect
@@ -26,9 +27,13 @@ __all__ = [
     "SUPPORTED_ARGUMENTS",
     "GarbageResultError",
     "RewardFunctionError",
+    "RewardResultError",
     "ScorerBinding",
+    "WrongResultTypeError",
     "bind_scorer",
     "call_scorer",
+    "callable_name",
+    "describe_value",
     "load_user_function",
     "normalize_result",
 ]
@@ -52,12 +57,29 @@ class GarbageResultError(ValueError):
     """A reward function returned something that is not a finite score or a score dict."""
 
 
+class WrongResultTypeError(GarbageResultError):
+    """A per-sample reward function returned several values (a list, tuple or array).
+
+    Unlike ``None``, NaN or a string (a garbage score for one sample, counted and bounded by
+    ``max_failure_fraction``), this is a mistake in the function itself, most often a batched
+    function that was not recognised as one: the reward manager stops the run with a
+    :class:`RewardResultError`.
+    """
+
+
 class RewardFunctionError(Exception):
     """A user reward function cannot be loaded or called as given: a user error.
 
     What :func:`load_user_function` and :func:`bind_scorer` raise is also an instance of the
     built-in type the failure corresponds to (``ImportError``, ``AttributeError``,
     ``TypeError``, ``ValueError`` or ``FileNotFoundError``).
+    """
+
+
+class RewardResultError(RewardFunctionError, TypeError):
+    """A reward function returned the wrong type or number of values: a user error.
+
+    The message names the function and what it returned.
     """
 
 
@@ -316,11 +338,36 @@ def normalize_result(result: Any) -> tuple[float, dict[str, float]]:
         return score, extras
     score = _to_float(result)
     if score is None or not math.isfinite(score):
-        shown = repr(result)
-        if len(shown) > 200:
-            shown = shown[:200] + "..."
-        raise GarbageResultError(
-            f"reward function returned {type(result).__name__} {shown}; expected a finite "
+        error = WrongResultTypeError if _several_values(result) else GarbageResultError
+        raise error(
+            f"reward function returned {describe_value(result)}; expected a finite "
             "number or a dict with a 'score'"
         )
     return score, {}
+
+
+def callable_name(fn: Any) -> str:
+    """Return a function's display name: ``__name__`` (through ``functools.partial``)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _several_values(value: Any) -> bool:
+    """Tell whether ``value`` is a list, tuple, set or array of 1+ dimensions (many values)."""
+    if isinstance(value, list | tuple | set | frozenset):
+        return True
+    shape = getattr(value, "shape", None)
+    return isinstance(shape, tuple) and len(shape) > 0
+
+
+def describe_value(value: Any, limit: int = 200) -> str:
+    """Say what ``value`` is, for error messages: ``a list of 3 values ([1, 0, 1])``."""
+    shown = repr(value)
+    if len(shown) > limit:
+        shown = shown[:limit] + "..."
+    if isinstance(value, list | tuple | set | dict):
+        return f"a {type(value).__name__} of {len(value)} values ({shown})"
+    if value is None:
+        return "None"
+    return f"{type(value).__name__} {shown}"

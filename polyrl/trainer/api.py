@@ -3,31 +3,44 @@
 ::
 
     from polyrl import GRPOTrainer, RLConfig
-    from polyrl.config import load_config
 
-    config = load_config("grpo", ["trainer.total_steps=20"])        # or RLConfig()
+    def correct(completions, answer, **kwargs):          # TRL style: the whole batch at once
+        return [1.0 if a in c else 0.0 for c, a in zip(completions, answer)]
+
     trainer = GRPOTrainer(
         model="path/to/hf_model",            # or a transformers model object
-        config=config,
-        reward_fn=my_reward,                 # callable, "file.py:function" or a scorer name
-        train_dataset=rows,                  # list of dicts, a datasets.Dataset, or file paths
-        eval_dataset=val_rows,
+        reward_funcs=[correct, "file.py:fn"],  # callables, "file.py:function" or scorer names
+        reward_weights=[1.0, 0.5],
+        train_dataset=dataset,               # a datasets.Dataset, list of dicts, or file paths
+        eval_dataset=val_dataset,
+        config=RLConfig(),                   # optional; or load_config("grpo", [...])
     )
     summary = trainer.train()
 
-Each class only fixes the advantage estimator (``GRPOTrainer``: ``grpo``, ``PPOTrainer``:
-``gae`` with a critic, ...); everything else comes from the config, exactly as for
-``polyrl train``, which is a thin layer over the same :class:`~polyrl.trainer.rl.RLTrainer`.
+Each class fixes the advantage estimator (``GRPOTrainer``: ``grpo``, ``PPOTrainer``: ``gae``
+with a critic, ...) and has defaults valid for it (:attr:`_RLTrainerAPI.defaults`:
+``rollout.n=8`` for GRPO and RLOO): a default applies where the config still holds
+``RLConfig()``'s value for that option, so anything the user set wins. Everything else comes
+from the config, exactly as for ``polyrl train``, which is a thin layer over the same
+:class:`~polyrl.trainer.rl.RLTrainer`.
 
-Rows are dicts with the prompt (``data.prompt_key``, a string or a chat message list), a
-``data_source`` and ``reward_model: {"ground_truth": ...}``; see :mod:`polyrl.data.schema`.
+Reward functions are per-sample (verl style: ``compute_score(data_source, solution_str,
+ground_truth, extra_info)``) or batched (TRL style: ``f(prompts, completions, completion_ids,
+**columns) -> list[float | None]``), told apart by their parameters and checked here, at
+construction; see :mod:`polyrl.reward.functions`. ``reward_fn=`` (one function) still works;
+``reward_funcs=`` takes one or several, with ``reward_weights``.
+
+With a reward function, a row needs only its prompt (``data.prompt_key``: a string or a chat
+message list); its other columns reach the reward (batched functions: as keyword arguments;
+per-sample functions: in ``extra_info``). Without one, rows follow :mod:`polyrl.data.schema`
+(``data_source`` picks the registered scorer, ``reward_model: {"ground_truth": ...}``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -55,6 +68,11 @@ def _rows_or_files(data: DatasetLike | None, what: str) -> tuple[list[dict] | No
         and all(isinstance(d, str | os.PathLike) for d in data)
     ):
         return None, [os.fspath(d) for d in data]
+    if isinstance(data, Mapping):
+        raise TypeError(
+            f"{what} must be a dataset, a list of row dicts or file paths, got a "
+            f"{type(data).__name__} (for a datasets.DatasetDict pass one split, e.g. ds['train'])"
+        )
     rows = [dict(row) for row in data]
     if not rows:
         raise ValueError(f"{what} is empty")
@@ -74,10 +92,62 @@ def _resolve_reward(reward_fn: str | Callable[..., Any] | None) -> str | Callabl
     return get_scorer(reward_fn)
 
 
+def _columns(rows: list[dict] | None, prompt_key: str) -> list[str] | None:
+    if rows is None:
+        return None
+    return sorted({k for row in rows for k in row if k != prompt_key})
+
+
+def _reward_functions(
+    reward_fn: Any,
+    reward_funcs: Any,
+    reward_weights: Sequence[float] | None,
+    cfg: PolyRLConfig,
+    rows: list[dict] | None,
+) -> Any:
+    """Check the reward arguments now and return what the RLTrainer takes as ``reward_fn``."""
+    from polyrl.reward.functions import is_batched, resolve_reward_functions
+    from polyrl.reward.user_fn import bind_scorer, load_user_function
+
+    if reward_fn is not None and reward_funcs is not None:
+        raise TypeError("pass reward_funcs= or reward_fn=, not both (reward_fn is one function)")
+    if reward_weights is not None and reward_funcs is None:
+        raise TypeError("reward_weights= goes with reward_funcs=")
+    columns = _columns(rows, cfg.data.prompt_key)
+    pickled = cfg.reward.num_workers > 0
+    if reward_funcs is not None:
+        return resolve_reward_functions(reward_funcs, reward_weights, columns, pickled=pickled)
+    fn = _resolve_reward(reward_fn)
+    loaded = load_user_function(fn) if isinstance(fn, str) else fn
+    if loaded is not None and is_batched(loaded):
+        return resolve_reward_functions(fn, None, columns, pickled=pickled)
+    if loaded is not None:
+        bind_scorer(loaded)  # a signature it cannot be called with fails here, not at train()
+    return fn
+
+
+def _check_rows_have_reward_fields(rows: list[dict] | None, what: str) -> None:
+    """Without a reward function, rows need a data_source and reward_model: say so now."""
+    for i, row in enumerate(rows or []):
+        missing = [f for f in ("data_source", "reward_model") if f not in row]
+        if missing:
+            from polyrl.data.schema import RowValidationError
+
+            raise RowValidationError(
+                f"{what} row {i} has no {' or '.join(missing)}, which pick the registered "
+                "scorer when no reward function is given; pass reward_funcs= (a row then needs "
+                "only its prompt) or give the rows a data_source and reward_model"
+            )
+
+
 class _RLTrainerAPI:
     """Shared constructor of the algorithm-specific trainers (see the module docstring)."""
 
     adv_estimator: ClassVar[str] = ""
+    #: Options (dotted keys) this trainer sets where the config still holds ``RLConfig()``'s
+    #: default, so that ``config=RLConfig()`` (or no config) runs this algorithm; any value the
+    #: user set, even by ``load_config``, wins.
+    defaults: ClassVar[Mapping[str, Any]] = {}
 
     def __init__(
         self,
@@ -87,6 +157,9 @@ class _RLTrainerAPI:
         reward_fn: str | Callable[..., Any] | None = None,
         train_dataset: DatasetLike | None = None,
         eval_dataset: DatasetLike | None = None,
+        *,
+        reward_funcs: Any = None,
+        reward_weights: Sequence[float] | None = None,
     ) -> None:
         cfg = config if config is not None else PolyRLConfig()
         if not isinstance(cfg, PolyRLConfig):
@@ -95,6 +168,7 @@ class _RLTrainerAPI:
             cfg,
             algorithm=dataclasses.replace(cfg.algorithm, adv_estimator=self.adv_estimator),
         )
+        cfg, self.applied_defaults = _apply_defaults(cfg, self.defaults)
         train_rows, train_files = _rows_or_files(train_dataset, "train_dataset")
         val_rows, val_files = _rows_or_files(eval_dataset, "eval_dataset")
         if train_dataset is not None:
@@ -108,10 +182,15 @@ class _RLTrainerAPI:
                 "no training data: pass train_dataset= or set data.task / data.train_files",
                 key="data.train_files",
             )
+        self._reward_fn = _reward_functions(
+            reward_fn, reward_funcs, reward_weights, cfg, train_rows
+        )
+        if self._reward_fn is None and not cfg.reward.custom_function:
+            _check_rows_have_reward_fields(train_rows, "train_dataset")
+            _check_rows_have_reward_fields(val_rows, "eval_dataset")
         self.config = cfg
         self._model = model
         self._tokenizer = tokenizer
-        self._reward_fn = _resolve_reward(reward_fn)
         self._train_rows = train_rows
         self._val_rows = val_rows
 
@@ -164,10 +243,26 @@ class _RLTrainerAPI:
         return trainer.fit()
 
 
+def _apply_defaults(
+    cfg: PolyRLConfig, defaults: Mapping[str, Any]
+) -> tuple[PolyRLConfig, dict[str, Any]]:
+    """Set each ``group.option`` of ``defaults`` that ``cfg`` leaves at the schema default."""
+    applied: dict[str, Any] = {}
+    for key, value in defaults.items():
+        group_name, option = key.split(".")
+        group = getattr(cfg, group_name)
+        if getattr(group, option) == getattr(type(group)(), option):
+            group = dataclasses.replace(group, **{option: value})
+            cfg = dataclasses.replace(cfg, **{group_name: group})
+            applied[key] = value
+    return cfg, applied
+
+
 class GRPOTrainer(_RLTrainerAPI):
     """GRPO: group-relative advantages over ``rollout.n`` responses per prompt, no critic."""
 
     adv_estimator = "grpo"
+    defaults = {"rollout.n": 8}
 
 
 class PPOTrainer(_RLTrainerAPI):
@@ -180,6 +275,7 @@ class RLOOTrainer(_RLTrainerAPI):
     """REINFORCE leave-one-out over ``rollout.n`` responses per prompt."""
 
     adv_estimator = "rloo"
+    defaults = {"rollout.n": 8}
 
 
 class REINFORCEPlusPlusTrainer(_RLTrainerAPI):

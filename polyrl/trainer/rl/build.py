@@ -209,11 +209,13 @@ def load_datasets(
     out_dir: Path,
     train_rows: Sequence[Mapping[str, Any]] | None = None,
     val_rows: Sequence[Mapping[str, Any]] | None = None,
+    custom_reward: bool = False,
 ) -> tuple[Any, Any]:
     """Return the training and validation prompt datasets (validation may be ``None``).
 
     Rows given directly win; otherwise ``data.task`` is generated into ``data.data_dir`` (or
-    ``out_dir/data``), else ``data.train_files`` / ``data.val_files`` are read.
+    ``out_dir/data``), else ``data.train_files`` / ``data.val_files`` are read. With
+    ``custom_reward`` (a user function scores every row) a row needs only its prompt.
     """
     from polyrl.data.dataset import RLDataset
 
@@ -222,6 +224,7 @@ def load_datasets(
         "max_prompt_length": data.max_prompt_length,
         "prompt_key": data.prompt_key,
         "truncation": data.truncation,
+        "require_reward_fields": not custom_reward,
     }
     if train_rows is not None:
         train = RLDataset(list(train_rows), tokenizer, **kwargs)

@@ -70,6 +70,7 @@ from polyrl.trainer.rl.generation import DriverRollout, QueueRollout, Replicas
 from polyrl.trainer.rl.metrics import CONSOLE_METRICS, step_metrics, write_summary
 from polyrl.trainer.rl.rollout import (
     RolloutProducer,
+    has_custom_reward,
     pad_id_of,
     response_cap,
     reward_manager,
@@ -96,8 +97,11 @@ class RLTrainer:
     Args:
         cfg: the run's configuration (``algorithm``, ``actor``, ``critic``, ``rollout``, ``data``,
             ``reward``, ``trainer`` groups).
-        reward_fn: overrides ``reward.custom_function``: a ``"file.py:function"`` string or a
-            picklable module-level callable (see :class:`~polyrl.reward.RewardManager`).
+        reward_fn: overrides ``reward.custom_function``: a ``"file.py:function"`` string, a
+            picklable module-level callable (see :class:`~polyrl.reward.RewardManager`), or a
+            list of :class:`~polyrl.reward.functions.RewardFunction` (weighted, per-sample or
+            batched; see :func:`~polyrl.reward.functions.resolve_reward_functions`). With one,
+            rows need only a prompt.
         train_rows / val_rows: prompt rows (dicts with ``prompt``, ``data_source``,
             ``reward_model.ground_truth``) used instead of ``data.*`` files or tasks.
         model_dir: a Hugging Face model directory used instead of ``model.path``.
@@ -165,7 +169,12 @@ class RLTrainer:
         )
         self.pad_id = pad_id_of(self.tokenizer)
         self.train_ds, self.val_ds = load_datasets(
-            cfg, self.tokenizer, self.out_dir, self._train_rows, self._val_rows
+            cfg,
+            self.tokenizer,
+            self.out_dir,
+            self._train_rows,
+            self._val_rows,
+            custom_reward=has_custom_reward(cfg, self.reward_fn),
         )
         if len(self.train_ds) < cfg.data.train_batch_size:
             raise ConfigError(

@@ -15,6 +15,7 @@ from polyrl.core.numerics import masked_mean
 __all__ = [
     "CONSOLE_METRICS",
     "DEFAULT_PLOT_METRICS",
+    "PER_FUNCTION_PREFIX",
     "REWARD_METRICS",
     "batch_metrics",
     "masked_stats",
@@ -25,6 +26,9 @@ __all__ = [
 
 PLOT_FILE = "learning_curves.png"
 SUMMARY_FILE = "rl_summary.json"
+
+#: Prefix of the per-function reward metrics (TRL's names): ``rewards/<name>/mean``.
+PER_FUNCTION_PREFIX = "rewards/"
 
 #: Metrics drawn in ``learning_curves.png`` when ``trainer.plot_metrics`` is empty.
 DEFAULT_PLOT_METRICS = (
@@ -50,11 +54,13 @@ CONSOLE_METRICS = (
     "timing_s/step",
     "perf/throughput",
 )
-#: The reward manager's metrics a step reports (failure counts and length shaping).
+#: The reward manager's metrics a step reports (failure counts and length shaping), besides
+#: those of each of several reward functions (``rewards/<name>/mean`` and ``/std``).
 REWARD_METRICS = (
     "reward/errors",
     "reward/timeouts",
     "reward/garbage",
+    "reward/unscored",
     "reward/overlong_penalty/mean",
     "reward/overlong_fraction",
 )

@@ -22,14 +22,16 @@ from polyrl.config import PolyRLConfig
 from polyrl.core.batch import Batch
 from polyrl.core.rollout_batch import build_rollout_batch
 from polyrl.reward.shaping import overlong_penalty
-from polyrl.trainer.rl.metrics import REWARD_METRICS
+from polyrl.trainer.rl.metrics import PER_FUNCTION_PREFIX, REWARD_METRICS
 
 __all__ = [
     "RolloutProducer",
     "accuracy",
     "attach_scores",
+    "completion_ids",
     "derive_seed",
     "group_varies",
+    "has_custom_reward",
     "pad_id_of",
     "response_cap",
     "reward_manager",
@@ -66,7 +68,11 @@ def attach_scores(
     batch["acc"] = acc.float()
     if baseline is not None:
         batch["baseline"] = baseline.float()
-    return {k: float(reward_metrics[k]) for k in REWARD_METRICS if k in reward_metrics}
+    return {
+        k: float(v)
+        for k, v in reward_metrics.items()
+        if k in REWARD_METRICS or k.startswith(PER_FUNCTION_PREFIX)
+    }
 
 
 def response_cap(cfg: PolyRLConfig) -> int:
@@ -129,19 +135,64 @@ def derive_seed(base: int, *parts: int) -> int:
 def reward_manager(cfg: PolyRLConfig, reward_fn: Any = None) -> Any:
     """Return the run's reward manager (``reward.*``; ``reward_fn`` overrides the function).
 
+    ``reward_fn`` is a ``"file.py:function"`` spec, a callable, or a list of resolved
+    :class:`~polyrl.reward.functions.RewardFunction` (the Python API's ``reward_funcs``). A list,
+    or a single batched (TRL-style) function, is scored by a
+    :class:`~polyrl.reward.functions.RewardFunctionsManager`; a single per-sample function or
+    the registered scorers by a :class:`~polyrl.reward.manager.RewardManager`.
+
     Its worker processes start booting at once: build it before slow set-up work (starting
     the replicas) so that they are ready by the first step.
     """
+    from polyrl.reward.functions import (
+        RewardFunctionsManager,
+        is_batched,
+        resolve_reward_functions,
+    )
     from polyrl.reward.manager import RewardManager
+    from polyrl.reward.user_fn import load_user_function
 
     fn = reward_fn if reward_fn is not None else cfg.reward.custom_function
-    return RewardManager(
-        custom_function=fn or None,
-        num_workers=cfg.reward.num_workers,
-        timeout_s=cfg.reward.timeout_s,
-        error_reward=cfg.reward.error_reward,
-        max_failure_fraction=cfg.reward.max_failure_fraction,
-    )
+    if isinstance(fn, str) and fn and is_batched(load_user_function(fn)):
+        fn = resolve_reward_functions(fn)
+    elif callable(fn) and is_batched(fn):
+        fn = resolve_reward_functions(fn)
+    options = {
+        "num_workers": cfg.reward.num_workers,
+        "timeout_s": cfg.reward.timeout_s,
+        "error_reward": cfg.reward.error_reward,
+        "max_failure_fraction": cfg.reward.max_failure_fraction,
+    }
+    if isinstance(fn, list | tuple):
+        return RewardFunctionsManager(fn, prompt_key=cfg.data.prompt_key, **options)
+    return RewardManager(custom_function=fn or None, **options)
+
+
+def has_custom_reward(cfg: PolyRLConfig, reward_fn: Any = None) -> bool:
+    """Whether a user reward function scores every row (rows then need only a prompt)."""
+    return reward_fn is not None or bool(cfg.reward.custom_function)
+
+
+def completion_ids(batch: Batch) -> list[list[int]]:
+    """Each row's response token ids, without padding."""
+    ids, attention = batch["input_ids"], batch["attention_mask"]
+    if len(batch) == 0:
+        return []
+    # Prompts are left-padded up to one column, where every response starts.
+    start = int(attention[0].argmax()) + int(batch["prompt_length"][0])
+    lengths = batch["response_length"].tolist()
+    return [ids[i, start : start + n].tolist() for i, n in enumerate(lengths)]
+
+
+#: Fields :class:`~polyrl.data.dataset.RLDataset` adds to a row; not dataset columns.
+_ITEM_FIELDS = frozenset({"input_ids", "raw_prompt", "uid", "source_row"})
+
+
+def _source_row(item: Mapping[str, Any]) -> dict[str, Any]:
+    row = item.get("source_row")
+    if row is None:  # an item not from an RLDataset
+        row = {k: v for k, v in item.items() if k not in _ITEM_FIELDS}
+    return row
 
 
 class RolloutProducer:
@@ -311,6 +362,10 @@ class RolloutProducer:
                 "extra_info": per_row([item.get("extra_info") or {} for item in items]),
             }
         )
+        if getattr(self.rewards, "wants_rows", False):
+            # Batched reward functions get the dataset's columns (one dict per row, shared
+            # by the row's n responses: they are read, not changed).
+            batch.non_tensors["source_row"] = per_row([_source_row(item) for item in items])
 
     async def sample_prompt(
         self, item: Mapping[str, Any], n: int, temperature: float, seed: int, index: int
@@ -454,12 +509,15 @@ class RolloutProducer:
 
     def score(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """Score every row: ``(scores (B,), accuracy (B,), reward metrics)``."""
-        scoring = Batch(
-            non_tensors={
-                k: batch.non_tensors[k]
-                for k in ("data_source", "ground_truth", "extra_info", "response_text")
-            }
-        )
+        keys = ["data_source", "ground_truth", "extra_info", "response_text"]
+        if getattr(self.rewards, "wants_rows", False):
+            keys.append("source_row")
+        scoring = Batch(non_tensors={k: batch.non_tensors[k] for k in keys})
+        if getattr(self.rewards, "wants_rows", False):
+            ids = np.empty(len(batch), dtype=object)
+            for i, row in enumerate(completion_ids(batch)):
+                ids[i] = row
+            scoring.non_tensors["completion_ids"] = ids
         result = self.rewards.score(scoring)
         scores = result.scores.float()
         if "reward" in batch.non_tensors:

@@ -1,0 +1,366 @@
+"""TRL users' scripts: reward_funcs with weights, TRL-style datasets, RLConfig() defaults."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from polyrl import GRPOTrainer, PPOTrainer, RLConfig, RLOOTrainer
+from polyrl.core.batch import Batch
+from polyrl.data.dataset import RLDataset
+from polyrl.data.schema import RowValidationError
+from polyrl.reward import RewardFailureError, RewardFunctionError
+from polyrl.reward.functions import RewardFunctionsManager, resolve_reward_functions
+from polyrl.reward.user_fn import RewardResultError
+from polyrl.trainer.rl.build import check_config
+
+datasets = pytest.importorskip("datasets")
+
+PROMPTS = ["1+1=", "2+2=", "3+1=", "2+5=", "4+4=", "1+3=", "6+2=", "5+4="]
+ANSWERS = ["2", "4", "4", "7", "8", "4", "8", "9"]
+
+# What the batched functions saw, per call (they run in this process).
+CALLS: dict[str, list[dict]] = {}
+
+
+def contains_answer(prompts, completions, completion_ids, answer, **kwargs):
+    CALLS.setdefault("contains_answer", []).append(
+        {"prompts": prompts, "completions": completions, "ids": completion_ids, "answer": answer}
+    )
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    values = [1.0 if a in t else 0.0 for t, a in zip(texts, answer, strict=True)]
+    CALLS["contains_answer"][-1]["values"] = values
+    return values
+
+
+def short(completions, **kwargs):
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    values = [-len(t) / 10.0 for t in texts]
+    CALLS.setdefault("short", []).append({"values": values, "kwargs": sorted(kwargs)})
+    return values
+
+
+def wrong_length(completions, **kwargs):
+    return [1.0, 0.0, 1.0]
+
+
+def _dataset(conversational: bool = False):
+    prompts = [[{"role": "user", "content": p}] for p in PROMPTS] if conversational else PROMPTS
+    return datasets.Dataset.from_dict({"prompt": prompts, "answer": ANSWERS})
+
+
+def _config(tmp_path: Path, name: str, **groups) -> RLConfig:
+    """A plain RLConfig() made small enough for a CPU step in a few seconds."""
+    cfg = RLConfig()
+    cfg.trainer.output_dir = str(tmp_path / name)
+    cfg.trainer.total_steps = 2
+    cfg.trainer.loggers = ["jsonl"]
+    cfg.trainer.device = "cpu"
+    cfg.trainer.export_hf = False
+    cfg.trainer.worker_backend = "local"  # RLConfig()'s ray is tested elsewhere; no Ray here
+    cfg.data.train_batch_size = 4
+    cfg.data.max_prompt_length = 64
+    cfg.data.max_response_length = 8
+    cfg.rollout.max_new_tokens = 8
+    cfg.reward.num_workers = 0
+    for group, values in groups.items():
+        for key, value in values.items():
+            setattr(getattr(cfg, group), key, value)
+    return cfg
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _obj(values) -> np.ndarray:
+    out = np.empty(len(values), dtype=object)
+    for i, v in enumerate(values):
+        out[i] = v
+    return out
+
+
+def _batch(texts, rows, ids=None) -> Batch:
+    n = len(texts)
+    return Batch(
+        non_tensors={
+            "response_text": _obj(texts),
+            "data_source": _obj(["custom"] * n),
+            "ground_truth": _obj([None] * n),
+            "extra_info": _obj([{k: v for k, v in r.items() if k != "prompt"} for r in rows]),
+            "source_row": _obj(rows),
+            "completion_ids": _obj(ids or [[1]] * n),
+        }
+    )
+
+
+# ------------------------------------------------------------------ construction-time checks
+def test_reward_function_problems_are_reported_at_construction(tiny_qwen2_dir):
+    ds = _dataset()
+
+    def make(**kwargs):
+        return GRPOTrainer(model=str(tiny_qwen2_dir), train_dataset=ds, **kwargs)
+
+    with pytest.raises(TypeError, match="#0 must be a callable"):
+        make(reward_funcs=42)
+    with pytest.raises(KeyError, match="'nosuch' is neither .* nor a registered scorer"):
+        make(reward_funcs="nosuch")
+
+    def needs_foo(completions, foo):
+        return [0.0] * len(completions)
+
+    with pytest.raises(TypeError, match="'needs_foo' requires parameter 'foo'.*columns: answer"):
+        make(reward_funcs=[short, needs_foo])
+
+    def per_sample(response, mystery):
+        return 0.0
+
+    with pytest.raises(RewardFunctionError, match="'per_sample'.*'mystery'"):
+        make(reward_funcs=per_sample)
+    with pytest.raises(RewardFunctionError, match="'<lambda>'.*cannot be pickled"):
+        make(reward_funcs=lambda response: 1.0, config=RLConfig(reward={"num_workers": 2}))
+    with pytest.raises(ValueError, match="2 values for 1 reward functions"):
+        make(reward_funcs=[short], reward_weights=[1.0, 2.0])
+    with pytest.raises(TypeError, match="not both"):
+        make(reward_funcs=short, reward_fn=short)
+    with pytest.raises(FileNotFoundError):
+        make(reward_funcs="no/such/file.py:fn")
+    # The old single-function argument checks its signature now too, and takes TRL functions.
+    with pytest.raises(RewardFunctionError, match="mystery"):
+        make(reward_fn=per_sample)
+    trainer = make(reward_fn=short)
+    assert [f.name for f in trainer._reward_fn] == ["short"]
+    # Names stay unique (metrics keys); weights default to 1.
+    funcs = make(reward_funcs=[short, short, "arithmetic"])._reward_fn
+    assert [(f.name, f.weight, f.batched) for f in funcs] == [
+        ("short", 1.0, True),
+        ("short_2", 1.0, True),
+        ("arithmetic", 1.0, False),
+    ]
+
+
+def test_rows_without_a_reward_need_the_schema_fields(tiny_qwen2_dir):
+    with pytest.raises(RowValidationError, match="no data_source or reward_model.*reward_funcs="):
+        GRPOTrainer(model=str(tiny_qwen2_dir), train_dataset=_dataset())
+    with pytest.raises(TypeError, match="DatasetDict"):
+        GRPOTrainer(
+            model=str(tiny_qwen2_dir),
+            reward_funcs=short,
+            train_dataset=datasets.DatasetDict({"train": _dataset()}),
+        )
+
+
+def test_trl_rows_need_only_a_prompt_and_keep_their_columns(tiny_qwen2_tokenizer):
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4", "extra_info": {}}]
+    with pytest.raises(RowValidationError, match="needs only its prompt when a reward function"):
+        RLDataset(rows, tiny_qwen2_tokenizer, max_prompt_length=64)
+    ds = RLDataset(rows, tiny_qwen2_tokenizer, max_prompt_length=64, require_reward_fields=False)
+    item = ds[0]
+    assert item["data_source"] == "custom"
+    assert item["reward_model"] == {"ground_truth": None}
+    assert item["extra_info"] == {"answer": "2"}  # verl-style functions see the columns here
+    assert item["prompt"] == [{"role": "user", "content": "1+1="}]
+    assert item["source_row"] == {"prompt": "1+1=", "answer": "2"}  # as given: TRL functions
+    assert ds[1]["extra_info"] == {"answer": "4"}
+
+
+# ------------------------------------------------------------------ RLConfig() per trainer
+def test_each_trainer_runs_from_a_plain_rlconfig(tiny_qwen2_dir):
+    ds = _dataset()
+    grpo = GRPOTrainer(model=str(tiny_qwen2_dir), reward_funcs=short, train_dataset=ds)
+    assert grpo.config.rollout.n == 8 and grpo.applied_defaults == {"rollout.n": 8}
+    for cls, estimator, n in (
+        (GRPOTrainer, "grpo", 8),
+        (RLOOTrainer, "rloo", 8),
+        (PPOTrainer, "gae", 1),
+    ):
+        trainer = cls(str(tiny_qwen2_dir), config=RLConfig(), reward_funcs=short, train_dataset=ds)
+        cfg = trainer.config
+        assert (cfg.algorithm.adv_estimator, cfg.rollout.n) == (estimator, n)
+        check_config(cfg, has_rows=True, has_model=True)
+    # A value the user set wins over the trainer's default.
+    mine = RLConfig(rollout={"n": 4})
+    trainer = GRPOTrainer(str(tiny_qwen2_dir), config=mine, reward_funcs=short, train_dataset=ds)
+    assert trainer.config.rollout.n == 4 and trainer.applied_defaults == {}
+    assert mine.rollout.n == 4 and RLConfig().rollout.n == 1  # the user's object is not changed
+
+
+# ------------------------------------------------------------------ the manager, no training
+def test_weighted_sum_skips_none_and_reports_each_function():
+    def maybe(completions, **kwargs):
+        return [None, 1.0, None]
+
+    def never(completions, **kwargs):
+        return [None, None, None]
+
+    funcs = resolve_reward_functions([contains_answer, maybe, never], [1.0, 2.0, 5.0])
+    rows = [{"prompt": "p", "answer": a} for a in ("4", "5", "6")]
+    with RewardFunctionsManager(funcs, num_workers=0) as manager:
+        result = manager.score(_batch(["4", "x", "y6"], rows))
+    assert result.scores.tolist() == [1.0, 2.0, 1.0]
+    m = result.metrics
+    assert m["rewards/contains_answer/mean"] == pytest.approx(2 / 3)
+    assert m["rewards/maybe/mean"] == 1.0 and m["rewards/maybe/std"] == 0.0
+    assert math.isnan(m["rewards/never/mean"])
+    assert m["reward/unscored"] == 0.0
+    with RewardFunctionsManager(resolve_reward_functions(never), num_workers=0) as manager:
+        result = manager.score(_batch(["a", "b", "c"], rows))
+    assert result.scores.tolist() == [0.0, 0.0, 0.0] and result.metrics["reward/unscored"] == 3
+
+
+@pytest.mark.parametrize(
+    ("returned", "message"),
+    [
+        (lambda n: [1.0] * (n - 1), r"'bad' returned a list of 2 values for a batch of 3"),
+        (lambda n: 1.0, r"'bad' returned float 1.0 for a batch of 3 completions"),
+        (lambda n: ["1"] * n, r"'bad' returned str '1' for completion 0 of 3"),
+        (lambda n: [[1.0]] * n, r"'bad' returned a list of 1 values \(\[1.0\]\) for completion 0"),
+    ],
+)
+def test_batched_function_returning_the_wrong_thing_raises(returned, message):
+    def bad(completions, **kwargs):
+        return returned(len(completions))
+
+    rows = [{"prompt": "p"}] * 3
+    with RewardFunctionsManager(resolve_reward_functions(bad), num_workers=0) as manager:
+        with pytest.raises(RewardResultError, match=message):
+            manager.score(_batch(["a", "b", "c"], rows))
+
+
+def test_batched_function_that_raises_follows_max_failure_fraction():
+    def broken(completions, **kwargs):
+        raise ValueError("broke on purpose")
+
+    rows = [{"prompt": "p"}] * 2
+    funcs = resolve_reward_functions([broken, short])
+    with RewardFunctionsManager(funcs, num_workers=0, max_failure_fraction=0.5) as manager:
+        with pytest.raises(RewardFailureError, match="'broken' raised.*broke on purpose"):
+            manager.score(_batch(["a", "b"], rows))
+    with RewardFunctionsManager(
+        funcs, num_workers=0, max_failure_fraction=1.0, error_reward=-1.0
+    ) as manager:
+        result = manager.score(_batch(["a", "bb"], rows))
+    assert result.scores.tolist() == pytest.approx([-1.1, -1.2])
+    assert result.metrics["reward/errors"] == 2.0 and result.statuses == ["error", "error"]
+
+
+def test_per_sample_function_returning_a_list_raises_naming_it(tmp_path):
+    path = tmp_path / "my_reward.py"
+    path.write_text("def my_reward(solution_str):\n    return [1.0, 0.0, 1.0]\n")
+    rows = [{"prompt": "p"}] * 2
+    # In a worker process (the default) and in-process.
+    for workers in (1, 0):
+        funcs = resolve_reward_functions(f"{path}:my_reward")
+        with RewardFunctionsManager(funcs, num_workers=workers) as manager:
+            with pytest.raises(RewardResultError, match=r"'my_reward' returned a list of 3 values"):
+                manager.score(_batch(["a", "b"], rows))
+
+
+def test_datasets_is_a_dependency():
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert any(d.startswith("datasets") for d in pyproject["project"]["dependencies"])
+
+
+# ------------------------------------------------------------------ end to end
+@pytest.mark.slow
+def test_trl_script_trains_with_weighted_batched_rewards(tmp_path, tiny_qwen2_dir):
+    CALLS.clear()
+    cfg = _config(tmp_path, "trl", rollout={"n": 2})
+    trainer = GRPOTrainer(
+        model=str(tiny_qwen2_dir),
+        reward_funcs=[contains_answer, short],
+        reward_weights=[1.0, 0.5],
+        train_dataset=_dataset(),
+        config=cfg,
+    )
+    summary = trainer.train()
+    assert summary["steps"] == 2
+    records = [r for r in _records(tmp_path / "trl") if "critic/score/mean" in r]
+    assert len(records) == 2
+    first = records[0]
+    for name in ("contains_answer", "short"):
+        assert f"rewards/{name}/mean" in first and f"rewards/{name}/std" in first
+    # The recorded score is the weighted sum of what the functions returned...
+    a, s = CALLS["contains_answer"][0]["values"], CALLS["short"][0]["values"]
+    expected = np.mean([x + 0.5 * y for x, y in zip(a, s, strict=True)])
+    assert first["critic/score/mean"] == pytest.approx(expected, abs=1e-5)
+    assert first["rewards/contains_answer/mean"] == pytest.approx(np.mean(a))
+    # ... and of the per-function means recorded beside it.
+    assert first["critic/score/mean"] == pytest.approx(
+        first["rewards/contains_answer/mean"] + 0.5 * first["rewards/short/mean"], abs=1e-5
+    )
+    # The answer column reached the function, aligned with the prompts (n=2 copies each).
+    call = CALLS["contains_answer"][0]
+    assert len(call["prompts"]) == len(call["answer"]) == 4 * 2
+    for prompt, answer in zip(call["prompts"], call["answer"], strict=True):
+        assert isinstance(prompt, str) and ANSWERS[PROMPTS.index(prompt)] == answer
+    assert all(isinstance(c, str) for c in call["completions"])
+    assert all(isinstance(ids, list) and len(ids) <= 8 for ids in call["ids"])
+    assert CALLS["short"][0]["kwargs"] == ["answer", "completion_ids", "prompts"]
+
+
+@pytest.mark.slow
+def test_conversational_prompts_with_a_plain_rlconfig(tmp_path, tiny_qwen2_dir):
+    CALLS.clear()
+    verl = tmp_path / "verl_reward.py"
+    verl.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    assert data_source == 'custom' and extra_info['answer'] in '2477889'\n"
+        "    return 1.0 if extra_info['answer'] in solution_str else 0.0\n"
+    )
+    cfg = _config(tmp_path, "chat", trainer={"total_steps": 1}, reward={"num_workers": 1})
+    trainer = GRPOTrainer(
+        model=str(tiny_qwen2_dir),
+        reward_funcs=[contains_answer, f"{verl}:compute_score"],
+        train_dataset=_dataset(conversational=True),
+        config=cfg,
+    )
+    assert trainer.config.rollout.n == 8  # GRPO's default over RLConfig()'s n=1
+    trainer.train()
+    call = CALLS["contains_answer"][0]
+    assert len(call["completions"]) == 4 * 8
+    assert call["prompts"][0] in [[{"role": "user", "content": p}] for p in PROMPTS]
+    for completion in call["completions"]:
+        assert isinstance(completion, list) and len(completion) == 1
+        assert completion[0]["role"] == "assistant" and isinstance(completion[0]["content"], str)
+    (record,) = [r for r in _records(tmp_path / "chat") if "critic/score/mean" in r]
+    assert "rewards/compute_score/mean" in record and record["reward/garbage"] == 0.0
+
+
+@pytest.mark.slow
+def test_wrong_return_stops_the_first_step(tmp_path, tiny_qwen2_dir):
+    cfg = _config(tmp_path, "wrong", rollout={"n": 2})
+    trainer = GRPOTrainer(
+        model=str(tiny_qwen2_dir),
+        reward_funcs=wrong_length,
+        train_dataset=_dataset(),
+        config=cfg,
+    )
+    with pytest.raises(
+        RewardResultError,
+        match=r"'wrong_length' returned a list of 3 values for a batch of 8 completions",
+    ):
+        trainer.train()
+
+
+def test_config_custom_function_may_be_batched_and_rows_need_only_a_prompt(tmp_path):
+    from polyrl.trainer.rl.rollout import has_custom_reward, reward_manager
+
+    path = tmp_path / "trl_reward.py"
+    path.write_text("def reward(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    cfg = RLConfig(reward={"custom_function": f"{path}:reward", "num_workers": 0})
+    assert has_custom_reward(cfg)  # polyrl train: rows then need only a prompt
+    manager = reward_manager(cfg)
+    try:
+        assert isinstance(manager, RewardFunctionsManager)
+        assert [f.name for f in manager.functions] == ["reward"]
+        result = manager.score(_batch(["a", "b"], [{"prompt": "p"}] * 2))
+        assert result.scores.tolist() == [1.0, 1.0]
+    finally:
+        manager.close()
