@@ -188,6 +188,19 @@ def test_python_config_imports_the_modules_before_checking_the_groups(plugin):
     cfg.actor.policy_loss = f"{name}_loss"  # assignment: registered now, so accepted
 
 
+def test_validating_a_config_imports_modules_assigned_to_it(tmp_path, monkeypatch):
+    from polyrl.config.schema import validate_tree
+
+    name = "assigned_ext_" + tmp_path.name.replace("-", "_")[:40]
+    write_plugin(tmp_path, name, tmp_path / "markers")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = PolyRLConfig()
+    cfg.trainer.imports = [name]  # the trainers validate the whole config before they start
+    assert name not in sys.modules
+    validate_tree(cfg)
+    assert name in sys.modules and name in plugin_modules()
+
+
 def test_a_registered_name_needs_its_module_and_the_error_says_so():
     with pytest.raises(ConfigError) as info:
         load_config("grpo", ["algorithm.adv_estimator=grpoo"])
