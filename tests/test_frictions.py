@@ -85,3 +85,78 @@ def test_device_check_names_the_option():
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match=r"rollout\.device"):
             check_devices(load_config("grpo", ["rollout.device=cuda"]), ("rollout.device",))
+
+
+def _wait_for(path, pattern: str, proc, timeout_s: float = 120.0) -> re.Match:
+    """Wait until the log file ``path`` of ``proc`` has a line matching ``pattern``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = path.read_text() if path.exists() else ""
+        found = re.search(pattern, text, re.MULTILINE)
+        if found:
+            return found
+        assert proc.poll() is None, text
+        assert time.monotonic() < deadline, text
+        time.sleep(0.1)
+
+
+def test_serve_says_where_and_the_proxy_finds_the_tokenizer_there(tiny_qwen2_dir, tmp_path):
+    import httpx
+
+    server_log, proxy_log = tmp_path / "serve.log", tmp_path / "proxy.log"
+    served_name = "tiny-policy"  # a name, not a path: the proxy must use the reported root
+    with open(server_log, "w") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "polyrl.cli", "serve", str(tiny_qwen2_dir), "--port", "0"]
+            + ["--threads", "1", "--kv-cache-tokens", "2048", "--served-model-name", served_name],
+            stdout=log,
+            stderr=log,
+            cwd=tmp_path,
+        )
+    proxy = None
+    try:
+        ready = _wait_for(server_log, r"^serving (.+) at (http://127\.0\.0\.1:\d+)$", server)
+        assert ready.group(1) == str(tiny_qwen2_dir)
+        url = ready.group(2)
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        (card,) = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
+        assert card["id"] == served_name and card["root"] == str(tiny_qwen2_dir)
+        with open(proxy_log, "w") as log:
+            proxy = subprocess.Popen(
+                [sys.executable, "-m", "polyrl.cli", "agent-proxy", "--rollout", url]
+                + ["--port", "0", "--ready-file", str(tmp_path / "proxy.json")],
+                stdout=log,
+                stderr=log,
+                cwd=tmp_path,
+            )
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "proxy.json").exists():  # up without --tokenizer
+            assert proxy.poll() is None, proxy_log.read_text()
+            assert time.monotonic() < deadline, proxy_log.read_text()
+            time.sleep(0.1)
+    finally:
+        for proc in (proxy, server):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=30)
+    lines = [line for line in server_log.read_text().splitlines() if line.startswith("serving")]
+    assert len(lines) == 1
+
+
+def test_the_proxy_says_when_the_served_model_is_not_a_directory_here(monkeypatch, tmp_path):
+    import httpx
+
+    from polyrl.agent.proxy import tokenizer_dir_from_server
+
+    cards = [{"id": "remote-model", "root": "/nowhere/on/this/host"}]
+
+    def fake_get(url, headers=None, timeout=None):
+        return httpx.Response(200, json={"data": cards}, request=httpx.Request("GET", url))
+
+    monkeypatch.setattr(httpx, "get", fake_get)
+    with pytest.raises(ValueError, match=r"serves 'remote-model' from '/nowhere/on/this/host'"):
+        tokenizer_dir_from_server("http://127.0.0.1:1")
+    cards[0]["root"] = str(tmp_path)
+    assert tokenizer_dir_from_server("http://127.0.0.1:1") == str(tmp_path)
+    cards[0] = {"id": str(tmp_path)}  # a server without root that names its directory
+    assert tokenizer_dir_from_server("http://127.0.0.1:1") == str(tmp_path)

@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import os
 import time
 import uuid
 from collections import OrderedDict
@@ -585,10 +586,14 @@ def serve_proxy(
 
 
 def tokenizer_dir_from_server(url: str, api_key: str | None = None) -> str:
-    """Return the model id a rollout server reports in ``/v1/models`` (a local dir for ours).
+    """Return the directory of the model a rollout server serves, when it is one here.
+
+    ``polyrl serve`` (like vLLM) reports the model's directory as ``root`` in ``/v1/models``;
+    a server and proxy on one host share it. An ``id`` that is a local directory does too.
 
     Raises:
-        ValueError: the server cannot be reached or reports no model.
+        ValueError: the server cannot be reached, reports no model, or its model directory
+            is not a directory on this machine.
     """
     import httpx
 
@@ -596,8 +601,18 @@ def tokenizer_dir_from_server(url: str, api_key: str | None = None) -> str:
     try:
         r = httpx.get(f"{url.rstrip('/')}/v1/models", headers=headers, timeout=10)
         r.raise_for_status()
-        return str(r.json()["data"][0]["id"])
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        card = r.json()["data"][0]
+        model = str(card["id"])
+    except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as exc:
         raise ValueError(
             f"cannot ask {url} for its model ({exc}); pass --tokenizer DIR explicitly"
         ) from exc
+    root = card.get("root") if isinstance(card, dict) else None
+    for candidate in (root, model):
+        if isinstance(candidate, str) and candidate and os.path.isdir(candidate):
+            return candidate
+    where = f" from {root!r}" if root else ""
+    raise ValueError(
+        f"{url} serves {model!r}{where}, which is not a directory on this machine; pass "
+        "--tokenizer DIR (a local copy of the model's tokenizer)"
+    )

@@ -26,6 +26,7 @@ from polyrl.config.schema import (
     ConfigError,
     PolyRLConfig,
     check_value,
+    deferred_registry_checks,
     deferred_validation,
     resolved_type_hints,
     type_name,
@@ -730,7 +731,9 @@ def load_config(
     data, source = read_preset("default" if preset is None else preset)
     read = _read_overrides(overrides, PolyRLConfig)
     notes = _drop_preset_keys(data, read.user_keys, source)
-    cfg = _apply_all(from_dict(data, PolyRLConfig, source=source), read)
+    with deferred_registry_checks():  # the preset may name what its trainer.imports register
+        base = from_dict(data, PolyRLConfig, source=source)
+    cfg = _apply_all(base, read)
     _emit(notes + read.notes)
     return cfg
 
@@ -779,7 +782,9 @@ def _describe(obj: Any, prefix: str) -> list[OptionInfo]:
         rows.append(
             OptionInfo(
                 key=f"{prefix}{f.name}",
-                type=type_name(tp, f.metadata.get("choices")),
+                type=type_name(
+                    tp, f.metadata.get("choices"), open_choices="registry" in f.metadata
+                ),
                 default=value,
                 help=str(f.metadata.get("help", "")),
             )

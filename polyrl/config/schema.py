@@ -48,6 +48,7 @@ __all__ = [
     "TransferConfig",
     "check_value",
     "constructor_kwargs",
+    "deferred_registry_checks",
     "deferred_validation",
     "option",
     "option_help",
@@ -123,6 +124,7 @@ def option(
     *,
     default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
     choices: Sequence[Any] | None = None,
+    registry: str | None = None,
     ge: float | None = None,
     gt: float | None = None,
     le: float | None = None,
@@ -136,7 +138,12 @@ def option(
             instance of that group".
         help: One-line description shown by ``polyrl config describe``. Required.
         default_factory: Alternative to ``default`` (a zero-argument callable).
-        choices: Allowed values; for list options, allowed values of each element.
+        choices: Allowed values; for list options, allowed values of each element. With
+            ``registry``, the built-in names (listed by ``polyrl config describe``).
+        registry: ``"package.module:NAME"`` of the :class:`~polyrl.core.registry.Registry`
+            whose names are the allowed values: a name a user module registers (see
+            ``trainer.imports``) is accepted too. The module is imported only to check a name
+            that is not among ``choices``, so the built-in names cost no import.
         ge: Inclusive lower bound for numbers.
         gt: Exclusive lower bound for numbers.
         le: Inclusive upper bound for numbers.
@@ -150,6 +157,13 @@ def option(
     metadata: dict[str, Any] = {"help": help.strip()}
     if choices is not None:
         metadata["choices"] = tuple(choices)
+    if registry is not None:
+        module, sep, attr = registry.partition(":")
+        if not module or not sep or not attr:
+            raise TypeError(
+                f"option(registry=) must look like 'package.module:NAME', got {registry!r}"
+            )
+        metadata["registry"] = registry
     bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
     if bounds:
         metadata["bounds"] = bounds
@@ -185,10 +199,16 @@ def _is_union(tp: Any) -> bool:
     return typing.get_origin(tp) in (Union, types.UnionType)
 
 
-def type_name(tp: Any, choices: Sequence[Any] | None = None) -> str:
-    """Readable name of an option type, e.g. ``list[str]`` or ``{qwen2,llama}`` for choices."""
+def type_name(tp: Any, choices: Sequence[Any] | None = None, open_choices: bool = False) -> str:
+    """Readable name of an option type, e.g. ``list[str]`` or ``{qwen2,llama}`` for choices.
+
+    ``open_choices``: the choices are the built-in names of a registry, which takes any
+    registered name too (``{grpo,rloo} | registered``).
+    """
     if choices:
         inner = "{" + ",".join(str(c) if c != "" else "''" for c in choices) + "}"
+        if open_choices:
+            inner += " | registered"
         origin = typing.get_origin(tp)
         if origin in (list, tuple):
             return f"list[{inner}]"
@@ -309,6 +329,46 @@ def _check_choices(value: Any, choices: tuple[Any, ...], key: str) -> None:
 
 
 @functools.cache
+def _registry(spec: str) -> Any:
+    """Return the :class:`~polyrl.core.registry.Registry` named ``"package.module:NAME"``."""
+    import importlib
+
+    module, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _check_registered(value: Any, builtin: tuple[Any, ...], spec: str, key: str) -> None:
+    """Check every name in ``value`` is built in or registered in the registry ``spec``."""
+    from polyrl.core.registry import did_you_mean
+
+    items = value if isinstance(value, list) else [value]
+    unknown = [(i, v) for i, v in enumerate(items) if v not in builtin]
+    if not unknown:
+        return  # the built-in names need no import
+    registry = _registry(spec)
+    for i, item in unknown:
+        if item in registry:
+            continue
+        where = f" at index {i}" if isinstance(value, list) else ""
+        known = registry.names()
+        raise ConfigError(
+            f"unknown {registry.kind} {item!r}{where}{did_you_mean(item, known)} "
+            f"(known: {', '.join(known)}); to use one of your own, list the module that "
+            "registers it in trainer.imports",
+            key=key,
+        )
+
+
+def _check_registry_fields(obj: Any) -> None:
+    """Check the registry-backed options of group ``obj`` (see ``option(registry=)``)."""
+    for name, (f, _) in _group_fields(type(obj)).items():
+        if "registry" in f.metadata:
+            _check_registered(
+                getattr(obj, name), f.metadata.get("choices", ()), f.metadata["registry"], name
+            )
+
+
+@functools.cache
 def _group_fields(cls: type) -> dict[str, tuple[dataclasses.Field[Any], Any]]:
     """``name -> (field, resolved type)`` of a config group class."""
     hints = resolved_type_hints(cls)
@@ -346,7 +406,14 @@ def _checked(field: dataclasses.Field[Any], tp: Any, value: Any, key: str) -> An
     if group is not None and isinstance(value, dict):
         value = _group_from_mapping(group, value, key)
     value = check_value(value, tp, key)
-    if "choices" in field.metadata:
+    if "registry" in field.metadata:
+        # Under deferred validation (the loader) the user's modules are not imported yet:
+        # validate_tree checks the names once they are.
+        if not (_DEFER_VALIDATE.get() or _DEFER_REGISTRY.get()):
+            _check_registered(
+                value, field.metadata.get("choices", ()), field.metadata["registry"], key
+            )
+    elif "choices" in field.metadata:
         _check_choices(value, field.metadata["choices"], key)
     if "bounds" in field.metadata:
         _check_bounds(value, field.metadata["bounds"], key)
@@ -358,13 +425,34 @@ _DEFER_VALIDATE: contextvars.ContextVar[bool] = contextvars.ContextVar(
 )
 
 
+_DEFER_REGISTRY: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "polyrl_defer_registry", default=False
+)
+
+
+@contextlib.contextmanager
+def deferred_registry_checks() -> Iterator[None]:
+    """Build groups without checking registry-backed names inside the block.
+
+    The loader reads a preset in this mode: the names a user module registers are known only
+    once ``trainer.imports`` is imported, which :func:`validate_tree` does before it checks them.
+    """
+    token = _DEFER_REGISTRY.set(True)
+    try:
+        yield
+    finally:
+        _DEFER_REGISTRY.reset(token)
+
+
 @contextlib.contextmanager
 def deferred_validation() -> Iterator[None]:
     """Build groups without their cross-field :meth:`ConfigGroup.validate` inside the block.
 
-    Per-option checks still run. The loader applies a list of overrides in this mode, so that
-    their order does not matter (``rollout.tensor_parallel_size=2`` may come before
-    ``rollout.backend=vllm``), then calls :func:`validate_tree` once.
+    Per-option checks still run, but for registry-backed names (see
+    :func:`deferred_registry_checks`). The loader applies a list of overrides in this mode, so
+    that their order does not matter (``rollout.tensor_parallel_size=2`` may come before
+    ``rollout.backend=vllm``, ``algorithm.adv_estimator=mine`` before ``trainer.imports=[m]``),
+    then calls :func:`validate_tree` once.
     """
     token = _DEFER_VALIDATE.set(True)
     try:
@@ -379,10 +467,15 @@ def validate_tree(obj: Any, prefix: str = "") -> None:
     Raises:
         ConfigError: keyed by the option's dotted path from ``obj``.
     """
+    try:
+        obj.prepare()
+    except ConfigError as exc:
+        raise exc.prefixed(prefix[:-1]) from None
     for name, (_, tp) in _group_fields(type(obj)).items():
         if _group_class(tp) is not None and isinstance(getattr(obj, name), ConfigGroup):
             validate_tree(getattr(obj, name), f"{prefix}{name}.")
     try:
+        _check_registry_fields(obj)
         obj.validate()
     except ConfigError as exc:
         raise exc.prefixed(prefix[:-1]) from None
@@ -419,6 +512,23 @@ class ConfigGroup:
     def validate(self) -> None:
         """Cross-field checks; the default has none. Raise ``ConfigError(detail, key=name)``."""
 
+    def prepare(self) -> None:
+        """Run by :func:`validate_tree` before the groups under this one are validated.
+
+        :class:`PolyRLConfig` imports the user modules of ``trainer.imports`` here, so the
+        names they register are known when the registry-backed options are checked.
+        """
+
+
+def _import_user_modules(entries: Sequence[str]) -> None:
+    """Import the user modules of ``trainer.imports`` (see :mod:`polyrl.core.plugins`)."""
+    from polyrl.core.plugins import PluginImportError, import_plugins
+
+    try:
+        import_plugins(entries)
+    except PluginImportError as exc:
+        raise ConfigError(str(exc), key="trainer.imports") from None
+
 
 def _require_nonempty(value: str, key: str) -> None:
     if not value.strip():
@@ -449,6 +559,9 @@ ADV_ESTIMATORS = (
 KL_ESTIMATORS = ("k1", "k2", "k3", "kl", "mse", "low_var_kl")
 KL_CONTROLLERS = ("fixed", "adaptive")
 POLICY_LOSSES = ("ppo_clip", "gspo")
+AGENT_LOOPS = ("single_turn", "tool", "env")
+TOOLS = ("calculator", "countdown_check", "python")
+TOOL_PARSERS = ("hermes",)
 LOSS_AGG_MODES = (
     "token-mean",
     "seq-mean-token-sum",
@@ -488,7 +601,10 @@ class DataConfig(ConfigGroup):
     """Training and validation prompts: files or a built-in generated task, and batching."""
 
     task: str = option(
-        "", "Built-in generated task to train on; empty means read train_files.", choices=TASKS
+        "",
+        "Generated task to train on (built-in or registered); empty means read train_files.",
+        choices=TASKS,
+        registry="polyrl.data.tasks:TASKS",
     )
     train_files: list[str] = option([], "Training data files (parquet or jsonl).")
     val_files: list[str] = option([], "Validation data files (parquet or jsonl).")
@@ -746,6 +862,12 @@ class TrainerConfig(ConfigGroup):
     critic_warmup: int = option(
         0, "RL steps that train only the critic before the actor starts updating.", ge=0
     )
+    imports: list[str] = option(
+        [],
+        "User modules (names on PYTHONPATH, or .py files) imported before the config is "
+        "checked and in every worker process: they register estimators, policy losses, "
+        "scorers, agent loops, envs, tools or tasks.",
+    )
 
     @property
     def world_size(self) -> int:
@@ -821,8 +943,9 @@ class AlgorithmConfig(ConfigGroup):
 
     adv_estimator: str = option(
         "grpo",
-        "Advantage estimator (gae needs a critic; remax a greedy rollout).",
+        "Advantage estimator (gae needs a critic; remax a greedy rollout), or any registered one.",
         choices=ADV_ESTIMATORS,
+        registry="polyrl.algo.advantages:ADVANTAGE_ESTIMATORS",
     )
     norm_adv_by_std: bool = option(
         True, "GRPO: divide by the group std (false with seq-mean-token-sum-norm is Dr. GRPO)."
@@ -861,7 +984,12 @@ class AlgorithmConfig(ConfigGroup):
 class ActorConfig(ConfigGroup):
     """Policy (actor) optimisation in RL: loss, clipping, mini-batches and optimizer."""
 
-    policy_loss: str = option("ppo_clip", "Policy loss.", choices=POLICY_LOSSES)
+    policy_loss: str = option(
+        "ppo_clip",
+        "Policy loss, built-in or registered (register_policy_loss).",
+        choices=POLICY_LOSSES,
+        registry="polyrl.algo.losses:POLICY_LOSSES",
+    )
     loss_agg_mode: str = option(
         "token-mean", "How per-token losses are reduced.", choices=LOSS_AGG_MODES
     )
@@ -928,11 +1056,24 @@ class AgentConfig(ConfigGroup):
 
     enable: bool = option(False, "Roll out every sample through an agent loop.")
     default_loop: str = option(
-        "single_turn", "Loop for samples without extra_info.agent_name (single_turn, tool, env)."
+        "single_turn",
+        "Agent loop (built-in or registered) of samples without extra_info.agent_name.",
+        choices=AGENT_LOOPS,
+        registry="polyrl.agent.base:AGENT_LOOPS",
     )
     max_turns: int = option(4, "Most model turns per trajectory.", ge=1)
-    tools: list[str] = option(["calculator"], "Tools the tool loop offers.")
-    tool_parser: str = option("hermes", "Registered parser of the model's tool calls.")
+    tools: list[str] = option(
+        ["calculator"],
+        "Tools (built-in or registered) the tool loop offers.",
+        choices=TOOLS,
+        registry="polyrl.agent.tools:TOOLS",
+    )
+    tool_parser: str = option(
+        "hermes",
+        "Parser (built-in or registered) of the model's tool calls.",
+        choices=TOOL_PARSERS,
+        registry="polyrl.agent.tool_loop:TOOL_PARSERS",
+    )
     tool_timeout_s: float = option(10.0, "Seconds allowed per tool call.", gt=0.0)
     max_tool_response_tokens: int = option(
         128, "Tool responses longer than this are cut (and say so).", ge=1
@@ -988,6 +1129,21 @@ class PolyRLConfig(ConfigGroup):
     critic: CriticConfig = option(CriticConfig, "RL value model (polyrl train, gae).")
     agent: AgentConfig = option(AgentConfig, "Multi-turn agent-loop rollouts (polyrl train).")
     transfer: TransferConfig = option(TransferConfig, "Data transfer system (polyrl train).")
+
+    def __post_init__(self) -> None:
+        # Built directly in Python, the groups are checked in field order: import the user
+        # modules first, so that data.task or algorithm.adv_estimator may name what they add.
+        trainer = self.trainer
+        imports = trainer.get("imports") if isinstance(trainer, dict) else None
+        if isinstance(trainer, TrainerConfig):
+            imports = trainer.imports
+        if isinstance(imports, list) and not (_DEFER_VALIDATE.get() or _DEFER_REGISTRY.get()):
+            _import_user_modules(imports)
+        super().__post_init__()
+
+    def prepare(self) -> None:
+        """Import ``trainer.imports`` (what they register is then known to the checks)."""
+        _import_user_modules(self.trainer.imports)
 
     def seed_for(self, group: str) -> int:
         """Effective seed of a group that has a ``seed`` option (``-1`` falls back to ``seed``)."""

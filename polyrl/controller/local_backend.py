@@ -53,6 +53,7 @@ from polyrl.controller.worker import (
     _format_error,
     driver_import_path,
 )
+from polyrl.core.plugins import plugin_modules
 
 __all__ = ["LocalBackend"]
 
@@ -378,6 +379,7 @@ class LocalBackend(Backend):
                 dist_timeout_s=dist_timeout_s,
                 use_gpu=pool.pins_gpu,
                 backend_kind="inline" if mode == "inline" else "local",
+                plugins=plugin_modules(),
             )
             for rank in range(world)
         ]

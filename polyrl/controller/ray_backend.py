@@ -29,6 +29,7 @@ from polyrl.controller.worker import (
     driver_import_path,
     extend_import_path,
 )
+from polyrl.core.plugins import plugin_modules
 
 __all__ = ["RayBackend"]
 
@@ -146,6 +147,7 @@ class RayBackend(Backend):
                     dist_timeout_s=dist_timeout_s,
                     use_gpu=pool.pins_gpu,
                     backend_kind="ray",
+                    plugins=plugin_modules(),
                 )
                 actor = _RayHostActor.options(
                     **options,

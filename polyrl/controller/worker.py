@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from polyrl.controller.errors import ControllerError, WorkerDiedError, WorkerError
 from polyrl.core.cpu import cores_per_process
+from polyrl.core.plugins import import_plugins
 
 __all__ = ["Worker", "WorkerInfo", "WorkerSpec"]
 
@@ -274,6 +275,9 @@ class HostSetup:
     dist_timeout_s: float
     use_gpu: bool
     backend_kind: str  # "ray" | "local" (subprocess) | "inline" (in the driver process)
+    # User modules the driver imported with import_plugins (trainer.imports): imported on the
+    # worker before the roles, so names they register resolve there too.
+    plugins: tuple[str, ...] = ()
 
 
 def driver_import_path() -> tuple[str, ...]:
@@ -340,6 +344,7 @@ class WorkerHost:
         self._init_error: ControllerError | None = None
         try:
             extend_import_path(setup.sys_path)
+            import_plugins(setup.plugins)
             self.roles = pickle.loads(setup.roles_blob)
         except BaseException as exc:  # noqa: BLE001 - reported by info(), the first call
             self._init_error = self._error(exc, "<load worker classes>")

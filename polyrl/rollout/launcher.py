@@ -331,7 +331,8 @@ def serve_command(
     """Run ``polyrl serve``: one replica here, or ``replicas`` children behind a router.
 
     ``extensions`` go to :func:`~polyrl.rollout.server.create_app` of the replica served here;
-    children run :data:`SERVER_MODULE`. Returns the exit code once interrupted.
+    children run :data:`SERVER_MODULE`. Once requests are accepted it prints one line,
+    ``serving MODEL_DIR at URL``, on stderr. Returns the exit code once interrupted.
 
     Raises:
         ValueError: ``host`` is beyond loopback with no ``api_key`` and not ``insecure``.
@@ -340,6 +341,10 @@ def serve_command(
     from polyrl.rollout.server import check_exposure, serve
 
     opts = dict(options or {})
+
+    def announce(url: str) -> None:
+        print(f"serving {model_dir} at {url}", file=sys.stderr, flush=True)
+
     if replicas == 1:
         serve(
             model_dir,
@@ -352,6 +357,7 @@ def serve_command(
             extensions=extensions,
             limits=limits,
             insecure=insecure,
+            on_ready=announce,
             **opts,
         )
         return 0
@@ -369,7 +375,7 @@ def serve_command(
         urls = [c.url for c in children if c.url]
         client = RolloutClient(urls, api_key=api_key)
         app = create_router_app(client, api_key=api_key, limits=limits)
-        asyncio.run(serve_app(app, host, port, ready_file, log_level))
+        asyncio.run(serve_app(app, host, port, ready_file, log_level, announce))
     except KeyboardInterrupt:
         return 130
     finally:

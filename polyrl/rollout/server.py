@@ -129,6 +129,7 @@ def create_app(
     manage_backend: bool = True,
     extensions: Sequence[AppExtension] = (),
     limits: ServerLimits | None = None,
+    model_dir: str | None = None,
 ) -> FastAPI:
     """Build the FastAPI app serving ``backend``: the routers of :mod:`polyrl.rollout.routes`.
 
@@ -141,6 +142,8 @@ def create_app(
             in, to add other services' routes (the bearer token guards them too).
         limits: what requests may ask for (body size, nesting, sequences, queued tokens,
             chat templates); default :class:`~polyrl.rollout.options.ServerLimits`.
+        model_dir: the model's directory, reported as ``root`` by ``/v1/models`` (behind
+            ``api_key`` like every route but ``/health``).
 
     Raises:
         ValueError: an allow-listed chat template file cannot be read.
@@ -174,7 +177,7 @@ def create_app(
     table = RequestTable(backend, limits)
     for router in (
         admin_router(backend),
-        openai_router(backend, tokenizer, table, renderer, policy),
+        openai_router(backend, tokenizer, table, renderer, policy, model_dir=model_dir),
         generation_router(backend, table),
     ):
         # The routes go into the app's own table: app.include_router would keep each router as
@@ -224,7 +227,14 @@ def serve(
     check_exposure(host, api_key, insecure)
     engine = create_backend(backend, model_dir, **options)
     tokenizer = load_tokenizer(model_dir, trust_remote_code=bool(options.get("trust_remote_code")))
-    app = create_app(engine, tokenizer, api_key=api_key, extensions=extensions, limits=limits)
+    app = create_app(
+        engine,
+        tokenizer,
+        api_key=api_key,
+        extensions=extensions,
+        limits=limits,
+        model_dir=os.path.abspath(model_dir),
+    )
     asyncio.run(serve_app(app, host, port, ready_file, log_level, on_ready))
 
 

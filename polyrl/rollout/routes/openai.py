@@ -57,6 +57,7 @@ def openai_router(
     table: RequestTable,
     renderer: RenderPool | None = None,
     policy: oai.PromptPolicy | None = None,
+    model_dir: str | None = None,
 ) -> APIRouter:
     """Build the router of the OpenAI-compatible ``/v1/...`` endpoints.
 
@@ -67,6 +68,8 @@ def openai_router(
         renderer: where templates are rendered and text tokenized (default: a pool of its own).
         policy: which templates requests may use (default: the model's only); without a
             ``max_prompt_chars`` of its own, texts are bounded by the context length.
+        model_dir: the served model's directory, reported as ``root`` by ``/v1/models`` (as
+            vLLM does), so a client on the same host finds its tokenizer there.
     """
     router = APIRouter()
     pool = renderer or RenderPool()
@@ -160,17 +163,15 @@ def openai_router(
     @router.get("/v1/models")
     async def models() -> dict[str, Any]:
         i = backend.info
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": i.model,
-                    "object": "model",
-                    "owned_by": "polyrl",
-                    "max_model_len": i.max_model_len,
-                }
-            ],
+        card: dict[str, Any] = {
+            "id": i.model,
+            "object": "model",
+            "owned_by": "polyrl",
+            "max_model_len": i.max_model_len,
         }
+        if model_dir:
+            card["root"] = model_dir
+        return {"object": "list", "data": [card]}
 
     @router.post("/v1/completions", openapi_extra=json_request_body(CompletionBody))
     async def completions(request: Request) -> Response:

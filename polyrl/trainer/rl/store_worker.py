@@ -151,8 +151,10 @@ class StoreRolloutWorker:
         reward_fn: Any = None,
         api_key: str | None = None,
     ) -> None:
+        from polyrl.core.plugins import import_plugins
         from polyrl.models.loader import load_tokenizer
 
+        import_plugins(cfg.trainer.imports)  # a Ray actor: the user's agent loops, tools, ...
         self.cfg = cfg
         self.queue = queue
         self.store = StoreClient(queue)
