@@ -57,7 +57,7 @@ def describe_markdown() -> str:
 
 
 def _preset_summary(text: str) -> str:
-    """The first sentence of a preset file's leading comment, or an empty string."""
+    """Return the first sentence of a preset file's leading comment (or an empty string)."""
     words: list[str] = []
     for line in text.splitlines():
         if not line.startswith("#") or line.startswith("#  "):  # indented: a command line
