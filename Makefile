@@ -30,8 +30,8 @@ test-fast: $(STAMP)
 # ruff (style, docstrings, imports) and import-linter (the layer contracts in pyproject.toml:
 # a service imports only the core and the model definitions, never another service).
 lint: $(STAMP)
-	$(VENV)/bin/ruff check polyrl tests tests_gpu benchmarks
-	$(VENV)/bin/ruff format --check polyrl tests tests_gpu benchmarks
+	$(VENV)/bin/ruff check polyrl tests tests_gpu benchmarks examples scripts
+	$(VENV)/bin/ruff format --check polyrl tests tests_gpu benchmarks examples scripts
 	$(VENV)/bin/lint-imports
 
 clean-venv:
