@@ -160,3 +160,14 @@ def test_the_proxy_says_when_the_served_model_is_not_a_directory_here(monkeypatc
     assert tokenizer_dir_from_server("http://127.0.0.1:1") == str(tmp_path)
     cards[0] = {"id": str(tmp_path)}  # a server without root that names its directory
     assert tokenizer_dir_from_server("http://127.0.0.1:1") == str(tmp_path)
+
+
+def test_polyrl_starts_its_own_ray_unless_given_an_address():
+    from polyrl.trainer.sft import ray_init_options
+
+    # "local": a new Ray even where `ray start` left a cluster running on this machine (plain
+    # ray.init() joins it, then refuses num_cpus).
+    own = ray_init_options(load_config("grpo", ["ray.num_cpus=3"]))
+    assert own["address"] == "local" and own["num_cpus"] == 3
+    joined = ray_init_options(load_config("grpo", ["ray.address=auto", "ray.num_cpus=3"]))
+    assert joined["address"] == "auto" and "num_cpus" not in joined

@@ -275,6 +275,10 @@ def ray_init_options(cfg: PolyRLConfig) -> dict[str, Any]:
     if cfg.ray.address:
         opts["address"] = cfg.ray.address
     else:
+        # "local" starts a Ray of our own even where a cluster is already running on this
+        # machine (`ray start`, another run): plain ray.init() would join that one, and then
+        # refuse num_cpus/num_gpus.
+        opts["address"] = "local"
         if cfg.ray.num_cpus:
             opts["num_cpus"] = cfg.ray.num_cpus
         if cfg.ray.num_gpus >= 0:

@@ -676,7 +676,7 @@ def start_engines(
             from polyrl.trainer.sft import ray_init_options
 
             options = ray_init_options(cfg)
-            if not use_gpu and "address" not in options and "num_cpus" not in options:
+            if not use_gpu and options.get("address") == "local" and "num_cpus" not in options:
                 # On one CPU host the engines and the replica servers share the cores as they
                 # do without Ray; give Ray a CPU slot for each replica besides the engines'.
                 options["num_cpus"] = max(os.cpu_count() or 1, world + replica_count(cfg))
