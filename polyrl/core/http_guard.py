@@ -60,7 +60,8 @@ def json_depth(raw: bytes) -> int:
     Linear in ``len(raw)`` and done at C speed (regex, ``bytes.translate``, ``accumulate``); on
     malformed text (an unterminated string) it may count too high, never too low.
     """
-    if raw.count(b"[") + raw.count(b"{") <= 1:
+    if raw.count(b"[") + raw.count(b"{") <= 1 and b'"' not in raw:
+        # No string to hide a bracket in: one bracket at most is one level at most.
         return int(b"[" in raw or b"{" in raw)
     brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
     if not brackets:
