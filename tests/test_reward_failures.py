@@ -158,7 +158,8 @@ def _overrides(tmp_path: Path, reward: str, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["raise", "string", "hang"])
+# "string" (garbage) is checked without the CLI above: the CLI path is the same for every kind.
+@pytest.mark.parametrize("kind", ["raise", "hang"])
 def test_a_reward_failing_on_every_sample_stops_the_cli_run(tmp_path, kind):
     args = _overrides(tmp_path, reward_file(tmp_path, kind), "trainer.total_steps=3")
     start = time.perf_counter()

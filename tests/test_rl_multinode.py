@@ -95,19 +95,22 @@ def _run(nodes: int, out_dir: str) -> dict:
         cluster.shutdown()
 
 
-def _script(nodes: int) -> dict:
+def _start(nodes: int, out: str) -> subprocess.Popen:
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
-    with tempfile.TemporaryDirectory() as out:
-        proc = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), str(nodes), out],
-            capture_output=True,
-            text=True,
-            timeout=400,
-            env=env,
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        )
-    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), str(nodes), out],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+
+
+def _result(proc: subprocess.Popen) -> dict:
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, f"stdout:\n{stdout[-3000:]}\nstderr:\n{stderr[-5000:]}"
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def _stable(record: dict) -> dict:
@@ -117,12 +120,19 @@ def _stable(record: dict) -> dict:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_grpo_across_two_nodes_equals_the_one_node_run():
-    two = _script(2)
+    # Both runs at once: most of each is start-up (clusters, servers, engines) spent waiting.
+    with tempfile.TemporaryDirectory() as out_two, tempfile.TemporaryDirectory() as out_one:
+        procs = (_start(2, out_two), _start(1, out_one))
+        try:
+            two, one = (_result(p) for p in procs)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
     assert len(two["nodes"]) == 2
     # The replica and the engines run on different nodes; weights cross over gloo dist.
     assert set(two["engine_nodes"]).isdisjoint(two["replica_nodes"])
     assert (two["transport"], two["transport_backend"]) == ("dist", "gloo")
-    one = _script(1)
     assert len(one["nodes"]) == 1 and one["transport"] == "shm"
     assert len(two["records"]) == len(one["records"]) == 3
     for step, (a, b) in enumerate(zip(one["records"], two["records"], strict=True), start=1):
