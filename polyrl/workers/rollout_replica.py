@@ -26,12 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from polyrl.controller import Dispatch, Worker, register
+from polyrl.core.http_guard import is_loopback
 from polyrl.rollout.launcher import ServerProcess
 
-__all__ = ["LOOPBACK_HOSTS", "ReplicaPlan", "RolloutReplicaWorker", "replica_plans"]
-
-#: Addresses that only this machine reaches: a server bound there needs no API key.
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+__all__ = ["ReplicaPlan", "RolloutReplicaWorker", "replica_plans"]
 
 
 @dataclass(frozen=True)
@@ -132,7 +130,7 @@ class RolloutReplicaWorker(Worker):
         plan = next((p for p in plans if p.leader == self.rank), None)
         if plan is None:
             return None
-        if plan.host not in LOOPBACK_HOSTS and not self.api_key:
+        if not is_loopback(plan.host) and not self.api_key:
             raise ValueError(
                 f"a replica bound to {plan.host} must require an API key; none was given"
             )

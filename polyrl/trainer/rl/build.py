@@ -449,7 +449,9 @@ def replica_processes(
 def _loopback(urls: Sequence[str]) -> bool:
     from urllib.parse import urlsplit
 
-    return all(urlsplit(u).hostname in ("127.0.0.1", "localhost", "::1") for u in urls)
+    from polyrl.core.http_guard import is_loopback
+
+    return all(is_loopback(urlsplit(u).hostname or "") for u in urls)
 
 
 def start_replicas(
