@@ -535,12 +535,18 @@ class _Overrides:
     """verl keys accepted without effect, by the reason."""
 
 
+#: ``async`` is a Python keyword, so the group is ``async_rl``; overrides may say ``async.*``.
+ASYNC_SPELLING, ASYNC_GROUP = "async", "async_rl"
+
+
 def _read_overrides(overrides: Sequence[str], root: type) -> _Overrides:
     if isinstance(overrides, str):
         raise ConfigError("overrides must be a list of 'key=value' strings, not one string")
     out = _Overrides()
     for text in overrides:
         parts, value = parse_override(text)
+        if parts and parts[0] == ASYNC_SPELLING:
+            parts = [ASYNC_GROUP, *parts[1:]]
         key, source = ".".join(parts), f"override '{text}'"
         schema = _is_schema_path(parts, root)
         entry = verl_compat.lookup(key)

@@ -862,6 +862,12 @@ class TrainerConfig(ConfigGroup):
     critic_warmup: int = option(
         0, "RL steps that train only the critic before the actor starts updating.", ge=0
     )
+    mode: str = option(
+        "sync",
+        "RL: sync (generate, then train), one_step_off (step k+1 generates while step k "
+        "trains) or async (rollout runs ahead into a replay buffer; see async_rl).",
+        choices=("sync", "one_step_off", "async"),
+    )
     imports: list[str] = option(
         [],
         "User modules (names on PYTHONPATH, or .py files) imported before the config is "
@@ -1099,6 +1105,43 @@ class TransferConfig(ConfigGroup):
 
 
 @dataclasses.dataclass
+class AsyncRLConfig(ConfigGroup):
+    """Asynchronous RL (``trainer.mode=async``; also spelled ``async.*`` on the command line)."""
+
+    max_staleness: int = option(
+        1,
+        "Most weight versions a trained sample may be behind the trained weights; generation "
+        "pauses rather than exceed it (0: fresh weights only, still overlapped within a step).",
+        ge=0,
+    )
+    partial_rollout: str = option(
+        "continue",
+        "Requests in flight when new weights arrive: continue on the new weights, or abort and "
+        "resume from their partial tokens with the new weights.",
+        choices=("continue", "resume"),
+    )
+    correction: str = option(
+        "decoupled",
+        "Off-policy correction: decoupled PPO (the trainer recomputes the proximal policy; "
+        "truncated importance weights from the rollout's log-probs to it), tis (truncated "
+        "importance sampling to the current policy, no recomputation) or none. Applies to "
+        "one_step_off too; truncation at algorithm.rollout_is_threshold.",
+        choices=("decoupled", "tis", "none"),
+    )
+    sampling: str = option(
+        "fifo",
+        "Replay buffer order: fifo (strict, what bounds staleness), freshest, "
+        "reward_variance, or a registered one.",
+        choices=("fifo", "freshest", "reward_variance"),
+        registry="polyrl.transfer.replay:REPLAY_SAMPLERS",
+    )
+    max_reuse: int = option(1, "Times one generated group may be trained.", ge=1)
+    capacity: int = option(
+        0, "Most groups reserved or waiting in the buffer; 0 is bounded by the gate only.", ge=0
+    )
+
+
+@dataclasses.dataclass
 class RayConfig(ConfigGroup):
     """Where and how to start or join Ray."""
 
@@ -1129,6 +1172,9 @@ class PolyRLConfig(ConfigGroup):
     critic: CriticConfig = option(CriticConfig, "RL value model (polyrl train, gae).")
     agent: AgentConfig = option(AgentConfig, "Multi-turn agent-loop rollouts (polyrl train).")
     transfer: TransferConfig = option(TransferConfig, "Data transfer system (polyrl train).")
+    async_rl: AsyncRLConfig = option(
+        AsyncRLConfig, "Asynchronous RL (polyrl train, trainer.mode=async)."
+    )
 
     def __post_init__(self) -> None:
         # Built directly in Python, the groups are checked in field order: import the user

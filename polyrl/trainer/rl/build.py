@@ -118,6 +118,42 @@ def rollout_matmul_dtype(cfg: PolyRLConfig) -> str:
     return dtype_name(compute)
 
 
+def check_mode(cfg: PolyRLConfig) -> None:
+    """Refuse what ``trainer.mode=one_step_off|async`` cannot run with, naming the option."""
+    mode = cfg.trainer.mode
+    if mode == "sync":
+        return
+    refused = [
+        (
+            sleeps_during_training(cfg),
+            "rollout.sleep_during_training",
+            "the rollout replicas must keep serving while the engines train; set "
+            "rollout.sleep_during_training=false (and rollout.placement=separate on GPUs)",
+        ),
+        (
+            cfg.transfer.enable,
+            "transfer.enable",
+            "the rollout runs ahead in the driver's rollout thread, not in transfer-queue "
+            "workers; set transfer.enable=false",
+        ),
+        (
+            cfg.algorithm.filter_groups,
+            "algorithm.filter_groups",
+            "dynamic sampling draws extra prompts per step, which the staleness gate does not "
+            "count; turn it off",
+        ),
+        (
+            cfg.async_rl.partial_rollout == "resume" and cfg.agent.enable,
+            "async_rl.partial_rollout",
+            "resume continues single-turn samples from their partial tokens; agent loops "
+            "continue on the new weights (use continue)",
+        ),
+    ]
+    for bad, key, why in refused:
+        if bad:
+            raise ConfigError(f"trainer.mode={mode}: {why}", key=key)
+
+
 def check_config(cfg: PolyRLConfig, has_rows: bool = False, has_model: bool = False) -> None:
     """Refuse settings that cannot run together, naming the option to change.
 
@@ -168,6 +204,7 @@ def check_config(cfg: PolyRLConfig, has_rows: bool = False, has_model: bool = Fa
             "stream fixed prompt sets); turn one of them off",
             key="algorithm.filter_groups",
         )
+    check_mode(cfg)
     response = response_cap(cfg)
     if cfg.reward.overlong_buffer_len > response:
         raise ConfigError(

@@ -79,6 +79,9 @@ class Replicas:
         self.actor = actor
         #: The weight version every replica serves (0: the model's own weights).
         self.version = 0
+        #: What the replicas do with requests in flight during a push (``keep``: they go on
+        #: with the new weights; ``abort``: they end with their partial tokens).
+        self.inflight = "keep"
         if supervisor is not None:
             # With no replica left, requests wait for a restarted one.
             producer.client.replica_wait = cfg.rollout.restart_timeout_s
@@ -198,6 +201,7 @@ class Replicas:
                     bucket_mb=ro.weight_bucket_mb,
                     version=version,
                     mode=ro.weight_sync_mode,
+                    inflight=self.inflight,
                 )
                 for url in targets:  # restarted ones included: they have the weights now
                     self._admit(url)
@@ -261,11 +265,9 @@ class DriverRollout:
         ro = self.cfg.rollout
         return self.producer.sample_and_score(items, ro.n, ro.temperature, seed, timing)
 
-    def generate(
-        self, step: int, indices: Sequence[int], timing: dict[str, float]
-    ) -> tuple[Batch, dict[str, float]]:
+    def generate(self, step: int, timing: dict[str, float]) -> tuple[Batch, dict[str, float]]:
         """Sample and score the step's prompts; the replicas sleep afterwards if configured."""
-        items = [self.dataset[i] for i in indices]
+        items = [self.dataset[int(i)] for i in self.next_indices()]
         seed = derive_seed(self.cfg.seed_for("rollout"), step)
         batch, metrics = self._sample(items, seed, timing)
         if self.cfg.algorithm.filter_groups:
@@ -329,6 +331,7 @@ class QueueRollout:
         workers: the rollout workers.
         replicas: put to sleep once the step's samples are in.
         pad_id: the padding token id.
+        next_indices: the sampler's next prompt batch.
     """
 
     def __init__(
@@ -338,18 +341,19 @@ class QueueRollout:
         workers: StoreWorkers,
         replicas: Replicas,
         pad_id: int,
+        next_indices: Callable[[], Sequence[int]],
     ) -> None:
         self.cfg = cfg
         self.queue = queue
         self.workers = workers
         self.replicas = replicas
         self.pad_id = pad_id
+        self.next_indices = next_indices
 
-    def generate(
-        self, step: int, indices: Sequence[int], timing: dict[str, float]
-    ) -> tuple[StoredRows, dict[str, float]]:
+    def generate(self, step: int, timing: dict[str, float]) -> tuple[StoredRows, dict[str, float]]:
         """Have the workers sample and store the step's prompts; return the rows' reference."""
         cfg, n = self.cfg, self.cfg.rollout.n
+        indices = [int(i) for i in self.next_indices()]
         partition = f"step-{step}"
         with timer(timing, "gen"):
             seed = derive_seed(cfg.seed_for("rollout"), step)

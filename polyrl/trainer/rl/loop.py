@@ -53,6 +53,7 @@ import torch
 
 from polyrl.config import ConfigError, PolyRLConfig, save_config, to_dict
 from polyrl.core.batch import Batch
+from polyrl.trainer.rl.asynchronous import AheadRollout, SerialRewards
 from polyrl.trainer.rl.build import (
     RolloutServers,
     check_config,
@@ -146,6 +147,14 @@ class RLTrainer:
         # update; they are only computed when the update is off-policy or the KL penalty needs
         # them (the loss then takes the detached current log-probs, ratio 1).
         self.need_old_log_probs = cfg.actor.ppo_epochs > 1 or minis > 1 or algo.use_kl_in_reward
+        # Off the sync mode the rollout's weights lag the actor's: decoupled PPO recomputes the
+        # proximal policy, and the rollout's log-probs weigh the tokens towards it.
+        self.ahead: AheadRollout | None = None
+        self.off_policy = cfg.trainer.mode != "sync" and cfg.async_rl.correction != "none"
+        if self.off_policy and cfg.async_rl.correction == "decoupled":
+            self.need_old_log_probs = True
+        #: Actor updates so far: the weight version the replicas serve once it is pushed.
+        self.updates = 0
         from polyrl.algo.kl import AdaptiveKLController, FixedKLController
 
         if algo.kl_ctrl == "adaptive":
@@ -231,11 +240,38 @@ class RLTrainer:
         self.plane: DataPlane
         if cfg.transfer.enable:
             self._setup_queue(views)
+        elif cfg.trainer.mode != "sync":
+            self.plane = InlinePlane(cfg, cfg.trainer.world_size)
+            self._setup_ahead(rewards)
         else:
             self.plane = InlinePlane(cfg, cfg.trainer.world_size)
-            self.rollout: DriverRollout | QueueRollout = DriverRollout(
+            self.rollout: DriverRollout | QueueRollout | AheadRollout = DriverRollout(
                 cfg, self.producer, self.replicas, self.train_ds, self.sampler.next_batch
             )
+
+    def _setup_ahead(self, rewards: Any) -> None:
+        """Set up generation ahead of training: a rollout thread with a producer of its own."""
+        cfg = self.cfg
+        assert self.servers is not None and self.producer is not None
+        shared = SerialRewards(rewards)
+        # The trainer's thread validates while the rollout thread scores: one batch at a time.
+        self.producer.rewards = shared
+        producer = RolloutProducer.connect(
+            cfg, self.servers.urls, self.tokenizer, shared, api_key=self.servers.api_key
+        )
+        self.ahead = AheadRollout(
+            cfg, producer, self.train_ds, self.sampler, self.total_steps, self.out_dir
+        )
+        self._closers.append(producer.close)
+        self._closers.append(self.ahead.close)
+        self.replicas.inflight = self.ahead.inflight_policy
+        self.rollout = self.ahead
+        opts = cfg.async_rl
+        _log(
+            f"mode: {cfg.trainer.mode}, staleness <= {self.ahead.max_staleness}, "
+            f"partial rollouts {opts.partial_rollout}, correction {opts.correction}, "
+            f"replay {self.ahead.buffer.sampling} (reuse <= {self.ahead.buffer.max_reuse})"
+        )
 
     def describe_data(self) -> str:
         """One line: where the prompts come from, how many, and how the step count was set."""
@@ -284,7 +320,9 @@ class RLTrainer:
         )
         self._closers.append(workers.close)
         self.plane = QueuePlane(queue, workers)
-        self.rollout = QueueRollout(cfg, queue, workers, self.replicas, self.pad_id)
+        self.rollout = QueueRollout(
+            cfg, queue, workers, self.replicas, self.pad_id, self.sampler.next_batch
+        )
         _log(f"transfer: {backend} queue, {count} rollout worker(s)")
 
     # ------------------------------------------------------------------ phases
@@ -317,9 +355,14 @@ class RLTrainer:
             "use_kl_loss": actor.use_kl_loss,
             "kl_loss_coef": actor.kl_loss_coef,
             "kl_loss_type": actor.kl_loss_type,
-            "rollout_is": self.cfg.algorithm.rollout_is,
+            "rollout_is": self._rollout_is(),
             "rollout_is_threshold": self.cfg.algorithm.rollout_is_threshold,
         }
+
+    def _rollout_is(self) -> str:
+        """``algorithm.rollout_is``, or per token when an off-policy mode corrects by it."""
+        chosen = self.cfg.algorithm.rollout_is
+        return "token" if chosen == "none" and self.off_policy else chosen
 
     def _critic_loss_kwargs(self) -> dict[str, Any]:
         critic = self.cfg.critic
@@ -331,10 +374,10 @@ class RLTrainer:
         cfg, plane = self.cfg, self.plane
         timing: dict[str, float] = {}
         metrics: dict[str, float] = {}
-        indices = [int(i) for i in self.sampler.next_batch()]
         with timer(timing, "step"):
-            # 1-2. generate and score (the replicas may sleep from here until the sync)
-            rows, generated = self.rollout.generate(step, indices, timing)
+            # 1-2. generate and score (the replicas may sleep from here until the sync); off
+            # the sync mode, take a batch the rollout thread generated ahead
+            rows, generated = self.rollout.generate(step, timing)
             metrics.update(generated)
             # 3. old log-probs, reference log-probs, values
             if self.need_old_log_probs:
@@ -378,16 +421,25 @@ class RLTrainer:
                             epochs=cfg.actor.ppo_epochs,
                         )
                     )
-                # 6. weight sync
+                self.updates += 1
+                # 6. weight sync (off the sync mode, versions count updates)
                 with timer(timing, "update_weights"):
-                    metrics.update(self.sync_weights(step))
+                    if self.ahead is not None:
+                        self.ahead.before_sync()
+                    metrics.update(self.sync_weights(self._version(step)))
             else:
                 self.replicas.wake()
+            if self.ahead is not None:
+                self.ahead.after_step(self.replicas.version)
             metrics.update(plane.release(rows))
         metrics.update(self.replicas.metrics())
         metrics.update(step_metrics(data, timing, self.sampler, cfg.trainer.world_size))
         metrics.update(timing)
         return metrics
+
+    def _version(self, step: int) -> int:
+        """Return the actor's weight version after ``step``: the step, or (ahead) its updates."""
+        return self.updates if self.ahead is not None else step
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
@@ -409,11 +461,16 @@ class RLTrainer:
         actor_root, critic_root = self._roots()
         if self.critic is not None:
             self.critic.save_checkpoint(str(critic_root), step, {})
-        state = {
+        state: dict[str, Any] = {
             "sampler": self.sampler.state_dict(),
             "kl_coef": float(self.kl_ctrl.value),
             "step": step,
+            "updates": self.updates,
         }
+        if self.ahead is not None:
+            # The generated groups not trained yet, with the sampler position they belong to.
+            state["ahead"] = self.ahead.state_dict()
+            state["sampler"] = state["ahead"]["sampler"]
         # The actor goes last: its checkpoint marks the step as complete for resume.
         return self.actor.save_checkpoint(str(actor_root), step, state)[0]
 
@@ -438,6 +495,15 @@ class RLTrainer:
                 key="trainer.resume_mode",
             ) from None
         self.kl_ctrl.value = float(state.get("kl_coef", self.kl_ctrl.value))
+        self.updates = int(state.get("updates", step))
+        if self.ahead is not None:
+            if "ahead" not in state:
+                raise ConfigError(
+                    f"checkpoint {path} was saved by a trainer.mode=sync run; resume it with "
+                    "trainer.mode=sync",
+                    key="trainer.mode",
+                )
+            self.ahead.load_state_dict(state["ahead"], step)
         return step
 
     # ------------------------------------------------------------------ the run
@@ -460,7 +526,7 @@ class RLTrainer:
             step = 0
             if resume_from is not None:
                 step = self.load(resume_from)
-                self.sync_weights(step)
+                self.sync_weights(self._version(step))
                 _log(f"resumed from {resume_from} at step {step}")
             validate = self.val_ds is not None and trainer.test_freq > 0
             _log(

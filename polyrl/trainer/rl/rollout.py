@@ -27,6 +27,7 @@ from polyrl.trainer.rl.metrics import PER_FUNCTION_PREFIX, REWARD_METRICS
 __all__ = [
     "RolloutProducer",
     "accuracy",
+    "add_weight_versions",
     "attach_scores",
     "completion_ids",
     "derive_seed",
@@ -168,6 +169,16 @@ def reward_manager(cfg: PolyRLConfig, reward_fn: Any = None) -> Any:
     return RewardManager(custom_function=fn or None, **options)
 
 
+def add_weight_versions(batch: Batch, firsts: Sequence[int], lasts: Sequence[int]) -> None:
+    """Add each row's oldest and newest weight version to ``batch``.
+
+    The columns are ``weight_version_first`` and ``weight_version_last``; the asynchronous
+    trainer measures staleness from the oldest.
+    """
+    batch.non_tensors["weight_version_first"] = np.array([int(v) for v in firsts], dtype=object)
+    batch.non_tensors["weight_version_last"] = np.array([int(v) for v in lasts], dtype=object)
+
+
 def has_custom_reward(cfg: PolyRLConfig, reward_fn: Any = None) -> bool:
     """Whether a user reward function scores every row (rows then need only a prompt)."""
     return reward_fn is not None or bool(cfg.reward.custom_function)
@@ -209,6 +220,7 @@ class RolloutProducer:
         loop: the event loop the client runs on.
 
     Attributes:
+        resume_aborted / stopping / resumed_samples: see :meth:`sample_prompt`.
         watch: an optional coroutine function run beside every generation on the client's
             loop, cancelled when the generation ends; an error it raises ends the generation
             (the trainer's restart of lost replicas, see
@@ -230,6 +242,12 @@ class RolloutProducer:
         self.rewards = rewards
         self._loop = loop
         self.watch: Callable[[], Awaitable[None]] | None = None
+        #: Continue samples aborted by a weight update from their partial tokens.
+        self.resume_aborted = False
+        #: Set when the run ends: aborted samples are then not continued.
+        self.stopping = False
+        #: Samples continued after an abort, since the start.
+        self.resumed_samples = 0
 
     @classmethod
     def connect(
@@ -323,23 +341,32 @@ class RolloutProducer:
         ``first_index`` is the position of ``items[0]`` in the step's prompt list: seeds derive
         from it, so a worker given a slice of the prompts samples what the driver would.
         Non-tensor columns: ``uid`` (the prompt's group), ``data_source``, ``ground_truth``,
-        ``extra_info``, ``response_text``, ``finish_reason``.
+        ``extra_info``, ``response_text``, ``finish_reason``, and ``weight_version_first`` /
+        ``weight_version_last`` (the oldest and newest weight version of each row's tokens).
         """
+        return self.run_watched(self.generate_async(items, n, temperature, seed, first_index))
+
+    async def generate_async(
+        self,
+        items: Sequence[Mapping[str, Any]],
+        n: int,
+        temperature: float,
+        seed: int,
+        first_index: int = 0,
+    ) -> tuple[Batch, dict[str, float]]:
+        """:meth:`generate` as a coroutine on the client's loop (the asynchronous rollout's)."""
         if self.cfg.agent.enable:
-            batch, metrics = self._generate_with_agents(items, n, temperature, seed, first_index)
+            batch, metrics = await self._generate_with_agents(
+                items, n, temperature, seed, first_index
+            )
         else:
-
-            async def run() -> list[Any]:
-                return list(
-                    await asyncio.gather(
-                        *(
-                            self.sample_prompt(item, n, temperature, seed, first_index + i)
-                            for i, item in enumerate(items)
-                        )
-                    )
+            results = await asyncio.gather(
+                *(
+                    self.sample_prompt(item, n, temperature, seed, first_index + i)
+                    for i, item in enumerate(items)
                 )
-
-            batch, metrics = self.pack_single_turn(items, self.run_watched(run()))
+            )
+            batch, metrics = self.pack_single_turn(items, results)
         self.add_row_info(batch, items, n)
         return batch, metrics
 
@@ -370,15 +397,43 @@ class RolloutProducer:
     async def sample_prompt(
         self, item: Mapping[str, Any], n: int, temperature: float, seed: int, index: int
     ) -> Any:
-        """Sample ``n`` responses to one item (the step's prompt number ``index``), one turn."""
+        """Sample ``n`` responses to one item (the step's prompt number ``index``), one turn.
+
+        With :attr:`resume_aborted` set, a sample the server aborted (a weight update with
+        ``inflight=abort``) is continued from its partial tokens, as a new request whose prompt
+        is the old prompt plus those tokens; its tokens and log-probs are joined, so nothing
+        generated is lost or generated twice (``first_weight_version`` stays the oldest).
+        """
         params = self.sampling_params(n, temperature, derive_seed(seed, index))
-        return await self.client.generate(item["input_ids"].tolist(), params)
+        prompt = item["input_ids"].tolist()
+        result = await self.client.generate(prompt, params)
+        if not self.resume_aborted:
+            return result
+        budget = params["max_new_tokens"]
+        for j, out in enumerate(result.outputs):
+            while out.finish_reason == "abort" and len(out.output_ids) < budget:
+                if self.stopping:
+                    break
+                more = dict(params, n=1, max_new_tokens=budget - len(out.output_ids))
+                more["seed"] = derive_seed(params["seed"], j, len(out.output_ids))
+                rest = (await self.client.generate(prompt + list(out.output_ids), more)).outputs[0]
+                self.resumed_samples += 1
+                first = out.first_weight_version
+                out.output_ids = list(out.output_ids) + list(rest.output_ids)
+                if out.logprobs is not None and rest.logprobs is not None:
+                    out.logprobs = list(out.logprobs) + list(rest.logprobs)
+                out.finish_reason, out.stop_reason = rest.finish_reason, rest.stop_reason
+                out.weight_version = rest.weight_version
+                if first is None and out.output_ids:
+                    first = rest.first_weight_version
+                out.first_weight_version = first
+        return result
 
     def pack_single_turn(
         self, items: Sequence[Mapping[str, Any]], results: Sequence[Any]
     ) -> tuple[Batch, dict[str, float]]:
         """Pack the items' :meth:`sample_prompt` results into an engine batch (no row info)."""
-        rows_p, rows_r, rows_lp, rows_finish, versions = [], [], [], [], set()
+        rows_p, rows_r, rows_lp, rows_finish, firsts, lasts = [], [], [], [], [], []
         for item, result in zip(items, results, strict=True):
             prompt = item["input_ids"].tolist()
             for out in result.outputs:
@@ -386,15 +441,19 @@ class RolloutProducer:
                 rows_r.append(list(out.output_ids))
                 rows_lp.append(out.logprobs)
                 rows_finish.append(out.finish_reason)
-                versions.add(int(out.weight_version))
+                last = int(out.weight_version)
+                first = out.first_weight_version
+                firsts.append(last if first is None else int(first))
+                lasts.append(last)
         have_lp = all(lp is not None for lp in rows_lp)
         batch = build_rollout_batch(rows_p, rows_r, self.pad_id, rows_lp if have_lp else None)
         texts = self.tokenizer.batch_decode(rows_r, skip_special_tokens=True)
         batch.non_tensors["response_text"] = np.array(texts, dtype=object)
         batch.non_tensors["finish_reason"] = np.array(rows_finish, dtype=object)
-        return batch, {"rollout/weight_version": float(max(versions))}
+        add_weight_versions(batch, firsts, lasts)
+        return batch, {"rollout/weight_version": float(max(lasts))}
 
-    def _generate_with_agents(
+    async def _generate_with_agents(
         self,
         items: Sequence[Mapping[str, Any]],
         n: int,
@@ -429,22 +488,22 @@ class RolloutProducer:
             for j in range(n):
                 # Each copy samples with its own seed; turn k of a copy uses seed + k.
                 samples.append({**item, "seed": derive_seed(seed, first_index + i, j)})
-        trajectories = self.run_watched(
-            run_agent_loops(
-                samples,
-                self.client,
-                self.tokenizer,
-                default_agent=agent.default_loop,
-                loop_kwargs=loop_kwargs,
-                max_concurrency=agent.max_concurrency,
-            )
+        trajectories = await run_agent_loops(
+            samples,
+            self.client,
+            self.tokenizer,
+            default_agent=agent.default_loop,
+            loop_kwargs=loop_kwargs,
+            max_concurrency=agent.max_concurrency,
         )
         batch = collate_trajectories(trajectories, self.pad_id)
         texts = [t.response_text(self.tokenizer) for t in trajectories]
         batch.non_tensors["response_text"] = np.array(texts, dtype=object)
         metrics = {k: float(v) for k, v in batch.meta.pop("agent_metrics", {}).items()}
-        versions = [v for t in trajectories for v in t.weight_versions]
-        metrics["rollout/weight_version"] = float(max(versions)) if versions else 0.0
+        firsts = [min(t.weight_versions, default=0) for t in trajectories]
+        lasts = [max(t.weight_versions, default=0) for t in trajectories]
+        add_weight_versions(batch, firsts, lasts)
+        metrics["rollout/weight_version"] = float(max(lasts, default=0))
         return batch, metrics
 
     def sample_and_score(

@@ -1,0 +1,360 @@
+"""Generation ahead of training: the ``one_step_off`` and ``async`` trainer modes.
+
+In ``trainer.mode=sync`` a step generates, then trains, then pushes the new weights. Here a
+rollout thread of its own keeps the rollout servers busy while the engines train, and the step
+takes its batch from a :class:`~polyrl.transfer.replay.ReplayBuffer`. The step itself is the
+same code as in sync mode (:meth:`~polyrl.trainer.rl.loop.RLTrainer.step`): only its generation
+phase is this object.
+
+* The rollout thread draws prompt batches from the sampler and *reserves* one buffer entry per
+  prompt group (its prompt index and seed: enough to regenerate it), then *starts* the groups
+  one by one as the staleness gate allows, and *fills* each entry when its ``n`` responses are
+  generated and scored.
+* **The staleness gate.** Group number ``i`` (in reservation order, ``B`` groups per batch)
+  starts only once ``i < (K + s + 1) * B``, where ``K`` is the number of steps the trainer has
+  completed (weights pushed) and ``s = async.max_staleness``. The buffer hands batches out in
+  reservation order (``fifo``), so group ``i`` is trained in step ``i // B + 1`` with weights at
+  most ``s`` versions newer than those that generated its oldest token. Generation pauses at the
+  gate rather than exceed it. ``one_step_off`` is the gate with ``s = 1`` where, in addition, a
+  weight push waits for the batch being generated: step ``k + 1``'s batch is generated entirely
+  with the weights of step ``k - 1`` while step ``k`` trains, and step ``k``'s weights reach the
+  servers before step ``k + 2``'s generation starts.
+* **Partial rollouts** (``async.partial_rollout``): during a push, in-flight requests either
+  ``continue`` on the new weights (the servers keep them; each sample records the first and last
+  weight version of its tokens), or are aborted and ``resume`` from their partial tokens with
+  the new weights (:meth:`~polyrl.trainer.rl.rollout.RolloutProducer.sample_prompt`).
+* **Weight versions** count the actor's updates (equal to the step number unless
+  ``trainer.critic_warmup`` skips updates).
+
+A checkpoint saves the buffer (generated groups included) and the sampler position together,
+so a run killed at any point resumes with every group trained exactly once; each trained group
+is recorded in ``<output_dir>/async_samples.jsonl`` (step, serial, prompt index, versions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from polyrl.config import PolyRLConfig
+from polyrl.core.batch import Batch
+from polyrl.core.rollout_batch import rollout_widths, widen_rollout_batch
+from polyrl.trainer.rl.rollout import RolloutProducer, attach_scores, derive_seed
+from polyrl.transfer.replay import ReplayBuffer, ReplayEntry
+
+__all__ = ["AheadRollout", "SerialRewards", "gate_limit", "staleness_metrics"]
+
+SAMPLES_LOG = "async_samples.jsonl"
+
+
+def gate_limit(completed_steps: int, max_staleness: int, batch_size: int) -> int:
+    """How many groups (in reservation order) may have started after ``completed_steps``.
+
+    Group ``i`` is trained in step ``i // batch_size + 1``; letting it start only while
+    ``i < (completed_steps + max_staleness + 1) * batch_size`` bounds the versions between the
+    weights that generate it and those that train on it by ``max_staleness``.
+    """
+    return (completed_steps + max_staleness + 1) * batch_size
+
+
+def staleness_metrics(trainer_version: int, firsts: Sequence[int], lasts: Sequence[int]) -> dict:
+    """Return the staleness metrics of a batch's rows.
+
+    ``async/staleness_mean|max``: versions the oldest token is behind the trained weights;
+    ``async/span_max``: versions spanned within one sample.
+    """
+    behind = np.array([trainer_version - int(v) for v in firsts], dtype=np.float64)
+    span = np.array([int(b) - int(a) for a, b in zip(firsts, lasts, strict=True)], dtype=np.float64)
+    return {
+        "async/staleness_mean": float(behind.mean()) if len(behind) else 0.0,
+        "async/staleness_max": float(behind.max()) if len(behind) else 0.0,
+        "async/span_max": float(span.max()) if len(span) else 0.0,
+    }
+
+
+class SerialRewards:
+    """A reward manager shared by two producers, scoring one batch at a time.
+
+    The rollout thread scores its groups while the trainer's thread may validate; the reward
+    workers take one batch at a time. Closing is left to the owner of ``rewards``.
+    """
+
+    def __init__(self, rewards: Any) -> None:
+        self.rewards = rewards
+        self.wants_rows = getattr(rewards, "wants_rows", False)
+        self._lock = threading.Lock()
+
+    def score(self, batch: Batch) -> Any:
+        """Score ``batch`` with the shared manager (waits for a score in progress)."""
+        with self._lock:
+            return self.rewards.score(batch)
+
+    def close(self) -> None:
+        """Nothing: the shared manager is closed by its owner."""
+
+
+class AheadRollout:
+    """The generation phase of ``trainer.mode=one_step_off|async`` (see the module docstring).
+
+    Args:
+        cfg: the run's configuration (``trainer.mode``, ``async_rl``, ``rollout``, ``data``).
+        producer: a producer of its own (its client and event loop run in the rollout thread).
+        dataset: the training prompts, by index.
+        sampler: the resumable prompt sampler (drawn from the rollout thread).
+        total_steps: the run's steps (no group is reserved beyond them).
+        out_dir: where ``async_samples.jsonl`` is written.
+    """
+
+    def __init__(
+        self,
+        cfg: PolyRLConfig,
+        producer: RolloutProducer,
+        dataset: Any,
+        sampler: Any,
+        total_steps: int,
+        out_dir: str | Path,
+    ) -> None:
+        self.cfg = cfg
+        self.mode = cfg.trainer.mode
+        opts = cfg.async_rl
+        self.max_staleness = 1 if self.mode == "one_step_off" else opts.max_staleness
+        self.batch_size = cfg.data.train_batch_size
+        self.producer = producer
+        producer.resume_aborted = self.mode == "async" and opts.partial_rollout == "resume"
+        self.dataset = dataset
+        self.sampler = sampler
+        self.total_groups = total_steps * self.batch_size
+        self.buffer = ReplayBuffer(
+            max_staleness=self.max_staleness,
+            sampling=opts.sampling if self.mode == "async" else "fifo",
+            max_reuse=opts.max_reuse if self.mode == "async" else 1,
+            capacity=opts.capacity,
+        )
+        self.samples_log = Path(out_dir) / SAMPLES_LOG
+        self.completed_steps = 0
+        self.version = 0
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._stop = False
+        self._gen_metrics: list[dict[str, float]] = []
+        self._paused_s = 0.0
+
+    @property
+    def inflight_policy(self) -> str:
+        """The servers' policy for in-flight requests during a weight push."""
+        if self.mode == "async" and self.cfg.async_rl.partial_rollout == "resume":
+            return "abort"
+        return "keep"
+
+    # ------------------------------------------------------------------ the rollout thread
+    def start(self) -> None:
+        """Start the rollout thread (after :meth:`load_state_dict` when resuming)."""
+        if self._thread is not None:
+            return
+        self._loop = self.producer._loop
+        self._thread = threading.Thread(target=self._run, name="polyrl-ahead-rollout", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        assert self._loop is not None
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._produce())
+        except BaseException as exc:  # noqa: BLE001 - handed to the trainer through the buffer
+            if not self._stop:
+                self.buffer.fail(exc)
+
+    def _allowed(self) -> int:
+        limit = gate_limit(self.completed_steps, self.max_staleness, self.batch_size)
+        return min(limit, self.total_groups)
+
+    async def _produce(self) -> None:
+        """Reserve, start (as the gate allows) and fill groups until the run ends."""
+        self._wake = asyncio.Event()
+        tasks: set[asyncio.Task[None]] = set()
+        # Groups reserved by a previous run (resuming) are generated again first.
+        queue = [s for s, _ in self.buffer.unfilled()]
+        try:
+            while not self._stop:
+                for task in [t for t in tasks if t.done()]:
+                    tasks.discard(task)
+                    task.result()  # a failed group ends the rollout (and the run)
+                if not queue and self.buffer.next_serial < self.total_groups:
+                    if self.buffer.has_room(self.batch_size):
+                        queue = self._reserve_batch()
+                if queue and queue[0] < self._allowed():
+                    serial = queue.pop(0)
+                    task = asyncio.ensure_future(self._group(serial))
+                    tasks.add(task)
+                    continue
+                tick = time.perf_counter()
+                self._wake.clear()
+                waiters = [asyncio.ensure_future(self._wake.wait()), *tasks]
+                await asyncio.wait(waiters, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                waiters[0].cancel()
+                if queue and not tasks:
+                    self._paused_s += time.perf_counter() - tick
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _reserve_batch(self) -> list[int]:
+        """Draw the next prompt batch and reserve its groups (atomically with the sampler)."""
+        base = self.cfg.seed_for("rollout")
+        with self.buffer.lock:
+            indices = [int(i) for i in self.sampler.next_batch()]
+            first = self.buffer.next_serial
+            payloads = [
+                {"index": idx, "seed": derive_seed(base, first + k)}
+                for k, idx in enumerate(indices)
+            ]
+            return self.buffer.reserve(payloads)
+
+    async def _group(self, serial: int) -> None:
+        """Generate and score one prompt group, and fill its entry."""
+        payload = self.buffer.payload(serial)
+        ro = self.cfg.rollout
+        item = self.dataset[payload["index"]]
+        batch, metrics = await self.producer.generate_async(
+            [item], ro.n, ro.temperature, payload["seed"]
+        )
+        scored = await asyncio.to_thread(self.producer.score, batch)
+        baseline = None
+        if self.cfg.algorithm.adv_estimator == "remax":
+            greedy, _ = await self.producer.generate_async([item], 1, 0.0, payload["seed"])
+            baseline = (await asyncio.to_thread(self.producer.score, greedy))[0].repeat_interleave(
+                ro.n
+            )
+        metrics.update(attach_scores(batch, scored, baseline))
+        # Groups of one prompt drawn twice (epochs) stay apart in group-relative estimators.
+        batch.non_tensors["uid"] = np.array(
+            [f"{uid}#{serial}" for uid in batch.non_tensors["uid"]], dtype=object
+        )
+        version = min(int(v) for v in batch.non_tensors["weight_version_first"])
+        self._gen_metrics.append(metrics)
+        self.buffer.fill(serial, batch, version, float(batch["score"].float().std(0)))
+
+    # ------------------------------------------------------------------ the trainer's side
+    def generate(self, step: int, timing: dict[str, float]) -> tuple[Batch, dict[str, float]]:
+        """Take step ``step``'s batch from the buffer (waiting for it); return it and metrics."""
+        self.start()
+        tick = time.perf_counter()
+        entries = self.buffer.take(self.batch_size, trainer_version=self.version)
+        waited = time.perf_counter() - tick
+        self._nudge()  # room in the buffer again
+        timing["timing_s/gen"] = timing.get("timing_s/gen", 0.0) + waited
+        batch = self._assemble(entries)
+        firsts = list(batch.non_tensors["weight_version_first"])
+        lasts = list(batch.non_tensors["weight_version_last"])
+        metrics = self._merged_generation_metrics()
+        metrics.update(staleness_metrics(self.version, firsts, lasts))
+        counts = self.buffer.counts()
+        metrics.update(
+            {
+                "async/wait_s": waited,
+                "async/buffer_ready": float(counts["ready"]),
+                "async/buffer_reserved": float(counts["reserved"]),
+                "async/dropped_stale": float(counts["dropped_stale"]),
+                "async/resumed_samples": float(self.producer.resumed_samples),
+                "async/paused_s": self._paused_s,
+                "async/reused_groups": float(sum(e.uses > 1 for e in entries)),
+                "rollout/weight_version": float(max(int(v) for v in lasts)),
+            }
+        )
+        self._log_samples(step, entries)
+        return batch, metrics
+
+    def _merged_generation_metrics(self) -> dict[str, float]:
+        """Average each metric over the groups generated since the last batch."""
+        done, self._gen_metrics = self._gen_metrics, []
+        keys = {k for m in done for k in m}
+        return {k: float(np.mean([m[k] for m in done if k in m])) for k in keys}
+
+    def _assemble(self, entries: Sequence[ReplayEntry]) -> Batch:
+        batches = [e.item for e in entries]
+        widths = [rollout_widths(b) for b in batches]
+        width_p, width_r = max(w[0] for w in widths), max(w[1] for w in widths)
+        pad_id = self.producer.pad_id
+        return Batch.concat([widen_rollout_batch(b, width_p, width_r, pad_id) for b in batches])
+
+    def _log_samples(self, step: int, entries: Sequence[ReplayEntry]) -> None:
+        with self.samples_log.open("a") as f:
+            for e in entries:
+                firsts = [int(v) for v in e.item.non_tensors["weight_version_first"]]
+                lasts = [int(v) for v in e.item.non_tensors["weight_version_last"]]
+                record = {
+                    "step": step,
+                    "serial": e.serial,
+                    "index": e.payload["index"],
+                    "use": e.uses,
+                    "trainer_version": self.version,
+                    "first_versions": firsts,
+                    "last_versions": lasts,
+                }
+                f.write(json.dumps(record) + "\n")
+
+    def before_sync(self) -> None:
+        """``one_step_off``: let the batch being generated finish on the current weights."""
+        if self.mode == "one_step_off":
+            self.buffer.wait_filled(self._allowed())
+
+    def after_step(self, version: int) -> None:
+        """Record a completed step (the servers serve ``version``): the gate opens one batch."""
+        self.completed_steps += 1
+        self.version = version
+        self._nudge()
+
+    def _nudge(self) -> None:
+        """Wake the rollout thread to look at the gate and the buffer again."""
+        if self._loop is not None and self._wake is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Return the buffer and the sampler position, taken together (see the module doc)."""
+        with self.buffer.lock:
+            return {
+                "buffer": self.buffer.state_dict(),
+                "sampler": self.sampler.state_dict(),
+                "completed_steps": self.completed_steps,
+                "version": self.version,
+            }
+
+    def load_state_dict(self, state: Mapping[str, Any], step: int) -> None:
+        """Restore :meth:`state_dict` (before :meth:`start`); drop log lines after ``step``."""
+        self.buffer.load_state_dict(state["buffer"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.completed_steps = int(state["completed_steps"])
+        self.version = int(state["version"])
+        if self.samples_log.exists():
+            kept = [
+                line
+                for line in self.samples_log.read_text().splitlines()
+                if line and json.loads(line)["step"] <= step
+            ]
+            self.samples_log.write_text("".join(line + "\n" for line in kept))
+
+    def close(self) -> None:
+        """Stop the rollout thread (aborting its requests) and wake whoever waits."""
+        self._stop = True
+        self.producer.stopping = True
+        self.buffer.close()
+        if self._thread is None:
+            return
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(self.producer.client.abort(), loop).result(10)
+            self._nudge()
+        self._thread.join(timeout=30)
+        self._thread = None
