@@ -1,0 +1,197 @@
+"""Samples per second of sync, one_step_off and async GRPO on the demo's task and model.
+
+One run: the demo's SFT warm-up once (its checkpoint is where every mode starts), then the
+demo's GRPO for the same number of steps (so the same number of trained samples) in each
+``trainer.mode``, each in a fresh child process:
+
+* ``sync`` alternates generation and training, each phase with both cores of the machine
+  (the rollout server and the engine use every core they can);
+* ``one_step_off`` and ``async`` overlap them: the rollout server (and the reward worker) is
+  pinned to core 0 with one thread, the trainer (its engine runs in-process) to core 1 with
+  one thread.
+
+Throughput is trained samples (prompts x ``rollout.n``) over the summed ``timing_s/step`` of
+the run (set-up and validation excluded); accuracy is the held-out greedy accuracy after the
+last step (``val/acc/mean@1``, 128 prompts). The last stdout line is the JSON result; ratio is
+async over sync samples per second.
+
+    python benchmarks/async_rl.py [--steps 150] [--workdir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from _report import report  # noqa: E402
+
+MODES = ("sync", "one_step_off", "async")
+ROLLOUT_CORE, TRAINER_CORE = 0, 1
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant process of ``pid`` (from /proc)."""
+    out, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                kids = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for kid in map(int, kids):
+                out.append(kid)
+                frontier.append(kid)
+    return out
+
+
+def _pin(pid: int, core: int) -> None:
+    """Pin every thread of process ``pid`` to ``core``."""
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            os.sched_setaffinity(int(task.name), {core})
+        except OSError:
+            pass  # the thread ended
+
+
+def _keep_children_pinned(stop: threading.Event) -> None:
+    """Pin the rollout server and reward worker (and threads they start) to the rollout core."""
+    while not stop.wait(0.5):
+        for kid in _children(os.getpid()):
+            _pin(kid, ROLLOUT_CORE)
+
+
+def warm_up(workdir: Path) -> tuple[str, list[str], list[str]]:
+    """Run the demo's SFT warm-up; return the checkpoint and the data files."""
+    from polyrl.config import load_config
+    from polyrl.data.tasks import write_task_splits
+    from polyrl.models.tiny import build_tiny_model
+    from polyrl.trainer.sft import run_sft
+
+    cfg = load_config("demo", [f"trainer.output_dir={workdir}"])
+    model = build_tiny_model(
+        cfg.model.tiny_arch, workdir / "model", size=cfg.model.tiny_size, seed=cfg.seed
+    )
+    train, test = write_task_splits(
+        cfg.data.task,
+        workdir / "data",
+        cfg.data.num_train,
+        cfg.data.num_val,
+        seed=cfg.seed_for("data"),
+        **cfg.data.task_options,
+    )
+    sft_cfg = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, path=str(model)),
+        data=dataclasses.replace(cfg.data, task="", train_files=[str(train)], val_files=[]),
+        trainer=dataclasses.replace(
+            cfg.trainer, output_dir=str(workdir / "sft"), save_freq=0, loggers=["jsonl"]
+        ),
+        sft=dataclasses.replace(cfg.sft, export_hf=True),
+    )
+    return str(run_sft(sft_cfg)["hf_model"]), [str(train)], [str(test)]
+
+
+def run_mode(mode: str, model: str, train: str, test: str, steps: int, out: Path) -> dict:
+    """Run GRPO in ``mode`` in this process (pinned as the module docstring says)."""
+    from polyrl.config import load_config
+    from polyrl.trainer.rl import run_rl
+
+    overrides = [
+        f"model.path={model}",
+        f"data.train_files=[{train}]",
+        f"data.val_files=[{test}]",
+        f"trainer.output_dir={out}",
+        f"trainer.total_steps={steps}",
+        f"trainer.test_freq={steps}",
+        "trainer.val_before_train=false",
+        "trainer.loggers=[jsonl]",
+        "trainer.export_hf=false",
+        f"trainer.mode={mode}",
+    ]
+    stop = threading.Event()
+    if mode != "sync":
+        import torch
+
+        os.sched_setaffinity(0, {TRAINER_CORE})
+        torch.set_num_threads(1)
+        overrides.append("rollout.num_threads=1")
+        threading.Thread(target=_keep_children_pinned, args=(stop,), daemon=True).start()
+    cfg = load_config("demo", overrides)
+    try:
+        run_rl(cfg)
+    finally:
+        stop.set()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if "timing_s/step" in r]
+    seconds = sum(r["timing_s/step"] for r in trained)
+    samples = len(trained) * cfg.data.train_batch_size * cfg.rollout.n
+    return {
+        "samples_per_s": samples / seconds,
+        "seconds": seconds,
+        "samples": samples,
+        "accuracy": next(r["val/acc/mean@1"] for r in reversed(records) if "val/acc/mean@1" in r),
+        "score_last10": sum(r["critic/score/mean"] for r in trained[-10:]) / 10,
+    }
+
+
+def main() -> None:
+    """Warm up once, run each mode in a child process, record and print the JSON result."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=150, help="GRPO steps of each mode")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--child", nargs=5, metavar=("MODE", "MODEL", "TRAIN", "TEST", "OUT"))
+    args = parser.parse_args()
+    if args.child:
+        mode, model, train, test, out = args.child
+        result = run_mode(mode, model, train, test, args.steps, Path(out))
+        print("CHILD " + json.dumps(result), flush=True)
+        return
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="polyrl-async-"))
+    tick = time.perf_counter()
+    model, train, test = warm_up(workdir)
+    print(f"[async_rl] SFT warm-up done in {time.perf_counter() - tick:.0f} s", flush=True)
+    results = {}
+    for mode in args.modes.split(","):
+        cmd = [sys.executable, __file__, "--steps", str(args.steps), "--child", mode, model]
+        cmd += [train[0], test[0], str(workdir / mode)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("CHILD ")), None)
+        if proc.returncode or line is None:
+            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+            raise SystemExit(f"[async_rl] mode {mode} failed (exit {proc.returncode})")
+        results[mode] = json.loads(line[len("CHILD ") :])
+        r = results[mode]
+        print(
+            f"[async_rl] {mode:12s} {r['samples_per_s']:7.1f} samples/s "
+            f"({r['samples']} in {r['seconds']:.1f} s), held-out accuracy {r['accuracy']:.3f}, "
+            f"score (last 10 steps) {r['score_last10']:.3f}",
+            flush=True,
+        )
+    out = {"name": "async_rl", "steps": args.steps}
+    for mode, r in results.items():
+        out[f"{mode}_samples_per_s"] = round(r["samples_per_s"], 2)
+        out[f"{mode}_accuracy"] = round(r["accuracy"], 4)
+    if "sync" in results and "async" in results:
+        speed = {mode: r["samples_per_s"] for mode, r in results.items()}
+        out["ratio"] = round(speed["async"] / speed["sync"], 3)
+    else:
+        out["ratio"] = None
+    report(out)
+
+
+if __name__ == "__main__":
+    main()
