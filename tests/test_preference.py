@@ -148,11 +148,20 @@ def test_presets_and_config_errors(capsys):
 
 
 # ------------------------------------------------------------------------------ end to end
+@pytest.fixture
+def one_thread():
+    """One torch thread: on a shared 2-core machine, more threads than cores only thrash."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 SMALL = ["data.num_train=128", "data.num_val=32", "trainer.total_steps=6", "trainer.test_freq=3"]
 
 
 @pytest.mark.slow
-def test_polyrl_dpo_raises_held_out_preference_accuracy(tiny_qwen2_dir, tmp_path):
+def test_polyrl_dpo_raises_held_out_preference_accuracy(tiny_qwen2_dir, tmp_path, one_thread):
     out = tmp_path / "dpo"
     args = ["dpo", "dpo_demo", f"trainer.output_dir={out}", f"model.path={tiny_qwen2_dir}"]
     assert cli.main([*args, *SMALL, "trainer.save_freq=0", "dpo.export_hf=false"]) == 0
@@ -168,7 +177,9 @@ def test_polyrl_dpo_raises_held_out_preference_accuracy(tiny_qwen2_dir, tmp_path
 
 
 @pytest.mark.slow
-def test_reward_model_trainer_learns_and_exports_a_sequence_classifier(tiny_qwen2_dir, tmp_path):
+def test_reward_model_trainer_learns_and_exports_a_sequence_classifier(
+    tiny_qwen2_dir, tmp_path, one_thread
+):
     from transformers import AutoModelForSequenceClassification
 
     from polyrl import RewardModelTrainer
