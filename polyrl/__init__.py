@@ -4,17 +4,20 @@ The RL trainers and their config are importable from the top level (lazily, so t
 ``import polyrl`` stays light)::
 
     from polyrl import GRPOTrainer, PPOTrainer, RLConfig
+    from polyrl import DPOTrainer, RewardModelTrainer   # preference pairs
 """
 
 from typing import Any
 
 __all__ = [
+    "DPOTrainer",
     "GRPOTrainer",
     "PPOTrainer",
     "REINFORCEPlusPlusTrainer",
     "RLConfig",
     "RLOOTrainer",
     "ReMaxTrainer",
+    "RewardModelTrainer",
 ]
 
 

@@ -325,6 +325,46 @@ def _sft_command(parser: argparse.ArgumentParser) -> Handler:
     return run
 
 
+def _preference_command(kind: str) -> Setup:
+    """Return the setup of ``polyrl dpo`` / ``polyrl rm``: a config, then the trainer."""
+
+    def setup(parser: argparse.ArgumentParser) -> Handler:
+        add_config_arguments(parser)
+
+        def run(args: argparse.Namespace) -> int:
+            cfg = config_from_args(args)
+            from polyrl.model_engine.checkpoint import CorruptCheckpointError
+            from polyrl.trainer.preference import run_preference
+            from polyrl.trainer.preference_data import PreferenceDataError
+            from polyrl.trainer.sft_data import SFTDataError
+            from polyrl.trainer.tracking import TrackerUnavailableError
+
+            user_errors = (
+                PreferenceDataError,
+                SFTDataError,
+                TrackerUnavailableError,
+                FileNotFoundError,
+                CorruptCheckpointError,
+            )
+            try:
+                run_preference(cfg, kind)
+            except user_errors as exc:
+                raise CLIError(str(exc)) from exc
+            return 0
+
+        return run
+
+    return setup
+
+
+subcommand("dpo", help="DPO (or IPO, SimPO) on preference pairs: prompt, chosen, rejected.")(
+    _preference_command("dpo")
+)
+subcommand("rm", help="Reward-model training on preference pairs (Bradley-Terry loss).")(
+    _preference_command("rm")
+)
+
+
 @subcommand("train", help="RL training (GRPO, PPO, RLOO, REINFORCE++, ReMax) on a preset.")
 def _train_command(parser: argparse.ArgumentParser) -> Handler:
     add_config_arguments(parser)

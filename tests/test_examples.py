@@ -20,6 +20,8 @@ SMOKE = {
     "custom_env.py": "'steps': 1",
     "rollout_server.py": "httpx chat:",
     "transfer_queue.py": "actor takes the last 4 samples",
+    "dpo_pairs.py": "'steps': 2",
+    "rm_pairs.py": "score of '194'",
 }
 
 

@@ -537,7 +537,7 @@ def _require_nonempty(value: str, key: str) -> None:
 
 TINY_ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe")
 TINY_SIZES = ("nano", "micro", "small")
-TASKS = ("", "arithmetic", "countdown", "string_reverse", "string_sort")
+TASKS = ("", "arithmetic", "arithmetic_pairs", "countdown", "string_reverse", "string_sort")
 TRUNCATIONS = ("error", "filter", "left", "right")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 DEVICES = ("auto", "cpu", "cuda")
@@ -559,6 +559,8 @@ ADV_ESTIMATORS = (
 KL_ESTIMATORS = ("k1", "k2", "k3", "kl", "mse", "low_var_kl")
 KL_CONTROLLERS = ("fixed", "adaptive")
 POLICY_LOSSES = ("ppo_clip", "gspo")
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "simpo")
+PAIR_TRUNCATIONS = ("error", "filter")
 AGENT_LOOPS = ("single_turn", "tool", "env")
 TOOLS = ("calculator", "countdown_check", "python")
 TOOL_PARSERS = ("hermes",)
@@ -944,6 +946,107 @@ class SFTConfig(ConfigGroup):
 
 
 @dataclasses.dataclass
+class PairwiseConfig(ConfigGroup):
+    """Options shared by the trainers on preference pairs (``dpo`` and ``rm`` groups)."""
+
+    chosen_key: str = option("chosen", "Column holding the preferred completion.")
+    rejected_key: str = option("rejected", "Column holding the dispreferred completion.")
+    max_length: int = option(
+        0,
+        "Longest prompt + completion in tokens; 0 uses data.max_prompt_length + "
+        "data.max_response_length.",
+        ge=0,
+    )
+    truncation: str = option(
+        "error",
+        "Pairs with a sequence over max_length: raise, or drop them.",
+        choices=PAIR_TRUNCATIONS,
+    )
+    total_steps: int = option(0, "Training steps; 0 follows trainer.total_steps.", ge=0)
+    optimizer: str = option("adamw", "Optimizer.", choices=OPTIMIZERS)
+    lr: float = option(1e-6, "Peak learning rate.", ge=0.0)
+    weight_decay: float = option(0.0, "Decoupled weight decay.", ge=0.0)
+    lr_scheduler: str = option("linear", "Learning-rate shape after warmup.", choices=LR_SCHEDULERS)
+    warmup_ratio: float = option(
+        0.0, "Linear warmup as a fraction of the total steps.", ge=0.0, lt=1.0
+    )
+    min_lr_ratio: float = option(
+        0.0, "Floor of the decayed learning rate as a fraction of lr.", ge=0.0, le=1.0
+    )
+    grad_clip: float = option(1.0, "Max global gradient norm; 0 disables clipping.", ge=0.0)
+    dynamic_batching: bool = option(
+        True, "Form micro-batches by token budget with padding removed (else fixed rows)."
+    )
+    micro_batch_size: int = option(
+        4, "Rows (two per pair) per micro-batch when dynamic_batching is off.", ge=1
+    )
+    max_tokens_per_micro_batch: int = option(
+        8192,
+        "Token budget of a micro-batch with dynamic batching (>= 2 * max_length: a pair's two "
+        "rows share one).",
+        ge=1,
+    )
+    gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass.")
+    share_prefix: bool = option(
+        False, "Run each pair's shared prompt once per micro-batch (see actor.share_prefix)."
+    )
+    export_hf: bool = option(
+        True, "Write the final model as a Hugging Face directory to output_dir/hf_model."
+    )
+
+    def validate(self) -> None:
+        """Check the column names are set and differ."""
+        _require_nonempty(self.chosen_key, "chosen_key")
+        _require_nonempty(self.rejected_key, "rejected_key")
+        if self.chosen_key == self.rejected_key:
+            raise ConfigError(
+                f"names the same column as chosen_key ({self.chosen_key!r})", key="rejected_key"
+            )
+
+
+@dataclasses.dataclass
+class DPOConfig(PairwiseConfig):
+    """Direct preference optimisation (``polyrl dpo``); names follow TRL's ``DPOConfig``."""
+
+    beta: float = option(
+        0.1, "Inverse temperature of the implicit reward beta * (logp - ref_logp).", gt=0.0
+    )
+    loss_type: str = option(
+        "sigmoid",
+        "sigmoid (DPO), ipo, or simpo (reference-free, length-normalised); or registered "
+        "(register_dpo_loss).",
+        choices=DPO_LOSS_TYPES,
+        registry="polyrl.algo.preference:DPO_LOSSES",
+    )
+    label_smoothing: float = option(
+        0.0, "Probability that a preference label is flipped (sigmoid, simpo).", ge=0.0, lt=0.5
+    )
+    simpo_gamma: float = option(0.5, "SimPO's target reward margin gamma.", ge=0.0)
+    ref_model_path: str = option(
+        "", "Reference model directory; empty: the policy's initial weights, frozen."
+    )
+    precompute_ref_log_probs: bool = option(
+        False,
+        "Compute every pair's reference log-probs before training and free the reference "
+        "model (else each pair's are computed when first drawn, and kept).",
+    )
+
+
+@dataclasses.dataclass
+class RMConfig(PairwiseConfig):
+    """Reward-model training on pairs (``polyrl rm``); names follow TRL's ``RewardConfig``."""
+
+    lr: float = option(1e-5, "Peak learning rate.", ge=0.0)
+    margin_key: str = option(
+        "margin",
+        "Column of per-pair margins m in -logsigmoid(r_c - r_r - m); rows without it use 0.",
+    )
+    center_rewards_coefficient: float = option(
+        0.0, "Weight of the (r_c + r_r)^2 term that keeps rewards centred on zero.", ge=0.0
+    )
+
+
+@dataclasses.dataclass
 class AlgorithmConfig(ConfigGroup):
     """RL algorithm: advantage estimator and KL-in-reward settings (``polyrl train``)."""
 
@@ -1175,6 +1278,8 @@ class PolyRLConfig(ConfigGroup):
     async_rl: AsyncRLConfig = option(
         AsyncRLConfig, "Asynchronous RL (polyrl train, trainer.mode=async)."
     )
+    dpo: DPOConfig = option(DPOConfig, "Direct preference optimisation (polyrl dpo).")
+    rm: RMConfig = option(RMConfig, "Reward-model training on preference pairs (polyrl rm).")
 
     def __post_init__(self) -> None:
         # Built directly in Python, the groups are checked in field order: import the user

@@ -134,6 +134,68 @@ def arithmetic(
     return rows
 
 
+PAIR_ERRORS: tuple[str, ...] = ("extra_digit", "last_digit")
+
+
+@register_task("arithmetic_pairs")
+def arithmetic_pairs(
+    num: int,
+    seed: int,
+    split: str = "train",
+    *,
+    wrong: str = "extra_digit",
+    min_digits: int = 1,
+    max_digits: int = 2,
+    ops: str = "+",
+    allow_negative: bool = False,
+    style: str = "short",
+) -> list[dict]:
+    """Preference pairs on :func:`arithmetic` problems: a correct and an incorrect answer.
+
+    Each row is an ``arithmetic`` row (so it still trains RL and SFT) plus ``chosen`` (the
+    correct answer) and ``rejected`` (a wrong answer differing from it only in its digits), the
+    columns of TRL's preference format.
+
+    Args:
+        num: Number of rows.
+        seed: Random seed.
+        split: Stored in ``extra_info`` and part of the random stream.
+        wrong: how the wrong answer is made: ``"extra_digit"`` appends a random digit to the
+            correct answer (``"19"`` vs ``"194"``: learnable without arithmetic, since the
+            wrong answer runs on past the right end; a nano model learns it in a few steps),
+            ``"last_digit"`` replaces its last digit (``"19"`` vs ``"17"``: learning it means
+            learning the sum's last digit).
+        min_digits: Fewest digits per operand.
+        max_digits: Most digits per operand.
+        ops: Operators to draw from (default: addition only).
+        allow_negative: When false, subtraction puts the larger operand first.
+        style: ``"short"`` or ``"instruct"`` prompts.
+    """
+    if wrong not in PAIR_ERRORS:
+        raise ValueError(f"wrong must be one of {PAIR_ERRORS}, got {wrong!r}")
+    rows = arithmetic(
+        num,
+        seed,
+        split,
+        min_digits=min_digits,
+        max_digits=max_digits,
+        ops=ops,
+        allow_negative=allow_negative,
+        style=style,
+    )
+    rng = _rng("arithmetic_pairs", seed, split)
+    for row in rows:
+        answer = str(row["reward_model"]["ground_truth"])
+        if wrong == "extra_digit":
+            bad = answer + str(rng.randint(0, 9))
+        else:
+            last = int(answer[-1])
+            bad = answer[:-1] + str(rng.choice([d for d in range(10) if d != last]))
+        row["chosen"] = answer
+        row["rejected"] = bad
+    return rows
+
+
 def _countdown_puzzle(
     rng: random.Random, count: int, max_number: int, max_target: int
 ) -> tuple[list[int], int, str]:

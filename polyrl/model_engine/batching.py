@@ -27,6 +27,7 @@ __all__ = [
     "MicroBatchLayout",
     "balance_batch_for_dp",
     "balance_rows_across_ranks",
+    "group_token_costs",
     "min_micro_batches",
     "plan_micro_batches",
     "row_spans",
@@ -110,6 +111,54 @@ def _greedy_groups(lengths: Sequence[int], budget: int, packed: bool) -> list[li
     return groups
 
 
+def group_token_costs(lengths: Sequence[int], group_size: int, packed: bool) -> list[int]:
+    """Tokens each group of ``group_size`` consecutive rows costs in one micro-batch.
+
+    Packed: the group's token sum; trimmed rows: ``group_size`` times its longest row (every row
+    of a micro-batch is trimmed to the same width).  Raises ``ValueError`` when the rows do not
+    split into whole groups.
+    """
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+    if len(lengths) % group_size:
+        raise ValueError(
+            f"{len(lengths)} rows do not split into groups of {group_size} consecutive rows"
+        )
+    groups = [lengths[i : i + group_size] for i in range(0, len(lengths), group_size)]
+    if packed:
+        return [sum(int(x) for x in g) for g in groups]
+    return [group_size * max(int(x) for x in g) for g in groups]
+
+
+def _units(
+    lengths: Sequence[int],
+    group_size: int,
+    dynamic: bool,
+    micro_batch_size: int,
+    max_tokens: int,
+    packed: bool,
+) -> tuple[list[int], int, int]:
+    """Lengths, micro_batch_size and max_tokens of a plan over whole row groups."""
+    costs = group_token_costs(lengths, group_size, packed)
+    if dynamic and costs and max(costs) > max_tokens:
+        raise ValueError(
+            f"a group of {group_size} rows that must share a micro-batch needs {max(costs)} "
+            f"tokens, more than max_tokens_per_micro_batch={max_tokens}; raise the budget"
+        )
+    if packed:
+        return costs, micro_batch_size, max_tokens
+    # A trimmed group stands for group_size rows of its longest length: units * longest must
+    # stay within max_tokens / group_size.
+    units = [c // group_size for c in costs]
+    return units, max(1, micro_batch_size // group_size), max_tokens // group_size
+
+
+def _expand(plan: list[list[int]], group_size: int) -> list[list[int]]:
+    return [
+        [u * group_size + j for u in sorted(units) for j in range(group_size)] for units in plan
+    ]
+
+
 def min_micro_batches(
     lengths: Sequence[int],
     *,
@@ -117,8 +166,20 @@ def min_micro_batches(
     micro_batch_size: int = 1,
     max_tokens: int = 0,
     packed: bool = False,
+    group_size: int = 1,
 ) -> int:
-    """Smallest number of micro-batches this rank needs for its rows (0 for no rows)."""
+    """Smallest number of micro-batches this rank needs for its rows (0 for no rows).
+
+    ``group_size > 1``: each run of ``group_size`` consecutive rows (a DPO pair, ...) must sit
+    in one micro-batch.
+    """
+    if group_size != 1:
+        units, mbs, budget = _units(
+            lengths, group_size, dynamic, micro_batch_size, max_tokens, packed
+        )
+        return min_micro_batches(
+            units, dynamic=dynamic, micro_batch_size=mbs, max_tokens=budget, packed=packed
+        )
     n = len(lengths)
     if n == 0:
         return 0
@@ -141,6 +202,7 @@ def plan_micro_batches(
     micro_batch_size: int = 1,
     max_tokens: int = 0,
     packed: bool = False,
+    group_size: int = 1,
 ) -> list[list[int]]:
     """Exactly ``k`` micro-batches (lists of row indices) covering every row once.
 
@@ -151,7 +213,18 @@ def plan_micro_batches(
     Fixed mode keeps the row order and cuts ``micro_batch_size`` rows at a time.  Dynamic mode
     starts from greedy groups under ``max_tokens`` and splits the costliest group in two until
     there are ``k`` groups; splitting never raises a group's cost, so the budget still holds.
+
+    ``group_size > 1`` plans whole groups of ``group_size`` consecutive rows (the rows of a
+    preference pair, whose loss reads both) and keeps each group's rows adjacent and in order.
     """
+    if group_size != 1:
+        units, mbs, budget = _units(
+            lengths, group_size, dynamic, micro_batch_size, max_tokens, packed
+        )
+        plan = plan_micro_batches(
+            units, k, dynamic=dynamic, micro_batch_size=mbs, max_tokens=budget, packed=packed
+        )
+        return _expand(plan, group_size)
     n = len(lengths)
     need = min_micro_batches(
         lengths,

@@ -88,6 +88,14 @@ class ModelSpec:
         },
     )
 
+    value_head_bias: bool = field(
+        default=True,
+        metadata={
+            "help": "Give the value head a bias. A reward model has none (a pairwise loss "
+            "cannot train it), like Hugging Face's <Arch>ForSequenceClassification score head."
+        },
+    )
+
     def __post_init__(self) -> None:
         if not isinstance(self.path, str):
             raise ValueError(f"ModelSpec.path must be a str, got {type(self.path).__name__}")

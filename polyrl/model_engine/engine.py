@@ -21,7 +21,10 @@ Engine inputs are :class:`polyrl.core.batch.Batch` objects with these tensor col
   token before counting; loss functions see that cleaned mask.
 
 Any other tensor / non-tensor columns (advantages, old log-probs, rewards, ...) travel with their
-rows into the micro-batches.  ``batch.meta["temperature"]`` (default 1) is the sampling
+rows into the micro-batches.  ``batch.meta[ROW_GROUP_KEY]`` (default 1) keeps each run of that many
+consecutive rows together, in order, in one micro-batch: a loss that reads several rows at once (a
+DPO or reward-model pair: chosen row, then rejected row) sees all of them (each rank's share must
+hold whole groups).  ``batch.meta["temperature"]`` (default 1) is the sampling
 temperature applied to log-probs and entropies.
 
 Each rank passes **its own share** of the mini-batch (the controller dispatches shares; a
@@ -70,6 +73,7 @@ __all__ = [
     "ENGINES",
     "GLOBAL_SEQS_KEY",
     "GLOBAL_TOKENS_KEY",
+    "ROW_GROUP_KEY",
     "InferFn",
     "LossFn",
     "ModelOutput",
@@ -92,6 +96,8 @@ LossFn = Callable[["ModelOutput", Batch], tuple[torch.Tensor, Mapping[str, Any]]
 GLOBAL_TOKENS_KEY = "global_token_count"
 #: ``batch.meta`` key: rows with at least one loss token in the whole mini-batch, all ranks.
 GLOBAL_SEQS_KEY = "global_seq_count"
+#: ``batch.meta`` key set by the caller: runs of this many consecutive rows share a micro-batch.
+ROW_GROUP_KEY = "row_group_size"
 
 
 class ModelOutput:

@@ -47,6 +47,7 @@ from polyrl.model_engine import checkpoint as ckpt
 from polyrl.model_engine.attention import use_cpu_sdpa
 from polyrl.model_engine.batching import (
     MicroBatchLayout,
+    group_token_costs,
     min_micro_batches,
     plan_micro_batches,
     row_spans,
@@ -67,6 +68,7 @@ from polyrl.model_engine.distributed import (
 from polyrl.model_engine.engine import (
     GLOBAL_SEQS_KEY,
     GLOBAL_TOKENS_KEY,
+    ROW_GROUP_KEY,
     InferFn,
     LossFn,
     ModelOutput,
@@ -113,6 +115,13 @@ def _seed_all(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def _group_size(batch: Batch) -> int:
+    size = batch.meta.get(ROW_GROUP_KEY, 1)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"batch.meta[{ROW_GROUP_KEY!r}] must be an int >= 1, got {size!r}")
+    return size
 
 
 def _clean_name(name: str) -> str:
@@ -347,17 +356,28 @@ class FSDP2Engine(TrainingEngine):
             return "identity"
         return "pack" if cfg.pack_sequences else "trim"
 
-    def _plan(self, lengths: list[int]) -> list[list[int]]:
-        """Plan this rank's micro-batches; every rank gets the same count."""
+    def _plan(self, lengths: list[int], group_size: int = 1) -> list[list[int]]:
+        """Plan this rank's micro-batches; every rank gets the same count.
+
+        ``group_size`` (``batch.meta[ROW_GROUP_KEY]``): runs of that many consecutive rows stay
+        in one micro-batch.
+        """
         cfg = self.engine_config
-        longest = max(lengths, default=0)
         budget = cfg.max_tokens_per_micro_batch
         kwargs = {
             "dynamic": cfg.dynamic_batching,
             "micro_batch_size": cfg.micro_batch_size,
             "max_tokens": budget,
             "packed": cfg.pack_sequences,
+            "group_size": group_size,
         }
+        # What must fit the budget at once: a row, or a whole group of rows.
+        costs = (
+            lengths
+            if group_size == 1
+            else group_token_costs(lengths, group_size, cfg.pack_sequences)
+        )
+        longest = max(costs, default=0)
         over = cfg.dynamic_batching and longest > budget
         k_local = 0 if over else min_micro_batches(lengths, **kwargs)
         # Agree on the count (and on any error) before anyone starts a collective forward.
@@ -366,10 +386,11 @@ class FSDP2Engine(TrainingEngine):
             dist.all_reduce(stats, op=dist.ReduceOp.MAX)
         k, global_longest = (int(x) for x in stats.tolist())
         if cfg.dynamic_batching and global_longest > budget:
+            what = "a sequence" if group_size == 1 else f"a group of {group_size} rows"
             raise ValueError(
-                f"a sequence of {global_longest} tokens exceeds "
+                f"{what} of {global_longest} tokens exceeds "
                 f"max_tokens_per_micro_batch={budget}; raise the budget to at least the longest "
-                "sequence"
+                "sequence" + ("" if group_size == 1 else " group (the rows that share a loss)")
             )
         return plan_micro_batches(lengths, max(k, 1), **kwargs)
 
@@ -468,7 +489,7 @@ class FSDP2Engine(TrainingEngine):
         if self.world_size > 1:
             dist.all_reduce(counts)
         global_tokens, global_seqs = (float(x) for x in counts.tolist())
-        plan = self._plan(lengths)
+        plan = self._plan(lengths, _group_size(batch))
         splits, shared = self._prefix_splits(local, plan, enabled=True)
 
         loss_sum = 0.0
@@ -596,7 +617,7 @@ class FSDP2Engine(TrainingEngine):
         out_device = batch["input_ids"].device if "input_ids" in batch.tensor_keys else None
         share = share_prefix and "loss_mask" in batch.tensor_keys
         local, lengths = self._prepare(batch, need_loss_mask=share)
-        plan = self._plan(lengths)
+        plan = self._plan(lengths, _group_size(batch))
         splits, shared = self._prefix_splits(local, plan, enabled=share)
         pieces: list[dict[str, torch.Tensor]] = []
         order: list[int] = []

@@ -28,6 +28,7 @@ __all__ = [
     "model_forward",
     "no_split_module_classes",
     "read_safetensors",
+    "to_sequence_classifier",
 ]
 
 VALUE_HEAD_KEY = "polyrl_value_model"
@@ -99,21 +100,25 @@ class ValueModel(nn.Module):
         backbone: the base model (e.g. ``Qwen2Model``) producing ``last_hidden_state``.
         init_std: std of the normal init of the head weight (bias starts at 0).
         seed: seed of the head init, so every rank builds the same head.
+        bias: give the head a bias (``score.bias``).
     """
 
-    def __init__(self, backbone: nn.Module, init_std: float = 0.02, seed: int = 0) -> None:
+    def __init__(
+        self, backbone: nn.Module, init_std: float = 0.02, seed: int = 0, bias: bool = True
+    ) -> None:
         super().__init__()
         self.base_model_prefix: str = getattr(backbone, "base_model_prefix", "") or "model"
         setattr(self, self.base_model_prefix, backbone)
         config = backbone.config
         hidden = config.get_text_config().hidden_size
         self.config = config
-        self.score = nn.Linear(hidden, 1, bias=True)
+        self.score = nn.Linear(hidden, 1, bias=bias)
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             weight = torch.randn(self.score.weight.shape, generator=gen) * init_std
             self.score.weight.copy_(weight.to(self.score.weight.dtype))
-            self.score.bias.zero_()
+            if self.score.bias is not None:
+                self.score.bias.zero_()
         self.score.to(next(backbone.parameters()).dtype)
 
     @property
@@ -160,7 +165,7 @@ class ValueModel(nn.Module):
         std = spec.value_head_init_std
         if std is None:
             std = float(getattr(config, "initializer_range", 0.02) or 0.02)
-        model = cls(backbone, init_std=std, seed=seed)
+        model = cls(backbone, init_std=std, seed=seed, bias=spec.value_head_bias)
         if getattr(config, VALUE_HEAD_KEY, False):
             head = read_safetensors(spec.path, ["score.weight", "score.bias"])
             if "score.weight" not in head:
@@ -169,7 +174,7 @@ class ValueModel(nn.Module):
                 )
             with torch.no_grad():
                 model.score.weight.copy_(head["score.weight"].reshape(model.score.weight.shape))
-                if "score.bias" in head:
+                if "score.bias" in head and model.score.bias is not None:
                     model.score.bias.copy_(head["score.bias"].reshape(model.score.bias.shape))
         return model
 
@@ -185,6 +190,40 @@ class ValueModel(nn.Module):
         config.num_labels = 1
         setattr(config, VALUE_HEAD_KEY, True)
         return config
+
+
+def to_sequence_classifier(directory: str, pad_token_id: int | None = None) -> str:
+    """Turn an exported value model into an ``<Arch>ForSequenceClassification`` directory.
+
+    The weights stay as they are (backbone under its prefix, ``score.weight``); the config
+    names the sequence-classification class of the model type (``num_labels=1``) and the pad
+    id, which Hugging Face uses to find each row's last non-pad token, whose value is the
+    sequence's score.  The directory still loads as a polyrl value model.
+
+    Raises:
+        ValueError: the head has a bias (``ModelSpec.value_head_bias``), which the Hugging Face
+            class has no place for, or the model type has no sequence-classification class.
+    """
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    )
+
+    if "score.bias" in read_safetensors(directory, ["score.bias"]):
+        raise ValueError(
+            f"{directory!r} has a value-head bias (score.bias); a sequence classifier's score "
+            "head has none: train the reward model with ModelSpec.value_head_bias=False"
+        )
+    config = AutoConfig.from_pretrained(directory)
+    arch = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(config.model_type)
+    if arch is None:
+        raise ValueError(f"model type {config.model_type!r} has no sequence-classification class")
+    config.architectures = [arch]
+    config.num_labels = 1
+    if pad_token_id is not None:
+        config.pad_token_id = int(pad_token_id)
+    config.save_pretrained(directory)
+    return directory
 
 
 def load_model(spec: ModelSpec, seed: int = 0) -> nn.Module:

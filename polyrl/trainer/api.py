@@ -47,11 +47,13 @@ from typing import Any, ClassVar
 from polyrl.config import ConfigError, PolyRLConfig
 
 __all__ = [
+    "DPOTrainer",
     "GRPOTrainer",
     "PPOTrainer",
     "REINFORCEPlusPlusTrainer",
     "RLOOTrainer",
     "ReMaxTrainer",
+    "RewardModelTrainer",
 ]
 
 DatasetLike = str | os.PathLike[str] | Iterable[Mapping[str, Any]]
@@ -195,39 +197,7 @@ class _RLTrainerAPI:
         self._val_rows = val_rows
 
     def _model_dir(self) -> Path | None:
-        """Return a directory holding the model and tokenizer (saving in-memory objects first)."""
-        model, tokenizer = self._model, self._tokenizer
-        if model is None:
-            return None
-        if isinstance(model, str | os.PathLike) and tokenizer is None:
-            return Path(model)
-        staged = Path(self.config.trainer.output_dir) / "initial_model"
-        staged.mkdir(parents=True, exist_ok=True)
-        if isinstance(model, str | os.PathLike):
-            from polyrl.models.loader import load_causal_lm
-
-            model = load_causal_lm(model)
-        if not hasattr(model, "save_pretrained"):
-            raise TypeError(
-                "model must be a model directory or a transformers model, got "
-                f"{type(model).__name__}"
-            )
-        model.save_pretrained(staged)
-        if tokenizer is None:
-            source = getattr(getattr(model, "config", None), "_name_or_path", "")
-            if not source or not Path(source).is_dir():
-                raise ValueError(
-                    "pass tokenizer= with an in-memory model (its tokenizer is not on disk)"
-                )
-            from polyrl.models.loader import load_tokenizer
-
-            tokenizer = load_tokenizer(source)
-        if isinstance(tokenizer, str | os.PathLike):
-            from polyrl.models.loader import load_tokenizer
-
-            tokenizer = load_tokenizer(tokenizer)
-        tokenizer.save_pretrained(staged)
-        return staged
+        return _model_dir(self._model, self._tokenizer, self.config)
 
     def train(self) -> dict[str, Any]:
         """Run the training job; returns the run summary (also in ``rl_summary.json``)."""
@@ -241,6 +211,40 @@ class _RLTrainerAPI:
             model_dir=self._model_dir(),
         )
         return trainer.fit()
+
+
+def _model_dir(model: Any, tokenizer: Any, config: PolyRLConfig) -> Path | None:
+    """Return a directory holding the model and tokenizer (saving in-memory objects first)."""
+    if model is None:
+        return None
+    if isinstance(model, str | os.PathLike) and tokenizer is None:
+        return Path(model)
+    staged = Path(config.trainer.output_dir) / "initial_model"
+    staged.mkdir(parents=True, exist_ok=True)
+    if isinstance(model, str | os.PathLike):
+        from polyrl.models.loader import load_causal_lm
+
+        model = load_causal_lm(model)
+    if not hasattr(model, "save_pretrained"):
+        raise TypeError(
+            f"model must be a model directory or a transformers model, got {type(model).__name__}"
+        )
+    model.save_pretrained(staged)
+    if tokenizer is None:
+        source = getattr(getattr(model, "config", None), "_name_or_path", "")
+        if not source or not Path(source).is_dir():
+            raise ValueError(
+                "pass tokenizer= with an in-memory model (its tokenizer is not on disk)"
+            )
+        from polyrl.models.loader import load_tokenizer
+
+        tokenizer = load_tokenizer(source)
+    if isinstance(tokenizer, str | os.PathLike):
+        from polyrl.models.loader import load_tokenizer
+
+        tokenizer = load_tokenizer(tokenizer)
+    tokenizer.save_pretrained(staged)
+    return staged
 
 
 def _apply_defaults(
@@ -288,3 +292,115 @@ class ReMaxTrainer(_RLTrainerAPI):
     """ReMax: the greedy response's reward is the baseline."""
 
     adv_estimator = "remax"
+
+
+class _PreferenceTrainerAPI:
+    """Shared constructor of :class:`DPOTrainer` and :class:`RewardModelTrainer`."""
+
+    kind: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | Any = None,
+        tokenizer: Any = None,
+        config: PolyRLConfig | None = None,
+        train_dataset: DatasetLike | None = None,
+        eval_dataset: DatasetLike | None = None,
+    ) -> None:
+        cfg = config if config is not None else PolyRLConfig()
+        if not isinstance(cfg, PolyRLConfig):
+            raise TypeError(f"config must be a PolyRLConfig, got {type(cfg).__name__}")
+        train_rows, train_files = _rows_or_files(train_dataset, "train_dataset")
+        val_rows, val_files = _rows_or_files(eval_dataset, "eval_dataset")
+        if train_dataset is not None:
+            cfg = dataclasses.replace(
+                cfg, data=dataclasses.replace(cfg.data, task="", train_files=train_files)
+            )
+        if eval_dataset is not None:
+            cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, val_files=val_files))
+        if train_rows is None and not cfg.data.train_files and not cfg.data.task:
+            raise ConfigError(
+                "no training data: pass train_dataset= or set data.task / data.train_files",
+                key="data.train_files",
+            )
+        self.config = cfg
+        self._model = model
+        self._tokenizer = tokenizer
+        self._train_rows = train_rows
+        self._val_rows = val_rows
+
+    def _model_dir(self) -> Path | None:
+        return _model_dir(self._model, self._tokenizer, self.config)
+
+    def _run_kwargs(self) -> dict[str, Any]:
+        return {
+            "train_rows": self._train_rows,
+            "val_rows": self._val_rows,
+            "model_dir": self._model_dir(),
+        }
+
+    def train(self) -> dict[str, Any]:
+        """Run the training job; returns the run summary (also in ``<kind>_summary.json``)."""
+        from polyrl.trainer.preference import run_preference
+
+        return run_preference(self.config, self.kind, **self._run_kwargs())
+
+
+class DPOTrainer(_PreferenceTrainerAPI):
+    """Direct preference optimisation (``dpo.loss_type``: sigmoid, ipo, simpo) on pairs.
+
+    ::
+
+        from polyrl import DPOTrainer
+        from polyrl.config import load_config
+
+        trainer = DPOTrainer(
+            model="path/to/hf_model",          # or a transformers model (+ tokenizer=)
+            ref_model=None,                    # None: the model's initial weights, frozen
+            train_dataset=rows,                # prompt / chosen / rejected (TRL's columns)
+            eval_dataset=val_rows,
+            config=load_config("dpo_demo", ["dpo.beta=0.1"]),
+        )
+        summary = trainer.train()              # summary["last_val_accuracy"], "hf_model", ...
+
+    Rows with ``ref_chosen_logps`` / ``ref_rejected_logps`` need no reference model. Options are
+    the ``dpo`` config group (TRL's ``DPOConfig`` names); ``model=None`` builds the tiny model
+    of ``model.*``.
+    """
+
+    kind = "dpo"
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | Any = None,
+        ref_model: str | os.PathLike[str] | None = None,
+        tokenizer: Any = None,
+        config: PolyRLConfig | None = None,
+        train_dataset: DatasetLike | None = None,
+        eval_dataset: DatasetLike | None = None,
+    ) -> None:
+        super().__init__(model, tokenizer, config, train_dataset, eval_dataset)
+        if ref_model is not None and not isinstance(ref_model, str | os.PathLike):
+            raise TypeError(
+                f"ref_model must be a model directory, got {type(ref_model).__name__} (save an "
+                "in-memory model with save_pretrained first)"
+            )
+        self._ref_model = ref_model
+
+    def _run_kwargs(self) -> dict[str, Any]:
+        kwargs = super()._run_kwargs()
+        if self._ref_model is not None:
+            kwargs["ref_model_dir"] = Path(self._ref_model)
+        return kwargs
+
+
+class RewardModelTrainer(_PreferenceTrainerAPI):
+    """A reward model (the model's backbone plus a scalar head) trained on preference pairs.
+
+    The score of a sequence is the head's output at its last token; the loss is
+    Bradley-Terry, ``-logsigmoid(r_chosen - r_rejected - margin)`` (``margin`` from the
+    ``rm.margin_key`` column when present). The final model in ``<output_dir>/hf_model`` loads
+    with ``transformers.AutoModelForSequenceClassification``. Options are the ``rm`` group.
+    """
+
+    kind = "rm"

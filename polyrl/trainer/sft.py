@@ -43,9 +43,12 @@ __all__ = [
     "DEFAULT_PLOT_METRICS",
     "SFTRunner",
     "check_devices",
+    "engine_configs",
     "load_sft_datasets",
+    "plot_run",
     "ray_init_options",
     "resolve_model_dir",
+    "restore_sampler",
     "run_sft",
 ]
 
@@ -137,6 +140,82 @@ def load_sft_datasets(
     if val_files:
         val = SFTDataset(_read_chats(val_files, cfg), tokenizer, source="val data", **kwargs)
     return train, val
+
+
+def engine_configs(cfg: PolyRLConfig, opts: Any, total_steps: int) -> tuple[Any, Any]:
+    """``(EngineConfig, OptimizerConfig)`` from a trainer's option group.
+
+    ``opts`` is a group with the SFT option names (``sft``, ``dpo``, ``rm``: optimizer, lr,
+    weight_decay, lr_scheduler, warmup_ratio, min_lr_ratio, grad_clip, dynamic_batching,
+    micro_batch_size, max_tokens_per_micro_batch, gradient_checkpointing, share_prefix).
+    """
+    from polyrl.model_engine import EngineConfig, MixedPrecisionConfig, OptimizerConfig
+
+    engine = EngineConfig(
+        device=cfg.trainer.device,
+        dynamic_batching=opts.dynamic_batching,
+        micro_batch_size=opts.micro_batch_size,
+        max_tokens_per_micro_batch=opts.max_tokens_per_micro_batch,
+        gradient_checkpointing=opts.gradient_checkpointing,
+        share_prefix=opts.share_prefix,
+        grad_clip=opts.grad_clip,
+        mixed_precision=MixedPrecisionConfig(param_dtype=cfg.model.compute_dtype),
+        seed=cfg.seed,
+    )
+    optimizer = OptimizerConfig(
+        name=opts.optimizer,
+        lr=opts.lr,
+        weight_decay=opts.weight_decay,
+        scheduler=opts.lr_scheduler,
+        warmup_ratio=opts.warmup_ratio,
+        total_steps=total_steps,
+        min_lr_ratio=opts.min_lr_ratio,
+    )
+    return engine, optimizer
+
+
+def restore_sampler(sampler: Any, info: Mapping[str, Any], resume_from: str | Path) -> int:
+    """Put the data sampler back where a checkpoint left it; returns the checkpoint's step.
+
+    Raises:
+        SFTDataError: the checkpoint holds no sampler state.
+        ConfigError: the state does not fit this run's data settings.
+    """
+    state = info["extra_state"].get("sampler")
+    if state is None:
+        raise SFTDataError(f"checkpoint {resume_from} holds no data-sampler state")
+    try:
+        sampler.load_state_dict(state)
+    except ValueError as exc:
+        raise ConfigError(
+            f"cannot resume from {resume_from}: {exc}; resume with the data settings "
+            "of the original run (data.*, seed) or start a new output_dir",
+            key="trainer.resume_mode",
+        ) from None
+    return int(info["step"])
+
+
+def plot_run(
+    tracker: Any,
+    history: Sequence[Mapping[str, Any]],
+    out_dir: Path,
+    keys: Sequence[str],
+    title: str,
+) -> tuple[Path | None, list[dict[str, Any]]]:
+    """Draw ``learning_curves.png`` of a finished run; returns it and the run's metric records.
+
+    The records come from the tracker's metrics file, which spans the whole run including the
+    steps before a resume; without a jsonl logger, from ``history`` (this process's records).
+    """
+    from polyrl.trainer.plotting import plot_learning_curves
+    from polyrl.trainer.tracking import read_metrics
+
+    metrics_file = tracker.metrics_path
+    if metrics_file is None:
+        metrics_file = out_dir / f".{title.split()[-1]}_history.jsonl"
+        metrics_file.write_text("".join(json.dumps(r) + "\n" for r in history))
+    plot = plot_learning_curves(metrics_file, out_dir / PLOT_FILE, list(keys), title=title)
+    return plot, read_metrics(metrics_file)
 
 
 # ------------------------------------------------------------------------------ runners
@@ -343,16 +422,9 @@ def run_sft(cfg: PolyRLConfig) -> dict[str, Any]:
     from tqdm import tqdm
 
     from polyrl.data.sampler import StatefulSampler
-    from polyrl.model_engine import (
-        CheckpointConfig,
-        EngineConfig,
-        MixedPrecisionConfig,
-        ModelSpec,
-        OptimizerConfig,
-    )
+    from polyrl.model_engine import CheckpointConfig, ModelSpec
     from polyrl.models.loader import load_tokenizer
-    from polyrl.trainer.plotting import plot_learning_curves
-    from polyrl.trainer.tracking import Tracker, read_metrics
+    from polyrl.trainer.tracking import Tracker
 
     started = time.perf_counter()
     trainer, sft, data = cfg.trainer, cfg.sft, cfg.data
@@ -389,32 +461,15 @@ def run_sft(cfg: PolyRLConfig) -> dict[str, Any]:
     import torch
 
     use_gpu = trainer.device == "cuda" or (trainer.device == "auto" and torch.cuda.is_available())
+    engine_cfg, optimizer_cfg = engine_configs(cfg, sft, total)
     runner = SFTRunner(
         ModelSpec(
             path=str(model_dir),
             dtype=cfg.model.dtype,
             trust_remote_code=cfg.model.trust_remote_code,
         ),
-        EngineConfig(
-            device=trainer.device,
-            dynamic_batching=sft.dynamic_batching,
-            micro_batch_size=sft.micro_batch_size,
-            max_tokens_per_micro_batch=sft.max_tokens_per_micro_batch,
-            gradient_checkpointing=sft.gradient_checkpointing,
-            share_prefix=sft.share_prefix,
-            grad_clip=sft.grad_clip,
-            mixed_precision=MixedPrecisionConfig(param_dtype=cfg.model.compute_dtype),
-            seed=cfg.seed,
-        ),
-        OptimizerConfig(
-            name=sft.optimizer,
-            lr=sft.lr,
-            weight_decay=sft.weight_decay,
-            scheduler=sft.lr_scheduler,
-            warmup_ratio=sft.warmup_ratio,
-            total_steps=total,
-            min_lr_ratio=sft.min_lr_ratio,
-        ),
+        engine_cfg,
+        optimizer_cfg,
         CheckpointConfig(max_to_keep=trainer.max_ckpt_to_keep),
         world_size=trainer.world_size,
         worker_backend=trainer.worker_backend,
@@ -428,19 +483,7 @@ def run_sft(cfg: PolyRLConfig) -> dict[str, Any]:
     try:
         step = 0
         if resume_from is not None:
-            info = runner.load(resume_from)
-            step = int(info["step"])
-            state = info["extra_state"].get("sampler")
-            if state is None:
-                raise SFTDataError(f"checkpoint {resume_from} holds no data-sampler state")
-            try:
-                sampler.load_state_dict(state)
-            except ValueError as exc:
-                raise ConfigError(
-                    f"cannot resume from {resume_from}: {exc}; resume with the data settings "
-                    "of the original run (data.*, seed) or start a new output_dir",
-                    key="trainer.resume_mode",
-                ) from None
+            step = restore_sampler(sampler, runner.load(resume_from), resume_from)
             _log(f"resumed from {resume_from} at step {step}")
         tracker = Tracker(
             trainer.loggers,
@@ -496,13 +539,7 @@ def run_sft(cfg: PolyRLConfig) -> dict[str, Any]:
         runner.close()
 
     keys = list(trainer.plot_metrics) or list(DEFAULT_PLOT_METRICS)
-    metrics_file = tracker.metrics_path
-    if metrics_file is None:
-        metrics_file = out_dir / ".sft_history.jsonl"
-        metrics_file.write_text("".join(json.dumps(r) + "\n" for r in history))
-    plot = plot_learning_curves(metrics_file, out_dir / PLOT_FILE, keys, title="polyrl sft")
-    # The metrics file spans the whole run, including the steps before a resume.
-    records = read_metrics(metrics_file)
+    plot, records = plot_run(tracker, history, out_dir, keys, "polyrl sft")
     val_losses = [r["val/loss"] for r in records if r.get("val/loss") is not None]
     train_losses = [r["train/loss"] for r in records if r.get("train/loss") is not None]
     summary = {

@@ -1,0 +1,475 @@
+"""The DPO and reward-model trainers behind ``polyrl dpo`` and ``polyrl rm``.
+
+Both train on preference pairs (:mod:`polyrl.trainer.preference_data`) on the model engine and
+differ only in the model and the loss (:mod:`polyrl.trainer.preference_losses`):
+
+* **DPO** trains the causal LM with ``dpo.loss_type`` (``sigmoid``, ``ipo``, ``simpo``). The
+  reference log-probs come from the rows' ``ref_chosen_logps`` / ``ref_rejected_logps`` when every
+  row has them, else from a frozen reference engine on ``dpo.ref_model_path`` (default: the
+  policy's initial weights); each pair's are computed once, when it is first drawn (or all up
+  front with ``dpo.precompute_ref_log_probs``, which then frees the reference model). SimPO
+  needs no reference.
+* **Reward model** trains a value model (the backbone plus a bias-free scalar head) whose score
+  is the head's output at a sequence's last token, with the Bradley-Terry loss; the final model
+  is exported as an ``<Arch>ForSequenceClassification`` directory that
+  ``transformers.AutoModelForSequenceClassification`` loads.
+
+A run follows :func:`polyrl.trainer.sft.run_sft`: the tiny model when ``model.path`` is empty;
+``data.task`` (e.g. ``arithmetic_pairs``) or ``data.train_files`` / ``data.val_files``;
+``trainer.total_steps`` steps of ``data.train_batch_size`` pairs drawn by a resumable sampler;
+held-out metrics (``val/...``) every ``trainer.test_freq`` steps and at the end; checkpoints
+every ``trainer.save_freq`` steps (``trainer.resume_mode=auto`` continues); a PNG of the curves,
+``<dpo|rm>_summary.json`` and the Hugging Face export in ``<output_dir>/hf_model``. These trainers
+run in one process (world size 1).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from polyrl.config import ConfigError, PolyRLConfig, save_config, to_dict
+from polyrl.trainer.checkpointing import checkpoint_root, resolve_resume_path
+from polyrl.trainer.preference_data import (
+    PreferenceDataset,
+    TokenizedPair,
+    collate_pairs,
+    pairs_from_rows,
+)
+from polyrl.trainer.sft import (
+    HF_DIR,
+    check_devices,
+    data_files,
+    engine_configs,
+    plot_run,
+    resolve_model_dir,
+    restore_sampler,
+)
+
+__all__ = ["DEFAULT_PLOT_METRICS", "run_dpo", "run_preference", "run_rm"]
+
+KINDS = ("dpo", "rm")
+#: Metrics drawn in ``learning_curves.png`` when ``trainer.plot_metrics`` is empty.
+DEFAULT_PLOT_METRICS = {
+    "dpo": ("train/loss", "val/loss", "rewards/accuracies", "val/rewards/accuracies"),
+    "rm": ("train/loss", "val/loss", "accuracy", "val/accuracy"),
+}
+#: The held-out accuracy metric of each trainer (in the summary).
+ACCURACY = {"dpo": "val/rewards/accuracies", "rm": "val/accuracy"}
+
+
+def _log(kind: str, message: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(f"[{kind}] {message}", file=sys.stdout)
+    sys.stdout.flush()
+
+
+def _check_config(cfg: PolyRLConfig, kind: str, max_length: int, has_rows: bool) -> None:
+    from polyrl.trainer.tracking import check_trackers
+
+    check_devices(cfg)
+    check_trackers(cfg.trainer.loggers)
+    opts = getattr(cfg, kind)
+    if cfg.trainer.world_size != 1:
+        raise ConfigError(
+            f"is {cfg.trainer.world_size} (nnodes * n_gpus_per_node), but polyrl {kind} trains "
+            "in one process; set trainer.nnodes=1 trainer.n_gpus_per_node=1",
+            key="trainer.n_gpus_per_node",
+        )
+    if not has_rows and not cfg.data.task and not cfg.data.train_files:
+        raise ConfigError(
+            "no training data: set data.task (e.g. arithmetic_pairs) or data.train_files "
+            f"(parquet/jsonl rows with prompt, {opts.chosen_key} and {opts.rejected_key})",
+            key="data.train_files",
+        )
+    if max_length < 2:
+        raise ConfigError(f"must be >= 2 tokens, got {max_length}", key=f"{kind}.max_length")
+    if opts.dynamic_batching and opts.max_tokens_per_micro_batch < 2 * max_length:
+        raise ConfigError(
+            f"{opts.max_tokens_per_micro_batch} is below the longest allowed pair (2 x "
+            f"{max_length} tokens: both rows of a pair share a micro-batch); raise it to at "
+            f"least 2 * {kind}.max_length",
+            key=f"{kind}.max_tokens_per_micro_batch",
+        )
+
+
+def _load_pairs(
+    cfg: PolyRLConfig,
+    kind: str,
+    tokenizer: Any,
+    max_length: int,
+    out_dir: Path,
+    train_rows: Sequence[Mapping[str, Any]] | None,
+    val_rows: Sequence[Mapping[str, Any]] | None,
+) -> tuple[PreferenceDataset, PreferenceDataset | None]:
+    from polyrl.data.io import read_rows
+
+    opts = getattr(cfg, kind)
+    keys = {
+        "prompt_key": cfg.data.prompt_key,
+        "chosen_key": opts.chosen_key,
+        "rejected_key": opts.rejected_key,
+        "margin_key": opts.margin_key if kind == "rm" else "",
+    }
+
+    def pairs(rows: Sequence[Mapping[str, Any]], source: str) -> list[dict[str, Any]]:
+        return pairs_from_rows(rows, source=source, **keys)
+
+    train_pairs: list[dict[str, Any]] = []
+    val_pairs: list[dict[str, Any]] = []
+    if train_rows is not None:
+        train_pairs = pairs(train_rows, "train_dataset")
+        val_files: list[str] = list(cfg.data.val_files)
+    else:
+        train_files, val_files = data_files(cfg, out_dir)
+        for name in train_files:
+            train_pairs += pairs(read_rows(name), name)
+    if val_rows is not None:
+        val_pairs = pairs(val_rows, "eval_dataset")
+    else:
+        for name in val_files:
+            val_pairs += pairs(read_rows(name), name)
+    kwargs = {"max_length": max_length, "truncation": opts.truncation}
+    train = PreferenceDataset(train_pairs, tokenizer, source="train data", **kwargs)
+    val = (
+        PreferenceDataset(val_pairs, tokenizer, source="val data", **kwargs) if val_pairs else None
+    )
+    return train, val
+
+
+class _ReferenceLogProbs:
+    """Each pair's reference log-probs (chosen, rejected), from its row or a frozen engine.
+
+    The engine's are computed once per pair, when first needed, and kept.
+    """
+
+    def __init__(self, engine: Any, pad_id: int, batch_size: int) -> None:
+        self.engine = engine
+        self.pad_id = pad_id
+        self.batch_size = batch_size
+        self._cache: dict[tuple[str, int], tuple[float, float]] = {}
+
+    def get(self, split: str, data: PreferenceDataset, indices: Sequence[int]) -> list[tuple]:
+        from polyrl.trainer.preference_losses import completion_log_probs
+
+        missing = []
+        for i in indices:
+            item = data[i]
+            if item.ref_chosen is not None and item.ref_rejected is not None:
+                self._cache[(split, i)] = (item.ref_chosen, item.ref_rejected)
+            elif (split, i) not in self._cache:
+                missing.append(i)
+        if missing and self.engine is None:
+            raise RuntimeError("reference log-probs are needed but the reference model is gone")
+        for start in range(0, len(missing), self.batch_size):
+            chunk = missing[start : start + self.batch_size]
+            batch = collate_pairs([data[i] for i in chunk], self.pad_id)
+            logps = self.engine.infer_batch(batch, completion_log_probs)["logps"].tolist()
+            for n, i in enumerate(chunk):
+                self._cache[(split, i)] = (logps[2 * n], logps[2 * n + 1])
+        return [self._cache[(split, i)] for i in indices]
+
+    def release(self) -> None:
+        """Free the reference engine (every needed log-prob is cached)."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
+def _pair_batch(
+    kind: str,
+    items: list[TokenizedPair],
+    pad_id: int,
+    refs: list[tuple] | None,
+) -> Any:
+    return collate_pairs(items, pad_id, ref_logps=refs, margin=kind == "rm")
+
+
+def _validate(
+    kind: str,
+    engine: Any,
+    val: PreferenceDataset,
+    refs: _ReferenceLogProbs | None,
+    terms: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    batch_size: int,
+    pad_id: int,
+) -> dict[str, float]:
+    """Held-out loss and pair metrics, exact means over every validation pair."""
+    from polyrl.trainer.preference_losses import completion_log_probs, last_token_scores
+
+    sums: dict[str, float] = {}
+    count = 0
+    for start in range(0, len(val), batch_size):
+        indices = list(range(start, min(start + batch_size, len(val))))
+        items = [val[i] for i in indices]
+        if kind == "dpo":
+            ref = refs.get("val", val, indices) if refs is not None else None
+            batch = _pair_batch(kind, items, pad_id, ref)
+            out = engine.infer_batch(batch, completion_log_probs)
+            ref_t = batch["ref_logps"] if ref is not None else None
+            losses, metrics = terms(out["logps"], out["num_tokens"], ref_t)
+        else:
+            batch = _pair_batch(kind, items, pad_id, None)
+            scores = engine.infer_batch(batch, last_token_scores)["scores"]
+            losses, metrics = terms(scores, batch["margin"])
+        for name, values in {"loss": losses, **metrics}.items():
+            sums[name] = sums.get(name, 0.0) + float(values.sum())
+        count += len(items)
+    return {f"val/{name}": total / count for name, total in sums.items()}
+
+
+def _build_engines(
+    cfg: PolyRLConfig,
+    kind: str,
+    model_dir: Path,
+    total: int,
+    need_ref: bool,
+    ref_model_dir: Path | None,
+) -> tuple[Any, Any]:
+    from polyrl.model_engine import (
+        CheckpointConfig,
+        ModelSpec,
+        OptimizerConfig,
+        build_engine,
+    )
+
+    opts = getattr(cfg, kind)
+    engine_cfg, optimizer_cfg = engine_configs(cfg, opts, total)
+    common = {"dtype": cfg.model.dtype, "trust_remote_code": cfg.model.trust_remote_code}
+    if kind == "rm":
+        spec = ModelSpec(path=str(model_dir), kind="value", value_head_bias=False, **common)
+    else:
+        spec = ModelSpec(path=str(model_dir), **common)
+    checkpoint = CheckpointConfig(max_to_keep=cfg.trainer.max_ckpt_to_keep)
+    policy = build_engine(spec, engine_cfg, optimizer_cfg, checkpoint)
+    ref = None
+    if need_ref:
+        try:
+            ref_dir = ref_model_dir or Path(cfg.dpo.ref_model_path or model_dir)
+            if not (ref_dir / "config.json").is_file():
+                raise ConfigError(
+                    f"{str(ref_dir)!r} is not a Hugging Face model directory (no config.json)",
+                    key="dpo.ref_model_path",
+                )
+            # A reference engine never steps its optimizer (lr 0 keeps that obvious).
+            ref = build_engine(
+                ModelSpec(path=str(ref_dir), **common), engine_cfg, OptimizerConfig(lr=0.0)
+            )
+        except BaseException:
+            policy.close()
+            raise
+    return policy, ref
+
+
+def run_preference(
+    cfg: PolyRLConfig,
+    kind: str,
+    *,
+    train_rows: Sequence[Mapping[str, Any]] | None = None,
+    val_rows: Sequence[Mapping[str, Any]] | None = None,
+    model_dir: str | Path | None = None,
+    ref_model_dir: str | Path | None = None,
+) -> dict[str, Any]:
+    """Run DPO (``kind="dpo"``) or reward-model training (``"rm"``); returns the summary.
+
+    ``train_rows`` / ``val_rows`` replace the data files (the Python API passes in-memory
+    datasets this way); ``model_dir`` / ``ref_model_dir`` replace ``model.path`` /
+    ``dpo.ref_model_path``.
+    """
+    from tqdm import tqdm
+
+    from polyrl.algo.preference import DPO_LOSSES
+    from polyrl.data.sampler import StatefulSampler
+    from polyrl.models.loader import load_tokenizer
+    from polyrl.trainer.preference_losses import (
+        DPO_METRICS,
+        RM_METRICS,
+        dpo_engine_loss,
+        dpo_pair_terms,
+        reward_model_engine_loss,
+        reward_pair_terms,
+    )
+    from polyrl.trainer.tracking import Tracker
+
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    started = time.perf_counter()
+    trainer, data, opts = cfg.trainer, cfg.data, getattr(cfg, kind)
+    max_length = opts.max_length or data.max_prompt_length + data.max_response_length
+    _check_config(cfg, kind, max_length, train_rows is not None)
+    out_dir = Path(trainer.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out_dir / f"{kind}_config.yaml")
+
+    model_path = Path(model_dir) if model_dir is not None else resolve_model_dir(cfg, out_dir)
+    tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    pad_id = int(tokenizer.pad_token_id)
+    train_ds, val_ds = _load_pairs(cfg, kind, tokenizer, max_length, out_dir, train_rows, val_rows)
+    if len(train_ds) < data.train_batch_size:
+        raise ConfigError(
+            f"{data.train_batch_size} exceeds the {len(train_ds)} training pairs",
+            key="data.train_batch_size",
+        )
+    sampler = StatefulSampler(
+        len(train_ds), data.train_batch_size, shuffle=data.shuffle, seed=cfg.seed_for("data")
+    )
+    total = (
+        opts.total_steps or trainer.total_steps or trainer.total_epochs * sampler.batches_per_epoch
+    )
+    pair_metrics = DPO_METRICS if kind == "dpo" else RM_METRICS
+    if kind == "dpo":
+        reference_free = DPO_LOSSES.get(opts.loss_type).reference_free
+        kwargs = {
+            "beta": opts.beta,
+            "loss_type": opts.loss_type,
+            "label_smoothing": opts.label_smoothing,
+            "simpo_gamma": opts.simpo_gamma,
+        }
+        loss_fn = functools.partial(dpo_engine_loss, **kwargs)
+        terms = functools.partial(dpo_pair_terms, **kwargs)
+        need_ref = not reference_free and not (
+            train_ds.has_ref_logps and (val_ds is None or val_ds.has_ref_logps)
+        )
+    else:
+        coef = opts.center_rewards_coefficient
+        loss_fn = functools.partial(reward_model_engine_loss, center_rewards_coefficient=coef)
+        terms = functools.partial(reward_pair_terms, center_rewards_coefficient=coef)
+        reference_free, need_ref = True, False
+    _log(
+        kind,
+        f"model {model_path} | {len(train_ds)} train / {len(val_ds) if val_ds else 0} val pairs "
+        f"(max_length {max_length}, {train_ds.num_filtered} filtered) | {total} steps of "
+        f"{data.train_batch_size} pairs"
+        + ("" if kind == "rm" else f" | reference: {'model' if need_ref else 'none/columns'}"),
+    )
+
+    root = checkpoint_root(out_dir)
+    resume_from = resolve_resume_path(trainer.resume_mode, trainer.resume, root)
+    engine, ref_engine = _build_engines(
+        cfg,
+        kind,
+        model_path,
+        total,
+        need_ref,
+        Path(ref_model_dir) if ref_model_dir is not None else None,
+    )
+    refs = None
+    if kind == "dpo" and not reference_free:
+        refs = _ReferenceLogProbs(ref_engine, pad_id, data.val_batch_size)
+    validate = val_ds is not None and trainer.test_freq > 0
+    history: list[dict[str, Any]] = []
+    tracker = None
+    hf_dir = None
+    try:
+        if refs is not None and opts.precompute_ref_log_probs:
+            refs.get("train", train_ds, range(len(train_ds)))
+            if val_ds is not None:
+                refs.get("val", val_ds, range(len(val_ds)))
+            refs.release()
+        step = 0
+        if resume_from is not None:
+            step = restore_sampler(sampler, engine.load_checkpoint(resume_from), resume_from)
+            _log(kind, f"resumed from {resume_from} at step {step}")
+        tracker = Tracker(
+            trainer.loggers,
+            out_dir,
+            project=trainer.project_name,
+            experiment=trainer.experiment_name,
+            config=to_dict(cfg),
+            resume_step=step if resume_from is not None else None,
+            total_steps=total,
+        )
+
+        def record(metrics: dict[str, float], at: int) -> None:
+            history.append({"step": at, **tracker.log(metrics, at)})
+
+        def held_out() -> dict[str, float]:
+            assert val_ds is not None
+            return _validate(kind, engine, val_ds, refs, terms, data.val_batch_size, pad_id)
+
+        if validate and trainer.val_before_train and resume_from is None:
+            record(held_out(), step)
+        last_ckpt = resume_from
+        bar = tqdm(
+            total=total, initial=step, desc=kind, unit="step", dynamic_ncols=True, file=sys.stderr
+        )
+        with bar:
+            while step < total:
+                indices = sampler.next_batch()
+                items = [train_ds[i] for i in indices]
+                ref = refs.get("train", train_ds, indices) if refs is not None else None
+                batch = _pair_batch(kind, items, pad_id, ref)
+                tick = time.perf_counter()
+                out = engine.train_batch(batch, loss_fn)
+                engine.lr_scheduler_step()
+                elapsed = time.perf_counter() - tick
+                step += 1
+                metrics = {
+                    "train/loss": out["loss"],
+                    "train/grad_norm": out["grad_norm"],
+                    "train/lr": out["lr"],
+                    "train/tokens_per_s": float(batch["attention_mask"].sum()) / elapsed,
+                    "train/epoch": sampler.epoch + sampler.position / sampler.batches_per_epoch,
+                }
+                metrics.update({k: out[k] for k in pair_metrics})
+                if validate and (step % trainer.test_freq == 0 or step == total):
+                    metrics.update(held_out())
+                # Log before saving, as SFT does: a resume drops records after its checkpoint.
+                record(metrics, step)
+                bar.update(1)
+                bar.set_postfix(loss=f"{out['loss']:.4f}")
+                if trainer.save_freq and (step % trainer.save_freq == 0 or step == total):
+                    last_ckpt = engine.save_checkpoint(
+                        str(root), step, {"sampler": sampler.state_dict()}
+                    )
+        if opts.export_hf:
+            hf_dir = engine.export_hf(str(out_dir / HF_DIR))
+            if kind == "rm":
+                from polyrl.model_engine.heads import to_sequence_classifier
+
+                to_sequence_classifier(hf_dir, pad_token_id=pad_id)
+            _log(kind, f"model exported to {hf_dir}")
+    finally:
+        if tracker is not None:
+            tracker.finish()
+        engine.close()
+        if refs is not None:
+            refs.release()
+
+    keys = list(trainer.plot_metrics) or list(DEFAULT_PLOT_METRICS[kind])
+    plot, records = plot_run(tracker, history, out_dir, keys, f"polyrl {kind}")
+    accuracy = [r[ACCURACY[kind]] for r in records if r.get(ACCURACY[kind]) is not None]
+    val_losses = [r["val/loss"] for r in records if r.get("val/loss") is not None]
+    summary = {
+        "steps": step,
+        "resumed_from": str(resume_from) if resume_from else None,
+        "first_val_accuracy": accuracy[0] if accuracy else None,
+        "last_val_accuracy": accuracy[-1] if accuracy else None,
+        "first_val_loss": val_losses[0] if val_losses else None,
+        "last_val_loss": val_losses[-1] if val_losses else None,
+        "checkpoint": str(last_ckpt) if last_ckpt else None,
+        "hf_model": hf_dir,
+        "plot": str(plot) if plot else None,
+        "elapsed_s": round(time.perf_counter() - started, 2),
+    }
+    (out_dir / f"{kind}_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _log(kind, "done: " + " ".join(f"{k}={v}" for k, v in summary.items()))
+    return summary
+
+
+def run_dpo(cfg: PolyRLConfig, **kwargs: Any) -> dict[str, Any]:
+    """Run DPO as configured (``cfg.dpo``); see :func:`run_preference`."""
+    return run_preference(cfg, "dpo", **kwargs)
+
+
+def run_rm(cfg: PolyRLConfig, **kwargs: Any) -> dict[str, Any]:
+    """Train a reward model as configured (``cfg.rm``); see :func:`run_preference`."""
+    return run_preference(cfg, "rm", **kwargs)

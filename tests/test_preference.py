@@ -1,0 +1,213 @@
+"""DPO and reward models: loss math, pair data, micro-batch groups, `polyrl dpo`, RM export."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from polyrl import cli
+from polyrl.algo.preference import bradley_terry_loss, dpo_loss
+from polyrl.config import ConfigError, load_config
+from polyrl.model_engine.batching import min_micro_batches, plan_micro_batches
+from polyrl.trainer.preference_data import (
+    PreferenceDataError,
+    PreferenceDataset,
+    collate_pairs,
+    pairs_from_rows,
+)
+from polyrl.trainer.preference_losses import dpo_pair_terms, reward_pair_terms
+from polyrl.trainer.tracking import read_metrics
+
+
+def _logsig(x: float) -> float:
+    return -math.log1p(math.exp(-x))
+
+
+# ------------------------------------------------------------------------------ loss math
+def test_dpo_sigmoid_ipo_simpo_on_hand_computed_values():
+    pc, pr = torch.tensor([-1.0, -4.0]), torch.tensor([-3.0, -2.0])
+    rc, rr = torch.tensor([-2.0, -3.0]), torch.tensor([-2.0, -2.5])
+    # h = (pc - rc) - (pr - rr) = [1 - (-1), -1 - 0.5] = [2, -1.5]
+    out = dpo_loss(pc, pr, rc, rr, beta=0.5)
+    assert out.losses.tolist() == pytest.approx([-_logsig(1.0), -_logsig(-0.75)])
+    assert out.chosen_rewards.tolist() == pytest.approx([0.5, -0.5])
+    assert out.rejected_rewards.tolist() == pytest.approx([-0.5, 0.25])
+    smooth = dpo_loss(pc, pr, rc, rr, beta=0.5, label_smoothing=0.1).losses
+    expected = [
+        -0.9 * _logsig(1.0) - 0.1 * _logsig(-1.0),
+        -0.9 * _logsig(-0.75) - 0.1 * _logsig(0.75),
+    ]
+    assert smooth.tolist() == pytest.approx(expected)
+    ipo = dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type="ipo").losses  # (h - 1)^2
+    assert ipo.tolist() == pytest.approx([1.0, 6.25])
+    simpo = dpo_loss(pc, pr, beta=2.0, loss_type="simpo", simpo_gamma=0.5)  # no reference
+    assert simpo.losses.tolist() == pytest.approx([-_logsig(3.5), -_logsig(-4.5)])
+    assert simpo.chosen_rewards.tolist() == pytest.approx([-2.0, -8.0])
+    with pytest.raises(ValueError, match="reference"):
+        dpo_loss(pc, pr, beta=0.1)
+    with pytest.raises(KeyError, match="hinge"):
+        dpo_loss(pc, pr, rc, rr, loss_type="hinge")
+
+
+def test_bradley_terry_with_margin_and_centering():
+    rc, rr = torch.tensor([2.0, 0.0]), torch.tensor([1.0, 0.5])
+    assert bradley_terry_loss(rc, rr).tolist() == pytest.approx([-_logsig(1.0), -_logsig(-0.5)])
+    margin = torch.tensor([0.5, -1.0])
+    got = bradley_terry_loss(rc, rr, margin, center_rewards_coefficient=0.1)
+    assert got.tolist() == pytest.approx([-_logsig(0.5) + 0.1 * 9.0, -_logsig(0.5) + 0.1 * 0.25])
+
+
+def test_pair_terms_read_interleaved_rows_and_length_normalise():
+    logps = torch.tensor([-2.0, -6.0, -3.0, -1.0])  # (c0, r0, c1, r1)
+    tokens = torch.tensor([2.0, 3.0, 1.0, 1.0])
+    losses, m = dpo_pair_terms(logps, tokens, None, beta=1.0, loss_type="simpo", simpo_gamma=0.0)
+    # averages: c0 -1, r0 -2, c1 -3, r1 -1
+    assert losses.tolist() == pytest.approx([-_logsig(1.0), -_logsig(-2.0)])
+    assert m["rewards/accuracies"].tolist() == [1.0, 0.0]
+    assert m["rewards/margins"].tolist() == pytest.approx([1.0, -2.0])
+    losses, m = reward_pair_terms(torch.tensor([1.0, 3.0, 2.0, 0.0]), torch.tensor([1.0] * 4))
+    assert losses.tolist() == pytest.approx([-_logsig(-3.0), -_logsig(1.0)])
+    assert m["accuracy"].tolist() == [0.0, 1.0]
+
+
+def test_micro_batch_plans_keep_row_groups_whole():
+    lengths = [5, 9, 3, 3, 8, 2]  # pairs (0, 1), (2, 3), (4, 5)
+    for kw in (
+        {"dynamic": True, "max_tokens": 18},
+        {"dynamic": True, "max_tokens": 14, "packed": True},
+        {"dynamic": False, "micro_batch_size": 2},
+    ):
+        need = min_micro_batches(lengths, group_size=2, **kw)
+        for k in (need, need + 2):
+            plan = plan_micro_batches(lengths, k, group_size=2, **kw)
+            assert len(plan) == k and sorted(i for mb in plan for i in mb) == list(range(6))
+            for mb in plan:
+                assert all(mb[j] % 2 == 0 and mb[j + 1] == mb[j] + 1 for j in range(0, len(mb), 2))
+    # Trimmed rows: a pair of 9-token rows costs 18 tokens, more than a budget of 17.
+    with pytest.raises(ValueError, match="group of 2 rows"):
+        min_micro_batches(lengths, dynamic=True, max_tokens=17, group_size=2)
+
+
+# ------------------------------------------------------------------------------ pair data
+def test_pairs_in_trl_and_verl_formats(tiny_qwen2_tokenizer):
+    tok = tiny_qwen2_tokenizer
+    rows = [
+        {
+            "prompt": "1+1=",
+            "chosen": "2",
+            "rejected": "3",
+            "ref_chosen_logps": -1.0,
+            "ref_rejected_logps": -2.0,
+        },
+        {"prompt": [{"role": "user", "content": "1+1="}], "chosen": "2", "rejected": "21"},
+        {
+            "chosen": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}],
+            "rejected": [
+                {"role": "user", "content": "1+1="},
+                {"role": "assistant", "content": "3"},
+            ],
+        },
+    ]
+    pairs = pairs_from_rows(rows)
+    assert pairs[0]["prompt"] == "1+1=" and pairs[0]["ref_chosen"] == -1.0
+    assert pairs[2]["prompt"] == [{"role": "user", "content": "1+1="}]
+    assert pairs[2]["chosen"] == [{"role": "assistant", "content": "2"}]
+    data = PreferenceDataset(pairs, tok, max_length=64)
+    text = data[0].chosen
+    learned = [t for t, m in zip(text.input_ids, text.loss_mask, strict=True) if m]
+    assert tok.decode(learned) == "2" + tok.eos_token  # raw text: completion plus eos
+    chat = data[1].chosen
+    learned = [t for t, m in zip(chat.input_ids, chat.loss_mask, strict=True) if m]
+    assert learned[-1] == tok.eos_token_id and chat.input_ids[-1] == tok.eos_token_id
+    assert tok.decode(learned[:-1]) == "2"
+    assert data[2].chosen == chat  # the implicit prompt renders as the explicit one
+    batch = collate_pairs(data.items[:2], tok.pad_token_id, ref_logps=[(-1.0, -2.0), (0.0, 0.0)])
+    assert batch["input_ids"].shape[0] == 4 and batch.meta["row_group_size"] == 2
+    assert batch["ref_logps"].tolist() == [-1.0, -2.0, 0.0, 0.0]
+    with pytest.raises(PreferenceDataError, match="row 0 has no 'rejected'"):
+        pairs_from_rows([{"prompt": "a", "chosen": "b"}])
+    with pytest.raises(PreferenceDataError, match="share no leading message"):
+        pairs_from_rows([{"chosen": [{"role": "assistant", "content": "x"}], "rejected": "y"}])
+    with pytest.raises(PreferenceDataError, match="max_length=8"):
+        PreferenceDataset(pairs[1:2], tok, max_length=8)
+
+
+def test_presets_and_config_errors(capsys):
+    cfg = load_config("dpo_demo")
+    assert cfg.data.task == "arithmetic_pairs" and cfg.dpo.beta > 0
+    assert load_config("rm_demo").rm.center_rewards_coefficient == 0.0
+    with pytest.raises(ConfigError, match="dpo.loss_type"):
+        load_config("dpo_demo", ["dpo.loss_type=hinge"])
+    assert cli.main(["rm", "rm_demo", "rm.max_tokens_per_micro_batch=64"]) == 2
+    assert "rm.max_tokens_per_micro_batch" in capsys.readouterr().err
+    assert cli.main(["dpo", "dpo_demo", "trainer.n_gpus_per_node=2"]) == 2
+    assert "trainer.n_gpus_per_node" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ end to end
+@pytest.fixture
+def one_thread():
+    """One torch thread: on a shared 2-core machine, more threads than cores only thrash."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+SMALL = ["data.num_train=128", "data.num_val=32", "trainer.total_steps=6", "trainer.test_freq=3"]
+
+
+@pytest.mark.slow
+def test_polyrl_dpo_raises_held_out_preference_accuracy(tiny_qwen2_dir, tmp_path, one_thread):
+    out = tmp_path / "dpo"
+    args = ["dpo", "dpo_demo", f"trainer.output_dir={out}", f"model.path={tiny_qwen2_dir}"]
+    assert cli.main([*args, *SMALL, "trainer.save_freq=0", "dpo.export_hf=false"]) == 0
+    records = read_metrics(out / "metrics.jsonl")
+    val = [(r["step"], r["val/rewards/accuracies"]) for r in records if "val/loss" in r]
+    assert [s for s, _ in val] == [0, 3, 6]
+    assert val[0][1] < 0.5 and val[-1][1] > 0.8, val
+    last = records[-1]
+    assert last["val/rewards/margins"] > 0 and last["val/loss"] < math.log(2)
+    assert {"rewards/chosen", "rewards/rejected", "rewards/margins"} <= set(last)
+    summary = json.loads((out / "dpo_summary.json").read_text())
+    assert summary["last_val_accuracy"] == val[-1][1] and summary["hf_model"] is None
+
+
+@pytest.mark.slow
+def test_reward_model_trainer_learns_and_exports_a_sequence_classifier(
+    tiny_qwen2_dir, tmp_path, one_thread
+):
+    from transformers import AutoModelForSequenceClassification
+
+    from polyrl import RewardModelTrainer
+    from polyrl.data.tasks import generate
+
+    cfg = load_config(
+        "rm_demo", [f"trainer.output_dir={tmp_path}", *SMALL[2:], "trainer.save_freq=0"]
+    )
+    train = generate("arithmetic_pairs", 128, seed=0, split="train")
+    val = generate("arithmetic_pairs", 32, seed=0, split="test")
+    summary = RewardModelTrainer(
+        tiny_qwen2_dir, config=cfg, train_dataset=train, eval_dataset=val
+    ).train()
+    assert summary["last_val_accuracy"] > 0.8 and summary["first_val_accuracy"] < 0.8, summary
+    last = read_metrics(tmp_path / "metrics.jsonl")[-1]
+
+    # The export loads as a Hugging Face sequence classifier whose scores are the engine's.
+    hf = AutoModelForSequenceClassification.from_pretrained(summary["hf_model"]).eval()
+    assert type(hf).__name__ == "Qwen2ForSequenceClassification" and hf.config.num_labels == 1
+    from polyrl.models.loader import load_tokenizer
+
+    tok = load_tokenizer(summary["hf_model"])
+    pairs = PreferenceDataset(pairs_from_rows(val), tok, max_length=64)
+    batch = collate_pairs(pairs.items, tok.pad_token_id)
+    with torch.no_grad():
+        scores = hf(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    chosen, rejected = scores[0::2, 0], scores[1::2, 0]
+    # val/margin and val/accuracy are the trained engine's means over these very pairs.
+    assert float((chosen - rejected).mean()) == pytest.approx(last["val/margin"], abs=1e-4)
+    assert float((chosen > rejected).float().mean()) == last["val/accuracy"]
+    assert float(chosen.mean()) == pytest.approx(last["val/rewards/chosen"], abs=1e-4)
