@@ -556,7 +556,7 @@ ADV_ESTIMATORS = (
     "reinforce_plus_plus_baseline",
     "remax",
 )
-KL_ESTIMATORS = ("k1", "k2", "k3", "kl", "mse", "low_var_kl")
+KL_ESTIMATORS = ("k1", "k2", "k3", "kl", "mse", "low_var_kl", "abs", "full")
 KL_CONTROLLERS = ("fixed", "adaptive")
 POLICY_LOSSES = ("ppo_clip", "gspo")
 AGENT_LOOPS = ("single_turn", "tool", "env")
@@ -983,6 +983,11 @@ class AlgorithmConfig(ConfigGroup):
     )
     rollout_is_threshold: float = option(
         2.0, "Rollout importance weights are truncated at this value.", ge=1.0
+    )
+    overlong_filter: bool = option(
+        False,
+        "DAPO overlong filtering: responses cut at the length cap (finish reason 'length') "
+        "are masked out of the loss (SkyRL: apply_overlong_filtering).",
     )
 
 
