@@ -205,6 +205,19 @@ def check_config(cfg: PolyRLConfig, has_rows: bool = False, has_model: bool = Fa
             key="algorithm.filter_groups",
         )
     check_mode(cfg)
+    reward = cfg.reward
+    if reward.rule_weight == 0.0 and not reward.model_path and not reward.judge_template:
+        raise ConfigError(
+            "is 0 and neither reward.model_path nor reward.judge_template is set: nothing "
+            "would score the responses",
+            key="reward.rule_weight",
+        )
+    if reward.model_path and not Path(reward.model_path, "config.json").is_file():
+        raise ConfigError(
+            f"{reward.model_path!r} is not a Hugging Face model directory (no config.json); "
+            "expected a *ForSequenceClassification checkpoint with num_labels=1",
+            key="reward.model_path",
+        )
     if algo.overlong_filter and cfg.transfer.enable:
         raise ConfigError(
             "algorithm.overlong_filter masks rows in the driver's batch; it is not supported with "
