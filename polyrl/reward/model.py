@@ -221,7 +221,8 @@ class RewardModelProcess:
                 self._conn.send(("stop",))
             except (OSError, ValueError):
                 pass
-            self._proc.join(timeout=10)
+            # It holds nothing that needs an orderly exit: do not wait on torch's teardown.
+            self._proc.join(timeout=1)
             if self._proc.is_alive():
                 self._proc.kill()
                 self._proc.join(timeout=5)
