@@ -101,6 +101,10 @@ def test_infinite_loops_and_memory_hogs_are_killed_and_score_zero():
 def test_code_simple_task_reference_solutions_pass():
     rows = generate("code_simple", 5, seed=3, num_cases=2)
     assert len({r["prompt"][0]["content"] for r in rows}) == 5
+    assert generate("code_simple", 3, seed=3, num_cases=2) == rows[:3]  # prefix-stable
+    assert generate("code_simple", 5, seed=3, split="test", num_cases=2) != rows
+    instruct = generate("code_simple", 2, seed=3, style="instruct")
+    assert all("```python" in r["prompt"][0]["content"] for r in instruct)
     for row in rows:
         truth = row["reward_model"]["ground_truth"]
         assert json.loads(truth)["inputs"]  # stored as JSON text, as verl and PRIME do

@@ -185,6 +185,9 @@ class MixedRewards:
             statuses, failures = list(result.statuses), dict(result.failures)
             total += reward.rule_weight * rule
             extras["rule_score"] = rule
+            if "acc" not in extras:
+                # Correctness is the rules' verdict (score >= 1), not the weighted sum's.
+                extras["acc"] = (rule >= 1.0 - 1e-6).astype(np.float64)
             metrics.update(_stats("reward/rule", rule))
         if self.model is not None:
             model = np.asarray(self.model.score(prompts, texts), dtype=np.float64)
