@@ -128,17 +128,17 @@ def test_grpo_with_code_scorer_reward_model_and_judge(tmp_path, tiny_qwen2_dir, 
             "data.task_options={num_cases: 2, style: short}",
             "data.num_train=16",
             "data.num_val=0",
-            "data.train_batch_size=4",
-            "data.max_response_length=16",
+            "data.train_batch_size=2",
+            "data.max_response_length=8",
             "rollout.n=2",
-            "rollout.max_new_tokens=16",
-            "actor.ppo_mini_batch_size=4",
+            "rollout.max_new_tokens=8",
+            "actor.ppo_mini_batch_size=2",
             "actor.use_kl_loss=false",
             "reward.num_workers=1",
             f"reward.model_path={reward_model_dir}",
             "reward.model_weight=0.5",
             f"reward.judge_template={template}",
-            "reward.judge_max_tokens=6",
+            "reward.judge_max_tokens=4",
             "reward.judge_weight=0.25",
         ],
     )
@@ -150,8 +150,8 @@ def test_grpo_with_code_scorer_reward_model_and_judge(tmp_path, tiny_qwen2_dir, 
             assert 0.0 <= metrics["reward/rule/mean"] <= 1.0  # the code scorer's fraction
             assert math.isfinite(metrics["reward/model/mean"])
             failures = metrics["reward/judge_parse_failures"] + metrics["reward/judge_errors"]
-            assert 0.0 <= failures <= 8.0  # 4 prompts x 2 responses
-            assert metrics["reward/judge/mean"] <= (8.0 - failures) / 8.0 + 1e-6
+            assert 0.0 <= failures <= 4.0  # 2 prompts x 2 responses
+            assert metrics["reward/judge/mean"] <= (4.0 - failures) / 4.0 + 1e-6
         assert metrics["rollout/weight_version"] == 2.0  # the weights moved on every step
 
         # The same path on one fresh batch: the per-sample parts, and how they add up.

@@ -80,7 +80,15 @@ class SequenceRewardModel:
         self.device = torch.device(device)
         self.batch_size = int(batch_size)
         self.max_length = int(max_length)
-        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(
+                path, trust_remote_code=trust_remote_code
+            )
+        except (OSError, ValueError) as exc:
+            raise ValueError(
+                f"reward model {path!r}: cannot load its tokenizer ({exc}); save the tokenizer "
+                "the reward model was trained with into the same directory"
+            ) from None
         self.model = AutoModelForSequenceClassification.from_pretrained(
             path, dtype=resolve_dtype(dtype), trust_remote_code=trust_remote_code
         )
