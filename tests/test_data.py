@@ -387,12 +387,17 @@ def test_dataset_from_files_with_dataloader_and_sampler(tokenizer, tmp_path):
     assert first["input_ids"].shape[0] == 4 and first["attention_mask"][:, -1].all()
 
 
+#: The tasks with a short answer after ``####`` (``code_simple`` asks for a program: its prompts
+#: are longer, and tests/test_reward_code.py covers it).
+ANSWER_TASKS = sorted(name for name in TASKS if name != "code_simple")
+
+
 def test_task_prompts_fit_the_tiny_model_tokenizer():
     """The demo's tiny-model tokenizer renders every task prompt in a few dozen tokens."""
     from polyrl.models.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
-    for name in sorted(TASKS):
+    for name in ANSWER_TASKS:
         ds = RLDataset(generate(name, 20, seed=0), tok, max_prompt_length=32)
         assert len(ds) == 20 and max(ds.prompt_lengths) <= 32
         text = tok.decode(ds.input_ids[0])
@@ -506,7 +511,7 @@ def _reachable(numbers: list[int]) -> set[Fraction]:
     return rec(tuple(Fraction(n) for n in numbers))
 
 
-@pytest.mark.parametrize("name", sorted(TASKS))
+@pytest.mark.parametrize("name", ANSWER_TASKS)
 def test_tasks_are_deterministic_valid_rows(name):
     rows = generate(name, 40, seed=3)
     assert rows == get_task(name)(40, 3) == generate(name, 40, seed=3, split="train")

@@ -5,6 +5,11 @@ With ``d = logp - ref_logp`` (per token, samples from the current policy):
 - ``k1 = d`` (unbiased, high variance, can be negative)
 - ``k2 = d^2 / 2``
 - ``k3 = exp(-d) - 1 + d`` (unbiased, low variance, >= 0), clamped to ``[-10, 10]``
+- ``abs = |d|`` (verl's ``abs``: >= 0, biased)
+- ``full = sum_v p(v) (log p(v) - log p_ref(v))``: the exact KL of the two next-token
+  distributions at each position (no sampling noise); it needs each position's whole
+  log-distribution, so ``logp`` and ``ref_logp`` are then ``(..., V)`` log-probabilities over
+  the vocabulary and the result has one dimension less
 
 Reward penalty: ``r_t = score_t - beta * kl_t * mask_t``. Adaptive controller (Ziegler et al.):
 ``e = clip(kl / target - 1, -0.2, 0.2)``, ``beta <- beta * (1 + e * n_steps / horizon)``.
@@ -16,12 +21,17 @@ import torch
 
 from polyrl.core.numerics import agg_loss, masked_mean
 
-KL_KINDS = ("k1", "k2", "k3")
+KL_KINDS = ("k1", "k2", "k3", "abs", "full")
 _ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token KL estimate of ``kind`` (``k1``/``k2``/``k3`` or ``kl``/``mse``/``low_var_kl``)."""
+    """Per-token KL estimate of ``kind`` (see the module docstring for each).
+
+    ``kind`` is one of :data:`KL_KINDS` or an alias (``kl``/``mse``/``low_var_kl``). For ``full``
+    the inputs are ``(..., V)`` log-distributions (e.g. ``log_softmax`` of the logits) and the
+    result is ``(...)``; for the others they are the sampled tokens' log-probs.
+    """
     if logp.shape != ref_logp.shape:
         raise ValueError(
             f"logp shape {tuple(logp.shape)} must equal ref_logp shape {tuple(ref_logp.shape)}"
@@ -36,6 +46,19 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> 
         # Clamp first so exp() cannot overflow when the policies disagree badly.
         neg = torch.clamp(-d, -20.0, 20.0)
         return torch.clamp(torch.exp(neg) - neg - 1.0, -10.0, 10.0)
+    if k == "abs":
+        return d.abs()
+    if k == "full":
+        if logp.dim() < 1 or logp.shape[-1] < 2:
+            raise ValueError(
+                "the full KL needs whole log-distributions (..., V) over the vocabulary, got "
+                f"shape {tuple(logp.shape)}"
+            )
+        # p * (log p - log q), with 0 * log 0 = 0 where p underflows; a token that the
+        # reference rules out (log q = -inf) where p > 0 gives +inf, as the KL is.
+        p = logp.exp()
+        terms = torch.where(p > 0, p * d, torch.zeros_like(d))
+        return terms.sum(dim=-1)
     raise ValueError(f"unknown KL kind {kind!r}; expected one of {KL_KINDS} or {sorted(_ALIASES)}")
 
 

@@ -23,6 +23,7 @@ import copy
 import dataclasses
 import functools
 import math
+import re
 import types
 import typing
 from collections.abc import Callable, Iterator, Sequence
@@ -537,7 +538,15 @@ def _require_nonempty(value: str, key: str) -> None:
 
 TINY_ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe")
 TINY_SIZES = ("nano", "micro", "small")
-TASKS = ("", "arithmetic", "arithmetic_pairs", "countdown", "string_reverse", "string_sort")
+TASKS = (
+    "",
+    "arithmetic",
+    "arithmetic_pairs",
+    "countdown",
+    "string_reverse",
+    "string_sort",
+    "code_simple",
+)
 TRUNCATIONS = ("error", "filter", "left", "right")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 DEVICES = ("auto", "cpu", "cuda")
@@ -556,7 +565,7 @@ ADV_ESTIMATORS = (
     "reinforce_plus_plus_baseline",
     "remax",
 )
-KL_ESTIMATORS = ("k1", "k2", "k3", "kl", "mse", "low_var_kl")
+KL_ESTIMATORS = ("k1", "k2", "k3", "kl", "mse", "low_var_kl", "abs", "full")
 KL_CONTROLLERS = ("fixed", "adaptive")
 POLICY_LOSSES = ("ppo_clip", "gspo")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "simpo")
@@ -664,9 +673,50 @@ class RewardConfig(ConfigGroup):
     overlong_penalty_factor: float = option(
         1.0, "Penalty at the length cap when overlong_buffer_len > 0.", ge=0.0
     )
+    rule_weight: float = option(
+        1.0,
+        "Weight of the rule-based score (registered scorers or custom_function) in the reward; "
+        "0 skips rule scoring (a reward model or judge alone).",
+    )
+    model_path: str = option(
+        "",
+        "Scalar reward model: a local Hugging Face *ForSequenceClassification directory "
+        "(num_labels=1); empty: none.",
+    )
+    model_weight: float = option(1.0, "Weight of the reward model's score in the reward.")
+    model_device: str = option(
+        "auto", "Device of the reward model (auto: CUDA when available).", choices=DEVICES
+    )
+    model_dtype: str = option(
+        "float32", "Parameter dtype of the reward model.", choices=FLOAT_DTYPES
+    )
+    model_batch_size: int = option(16, "Texts per reward-model forward pass.", ge=1)
+    model_max_length: int = option(
+        4096, "Reward-model inputs are cut to this many tokens (from the left).", ge=1
+    )
+    judge_template: str = option(
+        "",
+        "Generative judge prompt with {prompt}, {response} and {ground_truth}; empty: no judge.",
+    )
+    judge_url: str = option(
+        "", "OpenAI-compatible server of the judge; empty: the policy's own rollout replicas."
+    )
+    judge_model: str = option("", "Model name sent to judge_url (empty: the server's default).")
+    judge_parse: str = option(
+        "yes_no",
+        "How a verdict becomes a score: yes_no, number (divided by judge_max_score), or a "
+        "regular expression whose first group is yes/no or a number.",
+    )
+    judge_max_score: float = option(1.0, "A numeric verdict is divided by this.", gt=0.0)
+    judge_weight: float = option(1.0, "Weight of the judge's score in the reward.")
+    judge_max_tokens: int = option(64, "Longest verdict in tokens.", ge=1)
+    judge_temperature: float = option(0.0, "Sampling temperature of the judge.", ge=0.0)
+    judge_timeout_s: float = option(
+        60.0, "Seconds a verdict may take; a late one scores 0 and counts as a failure.", gt=0.0
+    )
 
     def validate(self) -> None:
-        """Check custom_function has the 'file.py:function' form."""
+        """Check custom_function's form, the judge template's fields and parse expression."""
         spec = self.custom_function
         if spec:
             path, sep, func = spec.rpartition(":")
@@ -675,6 +725,27 @@ class RewardConfig(ConfigGroup):
                     f"invalid value {spec!r}; expected 'path/to/file.py:function_name'",
                     key="custom_function",
                 )
+        if self.judge_template:
+            from polyrl.reward.judge import JUDGE_PARSERS, check_template
+
+            try:
+                check_template(self.judge_template)
+            except ValueError as exc:
+                raise ConfigError(str(exc), key="judge_template") from None
+            if self.judge_parse not in JUDGE_PARSERS:
+                try:
+                    re.compile(self.judge_parse)
+                except re.error as exc:
+                    raise ConfigError(
+                        f"invalid value {self.judge_parse!r}: expected yes_no, number or a "
+                        f"regular expression ({exc})",
+                        key="judge_parse",
+                    ) from None
+        if self.judge_url and not self.judge_url.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"invalid value {self.judge_url!r}; expected an http:// or https:// URL",
+                key="judge_url",
+            )
 
 
 @dataclasses.dataclass
@@ -1086,6 +1157,11 @@ class AlgorithmConfig(ConfigGroup):
     )
     rollout_is_threshold: float = option(
         2.0, "Rollout importance weights are truncated at this value.", ge=1.0
+    )
+    overlong_filter: bool = option(
+        False,
+        "DAPO overlong filtering: responses cut at the length cap (finish reason 'length') "
+        "are masked out of the loss (SkyRL: apply_overlong_filtering).",
     )
 
 

@@ -393,6 +393,125 @@ def string_sort(
     )
 
 
+# Coding problems of ``code_simple``: (name, statement with {k}, reference program with {k},
+# make one input from (rng, k), the output a correct program prints for it).
+def _ints_line(rng: random.Random, k: int) -> str:
+    return " ".join(str(rng.randint(-50, 99)) for _ in range(rng.randint(2, 5))) + "\n"
+
+
+def _word(rng: random.Random, k: int) -> str:
+    return _random_string(rng, 2, 6, string.ascii_lowercase) + "\n"
+
+
+def _int_line(rng: random.Random, k: int) -> str:
+    return f"{rng.randint(-99, 99)}\n"
+
+
+def _pair_line(rng: random.Random, k: int) -> str:
+    return f"{rng.randint(-99, 99)} {rng.randint(-99, 99)}\n"
+
+
+_CODE_PROBLEMS: tuple[tuple[str, str, str, Callable[[random.Random, int], str], Callable], ...] = (
+    (
+        "add_const",
+        "read an integer n and print n + {k}",
+        "n = int(input())\nprint(n + {k})\n",
+        _int_line,
+        lambda text, k: f"{int(text) + k}\n",
+    ),
+    (
+        "mul_const",
+        "read an integer n and print n * {k}",
+        "n = int(input())\nprint(n * {k})\n",
+        _int_line,
+        lambda text, k: f"{int(text) * k}\n",
+    ),
+    (
+        "add_two",
+        "read two integers a and b on one line and print a + b + {k}",
+        "a, b = map(int, input().split())\nprint(a + b + {k})\n",
+        _pair_line,
+        lambda text, k: f"{sum(map(int, text.split())) + k}\n",
+    ),
+    (
+        "reverse",
+        "read a word and print it reversed, {k} times on one line separated by spaces",
+        "w = input().strip()\nprint(' '.join([w[::-1]] * {k}))\n",
+        _word,
+        lambda text, k: " ".join([text.strip()[::-1]] * k) + "\n",
+    ),
+    (
+        "max_plus",
+        "read integers on one line and print the largest plus {k}",
+        "print(max(map(int, input().split())) + {k})\n",
+        _ints_line,
+        lambda text, k: f"{max(map(int, text.split())) + k}\n",
+    ),
+)
+
+
+@register_task("code_simple")
+def code_simple(
+    num: int,
+    seed: int,
+    split: str = "train",
+    *,
+    num_cases: int = 3,
+    max_const: int = 9,
+    style: str = "short",
+) -> list[dict]:
+    """Tiny stdin/stdout programming problems scored by running the answer (``code`` scorer).
+
+    Each row asks for a Python program (add a constant, multiply, add two numbers, reverse a
+    word, the largest of a list...) with one worked example in the prompt; its ground truth is
+    the JSON ``{"inputs": [...], "outputs": [...]}`` of ``num_cases`` test cases (see
+    :mod:`polyrl.reward.code_exec`), and ``extra_info["reference"]`` a correct program.
+
+    Args:
+        num: Number of rows.
+        seed: Random seed.
+        split: Stored in ``extra_info`` and part of the random stream.
+        num_cases: Test cases per problem.
+        max_const: The problems' constant ``k`` is drawn from ``1..max_const``.
+        style: ``"short"`` (one line) or ``"instruct"`` (asks for a fenced python block).
+    """
+    _check_common(num, seed, split, style)
+    _check_range("num_cases", num_cases, "num_cases", num_cases, 1)
+    _check_range("max_const", max_const, "max_const", max_const, 1)
+    rng = _rng("code_simple", seed, split)
+    rows = []
+    for index in range(num):
+        name, statement, reference, make_input, answer = rng.choice(_CODE_PROBLEMS)
+        k = rng.randint(1, max_const)
+        example = make_input(rng, k)
+        inputs = [make_input(rng, k) for _ in range(num_cases)]
+        task = statement.format(k=k)
+        shown = f"input {example.strip()!r} -> output {answer(example, k).strip()!r}"
+        if style == "short":
+            prompt = f"Python: {task}. Example: {shown}."
+        else:
+            prompt = (
+                f"Write a Python 3 program that reads standard input: {task}. Example: {shown}. "
+                "Answer with the program in a ```python block."
+            )
+        ground_truth = {"inputs": inputs, "outputs": [answer(x, k) for x in inputs]}
+        rows.append(
+            make_row(
+                "code_simple",
+                prompt,
+                json.dumps(ground_truth),
+                ability="code",
+                extra_info={
+                    "split": split,
+                    "index": index,
+                    "problem": name,
+                    "reference": reference.format(k=k),
+                },
+            )
+        )
+    return rows
+
+
 def _prompt_text(row: dict) -> str:
     return "\n".join(m["content"] for m in row["prompt"])
 

@@ -1,4 +1,4 @@
-"""Rewards: registered rule-based scorers, user reward functions and a robust manager.
+"""Rewards: registered scorers (rule-based and code execution), user functions, a manager.
 
 ``RewardManager`` / ``RewardResult`` / ``RewardFailureError`` are imported lazily so that
 reward worker processes, which import this package, do not pay for importing torch.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from polyrl.reward.code_exec import code_score, extract_program
 from polyrl.reward.registry import SCORERS, extract_answer, get_scorer, register_scorer
 from polyrl.reward.scorers import (
     ExpressionError,
@@ -46,9 +47,11 @@ __all__ = [
     "arithmetic_score",
     "bind_scorer",
     "call_scorer",
+    "code_score",
     "countdown_score",
     "evaluate_expression",
     "extract_answer",
+    "extract_program",
     "get_scorer",
     "gsm8k_extract",
     "gsm8k_score",

@@ -18,7 +18,13 @@ from polyrl.core.batch import Batch
 from polyrl.trainer.rl.metrics import batch_metrics
 from polyrl.trainer.rl_losses import state_values
 
-__all__ = ["ADVANTAGE_OUTPUTS", "advantage_phase", "compute_advantages", "place_on_last_token"]
+__all__ = [
+    "ADVANTAGE_OUTPUTS",
+    "advantage_phase",
+    "compute_advantages",
+    "filter_overlong",
+    "place_on_last_token",
+]
 
 #: The columns the advantage phase adds to a step's rows.
 ADVANTAGE_OUTPUTS = ("token_level_rewards", "advantages", "returns")
@@ -32,6 +38,28 @@ def place_on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
     rows = torch.nonzero(last >= 0).flatten()
     out[rows, last[rows]] = scores[rows].float()
     return out
+
+
+def filter_overlong(batch: Batch, max_response_length: int) -> int:
+    """DAPO overlong filtering: zero the ``loss_mask`` of responses cut at the length cap.
+
+    A row is truncated when its ``finish_reason`` (a non-tensor column, when the batch has one)
+    is ``"length"``, otherwise when its ``response_length`` reached ``max_response_length``.
+    Such a response has no ending to judge, so its reward is noise: it is kept in its group
+    (the advantages were already computed with it) but adds nothing to the loss. Returns how
+    many rows were masked.
+    """
+    reasons = batch.non_tensors.get("finish_reason")
+    if reasons is not None:
+        cut = torch.tensor([str(r) == "length" for r in reasons], dtype=torch.bool)
+    else:
+        cut = batch["response_length"] >= max_response_length
+    cut = cut.to(batch["loss_mask"].device)
+    if bool(cut.any()):
+        mask = batch["loss_mask"].clone()
+        mask[cut] = 0
+        batch["loss_mask"] = mask
+    return int(cut.sum())
 
 
 def compute_advantages(
@@ -99,4 +127,11 @@ def advantage_phase(
     baseline = batch["baseline"] if "baseline" in batch.tensor_keys else None
     metrics = compute_advantages(batch, cfg, kl_ctrl, baseline)
     metrics.update(batch_metrics(batch, max_response_length))
+    if cfg.algorithm.overlong_filter:
+        # After the advantages and the data metrics: the truncated responses still count in
+        # their groups' baselines and in the length statistics, only not in the loss.
+        filtered = filter_overlong(batch, max_response_length)
+        metrics["actor/overlong_filtered"] = float(filtered)
+        metrics["actor/overlong_filtered_fraction"] = filtered / max(len(batch), 1)
+        written.append("loss_mask")
     return written, metrics

@@ -90,6 +90,8 @@ class SerialRewards:
     def __init__(self, rewards: Any) -> None:
         self.rewards = rewards
         self.wants_rows = getattr(rewards, "wants_rows", False)
+        # A reward model or judge reads the prompts (polyrl/trainer/rl/reward_mix.py).
+        self.wants_prompts = getattr(rewards, "wants_prompts", False)
         self._lock = threading.Lock()
 
     def score(self, batch: Batch) -> Any:

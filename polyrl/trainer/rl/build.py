@@ -205,6 +205,39 @@ def check_config(cfg: PolyRLConfig, has_rows: bool = False, has_model: bool = Fa
             key="algorithm.filter_groups",
         )
     check_mode(cfg)
+    reward = cfg.reward
+    if reward.rule_weight == 0.0 and not reward.model_path and not reward.judge_template:
+        raise ConfigError(
+            "is 0 and neither reward.model_path nor reward.judge_template is set: nothing "
+            "would score the responses",
+            key="reward.rule_weight",
+        )
+    if reward.model_path and not Path(reward.model_path, "config.json").is_file():
+        raise ConfigError(
+            f"{reward.model_path!r} is not a Hugging Face model directory (no config.json); "
+            "expected a *ForSequenceClassification checkpoint with num_labels=1",
+            key="reward.model_path",
+        )
+    if algo.overlong_filter and cfg.transfer.enable:
+        raise ConfigError(
+            "algorithm.overlong_filter masks rows in the driver's batch; it is not supported with "
+            "transfer.enable (the ranks rebuild their masks from the queue); turn one of them off",
+            key="algorithm.overlong_filter",
+        )
+    for key, kind in (
+        ("algorithm.kl_penalty", algo.kl_penalty if algo.use_kl_in_reward else ""),
+        ("actor.kl_loss_type", actor.kl_loss_type if actor.use_kl_loss else ""),
+    ):
+        if kind == "full":
+            raise ConfigError(
+                "'full' (the exact KL of the whole next-token distributions) needs the policy's "
+                "and the reference's log-probabilities over the whole vocabulary at every "
+                "response token, but the engines hand each other one log-prob per token (the "
+                "whole distributions would be B x T x vocabulary floats per step); use k3 / "
+                "low_var_kl, k1, k2 or abs here, or call polyrl.algo.kl_penalty(logp, ref_logp, "
+                "'full') on log_softmax outputs in a loop of your own",
+                key=key,
+            )
     response = response_cap(cfg)
     if cfg.reward.overlong_buffer_len > response:
         raise ConfigError(

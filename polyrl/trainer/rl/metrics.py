@@ -54,7 +54,8 @@ CONSOLE_METRICS = (
     "timing_s/step",
     "perf/throughput",
 )
-#: The reward manager's metrics a step reports (failure counts and length shaping), besides
+#: The reward manager's metrics a step reports (failure counts, length shaping, the reward
+#: model's and the judge's scores and the judge's failures), besides
 #: those of each of several reward functions (``rewards/<name>/mean`` and ``/std``).
 REWARD_METRICS = (
     "reward/errors",
@@ -63,6 +64,12 @@ REWARD_METRICS = (
     "reward/unscored",
     "reward/overlong_penalty/mean",
     "reward/overlong_fraction",
+    "reward/rule/mean",
+    "reward/model/mean",
+    "reward/model/std",
+    "reward/judge/mean",
+    "reward/judge_parse_failures",
+    "reward/judge_errors",
 )
 
 

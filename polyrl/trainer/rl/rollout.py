@@ -136,6 +136,11 @@ def derive_seed(base: int, *parts: int) -> int:
 def reward_manager(cfg: PolyRLConfig, reward_fn: Any = None) -> Any:
     """Return the run's reward manager (``reward.*``; ``reward_fn`` overrides the function).
 
+    With ``reward.model_path``, ``reward.judge_template`` or a ``reward.rule_weight`` other than
+    1, the rule-based manager (none when that weight is 0) is wrapped in a
+    :class:`~polyrl.trainer.rl.reward_mix.MixedRewards` that adds the reward model's and the
+    judge's weighted scores.
+
     ``reward_fn`` is a ``"file.py:function"`` spec, a callable, or a list of resolved
     :class:`~polyrl.reward.functions.RewardFunction` (the Python API's ``reward_funcs``). A list,
     or a single batched (TRL-style) function, is scored by a
@@ -164,9 +169,24 @@ def reward_manager(cfg: PolyRLConfig, reward_fn: Any = None) -> Any:
         "error_reward": cfg.reward.error_reward,
         "max_failure_fraction": cfg.reward.max_failure_fraction,
     }
-    if isinstance(fn, list | tuple):
-        return RewardFunctionsManager(fn, prompt_key=cfg.data.prompt_key, **options)
-    return RewardManager(custom_function=fn or None, **options)
+    reward = cfg.reward
+    mixed = bool(reward.model_path or reward.judge_template or reward.rule_weight != 1.0)
+    rule: Any = None
+    if not mixed or reward.rule_weight != 0.0:
+        if isinstance(fn, list | tuple):
+            rule = RewardFunctionsManager(fn, prompt_key=cfg.data.prompt_key, **options)
+        else:
+            rule = RewardManager(custom_function=fn or None, **options)
+    if not mixed:
+        return rule
+    from polyrl.trainer.rl.reward_mix import MixedRewards
+
+    try:
+        return MixedRewards(cfg, rule)
+    except BaseException:
+        if rule is not None:
+            rule.close()
+        raise
 
 
 def add_weight_versions(batch: Batch, firsts: Sequence[int], lasts: Sequence[int]) -> None:
@@ -180,8 +200,9 @@ def add_weight_versions(batch: Batch, firsts: Sequence[int], lasts: Sequence[int
 
 
 def has_custom_reward(cfg: PolyRLConfig, reward_fn: Any = None) -> bool:
-    """Whether a user reward function scores every row (rows then need only a prompt)."""
-    return reward_fn is not None or bool(cfg.reward.custom_function)
+    """Whether rows need only a prompt: a user function scores every row, or no rule does."""
+    no_rules = cfg.reward.rule_weight == 0.0
+    return reward_fn is not None or bool(cfg.reward.custom_function) or no_rules
 
 
 def completion_ids(batch: Batch) -> list[list[int]]:
@@ -248,6 +269,11 @@ class RolloutProducer:
         self.stopping = False
         #: Samples continued after an abort, since the start.
         self.resumed_samples = 0
+        attach = getattr(rewards, "attach_rollout", None)
+        if attach is not None:
+            # A generative judge asks the policy's own replicas by default: it learns where
+            # they are from this client.
+            attach(client)
 
     @classmethod
     def connect(
@@ -393,6 +419,12 @@ class RolloutProducer:
             # Batched reward functions get the dataset's columns (one dict per row, shared
             # by the row's n responses: they are read, not changed).
             batch.non_tensors["source_row"] = per_row([_source_row(item) for item in items])
+        if getattr(self.rewards, "wants_prompts", False):
+            # A reward model or judge reads the prompt's chat messages.
+            prompt_key = self.cfg.data.prompt_key
+            batch.non_tensors["raw_prompt"] = per_row(
+                [item.get("raw_prompt", item.get(prompt_key)) for item in items]
+            )
 
     async def sample_prompt(
         self, item: Mapping[str, Any], n: int, temperature: float, seed: int, index: int
@@ -571,6 +603,8 @@ class RolloutProducer:
         keys = ["data_source", "ground_truth", "extra_info", "response_text"]
         if getattr(self.rewards, "wants_rows", False):
             keys.append("source_row")
+        if getattr(self.rewards, "wants_prompts", False):
+            keys.append("raw_prompt")
         scoring = Batch(non_tensors={k: batch.non_tensors[k] for k in keys})
         if getattr(self.rewards, "wants_rows", False):
             ids = np.empty(len(batch), dtype=object)
