@@ -325,7 +325,7 @@ def _sft_command(parser: argparse.ArgumentParser) -> Handler:
     return run
 
 
-@subcommand("train", help="RL training (GRPO, PPO, RLOO, REINFORCE++, ReMax) on a preset.")
+@subcommand("train", help="RL training (GRPO, PPO, RLOO, REINFORCE++, ReMax, PRIME) on a preset.")
 def _train_command(parser: argparse.ArgumentParser) -> Handler:
     add_config_arguments(parser)
 
