@@ -3,9 +3,8 @@
 :func:`advantage_phase` turns a scored batch (``score`` per row, per-token ``loss_mask``, and as
 the estimator needs ``values``, ``old_log_probs``, ``ref_log_probs``, ``baseline``, and for
 PRIME ``prm_log_probs``) into ``token_level_rewards``, ``advantages`` and ``returns``, and
-measures the step's data. The
-driver runs it on the batch it holds; with the transfer queue, a rollout worker runs it on
-the stored rows. Either way it is this code.
+measures the step's data. The driver runs it on the batch it holds; with the transfer queue, a
+rollout worker runs it on the stored rows. Either way it is this code.
 """
 
 from __future__ import annotations

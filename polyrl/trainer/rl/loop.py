@@ -28,9 +28,9 @@ the step is the same code either way: it asks its generation phase
 (:mod:`~polyrl.trainer.rl.generation`) for a reference to scored rows and hands that reference
 to the data plane (:mod:`~polyrl.trainer.rl.dataplane`) for every later phase.
 
-Placement: ``trainer.placement=colocated`` runs the actor, reference, critic and PRM engines in one
-process per rank (and, with ``rollout.sleep_during_training``, the rollout servers release their
-KV cache while the engines train); ``separate`` gives each engine its own worker group. Engine
+Placement: ``trainer.placement=colocated`` runs the actor, reference, critic and PRM engines in
+one process per rank (and, with ``rollout.sleep_during_training``, the rollout servers release
+their KV cache while the engines train); ``separate`` gives each engine its own worker group. Engine
 workers are Ray actors (``trainer.worker_backend=ray``) or local processes (``local``; at world
 size 1 the engines then run inside this process).
 
