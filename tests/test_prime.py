@@ -161,7 +161,7 @@ def test_prime_raises_the_reward_through_its_implicit_process_rewards_alone(tmp_
     reward = tmp_path / "reward.py"
     reward.write_text(BINARY_SHORT_REWARD)
     out = tmp_path / "prime"
-    steps = 4
+    steps = 3
     cfg = load_config(
         "demo",
         [
