@@ -365,7 +365,7 @@ subcommand("rm", help="Reward-model training on preference pairs (Bradley-Terry 
 )
 
 
-@subcommand("train", help="RL training (GRPO, PPO, RLOO, REINFORCE++, ReMax) on a preset.")
+@subcommand("train", help="RL training (GRPO, PPO, RLOO, REINFORCE++, ReMax, PRIME) on a preset.")
 def _train_command(parser: argparse.ArgumentParser) -> Handler:
     add_config_arguments(parser)
 

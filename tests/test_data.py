@@ -519,7 +519,9 @@ def test_tasks_are_deterministic_valid_rows(name):
     assert generate(name, 40, seed=4) != rows
     assert generate(name, 40, seed=3, split="test") != rows
     validate_rows(rows)
-    assert all(r["data_source"] == name for r in rows)
+    # Preference pairs are arithmetic rows (scored by the arithmetic scorer) plus two answers.
+    source = "arithmetic" if name == "arithmetic_pairs" else name
+    assert all(r["data_source"] == source for r in rows)
     assert [r["extra_info"]["index"] for r in rows] == list(range(40))
     assert all(len(r["prompt"]) == 1 and r["prompt"][0]["role"] == "user" for r in rows)
     assert all(len(r["prompt"][0]["content"]) <= 24 for r in rows)  # short by default

@@ -91,9 +91,9 @@ class KillingTrainer(RLTrainer):
                     _kill(self.servers.processes[self.victim])
             return await send(method, path, **kwargs)
 
-        def counting_generate(step: int, indices: Any, timing: Any) -> Any:
+        def counting_generate(step: int, timing: Any) -> Any:
             sent["step"] = step
-            rows, metrics = generate(step, indices, timing)
+            rows, metrics = generate(step, timing)
             self.rows.append(int(rows["response_length"].shape[0]))
             return rows, metrics
 

@@ -13,6 +13,10 @@ Let ``s_i = sum_t r_{i,t}`` be the sequence score.
 - ``reinforce_plus_plus``: ``G_t = r_t + gamma * G_{t+1}``, ``A = whiten(G)`` over the batch.
 - ``reinforce_plus_plus_baseline``: ``A = whiten(s_i - mean_g(s))`` broadcast over tokens.
 - ``remax``: ``G_t = sum_{k>=t} r_k``, ``A_t = G_t - b_i`` with ``b_i`` the greedy rollout's score.
+- ``prime``: PRIME's leave-one-out combination of implicit process rewards ``p_{i,t}`` (from
+  :mod:`polyrl.algo.prime`) and outcome scores: ``A_{i,t} = c_p * sum_{k>=t} (p_{i,k} -
+  mean_{j != i} pbar_j) + c_o * (s_i - mean_{j != i} s_j)`` with ``pbar_j`` the mean token
+  reward of response ``j``, then whitened over the batch's tokens.
 
 Groups of size 1 carry no relative signal, so group-based estimators give them advantage 0.
 """
@@ -224,4 +228,48 @@ def remax(
     with torch.no_grad():
         returns = _discounted_returns(token_level_rewards, mask, 1.0)
         adv = (returns - baseline_rewards.reshape(B, 1).to(returns.dtype)) * mask
+    return adv, returns
+
+
+@register_advantage("prime")
+def prime(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any = None,
+    values: torch.Tensor | None = None,
+    baseline_rewards: torch.Tensor | None = None,
+    *,
+    process_rewards: torch.Tensor | None = None,
+    implicit_coef: float = 1.0,
+    outcome_coef: float = 1.0,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PRIME: RLOO on the implicit process rewards and on the outcome score, summed (gamma 1).
+
+    ``process_rewards (B, T)`` are the PRM's token rewards. As in the PRIME paper (eq. 5), the
+    leave-one-out baseline of response ``i``'s process rewards is the mean, over the group's
+    other responses, of their *average* token reward; each token's process return is the sum
+    of the baselined rewards from it to the end. The outcome part is RLOO on the sequence score
+    and is the same on every token. ``returns`` is the weighted sum before whitening.
+    """
+    mask = _check(token_level_rewards, response_mask)
+    if process_rewards is None or process_rewards.shape != token_level_rewards.shape:
+        raise ValueError(
+            "prime needs `process_rewards` with the same (B, T) shape as token_level_rewards, "
+            f"got {None if process_rewards is None else tuple(process_rewards.shape)}"
+        )
+    with torch.no_grad():
+        gid = _group_ids(index, token_level_rewards.shape[0])
+        process = process_rewards.to(token_level_rewards.dtype) * mask
+        per_row = process.sum(-1) / mask.sum(-1).clamp(min=1.0)
+        count, mean, _ = _group_stats(per_row, gid)
+        others = (count * mean - per_row) / (count - 1).clamp(min=1.0)
+        process_returns = _discounted_returns(process - others.unsqueeze(-1) * mask, mask, 1.0)
+        scores = token_level_rewards.sum(-1)
+        _, score_mean, _ = _group_stats(scores, gid)
+        outcome = count / (count - 1).clamp(min=1.0) * (scores - score_mean)
+        combined = implicit_coef * process_returns + outcome_coef * outcome.unsqueeze(-1) * mask
+        # A lone response has no baseline: no signal from it, as in rloo.
+        returns = torch.where((count > 1).unsqueeze(-1), combined, torch.zeros_like(combined))
+        adv = masked_whiten(returns, mask) if whiten else returns.clone()
     return adv, returns

@@ -41,6 +41,7 @@ __all__ = [
     "DataConfig",
     "ModelConfig",
     "PolyRLConfig",
+    "PrimeConfig",
     "RayConfig",
     "RewardConfig",
     "RolloutConfig",
@@ -564,7 +565,9 @@ ADV_ESTIMATORS = (
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",
     "remax",
+    "prime",
 )
+PRIME_UPDATES = ("before", "after", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3", "kl", "mse", "low_var_kl", "abs", "full")
 KL_CONTROLLERS = ("fixed", "adaptive")
 POLICY_LOSSES = ("ppo_clip", "gspo")
@@ -1335,6 +1338,39 @@ class RayConfig(ConfigGroup):
 
 
 @dataclasses.dataclass
+class PrimeConfig(ConfigGroup):
+    """PRIME's implicit process reward model (algorithm.adv_estimator=prime; polyrl train)."""
+
+    beta: float = option(
+        0.05, "Scale of the implicit reward beta * log(pi_prm / pi_ref) (verl: beta_train).", gt=0.0
+    )
+    update: str = option(
+        "before",
+        "When the PRM trains on a step's outcome labels: before or after it scores the "
+        "step's responses, or none (a frozen PRM from prime.model_path).",
+        choices=PRIME_UPDATES,
+    )
+    implicit_reward_coef: float = option(
+        5.0,
+        "Weight of the implicit process rewards in the advantage (verl: reward_dpo_coef).",
+        ge=0.0,
+    )
+    outcome_reward_coef: float = option(
+        5.0, "Weight of the outcome reward in the advantage (verl: reward_gt_coef).", ge=0.0
+    )
+    whiten_advantages: bool = option(True, "Whiten the combined advantages over the batch.")
+    model_path: str = option("", "PRM initialisation; empty starts from the policy model.")
+    mini_batch_size: int = option(
+        0, "Prompts per PRM optimizer step (times rollout.n rows); 0 is the whole batch.", ge=0
+    )
+    epochs: int = option(1, "PRM passes over each step's batch.", ge=1)
+    optimizer: str = option("adamw", "PRM optimizer.", choices=OPTIMIZERS)
+    lr: float = option(1e-6, "PRM learning rate.", ge=0.0)
+    weight_decay: float = option(0.0, "PRM decoupled weight decay.", ge=0.0)
+    grad_clip: float = option(10.0, "PRM max global gradient norm; 0 disables clipping.", ge=0.0)
+
+
+@dataclasses.dataclass
 class PolyRLConfig(ConfigGroup):
     """The whole polyrl configuration: one field per option group."""
 
@@ -1356,6 +1392,7 @@ class PolyRLConfig(ConfigGroup):
     )
     dpo: DPOConfig = option(DPOConfig, "Direct preference optimisation (polyrl dpo).")
     rm: RMConfig = option(RMConfig, "Reward-model training on preference pairs (polyrl rm).")
+    prime: PrimeConfig = option(PrimeConfig, "PRIME implicit process reward model (polyrl train).")
 
     def __post_init__(self) -> None:
         # Built directly in Python, the groups are checked in field order: import the user

@@ -12,7 +12,8 @@ to the mini-batch loss whatever the split. The controller sends them to the work
 Batch columns, all ``(B, T)`` over the whole sequence (prompt and response), zero off the
 response: ``loss_mask`` (1 on response tokens), ``advantages``, ``old_log_probs`` (optional:
 without it the update is taken as exactly on-policy and the ratio is 1), ``ref_log_probs`` (KL
-loss), ``returns`` and ``values`` (critic, state-aligned: see :func:`state_values`).
+loss), ``returns`` and ``values`` (critic, state-aligned: see :func:`state_values`); the PRIME
+PRM's loss reads ``ref_log_probs`` and the per-row outcome label ``acc`` ``(B,)``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 
 from polyrl.algo.kl import kl_loss as _kl_loss
 from polyrl.algo.losses import get_policy_loss, rollout_importance_weights, value_loss
+from polyrl.algo.prime import implicit_prm_loss
 from polyrl.core.numerics import agg_loss, masked_mean
 from polyrl.model_engine.engine import global_counts
 from polyrl.workers.engine import register_loss
@@ -31,7 +33,7 @@ if TYPE_CHECKING:
     from polyrl.core.batch import Batch
     from polyrl.model_engine.engine import ModelOutput
 
-__all__ = ["actor_loss", "critic_loss", "state_values"]
+__all__ = ["actor_loss", "critic_loss", "prm_loss", "state_values"]
 
 
 def state_values(token_values: torch.Tensor) -> torch.Tensor:
@@ -176,5 +178,28 @@ def critic_loss(
     return loss, metrics
 
 
+def prm_loss(
+    output: ModelOutput, batch: Batch, *, beta: float = 0.05
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """PRIME's implicit PRM loss of one micro-batch (:func:`~polyrl.algo.prime.implicit_prm_loss`).
+
+    Reads ``loss_mask``, ``ref_log_probs`` and the outcome label ``acc``; the loss is the
+    cross-entropy averaged over the mini-batch's sequences, so the engine's ``loss`` metric is
+    the mini-batch's exact mean. No metrics of its own: the engine would weigh per-sequence
+    figures by token counts; the trainer reports the PRM's accuracy where it scores the step.
+    """
+    _require(batch, "loss_mask", "ref_log_probs", "acc", loss="prm_loss")
+    loss, _ = implicit_prm_loss(
+        output.log_probs,
+        batch["ref_log_probs"],
+        batch["loss_mask"],
+        batch["acc"],
+        beta,
+        num_seqs=global_counts(batch)["num_seqs"],
+    )
+    return loss, {}
+
+
 register_loss("rl_actor")(actor_loss)
 register_loss("rl_critic")(critic_loss)
+register_loss("rl_prm")(prm_loss)

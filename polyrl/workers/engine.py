@@ -1,4 +1,4 @@
-"""Controller workers that host a model engine: the actor, critic and reference roles.
+"""Controller workers that host a model engine: the actor, critic, reference and PRM roles.
 
 An :class:`EngineWorker` is a :class:`~polyrl.controller.Worker` holding one
 :class:`~polyrl.model_engine.engine.TrainingEngine`.  A :class:`~polyrl.controller.WorkerGroup`
@@ -67,6 +67,7 @@ __all__ = [
     "ENTROPY_KEY",
     "LOSSES",
     "LOG_PROBS_KEY",
+    "PRM_LOG_PROBS_KEY",
     "REF_LOG_PROBS_KEY",
     "ROLES",
     "VALUES_KEY",
@@ -85,12 +86,21 @@ ENTROPY_KEY = "entropy"
 REF_LOG_PROBS_KEY = "ref_log_probs"
 #: Column added by :meth:`EngineWorker.compute_values`.
 VALUES_KEY = "values"
+#: Column added by :meth:`EngineWorker.compute_prm_log_prob`.
+PRM_LOG_PROBS_KEY = "prm_log_probs"
 
-#: Engine roles: what the hosted model is and which methods it serves.
-ROLES: tuple[str, ...] = ("actor", "critic", "reference")
+#: Engine roles: what the hosted model is and which methods it serves. ``prm`` is PRIME's
+#: implicit process reward model: a causal LM trained on outcome labels.
+ROLES: tuple[str, ...] = ("actor", "critic", "reference", "prm")
 _ROLE_ALIASES = {"ref": "reference"}
-_TRAINABLE = ("actor", "critic")
-_MODEL_KIND = {"actor": "causal_lm", "reference": "causal_lm", "critic": "value"}
+_MODEL_KIND = {
+    "actor": "causal_lm",
+    "reference": "causal_lm",
+    "critic": "value",
+    "prm": "causal_lm",
+}
+#: Where each trained role's update metrics go (``actor/pg_loss``, ``prime/prm_loss``, ...).
+_METRIC_PREFIX = {"actor": "actor/", "critic": "critic/", "prm": "prime/prm_"}
 
 
 # ------------------------------------------------------------------------------ loss registry
@@ -227,11 +237,12 @@ def _to_float(value: Any) -> float | None:
 
 # ------------------------------------------------------------------------------ the worker
 class EngineWorker(Worker):
-    """Hosts one training engine for the ``actor``, ``critic`` or ``reference`` role.
+    """Hosts one training engine for the ``actor``, ``critic``, ``reference`` or ``prm`` role.
 
     Args:
-        role: ``"actor"`` (causal LM, trained), ``"critic"`` (value model, trained) or
-            ``"reference"`` / ``"ref"`` (causal LM, inference only).
+        role: ``"actor"`` (causal LM, trained), ``"critic"`` (value model, trained),
+            ``"reference"`` / ``"ref"`` (causal LM, inference only) or ``"prm"`` (PRIME's
+            implicit process reward model: a causal LM, trained).
         model: a :class:`~polyrl.model_engine.ModelSpec`, a dict of its fields or a model directory;
             the model kind defaults to the role's (a value model for the critic).
         engine: :class:`~polyrl.model_engine.EngineConfig` (or dict).  ``device="auto"`` follows the
@@ -272,7 +283,7 @@ class EngineWorker(Worker):
     # ------------------------------------------------------------------ plain (in-process) API
     @property
     def engine_role(self) -> str:
-        """``"actor"``, ``"critic"`` or ``"reference"``."""
+        """``"actor"``, ``"critic"``, ``"reference"`` or ``"prm"``."""
         return self._engine_role
 
     @property
@@ -398,6 +409,19 @@ class EngineWorker(Worker):
         return self._infer(batch, compute)
 
     @register(dispatch=Dispatch.DP_COMPUTE)
+    def compute_prm_log_prob(
+        self, batch: Batch | StoredRows, share_prefix: bool = False
+    ) -> Batch | None:
+        """Token log-probs under the PRM (``prm_log_probs``); ``share_prefix`` as above."""
+        self._require_role("compute_prm_log_prob", "prm")
+
+        def compute(rows: Batch) -> Batch:
+            out = self.engine.infer_batch(rows, compute_log_probs, share_prefix)
+            return Batch(tensors={PRM_LOG_PROBS_KEY: out["log_probs"]})
+
+        return self._infer(batch, compute)
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
     def compute_values(self, batch: Batch | StoredRows) -> Batch | None:
         """Per-token values of the critic (``values``)."""
         self._require_role("compute_values", "critic")
@@ -443,11 +467,11 @@ class EngineWorker(Worker):
                         continue
                     sums[key] = sums.get(key, 0.0) + number
                     counts[key] = counts.get(key, 0) + 1
-        prefix = self._engine_role
-        out: dict[str, Any] = {f"{prefix}/{k}": sums[k] / counts[k] for k in sums}
-        out[f"{prefix}/num_updates"] = float(epochs * len(minis))
+        prefix = _METRIC_PREFIX[self._engine_role]
+        out: dict[str, Any] = {f"{prefix}{k}": sums[k] / counts[k] for k in sums}
+        out[f"{prefix}num_updates"] = float(epochs * len(minis))
         if step_scheduler:
-            out[f"{prefix}/lr_next"] = engine.lr_scheduler_step()
+            out[f"{prefix}lr_next"] = engine.lr_scheduler_step()
         return out
 
     @register(dispatch=Dispatch.DP_COMPUTE_METRIC)
@@ -482,6 +506,20 @@ class EngineWorker(Worker):
     ) -> dict[str, Any]:
         """Train the critic like :meth:`update_actor`; metrics are prefixed ``critic/``."""
         self._require_role("update_critic", "critic")
+        return self._update(batch, loss, loss_kwargs, num_mini_batches, epochs, step_scheduler)
+
+    @register(dispatch=Dispatch.DP_COMPUTE_METRIC)
+    def update_prm(
+        self,
+        batch: Batch | StoredRows,
+        loss: str,
+        loss_kwargs: Mapping[str, Any] | None = None,
+        num_mini_batches: int = 1,
+        epochs: int = 1,
+        step_scheduler: bool = True,
+    ) -> dict[str, Any]:
+        """Train the PRM like :meth:`update_actor`; metrics are prefixed ``prime/prm_``."""
+        self._require_role("update_prm", "prm")
         return self._update(batch, loss, loss_kwargs, num_mini_batches, epochs, step_scheduler)
 
     @register(dispatch=Dispatch.DP_COMPUTE_METRIC)

@@ -1,10 +1,10 @@
 """The advantage phase of an RL step: one function, run where the step's rows are.
 
 :func:`advantage_phase` turns a scored batch (``score`` per row, per-token ``loss_mask``, and as
-the estimator needs ``values``, ``old_log_probs``, ``ref_log_probs``, ``baseline``) into
-``token_level_rewards``, ``advantages`` and ``returns``, and measures the step's data. The
-driver runs it on the batch it holds; with the transfer queue, a rollout worker runs it on
-the stored rows. Either way it is this code.
+the estimator needs ``values``, ``old_log_probs``, ``ref_log_probs``, ``baseline``, and for
+PRIME ``prm_log_probs``) into ``token_level_rewards``, ``advantages`` and ``returns``, and
+measures the step's data. The driver runs it on the batch it holds; with the transfer queue, a
+rollout worker runs it on the stored rows. Either way it is this code.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from polyrl.algo.prime import implicit_reward_metrics, implicit_rewards
 from polyrl.config import PolyRLConfig
 from polyrl.core.batch import Batch
 from polyrl.trainer.rl.metrics import batch_metrics
@@ -69,7 +70,8 @@ def compute_advantages(
 
     Reads ``token_level_scores``, ``loss_mask``, the ``uid`` groups and, as the estimator needs,
     ``values``, ``old_log_probs``/``ref_log_probs`` (KL in the reward, which also updates
-    ``kl_ctrl``) and ``baseline`` (ReMax: the greedy response's score per row).
+    ``kl_ctrl``), ``baseline`` (ReMax: the greedy response's score per row) and
+    ``implicit_rewards`` (PRIME: the PRM's token rewards, see :func:`advantage_phase`).
     """
     from polyrl.algo import apply_kl_penalty, get_advantage_estimator
 
@@ -94,6 +96,15 @@ def compute_advantages(
         kwargs = {"norm_adv_by_std": algo.norm_adv_by_std}
     elif algo.adv_estimator == "reinforce_plus_plus":
         kwargs = {"gamma": algo.gamma}
+    elif algo.adv_estimator == "prime":
+        if "implicit_rewards" not in batch.tensor_keys:
+            raise KeyError("the prime estimator needs the PRM's implicit_rewards column")
+        kwargs = {
+            "process_rewards": batch["implicit_rewards"],
+            "implicit_coef": cfg.prime.implicit_reward_coef,
+            "outcome_coef": cfg.prime.outcome_reward_coef,
+            "whiten": cfg.prime.whiten_advantages,
+        }
     estimator = get_advantage_estimator(algo.adv_estimator)
     advantages, returns = estimator(
         rewards,
@@ -116,16 +127,27 @@ def advantage_phase(
 
     Adds :data:`ADVANTAGE_OUTPUTS` (and turns the critic's raw ``values`` into state values
     on response tokens) to ``batch`` in place; updates ``kl_ctrl`` when the KL penalty is in
-    the reward. Returns the names of the columns it wrote and the step's data metrics.
+    the reward. With the PRIME PRM's ``prm_log_probs`` it first turns them and the reference's
+    into the token ``implicit_rewards`` and reports ``prime/*`` metrics. Returns the names of
+    the columns it wrote and the step's data metrics.
     """
     mask = batch["loss_mask"]
     batch["token_level_scores"] = place_on_last_token(batch["score"], mask)
     written = list(ADVANTAGE_OUTPUTS)
+    prime_metrics: dict[str, float] = {}
+    if "prm_log_probs" in batch.tensor_keys:
+        rewards = implicit_rewards(
+            batch["prm_log_probs"], batch["ref_log_probs"], mask, cfg.prime.beta
+        )
+        batch["implicit_rewards"] = rewards
+        stats = implicit_reward_metrics(rewards.sum(-1), batch["acc"], mask)
+        prime_metrics = {f"prime/{k}": v for k, v in stats.items()}
     if "values" in batch.tensor_keys:
         batch["values"] = state_values(batch["values"]) * mask
         written.append("values")
     baseline = batch["baseline"] if "baseline" in batch.tensor_keys else None
     metrics = compute_advantages(batch, cfg, kl_ctrl, baseline)
+    metrics.update(prime_metrics)
     metrics.update(batch_metrics(batch, max_response_length))
     if cfg.algorithm.overlong_filter:
         # After the advantages and the data metrics: the truncated responses still count in

@@ -183,7 +183,7 @@ def check_config(cfg: PolyRLConfig, has_rows: bool = False, has_model: bool = Fa
             "actor_rollout_ref.model.path) to the policy model",
             key="model.path",
         )
-    if algo.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and (
+    if algo.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline", "prime") and (
         cfg.rollout.n < 2
     ):
         raise ConfigError(
@@ -265,6 +265,28 @@ def check_config(cfg: PolyRLConfig, has_rows: bool = False, has_model: bool = Fa
             f"evenly over the {world} ranks (each rank fetches its own rows, unpadded)",
             key="data.train_batch_size",
         )
+    prime = cfg.prime
+    if algo.adv_estimator == "prime":
+        if prime.mini_batch_size and batch % prime.mini_batch_size:
+            raise ConfigError(
+                f"{prime.mini_batch_size} must divide data.train_batch_size ({batch})",
+                key="prime.mini_batch_size",
+            )
+        prm_minis = batch // prime.mini_batch_size if prime.mini_batch_size else 1
+        if (batch * cfg.rollout.n) // world < prm_minis:
+            raise ConfigError(
+                f"{batch} prompts x {cfg.rollout.n} responses over {world} ranks leave fewer "
+                f"rows per rank than the {prm_minis} PRM mini-batches; raise it or "
+                "data.train_batch_size",
+                key="prime.mini_batch_size",
+            )
+        if prime.update == "none" and not prime.model_path:
+            raise ConfigError(
+                "is none (a frozen PRM) but prime.model_path is empty: a PRM started from the "
+                "policy equals the reference, so every implicit reward would be 0; set "
+                "prime.model_path to a trained PRM or use before/after",
+                key="prime.update",
+            )
     if actor.max_tokens_per_micro_batch < cfg.data.max_prompt_length + response:
         raise ConfigError(
             f"{actor.max_tokens_per_micro_batch} is below the longest sequence "
@@ -651,9 +673,19 @@ def start_ray_replicas(
 
 
 def engine_specs(
-    cfg: PolyRLConfig, model_dir: Path, total_steps: int, use_ref: bool, use_critic: bool
+    cfg: PolyRLConfig,
+    model_dir: Path,
+    total_steps: int,
+    use_ref: bool,
+    use_critic: bool,
+    use_prm: bool = False,
 ) -> dict[str, Any]:
-    """Return the worker specs of the actor, and of the reference and critic when used."""
+    """Return the worker specs of the actor, and of the reference, critic and PRM when used.
+
+    The PRM (PRIME's implicit process reward model, role ``prm``) is a causal LM started from
+    ``prime.model_path`` or the policy model, with the ``prime`` group's optimizer options and
+    the actor's engine options (micro-batching, precision) but its own gradient clip.
+    """
     from polyrl.controller import WorkerSpec
     from polyrl.model_engine import (
         CheckpointConfig,
@@ -718,6 +750,25 @@ def engine_specs(
                         OptimizerConfig,
                         critic,
                         name=critic.optimizer,
+                        total_steps=max(total_steps, 1),
+                    )
+                ),
+                "checkpoint": ckpt,
+            },
+        )
+    if use_prm:
+        prime = cfg.prime
+        specs["prm"] = WorkerSpec(
+            EngineWorker,
+            kwargs={
+                "role": "prm",
+                "model": dataclasses.replace(model, path=prime.model_path or str(model_dir)),
+                "engine": dataclasses.replace(engine, grad_clip=prime.grad_clip),
+                "optimizer": OptimizerConfig(
+                    **constructor_kwargs(
+                        OptimizerConfig,
+                        prime,
+                        name=prime.optimizer,
                         total_steps=max(total_steps, 1),
                     )
                 ),

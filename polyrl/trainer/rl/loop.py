@@ -6,8 +6,10 @@ One step, driven from this (controller) process and readable top to bottom in
 1. **generate** -- ``rollout.n`` responses per prompt from the rollout servers (HTTP,
    token-in/token-out, per-prompt seeds derived from the step);
 2. **reward** -- the reward manager scores the decoded responses (sandboxed worker processes);
-3. **old log-probs** (actor), **reference log-probs** (when a KL term is used) and **values**
-   (critic, for ``gae``) -- data-parallel calls on the engine worker groups;
+3. **old log-probs** (actor), **reference log-probs** (when a KL term or PRIME is used),
+   **values** (critic, for ``gae``) and, for PRIME, the **PRM** phase (its update on the
+   step's outcome labels, before or after its log-probs, ``prime.update``) -- data-parallel
+   calls on the engine worker groups;
 4. **advantages** on the driver with the estimator registered under
    ``algorithm.adv_estimator`` (KL penalty folded into the rewards first when configured);
 5. **update** the critic, then the actor (``actor.ppo_epochs`` passes over mini-batches of
@@ -26,9 +28,9 @@ the step is the same code either way: it asks its generation phase
 (:mod:`~polyrl.trainer.rl.generation`) for a reference to scored rows and hands that reference
 to the data plane (:mod:`~polyrl.trainer.rl.dataplane`) for every later phase.
 
-Placement: ``trainer.placement=colocated`` runs the actor, reference and critic engines in one
-process per rank (and, with ``rollout.sleep_during_training``, the rollout servers release their
-KV cache while the engines train); ``separate`` gives each engine its own worker group. Engine
+Placement: ``trainer.placement=colocated`` runs the actor, reference, critic and PRM engines in
+one process per rank (and, with ``rollout.sleep_during_training``, the rollout servers release
+their KV cache while the engines train); ``separate`` gives each engine its own worker group. Engine
 workers are Ray actors (``trainer.worker_backend=ray``) or local processes (``local``; at world
 size 1 the engines then run inside this process).
 
@@ -83,6 +85,7 @@ __all__ = ["RLTrainer", "run_rl"]
 HF_DIR = "hf_model"
 ACTOR_LOSS = "polyrl.trainer.rl_losses:actor_loss"
 CRITIC_LOSS = "polyrl.trainer.rl_losses:critic_loss"
+PRM_LOSS = "polyrl.trainer.rl_losses:prm_loss"
 
 
 def _log(message: str) -> None:
@@ -134,15 +137,20 @@ class RLTrainer:
         self.actor: Any = None
         self.ref: Any = None
         self.critic: Any = None
+        self.prm: Any = None
         algo = cfg.algorithm
         self.use_critic = algo.adv_estimator == "gae"
-        self.use_ref = algo.use_kl_in_reward or cfg.actor.use_kl_loss
+        # PRIME's implicit process reward model; its rewards are measured against the reference.
+        self.use_prm = algo.adv_estimator == "prime"
+        self.use_ref = algo.use_kl_in_reward or cfg.actor.use_kl_loss or self.use_prm
         minis = (
             cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
             if cfg.actor.ppo_mini_batch_size
             else 1
         )
         self.num_mini_batches = minis
+        prime_minis = cfg.prime.mini_batch_size
+        self.prm_mini_batches = cfg.data.train_batch_size // prime_minis if prime_minis else 1
         # Old log-probs equal the current ones when each step makes exactly one optimizer
         # update; they are only computed when the update is off-policy or the KL penalty needs
         # them (the loss then takes the detached current log-probs, ratio 1).
@@ -204,9 +212,12 @@ class RLTrainer:
         rewards = reward_manager(cfg, self.reward_fn)
         self._closers.append(rewards.close)
         # Engine worker groups first: in hybrid placement the replicas run beside their ranks.
-        specs = engine_specs(cfg, self.model_dir, self.total_steps, self.use_ref, self.use_critic)
+        specs = engine_specs(
+            cfg, self.model_dir, self.total_steps, self.use_ref, self.use_critic, self.use_prm
+        )
         views, self._groups = start_engines(cfg, specs, self._closers)
         self.actor, self.ref, self.critic = views["actor"], views.get("ref"), views.get("critic")
+        self.prm = views.get("prm")
         for view in views.values():
             view.init_model()
         self.servers = start_replicas(cfg, self.model_dir, self._closers, self._groups)
@@ -364,6 +375,37 @@ class RLTrainer:
         chosen = self.cfg.algorithm.rollout_is
         return "token" if chosen == "none" and self.off_policy else chosen
 
+    def _prm_phase(self, rows: Any, timing: dict[str, float], metrics: dict[str, float]) -> Any:
+        """PRIME: train the PRM on the step's outcome labels and score the responses with it.
+
+        ``prime.update=before`` (the paper's order) updates first, so the rewards come from the
+        PRM that has seen this step's labels; ``after`` scores first; ``none`` only scores.
+        """
+        update = self.cfg.prime.update
+
+        def train() -> None:
+            with timer(timing, "update_prm"):
+                metrics.update(
+                    self.plane.update(
+                        self.prm.update_prm,
+                        rows,
+                        loss=PRM_LOSS,
+                        loss_kwargs={"beta": self.cfg.prime.beta},
+                        num_mini_batches=self.prm_mini_batches,
+                        epochs=self.cfg.prime.epochs,
+                    )
+                )
+
+        if update == "before":
+            train()
+        with timer(timing, "prm"):
+            rows = self.plane.infer(
+                self.prm.compute_prm_log_prob, rows, "prm_log_probs", share_prefix=True
+            )
+        if update == "after":
+            train()
+        return rows
+
     def _critic_loss_kwargs(self) -> dict[str, Any]:
         critic = self.cfg.critic
         return {"cliprange_value": critic.cliprange_value, "loss_agg_mode": critic.loss_agg_mode}
@@ -393,6 +435,8 @@ class RLTrainer:
             if self.use_critic:
                 with timer(timing, "values"):
                     rows = plane.infer(self.critic.compute_values, rows, "values")
+            if self.use_prm:
+                rows = self._prm_phase(rows, timing, metrics)
             # 4. advantages (KL penalty in the reward first)
             with timer(timing, "adv"):
                 rows, data, self.kl_ctrl = plane.advantages(rows, self.kl_ctrl, response_cap(cfg))
@@ -450,17 +494,23 @@ class RLTrainer:
         return self.producer.evaluate(self.val_ds)
 
     # ------------------------------------------------------------------ checkpoints
-    def _roots(self) -> tuple[Path, Path]:
+    def _roots(self) -> tuple[Path, Path, Path]:
         from polyrl.trainer.checkpointing import checkpoint_root
 
         root = checkpoint_root(self.out_dir)
-        return root / "actor", root / "critic"
+        return root / "actor", root / "critic", root / "prm"
+
+    def _side_engines(self) -> list[tuple[str, Any, Path]]:
+        """Return the trained engines checkpointed beside the actor: (name, view, root)."""
+        _, critic_root, prm_root = self._roots()
+        pairs = [("critic", self.critic, critic_root), ("prm", self.prm, prm_root)]
+        return [(name, view, root) for name, view, root in pairs if view is not None]
 
     def save(self, step: int) -> str:
-        """Checkpoint the actor (with the trainer state) and the critic at ``step``."""
-        actor_root, critic_root = self._roots()
-        if self.critic is not None:
-            self.critic.save_checkpoint(str(critic_root), step, {})
+        """Checkpoint the actor (with the trainer state), the critic and the PRM at ``step``."""
+        actor_root = self._roots()[0]
+        for _, view, root in self._side_engines():
+            view.save_checkpoint(str(root), step, {})
         state: dict[str, Any] = {
             "sampler": self.sampler.state_dict(),
             "kl_coef": float(self.kl_ctrl.value),
@@ -475,18 +525,18 @@ class RLTrainer:
         return self.actor.save_checkpoint(str(actor_root), step, state)[0]
 
     def load(self, path: str) -> int:
-        """Restore the engines and trainer state from the actor checkpoint ``path``."""
+        """Restore the engines (actor, critic, PRM) and trainer state from the actor checkpoint."""
         info = self.actor.load_checkpoint(path)[0]
         step = int(info["step"])
         state = info["extra_state"]
-        if self.critic is not None:
-            critic_path = self._roots()[1] / Path(path).name
-            if not critic_path.is_dir():
+        for name, view, root in self._side_engines():
+            side_path = root / Path(path).name
+            if not side_path.is_dir():
                 raise ConfigError(
-                    f"checkpoint {path} has no critic counterpart {critic_path}",
+                    f"checkpoint {path} has no {name} counterpart {side_path}",
                     key="trainer.resume_mode",
                 )
-            self.critic.load_checkpoint(str(critic_path))
+            view.load_checkpoint(str(side_path))
         try:
             self.sampler.load_state_dict(state["sampler"])
         except (KeyError, ValueError) as exc:
