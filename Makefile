@@ -20,12 +20,17 @@ demo: $(STAMP)
 
 # pytest exits 5 when it collected no test: that is a broken suite, not a pass.
 # Lint first: it takes seconds, and a broken layer contract should fail before the suite runs.
+# Two pytest workers (one per core of the CI machine), a test file per worker at a time so
+# module fixtures are shared: the end-to-end tests spend much of their time starting
+# processes and waiting on servers, which the other worker fills. PYTEST_WORKERS=0 runs serially.
+PYTEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
 test: lint
-	@$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	@$(PY) -m pytest $(XDIST) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 # ruff (style, docstrings, imports) and import-linter (the layer contracts in pyproject.toml:
 # a service imports only the core and the model definitions, never another service).
