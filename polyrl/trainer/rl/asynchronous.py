@@ -138,8 +138,10 @@ class AheadRollout:
             max_staleness=self.max_staleness,
             sampling=opts.sampling if self.mode == "async" else "fifo",
             max_reuse=opts.max_reuse if self.mode == "async" else 1,
-            capacity=opts.capacity,
+            # one_step_off holds two batches by construction; a capacity is for async.
+            capacity=opts.capacity if self.mode == "async" else 0,
         )
+        self._resumed = False
         self.samples_log = Path(out_dir) / SAMPLES_LOG
         self.completed_steps = 0
         self.version = 0
@@ -162,6 +164,9 @@ class AheadRollout:
         """Start the rollout thread (after :meth:`load_state_dict` when resuming)."""
         if self._thread is not None:
             return
+        if not self._resumed:
+            # A fresh run: a log left by an earlier run in this directory is not this run's.
+            self.samples_log.unlink(missing_ok=True)
         self._loop = self.producer._loop
         self._thread = threading.Thread(target=self._run, name="polyrl-ahead-rollout", daemon=True)
         self._thread.start()
@@ -334,6 +339,7 @@ class AheadRollout:
 
     def load_state_dict(self, state: Mapping[str, Any], step: int) -> None:
         """Restore :meth:`state_dict` (before :meth:`start`); drop log lines after ``step``."""
+        self._resumed = True
         self.buffer.load_state_dict(state["buffer"])
         self.sampler.load_state_dict(state["sampler"])
         self.completed_steps = int(state["completed_steps"])

@@ -669,6 +669,10 @@ class RLTrainer:
 
     def close(self) -> None:
         """Stop the worker groups, the rollout client and replicas, and the reward workers."""
+        if self.ahead is not None:
+            # The rollout thread first: it would take the servers' shutdown for a failure.
+            with contextlib.suppress(Exception):
+                self.ahead.close()
         if self.servers is not None:
             # Replicas on Ray may run in the engines' bundles: they go first.
             with contextlib.suppress(Exception):
