@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,14 +55,12 @@ def require_peft() -> Any:
     return peft
 
 
-def _linear_names(model: nn.Module) -> list[str]:
-    """Dotted names of the model's linear layers, the output (LM) head excluded."""
+def _linear_names(model: nn.Module) -> tuple[list[str], list[str]]:
+    """Dotted names of the model's linear layers: all of them, and all but the output head."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and module is not head and name
-    ]
+    every = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name]
+    body = [name for name in every if model.get_submodule(name) is not head]
+    return every, body
 
 
 def resolve_target_modules(model: nn.Module, targets: list[str]) -> list[str]:
@@ -69,23 +68,23 @@ def resolve_target_modules(model: nn.Module, targets: list[str]) -> list[str]:
 
     ``["all-linear"]`` gives the last name component of every linear layer but the output head
     (``q_proj``, ``k_proj``, ..., ``down_proj`` for Llama-style models).  Any other entry must be
-    a suffix of at least one linear layer's dotted name (``q_proj``, ``self_attn.q_proj``).
+    a suffix of at least one linear layer's dotted name (``q_proj``, ``self_attn.q_proj``, or
+    ``lm_head`` for an untied output head).
 
     Raises:
         ValueError: an entry names no linear layer, or the model has none.
     """
-    linear = _linear_names(model)
-    if not linear:
+    every, body = _linear_names(model)
+    if not body:
         raise ValueError(f"ModelSpec.target_modules: {type(model).__name__} has no linear layers")
     if targets == [ALL_LINEAR]:
-        return sorted({name.rsplit(".", 1)[-1] for name in linear})
-    leaves = sorted({name.rsplit(".", 1)[-1] for name in linear})
+        return sorted({name.rsplit(".", 1)[-1] for name in body})
     for target in targets:
-        if not any(name == target or name.endswith("." + target) for name in linear):
+        if not any(name == target or name.endswith("." + target) for name in every):
+            leaves = sorted({name.rsplit(".", 1)[-1] for name in every})
             raise ValueError(
                 f"ModelSpec.target_modules: {target!r} names no linear layer of "
-                f"{type(model).__name__} (its linear layers are {leaves}; the LM head is never "
-                "adapted)"
+                f"{type(model).__name__} (its linear layers are {leaves})"
             )
     return list(targets)
 
@@ -112,7 +111,10 @@ def apply_lora(model: nn.Module, spec: ModelSpec) -> Any:
         task_type="CAUSAL_LM",
     )
     config.base_model_name_or_path = spec.path
-    wrapped = peft.get_peft_model(model, config, autocast_adapter_dtype=False)
+    with warnings.catch_warnings():
+        # peft asks transformers >= 5 a deprecated question about gradient checkpointing.
+        warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)
+        wrapped = peft.get_peft_model(model, config, autocast_adapter_dtype=False)
     counts: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         counts[id(param)] = counts.get(id(param), 0) + 1
