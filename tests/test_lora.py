@@ -74,6 +74,10 @@ def test_target_modules_resolve_against_the_model_and_bad_settings_are_named():
         load_config("demo", ["model.target_modules=[all-linear,q_proj]"])
     with pytest.raises(ConfigError, match="model.lora_rank"):
         load_config("demo", ["model.lora_rank=-2"])
+    from polyrl.trainer.preference import run_preference
+
+    with pytest.raises(ConfigError, match="model.lora_rank.*trains every weight"):
+        run_preference(load_config("dpo_demo", ["model.lora_rank=4"]), "dpo")
 
 
 # ------------------------------------------------------------------------------ end to end
