@@ -200,6 +200,7 @@ def test_train_batch_matches_plain_hf_world_size_2(tiny_dir, tmp_path):
     # LoRA sharded over two ranks: B = 0 leaves the model's function and the reference's
     # gradients decide the adapter's; merged weights, frozen base and the adapter checkpoint.
     assert lora["loss_diff"] < 1e-5 and lora["logp_diff"] < 1e-5, lora
+    assert lora["base_logp_diff"] < 1e-5, lora  # trained adapter disabled: the plain model
     assert lora["num_layers"] == 2 * 7  # q, k, v, o, gate, up, down in both layers
     assert lora["grad_b_diff"] < 1e-5 and lora["grad_a_max"] == 0.0, lora
     assert lora["b_trained"] > 0 and lora["merge_diff"] < 1e-6, lora

@@ -92,6 +92,8 @@ def run_lora_case(model_dir, batch, ref, rows, ckpt_dir) -> dict | None:
     start = {k: v.clone() for k, v in engine.adapter_tensors()}
     metrics = engine.train_batch(local, sft_loss)
     grads = engine_grads(engine)
+    with engine.adapter_disabled():  # the trained adapter off: the base model again
+        base_inferred = engine.infer_batch(local, compute_log_probs)
     adapter = {k: v.clone() for k, v in engine.adapter_tensors()}
     merged = {k: v.clone() for k, v in engine.named_tensors()}
     base = {k: v.clone() for k, v in engine.named_tensors(merge_adapter=False)}
@@ -102,12 +104,12 @@ def run_lora_case(model_dir, batch, ref, rows, ckpt_dir) -> dict | None:
     restored = {k: v.clone() for k, v in resumed.adapter_tensors()}
     resumed.close()
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (rows, inferred["log_probs"]))
+    dist.all_gather_object(gathered, (rows, inferred["log_probs"], base_inferred["log_probs"]))
     if rank != 0:
         return None
-    logp = torch.zeros_like(ref["logp"])
-    for share, values in gathered:
-        logp[share] = values
+    logp, base_logp = torch.zeros_like(ref["logp"]), torch.zeros_like(ref["logp"])
+    for share, values, base_values in gathered:
+        logp[share], base_logp[share] = values, base_values
     grad_b, grad_a, merge = 0.0, 0.0, 0.0
     layers = sorted(k.removesuffix(".lora_A.default.weight") for k in start if ".lora_A." in k)
     for layer in layers:
@@ -123,6 +125,7 @@ def run_lora_case(model_dir, batch, ref, rows, ckpt_dir) -> dict | None:
     return {
         "loss_diff": abs(metrics["loss"] - ref["loss"]),
         "logp_diff": (logp - ref["logp"]).abs().max().item(),
+        "base_logp_diff": (base_logp - ref["logp"]).abs().max().item(),
         "num_layers": len(layers),
         "grad_b_diff": grad_b,
         "grad_a_max": grad_a,
