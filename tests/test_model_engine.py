@@ -187,7 +187,9 @@ def test_train_batch_matches_plain_hf_world_size_2(tiny_dir, tmp_path):
         "dynamic_trim_gc_hsdp",
         "shared_prefix",
         "shared_prefix_dummies",
+        "lora",
     }
+    lora = results.pop("lora")
     for name, r in results.items():
         assert r["grad_names_match"], name
         assert r["loss_diff"] < 1e-5, (name, r)
@@ -195,6 +197,16 @@ def test_train_batch_matches_plain_hf_world_size_2(tiny_dir, tmp_path):
         assert r["logp_diff"] < 1e-5, (name, r)
     assert results["padded_mbs1"]["num_micro_batches"] == 6  # rank 1 ran 3 dummy passes
     assert results["shared_prefix_dummies"]["num_micro_batches"] == 9  # rank 1: 6 dummy passes
+    # LoRA sharded over two ranks: B = 0 leaves the model's function and the reference's
+    # gradients decide the adapter's; merged weights, frozen base and the adapter checkpoint.
+    assert lora["loss_diff"] < 1e-5 and lora["logp_diff"] < 1e-5, lora
+    assert lora["base_logp_diff"] < 1e-5, lora  # trained adapter disabled: the plain model
+    assert lora["num_layers"] == 2 * 7  # q, k, v, o, gate, up, down in both layers
+    assert lora["grad_b_diff"] < 1e-5 and lora["grad_a_max"] == 0.0, lora
+    assert lora["b_trained"] > 0 and lora["merge_diff"] < 1e-6, lora
+    assert lora["base_is_the_model"] and lora["restored_equal"], lora
+    keys = lora["checkpoint_model_keys"]
+    assert len(keys) == 2 * 14 and all(".lora_A." in k or ".lora_B." in k for k in keys), keys
 
 
 def test_temperature_and_entropy_inference(tiny_dir, engines):

@@ -608,6 +608,41 @@ class ModelConfig(ConfigGroup):
     trust_remote_code: bool = option(
         False, "Allow running modelling code shipped inside the model directory."
     )
+    lora_rank: int = option(
+        0,
+        "LoRA rank of the policy (actor, SFT); 0 trains every weight. > 0 freezes the model and "
+        "trains low-rank adapters (needs peft: pip install 'polyrl[lora]'); checkpoints hold "
+        "the adapter, rollout replicas and export_hf get the merged weights, and the reference "
+        "is the actor with its adapter disabled (no separate engine).",
+        ge=0,
+    )
+    lora_alpha: float = option(
+        16.0, "LoRA scale numerator: an adapter adds (lora_alpha / lora_rank) * B @ A.", gt=0.0
+    )
+    target_modules: list[str] = option(
+        ["all-linear"],
+        "Layers that get a LoRA adapter: all-linear (every linear layer but the LM head) or "
+        "module names such as [q_proj, v_proj].",
+    )
+    lora_dropout: float = option(
+        0.0, "Dropout on the LoRA branch's input while training.", ge=0.0, lt=1.0
+    )
+    lora_export_adapter: bool = option(
+        True,
+        "With LoRA, the exported model directory also holds the adapter alone (peft format) "
+        "in its 'adapter' folder.",
+    )
+
+    def validate(self) -> None:
+        """Check target_modules names layers (all-linear alone)."""
+        names = self.target_modules
+        if not names or not all(n.strip() for n in names):
+            raise ConfigError(
+                "must be all-linear or a list of module names, got an empty name or list",
+                key="target_modules",
+            )
+        if "all-linear" in names and len(names) > 1:
+            raise ConfigError(f"all-linear stands alone, got {names}", key="target_modules")
 
 
 @dataclasses.dataclass

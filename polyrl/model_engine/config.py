@@ -29,6 +29,8 @@ MODEL_KINDS = ("causal_lm", "value")
 SCHEDULERS = ("constant", "linear", "cosine")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 DEVICES = ("auto", "cpu", "cuda")
+#: ``ModelSpec.target_modules`` value: every linear layer but the output (LM) head.
+ALL_LINEAR = "all-linear"
 
 
 def _check_choice(value: Any, choices: tuple[str, ...], what: str) -> None:
@@ -87,6 +89,38 @@ class ModelSpec:
             "initializer_range (0.02 if it has none)."
         },
     )
+    lora_rank: int = field(
+        default=0,
+        metadata={
+            "help": "LoRA rank; 0 trains every weight. > 0 freezes the model and trains low-rank "
+            "adapters (peft) on target_modules: only they are optimised and checkpointed, while "
+            "rollout weight syncs and export_hf get the merged weights W + scale*B@A."
+        },
+    )
+    lora_alpha: float = field(
+        default=16.0,
+        metadata={
+            "help": "LoRA scale numerator: an adapter adds (lora_alpha / lora_rank) * B @ A."
+        },
+    )
+    target_modules: list[str] = field(
+        default_factory=lambda: [ALL_LINEAR],
+        metadata={
+            "help": "Layers that get a LoRA adapter: 'all-linear' (every linear layer but the "
+            "LM head) or module names such as [q_proj, v_proj] (a name matches every module "
+            "whose dotted path ends with it)."
+        },
+    )
+    lora_dropout: float = field(
+        default=0.0, metadata={"help": "Dropout on the LoRA branch's input while training."}
+    )
+    lora_export_adapter: bool = field(
+        default=True,
+        metadata={
+            "help": "With LoRA, export_hf also writes the adapter alone, in peft format, to the "
+            "'adapter' folder of the exported model directory."
+        },
+    )
 
     value_head_bias: bool = field(
         default=True,
@@ -107,6 +141,37 @@ class ModelSpec:
             )
         if self.value_head_init_std is not None:
             _check_positive(self.value_head_init_std, "ModelSpec.value_head_init_std")
+        # One name (YAML ``target_modules: all-linear``) means a list of one.
+        if isinstance(self.target_modules, str | tuple):
+            self.target_modules = (
+                [self.target_modules]
+                if isinstance(self.target_modules, str)
+                else list(self.target_modules)
+            )
+        rank = self.lora_rank
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise ValueError(f"ModelSpec.lora_rank must be an int >= 0, got {rank!r}")
+        _check_positive(self.lora_alpha, "ModelSpec.lora_alpha")
+        _check_positive(self.lora_dropout, "ModelSpec.lora_dropout", allow_zero=True)
+        if self.lora_dropout >= 1.0:
+            raise ValueError(f"ModelSpec.lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
+        names = self.target_modules
+        if (
+            not isinstance(names, list)
+            or not names
+            or not all(isinstance(n, str) and n for n in names)
+        ):
+            raise ValueError(
+                "ModelSpec.target_modules must be 'all-linear' or a non-empty list of module "
+                f"names, got {names!r}"
+            )
+        if ALL_LINEAR in names and len(names) > 1:
+            raise ValueError(f"ModelSpec.target_modules: 'all-linear' stands alone, got {names!r}")
+        if self.lora_rank and self.kind != "causal_lm":
+            raise ValueError(
+                f"ModelSpec.lora_rank={self.lora_rank}: LoRA is for causal LMs (actor, reference, "
+                f"SFT); a {self.kind!r} model trains every weight (set lora_rank=0)"
+            )
 
 
 @dataclass

@@ -380,10 +380,32 @@ class TrainingEngine(abc.ABC):
         finally:
             self._set_training(previous)
 
+    # ------------------------------------------------------------------------------ adapters
+    @property
+    def has_adapter(self) -> bool:
+        """Whether the model trains a LoRA adapter on frozen base weights (``lora_rank > 0``)."""
+        return False
+
+    def adapter_disabled(self) -> contextlib.AbstractContextManager[None]:
+        """Context in which the model runs without its adapter: the frozen base model.
+
+        The reference policy of a LoRA run is this (no second engine holds a copy).
+
+        Raises:
+            RuntimeError: the engine has no adapter.
+        """
+        raise RuntimeError(
+            f"{type(self).__name__} has no LoRA adapter to disable (ModelSpec.lora_rank is 0)"
+        )
+
     # ------------------------------------------------------------------------------ weights
     @abc.abstractmethod
     def named_tensors(
-        self, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+        self,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        *,
+        merge_adapter: bool = True,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, full_tensor)`` one parameter/buffer at a time.
 
@@ -391,6 +413,11 @@ class TrainingEngine(abc.ABC):
         Collective: every rank must exhaust the iterator.  Tied weights appear once (under the
         first name, as Hugging Face checkpoints store them).  Tensors may share memory with the
         live parameters; copy them if they must outlive the next optimizer step.
+
+        With a LoRA adapter the names are still the base model's: an adapted layer's weight is
+        ``W + scale * B @ A`` (the policy the engine trains; what rollout replicas and
+        :meth:`export_hf` receive), or, with ``merge_adapter=False``, the frozen ``W``.  Adapter
+        tensors themselves are not yielded.
         """
 
     @abc.abstractmethod
@@ -400,7 +427,9 @@ class TrainingEngine(abc.ABC):
         """Atomically write ``<directory>/global_step_<step>``; returns its path.
 
         Holds the sharded model, optimizer (per :class:`CheckpointConfig`), LR scheduler, every
-        rank's RNG states and the opaque ``extra_state`` (e.g. the data sampler).
+        rank's RNG states and the opaque ``extra_state`` (e.g. the data sampler).  With a LoRA
+        adapter only the trainable (adapter) weights are saved: the base model is read from
+        ``ModelSpec.path`` again on resume.
         """
 
     @abc.abstractmethod
@@ -414,7 +443,12 @@ class TrainingEngine(abc.ABC):
     def export_hf(
         self, directory: str, tokenizer: Any = None, dtype: torch.dtype | None = None
     ) -> str:
-        """Write a Hugging Face model directory (config, safetensors, tokenizer if any)."""
+        """Write a Hugging Face model directory (config, safetensors, tokenizer if any).
+
+        With a LoRA adapter the weights are merged (:meth:`named_tensors`), so the directory is a
+        plain model; ``ModelSpec.lora_export_adapter`` also writes the adapter alone (peft
+        format) to its ``adapter`` folder.
+        """
 
     @abc.abstractmethod
     def offload(self, params: bool = True, optimizer: bool = True) -> None:

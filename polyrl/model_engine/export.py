@@ -232,7 +232,18 @@ def _build_engine(configs: dict[str, Any], base: str, base_overridden: bool) -> 
     from polyrl.model_engine.engine import build_engine
 
     saved = dict(configs.get("model") or {})
-    fields = ("dtype", "attn_implementation", "trust_remote_code", "override_config")
+    # A LoRA checkpoint holds the adapter only: rebuild the same adapter on the base model.
+    fields = (
+        "dtype",
+        "attn_implementation",
+        "trust_remote_code",
+        "override_config",
+        "lora_rank",
+        "lora_alpha",
+        "target_modules",
+        "lora_dropout",
+        "lora_export_adapter",
+    )
     kwargs = {k: saved[k] for k in fields if k in saved}
     tokenizer = saved.get("tokenizer_path")
     if base_overridden or not (tokenizer and os.path.isdir(tokenizer)):

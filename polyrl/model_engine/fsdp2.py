@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -83,6 +84,13 @@ from polyrl.model_engine.heads import (
     model_forward,
     no_split_module_classes,
 )
+from polyrl.model_engine.lora import (
+    ADAPTER_NAME,
+    LoraLayout,
+    apply_lora,
+    merge_lora_weight,
+    save_peft_adapter,
+)
 from polyrl.model_engine.optim import apply_configured_schedule, build_optimizer, build_scheduler
 from polyrl.model_engine.prefix import (
     PrefixSplit,
@@ -91,7 +99,7 @@ from polyrl.model_engine.prefix import (
     supports_shared_prefix,
 )
 
-__all__ = ["FSDP2Engine", "unwrapped_class_name"]
+__all__ = ["ADAPTER_DIR", "FSDP2Engine", "unwrapped_class_name"]
 
 _STATE_FORMAT = "polyrl.fsdp2"
 _STATE_VERSION = 1
@@ -109,6 +117,9 @@ _TOKENIZER_FILES = (
 # Wrapper prefixes that must not leak into Hugging Face parameter names.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 _MAX_SHARD_BYTES = 2 * 1024**3
+#: Folder of an exported LoRA model directory holding the adapter alone (peft format).  Not the
+#: directory itself: an adapter_config.json there would make transformers load it as an adapter.
+ADAPTER_DIR = "adapter"
 
 
 def _seed_all(seed: int) -> None:
@@ -175,6 +186,9 @@ class FSDP2Engine(TrainingEngine):
         self._optim_offloaded: list[tuple[dict[str, Any], str]] | None = None
         self._optimizer_steps = 0
         self._shard_group_size = 1
+        # LoRA: peft's wrapper (for disable_adapter) and where the adapters sit.
+        self._peft: Any = None
+        self._lora: LoraLayout | None = None
 
     # ------------------------------------------------------------------------------ lifecycle
     def initialize(self) -> None:
@@ -218,6 +232,10 @@ class FSDP2Engine(TrainingEngine):
             )
         _seed_all(cfg.seed)
         model = load_model(self.model_spec, seed=cfg.seed)
+        if self.model_spec.lora_rank:
+            # Before sharding: peft swaps the targeted linear layers for LoRA layers in place.
+            self._peft = apply_lora(model, self.model_spec)
+            self._lora = LoraLayout(model, _clean_name)
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(model)
         stored = resolve_dtype(self.model_spec.dtype)
@@ -247,12 +265,15 @@ class FSDP2Engine(TrainingEngine):
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
         self._model = model
+        # Frozen (base) weights are left out: with LoRA only the adapters are optimised.
         self._optimizer = build_optimizer(model.parameters(), self.optimizer_config)
         self._scheduler = build_scheduler(self._optimizer, self.optimizer_config)
 
     def close(self) -> None:
         """Drop the model/optimizer; the last engine on a polyrl-created group destroys it."""
         self._model = None
+        self._peft = None
+        self._lora = None
         self._optimizer = None
         self._scheduler = None
         if self._dist is not None:
@@ -663,28 +684,93 @@ class FSDP2Engine(TrainingEngine):
         return previous
 
     # ------------------------------------------------------------------------------ weights
+    @property
+    def has_adapter(self) -> bool:
+        """See :attr:`TrainingEngine.has_adapter`."""
+        return self._peft is not None
+
+    @contextlib.contextmanager
+    def adapter_disabled(self) -> Iterator[None]:
+        """See :meth:`TrainingEngine.adapter_disabled` (peft's ``disable_adapter``)."""
+        self._require_init()
+        if self._peft is None:
+            super().adapter_disabled()  # raises: nothing to disable
+        # Only flags on the LoRA layers change, identically on every rank: no collective.
+        with self._peft.disable_adapter():
+            yield
+
+    @staticmethod
+    def _full(tensor: torch.Tensor) -> torch.Tensor:
+        """Return the whole tensor behind a (maybe sharded) parameter; collective for DTensors."""
+        if isinstance(tensor, DTensor):
+            # On one rank the local shard is the whole tensor: skip the gather's copy.
+            single = tensor.device_mesh.size() == 1
+            tensor = tensor.to_local() if single else tensor.full_tensor()
+        return tensor.detach()
+
     def named_tensors(
-        self, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+        self,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        *,
+        merge_adapter: bool = True,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """See :meth:`TrainingEngine.named_tensors`."""
         self._require_params("named_tensors")
         seen: set[int] = set()
-        for name, tensor in self.model.state_dict(keep_vars=True).items():
+        state = self.model.state_dict(keep_vars=True)
+        lora = self._lora
+        for raw, tensor in state.items():
             if id(tensor) in seen:
                 continue
             seen.add(id(tensor))
-            if isinstance(tensor, DTensor):
-                # On one rank the local shard is the whole tensor: skip the gather's copy.
-                single = tensor.device_mesh.size() == 1
-                full = tensor.to_local() if single else tensor.full_tensor()
-            else:
-                full = tensor
-            full = full.detach()
+            name = _clean_name(raw)
+            full: torch.Tensor | None = None
+            if lora is not None:
+                if lora.is_adapter(name):
+                    continue
+                base = lora.base_of(name)
+                if base is not None:
+                    layer, leaf = base
+                    name = f"{layer}.{leaf}"
+                    if merge_adapter and leaf == "weight":
+                        # Every rank gathers W, A and B in this same order.
+                        a_name, b_name = LoraLayout.adapter_names(raw[: -len(".base_layer.weight")])
+                        full = merge_lora_weight(
+                            self._full(tensor),
+                            self._full(state[a_name]),
+                            self._full(state[b_name]),
+                            lora.scaling[layer],
+                        )
+            if full is None:
+                full = self._full(tensor)
             if dtype is not None and full.is_floating_point():
                 full = full.to(dtype)
             if device is not None:
                 full = full.to(device)
-            yield _clean_name(name), full
+            yield name, full
+
+    def adapter_tensors(
+        self, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, full_tensor)`` of the LoRA A/B weights (engine names); collective.
+
+        Names read ``<layer>.lora_A.default.weight``; nothing is yielded without an adapter.
+        """
+        self._require_params("adapter_tensors")
+        lora = self._lora
+        if lora is None:
+            return
+        for raw, tensor in self.model.state_dict(keep_vars=True).items():
+            name = _clean_name(raw)
+            if not lora.is_adapter(name):
+                continue
+            full = self._full(tensor)
+            if dtype is not None:
+                full = full.to(dtype)
+            if device is not None:
+                full = full.to(device)
+            yield name, full
 
     def _broadcast_token(self) -> str:
         token = [uuid.uuid4().hex[:12]]
@@ -703,7 +789,9 @@ class FSDP2Engine(TrainingEngine):
 
         ``tokenizer`` may be an object with ``save_pretrained`` or a directory whose tokenizer
         files are copied; ``None`` copies them from ``ModelSpec.tokenizer_path`` or the model
-        directory when present.  ``dtype`` defaults to the stored parameter dtype.
+        directory when present.  ``dtype`` defaults to the stored parameter dtype.  With LoRA the
+        weights are merged, and ``ModelSpec.lora_export_adapter`` adds the adapter alone (peft
+        format) under ``adapter/``.
         """
         self._require_params("export_hf")
         directory = os.path.abspath(directory)
@@ -742,9 +830,17 @@ class FSDP2Engine(TrainingEngine):
                 current[name] = tensor
                 size += nbytes
                 total_bytes += nbytes
+            adapter: dict[str, torch.Tensor] = {}
+            if self._peft is not None and self.model_spec.lora_export_adapter:
+                for name, tensor in self.adapter_tensors(dtype=dtype, device="cpu"):
+                    if is_main:
+                        adapter[name] = tensor.clone()
             if is_main:
                 flush()
                 self._finish_export(tmp, shards, weight_map, total_bytes, dtype, tokenizer)
+                if adapter:
+                    config = self._peft.peft_config[ADAPTER_NAME]
+                    save_peft_adapter(os.path.join(tmp, ADAPTER_DIR), config, adapter)
                 ckpt.publish_dir(tmp, directory)
         finally:
             if is_main and os.path.isdir(tmp):
@@ -829,11 +925,7 @@ class FSDP2Engine(TrainingEngine):
             os.makedirs(os.path.join(tmp, "rng"))
         self._barrier()
         with_optim = self.checkpoint_config.save_optimizer
-        if with_optim:
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-            state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
-        else:
-            state = {"model": get_model_state_dict(self.model)}
+        state = self._checkpoint_state(with_optim)
         dcp.save(state, storage_writer=FileSystemWriter(os.path.join(tmp, "dcp"), sync_files=True))
         torch.save(self._rng_state(), os.path.join(tmp, "rng", f"rank_{self.rank}.pt"))
         if is_main:
@@ -848,6 +940,7 @@ class FSDP2Engine(TrainingEngine):
                 "world_size": self.world_size,
                 "has_optimizer": with_optim,
                 "model_kind": self.model_spec.kind,
+                "lora": self._lora_signature(),
             }
             torch.save(engine_state, os.path.join(tmp, "engine_state.pt"))
             with open(os.path.join(tmp, "configs.json"), "w") as f:
@@ -885,22 +978,24 @@ class FSDP2Engine(TrainingEngine):
                 f"{resolved!r} holds a {engine_state.get('model_kind')!r} model, this engine "
                 f"trains a {self.model_spec.kind!r} model"
             )
+        self._check_lora_signature(engine_state.get("lora"), resolved)
         with_optim = bool(engine_state["has_optimizer"]) and self.checkpoint_config.load_optimizer
         reader = FileSystemReader(os.path.join(resolved, "dcp"))
+        state = self._checkpoint_state(with_optim)
+        # Every key of the template must be in the checkpoint (DCP loads strictly); with LoRA
+        # the template holds the adapter only and the frozen base stays as loaded.
+        dcp.load(state, storage_reader=reader)
+        options = self._state_dict_options(loading=True)
         if with_optim:
-            model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-            state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
-            dcp.load(state, storage_reader=reader)
             set_state_dict(
                 self.model,
                 self.optimizer,
                 model_state_dict=state["model"],
                 optim_state_dict=state["optimizer"],
+                options=options,
             )
         else:
-            state = {"model": get_model_state_dict(self.model)}
-            dcp.load(state, storage_reader=reader)
-            set_model_state_dict(self.model, state["model"])
+            set_model_state_dict(self.model, state["model"], options=options)
         assert self._scheduler is not None
         self._scheduler.load_state_dict(engine_state["scheduler"])
         changed = apply_configured_schedule(self._scheduler, self.optimizer_config)
@@ -927,6 +1022,60 @@ class FSDP2Engine(TrainingEngine):
             "extra_state": engine_state["extra_state"],
             "path": resolved,
         }
+
+    def _state_dict_options(self, loading: bool = False) -> StateDictOptions | None:
+        if self._peft is None:
+            return None
+        # The frozen base weights come from ModelSpec.path; only the adapter is saved.
+        return StateDictOptions(ignore_frozen_params=True, strict=not loading)
+
+    def _checkpoint_state(self, with_optim: bool) -> dict[str, Any]:
+        """Return the state DCP saves/loads: model (adapter only with LoRA) and optimizer."""
+        options = self._state_dict_options()
+        if with_optim:
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=options)
+            state: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
+        else:
+            state = {"model": get_model_state_dict(self.model, options=options)}
+        if self._lora is not None:
+            # A frozen weight tied to another name (embeddings / LM head) survives
+            # ignore_frozen_params under its second name: drop everything but the adapter.
+            lora = self._lora
+            state["model"] = {k: v for k, v in state["model"].items() if lora.is_adapter(k)}
+        return state
+
+    def _lora_signature(self) -> dict[str, Any] | None:
+        """Return what a checkpoint's adapter must match to load: rank, scale, layers."""
+        if self._lora is None:
+            return None
+        spec = self.model_spec
+        return {
+            "rank": spec.lora_rank,
+            "alpha": float(spec.lora_alpha),
+            "layers": sorted(self._lora.scaling),
+        }
+
+    def _check_lora_signature(self, saved: Any, path: str) -> None:
+        mine = self._lora_signature()
+        if saved == mine:
+            return
+        if saved is None:
+            raise ValueError(
+                f"{path!r} holds full model weights, this engine trains a LoRA adapter "
+                f"(ModelSpec.lora_rank={self.model_spec.lora_rank}); set lora_rank=0 to resume it"
+            )
+        if mine is None:
+            raise ValueError(
+                f"{path!r} holds a LoRA adapter of rank {saved['rank']}, this engine trains every "
+                f"weight; set ModelSpec.lora_rank={saved['rank']} (lora_alpha={saved['alpha']}, "
+                "the same target_modules) to resume it"
+            )
+        raise ValueError(
+            f"{path!r} holds a LoRA adapter (rank {saved['rank']}, alpha {saved['alpha']}, "
+            f"{len(saved['layers'])} layers) unlike this engine's (rank {mine['rank']}, alpha "
+            f"{mine['alpha']}, {len(mine['layers'])} layers); set ModelSpec.lora_rank, "
+            "lora_alpha and target_modules as the run that saved it did"
+        )
 
     def _rng_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {

@@ -84,6 +84,13 @@ def _check_config(cfg: PolyRLConfig, kind: str, max_length: int, has_rows: bool)
             "in one process; set trainer.nnodes=1 trainer.n_gpus_per_node=1",
             key="trainer.n_gpus_per_node",
         )
+    if cfg.model.lora_rank:
+        # Not wired here yet: the run would silently train every weight.
+        raise ConfigError(
+            f"is {cfg.model.lora_rank}, but polyrl {kind} trains every weight (LoRA is wired "
+            "into the RL actor and SFT only); set model.lora_rank=0",
+            key="model.lora_rank",
+        )
     if not has_rows and not cfg.data.task and not cfg.data.train_files:
         raise ConfigError(
             "no training data: set data.task (e.g. arithmetic_pairs) or data.train_files "

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from polyrl.config import ConfigError, PolyRLConfig, save_config, to_dict
+from polyrl.config.schema import constructor_kwargs
 from polyrl.core.batch import Batch
 from polyrl.trainer.checkpointing import checkpoint_root, resolve_resume_path
 from polyrl.trainer.sft_data import SFTDataError, SFTDataset, chats_from_rows, collate_chats
@@ -463,11 +464,8 @@ def run_sft(cfg: PolyRLConfig) -> dict[str, Any]:
     use_gpu = trainer.device == "cuda" or (trainer.device == "auto" and torch.cuda.is_available())
     engine_cfg, optimizer_cfg = engine_configs(cfg, sft, total)
     runner = SFTRunner(
-        ModelSpec(
-            path=str(model_dir),
-            dtype=cfg.model.dtype,
-            trust_remote_code=cfg.model.trust_remote_code,
-        ),
+        # model.* maps onto ModelSpec by field name (dtype, trust_remote_code, the LoRA options).
+        ModelSpec(**constructor_kwargs(ModelSpec, cfg.model, path=str(model_dir))),
         engine_cfg,
         optimizer_cfg,
         CheckpointConfig(max_to_keep=trainer.max_ckpt_to_keep),

@@ -36,6 +36,7 @@ batch whose length divides the world size.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -297,14 +298,19 @@ class EngineWorker(Worker):
         return self._engine
 
     def named_tensors(
-        self, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+        self,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        *,
+        merge_adapter: bool = True,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, full_tensor)`` one at a time (collective over the group's ranks).
 
         For in-process consumers such as a colocated rollout's weight transfer engine; see
-        :meth:`polyrl.model_engine.engine.TrainingEngine.named_tensors`.
+        :meth:`polyrl.model_engine.engine.TrainingEngine.named_tensors` (``merge_adapter``:
+        LoRA weights merged, or the frozen base).
         """
-        return self.engine.named_tensors(dtype=dtype, device=device)
+        return self.engine.named_tensors(dtype=dtype, device=device, merge_adapter=merge_adapter)
 
     def _require_role(self, method: str, *roles: str) -> None:
         if self._engine_role not in roles:
@@ -398,12 +404,17 @@ class EngineWorker(Worker):
     ) -> Batch | None:
         """Token log-probs under the reference model (``ref_log_probs``).
 
-        ``share_prefix`` as in :meth:`compute_log_prob`.
+        ``share_prefix`` as in :meth:`compute_log_prob`.  On an actor that trains a LoRA adapter
+        the reference is the actor's own frozen base model (adapter disabled), so a LoRA run
+        needs no reference engine.
         """
         self._require_role("compute_ref_log_prob", "reference", "actor")
 
         def compute(rows: Batch) -> Batch:
-            out = self.engine.infer_batch(rows, compute_log_probs, share_prefix)
+            engine = self.engine
+            base = engine.adapter_disabled() if engine.has_adapter else contextlib.nullcontext()
+            with base:
+                out = engine.infer_batch(rows, compute_log_probs, share_prefix)
             return Batch(tensors={REF_LOG_PROBS_KEY: out["log_probs"]})
 
         return self._infer(batch, compute)
@@ -596,14 +607,15 @@ class EngineWorker(Worker):
         self.engine.reload(params=params, optimizer=optimizer)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
-    def weight_digest(self) -> str:
+    def weight_digest(self, merge_adapter: bool = True) -> str:
         """SHA-256 over every (name, full tensor) as this rank sees it; collective.
 
         Equal digests on all ranks show the replicas agree; comparing with another engine's
-        digest checks two models hold the same weights bit for bit.
+        digest checks two models hold the same weights bit for bit.  With a LoRA adapter the
+        digest covers the merged weights, or with ``merge_adapter=False`` the frozen base.
         """
         digest = hashlib.sha256()
-        for name, tensor in self.engine.named_tensors(device="cpu"):
+        for name, tensor in self.engine.named_tensors(device="cpu", merge_adapter=merge_adapter):
             digest.update(name.encode())
             digest.update(str(tensor.dtype).encode())
             digest.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
@@ -611,16 +623,20 @@ class EngineWorker(Worker):
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def gather_weights(
-        self, names: Sequence[str] | None = None, dtype: torch.dtype | None = None
+        self,
+        names: Sequence[str] | None = None,
+        dtype: torch.dtype | None = None,
+        merge_adapter: bool = True,
     ) -> dict[str, torch.Tensor] | None:
         """Full tensors (by Hugging Face name) on rank 0, ``None`` on the other ranks.
 
         Collective.  Meant for small models and tests; large models should stream
-        :meth:`named_tensors` in-process instead.
+        :meth:`named_tensors` in-process instead.  ``merge_adapter`` as in :meth:`named_tensors`.
         """
         wanted = None if names is None else set(names)
         found: dict[str, torch.Tensor] = {}
-        for name, tensor in self.engine.named_tensors(dtype=dtype, device="cpu"):
+        tensors = self.engine.named_tensors(dtype=dtype, device="cpu", merge_adapter=merge_adapter)
+        for name, tensor in tensors:
             if wanted is None or name in wanted:
                 found[name] = tensor.clone() if self.rank == 0 else tensor
         if wanted is not None and wanted - set(found):

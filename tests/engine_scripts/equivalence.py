@@ -70,6 +70,75 @@ def run_case(model_dir, batch, ref, rows, engine_kwargs, mask=None) -> dict | No
     }
 
 
+def run_lora_case(model_dir, batch, ref, rows, ckpt_dir) -> dict | None:
+    """A LoRA engine sharded over both ranks: gradients, merged weights, adapter checkpoint.
+
+    At the start (``B = 0``) the adapted model is the plain one, so the loss and log-probs are
+    the reference's and the adapter's gradients follow from the full weights' gradients ``G``:
+    ``dL/dB = scale * G @ A.T`` and ``dL/dA = scale * B.T @ G = 0``.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from polyrl.model_engine.heads import read_safetensors
+
+    rank = dist.get_rank()
+    spec = {"path": model_dir, "lora_rank": 4, "lora_alpha": 8.0}
+    scale = 8.0 / 4
+    engine = build_engine(
+        spec, EngineConfig(grad_clip=1e9, max_tokens_per_micro_batch=33), OptimizerConfig(lr=1e-2)
+    )
+    local = batch[rows]
+    inferred = engine.infer_batch(local, compute_log_probs)
+    start = {k: v.clone() for k, v in engine.adapter_tensors()}
+    metrics = engine.train_batch(local, sft_loss)
+    grads = engine_grads(engine)
+    with engine.adapter_disabled():  # the trained adapter off: the base model again
+        base_inferred = engine.infer_batch(local, compute_log_probs)
+    adapter = {k: v.clone() for k, v in engine.adapter_tensors()}
+    merged = {k: v.clone() for k, v in engine.named_tensors()}
+    base = {k: v.clone() for k, v in engine.named_tensors(merge_adapter=False)}
+    saved = engine.save_checkpoint(ckpt_dir, 1)
+    engine.close()
+    resumed = build_engine(spec, EngineConfig(), OptimizerConfig(lr=1e-2))
+    resumed.load_checkpoint(saved)
+    restored = {k: v.clone() for k, v in resumed.adapter_tensors()}
+    resumed.close()
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (rows, inferred["log_probs"], base_inferred["log_probs"]))
+    if rank != 0:
+        return None
+    logp, base_logp = torch.zeros_like(ref["logp"]), torch.zeros_like(ref["logp"])
+    for share, values, base_values in gathered:
+        logp[share], base_logp[share] = values, base_values
+    grad_b, grad_a, merge = 0.0, 0.0, 0.0
+    layers = sorted(k.removesuffix(".lora_A.default.weight") for k in start if ".lora_A." in k)
+    for layer in layers:
+        a0 = start[f"{layer}.lora_A.default.weight"]
+        want_b = scale * ref["grads"][f"{layer}.weight"] @ a0.T
+        grad_b = max(grad_b, (grads[f"{layer}.lora_B.default.weight"] - want_b).abs().max().item())
+        grad_a = max(grad_a, grads[f"{layer}.lora_A.default.weight"].abs().max().item())
+        a, b = adapter[f"{layer}.lora_A.default.weight"], adapter[f"{layer}.lora_B.default.weight"]
+        want = base[f"{layer}.weight"] + scale * b @ a
+        merge = max(merge, (merged[f"{layer}.weight"] - want).abs().max().item())
+    files = read_safetensors(model_dir)
+    keys = FileSystemReader(f"{saved}/dcp").read_metadata().state_dict_metadata
+    return {
+        "loss_diff": abs(metrics["loss"] - ref["loss"]),
+        "logp_diff": (logp - ref["logp"]).abs().max().item(),
+        "base_logp_diff": (base_logp - ref["logp"]).abs().max().item(),
+        "num_layers": len(layers),
+        "grad_b_diff": grad_b,
+        "grad_a_max": grad_a,
+        "b_trained": min(adapter[f"{x}.lora_B.default.weight"].abs().max().item() for x in layers),
+        "merge_diff": merge,
+        "base_is_the_model": sorted(base) == sorted(files)
+        and all(torch.equal(base[k], files[k]) for k in files),
+        "checkpoint_model_keys": sorted(k for k in keys if k.startswith("model.")),
+        "restored_equal": sorted(restored) == sorted(adapter)
+        and all(torch.equal(restored[k], adapter[k]) for k in adapter),
+    }
+
+
 def main() -> None:
     model_dir, out_path = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
@@ -110,6 +179,8 @@ def main() -> None:
         kwargs = {**kwargs, "share_prefix": True}
         rows = list(shares[rank])
         results[name] = run_case(model_dir, group_batch, group_ref, rows, kwargs, mask)
+
+    results["lora"] = run_lora_case(model_dir, batch, ref, share, f"{out_path}.lora_ckpt")
 
     if rank == 0:
         with open(out_path, "w") as f:

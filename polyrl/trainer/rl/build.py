@@ -685,6 +685,10 @@ def engine_specs(
     The PRM (PRIME's implicit process reward model, role ``prm``) is a causal LM started from
     ``prime.model_path`` or the policy model, with the ``prime`` group's optimizer options and
     the actor's engine options (micro-batching, precision) but its own gradient clip.
+
+    With LoRA (``model.lora_rank > 0``) there is no reference spec: the reference is the actor's
+    frozen base model, which the actor computes with its adapter disabled.  The critic and the
+    PRM train every weight of their own models (LoRA applies to the policy only).
     """
     from polyrl.controller import WorkerSpec
     from polyrl.model_engine import (
@@ -731,13 +735,13 @@ def engine_specs(
             },
         )
     }
-    if use_ref:
+    if use_ref and not model.lora_rank:
         specs["ref"] = WorkerSpec(
             EngineWorker, kwargs={"role": "reference", "model": model, "engine": engine}
         )
     if use_critic:
         critic_model = dataclasses.replace(
-            model, path=critic.model_path or str(model_dir), kind="value"
+            model, path=critic.model_path or str(model_dir), kind="value", lora_rank=0
         )
         specs["critic"] = WorkerSpec(
             EngineWorker,
@@ -762,7 +766,9 @@ def engine_specs(
             EngineWorker,
             kwargs={
                 "role": "prm",
-                "model": dataclasses.replace(model, path=prime.model_path or str(model_dir)),
+                "model": dataclasses.replace(
+                    model, path=prime.model_path or str(model_dir), lora_rank=0
+                ),
                 "engine": dataclasses.replace(engine, grad_clip=prime.grad_clip),
                 "optimizer": OptimizerConfig(
                     **constructor_kwargs(

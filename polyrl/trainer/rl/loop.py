@@ -218,6 +218,10 @@ class RLTrainer:
         views, self._groups = start_engines(cfg, specs, self._closers)
         self.actor, self.ref, self.critic = views["actor"], views.get("ref"), views.get("critic")
         self.prm = views.get("prm")
+        if self.use_ref and self.ref is None:
+            # LoRA: the reference is the actor's base model (its adapter disabled), so the ref
+            # role maps onto the actor engine instead of a second copy of the model.
+            self.ref = self.actor
         for view in views.values():
             view.init_model()
         self.servers = start_replicas(cfg, self.model_dir, self._closers, self._groups)
@@ -241,8 +245,13 @@ class RLTrainer:
             supervisor=replica_supervisor(cfg, self.servers),
             actor=self.actor,
         )
+        lora = (
+            f"; LoRA rank {cfg.model.lora_rank} (reference = actor without adapter)"
+            if cfg.model.lora_rank
+            else ""
+        )
         _log(
-            f"engines: {', '.join(views)} on {cfg.trainer.world_size} rank(s), "
+            f"engines: {', '.join(views)} on {cfg.trainer.world_size} rank(s){lora}, "
             f"{cfg.trainer.placement} ({cfg.trainer.worker_backend}); old log-probs "
             f"{'computed' if self.need_old_log_probs else 'skipped'}; weights over "
             f"{transport[0]}"
