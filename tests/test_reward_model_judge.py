@@ -85,6 +85,25 @@ def test_judge_template_fields_and_config_checks():
         check_config(load_config("grpo", ["reward.model_path=/nonexistent/rm"]))
 
 
+def test_reward_model_reads_the_tokens_polyrl_rm_trained_it_on(tiny_qwen2_tokenizer):
+    """The scored text tokenises to the trainer's sequence: the score is read at the same token."""
+    from polyrl.data.tasks import generate
+    from polyrl.trainer.preference_data import pairs_from_rows, tokenize_completion
+
+    tok = tiny_qwen2_tokenizer
+    rows = generate("arithmetic_pairs", 3, seed=0, split="train")  # chat-message prompts
+    rows.append({"prompt": "12+7=", "chosen": "19", "rejected": "191"})  # plain strings
+    for pair in pairs_from_rows(rows):
+        for completion in (pair["chosen"], pair["rejected"]):
+            response = completion if isinstance(completion, str) else completion[0]["content"]
+            text = reward_model_text(tok, pair["prompt"], response)
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            assert ids == tokenize_completion(tok, pair["prompt"], completion).input_ids, text
+            assert ids[-1] == tok.eos_token_id  # not the template's newline after the turn
+    # A response that already ends with the end-of-sequence token does not get a second one.
+    assert reward_model_text(tok, "1+1=", "2<|im_end|>") == "1+1=2<|im_end|>"
+
+
 def test_reward_model_batches_score_like_transformers(reward_model_dir):
     rm = SequenceRewardModel(str(reward_model_dir), device="cpu", batch_size=3)
     prompts = [[{"role": "user", "content": "12+7="}], "plain prompt ", None, "x"]
@@ -93,7 +112,7 @@ def test_reward_model_batches_score_like_transformers(reward_model_dir):
     texts = [rm.render(p, r) for p, r in zip(prompts, responses, strict=True)]
     assert (
         texts[0].startswith("<|im_start|>user\n12+7=")
-        and texts[1] == "plain prompt " + (responses[1])
+        and texts[1] == "plain prompt " + responses[1] + "<|im_end|>"
     )
     for text, score in zip(texts, scores, strict=True):
         # Right padding inside a batch of 3 gives each text its unpadded score.

@@ -148,6 +148,19 @@ def test_explicit_polyrl_option_wins_over_a_derived_one():
     assert any("set explicitly" in n for n in notes)
 
 
+def test_verl_reward_model_becomes_the_only_reward():
+    given = ["reward_model.enable=True", "reward_model.model.path=/models/rm"]
+    cfg, notes = _load("grpo", [*given, "reward_model.micro_batch_size_per_gpu=8"])
+    assert cfg.reward.model_path == "/models/rm" and cfg.reward.rule_weight == 0.0
+    assert cfg.reward.model_batch_size == 8
+    assert any("reward.rule_weight=0.0" in n for n in notes)
+    # verl's default config names a model.path it ignores while the reward model is disabled.
+    cfg, _ = _load("grpo", ["reward_model.enable=False", "reward_model.model.path=/models/rm"])
+    assert cfg.reward.model_path == "" and cfg.reward.rule_weight == 1.0
+    cfg, _ = _load("grpo", [*given, "reward.rule_weight=0.5"])  # the polyrl option wins
+    assert cfg.reward.model_path == "/models/rm" and cfg.reward.rule_weight == 0.5
+
+
 @pytest.mark.parametrize(
     ("override", "words"),
     [
@@ -156,7 +169,7 @@ def test_explicit_polyrl_option_wins_over_a_derived_one():
         ("custom_reward_function.foo=1", ["has no polyrl equivalent"]),
         ("actor_rollout_ref.rollout.name=trtllm", ["'trtllm'", "vllm, sglang or hf"]),
         ("actor_rollout_ref.model.lora_rank=8", ["lora_rank=8", "LoRA"]),
-        ("reward_model.enable=True", ["reward_model.enable=True", "no reward models"]),
+        ("reward_model.enable=True", ["reward_model.enable", "needs reward_model.model.path"]),
         ("trainer.val_only=True", ["trainer.val_only", "no polyrl equivalent"]),
     ],
 )

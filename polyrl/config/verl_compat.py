@@ -17,7 +17,7 @@ The policy, one rule per kind of entry:
 * ``ignored`` -- tunes only speed or memory (FSDP offload, log-prob micro-batches, ...), or
   states what polyrl always does: accepted, changes nothing, and a note says so.
 * ``off`` -- a verl feature polyrl does not have: accepted at its "off" value (``lora_rank=0``,
-  ``reward_model.enable=False``), an error naming the missing feature otherwise.
+  ``algorithm.use_pf_ppo=False``), an error naming the missing feature otherwise.
 * anything else under a verl-only group (``actor_rollout_ref.*``, ``custom_reward_function.*``,
   ``reward_model.*``, ...) is an error saying the verl option has no polyrl equivalent --
   never a "did you mean" pointing at an option that means something else.
@@ -187,6 +187,19 @@ def _clip_ratio(given: Mapping[str, Any], cfg: Any) -> dict[str, Any]:
 
 def _filter_overlong(given: Mapping[str, Any], cfg: Any) -> dict[str, Any]:
     return {"data.truncation": "filter"} if given.get("data.filter_overlong_prompts") else {}
+
+
+def _reward_model(given: Mapping[str, Any], cfg: Any) -> dict[str, Any]:
+    if given.get("reward_model.enable") is not True:
+        return {}  # verl's default config names a model.path it does not use when disabled
+    path = given.get("reward_model.model.path")
+    if not path or not isinstance(path, str):
+        raise VerlValueError(
+            "reward_model.enable=True needs reward_model.model.path (a local directory of a "
+            "num_labels=1 sequence-classification model, e.g. a polyrl rm export)"
+        )
+    # verl's reward manager returns the reward model's score in place of the rule score.
+    return {"reward.model_path": path, "reward.rule_weight": 0.0}
 
 
 def _overlong_buffer(given: Mapping[str, Any], cfg: Any) -> dict[str, Any]:
@@ -422,11 +435,21 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         "see custom_reward_function.path",
         _reward_function,
     ),
-    _o(
+    _d(
         "reward_model.enable",
-        (False,),
-        "no reward models; score with reward.custom_function or a built-in scorer",
+        "reward.model_path",
+        "True with .model.path scores with that reward model alone (reward.rule_weight=0, "
+        "as verl's reward manager does)",
+        _reward_model,
     ),
+    _d("reward_model.model.path", "reward.model_path", "see reward_model.enable", _reward_model),
+    _i(
+        "reward_model.model.input_tokenizer",
+        "responses are decoded with the policy's tokenizer and rendered with the reward "
+        "model's own chat template",
+    ),
+    _a("reward_model.micro_batch_size_per_gpu", "reward.model_batch_size", convert=_null_skip),
+    _a("reward_model.max_length", "reward.model_max_length", convert=_null_skip),
     _o(
         "reward_model.reward_manager",
         ("naive", "dapo"),

@@ -6,8 +6,9 @@ the model's single logit, which Hugging Face takes at the last token that is not
 
 The text a response is scored as is :func:`reward_model_text`: the prompt's chat messages plus
 the response as the assistant's turn, rendered with the reward model's own chat template (its
-tokenizer may differ from the policy's); without a chat template, or for a plain-string prompt,
-the prompt text followed by the response.
+tokenizer may differ from the policy's) up to the turn's end-of-sequence token; without a chat
+template, or for a plain-string prompt, the prompt text, the response and the end-of-sequence
+token. This is the text ``polyrl rm`` trains on, so a model it exported scores what it learned.
 
 :class:`RewardModelProcess` runs the model in a worker process of its own (started with
 ``spawn``), so the driver's process imports no model code for it and a crash there is an
@@ -29,18 +30,28 @@ __all__ = ["RewardModelProcess", "SequenceRewardModel", "reward_model_text"]
 def reward_model_text(tokenizer: Any, prompt: Any, response: str) -> str:
     """Render ``prompt`` (chat messages or a string) and ``response`` for the reward model.
 
-    With chat messages and a tokenizer that has a chat template: the conversation with the
-    response appended as the assistant's message, rendered by the template; otherwise the
-    prompt's text (message contents joined by newlines) followed by the response.
+    The text is what ``polyrl rm`` trains on (:func:`~polyrl.trainer.preference_data.
+    tokenize_completion`), so the score is read at the same token, the end-of-sequence one:
+
+    * chat messages and a tokenizer with a chat template: the conversation with the response
+      appended as the assistant's message, rendered by the template and cut after its last
+      end-of-sequence token (what a template adds after the turn's end, e.g. a newline, is
+      dropped);
+    * otherwise the prompt's text (a string, or message contents joined by newlines), the
+      response and the end-of-sequence token (unless the response already ends with it).
     """
+    eos = getattr(tokenizer, "eos_token", None) or ""
     if isinstance(prompt, Sequence) and not isinstance(prompt, str):
         messages = [dict(m) for m in prompt if isinstance(m, Mapping)]
         if getattr(tokenizer, "chat_template", None):
-            return tokenizer.apply_chat_template(
+            text = tokenizer.apply_chat_template(
                 [*messages, {"role": "assistant", "content": response}], tokenize=False
             )
+            end = text.rfind(eos) if eos else -1
+            return text[: end + len(eos)] if end >= 0 else text
         prompt = "\n".join(str(m.get("content", "")) for m in messages)
-    return f"{prompt or ''}{response}"
+    text = f"{prompt or ''}{response}"
+    return text if text.endswith(eos) else text + eos
 
 
 class SequenceRewardModel:
