@@ -161,6 +161,19 @@ def test_verl_reward_model_becomes_the_only_reward():
     assert cfg.reward.model_path == "/models/rm" and cfg.reward.rule_weight == 0.5
 
 
+def test_verl_lora_keys_set_the_lora_options():
+    cfg, _ = _load(
+        "grpo",
+        [
+            "actor_rollout_ref.model.lora_rank=8",
+            "actor_rollout_ref.model.lora_alpha=32",
+            "actor_rollout_ref.model.target_modules=all-linear",
+        ],
+    )
+    assert (cfg.model.lora_rank, cfg.model.lora_alpha) == (8, 32)
+    assert cfg.model.target_modules == ["all-linear"]
+
+
 @pytest.mark.parametrize(
     ("override", "words"),
     [
@@ -168,7 +181,6 @@ def test_verl_reward_model_becomes_the_only_reward():
         ("actor_rollout_ref.actor.foo.bar=1", ["has no polyrl equivalent"]),
         ("custom_reward_function.foo=1", ["has no polyrl equivalent"]),
         ("actor_rollout_ref.rollout.name=trtllm", ["'trtllm'", "vllm, sglang or hf"]),
-        ("actor_rollout_ref.model.lora_rank=8", ["lora_rank=8", "LoRA"]),
         ("reward_model.enable=True", ["reward_model.enable", "needs reward_model.model.path"]),
         ("trainer.val_only=True", ["trainer.val_only", "no polyrl equivalent"]),
     ],

@@ -214,6 +214,11 @@ def _overlong_buffer(given: Mapping[str, Any], cfg: Any) -> dict[str, Any]:
     return out
 
 
+def _target_modules(v: Any) -> Any:
+    # verl takes "all-linear" or a list; polyrl's option is always a list.
+    return [v] if isinstance(v, str) else v
+
+
 # ----------------------------------------------------------------------------------- table
 def _a(verl: str, polyrl: str = "", note: str = "", convert: Any = None) -> VerlKey:
     return VerlKey(verl, "alias", polyrl or verl, note, convert)
@@ -251,7 +256,9 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _i(f"{_AR}.model.use_liger", _PERF),
     _i(f"{_AR}.model.use_shm", _PERF),
     _i(f"{_AR}.model.enable_activation_offload", _PERF),
-    _o(f"{_AR}.model.lora_rank", (0,), "LoRA training is not supported; train all weights"),
+    _a(f"{_AR}.model.lora_rank", "model.lora_rank", "LoRA through peft (actor and SFT)"),
+    _a(f"{_AR}.model.lora_alpha", "model.lora_alpha"),
+    _a(f"{_AR}.model.target_modules", "model.target_modules", convert=_target_modules),
     _o(f"{_AR}.model.external_lib", (None,), "use model.trust_remote_code for custom models"),
     _o(f"{_AR}.model.custom_chat_template", (None,), "the model directory's template is used"),
     _o(f"{_AR}.model.override_config", ({},), "edit the model's config.json instead"),
