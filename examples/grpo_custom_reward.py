@@ -8,10 +8,19 @@ callable receives the arguments it names (here the verl ones: ``data_source``, `
 The task: answer with the word given in the prompt, spelled backwards. The reward is the share of
 characters in the right place, so a random model gets a dense signal.
 
+The critic-free trainers take the same arguments and differ only in the advantage estimator, so
+``--trainer`` swaps GRPO for one of them (each starts from its own preset):
+
+* ``grpo`` (``GRPOTrainer``): rewards normalised within each prompt's ``rollout.n`` responses;
+* ``rloo`` (``RLOOTrainer``): each response's baseline is the mean of the prompt's others;
+* ``reinforce_plus_plus`` (``REINFORCEPlusPlusTrainer``): returns whitened over the batch;
+* ``remax`` (``ReMaxTrainer``): the greedy response's reward is the baseline (one sample each).
+
 Run it::
 
     python examples/grpo_custom_reward.py --smoke      # 2 steps on a nano model (tests use this)
     python examples/grpo_custom_reward.py              # 30 steps on a micro model, CPU
+    python examples/grpo_custom_reward.py --trainer rloo   # same task, another estimator
 
 At full size, pass a real model and device, e.g.
 ``--model /models/Qwen2.5-0.5B-Instruct --steps 200 --set trainer.device=cuda``; every ``--set``
@@ -25,10 +34,18 @@ import random
 import tempfile
 from pathlib import Path
 
-from polyrl import GRPOTrainer
+from polyrl import GRPOTrainer, REINFORCEPlusPlusTrainer, ReMaxTrainer, RLOOTrainer
 from polyrl.config import load_config
 
 LETTERS = "abcdefgh"
+
+#: --trainer choice -> trainer class; each name is also the preset the config starts from.
+TRAINERS = {
+    "grpo": GRPOTrainer,
+    "rloo": RLOOTrainer,
+    "reinforce_plus_plus": REINFORCEPlusPlusTrainer,
+    "remax": ReMaxTrainer,
+}
 
 
 def make_rows(num: int, seed: int) -> list[dict]:
@@ -60,6 +77,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="2 tiny steps (for the tests)")
+    parser.add_argument("--trainer", choices=sorted(TRAINERS), default="grpo")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--model", default="", help="HF model directory (default: a tiny one)")
     parser.add_argument("--out", default="", help="output directory (default: a temp dir)")
@@ -86,13 +104,15 @@ def main() -> None:
         "data.max_prompt_length=32",
         "data.max_response_length=8",
         "actor.ppo_mini_batch_size=0",  # one optimizer step per RL step
-        "rollout.n=4",
+        # ReMax samples one response per prompt (plus its greedy baseline); the others need
+        # a group of several to compare against.
+        "rollout.n=1" if args.trainer == "remax" else "rollout.n=4",
         "rollout.max_new_tokens=8",
         "actor.lr=1e-3",
         *args.set,
     ]
-    config = load_config("grpo", overrides)
-    trainer = GRPOTrainer(
+    config = load_config(args.trainer, overrides)
+    trainer = TRAINERS[args.trainer](
         model=model,
         config=config,
         reward_fn=compute_score,  # any callable; also "file.py:function" or a scorer name
@@ -100,7 +120,8 @@ def main() -> None:
         eval_dataset=make_rows(8 if args.smoke else 64, seed=1),
     )
     summary = trainer.train()
-    print({k: summary.get(k) for k in ("steps", "first_val_acc", "last_val_acc", "hf_model")})
+    keys = ("steps", "first_val_acc", "last_val_acc", "hf_model")
+    print(args.trainer, {k: summary.get(k) for k in keys})
 
 
 if __name__ == "__main__":
