@@ -66,11 +66,23 @@ def _pin(pid: int, core: int) -> None:
             pass  # the thread ended
 
 
-def _keep_children_pinned(stop: threading.Event) -> None:
-    """Pin the rollout server and reward worker (and threads they start) to the rollout core."""
+def _keep_rollout_pinned(stop: threading.Event) -> None:
+    """Pin everything but the engine to the rollout core, as it appears.
+
+    That is the rollout server and the reward worker (child processes, with the threads they
+    start) and this process's threads other than the main one, which runs the engine: the
+    rollout thread (HTTP client, packing, scoring calls) and its helpers.
+    """
+    main = threading.main_thread()
     while not stop.wait(0.5):
         for kid in _children(os.getpid()):
             _pin(kid, ROLLOUT_CORE)
+        for thread in threading.enumerate():
+            if thread is not main and thread.native_id is not None:
+                try:
+                    os.sched_setaffinity(thread.native_id, {ROLLOUT_CORE})
+                except OSError:
+                    pass  # the thread ended
 
 
 def warm_up(workdir: Path) -> tuple[str, list[str], list[str]]:
@@ -81,6 +93,10 @@ def warm_up(workdir: Path) -> tuple[str, list[str], list[str]]:
     from polyrl.trainer.sft import run_sft
 
     cfg = load_config("demo", [f"trainer.output_dir={workdir}"])
+    done = workdir / "sft" / "hf_model"
+    train, test = workdir / "data" / "train.parquet", workdir / "data" / "test.parquet"
+    if (done / "config.json").exists() and train.exists() and test.exists():
+        return str(done), [str(train)], [str(test)]  # a warm-up this workdir already holds
     model = build_tiny_model(
         cfg.model.tiny_arch, workdir / "model", size=cfg.model.tiny_size, seed=cfg.seed
     )
@@ -104,7 +120,16 @@ def warm_up(workdir: Path) -> tuple[str, list[str], list[str]]:
     return str(run_sft(sft_cfg)["hf_model"]), [str(train)], [str(test)]
 
 
-def run_mode(mode: str, model: str, train: str, test: str, steps: int, out: Path) -> dict:
+def run_mode(
+    mode: str,
+    model: str,
+    train: str,
+    test: str,
+    steps: int,
+    out: Path,
+    extra: list[str],
+    pin: bool = True,
+) -> dict:
     """Run GRPO in ``mode`` in this process (pinned as the module docstring says)."""
     from polyrl.config import load_config
     from polyrl.trainer.rl import run_rl
@@ -120,15 +145,18 @@ def run_mode(mode: str, model: str, train: str, test: str, steps: int, out: Path
         "trainer.loggers=[jsonl]",
         "trainer.export_hf=false",
         f"trainer.mode={mode}",
+        *extra,
     ]
     stop = threading.Event()
     if mode != "sync":
+        # One thread for the rollout server whichever the placement: it runs beside the engine.
+        overrides.append("rollout.num_threads=1")
+    if mode != "sync" and pin:
         import torch
 
         os.sched_setaffinity(0, {TRAINER_CORE})
         torch.set_num_threads(1)
-        overrides.append("rollout.num_threads=1")
-        threading.Thread(target=_keep_children_pinned, args=(stop,), daemon=True).start()
+        threading.Thread(target=_keep_rollout_pinned, args=(stop,), daemon=True).start()
     cfg = load_config("demo", overrides)
     try:
         run_rl(cfg)
@@ -153,11 +181,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150, help="GRPO steps of each mode")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--workdir", default=None)
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option of the overlapped modes (e.g. async.correction=tis); repeatable",
+    )
+    parser.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="let the overlapped modes share both cores (the OS schedules rollout and engine)",
+    )
     parser.add_argument("--child", nargs=5, metavar=("MODE", "MODEL", "TRAIN", "TEST", "OUT"))
     args = parser.parse_args()
     if args.child:
         mode, model, train, test, out = args.child
-        result = run_mode(mode, model, train, test, args.steps, Path(out))
+        extra = args.set if mode != "sync" else []
+        result = run_mode(
+            mode, model, train, test, args.steps, Path(out), extra, pin=not args.no_pin
+        )
         print("CHILD " + json.dumps(result), flush=True)
         return
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="polyrl-async-"))
@@ -166,8 +209,9 @@ def main() -> None:
     print(f"[async_rl] SFT warm-up done in {time.perf_counter() - tick:.0f} s", flush=True)
     results = {}
     for mode in args.modes.split(","):
-        cmd = [sys.executable, __file__, "--steps", str(args.steps), "--child", mode, model]
-        cmd += [train[0], test[0], str(workdir / mode)]
+        cmd = [sys.executable, __file__, "--steps", str(args.steps)]
+        cmd += [f"--set={item}" for item in args.set] + (["--no-pin"] if args.no_pin else [])
+        cmd += ["--child", mode, model, train[0], test[0], str(workdir / mode)]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         line = next((x for x in proc.stdout.splitlines() if x.startswith("CHILD ")), None)
         if proc.returncode or line is None:
