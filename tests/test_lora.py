@@ -77,7 +77,7 @@ def test_target_modules_resolve_against_the_model_and_bad_settings_are_named():
     from polyrl.trainer.preference import run_preference
 
     with pytest.raises(ConfigError, match="model.lora_rank.*trains every weight"):
-        run_preference(load_config("dpo_demo", ["model.lora_rank=4"]), "dpo")
+        run_preference(load_config("rm_demo", ["model.lora_rank=4"]), "rm")
 
 
 # ------------------------------------------------------------------------------ end to end
@@ -162,6 +162,39 @@ def test_sft_with_lora_learns_saves_the_adapter_and_exports_merged_weights(tmp_p
     ).eval()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, with_adapter(ids).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_dpo_with_lora_uses_the_base_model_as_its_reference(tmp_path, untied_dir):
+    from polyrl.trainer.preference import run_preference
+
+    out = tmp_path / "dpo"
+    cfg = load_config(
+        "dpo_demo",
+        [
+            f"trainer.output_dir={out}",
+            f"model.path={untied_dir}",
+            "model.lora_rank=8",
+            "model.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]",
+            "dpo.lr=0.01",
+            "data.num_train=128",
+            "data.num_val=32",
+            "trainer.total_steps=6",
+            "trainer.test_freq=3",
+            "trainer.save_freq=0",
+            "trainer.loggers=[jsonl]",
+        ],
+    )
+    summary = run_preference(cfg, "dpo")
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in records if "val/loss" in r]
+    # Before the first update the adapter is zero (B = 0): the policy is the base model, which
+    # is the reference, so every implicit reward is exactly 0.
+    assert val[0]["step"] == 0 and val[0]["val/rewards/margins"] == 0.0
+    assert val[0]["val/rewards/chosen"] == 0.0 == val[0]["val/rewards/rejected"]
+    assert val[-1]["val/rewards/accuracies"] > 0.8, [r["val/rewards/accuracies"] for r in val]
+    # The export is the merged model; the adapter sits beside it.
+    assert (Path(summary["hf_model"]) / "adapter" / "adapter_config.json").is_file()
 
 
 SHORT_TEXT_REWARD = """

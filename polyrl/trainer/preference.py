@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from polyrl.config import ConfigError, PolyRLConfig, save_config, to_dict
+from polyrl.config.schema import constructor_kwargs
 from polyrl.trainer.checkpointing import checkpoint_root, resolve_resume_path
 from polyrl.trainer.preference_data import (
     PreferenceDataset,
@@ -84,11 +85,12 @@ def _check_config(cfg: PolyRLConfig, kind: str, max_length: int, has_rows: bool)
             "in one process; set trainer.nnodes=1 trainer.n_gpus_per_node=1",
             key="trainer.n_gpus_per_node",
         )
-    if cfg.model.lora_rank:
-        # Not wired here yet: the run would silently train every weight.
+    if cfg.model.lora_rank and kind == "rm":
+        # A reward model trains a value head, which LoRA does not adapt: the run would
+        # silently train every weight.
         raise ConfigError(
-            f"is {cfg.model.lora_rank}, but polyrl {kind} trains every weight (LoRA is wired "
-            "into the RL actor and SFT only); set model.lora_rank=0",
+            f"is {cfg.model.lora_rank}, but polyrl rm trains every weight (LoRA is wired into "
+            "the RL actor, SFT and DPO); set model.lora_rank=0",
             key="model.lora_rank",
         )
     if not has_rows and not cfg.data.task and not cfg.data.train_files:
@@ -150,6 +152,24 @@ def _load_pairs(
         PreferenceDataset(val_pairs, tokenizer, source="val data", **kwargs) if val_pairs else None
     )
     return train, val
+
+
+class _AdapterOff:
+    """The policy engine with its LoRA adapter disabled: the frozen base model as reference.
+
+    A LoRA run needs no second copy of the base weights for its reference log-probs.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def infer_batch(self, batch: Any, fn: Any) -> Any:
+        """Run ``engine.infer_batch`` on the base model."""
+        with self.engine.adapter_disabled():
+            return self.engine.infer_batch(batch, fn)
+
+    def close(self) -> None:
+        """Nothing to free: the policy engine is closed by its owner."""
 
 
 class _ReferenceLogProbs:
@@ -254,11 +274,14 @@ def _build_engines(
     if kind == "rm":
         spec = ModelSpec(path=str(model_dir), kind="value", value_head_bias=False, **common)
     else:
-        spec = ModelSpec(path=str(model_dir), **common)
+        # model.* maps onto ModelSpec by field name (LoRA options included).
+        spec = ModelSpec(**constructor_kwargs(ModelSpec, cfg.model, path=str(model_dir)))
     checkpoint = CheckpointConfig(max_to_keep=cfg.trainer.max_ckpt_to_keep)
     policy = build_engine(spec, engine_cfg, optimizer_cfg, checkpoint)
     ref = None
-    if need_ref:
+    if need_ref and spec.lora_rank and ref_model_dir is None and not cfg.dpo.ref_model_path:
+        ref = _AdapterOff(policy)
+    elif need_ref:
         try:
             ref_dir = ref_model_dir or Path(cfg.dpo.ref_model_path or model_dir)
             if not (ref_dir / "config.json").is_file():
