@@ -497,8 +497,18 @@ def test_python_api_trains_from_rows_with_a_named_reward(tmp_path, tiny_qwen2_di
         GRPOTrainer(model=str(tiny_qwen2_dir), config=load_config("demo", ["data.task="]))
 
 
+def _switch_config(trainer: RLTrainer, cfg) -> None:
+    """Give the trainer and every part built from its config (a test's shortcut) ``cfg``."""
+    parts = [trainer, trainer.plane, trainer.rollout, trainer.producer, trainer.replicas]
+    if trainer.ahead is not None:
+        parts.append(trainer.ahead.producer)
+    for part in parts:
+        part.cfg = cfg
+
+
 @pytest.mark.slow
-def test_every_estimator_and_policy_loss_runs_a_step(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_every_estimator_and_policy_loss_runs_a_step(tmp_path, mode):
     import dataclasses
 
     cfg = load_config(
@@ -509,38 +519,53 @@ def test_every_estimator_and_policy_loss_runs_a_step(tmp_path):
             "trainer.worker_backend=local",
             "trainer.total_steps=8",
             "actor.use_kl_loss=true",
+            f"trainer.mode={mode}",
+            # One group at a time ahead: each step's groups are generated under its estimator.
+            "async.max_staleness=0",
         ),
     )
     trainer = RLTrainer(cfg)
+    # ReMax first: its greedy baseline is sampled with the groups, which the async rollout
+    # reserves a batch ahead (a later switch to remax would find the next batch without it).
     variants = [
+        ("remax", "ppo_clip", False),
         ("grpo", "ppo_clip", False),
         ("grpo", "gspo", False),
         ("rloo", "ppo_clip", False),
         ("reinforce_plus_plus", "ppo_clip", False),
         ("reinforce_plus_plus_baseline", "ppo_clip", True),
-        ("remax", "ppo_clip", False),
     ]
+    spreads = {}
     try:
         trainer.setup()
         for step, (estimator, loss, norm) in enumerate(variants, start=1):
-            trainer.cfg = dataclasses.replace(
-                cfg,
-                algorithm=dataclasses.replace(
-                    cfg.algorithm, adv_estimator=estimator, norm_adv_by_std=norm
-                ),
-                actor=dataclasses.replace(
-                    cfg.actor, policy_loss=loss, loss_agg_mode="seq-mean-token-sum-norm"
+            _switch_config(
+                trainer,
+                dataclasses.replace(
+                    cfg,
+                    algorithm=dataclasses.replace(
+                        cfg.algorithm, adv_estimator=estimator, norm_adv_by_std=norm
+                    ),
+                    actor=dataclasses.replace(
+                        cfg.actor, policy_loss=loss, loss_agg_mode="seq-mean-token-sum-norm"
+                    ),
                 ),
             )
             metrics = trainer.step(step)
-            assert metrics["rollout/weight_version"] == step - 1, estimator
+            if mode == "sync":
+                assert metrics["rollout/weight_version"] == step - 1, estimator
+            else:
+                assert metrics["async/staleness_max"] == 0, estimator
             assert "actor/kl_loss" in metrics and metrics["actor/kl_loss"] >= 0.0
             assert torch.isfinite(torch.tensor(metrics["actor/pg_loss"])), (estimator, loss)
             if estimator != "remax":
                 # Every estimator here centres the rewards (remax uses the greedy baseline).
                 assert abs(metrics["critic/advantages/mean"]) < 1.0
+            spreads[estimator] = metrics["critic/advantages/max"] - metrics["critic/advantages/min"]
     finally:
         trainer.close()
+    # The estimators did run: they spread the same kind of rewards differently.
+    assert len({round(v, 6) for v in spreads.values()}) >= 4, spreads
 
 
 @pytest.mark.slow

@@ -221,8 +221,11 @@ class AheadRollout:
         with self.buffer.lock:
             indices = [int(i) for i in self.sampler.next_batch()]
             first = self.buffer.next_serial
+            # ReMax's greedy baseline is part of how a group is generated: decided here, once
+            # for the batch, and kept with it (a resumed run regenerates it the same way).
+            greedy = self.cfg.algorithm.adv_estimator == "remax"
             payloads = [
-                {"index": idx, "seed": derive_seed(base, first + k)}
+                {"index": idx, "seed": derive_seed(base, first + k), "greedy_baseline": greedy}
                 for k, idx in enumerate(indices)
             ]
             return self.buffer.reserve(payloads)
@@ -237,7 +240,7 @@ class AheadRollout:
         )
         scored = await asyncio.to_thread(self.producer.score, batch)
         baseline = None
-        if self.cfg.algorithm.adv_estimator == "remax":
+        if payload.get("greedy_baseline"):
             greedy, _ = await self.producer.generate_async([item], 1, 0.0, payload["seed"])
             baseline = (await asyncio.to_thread(self.producer.score, greedy))[0].repeat_interleave(
                 ro.n
