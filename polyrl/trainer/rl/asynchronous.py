@@ -80,6 +80,12 @@ def staleness_metrics(trainer_version: int, firsts: Sequence[int], lasts: Sequen
     }
 
 
+def _mean_metrics(groups: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Average each metric over the groups that report it."""
+    keys = {k for m in groups for k in m}
+    return {k: float(np.mean([m[k] for m in groups if k in m])) for k in keys}
+
+
 class SerialRewards:
     """A reward manager shared by two producers, scoring one batch at a time.
 
@@ -149,7 +155,6 @@ class AheadRollout:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._stop = False
-        self._gen_metrics: list[dict[str, float]] = []
         self._paused_s = 0.0
 
     @property
@@ -251,8 +256,9 @@ class AheadRollout:
             [f"{uid}#{serial}" for uid in batch.non_tensors["uid"]], dtype=object
         )
         version = min(int(v) for v in batch.non_tensors["weight_version_first"])
-        self._gen_metrics.append(metrics)
-        self.buffer.fill(serial, batch, version, float(batch["score"].float().std(0)))
+        # The group's generation metrics travel with it: a batch reports its own groups'.
+        item = {"batch": batch, "metrics": metrics}
+        self.buffer.fill(serial, item, version, float(batch["score"].float().std(0)))
 
     # ------------------------------------------------------------------ the trainer's side
     def generate(self, step: int, timing: dict[str, float]) -> tuple[Batch, dict[str, float]]:
@@ -266,7 +272,7 @@ class AheadRollout:
         batch = self._assemble(entries)
         firsts = list(batch.non_tensors["weight_version_first"])
         lasts = list(batch.non_tensors["weight_version_last"])
-        metrics = self._merged_generation_metrics()
+        metrics = _mean_metrics([e.item["metrics"] for e in entries])
         metrics.update(staleness_metrics(self.version, firsts, lasts))
         counts = self.buffer.counts()
         metrics.update(
@@ -284,14 +290,8 @@ class AheadRollout:
         self._log_samples(step, entries)
         return batch, metrics
 
-    def _merged_generation_metrics(self) -> dict[str, float]:
-        """Average each metric over the groups generated since the last batch."""
-        done, self._gen_metrics = self._gen_metrics, []
-        keys = {k for m in done for k in m}
-        return {k: float(np.mean([m[k] for m in done if k in m])) for k in keys}
-
     def _assemble(self, entries: Sequence[ReplayEntry]) -> Batch:
-        batches = [e.item for e in entries]
+        batches = [e.item["batch"] for e in entries]
         widths = [rollout_widths(b) for b in batches]
         width_p, width_r = max(w[0] for w in widths), max(w[1] for w in widths)
         pad_id = self.producer.pad_id
@@ -300,8 +300,9 @@ class AheadRollout:
     def _log_samples(self, step: int, entries: Sequence[ReplayEntry]) -> None:
         with self.samples_log.open("a") as f:
             for e in entries:
-                firsts = [int(v) for v in e.item.non_tensors["weight_version_first"]]
-                lasts = [int(v) for v in e.item.non_tensors["weight_version_last"]]
+                rows = e.item["batch"].non_tensors
+                firsts = [int(v) for v in rows["weight_version_first"]]
+                lasts = [int(v) for v in rows["weight_version_last"]]
                 record = {
                     "step": step,
                     "serial": e.serial,
