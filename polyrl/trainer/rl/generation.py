@@ -11,6 +11,7 @@ putting the rollout replicas to sleep while the engines train (:class:`Replicas`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -150,11 +151,15 @@ class Replicas:
 
     def _restart(self, handle: Any) -> str:
         assert self.supervisor is not None
+        # Out of rotation from before the new server starts until it has the weights: the new
+        # server usually binds the old port, and the client's health probe would otherwise
+        # find the old entry healthy again and send it requests the model's own weights
+        # answer. Requests meanwhile go elsewhere (or wait). (From the watch's thread too: one
+        # list item and one flag change at a time, atomic for the client's event loop.)
+        with contextlib.suppress(KeyError):
+            self.producer.client.enable_replica(handle.url, enabled=False)
         old, new = self.supervisor.restart(handle)
         self.urls = [new if u == old else u for u in self.urls]
-        # Out of rotation until it has the weights: requests meanwhile go elsewhere (or wait).
-        # (From the watch's thread too: one list item and one flag change, atomic for the
-        # client's event loop.)
         self.producer.client.replace_replica(old, new, enabled=False)
         return new
 
