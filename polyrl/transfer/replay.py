@@ -95,6 +95,10 @@ def _reward_variance(entries: list[ReplayEntry]) -> list[ReplayEntry]:
     return sorted(entries, key=lambda e: (-e.score_std, e.order))
 
 
+def _fields(entry: ReplayEntry) -> dict[str, Any]:
+    return {f.name: getattr(entry, f.name) for f in dataclasses.fields(entry)}
+
+
 class BufferClosedError(RuntimeError):
     """The buffer was closed (the run is ending, or its producer failed) while waiting on it."""
 
@@ -308,7 +312,9 @@ class ReplayBuffer:
         """Everything the buffer holds, to save in a checkpoint (items included)."""
         with self._cond:
             return {
-                "entries": [dataclasses.asdict(e) for e in self._entries.values()],
+                # Field by field, not dataclasses.asdict: that deep-copies every generated
+                # group, and the checkpoint's own serialization copies them once already.
+                "entries": [_fields(e) for e in self._entries.values()],
                 "next_serial": self._next_serial,
                 "next_order": self._next_order,
                 "dropped_stale": self.dropped_stale,

@@ -160,9 +160,8 @@ class AheadRollout:
     @property
     def inflight_policy(self) -> str:
         """The servers' policy for in-flight requests during a weight push."""
-        if self.mode == "async" and self.cfg.async_rl.partial_rollout == "resume":
-            return "abort"
-        return "keep"
+        # Aborted samples are resumed by the producer: abort them, else keep them going.
+        return "abort" if self.producer.resume_aborted else "keep"
 
     # ------------------------------------------------------------------ the rollout thread
     def start(self) -> None:
