@@ -81,6 +81,33 @@ def _rows_or_files(data: DatasetLike | None, what: str) -> tuple[list[dict] | No
     return rows, []
 
 
+def _with_datasets(
+    cfg: PolyRLConfig, train_dataset: DatasetLike | None, eval_dataset: DatasetLike | None
+) -> tuple[PolyRLConfig, list[dict] | None, list[dict] | None]:
+    """Point ``cfg`` at the datasets a trainer was given; return it with their in-memory rows.
+
+    Files replace ``data.train_files`` (and the preset's generated task) / ``data.val_files``;
+    rows are returned for the trainer to pass in.
+
+    Raises:
+        ConfigError: no training data at all.
+    """
+    train_rows, train_files = _rows_or_files(train_dataset, "train_dataset")
+    val_rows, val_files = _rows_or_files(eval_dataset, "eval_dataset")
+    if train_dataset is not None:
+        cfg = dataclasses.replace(
+            cfg, data=dataclasses.replace(cfg.data, task="", train_files=train_files)
+        )
+    if eval_dataset is not None:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, val_files=val_files))
+    if train_rows is None and not cfg.data.train_files and not cfg.data.task:
+        raise ConfigError(
+            "no training data: pass train_dataset= or set data.task / data.train_files",
+            key="data.train_files",
+        )
+    return cfg, train_rows, val_rows
+
+
 def _resolve_reward(reward_fn: str | Callable[..., Any] | None) -> str | Callable[..., Any] | None:
     """Pass a ``file.py:function`` spec or callable through; look a bare name up as a scorer."""
     if reward_fn is None or callable(reward_fn):
@@ -171,19 +198,7 @@ class _RLTrainerAPI:
             algorithm=dataclasses.replace(cfg.algorithm, adv_estimator=self.adv_estimator),
         )
         cfg, self.applied_defaults = _apply_defaults(cfg, self.defaults)
-        train_rows, train_files = _rows_or_files(train_dataset, "train_dataset")
-        val_rows, val_files = _rows_or_files(eval_dataset, "eval_dataset")
-        if train_dataset is not None:
-            cfg = dataclasses.replace(
-                cfg, data=dataclasses.replace(cfg.data, task="", train_files=train_files)
-            )
-        if eval_dataset is not None:
-            cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, val_files=val_files))
-        if train_rows is None and not cfg.data.train_files and not cfg.data.task:
-            raise ConfigError(
-                "no training data: pass train_dataset= or set data.task / data.train_files",
-                key="data.train_files",
-            )
+        cfg, train_rows, val_rows = _with_datasets(cfg, train_dataset, eval_dataset)
         self._reward_fn = _reward_functions(
             reward_fn, reward_funcs, reward_weights, cfg, train_rows
         )
@@ -310,19 +325,7 @@ class _PreferenceTrainerAPI:
         cfg = config if config is not None else PolyRLConfig()
         if not isinstance(cfg, PolyRLConfig):
             raise TypeError(f"config must be a PolyRLConfig, got {type(cfg).__name__}")
-        train_rows, train_files = _rows_or_files(train_dataset, "train_dataset")
-        val_rows, val_files = _rows_or_files(eval_dataset, "eval_dataset")
-        if train_dataset is not None:
-            cfg = dataclasses.replace(
-                cfg, data=dataclasses.replace(cfg.data, task="", train_files=train_files)
-            )
-        if eval_dataset is not None:
-            cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, val_files=val_files))
-        if train_rows is None and not cfg.data.train_files and not cfg.data.task:
-            raise ConfigError(
-                "no training data: pass train_dataset= or set data.task / data.train_files",
-                key="data.train_files",
-            )
+        cfg, train_rows, val_rows = _with_datasets(cfg, train_dataset, eval_dataset)
         self.config = cfg
         self._model = model
         self._tokenizer = tokenizer
