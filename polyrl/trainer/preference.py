@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from polyrl.config import ConfigError, PolyRLConfig, save_config, to_dict
+from polyrl.config import ConfigError, PolyRLConfig, save_config
 from polyrl.config.schema import constructor_kwargs
 from polyrl.trainer.checkpointing import checkpoint_root, resolve_resume_path
 from polyrl.trainer.preference_data import (
@@ -408,12 +408,9 @@ def run_preference(
         if resume_from is not None:
             step = restore_sampler(sampler, engine.load_checkpoint(resume_from), resume_from)
             _log(kind, f"resumed from {resume_from} at step {step}")
-        tracker = Tracker(
-            trainer.loggers,
+        tracker = Tracker.for_run(
+            cfg,
             out_dir,
-            project=trainer.project_name,
-            experiment=trainer.experiment_name,
-            config=to_dict(cfg),
             resume_step=step if resume_from is not None else None,
             total_steps=total,
         )

@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from polyrl.config import ConfigError, PolyRLConfig, save_config, to_dict
+from polyrl.config import ConfigError, PolyRLConfig, save_config
 from polyrl.config.schema import constructor_kwargs
 from polyrl.core.batch import Batch
 from polyrl.trainer.checkpointing import checkpoint_root, resolve_resume_path
@@ -483,12 +483,9 @@ def run_sft(cfg: PolyRLConfig) -> dict[str, Any]:
         if resume_from is not None:
             step = restore_sampler(sampler, runner.load(resume_from), resume_from)
             _log(f"resumed from {resume_from} at step {step}")
-        tracker = Tracker(
-            trainer.loggers,
+        tracker = Tracker.for_run(
+            cfg,
             out_dir,
-            project=trainer.project_name,
-            experiment=trainer.experiment_name,
-            config=to_dict(cfg),
             resume_step=step if resume_from is not None else None,
             total_steps=total,
         )

@@ -369,6 +369,33 @@ class Tracker:
     Use as a context manager, or call :meth:`finish` at the end.
     """
 
+    @classmethod
+    def for_run(
+        cls,
+        cfg: Any,
+        run_dir: str | os.PathLike[str],
+        *,
+        resume_step: int | None,
+        total_steps: int,
+    ) -> Tracker:
+        """Build the tracker of a training run configured by ``cfg`` (a ``PolyRLConfig``).
+
+        Backends, project and experiment come from ``cfg.trainer``; the whole config is what the
+        backends record.
+        """
+        from polyrl.config import to_dict
+
+        trainer = cfg.trainer
+        return cls(
+            trainer.loggers,
+            run_dir,
+            project=trainer.project_name,
+            experiment=trainer.experiment_name,
+            config=to_dict(cfg),
+            resume_step=resume_step,
+            total_steps=total_steps,
+        )
+
     def __init__(
         self,
         backends: Sequence[str],

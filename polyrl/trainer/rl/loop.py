@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from polyrl.config import ConfigError, PolyRLConfig, save_config, to_dict
+from polyrl.config import ConfigError, PolyRLConfig, save_config
 from polyrl.core.batch import Batch
 from polyrl.trainer.rl.asynchronous import AheadRollout, SerialRewards
 from polyrl.trainer.rl.build import (
@@ -594,12 +594,9 @@ class RLTrainer:
                 f"of {cfg.data.train_batch_size} prompts x {cfg.rollout.n} | "
                 f"{cfg.algorithm.adv_estimator} / {cfg.actor.policy_loss}"
             )
-            tracker = Tracker(
-                trainer.loggers,
+            tracker = Tracker.for_run(
+                cfg,
                 self.out_dir,
-                project=trainer.project_name,
-                experiment=trainer.experiment_name,
-                config=to_dict(cfg),
                 resume_step=step if resume_from is not None else None,
                 total_steps=self.total_steps,
             )
