@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_rl_trainer import _e2e_overrides
 
 from polyrl.config import ConfigError, load_config
 from polyrl.trainer.rl.asynchronous import gate_limit, staleness_metrics
@@ -130,32 +131,9 @@ def test_modes_refuse_what_they_cannot_run_with():
 
 
 # ------------------------------------------------------------------------------ end to end
-SHORT_TEXT_REWARD = """
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    # Dense and easy to learn from a random model: shorter decoded text scores higher.
-    return -len(solution_str) / 50.0
-"""
-
-
 def _overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
-    reward = tmp_path / "reward.py"
-    reward.write_text(SHORT_TEXT_REWARD)
-    return [
-        f"trainer.output_dir={tmp_path / name}",
-        f"reward.custom_function={reward}:compute_score",
-        "data.num_train=64",
-        "data.num_val=8",
-        "data.train_batch_size=8",
-        "rollout.n=4",
-        "rollout.max_new_tokens=8",
-        "data.max_response_length=8",
-        "trainer.loggers=[jsonl]",
-        "trainer.test_freq=0",
-        "trainer.val_before_train=false",
-        "reward.num_workers=1",
-        "trainer.worker_backend=local",
-        *extra,
-    ]
+    # The RL trainer tests' small run (dense short-text reward), on local workers by default.
+    return _e2e_overrides(tmp_path, name, "trainer.worker_backend=local", *extra)
 
 
 def _samples(out: Path) -> list[dict]:

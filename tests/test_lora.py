@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_rl_trainer import _e2e_overrides
 from torch import nn
 
 from polyrl.config import ConfigError, load_config
@@ -197,38 +198,23 @@ def test_dpo_with_lora_uses_the_base_model_as_its_reference(tmp_path, untied_dir
     assert (Path(summary["hf_model"]) / "adapter" / "adapter_config.json").is_file()
 
 
-SHORT_TEXT_REWARD = """
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    return -len(solution_str) / 50.0  # shorter decoded text scores higher
-"""
-
-
 @pytest.mark.slow
 def test_lora_grpo_raises_the_reward_on_frozen_base_weights(tmp_path, untied_dir):
     from polyrl.core.batch import Batch
     from polyrl.model_engine import EngineConfig, build_engine
     from polyrl.trainer.rl import RLTrainer
 
-    reward = tmp_path / "reward.py"
-    reward.write_text(SHORT_TEXT_REWARD)
     steps = 4
     cfg = load_config(
         "demo",
-        [
-            f"trainer.output_dir={tmp_path / 'grpo'}",
-            f"reward.custom_function={reward}:compute_score",
+        # The RL trainer tests' small run (dense short-text reward), with LoRA.
+        _e2e_overrides(
+            tmp_path,
+            "grpo",
             "trainer.worker_backend=local",
             f"trainer.total_steps={steps}",
-            "trainer.loggers=[jsonl]",
-            "trainer.test_freq=0",
-            "trainer.val_before_train=false",
             "trainer.export_hf=false",
-            "data.num_train=64",
-            "data.num_val=8",
-            "data.train_batch_size=8",
             "rollout.n=8",
-            "rollout.max_new_tokens=8",
-            "data.max_response_length=8",
             "reward.num_workers=0",
             "actor.lr=0.03",
             "actor.ppo_mini_batch_size=4",
@@ -238,7 +224,7 @@ def test_lora_grpo_raises_the_reward_on_frozen_base_weights(tmp_path, untied_dir
             "actor.kl_loss_coef=0.001",
             "model.lora_rank=8",
             f"model.target_modules=[{','.join(BODY)},lm_head]",
-        ],
+        ),
     )
     trainer = RLTrainer(cfg, model_dir=untied_dir)
     try:
