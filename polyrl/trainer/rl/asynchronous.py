@@ -336,17 +336,18 @@ class AheadRollout:
             return {
                 "buffer": self.buffer.state_dict(),
                 "sampler": self.sampler.state_dict(),
-                "completed_steps": self.completed_steps,
-                "version": self.version,
             }
 
-    def load_state_dict(self, state: Mapping[str, Any], step: int) -> None:
-        """Restore :meth:`state_dict` (before :meth:`start`); drop log lines after ``step``."""
+    def load_state_dict(self, state: Mapping[str, Any], step: int, version: int) -> None:
+        """Restore :meth:`state_dict` (before :meth:`start`); drop log lines after ``step``.
+
+        ``step`` is the checkpoint's step and ``version`` the weights the servers get. The
+        sampler is restored by its owner, from the position :meth:`state_dict` gave.
+        """
         self._resumed = True
         self.buffer.load_state_dict(state["buffer"])
-        self.sampler.load_state_dict(state["sampler"])
-        self.completed_steps = int(state["completed_steps"])
-        self.version = int(state["version"])
+        self.completed_steps = step
+        self.version = version
         if self.samples_log.exists():
             kept = [
                 line

@@ -258,14 +258,15 @@ class RLTrainer:
         )
         # Where the step's rows live, and who generates them.
         self.plane: DataPlane
+        self.rollout: DriverRollout | QueueRollout | AheadRollout
         if cfg.transfer.enable:
             self._setup_queue(views)
-        elif cfg.trainer.mode != "sync":
-            self.plane = InlinePlane(cfg, cfg.trainer.world_size)
+            return
+        self.plane = InlinePlane(cfg, cfg.trainer.world_size)
+        if cfg.trainer.mode != "sync":
             self._setup_ahead(rewards)
         else:
-            self.plane = InlinePlane(cfg, cfg.trainer.world_size)
-            self.rollout: DriverRollout | QueueRollout | AheadRollout = DriverRollout(
+            self.rollout = DriverRollout(
                 cfg, self.producer, self.replicas, self.train_ds, self.sampler.next_batch
             )
 
@@ -527,9 +528,10 @@ class RLTrainer:
             "updates": self.updates,
         }
         if self.ahead is not None:
-            # The generated groups not trained yet, with the sampler position they belong to.
+            # The generated groups not trained yet, and the sampler position they belong to
+            # (taken together: the rollout thread draws prompts while the trainer saves).
             state["ahead"] = self.ahead.state_dict()
-            state["sampler"] = state["ahead"]["sampler"]
+            state["sampler"] = state["ahead"].pop("sampler")
         # The actor goes last: its checkpoint marks the step as complete for resume.
         return self.actor.save_checkpoint(str(actor_root), step, state)[0]
 
@@ -562,7 +564,8 @@ class RLTrainer:
                     "trainer.mode=sync",
                     key="trainer.mode",
                 )
-            self.ahead.load_state_dict(state["ahead"], step)
+            # fit() pushes the restored weights as this version before the first step.
+            self.ahead.load_state_dict(state["ahead"], step, self._version(step))
         return step
 
     # ------------------------------------------------------------------ the run
