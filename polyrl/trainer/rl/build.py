@@ -715,25 +715,23 @@ def engine_specs(
         )
     )
     ckpt = CheckpointConfig(max_to_keep=cfg.trainer.max_ckpt_to_keep)
-    specs: dict[str, Any] = {
-        "actor": WorkerSpec(
-            EngineWorker,
-            kwargs={
-                "role": "actor",
-                "model": model,
-                "engine": engine,
-                "optimizer": OptimizerConfig(
-                    **constructor_kwargs(
-                        OptimizerConfig,
-                        actor,
-                        name=actor.optimizer,
-                        scheduler=actor.lr_scheduler,
-                        total_steps=max(total_steps, 1),
-                    )
-                ),
-                "checkpoint": ckpt,
-            },
+
+    def trained(role: str, spec: Any, engine_cfg: Any, section: Any, **optim: Any) -> Any:
+        """Spec a trained role; its optimizer options come from its config ``section``."""
+        optimizer = OptimizerConfig(
+            **constructor_kwargs(
+                OptimizerConfig,
+                section,
+                name=section.optimizer,
+                total_steps=max(total_steps, 1),
+                **optim,
+            )
         )
+        kwargs = {"role": role, "model": spec, "engine": engine_cfg, "optimizer": optimizer}
+        return WorkerSpec(EngineWorker, kwargs={**kwargs, "checkpoint": ckpt})
+
+    specs: dict[str, Any] = {
+        "actor": trained("actor", model, engine, actor, scheduler=actor.lr_scheduler)
     }
     if use_ref and not model.lora_rank:
         specs["ref"] = WorkerSpec(
@@ -743,44 +741,13 @@ def engine_specs(
         critic_model = dataclasses.replace(
             model, path=critic.model_path or str(model_dir), kind="value", lora_rank=0
         )
-        specs["critic"] = WorkerSpec(
-            EngineWorker,
-            kwargs={
-                "role": "critic",
-                "model": critic_model,
-                "engine": dataclasses.replace(engine, **constructor_kwargs(EngineConfig, critic)),
-                "optimizer": OptimizerConfig(
-                    **constructor_kwargs(
-                        OptimizerConfig,
-                        critic,
-                        name=critic.optimizer,
-                        total_steps=max(total_steps, 1),
-                    )
-                ),
-                "checkpoint": ckpt,
-            },
-        )
+        critic_engine = dataclasses.replace(engine, **constructor_kwargs(EngineConfig, critic))
+        specs["critic"] = trained("critic", critic_model, critic_engine, critic)
     if use_prm:
         prime = cfg.prime
-        specs["prm"] = WorkerSpec(
-            EngineWorker,
-            kwargs={
-                "role": "prm",
-                "model": dataclasses.replace(
-                    model, path=prime.model_path or str(model_dir), lora_rank=0
-                ),
-                "engine": dataclasses.replace(engine, grad_clip=prime.grad_clip),
-                "optimizer": OptimizerConfig(
-                    **constructor_kwargs(
-                        OptimizerConfig,
-                        prime,
-                        name=prime.optimizer,
-                        total_steps=max(total_steps, 1),
-                    )
-                ),
-                "checkpoint": ckpt,
-            },
-        )
+        prm_model = dataclasses.replace(model, path=prime.model_path or str(model_dir), lora_rank=0)
+        prm_engine = dataclasses.replace(engine, grad_clip=prime.grad_clip)
+        specs["prm"] = trained("prm", prm_model, prm_engine, prime)
     return specs
 
 
