@@ -209,6 +209,65 @@ def test_polyrl_dpo_raises_held_out_preference_accuracy(dpo_run):
     assert summary["last_val_accuracy"] == val[-1][1] and summary["hf_model"] is None
 
 
+def _with_reference_columns(model_dir, cfg, rows: list[dict]) -> list[dict]:
+    """``rows`` plus TRL's ``ref_chosen_logps`` / ``ref_rejected_logps``, computed by a frozen
+    engine on ``model_dir`` as the DPO trainer's reference engine computes them."""
+    from polyrl.model_engine import ModelSpec, OptimizerConfig, build_engine
+    from polyrl.models.loader import load_tokenizer
+    from polyrl.trainer.preference_losses import completion_log_probs
+    from polyrl.trainer.sft import engine_configs
+
+    tok = load_tokenizer(model_dir)
+    max_length = cfg.data.max_prompt_length + cfg.data.max_response_length
+    data = PreferenceDataset(pairs_from_rows(rows), tok, max_length=max_length)  # none dropped
+    engine_cfg, _ = engine_configs(cfg, cfg.dpo, 1)
+    spec = ModelSpec(path=str(model_dir), dtype=cfg.model.dtype)
+    engine = build_engine(spec, engine_cfg, OptimizerConfig(lr=0.0))
+    try:
+        with _single_thread():
+            batch = collate_pairs(data.items, tok.pad_token_id)
+            logps = engine.infer_batch(batch, completion_log_probs)["logps"].tolist()
+    finally:
+        engine.close()
+    return [
+        {**row, "ref_chosen_logps": logps[2 * i], "ref_rejected_logps": logps[2 * i + 1]}
+        for i, row in enumerate(rows)
+    ]
+
+
+@pytest.mark.slow
+def test_dpo_on_precomputed_reference_log_probs_matches_the_reference_model(
+    dpo_run, tiny_qwen2_dir, tmp_path
+):
+    """Rows carrying the reference's log-probs train exactly as the reference model does, and
+    no reference model is built (its path here does not exist)."""
+    from polyrl import DPOTrainer
+    from polyrl.data.io import read_rows
+
+    missing = tmp_path / "no_reference_model"
+    overrides = [*dpo_run["args"][2:], "trainer.save_freq=0", f"dpo.ref_model_path={missing}"]
+    cfg = load_config("dpo_demo", [*overrides, f"trainer.output_dir={tmp_path / 'run'}"])
+    data = dpo_run["out"] / "data"  # the very rows the shared run trained and validated on
+    train, val = read_rows(data / "train.parquet"), read_rows(data / "test.parquet")
+    # Without the columns this run needs the (missing) reference model, and says so.
+    with pytest.raises(ConfigError, match="dpo.ref_model_path"):
+        DPOTrainer(tiny_qwen2_dir, config=cfg, train_dataset=train, eval_dataset=val).train()
+
+    train = _with_reference_columns(tiny_qwen2_dir, cfg, train)
+    val = _with_reference_columns(tiny_qwen2_dir, cfg, val)
+    with _single_thread():
+        DPOTrainer(tiny_qwen2_dir, config=cfg, train_dataset=train, eval_dataset=val).train()
+    expected = read_metrics(dpo_run["out"] / "metrics.jsonl")
+    got = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in got] == [r["step"] for r in expected]
+    keys = ("train/loss", "rewards/margins", "val/loss", "val/rewards/margins")
+    for old, new in zip(expected, got, strict=True):
+        for key in (k for k in keys if k in old):
+            assert new[key] == pytest.approx(old[key], rel=1e-5, abs=1e-6), (old["step"], key)
+    # Past step 1 the policy has moved off the reference: the losses depend on the columns.
+    assert got[-1]["val/loss"] < math.log(2) - 0.05
+
+
 def _train_reward_model(model_dir, out, *overrides: str) -> dict:
     """`RewardModelTrainer` for 6 steps on arithmetic_pairs (checkpoints at 3 and 6)."""
     from polyrl import RewardModelTrainer
