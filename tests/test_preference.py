@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ import torch
 from polyrl import cli
 from polyrl.algo.preference import bradley_terry_loss, dpo_loss
 from polyrl.config import ConfigError, load_config
+from polyrl.model_engine import checkpoint as ckpt
 from polyrl.model_engine.batching import min_micro_batches, plan_micro_batches
 from polyrl.trainer.preference_data import (
     PreferenceDataError,
@@ -148,23 +151,53 @@ def test_presets_and_config_errors(capsys):
 
 
 # ------------------------------------------------------------------------------ end to end
-@pytest.fixture
-def one_thread():
+@contextlib.contextmanager
+def _single_thread():
     """One torch thread: on a shared 2-core machine, more threads than cores only thrash."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test (see :func:`_single_thread`)."""
+    with _single_thread():
+        yield
 
 
 SMALL = ["data.num_train=128", "data.num_val=32", "trainer.total_steps=6", "trainer.test_freq=3"]
 
 
+@pytest.fixture(scope="module")
+def dpo_run(tiny_qwen2_dir, tmp_path_factory):
+    """One `polyrl dpo` run (6 steps, checkpoints at 3 and 6), shared: output dir and CLI args.
+
+    The learning rate decays linearly (to half) so that a resume that lost the LR scheduler's
+    state would log other learning rates and losses.
+    """
+    out = tmp_path_factory.mktemp("dpo") / "run"
+    args = [
+        "dpo",
+        "dpo_demo",
+        f"model.path={tiny_qwen2_dir}",
+        *SMALL,
+        "trainer.save_freq=3",
+        "dpo.export_hf=false",
+        "dpo.lr_scheduler=linear",
+        "dpo.min_lr_ratio=0.5",
+    ]
+    with _single_thread():
+        assert cli.main([*args, f"trainer.output_dir={out}"]) == 0
+    return {"out": out, "args": args}
+
+
 @pytest.mark.slow
-def test_polyrl_dpo_raises_held_out_preference_accuracy(tiny_qwen2_dir, tmp_path, one_thread):
-    out = tmp_path / "dpo"
-    args = ["dpo", "dpo_demo", f"trainer.output_dir={out}", f"model.path={tiny_qwen2_dir}"]
-    assert cli.main([*args, *SMALL, "trainer.save_freq=0", "dpo.export_hf=false"]) == 0
+def test_polyrl_dpo_raises_held_out_preference_accuracy(dpo_run):
+    out = dpo_run["out"]
     records = read_metrics(out / "metrics.jsonl")
     val = [(r["step"], r["val/rewards/accuracies"]) for r in records if "val/loss" in r]
     assert [s for s, _ in val] == [0, 3, 6]
@@ -176,25 +209,88 @@ def test_polyrl_dpo_raises_held_out_preference_accuracy(tiny_qwen2_dir, tmp_path
     assert summary["last_val_accuracy"] == val[-1][1] and summary["hf_model"] is None
 
 
-@pytest.fixture(scope="module")
-def trained_reward_model(tiny_qwen2_dir, tmp_path_factory):
-    """One reward model run (6 steps on arithmetic_pairs), shared: (summary, output dir, val)."""
+def _with_reference_columns(model_dir, cfg, rows: list[dict]) -> list[dict]:
+    """``rows`` plus TRL's ``ref_chosen_logps`` / ``ref_rejected_logps``, computed by a frozen
+    engine on ``model_dir`` as the DPO trainer's reference engine computes them."""
+    from polyrl.model_engine import ModelSpec, OptimizerConfig, build_engine
+    from polyrl.models.loader import load_tokenizer
+    from polyrl.trainer.preference_losses import completion_log_probs
+    from polyrl.trainer.sft import engine_configs
+
+    tok = load_tokenizer(model_dir)
+    max_length = cfg.data.max_prompt_length + cfg.data.max_response_length
+    data = PreferenceDataset(pairs_from_rows(rows), tok, max_length=max_length)  # none dropped
+    engine_cfg, _ = engine_configs(cfg, cfg.dpo, 1)
+    spec = ModelSpec(path=str(model_dir), dtype=cfg.model.dtype)
+    engine = build_engine(spec, engine_cfg, OptimizerConfig(lr=0.0))
+    try:
+        with _single_thread():
+            batch = collate_pairs(data.items, tok.pad_token_id)
+            logps = engine.infer_batch(batch, completion_log_probs)["logps"].tolist()
+    finally:
+        engine.close()
+    return [
+        {**row, "ref_chosen_logps": logps[2 * i], "ref_rejected_logps": logps[2 * i + 1]}
+        for i, row in enumerate(rows)
+    ]
+
+
+@pytest.mark.slow
+def test_dpo_on_precomputed_reference_log_probs_matches_the_reference_model(
+    dpo_run, tiny_qwen2_dir, tmp_path
+):
+    """Rows carrying the reference's log-probs train exactly as the reference model does, and
+    no reference model is built (its path here does not exist)."""
+    from polyrl import DPOTrainer
+    from polyrl.data.io import read_rows
+
+    missing = tmp_path / "no_reference_model"
+    overrides = [*dpo_run["args"][2:], "trainer.save_freq=0", f"dpo.ref_model_path={missing}"]
+    cfg = load_config("dpo_demo", [*overrides, f"trainer.output_dir={tmp_path / 'run'}"])
+    data = dpo_run["out"] / "data"  # the very rows the shared run trained and validated on
+    train, val = read_rows(data / "train.parquet"), read_rows(data / "test.parquet")
+    # Without the columns this run needs the (missing) reference model, and says so.
+    with pytest.raises(ConfigError, match="dpo.ref_model_path"):
+        DPOTrainer(tiny_qwen2_dir, config=cfg, train_dataset=train, eval_dataset=val).train()
+
+    train = _with_reference_columns(tiny_qwen2_dir, cfg, train)
+    val = _with_reference_columns(tiny_qwen2_dir, cfg, val)
+    with _single_thread():
+        DPOTrainer(tiny_qwen2_dir, config=cfg, train_dataset=train, eval_dataset=val).train()
+    expected = read_metrics(dpo_run["out"] / "metrics.jsonl")
+    got = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in got] == [r["step"] for r in expected]
+    keys = ("train/loss", "rewards/margins", "val/loss", "val/rewards/margins")
+    for old, new in zip(expected, got, strict=True):
+        for key in (k for k in keys if k in old):
+            assert new[key] == pytest.approx(old[key], rel=1e-5, abs=1e-6), (old["step"], key)
+    # Past step 1 the policy has moved off the reference: the losses depend on the columns.
+    assert got[-1]["val/loss"] < math.log(2) - 0.05
+
+
+def _train_reward_model(model_dir, out, *overrides: str) -> dict:
+    """`RewardModelTrainer` for 6 steps on arithmetic_pairs (checkpoints at 3 and 6)."""
     from polyrl import RewardModelTrainer
     from polyrl.data.tasks import generate
 
-    out = tmp_path_factory.mktemp("rm")
-    cfg = load_config("rm_demo", [f"trainer.output_dir={out}", *SMALL[2:], "trainer.save_freq=0"])
+    args = [f"trainer.output_dir={out}", *SMALL[2:], "trainer.save_freq=3", *overrides]
     train = generate("arithmetic_pairs", 128, seed=0, split="train")
     val = generate("arithmetic_pairs", 32, seed=0, split="test")
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # as one_thread does, for a module-scoped run
-    try:
-        summary = RewardModelTrainer(
-            tiny_qwen2_dir, config=cfg, train_dataset=train, eval_dataset=val
-        ).train()
-    finally:
-        torch.set_num_threads(before)
-    return summary, out, val
+    trainer = RewardModelTrainer(
+        model_dir, config=load_config("rm_demo", args), train_dataset=train, eval_dataset=val
+    )
+    with _single_thread():
+        return trainer.train()
+
+
+@pytest.fixture(scope="module")
+def trained_reward_model(tiny_qwen2_dir, tmp_path_factory):
+    """One reward model run, shared: (summary, output dir, val rows)."""
+    from polyrl.data.tasks import generate
+
+    out = tmp_path_factory.mktemp("rm") / "run"
+    summary = _train_reward_model(tiny_qwen2_dir, out)
+    return summary, out, generate("arithmetic_pairs", 32, seed=0, split="test")
 
 
 @pytest.mark.slow
@@ -220,6 +316,53 @@ def test_reward_model_trainer_learns_and_exports_a_sequence_classifier(trained_r
     assert float((chosen - rejected).mean()) == pytest.approx(last["val/margin"], abs=1e-4)
     assert float((chosen > rejected).float().mean()) == last["val/accuracy"]
     assert float(chosen.mean()) == pytest.approx(last["val/rewards/chosen"], abs=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dpo", "rm"])
+def test_a_run_killed_while_saving_resumes_exactly(kind, request, tiny_qwen2_dir, tmp_path):
+    """A run killed while saving step 6 resumes (resume_mode=auto) from step 3 and repeats steps
+    4-6 exactly: the weights, the optimizer and LR-scheduler state (DPO's LR decays) and the
+    sampler position (which pairs come next) are restored; metrics.jsonl holds each step once."""
+    if kind == "dpo":
+        run = request.getfixturevalue("dpo_run")
+        done = run["out"]
+
+        def resume(out):
+            with _single_thread():
+                args = [*run["args"], f"trainer.output_dir={out}", "trainer.resume_mode=auto"]
+                assert cli.main(args) == 0
+    else:
+        done = request.getfixturevalue("trained_reward_model")[1]
+
+        def resume(out):
+            _train_reward_model(
+                tiny_qwen2_dir, out, "trainer.resume_mode=auto", "rm.export_hf=false"
+            )
+
+    out = tmp_path / "run"
+    shutil.copytree(done, out, ignore=shutil.ignore_patterns("hf_model"))
+    root = out / "checkpoints"
+    # Killed mid-save: step 6's directory lacks the completion marker (written last), and
+    # metrics.jsonl already holds step 6 (logged before saving).
+    (root / "global_step_6" / ckpt.COMPLETE_MARKER).unlink()
+    assert [s for s, _ in ckpt.list_checkpoints(str(root))] == [3]
+    resume(out)
+
+    summary = json.loads((out / f"{kind}_summary.json").read_text())
+    first = json.loads((done / f"{kind}_summary.json").read_text())
+    assert summary["resumed_from"] == str(root / "global_step_3") and summary["steps"] == 6
+    # The summary spans the whole run, not only the resumed part.
+    assert summary["first_val_accuracy"] == first["first_val_accuracy"]
+    assert summary["last_val_accuracy"] == first["last_val_accuracy"]
+    before, after = read_metrics(done / "metrics.jsonl"), read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in after] == [r["step"] for r in before] == [0, 1, 2, 3, 4, 5, 6]
+    keys = ("train/loss", "train/grad_norm", "train/lr", "train/epoch", "val/loss")
+    for old, new in zip(before, after, strict=True):
+        assert {k for k in keys if k in new} == {k for k in keys if k in old}, old["step"]
+        for key in (k for k in keys if k in old):
+            assert new[key] == pytest.approx(old[key], rel=1e-6, abs=1e-7), (old["step"], key)
+    assert [s for s, _ in ckpt.list_checkpoints(str(root))] == [3, 6]
 
 
 @pytest.mark.slow
