@@ -21,8 +21,11 @@ from polyrl.agent import (
     register_tool_parser,
     run_agent_loops,
 )
+from polyrl.agent.base import prompt_ids_of
 from polyrl.agent.tool_loop import HermesToolParser, ParsedToolCall
+from polyrl.core.prompts import PromptTooLongError
 from polyrl.core.rollout_batch import build_rollout_batch
+from polyrl.data.dataset import RLDataset
 from polyrl.rollout.client import GenerateResult, RolloutClient
 
 # A third of the vocabulary ends a turn: the random tiny model then writes short turns that end
@@ -317,6 +320,75 @@ def test_sample_seed_makes_copies_reproducible_and_distinct(server, tok):
 
     a, b, c = asyncio.run(run(go)(server.url))
     assert a.response_ids == b.response_ids != c.response_ids
+
+
+# ------------------------------------------------- the prompt-length rule on the prompt sent
+ROW = {
+    "data_source": "arithmetic",
+    "prompt": [{"role": "user", "content": "What is 6 * 7?"}],
+    "reward_model": {"ground_truth": "42"},
+}
+
+
+def tool_prompt(tok) -> tuple[dict, list[int], int]:
+    """A dataset item whose prompt fits ``limit`` until the tool loop adds its schemas, the
+    prompt the tool loop renders, and that limit."""
+    bare = RLDataset([ROW], tok, max_prompt_length=4096)[0]
+    schemas = [t.schema() for t in create_agent_loop("tool", tok).tools.values()]
+    rendered, _ = prompt_ids_of(bare, tok, tools=schemas, render=True)
+    limit = (len(bare["input_ids"]) + len(rendered)) // 2
+    assert len(bare["input_ids"]) <= limit < len(rendered)
+    # The dataset applies the rule to its own prompt and keeps the row.
+    sample = RLDataset([ROW], tok, max_prompt_length=limit, truncation="error")[0]
+    return sample, rendered, limit
+
+
+def test_loops_apply_the_dataset_prompt_rule_to_what_they_send(tok):
+    sample, rendered, limit = tool_prompt(tok)
+
+    def tool(truncation):
+        return create_agent_loop("tool", tok, max_prompt_length=limit, truncation=truncation)
+
+    where = rf"sample {sample['uid']!r} \(data_source='arithmetic'\), prompt rendered with 1 tool"
+    too_long = rf"prompt is {len(rendered)} tokens, longer than max_prompt_length={limit}"
+    with pytest.raises(PromptTooLongError, match=rf"{where} schema\(s\): {too_long}"):
+        asyncio.run(tool("error").run(sample, None))  # refused before any request
+    filtered = asyncio.run(tool("filter").run(sample, None))
+    assert filtered.finish_reason == "filtered" and filtered.num_turns == 0
+    assert filtered.response_ids == [] and filtered.metrics == {"prompt_filtered": 1.0}
+    assert filtered.prompt_ids == rendered[-limit:]
+    batch = collate_trajectories([filtered], tok.pad_token_id)
+    assert batch["prompt_length"].tolist() == [limit] and float(batch["loss_mask"].sum()) == 0.0
+    # The environment loop adds its first observation to the prompt the dataset measured.
+    fits = len(sample["input_ids"])
+    env = create_agent_loop("env", tok, max_prompt_length=fits, truncation="error")
+    with pytest.raises(PromptTooLongError, match=r"prompt with the first observation: prompt is"):
+        asyncio.run(env.run(sample, None))
+
+
+def test_tool_loop_sends_the_prompt_cut_by_the_rule(server, tok):
+    sample, rendered, limit = tool_prompt(tok)
+    loop = create_agent_loop("tool", tok, max_prompt_length=limit, truncation="left")
+
+    async def go(client):
+        scripted = ScriptedClient(client, tok, ["no tool needed"])
+        return await loop.run(sample, scripted), scripted.calls
+
+    traj, calls = asyncio.run(run(go)(server.url))
+    assert calls[0][0] == traj.prompt_ids == rendered[-limit:]
+    assert traj.finish_reason == "stop" and traj.metrics["prompt_truncated"] == 1.0
+
+
+def test_plain_text_prompts_are_never_templated_by_a_loop(tok):
+    row = {"prompt": "2+2=", "answer": "4"}
+    ds = RLDataset([row], tok, 64, require_reward_fields=False, template_string_prompts=False)
+    sample = ds[0]
+    ids, messages = prompt_ids_of(sample, tok)  # the single-turn loop's prompt
+    assert ids == tok.encode("2+2=", add_special_tokens=False)
+    assert messages == [{"role": "user", "content": "2+2="}]
+    for name in ("tool", "env"):
+        with pytest.raises(ValueError, match=r"plain text, tokenized without the chat template"):
+            asyncio.run(create_agent_loop(name, tok).run(sample, None))
 
 
 def test_collate_matches_trainer_layout(tok):

@@ -168,11 +168,39 @@ def test_trl_rows_need_only_a_prompt_and_keep_their_columns(tiny_qwen2_tokenizer
     assert ds[1]["extra_info"] == {"answer": "4"}
 
 
+def test_trl_path_templates_only_conversational_prompts(tmp_path, tiny_qwen2_dir):
+    """As in TRL: a plain-string prompt is tokenized as it is, chat messages are templated;
+    polyrl's own configs keep templating strings (RLConfig()'s default)."""
+    from polyrl.core.prompts import TEXT_PROMPT_KEY
+    from polyrl.models.loader import load_tokenizer
+    from polyrl.trainer.rl.build import load_datasets
+
+    tok = load_tokenizer(tiny_qwen2_dir)
+    messages = [{"role": "user", "content": "2+2="}]
+    rows = [{"prompt": "2+2=", "answer": "4"}, {"prompt": messages, "answer": "4"}]
+    trainer = GRPOTrainer(model=str(tiny_qwen2_dir), reward_funcs=short, train_dataset=rows)
+    assert trainer.config.data.template_string_prompts is False
+    assert RLConfig().data.template_string_prompts is True
+    train, _ = load_datasets(trainer.config, tok, tmp_path, train_rows=rows, custom_reward=True)
+    templated = tok.encode(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
+    assert train.input_ids[0] == tok.encode("2+2=", add_special_tokens=False)
+    assert train.input_ids[1] == templated != train.input_ids[0]
+    assert train[0][TEXT_PROMPT_KEY] == "2+2=" and TEXT_PROMPT_KEY not in train[1]
+    assert train[0]["source_row"]["prompt"] == "2+2="  # what batched rewards receive
+    # The CLI and verl-style configs: a string is one user message, templated.
+    cli, _ = load_datasets(RLConfig(), tok, tmp_path, train_rows=rows, custom_reward=True)
+    assert cli.input_ids == [templated, templated] and TEXT_PROMPT_KEY not in cli[0]
+
+
 # ------------------------------------------------------------------ RLConfig() per trainer
 def test_each_trainer_runs_from_a_plain_rlconfig(tiny_qwen2_dir):
     ds = _dataset()
     grpo = GRPOTrainer(model=str(tiny_qwen2_dir), reward_funcs=short, train_dataset=ds)
-    assert grpo.config.rollout.n == 8 and grpo.applied_defaults == {"rollout.n": 8}
+    assert grpo.config.rollout.n == 8
+    assert grpo.applied_defaults == {"rollout.n": 8, "data.template_string_prompts": False}
     for cls, estimator, n in (
         (GRPOTrainer, "grpo", 8),
         (RLOOTrainer, "rloo", 8),
@@ -185,7 +213,7 @@ def test_each_trainer_runs_from_a_plain_rlconfig(tiny_qwen2_dir):
     # A value the user set wins over the trainer's default.
     mine = RLConfig(rollout={"n": 4})
     trainer = GRPOTrainer(str(tiny_qwen2_dir), config=mine, reward_funcs=short, train_dataset=ds)
-    assert trainer.config.rollout.n == 4 and trainer.applied_defaults == {}
+    assert trainer.config.rollout.n == 4 and "rollout.n" not in trainer.applied_defaults
     assert mine.rollout.n == 4 and RLConfig().rollout.n == 1  # the user's object is not changed
 
 

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from polyrl.core.batch import Batch
+from polyrl.core.prompts import TEXT_PROMPT_KEY, check_truncation, fit_prompt
 from polyrl.core.registry import Registry
 from polyrl.core.rollout_api import SamplingParams
 
@@ -46,6 +47,7 @@ __all__ = [
     "get_agent_loop",
     "prompt_ids_of",
     "register_agent_loop",
+    "require_chat_prompt",
     "run_agent_loops",
 ]
 
@@ -249,11 +251,16 @@ def prompt_ids_of(
 
     Uses ``sample["input_ids"]`` when present (what ``RLDataset`` built) and the messages from
     ``raw_prompt`` / ``prompt_key``; otherwise, or with ``render`` (a loop offering its own
-    ``tools``), renders the messages with the chat template.
+    ``tools``), renders the messages with the chat template. The ids may be longer than what
+    the dataset measured: loops fit them with :meth:`AgentLoop.start`.
 
     Raises:
-        ValueError: the sample has neither messages nor input ids.
+        ValueError: the sample has neither messages nor input ids, or ``render`` is asked of a
+            plain-text prompt the dataset tokenized without the template
+            (:func:`require_chat_prompt`).
     """
+    if render:
+        require_chat_prompt(sample, "rendering it with the loop's tool schemas")
     messages = sample.get("raw_prompt", sample.get(prompt_key))
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
@@ -271,6 +278,33 @@ def prompt_ids_of(
     return list(tokenizer.encode(text, add_special_tokens=False)), msgs
 
 
+def require_chat_prompt(sample: Mapping[str, Any], what: str) -> None:
+    """Refuse a plain-text prompt that the dataset tokenized as it is, without the template.
+
+    Such a prompt (``data.template_string_prompts=false``, TRL's "standard" format) has no chat
+    turns to add tool schemas, observations or tool responses to; templating it here would
+    train on a prompt the dataset never built.
+
+    Raises:
+        ValueError: naming the sample and ``what`` the loop needs the template for.
+    """
+    if sample.get(TEXT_PROMPT_KEY) is not None:
+        raise ValueError(
+            f"{_describe(sample)}: the prompt is plain text, tokenized without the chat "
+            f"template (data.template_string_prompts=false, TRL's standard format), but the "
+            f"loop needs the template for {what}; give this prompt as chat messages "
+            '([{"role": "user", "content": ...}])'
+        )
+
+
+def _describe(sample: Mapping[str, Any]) -> str:
+    """Name a sample in errors: its uid and data source, when it has them."""
+    parts = [f"sample {sample['uid']!r}" if sample.get("uid") is not None else "sample"]
+    if sample.get("data_source") is not None:
+        parts.append(f"(data_source={sample['data_source']!r})")
+    return " ".join(parts)
+
+
 # ----------------------------------------------------------------------------- the loop ABC
 
 
@@ -282,6 +316,9 @@ class AgentLoop(abc.ABC):
         sampling_params: per-turn sampling (``logprobs`` is forced on; ``n`` must be 1).
         max_response_length: budget of response tokens (model + tool/env) per trajectory.
         max_turns: most model turns.
+        max_prompt_length: ``data.max_prompt_length``; ``None``: prompts are not checked.
+        truncation: ``data.truncation``, applied to the prompt the loop sends
+            (:meth:`start`).
     """
 
     name: str = ""
@@ -293,7 +330,11 @@ class AgentLoop(abc.ABC):
         sampling_params: SamplingParams | Mapping[str, Any] | None = None,
         max_response_length: int = 1024,
         max_turns: int = 8,
+        max_prompt_length: int | None = None,
+        truncation: str = "error",
     ):
+        if max_prompt_length is not None:
+            check_truncation(max_prompt_length, truncation)
         if isinstance(sampling_params, SamplingParams):
             params = sampling_params.to_dict()
         else:
@@ -311,11 +352,56 @@ class AgentLoop(abc.ABC):
         self.sampling_params = params
         self.max_response_length = max_response_length
         self.max_turns = max_turns
+        self.max_prompt_length = max_prompt_length
+        self.truncation = truncation
         self.eos_ids = set(_eos_ids(tokenizer))
 
     @abc.abstractmethod
     async def run(self, sample: Mapping[str, Any], client: GenerateClient) -> Trajectory:
         """Roll out one sample."""
+
+    def start(
+        self,
+        sample: Mapping[str, Any],
+        prompt_ids: Sequence[int],
+        messages: list[dict[str, Any]],
+        built: str,
+    ) -> Trajectory:
+        """Begin a trajectory from the prompt this loop sends, fitted to ``max_prompt_length``.
+
+        The dataset applied ``data.truncation`` to the prompt it built; a loop that builds its
+        own (tool schemas in the system turn, a first observation) can exceed the limit, so
+        the same rule (:func:`polyrl.core.prompts.fit_prompt`) is applied again here:
+
+        * ``error``: raises :class:`~polyrl.core.prompts.PromptTooLongError` naming the sample,
+          how the loop ``built`` its prompt, its length and the limit;
+        * ``left`` / ``right``: the prompt is cut as the dataset cuts; metric
+          ``prompt_truncated`` (fraction of trajectories);
+        * ``filter``: the trajectory is returned empty with ``finish_reason="filtered"`` (no
+          generation; an empty response adds nothing to the loss, and the batch keeps its
+          rows, one group per prompt); metric ``prompt_filtered``. Callers return it as is.
+
+        ``built`` says how the loop built the prompt (for the error), e.g. ``"with the tool
+        loop's 2 tool schemas"``.
+        """
+        ids = [int(t) for t in prompt_ids]
+        traj = Trajectory(prompt_ids=ids, messages=messages, seed=sample.get("seed"))
+        limit = self.max_prompt_length
+        if limit is None:
+            return traj
+        fitted = fit_prompt(ids, limit, self.truncation, f"{_describe(sample)}, prompt {built}")
+        if self.truncation in ("left", "right"):
+            traj.metrics["prompt_truncated"] = float(fitted is not None and len(fitted) < len(ids))
+        if self.truncation == "filter":
+            traj.metrics["prompt_filtered"] = float(fitted is None)
+        if fitted is None:
+            # Nothing is generated; the last `limit` tokens keep the row within the batch's
+            # planned width (it is never trained on: its response is empty).
+            traj.prompt_ids = ids[-limit:]
+            traj.finish_reason = "filtered"
+        else:
+            traj.prompt_ids = fitted
+        return traj
 
     def turn_params(self, traj: Trajectory) -> dict[str, Any]:
         """Return the next turn's sampling params, capped by the remaining length budget."""

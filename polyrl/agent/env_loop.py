@@ -22,6 +22,7 @@ from polyrl.agent.base import (
     Trajectory,
     chat_delta_ids,
     register_agent_loop,
+    require_chat_prompt,
 )
 from polyrl.agent.envs import create_env
 from polyrl.core.rollout_api import SamplingParams
@@ -44,6 +45,8 @@ class EnvAgentLoop(AgentLoop):
         max_turns: most model turns.
         max_response_length: budget of response tokens in all.
         sampling_params: per-turn sampling.
+        max_prompt_length: ``data.max_prompt_length`` (see :meth:`AgentLoop.start`).
+        truncation: ``data.truncation`` (see :meth:`AgentLoop.start`).
     """
 
     def __init__(
@@ -55,12 +58,16 @@ class EnvAgentLoop(AgentLoop):
         max_turns: int = 8,
         max_response_length: int = 1024,
         sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+        max_prompt_length: int | None = None,
+        truncation: str = "error",
     ):
         super().__init__(
             tokenizer,
             sampling_params=sampling_params,
             max_response_length=max_response_length,
             max_turns=max_turns,
+            max_prompt_length=max_prompt_length,
+            truncation=truncation,
         )
         self.env_name = env
         self.env_kwargs = dict(env_kwargs or {})
@@ -71,6 +78,7 @@ class EnvAgentLoop(AgentLoop):
         env = create_env(str(extra.get("env_name", self.env_name)))
         kwargs = {**self.env_kwargs, **dict(extra.get("env_kwargs") or {})}
         obs = await _maybe_await(env.reset(seed=extra.get("seed"), **kwargs))
+        require_chat_prompt(sample, "adding the observations as user turns")
         messages = sample.get("raw_prompt", sample.get("prompt")) or []
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
@@ -83,7 +91,11 @@ class EnvAgentLoop(AgentLoop):
             messages, add_generation_prompt=True, tokenize=False
         )
         prompt_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-        traj = Trajectory(prompt_ids=prompt_ids, messages=messages, seed=sample.get("seed"))
+        # The dataset measured the prompt without the observation: fit the one sent.
+        traj = self.start(sample, prompt_ids, messages, "with the first observation")
+        if traj.finish_reason == "filtered":
+            traj.reward = 0.0  # no episode was played
+            return traj
         session = str(sample.get("session_id") or f"env-{uuid.uuid4().hex}")
         info: Mapping[str, Any] = {}
         while True:

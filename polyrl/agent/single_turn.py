@@ -23,6 +23,8 @@ class SingleTurnAgentLoop(AgentLoop):
     async def run(self, sample: Mapping[str, Any], client: GenerateClient) -> Trajectory:
         """Roll out one sample with a single model turn."""
         prompt_ids, messages = prompt_ids_of(sample, self.tokenizer)
-        traj = Trajectory(prompt_ids=prompt_ids, messages=messages, seed=sample.get("seed"))
+        traj = self.start(sample, prompt_ids, messages, "as given")
+        if traj.finish_reason == "filtered":
+            return traj
         await self.generate_turn(traj, client, session_id=sample.get("session_id"))
         return traj

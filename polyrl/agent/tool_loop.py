@@ -143,6 +143,8 @@ class ToolAgentLoop(AgentLoop):
         max_tool_response_tokens: a tool response longer than this is cut (and says so).
         max_response_length: budget of response tokens in all.
         sampling_params: per-turn sampling.
+        max_prompt_length: ``data.max_prompt_length`` (see :meth:`AgentLoop.start`).
+        truncation: ``data.truncation`` (see :meth:`AgentLoop.start`).
     """
 
     def __init__(
@@ -158,12 +160,16 @@ class ToolAgentLoop(AgentLoop):
         max_tool_response_tokens: int = 256,
         max_response_length: int = 1024,
         sampling_params: SamplingParams | Mapping[str, Any] | None = None,
+        max_prompt_length: int | None = None,
+        truncation: str = "error",
     ):
         super().__init__(
             tokenizer,
             sampling_params=sampling_params,
             max_response_length=max_response_length,
             max_turns=max_turns,
+            max_prompt_length=max_prompt_length,
+            truncation=truncation,
         )
         if not isinstance(max_parallel_calls, int) or max_parallel_calls < 1:
             raise ValueError(f"max_parallel_calls must be an int >= 1, got {max_parallel_calls}")
@@ -277,7 +283,12 @@ class ToolAgentLoop(AgentLoop):
         prompt_ids, messages = prompt_ids_of(sample, self.tokenizer, tools=schemas, render=True)
         if not messages:
             raise ValueError("the tool loop needs the prompt as chat messages ('raw_prompt')")
-        traj = Trajectory(prompt_ids=prompt_ids, messages=messages, seed=sample.get("seed"))
+        # The dataset measured the prompt without these schemas: fit the one sent.
+        traj = self.start(
+            sample, prompt_ids, messages, f"rendered with {len(schemas)} tool schema(s)"
+        )
+        if traj.finish_reason == "filtered":
+            return traj
         session = str(sample.get("session_id") or f"tool-{uuid.uuid4().hex}")
         while True:
             ids, text = await self.generate_turn(traj, client, session)

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, Union
 
 from polyrl.core.dtypes import FLOAT_DTYPES
+from polyrl.core.prompts import TRUNCATION_POLICIES
 
 __all__ = [
     "ActorConfig",
@@ -548,7 +549,7 @@ TASKS = (
     "string_sort",
     "code_simple",
 )
-TRUNCATIONS = ("error", "filter", "left", "right")
+TRUNCATIONS = TRUNCATION_POLICIES  # the rule's own list (polyrl.core.prompts)
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 DEVICES = ("auto", "cpu", "cuda")
 WORKER_BACKENDS = ("ray", "local")
@@ -678,6 +679,13 @@ class DataConfig(ConfigGroup):
     shuffle: bool = option(True, "Shuffle training prompts every epoch.")
     seed: int = option(
         -1, "Seed for data shuffling and generation; -1 uses the top-level seed.", ge=-1
+    )
+    template_string_prompts: bool = option(
+        True,
+        "Render a prompt given as a plain string through the chat template as one user "
+        "message; false tokenizes it as it is, as TRL does with its 'standard' format (the "
+        "TRL-style trainers, GRPOTrainer and the others, set false). Chat-message prompts "
+        "are always templated.",
     )
 
     def validate(self) -> None:

@@ -13,6 +13,14 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+# TRUNCATION_POLICIES and PromptTooLongError stay importable from here (polyrl.data's names).
+from polyrl.core.prompts import (  # noqa: F401
+    TEXT_PROMPT_KEY,
+    TRUNCATION_POLICIES,
+    PromptTooLongError,
+    check_truncation,
+    fit_prompt,
+)
 from polyrl.data.io import read_rows
 from polyrl.data.schema import (
     RowValidationError,
@@ -28,17 +36,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TruncationPolicy = Literal["error", "filter", "left", "right"]
-TRUNCATION_POLICIES: tuple[str, ...] = ("error", "filter", "left", "right")
 
 # apply_chat_template arguments the dataset sets itself; letting callers override them would
 # silently change what the prompt looks like (or what type comes back).
 _RESERVED_TEMPLATE_KWARGS = frozenset(
     {"conversation", "tokenize", "return_dict", "return_tensors", "add_generation_prompt"}
 )
-
-
-class PromptTooLongError(ValueError):
-    """A prompt is longer than ``max_prompt_length`` under ``truncation="error"``."""
 
 
 def _load(rows_or_paths: Any) -> list[dict[str, Any]]:
@@ -67,7 +70,11 @@ class RLDataset(Dataset):
     Each prompt is rendered with ``tokenizer.apply_chat_template(messages,
     add_generation_prompt=True, tools=row["extra_info"].get("tools"), tokenize=False,
     **apply_chat_template_kwargs)`` and then encoded without extra special tokens (the template
-    already places them).  All rows are tokenized up front so the length policy is applied once:
+    already places them). With ``template_string_prompts=False`` a prompt given as a plain
+    string (TRL's "standard" format) is tokenized as it is, ``tokenizer.encode(prompt,
+    add_special_tokens=False)``, as TRL does; chat-message prompts are always templated.  All
+    rows are tokenized up front so the length policy (:func:`polyrl.core.prompts.fit_prompt`,
+    which the agent loops apply again to the prompt they send) is applied once:
 
     * ``"error"``: a prompt longer than ``max_prompt_length`` raises :class:`PromptTooLongError`
       naming the row and its length;
@@ -80,7 +87,9 @@ class RLDataset(Dataset):
     ``torch.long``, unpadded), ``raw_prompt`` (the chat messages), ``uid`` (stable string id
     of the prompt, see :func:`polyrl.data.schema.row_uid`; made unique within the dataset) and
     ``source_row`` (the row as it was given, before any field was filled in or converted: what
-    batched, TRL-style reward functions receive).
+    batched, TRL-style reward functions receive). An item whose plain-string prompt was
+    tokenized without the template also has :data:`~polyrl.core.prompts.TEXT_PROMPT_KEY`
+    (``"text_prompt"``): that string (``raw_prompt`` still wraps it as one user message).
 
     Args:
         rows_or_paths: Row dicts, or one or more ``.parquet`` / ``.jsonl`` / ``.json`` files.
@@ -93,6 +102,9 @@ class RLDataset(Dataset):
             (e.g. ``{"enable_thinking": False}``).
         require_reward_fields: When false (a custom reward function scores every row), a row
             needs only its prompt: see :func:`polyrl.data.schema.complete_row`.
+        template_string_prompts: When true (polyrl's default), a plain-string prompt becomes one
+            user message rendered through the chat template; when false (the TRL-style
+            trainers), it is tokenized as it is.
     """
 
     def __init__(
@@ -104,13 +116,9 @@ class RLDataset(Dataset):
         truncation: TruncationPolicy = "error",
         apply_chat_template_kwargs: Mapping[str, Any] | None = None,
         require_reward_fields: bool = True,
+        template_string_prompts: bool = True,
     ) -> None:
-        if isinstance(max_prompt_length, bool) or not isinstance(max_prompt_length, int):
-            raise TypeError(f"max_prompt_length must be an int, got {max_prompt_length!r}")
-        if max_prompt_length < 1:
-            raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
-        if truncation not in TRUNCATION_POLICIES:
-            raise ValueError(f"truncation must be one of {TRUNCATION_POLICIES}, got {truncation!r}")
+        check_truncation(max_prompt_length, truncation)
         kwargs = dict(apply_chat_template_kwargs or {})
         reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
         if reserved:
@@ -127,6 +135,7 @@ class RLDataset(Dataset):
         self.truncation: str = truncation
         self.apply_chat_template_kwargs = kwargs
         self.require_reward_fields = require_reward_fields
+        self.template_string_prompts = template_string_prompts
         pad = getattr(tokenizer, "pad_token_id", None)
         if pad is None:
             pad = getattr(tokenizer, "eos_token_id", None)
@@ -137,27 +146,28 @@ class RLDataset(Dataset):
         self.rows: list[dict[str, Any]] = []
         self.source_rows: list[dict[str, Any]] = []  # each kept row as it was given
         self.input_ids: list[list[int]] = []
+        # Each kept row's prompt string when it was tokenized without the template, else None.
+        self.text_prompts: list[str | None] = []
         self.source_indices: list[int] = []  # position of each kept row in the input
         self.filtered_indices: list[int] = []
         self.num_truncated = 0
         for i, row in enumerate(raw_rows):
             row = self._prepare(row, i)
-            ids = self._tokenize(row, i)
-            if len(ids) > max_prompt_length:
-                if truncation == "error":
-                    raise PromptTooLongError(
-                        f"row {i} (data_source={row['data_source']!r}): prompt is {len(ids)} "
-                        f"tokens, longer than max_prompt_length={max_prompt_length}; raise the "
-                        "limit or pick truncation='filter'/'left'/'right'"
-                    )
-                if truncation == "filter":
-                    self.filtered_indices.append(i)
-                    continue
+            given = raw_rows[i].get(self.prompt_key)
+            text = given if isinstance(given, str) and not template_string_prompts else None
+            full = self._tokenize(row, i) if text is None else self._encode(text, i)
+            ids = fit_prompt(
+                full, max_prompt_length, truncation, f"row {i} (data_source={row['data_source']!r})"
+            )
+            if ids is None:
+                self.filtered_indices.append(i)
+                continue
+            if len(ids) < len(full):
                 self.num_truncated += 1
-                ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
             self.rows.append(row)
             self.source_rows.append(dict(raw_rows[i]))
             self.input_ids.append(ids)
+            self.text_prompts.append(text)
             self.source_indices.append(i)
         self.num_filtered = len(self.filtered_indices)
         if truncation == "filter":
@@ -210,6 +220,11 @@ class RLDataset(Dataset):
                 f"row {index}: apply_chat_template(tokenize=False) returned "
                 f"{type(text).__name__}, expected str"
             )
+        return self._encode(text, index)
+
+    def _encode(self, text: str, index: int) -> list[int]:
+        # No special tokens added: the template places its own, and TRL encodes a plain-text
+        # prompt the same way.
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         if not ids:
             raise ValueError(f"row {index}: the prompt tokenized to zero tokens")
@@ -246,6 +261,8 @@ class RLDataset(Dataset):
         item["raw_prompt"] = copy.deepcopy(item[self.prompt_key])
         item["uid"] = self.uids[index]
         item["source_row"] = copy.deepcopy(self.source_rows[index])
+        if self.text_prompts[index] is not None:
+            item[TEXT_PROMPT_KEY] = self.text_prompts[index]
         return item
 
     def collate(self, items: Sequence[Mapping[str, Any]]) -> Batch:

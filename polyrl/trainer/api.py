@@ -31,9 +31,11 @@ construction; see :mod:`polyrl.reward.functions`. ``reward_fn=`` (one function) 
 ``reward_funcs=`` takes one or several, with ``reward_weights``.
 
 With a reward function, a row needs only its prompt (``data.prompt_key``: a string or a chat
-message list); its other columns reach the reward (batched functions: as keyword arguments;
-per-sample functions: in ``extra_info``). Without one, rows follow :mod:`polyrl.data.schema`
-(``data_source`` picks the registered scorer, ``reward_model: {"ground_truth": ...}``).
+message list; as in TRL, only a message list goes through the chat template and a string is
+tokenized as it is, ``data.template_string_prompts=False``); its other columns reach the
+reward (batched functions: as keyword arguments; per-sample functions: in ``extra_info``).
+Without one, rows follow :mod:`polyrl.data.schema` (``data_source`` picks the registered
+scorer, ``reward_model: {"ground_truth": ...}``).
 """
 
 from __future__ import annotations
@@ -177,6 +179,9 @@ class _RLTrainerAPI:
     #: default, so that ``config=RLConfig()`` (or no config) runs this algorithm; any value the
     #: user set, even by ``load_config``, wins.
     defaults: ClassVar[Mapping[str, Any]] = {}
+    #: Defaults every TRL-style trainer applies, by the same rule (before :attr:`defaults`):
+    #: a plain-string prompt is tokenized as it is, as TRL does; chat messages are templated.
+    trl_defaults: ClassVar[Mapping[str, Any]] = {"data.template_string_prompts": False}
 
     def __init__(
         self,
@@ -197,7 +202,7 @@ class _RLTrainerAPI:
             cfg,
             algorithm=dataclasses.replace(cfg.algorithm, adv_estimator=self.adv_estimator),
         )
-        cfg, self.applied_defaults = _apply_defaults(cfg, self.defaults)
+        cfg, self.applied_defaults = _apply_defaults(cfg, {**self.trl_defaults, **self.defaults})
         cfg, train_rows, val_rows = _with_datasets(cfg, train_dataset, eval_dataset)
         self._reward_fn = _reward_functions(
             reward_fn, reward_funcs, reward_weights, cfg, train_rows

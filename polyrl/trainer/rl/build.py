@@ -317,6 +317,7 @@ def load_datasets(
         "prompt_key": data.prompt_key,
         "truncation": data.truncation,
         "require_reward_fields": not custom_reward,
+        "template_string_prompts": data.template_string_prompts,
     }
     if train_rows is not None:
         train = RLDataset(list(train_rows), tokenizer, **kwargs)

@@ -503,6 +503,9 @@ class RolloutProducer:
             "sampling_params": params,
             "max_response_length": self.cfg.data.max_response_length,
             "max_turns": agent.max_turns,
+            # The dataset's prompt-length rule, applied again to the prompt each loop sends.
+            "max_prompt_length": self.cfg.data.max_prompt_length,
+            "truncation": self.cfg.data.truncation,
         }
         loop_kwargs = {
             "single_turn": common,

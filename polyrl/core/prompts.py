@@ -1,0 +1,88 @@
+"""What the prompt dataset and the agent loops must agree on about a prompt.
+
+* :func:`fit_prompt`: the prompt-length rule (``data.max_prompt_length`` with
+  ``data.truncation``). The prompt dataset applies it to each row when it is loaded; the agent
+  loops apply it again to the prompt they actually send, which may be longer than what the
+  dataset measured (the tool loop re-renders the prompt with its tool schemas in the system
+  turn, the environment loop adds the first observation). One function, so a prompt is cut,
+  dropped or refused the same way wherever it is built.
+* :data:`TEXT_PROMPT_KEY`: the item field that marks a plain-text prompt the dataset tokenized
+  as it is, without the chat template (``data.template_string_prompts=false``, TRL's
+  "standard" format); a loop that must render the conversation through the template refuses
+  such a prompt instead of templating what the dataset did not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "TEXT_PROMPT_KEY",
+    "TRUNCATION_POLICIES",
+    "PromptTooLongError",
+    "check_truncation",
+    "fit_prompt",
+]
+
+#: Item field holding a plain-text prompt that was tokenized as it is (no chat template).
+TEXT_PROMPT_KEY = "text_prompt"
+
+#: What to do with a prompt longer than the limit: raise, drop it, keep its last tokens
+#: (``left``: cut from the start) or its first tokens (``right``: cut from the end).
+TRUNCATION_POLICIES: tuple[str, ...] = ("error", "filter", "left", "right")
+
+
+class PromptTooLongError(ValueError):
+    """A prompt is longer than ``max_prompt_length`` under ``truncation="error"``."""
+
+
+def check_truncation(max_prompt_length: int, truncation: str) -> None:
+    """Check a limit and a policy.
+
+    Raises:
+        TypeError: ``max_prompt_length`` is not an int.
+        ValueError: it is below 1, or ``truncation`` is not one of :data:`TRUNCATION_POLICIES`.
+    """
+    if isinstance(max_prompt_length, bool) or not isinstance(max_prompt_length, int):
+        raise TypeError(f"max_prompt_length must be an int, got {max_prompt_length!r}")
+    if max_prompt_length < 1:
+        raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
+    if truncation not in TRUNCATION_POLICIES:
+        raise ValueError(f"truncation must be one of {TRUNCATION_POLICIES}, got {truncation!r}")
+
+
+def fit_prompt(
+    ids: Sequence[int], max_prompt_length: int, truncation: str, what: str
+) -> list[int] | None:
+    """Apply the prompt-length rule to one prompt's token ids.
+
+    Args:
+        ids: the prompt's token ids.
+        max_prompt_length: the token budget of a prompt.
+        truncation: one of :data:`TRUNCATION_POLICIES`.
+        what: names the prompt in the error (``"row 3 (data_source='gsm8k')"``).
+
+    Returns:
+        The ids unchanged when they fit; else the last (``left``) or first (``right``)
+        ``max_prompt_length`` of them; ``None`` under ``filter`` (the caller drops the prompt
+        and counts it).
+
+    Raises:
+        PromptTooLongError: the prompt is too long under ``truncation="error"``; the message
+            names ``what``, the prompt's length and the limit.
+    """
+    ids = list(ids)
+    if len(ids) <= max_prompt_length:
+        return ids
+    if truncation == "error":
+        raise PromptTooLongError(
+            f"{what}: prompt is {len(ids)} tokens, longer than max_prompt_length="
+            f"{max_prompt_length}; raise the limit or pick truncation='filter'/'left'/'right'"
+        )
+    if truncation == "filter":
+        return None
+    if truncation == "left":
+        return ids[-max_prompt_length:]
+    if truncation == "right":
+        return ids[:max_prompt_length]
+    raise ValueError(f"truncation must be one of {TRUNCATION_POLICIES}, got {truncation!r}")
