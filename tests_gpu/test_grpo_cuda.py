@@ -77,3 +77,38 @@ def test_colocated_grpo_on_one_gpu_raises_the_reward(tmp_path):
         f"batch reward: first {WINDOW} steps {first:.3f}, last {WINDOW} steps {last:.3f}; {summary}"
     )
     assert last > first + 0.03, scores
+
+
+def test_async_grpo_with_a_cuda_engine_raises_the_reward_within_the_staleness_bound(tmp_path):
+    """``trainer.mode=async`` with the engines on the GPU and the replica on the CPU.
+
+    One GPU cannot hold a replica of its own beside the engines (``rollout.placement=separate``
+    takes GPUs after the engines'; hybrid sleeps during training, which the overlapped modes
+    refuse), so the replica serves on the host: the engine's CUDA weights reach it over shared
+    memory while it keeps generating ahead.
+    """
+    out = tmp_path / "demo"
+    staleness = 2
+    overrides = [
+        "trainer.device=cuda",
+        "trainer.worker_backend=local",
+        "rollout.device=cpu",
+        "trainer.mode=async",
+        f"async.max_staleness={staleness}",
+        f"trainer.total_steps={RL_STEPS}",
+    ]
+    proc = run_demo(out, overrides, timeout=560)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
+    records = rl_scores(out)
+    assert [r["step"] for r in records] == list(range(1, RL_STEPS + 1))
+    groups = [json.loads(x) for x in (out / "rl" / "async_samples.jsonl").read_text().splitlines()]
+    # Every trained sample is at most `staleness` actor updates behind the step that trains it.
+    behind = [g["trainer_version"] - v for g in groups for v in g["first_versions"]]
+    assert 1 <= max(behind) <= staleness and min(behind) >= 0, (min(behind), max(behind))
+    # Every group reserved for the run (32 prompts a step) was trained exactly once.
+    assert sorted(g["serial"] for g in groups) == list(range(RL_STEPS * 32))
+    scores = [r["critic/score/mean"] for r in records]
+    first = statistics.mean(scores[:WINDOW])
+    last = statistics.mean(scores[-WINDOW:])
+    print(f"async batch reward: first {WINDOW} steps {first:.3f}, last {WINDOW} steps {last:.3f}")
+    assert last > first + 0.03, scores
