@@ -39,6 +39,21 @@ from _report import report  # noqa: E402
 
 MODES = ("sync", "one_step_off", "async")
 ROLLOUT_CORE, TRAINER_CORE = 0, 1
+# The sync job again with everything on one core and one thread: its phase times are the
+# single-core costs that bound what overlapping the phases on two cores can gain.
+ONE_CORE = "one_core"
+ROLLOUT_PHASES = ("gen", "reward")  # on the rollout core when the phases overlap
+ENGINE_PHASES = (
+    "ref",
+    "old_log_prob",
+    "values",
+    "prm",
+    "adv",
+    "update_critic",
+    "update_prm",
+    "update_actor",
+    "update_weights",
+)
 
 
 def _children(pid: int) -> list[int]:
@@ -151,7 +166,13 @@ def run_mode(
     if mode != "sync":
         # One thread for the rollout server whichever the placement: it runs beside the engine.
         overrides.append("rollout.num_threads=1")
-    if mode != "sync" and pin:
+    if mode == ONE_CORE:
+        import torch
+
+        overrides[overrides.index(f"trainer.mode={mode}")] = "trainer.mode=sync"
+        os.sched_setaffinity(0, {ROLLOUT_CORE})  # the children it starts inherit it
+        torch.set_num_threads(1)
+    elif mode != "sync" and pin:
         import torch
 
         os.sched_setaffinity(0, {TRAINER_CORE})
@@ -166,12 +187,38 @@ def run_mode(
     trained = [r for r in records if "timing_s/step" in r]
     seconds = sum(r["timing_s/step"] for r in trained)
     samples = len(trained) * cfg.data.train_batch_size * cfg.rollout.n
+    settled = trained[min(5, len(trained) - 1) :]  # past the first steps' warm-up
+    phases = {
+        key.removeprefix("timing_s/"): sum(r.get(key, 0.0) for r in settled) / len(settled)
+        for key in sorted({k for r in settled for k in r if k.startswith("timing_s/")})
+    }
     return {
         "samples_per_s": samples / seconds,
         "seconds": seconds,
         "samples": samples,
+        "phase_s": phases,
         "accuracy": next(r["val/acc/mean@1"] for r in reversed(records) if "val/acc/mean@1" in r),
         "score_last10": sum(r["critic/score/mean"] for r in trained[-10:]) / 10,
+    }
+
+
+def overlap_bounds(sync_phases: dict, one_core_phases: dict) -> dict:
+    """The most any overlap of generation and training can gain over sync on two cores.
+
+    From the single-core cost of each phase: pinned (rollout work on one core, engine work on
+    the other) a step takes at least the larger of the two; with both cores shared perfectly,
+    at least half their sum. Both ignore every cost of overlapping (the GIL, shared memory
+    bandwidth, the staleness gate) and the extra proximal pass of ``correction=decoupled``.
+    """
+    rollout = sum(one_core_phases.get(p, 0.0) for p in ROLLOUT_PHASES)
+    engine = sum(one_core_phases.get(p, 0.0) for p in ENGINE_PHASES)
+    sync_step = sync_phases["step"]
+    return {
+        "one_core_rollout_s": round(rollout, 4),
+        "one_core_engine_s": round(engine, 4),
+        "sync_step_s": round(sync_step, 4),
+        "bound_ratio_pinned": round(sync_step / max(rollout, engine), 3),
+        "bound_ratio_two_cores": round(sync_step / ((rollout + engine) / 2), 3),
     }
 
 
@@ -179,7 +226,14 @@ def main() -> None:
     """Warm up once, run each mode in a child process, record and print the JSON result."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=150, help="GRPO steps of each mode")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument(
+        "--modes",
+        default=",".join((*MODES, ONE_CORE)),
+        help=f"modes to run; {ONE_CORE!r} is sync on one core, for the overlap bound",
+    )
+    parser.add_argument(
+        "--one-core-steps", type=int, default=30, help=f"steps of the {ONE_CORE!r} run"
+    )
     parser.add_argument("--workdir", default=None)
     parser.add_argument(
         "--set",
@@ -209,7 +263,8 @@ def main() -> None:
     print(f"[async_rl] SFT warm-up done in {time.perf_counter() - tick:.0f} s", flush=True)
     results = {}
     for mode in args.modes.split(","):
-        cmd = [sys.executable, __file__, "--steps", str(args.steps)]
+        steps = args.one_core_steps if mode == ONE_CORE else args.steps
+        cmd = [sys.executable, __file__, "--steps", str(steps)]
         cmd += [f"--set={item}" for item in args.set] + (["--no-pin"] if args.no_pin else [])
         cmd += ["--child", mode, model, train[0], test[0], str(workdir / mode)]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -227,8 +282,12 @@ def main() -> None:
         )
     out = {"name": "async_rl", "steps": args.steps}
     for mode, r in results.items():
-        out[f"{mode}_samples_per_s"] = round(r["samples_per_s"], 2)
-        out[f"{mode}_accuracy"] = round(r["accuracy"], 4)
+        if mode != ONE_CORE:
+            out[f"{mode}_samples_per_s"] = round(r["samples_per_s"], 2)
+            out[f"{mode}_accuracy"] = round(r["accuracy"], 4)
+    if "sync" in results and ONE_CORE in results:
+        out.update(overlap_bounds(results["sync"]["phase_s"], results[ONE_CORE]["phase_s"]))
+        print(f"[async_rl] single-core phase costs (s/step): {results[ONE_CORE]['phase_s']}")
     if "sync" in results and "async" in results:
         speed = {mode: r["samples_per_s"] for mode, r in results.items()}
         out["ratio"] = round(speed["async"] / speed["sync"], 3)
