@@ -130,6 +130,19 @@ def test_modes_refuse_what_they_cannot_run_with():
         load_config("demo", ["trainer.mode=asynchronous"])
 
 
+def test_the_proximal_pass_runs_only_when_a_step_makes_several_updates():
+    """With one update per step the proximal policy is the update's own detached forward."""
+    from polyrl.trainer.rl.loop import RLTrainer
+
+    def needs(*overrides: str) -> bool:
+        return RLTrainer(load_config("demo", ["trainer.mode=async", *overrides])).need_old_log_probs
+
+    assert not needs("async.correction=decoupled")  # demo: one mini-batch, one epoch
+    assert not needs("async.correction=tis")
+    assert needs("async.correction=decoupled", "actor.ppo_mini_batch_size=16")
+    assert needs("async.correction=tis", "actor.ppo_epochs=2")
+
+
 # ------------------------------------------------------------------------------ end to end
 def _overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
     # The RL trainer tests' small run (dense short-text reward), on local workers by default.

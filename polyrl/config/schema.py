@@ -1347,10 +1347,13 @@ class AsyncRLConfig(ConfigGroup):
     )
     correction: str = option(
         "decoupled",
-        "Off-policy correction: decoupled PPO (the trainer recomputes the proximal policy; "
-        "truncated importance weights from the rollout's log-probs to it), tis (truncated "
-        "importance sampling to the current policy, no recomputation) or none. Applies to "
-        "one_step_off too; truncation at algorithm.rollout_is_threshold.",
+        "Off-policy correction: decoupled PPO (the PPO clip around the proximal policy, the "
+        "actor before the step's update; truncated importance weights from the rollout's "
+        "log-probs to it), tis (truncated importance sampling from the rollout's log-probs to "
+        "the current policy) or none. With one optimizer update per step the two are the same "
+        "loss and nothing is recomputed; with several (mini-batches, epochs) the proximal "
+        "log-probs are computed once per step for both. Applies to one_step_off too; "
+        "truncation at algorithm.rollout_is_threshold.",
         choices=("decoupled", "tis", "none"),
     )
     sampling: str = option(

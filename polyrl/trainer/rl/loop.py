@@ -155,12 +155,12 @@ class RLTrainer:
         # update; they are only computed when the update is off-policy or the KL penalty needs
         # them (the loss then takes the detached current log-probs, ratio 1).
         self.need_old_log_probs = cfg.actor.ppo_epochs > 1 or minis > 1 or algo.use_kl_in_reward
-        # Off the sync mode the rollout's weights lag the actor's: decoupled PPO recomputes the
-        # proximal policy, and the rollout's log-probs weigh the tokens towards it.
+        # Off the sync mode the rollout's weights lag the actor's: the rollout's log-probs weigh
+        # the tokens towards the proximal policy, the actor before this step's update. With one
+        # update per step its log-probs are the update's own detached forward, so decoupled PPO
+        # needs no extra pass then, like the on-policy case above (and equals tis).
         self.ahead: AheadRollout | None = None
         self.off_policy = cfg.trainer.mode != "sync" and cfg.async_rl.correction != "none"
-        if self.off_policy and cfg.async_rl.correction == "decoupled":
-            self.need_old_log_probs = True
         #: Actor updates so far: the weight version the replicas serve once it is pushed.
         self.updates = 0
         from polyrl.algo.kl import AdaptiveKLController, FixedKLController
