@@ -237,7 +237,7 @@ def _with_reference_columns(model_dir, cfg, rows: list[dict]) -> list[dict]:
 
 @pytest.mark.slow
 def test_dpo_on_precomputed_reference_log_probs_matches_the_reference_model(
-    dpo_run, tiny_qwen2_dir, tmp_path
+    dpo_run, tiny_qwen2_dir, tmp_path, capsys
 ):
     """Rows carrying the reference's log-probs train exactly as the reference model does, and
     no reference model is built (its path here does not exist)."""
@@ -257,6 +257,7 @@ def test_dpo_on_precomputed_reference_log_probs_matches_the_reference_model(
     val = _with_reference_columns(tiny_qwen2_dir, cfg, val)
     with _single_thread():
         DPOTrainer(tiny_qwen2_dir, config=cfg, train_dataset=train, eval_dataset=val).train()
+    assert "dpo.ref_model_path=" in capsys.readouterr().out  # the unused path is reported
     expected = read_metrics(dpo_run["out"] / "metrics.jsonl")
     got = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in got] == [r["step"] for r in expected]

@@ -368,6 +368,13 @@ def run_preference(
         need_ref = not reference_free and not (
             train_ds.has_ref_logps and (val_ds is None or val_ds.has_ref_logps)
         )
+        if not reference_free and not need_ref and opts.ref_model_path:
+            # Said, not silent: the user named a reference model that this run never loads.
+            _log(
+                kind,
+                f"dpo.ref_model_path={opts.ref_model_path!r} is not used: every pair carries "
+                "precomputed reference log-probs (ref_chosen_logps / ref_rejected_logps)",
+            )
     else:
         coef = opts.center_rewards_coefficient
         loss_fn = functools.partial(reward_model_engine_loss, center_rewards_coefficient=coef)
