@@ -183,6 +183,42 @@ def test_a_replica_that_keeps_dying_fails_the_run_naming_it(tmp_path):
     assert "restarting the replica on port" in message  # the log tail
 
 
+class KillingAfterSync(KillingTrainer):
+    """Kills the replica right after the push of ``version`` 1: the async rollout thread is
+    generating ahead then, and the trainer soon waits for groups only a restart can serve."""
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        metrics = super().sync_weights(version)
+        if version == 1 and not self.killed:
+            self.killed = True
+            _kill(self.servers.processes[self.victim])
+        return metrics
+
+
+def test_async_a_lone_replica_killed_while_generating_ahead_is_restarted(tmp_path):
+    steps = 4
+    cfg = _config(
+        tmp_path,
+        "rollout.replicas=1",
+        "trainer.mode=async",
+        "async.max_staleness=1",
+        f"trainer.total_steps={steps}",
+    )
+    trainer = KillingAfterSync(cfg, "never")
+    trainer.fit()
+    records = _records(tmp_path)
+    assert [r["step"] for r in records] == list(range(1, steps + 1)) and trainer.killed
+    assert trainer.rows == [BATCH * N] * steps
+    assert records[-1]["rollout/replica_restarts"] == 1
+    assert records[-1]["rollout/request_retries"] >= 1  # the rollout thread's lost requests
+    lines = (tmp_path / "run" / "async_samples.jsonl").read_text().splitlines()
+    groups = [json.loads(line) for line in lines]
+    assert sorted(g["serial"] for g in groups) == list(range(steps * BATCH))  # each once
+    behind = [g["trainer_version"] - v for g in groups for v in g["first_versions"]]
+    assert 0 <= min(behind) and max(behind) <= 1
+    assert trainer.versions == [steps]
+
+
 def test_on_ray_the_rank_restarts_its_server(tmp_path, ray_session):
     cfg = _config(
         tmp_path,

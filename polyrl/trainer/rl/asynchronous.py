@@ -156,6 +156,11 @@ class AheadRollout:
         self._wake: asyncio.Event | None = None
         self._stop = False
         self._paused_s = 0.0
+        #: Restarts lost replicas (and gives them the weights); called while the trainer waits.
+        self.recover: Any = None
+
+    #: Seconds the trainer waits for its batch before looking for lost replicas.
+    recover_every_s = 1.0
 
     @property
     def inflight_policy(self) -> str:
@@ -264,7 +269,19 @@ class AheadRollout:
         """Take step ``step``'s batch from the buffer (waiting for it); return it and metrics."""
         self.start()
         tick = time.perf_counter()
-        entries = self.buffer.take(self.batch_size, trainer_version=self.version)
+        while True:
+            try:
+                entries = self.buffer.take(
+                    self.batch_size, trainer_version=self.version, timeout=self.recover_every_s
+                )
+                break
+            except TimeoutError:
+                # The engines are idle while the trainer waits: the one moment a lost replica
+                # can be restarted and given the weights from this thread (the rollout thread
+                # would race the update). Without it a run whose replicas all died would wait
+                # for a push that only comes after the batch it waits for.
+                if self.recover is not None:
+                    self.recover()
         waited = time.perf_counter() - tick
         self._nudge()  # room in the buffer again
         timing["timing_s/gen"] = timing.get("timing_s/gen", 0.0) + waited

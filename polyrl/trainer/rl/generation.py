@@ -83,10 +83,22 @@ class Replicas:
         #: What the replicas do with requests in flight during a push (``keep``: they go on
         #: with the new weights; ``abort``: they end with their partial tokens).
         self.inflight = "keep"
+        #: Every client that routes requests to the replicas: a restart reaches each.
+        self._clients: list[Any] = []
+        self.attach(producer)
         if supervisor is not None:
-            # With no replica left, requests wait for a restarted one.
-            producer.client.replica_wait = cfg.rollout.restart_timeout_s
             producer.watch = self.watch
+
+    def attach(self, producer: RolloutProducer) -> None:
+        """Route ``producer``'s client like the driver's (the async modes' rollout thread).
+
+        Its requests wait for a restarted replica when none is left, and a restart takes the
+        replica out of its rotation and puts it back with the weights, as for the driver's.
+        """
+        self._clients.append(producer.client)
+        if self.supervisor is not None:
+            # With no replica left, requests wait for a restarted one.
+            producer.client.replica_wait = self.cfg.rollout.restart_timeout_s
 
     def sleep(self) -> None:
         """Free the replicas' memory for training (see :func:`sleeps_during_training`)."""
@@ -111,7 +123,7 @@ class Replicas:
         restarts = self.supervisor.restarts if self.supervisor is not None else 0
         return {
             "rollout/replica_restarts": float(restarts),
-            "rollout/request_retries": float(self.producer.client.retries),
+            "rollout/request_retries": float(sum(c.retries for c in self._clients)),
         }
 
     def sync_weights(self, actor: Any, version: int) -> dict[str, float]:
@@ -156,15 +168,18 @@ class Replicas:
         # find the old entry healthy again and send it requests the model's own weights
         # answer. Requests meanwhile go elsewhere (or wait). (From the watch's thread too: one
         # list item and one flag change at a time, atomic for the client's event loop.)
-        with contextlib.suppress(KeyError):
-            self.producer.client.enable_replica(handle.url, enabled=False)
+        for client in self._clients:
+            with contextlib.suppress(KeyError):
+                client.enable_replica(handle.url, enabled=False)
         old, new = self.supervisor.restart(handle)
         self.urls = [new if u == old else u for u in self.urls]
-        self.producer.client.replace_replica(old, new, enabled=False)
+        for client in self._clients:
+            client.replace_replica(old, new, enabled=False)
         return new
 
     def _admit(self, url: str) -> None:
-        self.producer.client.enable_replica(url)
+        for client in self._clients:
+            client.enable_replica(url)
 
     async def watch(self) -> None:
         """Restart replicas that die while the step generates; runs until cancelled.

@@ -286,6 +286,8 @@ class RLTrainer:
         self._closers.append(producer.close)
         self._closers.append(self.ahead.close)
         self.replicas.inflight = self.ahead.inflight_policy
+        self.replicas.attach(producer)
+        self.ahead.recover = self.replicas.recover
         self.rollout = self.ahead
         opts = cfg.async_rl
         _log(
