@@ -482,16 +482,33 @@ def _agent_proxy_command(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--model-name", default="polyrl", help="model name shown in answers")
     parser.add_argument("--ready-file", default=None, help="write {'url', 'pid'} here when up")
     parser.add_argument("--log-level", default="warning", help="uvicorn log level")
+    parser.add_argument(
+        "--chat-template-kwargs",
+        default=None,
+        metavar="MAPPING",
+        help="extra chat-template arguments as a YAML/JSON mapping, e.g. "
+        "'{enable_thinking: false}': the trainer's data.apply_chat_template_kwargs",
+    )
 
     def run(args: argparse.Namespace) -> int:
         from polyrl.agent.proxy import PROXY_API_KEY_ENV, serve_proxy, tokenizer_dir_from_server
         from polyrl.core.http_guard import exposure_problem, insecure_warning, is_loopback
+        from polyrl.core.prompts import check_template_kwargs
         from polyrl.rollout.client import RolloutClient
         from polyrl.rollout.options import api_key_from_env
 
         for url in args.rollout:
             if not url.startswith(("http://", "https://")):
                 raise CLIError(f"--rollout {url!r} must start with http:// or https://")
+        template_kwargs = None
+        if args.chat_template_kwargs is not None:
+            try:
+                parsed = yaml.safe_load(args.chat_template_kwargs)
+                if not isinstance(parsed, dict):
+                    raise TypeError(f"expected a mapping, got {parsed!r}")
+                template_kwargs = check_template_kwargs(parsed)
+            except (yaml.YAMLError, TypeError, ValueError) as exc:
+                raise CLIError(f"--chat-template-kwargs: {exc}") from exc
         api_key = api_key_from_env()
         raw_keys = args.api_key or os.environ.get(PROXY_API_KEY_ENV) or ""
         proxy_keys = [k.strip() for k in raw_keys.split(",") if k.strip()]
@@ -519,6 +536,7 @@ def _agent_proxy_command(parser: argparse.ArgumentParser) -> Handler:
             ready_file=args.ready_file,
             log_level=args.log_level,
             api_keys=proxy_keys,
+            apply_chat_template_kwargs=template_kwargs,
         )
         return 0
 

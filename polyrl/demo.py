@@ -161,7 +161,11 @@ def run(cfg: PolyRLConfig) -> dict[str, Any]:
     print("[demo] 3/3 evaluating both checkpoints on the held-out split", flush=True)
     tokenizer = load_tokenizer(model_dir)
     dataset = RLDataset(
-        [str(test_path)], tokenizer, cfg.data.max_prompt_length, truncation=cfg.data.truncation
+        [str(test_path)],
+        tokenizer,
+        cfg.data.max_prompt_length,
+        truncation=cfg.data.truncation,
+        apply_chat_template_kwargs=cfg.data.apply_chat_template_kwargs,
     )
     k = max(cfg.rollout.n, 2)
     manager = RewardManager(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)

@@ -465,3 +465,78 @@ def test_hermes_parser_cases():
         ("c", {}, False),
     ]
     assert p.parse("no calls here") == []
+
+
+# ------------------------------------------- data.apply_chat_template_kwargs in every loop
+NO_THINK = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+@pytest.fixture(scope="module")
+def thinking_tok(tiny_qwen2_dir):
+    """The tiny tokenizer with a Qwen3-like generation prompt: ``enable_thinking=False`` closes
+    an empty think block (the tiny template itself reads no extra arguments)."""
+    from polyrl.models.loader import load_tokenizer
+
+    tok = load_tokenizer(tiny_qwen2_dir)
+    gen = r"{{- '<|im_start|>assistant\n' -}}"
+    no_think = r"{%- if enable_thinking is defined and not enable_thinking -%}"
+    no_think += r"{{- '<think>\n\n</think>\n\n' -}}{%- endif -%}"
+    head, found, tail = tok.chat_template.rpartition(gen)  # the last one: the generation prompt
+    assert found and head.rstrip().endswith("{%- if add_generation_prompt -%}")
+    tok.chat_template = head + gen + no_think + tail
+    return tok
+
+
+def test_template_kwargs_reach_the_dataset_every_loop_and_the_proxy(server, thinking_tok):
+    from polyrl.agent.proxy import RecordingProxy
+
+    tok, kw = thinking_tok, {"enable_thinking": False}
+
+    def rendered(messages, tools=None, **extra):
+        text = tok.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False, **extra
+        )
+        return tok.encode(text, add_special_tokens=False)
+
+    # The dataset: the argument changes the prompt, as apply_chat_template(**kw) renders it.
+    row = {**ROW, "extra_info": {"env_kwargs": {"secret": 37}}}
+    plain = RLDataset([row], tok, 4096)[0]
+    sample = RLDataset([row], tok, 4096, apply_chat_template_kwargs=kw)[0]
+    assert sample["input_ids"].tolist() == rendered(ROW["prompt"], **kw)
+    assert sample["input_ids"].tolist() != plain["input_ids"].tolist()
+    assert plain["input_ids"].tolist() == rendered(ROW["prompt"])
+
+    tool = create_agent_loop("tool", tok, apply_chat_template_kwargs=kw)
+    env = create_agent_loop("env", tok, env="guess_number", apply_chat_template_kwargs=kw)
+    schemas = [t.schema() for t in tool.tools.values()]
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+
+    async def go(client):
+        scripted_tool = ScriptedClient(client, tok, [call, "42"])
+        scripted_env = ScriptedClient(client, tok, ["50", "37"])
+        await tool.run(sample, scripted_tool)
+        env_traj = await env.run(sample, scripted_env)
+        rec = RecordingClient(client)
+        proxy = RecordingProxy(rec, tok, apply_chat_template_kwargs=kw)
+        first, sid = await proxy.chat({"messages": ROW["prompt"], "max_tokens": 2}, None)
+        again = [*ROW["prompt"], first["choices"][0]["message"], {"role": "user", "content": "?"}]
+        await proxy.chat({"messages": again, "max_tokens": 2}, sid)
+        return scripted_tool.calls, scripted_env.calls, env_traj, rec.calls
+
+    tool_calls, env_calls, env_traj, proxy_calls = asyncio.run(run(go)(server.url))
+    # Each sends the prompt the dataset would render with its additions (schemas, observation)
+    # ...
+    assert (
+        tool_calls[0][0]
+        == rendered(ROW["prompt"], schemas, **kw)
+        != rendered(ROW["prompt"], schemas)
+    )
+    env_prompt = env_traj.messages[:2]  # the row's prompt and the first observation
+    assert env_calls[0][0] == rendered(env_prompt, **kw) != rendered(env_prompt)
+    assert proxy_calls[0][0] == rendered(ROW["prompt"], **kw)
+    # ... and every later turn's delta ends with the same generation prompt.
+    for later in (tool_calls[1][0], env_calls[1][0], proxy_calls[1][0]):
+        assert tok.decode(later).endswith(NO_THINK)
+    assert tool.prompt_ids_of(sample, tools=schemas, render=True)[0] == tool_calls[0][0]
+    with pytest.raises(ValueError, match=r"may not set \['tools'\]"):
+        create_agent_loop("single_turn", tok, apply_chat_template_kwargs={"tools": []})

@@ -190,3 +190,7 @@ def test_agent_proxy_cli_rejects_bad_arguments(tmp_path, capsys):
     assert "is not a directory" in capsys.readouterr().err
     assert cli.main(["agent-proxy", "--rollout", "http://127.0.0.1:1"]) == 2
     assert "pass --tokenizer DIR" in capsys.readouterr().err
+    url = ["agent-proxy", "--rollout", "http://127.0.0.1:1", "--tokenizer", str(tmp_path)]
+    for bad, words in (("{tokenize: true}", r"may not set ['tokenize']"), ("[1]", "a mapping")):
+        assert cli.main([*url, "--chat-template-kwargs", bad]) == 2
+        assert words in capsys.readouterr().err

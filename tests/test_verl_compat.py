@@ -228,6 +228,30 @@ def test_critic_model_path_without_model_path_is_refused():
     check_config(cfg, has_model=True)
 
 
+def test_apply_chat_template_kwargs_map_and_reach_the_dataset(tiny_qwen2_tokenizer, tmp_path):
+    from polyrl.trainer.rl.build import load_datasets
+
+    # verl's spellings: a YAML mapping, Hydra's {k:v}, one sub-key, and null (verl's default).
+    for text in (
+        "{enable_thinking: false}",
+        "{enable_thinking:False}",
+        "{}",
+        "null",
+    ):
+        cfg = load_config("grpo", [f"data.apply_chat_template_kwargs={text}"])
+        assert cfg.data.apply_chat_template_kwargs == (
+            {"enable_thinking": False} if "thinking" in text else {}
+        ), text
+    cfg = load_config("grpo", ["data.apply_chat_template_kwargs.enable_thinking=false"])
+    assert cfg.data.apply_chat_template_kwargs == {"enable_thinking": False}
+    for key in ("tokenize", "add_generation_prompt", "tools"):
+        with pytest.raises(ConfigError, match=rf"data.apply_chat_template_kwargs: .*\['{key}'\]"):
+            load_config(None, [f"data.apply_chat_template_kwargs={{{key}: true}}"])
+    row = {"prompt": [{"role": "user", "content": "hi"}], "answer": "1"}
+    train, _ = load_datasets(cfg, tiny_qwen2_tokenizer, tmp_path, [row], custom_reward=True)
+    assert train.apply_chat_template_kwargs == {"enable_thinking": False}
+
+
 # ------------------------------------------------------------------- verl's launch lines
 # From verl's examples/grpo_trainer/run_qwen2-7b.sh and examples/ppo_trainer/
 # run_deepseek7b_llm.sh; the values the test changes are in _SHRINK.

@@ -20,7 +20,6 @@ from polyrl.agent.base import (
     AgentLoop,
     GenerateClient,
     Trajectory,
-    chat_delta_ids,
     register_agent_loop,
     require_chat_prompt,
 )
@@ -47,6 +46,8 @@ class EnvAgentLoop(AgentLoop):
         sampling_params: per-turn sampling.
         max_prompt_length: ``data.max_prompt_length`` (see :meth:`AgentLoop.start`).
         truncation: ``data.truncation`` (see :meth:`AgentLoop.start`).
+        apply_chat_template_kwargs: ``data.apply_chat_template_kwargs`` (see
+            :class:`AgentLoop`).
     """
 
     def __init__(
@@ -60,6 +61,7 @@ class EnvAgentLoop(AgentLoop):
         sampling_params: SamplingParams | Mapping[str, Any] | None = None,
         max_prompt_length: int | None = None,
         truncation: str = "error",
+        apply_chat_template_kwargs: Mapping[str, Any] | None = None,
     ):
         super().__init__(
             tokenizer,
@@ -68,6 +70,7 @@ class EnvAgentLoop(AgentLoop):
             max_turns=max_turns,
             max_prompt_length=max_prompt_length,
             truncation=truncation,
+            apply_chat_template_kwargs=apply_chat_template_kwargs,
         )
         self.env_name = env
         self.env_kwargs = dict(env_kwargs or {})
@@ -87,10 +90,7 @@ class EnvAgentLoop(AgentLoop):
             messages.append({"role": "user", "content": str(obs)})
         if not messages:
             raise ValueError("the environment gave no observation and the sample has no prompt")
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-        prompt_ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        prompt_ids = self.render_prompt_ids(messages)
         # The dataset measured the prompt without the observation: fit the one sent.
         traj = self.start(sample, prompt_ids, messages, "with the first observation")
         if traj.finish_reason == "filtered":
@@ -114,8 +114,8 @@ class EnvAgentLoop(AgentLoop):
                 traj.finish_reason = "max_turns"
                 break
             traj.messages.append({"role": "user", "content": str(obs)})
-            delta = chat_delta_ids(
-                self.tokenizer, traj.messages, 1, last_ended_with_eos=self.ended_with_eos(ids)
+            delta = self.chat_delta_ids(
+                traj.messages, 1, last_ended_with_eos=self.ended_with_eos(ids)
             )
             if len(traj.response_ids) + len(delta) >= self.max_response_length:
                 traj.finish_reason = "length"

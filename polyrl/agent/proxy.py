@@ -44,7 +44,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from polyrl.agent.base import Trajectory, chat_delta_ids
+from polyrl.agent.base import Trajectory, chat_delta_ids, render_prompt_ids
 from polyrl.agent.tool_loop import HermesToolParser
 from polyrl.core.http_guard import (
     DEFAULT_MAX_BODY_BYTES,
@@ -54,6 +54,7 @@ from polyrl.core.http_guard import (
     key_matches,
     parse_json,
 )
+from polyrl.core.prompts import check_template_kwargs
 from polyrl.core.rollout_api import InvalidRequestError, RolloutError, SamplingParams
 
 __all__ = [
@@ -219,13 +220,23 @@ class RecordingProxy:
         tokenizer: the served model's tokenizer (chat template, eos).
         model_name: the ``model`` reported in responses.
         max_sessions: oldest sessions are forgotten beyond this many.
+        apply_chat_template_kwargs: extra chat-template arguments for every prompt and delta
+            the proxy renders (e.g. ``{"enable_thinking": False}``), as the trainer's dataset
+            and agent loops use (``data.apply_chat_template_kwargs``).
     """
 
     def __init__(
-        self, client: Any, tokenizer: Any, *, model_name: str = "polyrl", max_sessions: int = 10000
+        self,
+        client: Any,
+        tokenizer: Any,
+        *,
+        model_name: str = "polyrl",
+        max_sessions: int = 10000,
+        apply_chat_template_kwargs: Mapping[str, Any] | None = None,
     ):
         self.client = client
         self.tokenizer = tokenizer
+        self.apply_chat_template_kwargs = check_template_kwargs(apply_chat_template_kwargs)
         self.model_name = model_name
         self.max_sessions = max_sessions
         # (owner, session id) -> segments; the owner is who created it (see owner_of).
@@ -282,12 +293,15 @@ class RecordingProxy:
                     len(messages) - len(seg.messages),
                     tools=tools,
                     last_ended_with_eos=seg.last_eos,
+                    apply_chat_template_kwargs=self.apply_chat_template_kwargs,
                 )
                 return seg, delta, False
-            text = self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=False
+            prompt = render_prompt_ids(
+                self.tokenizer,
+                messages,
+                tools=tools,
+                apply_chat_template_kwargs=self.apply_chat_template_kwargs,
             )
-            prompt = list(self.tokenizer.encode(text, add_special_tokens=False))
         except RolloutError:
             raise
         except Exception as exc:  # template errors are the request's fault
@@ -561,6 +575,7 @@ def serve_proxy(
     ready_file: str | None = None,
     log_level: str = "warning",
     api_keys: Sequence[str] = (),
+    apply_chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> None:
     """Serve the recording proxy in front of ``client`` until SIGINT/SIGTERM.
 
@@ -575,12 +590,19 @@ def serve_proxy(
         ready_file: where to write ``{"url", "pid"}`` once requests are accepted.
         log_level: uvicorn log level.
         api_keys: the keys callers must present (see :func:`create_proxy_app`).
+        apply_chat_template_kwargs: extra chat-template arguments (see
+            :class:`RecordingProxy`).
     """
     from polyrl.core.http import serve_app
     from polyrl.models.loader import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
-    proxy = RecordingProxy(client, tokenizer, model_name=model_name)
+    proxy = RecordingProxy(
+        client,
+        tokenizer,
+        model_name=model_name,
+        apply_chat_template_kwargs=apply_chat_template_kwargs,
+    )
     app = create_proxy_app(proxy, api_keys=api_keys)
     asyncio.run(serve_app(app, host, port, ready_file, log_level))
 

@@ -9,7 +9,6 @@ from polyrl.agent.base import (
     AgentLoop,
     GenerateClient,
     Trajectory,
-    prompt_ids_of,
     register_agent_loop,
 )
 
@@ -22,7 +21,7 @@ class SingleTurnAgentLoop(AgentLoop):
 
     async def run(self, sample: Mapping[str, Any], client: GenerateClient) -> Trajectory:
         """Roll out one sample with a single model turn."""
-        prompt_ids, messages = prompt_ids_of(sample, self.tokenizer)
+        prompt_ids, messages = self.prompt_ids_of(sample)
         traj = self.start(sample, prompt_ids, messages, "as given")
         if traj.finish_reason == "filtered":
             return traj

@@ -27,8 +27,6 @@ from polyrl.agent.base import (
     AgentLoop,
     GenerateClient,
     Trajectory,
-    chat_delta_ids,
-    prompt_ids_of,
     register_agent_loop,
 )
 from polyrl.agent.tools import Tool, ToolError, ToolResult, create_tool
@@ -145,6 +143,8 @@ class ToolAgentLoop(AgentLoop):
         sampling_params: per-turn sampling.
         max_prompt_length: ``data.max_prompt_length`` (see :meth:`AgentLoop.start`).
         truncation: ``data.truncation`` (see :meth:`AgentLoop.start`).
+        apply_chat_template_kwargs: ``data.apply_chat_template_kwargs`` (see
+            :class:`AgentLoop`).
     """
 
     def __init__(
@@ -162,6 +162,7 @@ class ToolAgentLoop(AgentLoop):
         sampling_params: SamplingParams | Mapping[str, Any] | None = None,
         max_prompt_length: int | None = None,
         truncation: str = "error",
+        apply_chat_template_kwargs: Mapping[str, Any] | None = None,
     ):
         super().__init__(
             tokenizer,
@@ -170,6 +171,7 @@ class ToolAgentLoop(AgentLoop):
             max_turns=max_turns,
             max_prompt_length=max_prompt_length,
             truncation=truncation,
+            apply_chat_template_kwargs=apply_chat_template_kwargs,
         )
         if not isinstance(max_parallel_calls, int) or max_parallel_calls < 1:
             raise ValueError(f"max_parallel_calls must be an int >= 1, got {max_parallel_calls}")
@@ -280,7 +282,7 @@ class ToolAgentLoop(AgentLoop):
         extra = sample.get("extra_info") or {}
         context = extra.get("tools_kwargs") or {}
         # Rendered here (not the dataset's input_ids) so the system turn lists these tools.
-        prompt_ids, messages = prompt_ids_of(sample, self.tokenizer, tools=schemas, render=True)
+        prompt_ids, messages = self.prompt_ids_of(sample, tools=schemas, render=True)
         if not messages:
             raise ValueError("the tool loop needs the prompt as chat messages ('raw_prompt')")
         # The dataset measured the prompt without these schemas: fit the one sent.
@@ -306,8 +308,7 @@ class ToolAgentLoop(AgentLoop):
                 break
             texts = await self.run_calls(calls, tools, context, traj)
             traj.messages.extend({"role": "tool", "content": t} for t in texts)
-            delta = chat_delta_ids(
-                self.tokenizer,
+            delta = self.chat_delta_ids(
                 traj.messages,
                 len(texts),
                 tools=schemas,

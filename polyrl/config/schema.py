@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, Union
 
 from polyrl.core.dtypes import FLOAT_DTYPES
-from polyrl.core.prompts import TRUNCATION_POLICIES
+from polyrl.core.prompts import TRUNCATION_POLICIES, check_template_kwargs
 
 __all__ = [
     "ActorConfig",
@@ -687,10 +687,21 @@ class DataConfig(ConfigGroup):
         "TRL-style trainers, GRPOTrainer and the others, set false). Chat-message prompts "
         "are always templated.",
     )
+    apply_chat_template_kwargs: dict[str, Any] = option(
+        {},
+        "Extra arguments of the tokenizer's apply_chat_template wherever a prompt is rendered "
+        "(the dataset, every agent loop), e.g. {enable_thinking: false} for Qwen3; verl's key "
+        "of the same name. May not set tokenize, add_generation_prompt, tools, conversation, "
+        "return_dict or return_tensors (polyrl sets them).",
+    )
 
     def validate(self) -> None:
-        """Check the prompt column name is set."""
+        """Check the prompt column name is set and the template arguments are not reserved."""
         _require_nonempty(self.prompt_key, "prompt_key")
+        try:
+            check_template_kwargs(self.apply_chat_template_kwargs)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(str(exc), key="apply_chat_template_kwargs") from None
 
 
 @dataclasses.dataclass

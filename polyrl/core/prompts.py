@@ -10,16 +10,23 @@
   as it is, without the chat template (``data.template_string_prompts=false``, TRL's
   "standard" format); a loop that must render the conversation through the template refuses
   such a prompt instead of templating what the dataset did not.
+* :func:`check_template_kwargs`: the extra ``apply_chat_template`` arguments
+  (``data.apply_chat_template_kwargs``, e.g. ``{"enable_thinking": False}``) that the dataset
+  and every agent loop pass when they render a prompt, so a loop's prompt differs from the
+  dataset's only by what the loop adds (tool schemas, observations), never by thinking on/off.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 __all__ = [
     "TEXT_PROMPT_KEY",
+    "RESERVED_TEMPLATE_KWARGS",
     "TRUNCATION_POLICIES",
     "PromptTooLongError",
+    "check_template_kwargs",
     "check_truncation",
     "fit_prompt",
 ]
@@ -30,6 +37,14 @@ TEXT_PROMPT_KEY = "text_prompt"
 #: What to do with a prompt longer than the limit: raise, drop it, keep its last tokens
 #: (``left``: cut from the start) or its first tokens (``right``: cut from the end).
 TRUNCATION_POLICIES: tuple[str, ...] = ("error", "filter", "left", "right")
+
+
+#: ``apply_chat_template`` arguments the dataset and the agent loops set themselves; letting
+#: callers override them would silently change what the prompt looks like (or what type comes
+#: back), and ``tools`` is the row's or the loop's own.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "tokenize", "return_dict", "return_tensors", "add_generation_prompt", "tools"}
+)
 
 
 class PromptTooLongError(ValueError):
@@ -49,6 +64,28 @@ def check_truncation(max_prompt_length: int, truncation: str) -> None:
         raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
     if truncation not in TRUNCATION_POLICIES:
         raise ValueError(f"truncation must be one of {TRUNCATION_POLICIES}, got {truncation!r}")
+
+
+def check_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Return a copy of extra ``apply_chat_template`` arguments after checking them.
+
+    Raises:
+        TypeError: ``kwargs`` is not a mapping with string keys.
+        ValueError: it sets one of :data:`RESERVED_TEMPLATE_KWARGS` (the message names it).
+    """
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise TypeError(
+            f"apply_chat_template_kwargs must be a mapping of names to values, got {kwargs!r}"
+        )
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
+    if reserved:
+        raise ValueError(
+            f"apply_chat_template_kwargs may not set {reserved}: polyrl sets them itself when "
+            "it renders a prompt"
+        )
+    return dict(kwargs)
 
 
 def fit_prompt(

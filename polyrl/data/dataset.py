@@ -18,6 +18,7 @@ from polyrl.core.prompts import (  # noqa: F401
     TEXT_PROMPT_KEY,
     TRUNCATION_POLICIES,
     PromptTooLongError,
+    check_template_kwargs,
     check_truncation,
     fit_prompt,
 )
@@ -36,12 +37,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TruncationPolicy = Literal["error", "filter", "left", "right"]
-
-# apply_chat_template arguments the dataset sets itself; letting callers override them would
-# silently change what the prompt looks like (or what type comes back).
-_RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"conversation", "tokenize", "return_dict", "return_tensors", "add_generation_prompt"}
-)
 
 
 def _load(rows_or_paths: Any) -> list[dict[str, Any]]:
@@ -99,7 +94,9 @@ class RLDataset(Dataset):
             message).
         truncation: One of ``"error"``, ``"filter"``, ``"left"``, ``"right"``.
         apply_chat_template_kwargs: Extra keyword arguments for ``apply_chat_template``
-            (e.g. ``{"enable_thinking": False}``).
+            (``data.apply_chat_template_kwargs``, e.g. ``{"enable_thinking": False}``); the
+            agent loops get the same (:func:`polyrl.core.prompts.check_template_kwargs` refuses
+            the arguments the dataset sets itself).
         require_reward_fields: When false (a custom reward function scores every row), a row
             needs only its prompt: see :func:`polyrl.data.schema.complete_row`.
         template_string_prompts: When true (polyrl's default), a plain-string prompt becomes one
@@ -119,12 +116,7 @@ class RLDataset(Dataset):
         template_string_prompts: bool = True,
     ) -> None:
         check_truncation(max_prompt_length, truncation)
-        kwargs = dict(apply_chat_template_kwargs or {})
-        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs))
-        if reserved:
-            raise ValueError(
-                f"apply_chat_template_kwargs may not set {reserved}: the dataset sets them itself"
-            )
+        kwargs = check_template_kwargs(apply_chat_template_kwargs)
         if not hasattr(tokenizer, "apply_chat_template"):
             raise TypeError(
                 f"tokenizer must provide apply_chat_template, got {type(tokenizer).__name__}"

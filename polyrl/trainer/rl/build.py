@@ -318,6 +318,7 @@ def load_datasets(
         "truncation": data.truncation,
         "require_reward_fields": not custom_reward,
         "template_string_prompts": data.template_string_prompts,
+        "apply_chat_template_kwargs": data.apply_chat_template_kwargs,
     }
     if train_rows is not None:
         train = RLDataset(list(train_rows), tokenizer, **kwargs)

@@ -506,6 +506,8 @@ class RolloutProducer:
             # The dataset's prompt-length rule, applied again to the prompt each loop sends.
             "max_prompt_length": self.cfg.data.max_prompt_length,
             "truncation": self.cfg.data.truncation,
+            # The dataset's template arguments, so a loop renders its prompt as the dataset did.
+            "apply_chat_template_kwargs": self.cfg.data.apply_chat_template_kwargs,
         }
         loop_kwargs = {
             "single_turn": common,
