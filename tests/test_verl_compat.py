@@ -216,7 +216,7 @@ def test_every_alias_target_is_a_polyrl_option_and_the_doc_is_current():
             # A verl key that is a polyrl key too must not mean something else here.
             assert not _is_schema_path(entry.verl.split("."), PolyRLConfig), entry
     doc = (REPO / "docs" / "migrating_from_verl.md").read_text()
-    assert verl_compat.markdown_table() in doc, "regenerate: polyrl config verl --format markdown"
+    assert verl_compat.markdown_table() in doc, "regenerate: polyrl config verl"
 
 
 def test_critic_model_path_without_model_path_is_refused():
