@@ -439,3 +439,19 @@ def test_verls_ppo_example_line_trains(tmp_path, tiny_qwen2_dir):
     records = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert any("critic/vf_loss" in r for r in records)
     print(f"verl PPO line: {time.perf_counter() - started:.1f}s")
+
+
+def test_hydra_add_and_force_prefixes_set_the_option():
+    cfg = load_config(
+        "grpo",
+        [
+            "+data.apply_chat_template_kwargs.enable_thinking=false",
+            "++trainer.total_steps=3",
+            "+actor_rollout_ref.rollout.n=4",  # a verl key, mapped as without the prefix
+        ],
+    )
+    assert cfg.data.apply_chat_template_kwargs == {"enable_thinking": False}
+    assert (cfg.trainer.total_steps, cfg.rollout.n) == (3, 4)
+    for bad in ("+++trainer.total_steps=3", "~trainer.total_steps"):
+        with pytest.raises(ConfigError, match="malformed"):
+            load_config("grpo", [bad])

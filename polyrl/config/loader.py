@@ -438,6 +438,10 @@ def parse_override(text: str) -> tuple[list[str], _OverrideValue]:
     ``=`` verbatim (``name=007`` is ``'007'``, ``name=`` is ``''``). Invalid YAML is reported
     when the value is applied to an option that is not a string.
 
+    Hydra's ``+key=value`` (add a key the defaults lack) and ``++key=value`` (add or
+    override), common in verl launch lines, set the option like ``key=value``: every option
+    exists in polyrl's schema, so there is nothing to add.
+
     Raises:
         ConfigError: when there is no ``=`` or the key is empty or malformed.
     """
@@ -445,6 +449,8 @@ def parse_override(text: str) -> tuple[list[str], _OverrideValue]:
         raise ConfigError(f"override must be a string 'key=value', got {type(text).__name__}")
     key, sep, raw = text.partition("=")
     key = key.strip()
+    if key.startswith("+"):
+        key = key[2:] if key.startswith("++") else key[1:]
     if not sep:
         raise ConfigError(
             f"malformed override '{text}': expected key=value, e.g. trainer.total_steps=10"
