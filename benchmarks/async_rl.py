@@ -81,19 +81,30 @@ def _pin(pid: int, core: int) -> None:
             pass  # the thread ended
 
 
-def _keep_rollout_pinned(stop: threading.Event) -> None:
+def _is_engine_worker(pid: int) -> bool:
+    """Whether ``pid`` is a Ray actor process of the engine group (``ray::EngineWorker...``)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::EngineWorker")
+    except OSError:
+        return False
+
+
+def _keep_rollout_pinned(stop: threading.Event, engine_in_process: bool = True) -> None:
     """Pin everything but the engine to the rollout core, as it appears.
 
     That is the rollout server and the reward worker (child processes, with the threads they
     start) and this process's threads other than the main one, which runs the engine: the
-    rollout thread (HTTP client, packing, scoring calls) and its helpers.
+    rollout thread (HTTP client, packing, scoring calls) and its helpers. With the engine in a
+    Ray worker (``engine_in_process=False``) that worker goes to the trainer core and every
+    thread of this process to the rollout core.
     """
     main = threading.main_thread()
     while not stop.wait(0.5):
         for kid in _children(os.getpid()):
-            _pin(kid, ROLLOUT_CORE)
+            engine = not engine_in_process and _is_engine_worker(kid)
+            _pin(kid, TRAINER_CORE if engine else ROLLOUT_CORE)
         for thread in threading.enumerate():
-            if thread is not main and thread.native_id is not None:
+            if (thread is not main or not engine_in_process) and thread.native_id is not None:
                 try:
                     os.sched_setaffinity(thread.native_id, {ROLLOUT_CORE})
                 except OSError:
@@ -175,9 +186,11 @@ def run_mode(
     elif mode != "sync" and pin:
         import torch
 
-        os.sched_setaffinity(0, {TRAINER_CORE})
+        in_process = "trainer.worker_backend=ray" not in extra
+        os.sched_setaffinity(0, {TRAINER_CORE if in_process else ROLLOUT_CORE})
         torch.set_num_threads(1)
-        threading.Thread(target=_keep_rollout_pinned, args=(stop,), daemon=True).start()
+        keeper = threading.Thread(target=_keep_rollout_pinned, args=(stop, in_process), daemon=True)
+        keeper.start()
     cfg = load_config("demo", overrides)
     try:
         run_rl(cfg)
