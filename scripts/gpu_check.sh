@@ -8,7 +8,8 @@
 #        tree on PYTHONPATH. Not a venv: the lent machine's python3 is itself a venv
 #        (/opt/torch/.venv) whose packages (torch 2.11+cu130, transformers, ...) a nested
 #        --system-site-packages venv would not see. torch is never installed or touched.
-# test   pytest tests_gpu -v (exit status non-zero when a test fails).
+# test   pytest tests_gpu -v (exit status non-zero when a test fails); POLYRL_GPU_TESTS="EXPR"
+#        passes -k EXPR, to split the suite over device calls (e.g. "not async", then "async").
 # bench  python benchmarks/gpu_step.py (its JSON record goes into the report).
 #
 # The report is $OUT/gpu_report.md when $OUT is set (the device tool brings $OUT back), else
@@ -102,7 +103,12 @@ for s in "${stages[@]}"; do
     case "$s" in
     test)
         say "## tests_gpu"
-        "$PY" -m pytest tests_gpu -v -rs -p no:cacheprovider \
+        select=()
+        if [ -n "${POLYRL_GPU_TESTS:-}" ]; then
+            select=(-k "$POLYRL_GPU_TESTS")
+            say "selected: -k '$POLYRL_GPU_TESTS'"
+        fi
+        "$PY" -m pytest tests_gpu -v -rs -p no:cacheprovider "${select[@]}" \
             --junitxml="$REPORT_DIR/gpu_tests.xml" >"$REPORT_DIR/gpu_tests.log" 2>&1
         trc=$?
         fence
