@@ -318,7 +318,7 @@ def test_bad_override_values_give_clear_errors(override, words):
         ("trainer.total_steps", ["malformed override", "key=value"]),
         ("=3", ["malformed key ''"]),
         ("trainer..total_steps=3", ["malformed key"]),
-        ("+trainer.total_steps=3", ["malformed key"]),
+        ("+++trainer.total_steps=3", ["malformed key"]),  # +key and ++key are Hydra's forms
     ],
 )
 def test_malformed_overrides(override, words):

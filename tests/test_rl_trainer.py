@@ -589,7 +589,7 @@ def test_async_grpo_with_the_tool_loop_runs_multi_turn_steps(tmp_path):
             "trainer.worker_backend=local",
             "trainer.total_steps=3",
             "model.tiny_size=nano",
-            "data.max_prompt_length=256",
+            "data.max_prompt_length=512",
             "data.max_response_length=96",
             "rollout.max_new_tokens=16",
             "agent.max_turns=3",
