@@ -110,6 +110,32 @@ def test_template_problems_are_reported(tokenizer):
 
 
 # ------------------------------------------------------------------------------ rows and datasets
+def test_template_kwargs_render_sft_chats_and_preference_pairs(tokenizer):
+    """data.apply_chat_template_kwargs reaches SFT and DPO/RM rendering, every turn alike."""
+    import copy
+
+    from polyrl.trainer.preference_data import PreferenceDataset
+
+    tok = copy.deepcopy(tokenizer)
+    # A template argument the tiny template reads: a marker before the whole conversation.
+    tok.chat_template = "{%- if marker is defined and marker -%}{{- 'MARK ' -}}{%- endif -%}" + (
+        tok.chat_template
+    )
+    kw = {"marker": True}
+    mark = tok.encode("MARK ", add_special_tokens=False)
+    plain = tokenize_chat(tok, CHAT)
+    marked = SFTDataset([{"messages": CHAT}], tok, max_length=512, apply_chat_template_kwargs=kw)[0]
+    assert marked.input_ids == mark + plain.input_ids  # every later turn renders alike
+    assert marked.loss_mask == [0] * len(mark) + plain.loss_mask
+    pair = {"prompt": CHAT[:2], "chosen": [CHAT[2]], "rejected": [{**CHAT[2], "content": "18"}]}
+    plain_pair = PreferenceDataset([pair], tok, max_length=512)[0]
+    marked_pair = PreferenceDataset([pair], tok, max_length=512, apply_chat_template_kwargs=kw)[0]
+    assert marked_pair.chosen.input_ids == mark + plain_pair.chosen.input_ids
+    assert marked_pair.rejected.input_ids == mark + plain_pair.rejected.input_ids
+    with pytest.raises(ValueError, match="tokenize"):
+        SFTDataset([{"messages": CHAT}], tok, 512, apply_chat_template_kwargs={"tokenize": True})
+
+
 def test_rows_become_chats():
     rl_row = {
         "data_source": "arithmetic",

@@ -689,8 +689,9 @@ class DataConfig(ConfigGroup):
     )
     apply_chat_template_kwargs: dict[str, Any] = option(
         {},
-        "Extra arguments of the tokenizer's apply_chat_template wherever a prompt is rendered "
-        "(the dataset, every agent loop), e.g. {enable_thinking: false} for Qwen3; verl's key "
+        "Extra arguments of the tokenizer's apply_chat_template wherever a chat is rendered "
+        "(the RL dataset, every agent loop, SFT and DPO/RM data), e.g. {enable_thinking: "
+        "false} for Qwen3; verl's key "
         "of the same name. May not set tokenize, add_generation_prompt, tools, conversation, "
         "return_dict or return_tensors (polyrl sets them).",
     )

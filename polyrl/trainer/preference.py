@@ -146,7 +146,11 @@ def _load_pairs(
     else:
         for name in val_files:
             val_pairs += pairs(read_rows(name), name)
-    kwargs = {"max_length": max_length, "truncation": opts.truncation}
+    kwargs = {
+        "max_length": max_length,
+        "truncation": opts.truncation,
+        "apply_chat_template_kwargs": cfg.data.apply_chat_template_kwargs,
+    }
     train = PreferenceDataset(train_pairs, tokenizer, source="train data", **kwargs)
     val = (
         PreferenceDataset(val_pairs, tokenizer, source="val data", **kwargs) if val_pairs else None

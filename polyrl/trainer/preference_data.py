@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from polyrl.core.batch import Batch
+from polyrl.core.prompts import check_template_kwargs
 from polyrl.model_engine.engine import ROW_GROUP_KEY
 from polyrl.trainer.sft_data import TokenizedChat, _encode, _render
 
@@ -157,12 +158,18 @@ def pairs_from_rows(
     return pairs
 
 
-def tokenize_completion(tokenizer: Any, prompt: Any, completion: Any) -> TokenizedChat:
+def tokenize_completion(
+    tokenizer: Any,
+    prompt: Any,
+    completion: Any,
+    apply_chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> TokenizedChat:
     """Tokenise a prompt and one completion; ``loss_mask`` marks the completion's tokens.
 
     Strings: prompt text, completion text and the eos token (unless the completion ends with
-    it). Message lists: rendered with the chat template as described in the module docstring;
-    tokens after the completion's last end-of-turn token are dropped.
+    it). Message lists: rendered with the chat template (and ``apply_chat_template_kwargs``)
+    as described in the module docstring; tokens after the completion's last end-of-turn token
+    are dropped.
     """
     eos = getattr(tokenizer, "eos_token_id", None)
     if isinstance(prompt, str):
@@ -171,9 +178,9 @@ def tokenize_completion(tokenizer: Any, prompt: Any, completion: Any) -> Tokeniz
         if eos is not None and (not learned or learned[-1] != eos):
             learned.append(int(eos))
     else:
-        head = _render(tokenizer, prompt, None, add_generation_prompt=True)
+        head = _render(tokenizer, prompt, None, True, apply_chat_template_kwargs)
         messages = list(prompt) + list(completion)
-        full = _render(tokenizer, messages, None, add_generation_prompt=False)
+        full = _render(tokenizer, messages, None, False, apply_chat_template_kwargs)
         if not full.startswith(head):
             raise PreferenceDataError(
                 "the chat template is not prefix-stable: the rendered conversation does not "
@@ -199,6 +206,7 @@ class PreferenceDataset:
         max_length: longest allowed sequence (prompt + completion) in tokens.
         truncation: ``"error"`` (raise naming the row) or ``"filter"`` (drop the pair).
         source: name used in error messages.
+        apply_chat_template_kwargs: extra chat-template arguments for message lists.
     """
 
     def __init__(
@@ -208,15 +216,18 @@ class PreferenceDataset:
         max_length: int,
         truncation: str = "error",
         source: str = "data",
+        apply_chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
+        template_kwargs = check_template_kwargs(apply_chat_template_kwargs)
         if truncation not in ("error", "filter"):
             raise ValueError(f"truncation must be 'error' or 'filter', got {truncation!r}")
         self.items: list[TokenizedPair] = []
         self.num_filtered = 0
         for i, pair in enumerate(pairs):
             try:
-                chosen = tokenize_completion(tokenizer, pair["prompt"], pair["chosen"])
-                rejected = tokenize_completion(tokenizer, pair["prompt"], pair["rejected"])
+                prompt = pair["prompt"]
+                chosen = tokenize_completion(tokenizer, prompt, pair["chosen"], template_kwargs)
+                rejected = tokenize_completion(tokenizer, prompt, pair["rejected"], template_kwargs)
             except PreferenceDataError as exc:
                 raise PreferenceDataError(f"{source}: row {i}: {exc}") from None
             longest = max(len(chosen), len(rejected))

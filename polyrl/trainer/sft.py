@@ -135,7 +135,11 @@ def load_sft_datasets(
     ``data.val_files``, when given, replace the generated test split.
     """
     train_files, val_files = data_files(cfg, out_dir)
-    kwargs = {"max_length": max_length, "truncation": cfg.sft.truncation}
+    kwargs = {
+        "max_length": max_length,
+        "truncation": cfg.sft.truncation,
+        "apply_chat_template_kwargs": cfg.data.apply_chat_template_kwargs,
+    }
     train = SFTDataset(_read_chats(train_files, cfg), tokenizer, source="train data", **kwargs)
     val = None
     if val_files:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from polyrl.core.batch import Batch
+from polyrl.core.prompts import check_template_kwargs
 from polyrl.data.schema import RowValidationError, ground_truth_of, validate_messages
 
 __all__ = [
@@ -62,8 +63,15 @@ def _render(
     messages: Sequence[Mapping[str, Any]],
     tools: Any,
     add_generation_prompt: bool,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
-    kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
+    # ``template_kwargs`` (data.apply_chat_template_kwargs, e.g. enable_thinking) were checked
+    # against the arguments set here by check_template_kwargs.
+    kwargs: dict[str, Any] = {
+        **(template_kwargs or {}),
+        "tokenize": False,
+        "add_generation_prompt": add_generation_prompt,
+    }
     if tools:
         kwargs["tools"] = tools
     text = tokenizer.apply_chat_template(list(messages), **kwargs)
@@ -90,8 +98,12 @@ def tokenize_chat(
     tokenizer: Any,
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None = None,
+    apply_chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> TokenizedChat:
     """Tokenise a conversation and mark its assistant tokens (see the module docstring).
+
+    ``apply_chat_template_kwargs``: extra template arguments (``data.apply_chat_template_kwargs``),
+    used for every rendering, so the trained turns are rendered as the RL prompts are.
 
     Raises:
         SFTDataError: the template is not prefix-stable, or there is no assistant message.
@@ -110,13 +122,13 @@ def tokenize_chat(
     done = ""  # rendered text already tokenised
     for k, message in enumerate(messages):
         if message.get("role") == "assistant":
-            head = _render(tokenizer, messages[:k], tools, add_generation_prompt=True)
+            head = _render(tokenizer, messages[:k], tools, True, apply_chat_template_kwargs)
             if not head.startswith(done):
                 raise _not_prefix("the generation prompt", k, done, head)
             context = _encode(tokenizer, head[len(done) :])
             ids += context
             mask += [0] * len(context)
-            full = _render(tokenizer, messages[: k + 1], tools, add_generation_prompt=False)
+            full = _render(tokenizer, messages[: k + 1], tools, False, apply_chat_template_kwargs)
             if not full.startswith(head):
                 raise _not_prefix("an assistant turn", k, head, full)
             turn = _encode(tokenizer, full[len(head) :])
@@ -127,7 +139,7 @@ def tokenize_chat(
             mask += [1] * learn + [0] * (len(turn) - learn)
             done = full
         else:
-            full = _render(tokenizer, messages[: k + 1], tools, add_generation_prompt=False)
+            full = _render(tokenizer, messages[: k + 1], tools, False, apply_chat_template_kwargs)
             if not full.startswith(done):
                 raise _not_prefix(f"a {message.get('role')} message", k, done, full)
             piece = _encode(tokenizer, full[len(done) :])
@@ -207,6 +219,7 @@ class SFTDataset:
         truncation: ``"error"`` (raise naming the row), ``"filter"`` (drop it) or ``"right"``
             (cut the end off).
         source: name used in error messages.
+        apply_chat_template_kwargs: extra chat-template arguments (see :func:`tokenize_chat`).
     """
 
     def __init__(
@@ -216,7 +229,9 @@ class SFTDataset:
         max_length: int,
         truncation: str = "error",
         source: str = "data",
+        apply_chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
+        template_kwargs = check_template_kwargs(apply_chat_template_kwargs)
         if truncation not in ("error", "filter", "right"):
             raise ValueError(f"truncation must be 'error', 'filter' or 'right', got {truncation!r}")
         if not isinstance(max_length, int) or max_length < 2:
@@ -227,7 +242,9 @@ class SFTDataset:
         self.num_truncated = 0
         for i, chat in enumerate(chats):
             try:
-                item = tokenize_chat(tokenizer, chat["messages"], chat.get("tools"))
+                item = tokenize_chat(
+                    tokenizer, chat["messages"], chat.get("tools"), template_kwargs
+                )
             except SFTDataError as exc:
                 raise SFTDataError(f"{source}: row {i}: {exc}") from None
             if len(item) > max_length:
