@@ -7,7 +7,9 @@ tests/test_model_engine.py makes anyway.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from torch import nn
 
 from polyrl.config import ConfigError, load_config
 from polyrl.model_engine import ModelSpec
+from polyrl.model_engine import checkpoint as ckpt
 from polyrl.model_engine.lora import merge_lora_weight, peft_adapter_key, resolve_target_modules
 
 peft = pytest.importorskip("peft")
@@ -182,7 +185,7 @@ def test_dpo_with_lora_uses_the_base_model_as_its_reference(tmp_path, untied_dir
             "data.num_val=32",
             "trainer.total_steps=6",
             "trainer.test_freq=3",
-            "trainer.save_freq=0",
+            "trainer.save_freq=3",
             "trainer.loggers=[jsonl]",
         ],
     )
@@ -196,6 +199,22 @@ def test_dpo_with_lora_uses_the_base_model_as_its_reference(tmp_path, untied_dir
     assert val[-1]["val/rewards/accuracies"] > 0.8, [r["val/rewards/accuracies"] for r in val]
     # The export is the merged model; the adapter sits beside it.
     assert (Path(summary["hf_model"]) / "adapter" / "adapter_config.json").is_file()
+
+    # Killed while saving step 6, the run resumes from the adapter-only checkpoint of step 3
+    # (adapter, its optimizer state, the sampler) and repeats steps 4-6 as they went.
+    again = tmp_path / "again"
+    shutil.copytree(out, again, ignore=shutil.ignore_patterns("hf_model"))
+    (again / "checkpoints" / "global_step_6" / ckpt.COMPLETE_MARKER).unlink()
+    resumed = dataclasses.replace(
+        cfg, trainer=dataclasses.replace(cfg.trainer, output_dir=str(again), resume_mode="auto")
+    )
+    assert run_preference(resumed, "dpo")["resumed_from"].endswith("global_step_3")
+    after = [json.loads(x) for x in (again / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in after] == [r["step"] for r in records]
+    for old, new in zip(records, after, strict=True):
+        for key in ("train/loss", "train/grad_norm", "val/loss"):
+            if key in old:
+                assert new[key] == pytest.approx(old[key], rel=1e-5, abs=1e-6), (old["step"], key)
 
 
 @pytest.mark.slow
@@ -239,8 +258,15 @@ def test_lora_grpo_raises_the_reward_on_frozen_base_weights(tmp_path, untied_dir
         rows = Batch(tensors={"input_ids": ids, "attention_mask": torch.ones_like(ids)})
         ref = trainer.ref.compute_ref_log_prob(rows)["ref_log_probs"]
         actor = trainer.actor.compute_log_prob(rows)["old_log_probs"]
+        # Its checkpoint holds the adapter, though the reference passes froze and unfroze it.
+        trainer.actor.save_checkpoint(str(tmp_path / "ckpt"), steps)
     finally:
         trainer.close()
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(tmp_path / "ckpt" / f"global_step_{steps}" / "dcp"))
+    keys = [k for k in saved.read_metadata().state_dict_metadata if k.startswith("model.")]
+    assert len(keys) == 2 * (4 * len(BODY) + 1), keys  # A and B of 7 projections x 4, lm_head
     # The replicas served the merged LoRA policy: the reward rose over the run.
     assert sum(scores[-2:]) / 2 > sum(scores[:2]) / 2 + 0.05, scores
     plain = build_engine(str(untied_dir), EngineConfig(device="cpu"))

@@ -696,8 +696,17 @@ class FSDP2Engine(TrainingEngine):
         if self._peft is None:
             super().adapter_disabled()  # raises: nothing to disable
         # Only flags on the LoRA layers change, identically on every rank: no collective.
-        with self._peft.disable_adapter():
-            yield
+        # peft freezes the adapter's parameters on entry and unfreezes, on exit, the ones
+        # registered then; a forward in between makes FSDP2 register its unsharded copies, so
+        # the sharded parameters (the optimizer's, and what a checkpoint saves) would stay
+        # frozen, and the next checkpoint would hold no adapter. Unfreeze those too.
+        trainable = [p for group in self.optimizer.param_groups for p in group["params"]]
+        try:
+            with self._peft.disable_adapter():
+                yield
+        finally:
+            for param in trainable:
+                param.requires_grad_(True)
 
     @staticmethod
     def _full(tensor: torch.Tensor) -> torch.Tensor:
