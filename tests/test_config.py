@@ -696,6 +696,7 @@ def test_rl_engine_specs_take_each_option_from_its_section(tmp_path):
             "actor.warmup_ratio=0.1",
             "critic.grad_clip=0.5",
             "critic.lr=2e-5",
+            "trainer.max_ckpt_to_keep=1",
         ],
     )
     specs = engine_specs(cfg, tmp_path, total_steps=7, use_ref=True, use_critic=True)
@@ -707,6 +708,9 @@ def test_rl_engine_specs_take_each_option_from_its_section(tmp_path):
     assert critic["optimizer"].lr == 2e-5 and critic["optimizer"].scheduler == "constant"
     assert ref["engine"] is actor["engine"]
     assert actor["model"].path == str(tmp_path) and critic["model"].kind == "value"
+    # Only the actor prunes itself: a critic saved (and pruned) before a crash in the actor's
+    # save would lose the step the run resumes from; the trainer prunes it after the actor.
+    assert actor["checkpoint"].max_to_keep == 1 and critic["checkpoint"].max_to_keep == 0
 
 
 def test_replica_options_map_the_rollout_group_onto_the_backend_options():

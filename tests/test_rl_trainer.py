@@ -318,7 +318,8 @@ def test_ppo_with_critic_on_ray_separate_placement(tmp_path, ray_session):
             "trainer.placement=separate",
             "model.tiny_size=nano",
             "actor.ppo_mini_batch_size=4",
-            "trainer.save_freq=0",
+            "trainer.save_freq=2",
+            "trainer.max_ckpt_to_keep=1",
             "actor.lr=0.001",
         ),
     )
@@ -342,6 +343,10 @@ def test_ppo_with_critic_on_ray_separate_placement(tmp_path, ray_session):
         ):
             assert key in r and r[key] == r[key], key  # present and not NaN
     assert records[-1]["critic/vf_loss"] != records[0]["critic/vf_loss"]
+    # Saved at steps 2 and 3, one kept: the trainer prunes the critic after the actor's save.
+    for role in ("actor", "critic"):
+        kept = sorted(p.name for p in (tmp_path / "ppo" / "checkpoints" / role).glob("global_*"))
+        assert kept == ["global_step_3"], (role, kept)
 
 
 def _train_cmd(overrides: list[str]) -> list[str]:

@@ -716,10 +716,15 @@ def engine_specs(
             seed=cfg.seed,
         )
     )
-    ckpt = CheckpointConfig(max_to_keep=cfg.trainer.max_ckpt_to_keep)
+    # Only the actor prunes its own checkpoints: the critic and the PRM save before it, and
+    # pruning there would drop the step the actor's newest complete checkpoint (the one a
+    # crash mid-save resumes from) still needs. RLTrainer.save prunes them after the actor.
+    actor_ckpt = CheckpointConfig(max_to_keep=cfg.trainer.max_ckpt_to_keep)
+    side_ckpt = CheckpointConfig(max_to_keep=0)
 
     def trained(role: str, spec: Any, engine_cfg: Any, section: Any, **optim: Any) -> Any:
         """Spec a trained role; its optimizer options come from its config ``section``."""
+        ckpt = actor_ckpt if role == "actor" else side_ckpt
         optimizer = OptimizerConfig(
             **constructor_kwargs(
                 OptimizerConfig,

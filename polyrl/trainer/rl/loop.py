@@ -55,6 +55,7 @@ import torch
 
 from polyrl.config import ConfigError, PolyRLConfig, save_config
 from polyrl.core.batch import Batch
+from polyrl.model_engine.checkpoint import prune_checkpoints
 from polyrl.trainer.rl.asynchronous import AheadRollout, SerialRewards
 from polyrl.trainer.rl.build import (
     RolloutServers,
@@ -535,7 +536,12 @@ class RLTrainer:
             state["ahead"] = self.ahead.state_dict()
             state["sampler"] = state["ahead"].pop("sampler")
         # The actor goes last: its checkpoint marks the step as complete for resume.
-        return self.actor.save_checkpoint(str(actor_root), step, state)[0]
+        path = self.actor.save_checkpoint(str(actor_root), step, state)[0]
+        # The side engines are pruned only now (they do not prune themselves, see
+        # build.engine_specs): before, their oldest kept step may be the one to resume from.
+        for _, _, root in self._side_engines():
+            prune_checkpoints(str(root), self.cfg.trainer.max_ckpt_to_keep)
+        return path
 
     def load(self, path: str) -> int:
         """Restore the engines (actor, critic, PRM) and trainer state from the actor checkpoint."""
