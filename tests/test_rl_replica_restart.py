@@ -195,12 +195,15 @@ class KillingAfterSync(KillingTrainer):
         return metrics
 
 
-def test_async_a_lone_replica_killed_while_generating_ahead_is_restarted(tmp_path):
+@pytest.mark.parametrize("mode", ["async", "one_step_off"])
+def test_async_a_lone_replica_killed_while_generating_ahead_is_restarted(tmp_path, mode):
+    # one_step_off waits for the batch in flight before its sync (the restart then pushes the
+    # updated actor's weights early, as the version about to be synced).
     steps = 4
     cfg = _config(
         tmp_path,
         "rollout.replicas=1",
-        "trainer.mode=async",
+        f"trainer.mode={mode}",
         "async.max_staleness=1",
         f"trainer.total_steps={steps}",
     )

@@ -330,10 +330,25 @@ class AheadRollout:
                 }
                 f.write(json.dumps(record) + "\n")
 
-    def before_sync(self) -> None:
-        """``one_step_off``: let the batch being generated finish on the current weights."""
-        if self.mode == "one_step_off":
-            self.buffer.wait_filled(self._allowed())
+    def before_sync(self, version: int) -> None:
+        """``one_step_off``: let the batch being generated finish on the current weights.
+
+        ``version`` is the one the sync after this wait pushes. A replica lost meanwhile is
+        restarted from here (the engines are idle, as in :meth:`generate`) and given the
+        actor's weights as that version: the weights it had are gone, the actor has just
+        been updated.
+        """
+        if self.mode != "one_step_off":
+            return
+        while True:
+            try:
+                self.buffer.wait_filled(self._allowed(), timeout=self.recover_every_s)
+                return
+            except TimeoutError:
+                # Without a restart the groups waited for never finish: the sync that would
+                # restart their replica comes after this wait.
+                if self.recover is not None:
+                    self.recover(version=version)
 
     def after_step(self, version: int) -> None:
         """Record a completed step (the servers serve ``version``): the gate opens one batch."""

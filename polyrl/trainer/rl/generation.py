@@ -85,6 +85,10 @@ class Replicas:
         self.inflight = "keep"
         #: Every client that routes requests to the replicas: a restart reaches each.
         self._clients: list[Any] = []
+        #: Replicas restarted before a sync and given its version early (see recover): the
+        #: sync skips them, a server refuses a version it already serves.
+        self._early: dict[str, int] = {}
+        self._early_stats: dict[str, Any] = {}
         self.attach(producer)
         if supervisor is not None:
             producer.watch = self.watch
@@ -135,7 +139,10 @@ class Replicas:
         self.actor = actor
         self.recover(push=False)
         self.wake()
-        first = self._push(self.urls, version)
+        early, self._early = self._early, {}
+        targets = [u for u in self.urls if early.get(u) != version]
+        # With every replica given this version early, that push is the step's sync.
+        first = self._push(targets, version) if targets else self._early_stats
         self.version = version
         return {
             "perf/weight_sync_bytes": float(first["bytes"]),
@@ -143,19 +150,24 @@ class Replicas:
         }
 
     # ------------------------------------------------------------------ lost replicas
-    def recover(self, push: bool = True) -> list[str]:
+    def recover(self, push: bool = True, version: int | None = None) -> list[str]:
         """Restart every dead replica, push it the current weights and put it in rotation.
 
         ``push=False`` leaves the weights, and the return to rotation, to the sync about to
-        run. Returns the new URLs. Runs in the trainer's thread, or in a thread of its own
-        while the step generates.
+        run. ``version`` labels the pushed weights when the actor is already ahead of the
+        replicas' version (updated, before its sync). Returns the new URLs. Runs in the
+        trainer's thread, or in a thread of its own while the step generates.
         """
         if self.supervisor is None:
             return []
         restarted = [self._restart(h) for h in self.supervisor.dead()]
+        version = self.version if version is None else version
         if push and restarted:
-            if self.version > 0:
-                self._push(restarted, self.version)
+            if version > 0:
+                stats = self._push(restarted, version)
+                if version != self.version:
+                    self._early.update(dict.fromkeys(restarted, version))
+                    self._early_stats = stats
             else:  # the model's own weights, which a fresh replica loads
                 for url in restarted:
                     self._admit(url)
@@ -172,6 +184,9 @@ class Replicas:
             with contextlib.suppress(KeyError):
                 client.enable_replica(handle.url, enabled=False)
         old, new = self.supervisor.restart(handle)
+        # A fresh server (often on the old port) has none of the weights pushed early.
+        self._early.pop(old, None)
+        self._early.pop(new, None)
         self.urls = [new if u == old else u for u in self.urls]
         for client in self._clients:
             client.replace_replica(old, new, enabled=False)

@@ -481,9 +481,10 @@ class RLTrainer:
                 self.updates += 1
                 # 6. weight sync (off the sync mode, versions count updates)
                 with timer(timing, "update_weights"):
+                    version = self._version(step)
                     if self.ahead is not None:
-                        self.ahead.before_sync()
-                    metrics.update(self.sync_weights(self._version(step)))
+                        self.ahead.before_sync(version)
+                    metrics.update(self.sync_weights(version))
             else:
                 self.replicas.wake()
             if self.ahead is not None:
