@@ -94,7 +94,7 @@ class KillingTrainer(RLTrainer):
         def counting_generate(step: int, timing: Any) -> Any:
             sent["step"] = step
             rows, metrics = generate(step, timing)
-            self.rows.append(int(rows["response_length"].shape[0]))
+            self.rows.append(len(rows))  # a Batch, or StoredRows with the transfer queue
             return rows, metrics
 
         client.send = killing_send
@@ -220,6 +220,21 @@ def test_async_a_lone_replica_killed_while_generating_ahead_is_restarted(tmp_pat
     behind = [g["trainer_version"] - v for g in groups for v in g["first_versions"]]
     assert 0 <= min(behind) and max(behind) <= 1
     assert trainer.versions == [steps]
+
+
+def test_transfer_queue_workers_wait_for_a_lone_replica_restarted_mid_step(tmp_path):
+    # The queue's rollout workers have clients of their own: the trainer restarts the replica
+    # while they generate (the step's sync, which would restart it, comes after).
+    cfg = _config(tmp_path, "rollout.replicas=1", "transfer.enable=true")
+    trainer = KillingAfterSync(cfg, "never")
+    trainer.fit()
+    records = _records(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3] and trainer.killed
+    assert trainer.rows == [BATCH * N] * 3
+    assert records[-1]["rollout/replica_restarts"] == 1
+    assert records[1]["rollout/request_retries"] >= 1  # the worker's lost requests, retried
+    assert records[1]["rollout/weight_version"] == 1  # step 2 sampled the pushed weights
+    assert trainer.versions == [3]
 
 
 def test_on_ray_the_rank_restarts_its_server(tmp_path, ray_session):

@@ -11,8 +11,9 @@ putting the rollout replicas to sleep while the engines train (:class:`Replicas`
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -384,6 +385,27 @@ class QueueRollout:
         self.replicas = replicas
         self.pad_id = pad_id
         self.next_indices = next_indices
+        #: Restart lost replicas while the workers generate: only where every worker's client
+        #: is routed by ``replicas`` (in-process workers, see :meth:`Replicas.attach`); a Ray
+        #: worker's client would not know a restarted replica is not ready before its push.
+        self.watched = replicas.supervisor is not None and workers.backend == "local"
+        if self.watched:
+            for worker in workers.workers:
+                replicas.attach(worker.producer)
+
+    def _rollout(self, calls: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
+        """Run the workers' ``rollout`` calls; restart lost replicas meanwhile when watched."""
+        if not self.watched:
+            return self.workers.call_each("rollout", calls)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            done = pool.submit(self.workers.call_each, "rollout", calls)
+            while True:
+                try:
+                    return done.result(timeout=self.replicas.poll_s)
+                except concurrent.futures.TimeoutError:
+                    # The engines are idle while the workers generate: the restart's push of
+                    # the step's weights (the replicas' version) cannot overlap an update.
+                    self.replicas.recover()
 
     def generate(self, step: int, timing: dict[str, float]) -> tuple[StoredRows, dict[str, float]]:
         """Have the workers sample and store the step's prompts; return the rows' reference."""
@@ -405,7 +427,7 @@ class QueueRollout:
                 for share in shares
                 if len(share)
             ]
-            summary = merge_rollout_summaries(self.workers.call_each("rollout", calls))
+            summary = merge_rollout_summaries(self._rollout(calls))
             meta = self.queue.get_meta(
                 list(ROLLOUT_FIELDS),
                 len(indices) * n,
