@@ -287,6 +287,22 @@ def test_unknown_override_key_names_nearest(override, nearest):
 @pytest.mark.parametrize(
     ("override", "words"),
     [
+        ("actor.learning_rate=1", ["'actor' has no option 'learning_rate'", "config describe"]),
+        ("nogroup.x=1", ["unknown key 'nogroup.x'", "config describe"]),
+    ],
+)
+def test_unknown_key_without_a_near_spelling_guesses_nothing(override, words):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[override])
+    msg = str(info.value)
+    assert "did you mean" not in msg  # 'actor.warmup_ratio' / 'rollout.n' were offered
+    for word in words:
+        assert word in msg
+
+
+@pytest.mark.parametrize(
+    ("override", "words"),
+    [
         ("trainer.total_steps=abc", ["trainer.total_steps", "expected int", "'abc'"]),
         ("trainer.total_steps=1.5", ["trainer.total_steps", "expected int", "1.5"]),
         ("data.shuffle=maybe", ["data.shuffle", "expected bool", "'maybe'"]),

@@ -243,13 +243,22 @@ def _unknown_key(path: str, root: type, source: str | None) -> ConfigError:
             source=source,
         )
     candidates = _dotted_keys(root)
-    close = difflib.get_close_matches(path, candidates, n=1, cutoff=0.6)
-    if not close:
-        # Fall back to the nearest key of the same group, then to the nearest of all.
-        parent = path.rpartition(".")[0]
-        siblings = [k for k in candidates if k.rpartition(".")[0] == parent] or candidates
-        close = difflib.get_close_matches(path, siblings, n=1, cutoff=0.0)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
+    parent, _, leaf = path.rpartition(".")
+    # In a known group, a near spelling of one of its options; else of a whole key (the group
+    # itself misspelt). Nothing further afield: a guess that merely shares letters
+    # ('nogroup.x' -> 'rollout.n', 'actor.learning_rate' -> 'actor.warmup_ratio') misleads.
+    siblings = {k.rpartition(".")[2]: k for k in candidates if k.rpartition(".")[0] == parent}
+    if parent and siblings:
+        near = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.6)
+        close = [siblings[near[0]]] if near else []
+    else:
+        close = difflib.get_close_matches(path, candidates, n=1, cutoff=0.6)
+    if close:
+        hint = f"; did you mean '{close[0]}'?"
+    elif parent and parent in candidates:
+        hint = f"; '{parent}' has no option '{leaf}' ('polyrl config describe' lists them all)"
+    else:
+        hint = " ('polyrl config describe' lists every option)"
     return ConfigError(f"unknown key '{path}'{hint}", source=source)
 
 
