@@ -34,6 +34,7 @@ from polyrl.core.prompts import (
     check_template_kwargs,
     check_truncation,
     fit_prompt,
+    render_chat,
 )
 from polyrl.core.registry import Registry
 from polyrl.core.rollout_api import SamplingParams
@@ -181,25 +182,6 @@ class Trajectory:
 # ----------------------------------------------------------------------------- chat deltas
 
 
-def _render(
-    tokenizer: Any,
-    messages: Sequence[Mapping[str, Any]],
-    gen: bool,
-    tools: Any,
-    template_kwargs: Mapping[str, Any] | None,
-) -> str:
-    text = tokenizer.apply_chat_template(
-        [dict(m) for m in messages],
-        tools=tools,
-        add_generation_prompt=gen,
-        tokenize=False,
-        **(template_kwargs or {}),
-    )
-    if not isinstance(text, str):
-        raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}")
-    return text
-
-
 def render_prompt_ids(
     tokenizer: Any,
     messages: Sequence[Mapping[str, Any]],
@@ -214,7 +196,13 @@ def render_prompt_ids(
     arguments (``data.apply_chat_template_kwargs``), no special tokens added by the encoder
     (the template places its own).
     """
-    text = _render(tokenizer, messages, True, tools, apply_chat_template_kwargs)
+    text = render_chat(
+        tokenizer,
+        messages,
+        add_generation_prompt=True,
+        tools=tools,
+        template_kwargs=apply_chat_template_kwargs,
+    )
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -250,9 +238,9 @@ def chat_delta_ids(
     """
     if not 1 <= num_new < len(messages):
         raise ValueError(f"num_new must be in [1, {len(messages) - 1}], got {num_new}")
-    kw = apply_chat_template_kwargs
-    before = _render(tokenizer, messages[:-num_new], False, tools, kw)
-    after = _render(tokenizer, messages, True, tools, kw)
+    kw = {"tools": tools, "template_kwargs": apply_chat_template_kwargs}
+    before = render_chat(tokenizer, messages[:-num_new], add_generation_prompt=False, **kw)
+    after = render_chat(tokenizer, messages, add_generation_prompt=True, **kw)
     if not after.startswith(before):
         at = next(
             (i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b),

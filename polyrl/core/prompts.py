@@ -10,6 +10,8 @@
   as it is, without the chat template (``data.template_string_prompts=false``, TRL's
   "standard" format); a loop that must render the conversation through the template refuses
   such a prompt instead of templating what the dataset did not.
+* :func:`render_chat`: the one call of the tokenizer's chat template (dataset, agent loops,
+  agent proxy, SFT and preference data), so the same messages render the same way everywhere.
 * :func:`check_template_kwargs`: the extra ``apply_chat_template`` arguments
   (``data.apply_chat_template_kwargs``, e.g. ``{"enable_thinking": False}``) that the dataset
   and every agent loop pass when they render a prompt, so a loop's prompt differs from the
@@ -29,6 +31,7 @@ __all__ = [
     "check_template_kwargs",
     "check_truncation",
     "fit_prompt",
+    "render_chat",
 ]
 
 #: Item field holding a plain-text prompt that was tokenized as it is (no chat template).
@@ -86,6 +89,34 @@ def check_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
             "it renders a prompt"
         )
     return dict(kwargs)
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> str:
+    """Render chat ``messages`` to text with the tokenizer's chat template.
+
+    ``template_kwargs`` are the extra arguments (``data.apply_chat_template_kwargs``, checked
+    by :func:`check_template_kwargs`); ``tools`` the function schemas, if any.
+
+    Raises:
+        TypeError: the template returned something other than a string.
+    """
+    text = tokenizer.apply_chat_template(
+        [dict(m) for m in messages],
+        tools=tools or None,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=False,
+        **(template_kwargs or {}),
+    )
+    if not isinstance(text, str):
+        raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}")
+    return text
 
 
 def fit_prompt(

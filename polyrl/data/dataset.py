@@ -21,6 +21,7 @@ from polyrl.core.prompts import (  # noqa: F401
     check_template_kwargs,
     check_truncation,
     fit_prompt,
+    render_chat,
 )
 from polyrl.data.io import read_rows
 from polyrl.data.schema import (
@@ -194,24 +195,18 @@ class RLDataset(Dataset):
         return row
 
     def _tokenize(self, row: Mapping[str, Any], index: int) -> list[int]:
-        tools = row["extra_info"].get("tools")
         try:
-            text = self.tokenizer.apply_chat_template(
-                list(row[self.prompt_key]),
+            text = render_chat(
+                self.tokenizer,
+                row[self.prompt_key],
                 add_generation_prompt=True,
-                tokenize=False,
-                tools=tools,
-                **self.apply_chat_template_kwargs,
+                tools=row["extra_info"].get("tools"),
+                template_kwargs=self.apply_chat_template_kwargs,
             )
         except Exception as err:
             raise ValueError(
                 f"row {index}: the chat template failed on this prompt: {err}"
             ) from err
-        if not isinstance(text, str):
-            raise TypeError(
-                f"row {index}: apply_chat_template(tokenize=False) returned "
-                f"{type(text).__name__}, expected str"
-            )
         return self._encode(text, index)
 
     def _encode(self, text: str, index: int) -> list[int]:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from polyrl.core.batch import Batch
-from polyrl.core.prompts import check_template_kwargs
+from polyrl.core.prompts import check_template_kwargs, render_chat
 from polyrl.data.schema import RowValidationError, ground_truth_of, validate_messages
 
 __all__ = [
@@ -65,19 +65,16 @@ def _render(
     add_generation_prompt: bool,
     template_kwargs: Mapping[str, Any] | None = None,
 ) -> str:
-    # ``template_kwargs`` (data.apply_chat_template_kwargs, e.g. enable_thinking) were checked
-    # against the arguments set here by check_template_kwargs.
-    kwargs: dict[str, Any] = {
-        **(template_kwargs or {}),
-        "tokenize": False,
-        "add_generation_prompt": add_generation_prompt,
-    }
-    if tools:
-        kwargs["tools"] = tools
-    text = tokenizer.apply_chat_template(list(messages), **kwargs)
-    if not isinstance(text, str):
-        raise SFTDataError(f"apply_chat_template returned {type(text).__name__}, expected a str")
-    return text
+    try:
+        return render_chat(
+            tokenizer,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            template_kwargs=template_kwargs,
+        )
+    except TypeError as exc:  # a data error: the callers name the row
+        raise SFTDataError(str(exc)) from None
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
