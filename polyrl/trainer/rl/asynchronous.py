@@ -47,6 +47,7 @@ import numpy as np
 from polyrl.config import PolyRLConfig
 from polyrl.core.batch import Batch
 from polyrl.core.rollout_batch import rollout_widths, widen_rollout_batch
+from polyrl.trainer.rl.generation import wait_recovering
 from polyrl.trainer.rl.rollout import RolloutProducer, attach_scores, derive_seed
 from polyrl.transfer.replay import ReplayBuffer, ReplayEntry
 
@@ -269,19 +270,15 @@ class AheadRollout:
         """Take step ``step``'s batch from the buffer (waiting for it); return it and metrics."""
         self.start()
         tick = time.perf_counter()
-        while True:
-            try:
-                entries = self.buffer.take(
-                    self.batch_size, trainer_version=self.version, timeout=self.recover_every_s
-                )
-                break
-            except TimeoutError:
-                # The engines are idle while the trainer waits: the one moment a lost replica
-                # can be restarted and given the weights from this thread (the rollout thread
-                # would race the update). Without it a run whose replicas all died would wait
-                # for a push that only comes after the batch it waits for.
-                if self.recover is not None:
-                    self.recover()
+        # Lost replicas are restarted from here, not the rollout thread (it would race the
+        # update), and must be: the push that restarts them otherwise follows this batch.
+        entries = wait_recovering(
+            lambda timeout: self.buffer.take(
+                self.batch_size, trainer_version=self.version, timeout=timeout
+            ),
+            self.recover,
+            self.recover_every_s,
+        )
         waited = time.perf_counter() - tick
         self._nudge()  # room in the buffer again
         timing["timing_s/gen"] = timing.get("timing_s/gen", 0.0) + waited
@@ -340,15 +337,14 @@ class AheadRollout:
         """
         if self.mode != "one_step_off":
             return
-        while True:
-            try:
-                self.buffer.wait_filled(self._allowed(), timeout=self.recover_every_s)
-                return
-            except TimeoutError:
-                # Without a restart the groups waited for never finish: the sync that would
-                # restart their replica comes after this wait.
-                if self.recover is not None:
-                    self.recover(version=version)
+        # Without a restart here the groups waited for never finish: the sync that would
+        # restart their replica comes after this wait.
+        recover = self.recover
+        wait_recovering(
+            lambda timeout: self.buffer.wait_filled(self._allowed(), timeout=timeout),
+            None if recover is None else lambda: recover(version=version),
+            self.recover_every_s,
+        )
 
     def after_step(self, version: int) -> None:
         """Record a completed step (the servers serve ``version``): the gate opens one batch."""

@@ -14,7 +14,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import numpy as np
@@ -36,7 +36,28 @@ from polyrl.trainer.rl.store_worker import ROLLOUT_FIELDS, StoreWorkers, merge_r
 from polyrl.trainer.rl.supervisor import ReplicaSupervisor
 from polyrl.workers.store import StepLayout, StoredRows
 
-__all__ = ["DriverRollout", "QueueRollout", "Replicas"]
+__all__ = ["DriverRollout", "QueueRollout", "Replicas", "wait_recovering"]
+
+T = TypeVar("T")
+
+
+def wait_recovering(
+    wait: Callable[[float], T], recover: Callable[[], Any] | None, poll_s: float
+) -> T:
+    """Call ``wait(poll_s)`` until it returns, restarting lost replicas at each timeout.
+
+    For the trainer's thread while it waits on generation it does not run itself (the rollout
+    thread, transfer-queue workers): the engines are idle then, so a restart's push of the
+    weights cannot overlap an update, and without it a wait for groups only a restarted
+    replica can generate would never end. ``wait`` raises :class:`TimeoutError` after its
+    argument's seconds; ``recover`` is :meth:`Replicas.recover` (``None``: nothing to restart).
+    """
+    while True:
+        try:
+            return wait(poll_s)
+        except TimeoutError:
+            if recover is not None:
+                recover()
 
 
 class Replicas:
@@ -399,13 +420,7 @@ class QueueRollout:
             return self.workers.call_each("rollout", calls)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             done = pool.submit(self.workers.call_each, "rollout", calls)
-            while True:
-                try:
-                    return done.result(timeout=self.replicas.poll_s)
-                except concurrent.futures.TimeoutError:
-                    # The engines are idle while the workers generate: the restart's push of
-                    # the step's weights (the replicas' version) cannot overlap an update.
-                    self.replicas.recover()
+            return wait_recovering(done.result, self.replicas.recover, self.replicas.poll_s)
 
     def generate(self, step: int, timing: dict[str, float]) -> tuple[StoredRows, dict[str, float]]:
         """Have the workers sample and store the step's prompts; return the rows' reference."""
