@@ -43,17 +43,7 @@ ROLLOUT_CORE, TRAINER_CORE = 0, 1
 # single-core costs that bound what overlapping the phases on two cores can gain.
 ONE_CORE = "one_core"
 ROLLOUT_PHASES = ("gen", "reward")  # on the rollout core when the phases overlap
-ENGINE_PHASES = (
-    "ref",
-    "old_log_prob",
-    "values",
-    "prm",
-    "adv",
-    "update_critic",
-    "update_prm",
-    "update_actor",
-    "update_weights",
-)
+NOT_PHASES = ("step", "testing")  # every other timing_s/* of a step is the engines' work
 
 
 def _children(pid: int) -> list[int]:
@@ -170,7 +160,8 @@ def run_mode(
         "trainer.val_before_train=false",
         "trainer.loggers=[jsonl]",
         "trainer.export_hf=false",
-        f"trainer.mode={mode}",
+        # The one-core run is the sync job, on one core.
+        f"trainer.mode={'sync' if mode == ONE_CORE else mode}",
         *extra,
     ]
     stop = threading.Event()
@@ -180,7 +171,6 @@ def run_mode(
     if mode == ONE_CORE:
         import torch
 
-        overrides[overrides.index(f"trainer.mode={mode}")] = "trainer.mode=sync"
         os.sched_setaffinity(0, {ROLLOUT_CORE})  # the children it starts inherit it
         torch.set_num_threads(1)
     elif mode != "sync" and pin:
@@ -221,10 +211,10 @@ def overlap_bounds(sync_phases: dict, one_core_phases: dict) -> dict:
     From the single-core cost of each phase: pinned (rollout work on one core, engine work on
     the other) a step takes at least the larger of the two; with both cores shared perfectly,
     at least half their sum. Both ignore every cost of overlapping (the GIL, shared memory
-    bandwidth, the staleness gate) and the extra proximal pass of ``correction=decoupled``.
+    bandwidth, the staleness gate).
     """
     rollout = sum(one_core_phases.get(p, 0.0) for p in ROLLOUT_PHASES)
-    engine = sum(one_core_phases.get(p, 0.0) for p in ENGINE_PHASES)
+    engine = sum(v for p, v in one_core_phases.items() if p not in (*ROLLOUT_PHASES, *NOT_PHASES))
     sync_step = sync_phases["step"]
     return {
         "one_core_rollout_s": round(rollout, 4),
