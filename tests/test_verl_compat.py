@@ -455,3 +455,9 @@ def test_hydra_add_and_force_prefixes_set_the_option():
     for bad in ("+++trainer.total_steps=3", "~trainer.total_steps"):
         with pytest.raises(ConfigError, match="malformed"):
             load_config("grpo", [bad])
+
+
+def test_hydra_flow_mappings_read_for_every_mapping_option():
+    # Hydra's {name:value} (no space) on any mapping option, not only the verl key.
+    cfg = load_config("demo", ["data.task_options={max_digits:3,ops:'*'}"])
+    assert cfg.data.task_options == {"max_digits": 3, "ops": "*"}

@@ -474,7 +474,26 @@ def parse_override(text: str) -> tuple[list[str], _OverrideValue]:
         parsed = yaml.load(raw, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         return parts, _OverrideValue(raw, None, yaml_error=_yaml_problem(exc))
-    return parts, _OverrideValue(raw, parsed)
+    return parts, _OverrideValue(raw, _hydra_flow_mapping(parsed))
+
+
+def _hydra_flow_mapping(value: Any) -> Any:
+    """Read Hydra's ``{name:value}`` (no space after the colon) as YAML's ``{name: value}``.
+
+    YAML takes ``{enable_thinking:false}`` as one key, ``"enable_thinking:false"``, with no
+    value; verl launch lines write mappings that way. An option name has no colon, so such a
+    key is split at its first one and the rest read as the value.
+    """
+    if not isinstance(value, Mapping):
+        return value
+    out = {}
+    for key, item in value.items():
+        if isinstance(key, str) and ":" in key and item is None:
+            name, _, text = key.partition(":")
+            out[name.strip()] = yaml.safe_load(text)
+        else:
+            out[key] = _hydra_flow_mapping(item)
+    return out
 
 
 def _override_patch(parts: list[str], value: _OverrideValue, root: type, source: str) -> dict:

@@ -29,8 +29,6 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-import yaml
-
 __all__ = [
     "SKIP",
     "VERL_KEYS",
@@ -150,23 +148,6 @@ def _resume_mode(v: Any) -> Any:
 
 def _rollout_is(v: Any) -> Any:
     return "none" if v is None else v
-
-
-def _template_kwargs(v: Any) -> Any:
-    if v is None:
-        return SKIP
-    if not isinstance(v, Mapping):
-        return v  # the option's own type check names what was expected
-    # Hydra's {enable_thinking:false} (no space after the colon) reads in YAML as the key
-    # "enable_thinking:false" with no value; a template argument's name has no colon.
-    out = {}
-    for key, value in v.items():
-        if isinstance(key, str) and ":" in key and value is None:
-            name, _, text = key.partition(":")
-            out[name.strip()] = yaml.safe_load(text)
-        else:
-            out[key] = value
-    return out
 
 
 # ----------------------------------------------------------------------------- derivations
@@ -514,7 +495,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _a(
         "data.apply_chat_template_kwargs",
         note="the dataset and every agent loop pass it to apply_chat_template",
-        convert=_template_kwargs,
+        convert=_null_skip,
     ),
     _d(
         "data.filter_overlong_prompts",
