@@ -356,6 +356,22 @@ def test_world_size_two_engine_group_updates_both_replicas(ray_session, servers,
             assert results[0]["buffer_bytes"] <= 2 * int(BUCKET_MB * 2**20)
             for url in urls:
                 assert outputs(url) == want, kind
+        # Each replica from the rank named for it (hybrid placement: the rank on its GPU), each
+        # rank's transport kept across syncs, and the replicas' dtype on the wire.
+        send("disk", urls, checkpoint_tensors(old_dir))
+        for n in (1, 2):
+            start = versions(urls)[0]
+            results = group.sync_weights("shm", urls, BUCKET_MB, True, senders=[0, 1])
+            assert [r["urls"] for r in results] == [[urls[0]], [urls[1]]]
+            assert [r["transfers"] for r in results] == [n, n]  # one transport per rank
+            assert [set(r["received"]) for r in results] == [{"shm"}, {"shm"}]
+            assert versions(urls) == [start + 1] * 2
+        for url in urls:
+            assert outputs(url) == want
+        fp32 = results[0]["bytes"]
+        bf16 = group.sync_weights("shm", urls, BUCKET_MB, True, dtype="bfloat16")
+        assert bf16[1] is None and bf16[0]["urls"] == urls
+        assert bf16[0]["bytes"] <= 0.55 * fp32
     finally:
         group.shutdown()
 

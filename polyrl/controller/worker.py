@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from polyrl.controller.errors import ControllerError, WorkerDiedError, WorkerError
 from polyrl.core.cpu import cores_per_process
+from polyrl.core.cuda import process_group_backend
 from polyrl.core.plugins import import_plugins
 
 __all__ = ["Worker", "WorkerInfo", "WorkerSpec"]
@@ -412,7 +413,7 @@ class WorkerHost:
                 self._store = dist.TCPStore(
                     master_addr, master_port, self.setup.world_size, False, timeout=timeout
                 )
-            backend = "cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo"
+            backend = process_group_backend(self.device)
             dist.init_process_group(
                 backend,
                 store=self._store,
@@ -437,9 +438,11 @@ class WorkerHost:
                     )
                 self.dist_backend = str(dist.get_backend())
                 return self.dist_backend
-            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+            # On a GPU too: FSDP2's collectives on CUDA tensors need NCCL even for one rank.
+            backend = process_group_backend(self.device)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
             self._owns_process_group = True
-            self.dist_backend = "gloo"
+            self.dist_backend = backend
             return self.dist_backend
         except BaseException as exc:
             raise self._error(exc, "<init_distributed>") from None

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from polyrl.core.cuda import process_group_backend
+
 __all__ = ["DistInfo", "free_port", "init_distributed", "release_distributed", "select_device"]
 
 _ENV_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -62,7 +64,7 @@ def init_distributed(device: torch.device) -> DistInfo:
         owned = _OWNED_USERS > 0
         _OWNED_USERS += int(owned)
         return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, owned)
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    backend = process_group_backend(device)
     present = [k for k in _ENV_KEYS if k in os.environ]
     if len(present) == len(_ENV_KEYS):
         dist.init_process_group(backend=backend, init_method="env://")

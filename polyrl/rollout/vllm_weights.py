@@ -18,15 +18,14 @@ which the caller runs once the workers have loaded them.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import pickle
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from polyrl.core.arena import SharedArena, arena_of
+from polyrl.core.cuda import export_cuda_tensor
 
 __all__ = ["PackedWeights", "pack_weights"]
 
@@ -63,13 +62,8 @@ class PackedWeights:
 
 
 def _cuda_entry(tensor: torch.Tensor) -> dict[str, Any]:
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    rebuild, args = reduce_tensor(tensor)
-    return {
-        "cuda_ipc": base64.b64encode(pickle.dumps((rebuild, args))).decode("ascii"),
-        "device_uuid": str(torch.cuda.get_device_properties(tensor.device).uuid),
-    }
+    exported = export_cuda_tensor(tensor)
+    return {"cuda_ipc": exported["handle"], "device_uuid": exported["device_uuid"]}
 
 
 def pack_weights(pairs: Sequence[tuple[str, torch.Tensor]]) -> PackedWeights:

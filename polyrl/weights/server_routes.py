@@ -6,9 +6,9 @@
 sender writes into: ``{"path", "size", "tensors": {name: [offset, shape, dtype]}}``, see
 :mod:`polyrl.core.arena`); ``POST /weights/bucket``
 ``{"meta": BucketMeta, "source": {"kind": "shm", "name"} | {"kind": "disk", "path"} |
-{"kind": "dist"} | {"kind": "cuda_ipc", "handle"}}`` → ``{"buckets": n}``;
+{"kind": "dist"} | {"kind": "cuda_ipc", "handle", "device_uuid"?}}`` → ``{"buckets": n}``;
 ``POST /weights/commit`` ``{"transfer_id", "version", "buckets", "direct"?: {name: crc32 |
-null}}`` → ``{"weight_version"}``;
+null}}`` → ``{"weight_version", "received": {source kind: buckets}}``;
 ``POST /weights/abort`` ``{"transfer_id"?, "reason"?}``; ``GET /weights/status`` (the transfer
 in progress, the last one with its measured memory, ``shm_mapped``: the senders' shared-memory
 segments this replica keeps mapped, ``minor_faults``: the process's page faults so far);
@@ -42,10 +42,16 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
+from polyrl.core.cuda import open_cuda_tensor
 from polyrl.core.http_guard import json_request_body, parse_json
 from polyrl.weights.base import CUDA_IPC_ENV, BucketMeta, WeightTransferError
 from polyrl.weights.receiver import LoadFnTarget, NameMap, WeightReceiver, WeightTarget
-from polyrl.weights.transports import bucket_file_name, make_group, read_bucket_file
+from polyrl.weights.transports import (
+    bucket_file_name,
+    group_device,
+    make_group,
+    read_bucket_file,
+)
 
 __all__ = ["EngineTarget", "register_weight_routes"]
 
@@ -187,13 +193,17 @@ class _DistState:
         import torch.distributed as dist
 
         delta = timedelta(seconds=timeout)
+        # The sender names no device for the replica: "cuda" is this process's current GPU,
+        # indexed so that set_device accepts it and the scratch buffers compare equal.
+        where = group_device(backend, device)
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=delta)
-        group = make_group(backend, store, rank, world_size, delta, device)
+        group = make_group(backend, store, rank, world_size, delta, str(where))
         with self.cond:
-            self.group, self.store, self.timeout, self.next_index = group, store, timeout, 0
-            self.device = (
-                torch.device(device or "cuda") if backend == "nccl" else torch.device("cpu")
-            )
+            old, self.group = self.group, group
+            self.store, self.timeout, self.next_index = store, timeout, 0
+            self.device = where
+        if old is not None:
+            old.shutdown()  # a new sender's group replaces the last one's
 
     def reset(self, transfer_id: str | None = None) -> None:
         with self.cond:
@@ -248,18 +258,19 @@ def _read_source(
     if kind == "dist":
         dist_state.receive(receiver, meta)
     elif kind == "cuda_ipc":
-        # UNTESTED (no GPU where this was written): map the sender's CUDA buffer by handle.
+        # Untested on GPU: map the sender's CUDA buffer by handle, on this process's index of
+        # the sender's GPU (the UUID says which).
         # The handle is a pickle, i.e. code execution for whoever can POST here: opt-in only.
         if os.environ.get(CUDA_IPC_ENV) != "1":
             raise WeightTransferError(
                 f"cuda_ipc buckets are refused: set {CUDA_IPC_ENV}=1 on the rollout "
                 "server to accept them (their handles are pickles; trusted senders only)"
             )
-        import base64
-        import pickle
-
-        rebuild, args = pickle.loads(base64.b64decode(str(source["handle"])))  # noqa: S301
-        gpu = rebuild(*args)  # torch caches the mapping of a handle it has opened before
+        device_uuid = source.get("device_uuid")
+        # torch caches the mapping of a handle it has opened before.
+        gpu = open_cuda_tensor(
+            str(source["handle"]), None if device_uuid is None else str(device_uuid)
+        )
         receiver.receive(meta, gpu[: meta.nbytes])
         torch.cuda.current_stream(gpu.device).synchronize()  # done before the sender reuses it
     elif kind == "shm":
@@ -408,6 +419,9 @@ def register_weight_routes(
     receiver = WeightReceiver(target, name_map, stall_timeout=stall_timeout)
     dist_state = _DistState()
     shm = _ShmCache()
+    # Buckets of the transfer in progress by source kind ("cuda_ipc", "shm", ...), reported
+    # by the commit: what reached this replica, and how.
+    received: dict[str, int] = {}
     # Every abort (the sender's, a stall, a superseding begin) unmaps a dead sender's segments.
     receiver.on_abort = lambda transfer_id: shm.drop_stale()
     app.state.weight_receiver = receiver
@@ -452,6 +466,7 @@ def register_weight_routes(
             )
             shm.drop_stale()
             dist_state.reset(str(_required(body, "transfer_id")))
+            received.clear()
             offer = None
             if body.get("direct"):
                 offer = await asyncio.to_thread(
@@ -469,11 +484,12 @@ def register_weight_routes(
         try:
             body = await body_of(request)
             meta = BucketMeta.from_dict(_required(body, "meta"))
-            await asyncio.to_thread(
-                _read_source, receiver, meta, dict(_required(body, "source")), dist_state, shm
-            )
+            source = dict(_required(body, "source"))
+            await asyncio.to_thread(_read_source, receiver, meta, source, dist_state, shm)
         except Exception as exc:  # noqa: BLE001 - unknown names, shapes, checksums, sources
             return fail(exc)
+        kind = str(source.get("kind"))
+        received[kind] = received.get(kind, 0) + 1  # on the event loop: no race
         return {"buckets": meta.index + 1}
 
     @app.post("/weights/commit", openapi_extra=json_request_body(_CommitBody))
@@ -490,7 +506,11 @@ def register_weight_routes(
             )
         except Exception as exc:  # noqa: BLE001 - engine validation errors name the tensors
             return fail(exc)
-        return {"weight_version": version}
+        direct = _direct_of(body)
+        if direct:
+            # Written by the sender straight into this replica's shared arena: no buckets.
+            received["shm_direct"] = received.get("shm_direct", 0) + len(direct)
+        return {"weight_version": version, "received": dict(received)}
 
     @app.post("/weights/dist/init", openapi_extra=json_request_body(_DistInitBody))
     async def dist_init(request: Request) -> Any:

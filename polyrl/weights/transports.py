@@ -7,7 +7,7 @@ sender only reuses a buffer once all replicas answered for it. Every transport k
 bucket buffers (and its process group) across transfers: reuse one transport per sender.
 
 ``cuda_ipc`` and the NCCL flavour of ``dist`` are written for GPU machines and are
-**untested** (no GPU was lent to this project when they were written).
+**untested on GPU** (their device naming, routing and group lifetime are tested on CPU).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import httpx
 import torch
 
 from polyrl.core.arena import ArenaWriter
+from polyrl.core.cuda import export_cuda_tensor, indexed_device
 from polyrl.weights.base import (
     BucketMeta,
     Transport,
@@ -66,6 +67,9 @@ class HttpControlTransport(Transport):
         tls = any(u.lower().startswith("https://") for u in self.urls)
         self._http = httpx.Client(timeout=timeout, headers=headers, verify=tls)
         self._pool = ThreadPoolExecutor(max_workers=max(2, 2 * len(self.urls)))
+        #: Transfers begun through this transport (a sender keeps one for the run).
+        self.transfers = 0
+        self.received: list[dict[str, int]] = []
 
     def _post(self, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
         resp = self._http.post(url + path, json=body)
@@ -93,6 +97,7 @@ class HttpControlTransport(Transport):
     ) -> list[dict[str, Any]]:
         """POST ``/weights/begin`` (with ``extra`` fields) to every replica; their answers."""
         body = {**(options or {}), **extra, "transfer_id": transfer_id, "version": version}
+        self.transfers += 1
         return self._all("/weights/begin", body)
 
     @abc.abstractmethod
@@ -121,6 +126,8 @@ class HttpControlTransport(Transport):
         body = {"transfer_id": transfer_id, "version": version, "buckets": buckets}
         body.update(self._commit_extra())
         answers = self._all("/weights/commit", body)
+        #: What each replica says it received in the last transfer: buckets by source kind.
+        self.received = [dict(a.get("received") or {}) for a in answers]
         return [int(a["weight_version"]) for a in answers]
 
     def _commit_extra(self) -> dict[str, Any]:
@@ -383,6 +390,14 @@ def read_bucket_file(path: str | os.PathLike[str], into: Callable[[int], torch.T
     return out
 
 
+def group_device(backend: str, device: str | torch.device | None) -> torch.device:
+    """Return the device a ``dist`` group's buffers live on: indexed CUDA for NCCL, else CPU.
+
+    Sender and replica both call this: ``None`` or ``"cuda"`` is the process's current GPU.
+    """
+    return indexed_device(device) if backend == "nccl" else torch.device("cpu")
+
+
 def make_group(
     backend: str, store: Any, rank: int, world: int, timeout: timedelta, device: str | None
 ) -> Any:
@@ -392,13 +407,14 @@ def make_group(
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world, timeout)
     if backend == "nccl":
-        # UNTESTED (no GPU lent): a private NCCL communicator on the given CUDA device.
+        # Untested on GPU: a private NCCL communicator on the given CUDA device.
         if not dist.is_nccl_available() or not torch.cuda.is_available():
             raise WeightTransferError(
                 "the dist transport with backend='nccl' needs CUDA and NCCL; neither is "
                 "available here (use backend='gloo')"
             )
-        torch.cuda.set_device(torch.device(device or "cuda"))
+        # set_device refuses an unindexed "cuda"; the current device is what "cuda" meant.
+        torch.cuda.set_device(group_device(backend, device))
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, world, opts)
@@ -422,7 +438,8 @@ class DistTransport(HttpControlTransport):
         timeout: seconds per control request and per collective.
         api_key: bearer token for the servers.
         backend: ``gloo`` (CPU buffers) or ``nccl`` (GPU buffers; untested, no GPU lent).
-        device: the CUDA device of the buffers with NCCL (replicas use their own device).
+        device: the CUDA device of the buffers with NCCL (default: the current one; replicas
+            use their own).
     """
 
     def __init__(
@@ -442,7 +459,8 @@ class DistTransport(HttpControlTransport):
         self.port = port
         self.timeout = timeout
         self.backend = backend
-        self.device = torch.device(device or "cuda") if backend == "nccl" else torch.device("cpu")
+        # Indexed, so the buffers, set_device and the group agree on one GPU.
+        self.device = group_device(backend, device)
         self._group: Any = None
         self._store: Any = None
         self._buffers: dict[int, torch.Tensor] = {}
@@ -511,17 +529,22 @@ class DistTransport(HttpControlTransport):
         return wait
 
     def close(self) -> None:
-        """Drop the group and close the control channel."""
+        """Shut the group down and close the control channel."""
         super().close()
-        self._group = None
+        group, self._group = self._group, None
+        if group is not None:
+            # Dropping it is not enough: an NCCL communicator holds GPU memory and threads
+            # until it is shut down.
+            group.shutdown()
         self._store = None
+        self._buffers.clear()
 
 
 @register_transport("cuda_ipc")
 class CudaIpcTransport(HttpControlTransport):
     """Two CUDA buffers shared with same-host replicas through CUDA IPC handles.
 
-    UNTESTED: written for GPU machines; no GPU was available when it was written. The sender
+    Untested on GPU (its routing and handles are tested on CPU). The sender
     packs straight into two GPU buffers (casts happen on the device); each bucket's IPC handle
     (``torch.multiprocessing`` reduction, pickled) goes over the control channel; the replica
     maps the buffer and copies the bucket into its destinations (device to device when the
@@ -529,7 +552,7 @@ class CudaIpcTransport(HttpControlTransport):
 
     Args:
         urls: rollout server base URLs.
-        device: the CUDA device holding the buffers.
+        device: the CUDA device holding the buffers (default: the current one).
         timeout: seconds per control request.
         api_key: bearer token for the servers.
     """
@@ -537,7 +560,7 @@ class CudaIpcTransport(HttpControlTransport):
     def __init__(
         self,
         urls: Sequence[str],
-        device: str = "cuda",
+        device: str | None = None,
         timeout: float = 120.0,
         api_key: str | None = None,
     ):
@@ -547,9 +570,9 @@ class CudaIpcTransport(HttpControlTransport):
                 "(use shm, dist or disk)"
             )
         super().__init__(urls, timeout, api_key)
-        self.device = torch.device(device)
+        self.device = indexed_device(device)
         self._gpu: dict[int, torch.Tensor] = {}
-        self._handles: dict[int, str] = {}
+        self._handles: dict[int, dict[str, str]] = {}
 
     def buffer(self, slot: int, nbytes: int) -> torch.Tensor:
         """Return the GPU buffer of ``slot`` (allocated once; its IPC handle is cached)."""
@@ -560,14 +583,16 @@ class CudaIpcTransport(HttpControlTransport):
         return gpu[:nbytes]
 
     def _source(self, slot: int, meta: BucketMeta) -> dict[str, Any]:
-        import base64
-        import pickle
-
-        from torch.multiprocessing.reductions import reduce_tensor
-
         # The packing copies run on this stream: the replica must see them finished.
         torch.cuda.current_stream(self.device).synchronize()
         if slot not in self._handles:
-            handle = pickle.dumps(reduce_tensor(self._gpu[slot]))
-            self._handles[slot] = base64.b64encode(handle).decode()
-        return {"kind": "cuda_ipc", "handle": self._handles[slot]}
+            # With the GPU's UUID: a replica with its own CUDA_VISIBLE_DEVICES numbers it
+            # differently than this process does.
+            self._handles[slot] = export_cuda_tensor(self._gpu[slot])
+        return {"kind": "cuda_ipc", **self._handles[slot]}
+
+    def close(self) -> None:
+        """Free the two GPU buffers and close the control channel."""
+        super().close()
+        self._handles.clear()
+        self._gpu.clear()

@@ -50,6 +50,7 @@ import torch
 
 from polyrl.controller import Dispatch, Worker, register
 from polyrl.core.batch import Batch
+from polyrl.core.dtypes import resolve_dtype
 from polyrl.core.registry import Registry
 from polyrl.model_engine.config import CheckpointConfig, EngineConfig, ModelSpec, OptimizerConfig
 from polyrl.model_engine.engine import (
@@ -62,7 +63,7 @@ from polyrl.model_engine.engine import (
     sft_loss,
 )
 from polyrl.workers.store import StoreClient, StoredRows
-from polyrl.workers.weight_sync import sync_engine_weights
+from polyrl.workers.weight_sync import WeightSync
 
 __all__ = [
     "ENTROPY_KEY",
@@ -280,6 +281,8 @@ class EngineWorker(Worker):
         self._checkpoint_config = checkpoint
         self._engine: TrainingEngine | None = None
         self._store: StoreClient | None = None
+        # One sender for the run: its transport (buffers, a dist group) outlives each sync.
+        self._weight_sync = WeightSync()
 
     # ------------------------------------------------------------------ plain (in-process) API
     @property
@@ -340,7 +343,8 @@ class EngineWorker(Worker):
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def close_model(self) -> None:
-        """Release the engine (the controller's process group stays up)."""
+        """Release the engine and its weight sender (the controller's process group stays up)."""
+        self._weight_sync.close()
         if self._engine is not None:
             self._engine.close()
             self._engine = None
@@ -559,24 +563,40 @@ class EngineWorker(Worker):
         mode: str = "staged",
         inflight: str = "keep",
         transport_options: dict[str, Any] | None = None,
+        dtype: str | None = None,
+        senders: Sequence[int] | None = None,
     ) -> dict[str, Any] | None:
         """Send this group's weights to the rollout replicas ``urls`` over ``transport``.
 
-        Collective: every rank walks the weights, rank 0 sends (see
-        :func:`~polyrl.workers.weight_sync.sync_engine_weights`); returns rank 0's statistics.
+        Collective: every rank walks the weights; rank ``senders[i]`` sends to ``urls[i]``
+        (default: rank 0 to all), casting to ``dtype`` (the replicas' dtype; ``None``: the
+        engine's). The transport is kept for the next sync to the same replicas (see
+        :class:`~polyrl.workers.weight_sync.WeightSync`). Returns each rank's statistics
+        (``None`` on a rank that sent to no replica).
         """
-        return sync_engine_weights(
-            self.engine,
+        engine = self.engine
+        return self._weight_sync.send(
+            engine.named_tensors(),
             self.rank,
             transport,
             urls,
+            senders=senders,
+            device=engine.device,
             bucket_mb=bucket_mb,
+            dtype=None if dtype is None else resolve_dtype(dtype, "sync_weights dtype"),
             checksum=checksum,
             version=version,
+            transport_options=transport_options,
             mode=mode,
             inflight=inflight,
-            transport_options=transport_options,
         )
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def empty_cache(self) -> None:
+        """Give the CUDA allocator's cached blocks back, for replicas waking on this GPU."""
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)
+            torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ checkpoints and weights
     @register(dispatch=Dispatch.ONE_TO_ALL)

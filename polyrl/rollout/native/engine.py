@@ -501,6 +501,9 @@ class NativeEngine:
             raise InvalidRequestError(f"sleep level must be 1 or 2, got {level!r}", param="level")
 
         def run() -> dict[str, Any]:
+            device = self.runner.device
+            on_gpu = device.type == "cuda"
+            before = torch.cuda.memory_allocated(device) if on_gpu else 0
             aborted = self._abort_groups(self._groups.values())
             self.allocator.reset_prefix_cache()
             kv = self.cache.nbytes
@@ -512,6 +515,10 @@ class NativeEngine:
                 "aborted_requests": aborted,
                 "kv_cache_bytes_released": kv,
                 "weight_bytes_released": weights,
+                # Measured, not computed: what the trainer's ranks on this GPU can now use.
+                "device_bytes_freed": before - torch.cuda.memory_allocated(device)
+                if on_gpu
+                else None,
             }
 
         return self._command(run)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from polyrl.core.arena import SharedArena
+from polyrl.core.cuda import HostStash
 from polyrl.core.dtypes import dtype_name, resolve_dtype
 from polyrl.core.errors import WeightTransferError
 from polyrl.core.rollout_api import InvalidRequestError
@@ -94,6 +95,8 @@ class ModelRunner:
         )
         self._unique_names = [n for n, _ in model.named_parameters()]
         self._offloaded: dict[str, torch.Tensor] | None = None
+        # Host copies for sleep level 1, pinned on CUDA and reused by every sleep.
+        self._stash = HostStash(pin=self.device.type == "cuda")
         # Shapes of discarded parameters (sleep level 2), by id of the parameter.
         self._shapes: dict[int, tuple[int, ...]] = {}
         # ... and their storage's address alignment (mod 64), which new storage copies.
@@ -464,8 +467,9 @@ class ModelRunner:
         self._offloaded = {}
         for name in self._unique_names:
             param = self._params[name]
-            self._offloaded[name] = param.data.to("cpu", copy=True)
+            self._offloaded[name] = self._stash.save(name, param.data)
             param.data = torch.empty(0, dtype=param.dtype, device=self.device)
+        torch.cuda.synchronize(self.device)  # the copies are asynchronous into pinned memory
         self.mark_weights_changed()
         torch.cuda.empty_cache()
         return freed
@@ -503,7 +507,9 @@ class ModelRunner:
         """Bring offloaded weights back to the device (wake-up after sleep level 1)."""
         if self._offloaded is None:
             return
-        for name, tensor in self._offloaded.items():
-            self._params[name].data = tensor.to(self.device)
+        for name in self._offloaded:
+            self._params[name].data = self._stash.load(name, self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self._offloaded = None
         self.mark_weights_changed()
