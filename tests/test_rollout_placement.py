@@ -182,11 +182,12 @@ def test_rollout_options_that_cannot_run_are_refused():
             RolloutServers(["u"], placement="separate"),
             ("dist", {"backend": "nccl"}),
         ),
-        # Hybrid, but the replicas are on other nodes: NCCL, rendezvous on the sender's host.
+        # Hybrid, with replicas on other nodes: each rank sends to the replicas on its own GPU
+        # over CUDA IPC (NCCL cannot hold a replica and the rank on its GPU in one group).
         (
             GPU_RUN,
             RolloutServers(["u"], "key", same_host=False, placement="hybrid"),
-            ("dist", {"backend": "nccl", "host": "10.0.0.1", "api_key": "key"}),
+            ("cuda_ipc", {"api_key": "key"}),
         ),
         (["trainer.device=cpu"], RolloutServers(["u"]), ("shm", {})),
         (
@@ -203,6 +204,11 @@ def test_rollout_options_that_cannot_run_are_refused():
         (
             [*GPU_RUN, "rollout.weight_transport=dist"],
             RolloutServers(["u"], placement="hybrid"),
+            ("dist", {"backend": "gloo"}),
+        ),
+        (
+            [*GPU_RUN, "rollout.weight_transport=dist", "rollout.placement=separate"],
+            RolloutServers(["u"], placement="separate"),
             ("dist", {"backend": "nccl"}),
         ),
     ],

@@ -119,6 +119,7 @@ def test_verl_keys_set_the_polyrl_options_they_mean():
             "actor_rollout_ref.model.lora_rank=0",
             "reward_model.enable=False",
             "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+            "actor_rollout_ref.actor.fsdp_config.forward_prefetch=True",
         ],
     )
     assert cfg.model.path == "/models/qwen" and cfg.actor.lr == 1e-6
@@ -132,7 +133,8 @@ def test_verl_keys_set_the_polyrl_options_they_mean():
     assert cfg.trainer.loggers == ["console", "jsonl"]
     assert cfg.trainer.total_steps == 0 and cfg.trainer.save_freq == 0
     assert cfg.trainer.output_dir == "/ckpt"
-    assert any("fsdp_config.param_offload ignored" in n for n in notes)
+    assert cfg.actor.offload_params  # fsdp_config.param_offload=True
+    assert any("fsdp_config.forward_prefetch ignored" in n for n in notes)
     assert any("actor.max_tokens_per_micro_batch=256" in n for n in notes)
 
 

@@ -884,8 +884,9 @@ class RolloutConfig(ConfigGroup):
     weight_transport: str = option(
         "auto",
         "How the trainer pushes new weights to the replicas. auto picks by placement: "
-        "cuda_ipc when a replica shares the trainer's GPU, dist over NCCL between GPUs, shm on "
-        "one CPU host, dist over gloo between hosts.",
+        "cuda_ipc in hybrid placement on GPUs (each replica from the engine rank on its GPU), "
+        "dist over NCCL between GPUs otherwise, shm on one CPU host, dist over gloo between "
+        "hosts.",
         choices=WEIGHT_TRANSPORTS,
     )
     weight_bucket_mb: float = option(64.0, "Bucket size of a weight transfer in MiB.", gt=0.0)
@@ -1266,6 +1267,17 @@ class ActorConfig(ConfigGroup):
         "Run each prompt once per micro-batch for all its responses, logits from the first "
         "response token on (actor and reference; exact to rounding; off under "
         "gradient_checkpointing; opt-in: it changes rounding, and the demo lands lower with it).",
+    )
+    offload_params: bool = option(
+        False,
+        "Hybrid placement on GPUs: move the actor's parameters to host memory after each weight "
+        "push, while the replicas generate (for models whose training state and replicas do "
+        "not fit one GPU together; costs two host copies a step).",
+    )
+    offload_optimizer: bool = option(
+        False,
+        "Hybrid placement on GPUs: move the actor's optimizer state to host memory from the "
+        "end of each update until the next (before the replicas wake).",
     )
 
     def validate(self) -> None:

@@ -323,6 +323,8 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     ),
     # ---- actor engine
     _i(f"{_AR}.actor.strategy", "polyrl's engine shards the model itself"),
+    _a(f"{_AR}.actor.fsdp_config.param_offload", "actor.offload_params"),
+    _a(f"{_AR}.actor.fsdp_config.optimizer_offload", "actor.offload_optimizer"),
     _i(f"{_AR}.actor.fsdp_config.*", _PERF),
     _i(f"{_AR}.actor.checkpoint.*", "checkpoints hold model, optimizer and sampler state"),
     _i(f"{_AR}.actor.use_torch_compile", _PERF),

@@ -23,8 +23,10 @@ __all__ = [
     "RolloutServers",
     "check_config",
     "choose_transport",
+    "engine_pool",
     "engine_specs",
     "gpus_per_replica",
+    "hybrid_senders",
     "load_datasets",
     "local_replica_gpus",
     "replica_count",
@@ -355,6 +357,9 @@ def replica_options(cfg: PolyRLConfig) -> dict[str, Any]:
         "matmul_dtype": matmul if matmul != dtype else None,
         "max_model_len": ro.max_model_len or None,  # 0: the model's own limit
         "enable_sleep_mode": sleeps_during_training(cfg),
+        # SGLang keeps its weights on the GPU through a level-1 sleep unless it may back them
+        # up on the host; hybrid placement needs that memory for training.
+        "weights_cpu_backup": sleeps_during_training(cfg) and rollout_device(cfg) == "cuda",
         # CUDA graphs are a GPU matter: on CPU the backend keeps its own default (eager).
         "enforce_eager": ro.enforce_eager if rollout_device(cfg) == "cuda" else None,
     }
@@ -370,9 +375,11 @@ def choose_transport(
 ) -> tuple[str, dict[str, Any]]:
     """Return the weight transport (name, options) that suits where trainer and replicas run.
 
-    CUDA IPC when a replica shares the trainer's GPU; NCCL broadcast (``dist``) when both run
-    on GPUs otherwise; shared memory when they share a host; a gloo broadcast between hosts.
-    The devices are ``"cpu"`` or ``"cuda"``.
+    CUDA IPC when each replica shares a GPU with an engine rank (hybrid placement: that rank
+    sends to it, on whichever node they are); NCCL broadcast (``dist``) when both run on GPUs
+    otherwise; shared memory when they share a host; a gloo broadcast between hosts. Never
+    NCCL with a replica on an engine rank's GPU: one communicator cannot hold two ranks on one
+    GPU. The devices are ``"cpu"`` or ``"cuda"``.
     """
     for what, device in (("trainer", trainer_device), ("rollout", rollout_device)):
         if device not in ("cpu", "cuda"):
@@ -400,6 +407,8 @@ class RolloutServers:
         processes: the servers' :class:`~polyrl.rollout.launcher.ServerProcess` children, when
             this process started them (in ``urls`` order).
         leaders: the ranks of ``group`` that run each server (in ``urls`` order).
+        senders: hybrid placement: the engine rank that shares each server's GPU, which sends
+            it the weights (in ``urls`` order; empty: rank 0 sends to every server).
     """
 
     urls: list[str]
@@ -409,6 +418,7 @@ class RolloutServers:
     group: Any = None
     processes: list[Any] = dataclasses.field(default_factory=list)
     leaders: list[int] = dataclasses.field(default_factory=list)
+    senders: list[int] = dataclasses.field(default_factory=list)
 
     def close(self) -> None:
         """Stop the servers of the Ray group and the group (before the engines' pools go)."""
@@ -429,18 +439,20 @@ def weight_transport(
     """Resolve ``rollout.weight_transport`` for this run's placement (``auto`` chooses).
 
     A transport named explicitly is used as named (``dist`` over NCCL when both sides train
-    and serve on GPUs). ``dist`` between hosts opens its rendezvous on ``trainer_host`` (the
-    sending rank's address); the servers' API key travels with every transport.
+    and serve on GPUs in separate placement; over gloo in hybrid placement, where a replica
+    shares a GPU with the sending rank and NCCL refuses two ranks on one GPU). ``dist``
+    between hosts opens its rendezvous on ``trainer_host`` (the sending rank's address); the
+    servers' API key travels with every transport.
     """
     trainer = "cuda" if trains_on_gpu(cfg) else "cpu"
     rollout = rollout_device(cfg)
     name = cfg.rollout.weight_transport
     options: dict[str, Any] = {}
+    hybrid = servers.placement == "hybrid"
     if name == "auto":
-        same_gpu = servers.placement == "hybrid" and servers.same_host
-        name, options = choose_transport(trainer, rollout, servers.same_host, same_gpu)
+        name, options = choose_transport(trainer, rollout, servers.same_host, same_gpu=hybrid)
     elif name == "dist" and trainer == rollout == "cuda":
-        options = {"backend": "nccl"}
+        options = {"backend": "gloo" if hybrid else "nccl"}
     if name == "dist" and not servers.same_host:
         options["host"] = trainer_host
     if servers.api_key:
@@ -577,12 +589,26 @@ def start_replicas(
     start_processes(processes)
     for process in processes:
         closers.append(process.stop)
+    placement = rollout_placement(cfg)
     return RolloutServers(
         [str(p.url) for p in processes],
         api_key,
-        placement=rollout_placement(cfg),
+        placement=placement,
         processes=processes,
+        senders=hybrid_senders(placement, len(processes), gpus_per_replica(cfg)),
     )
+
+
+def hybrid_senders(placement: str, replicas: int, per_replica: int) -> list[int]:
+    """Return the engine rank that shares each local replica's GPU (hybrid on GPUs; else []).
+
+    Replica ``i`` of :func:`local_replica_gpus` holds the GPUs of ranks ``i*per_replica`` on,
+    and the first of them sends it the weights: the only rank whose CUDA IPC buffers it can
+    open (it sees no other GPU).
+    """
+    if placement != "hybrid" or not per_replica:
+        return []
+    return [i * per_replica for i in range(replicas)]
 
 
 def replica_supervisor(cfg: PolyRLConfig, servers: RolloutServers) -> Any:
@@ -671,6 +697,9 @@ def start_ray_replicas(
     started = group.start_server(plans)
     servers.leaders = [rank for rank, url in enumerate(started) if url is not None]
     servers.urls = [started[rank] for rank in servers.leaders]
+    if placement == "hybrid" and per:
+        # Rollout rank r runs in the bundle of engine rank r (the pool is shared), on its GPU.
+        servers.senders = list(servers.leaders)
     return servers
 
 
@@ -758,6 +787,29 @@ def engine_specs(
     return specs
 
 
+def engine_pool(cfg: PolyRLConfig, name: str, groups: int = 1, first: bool = True) -> Any:
+    """Return the resource pool of one engine worker group (``groups`` of them in the run).
+
+    On CUDA every rank gets a GPU of its own, with the Ray backend and the local one alike (a
+    local rank then picks ``cuda:<local rank>`` and its group runs NCCL for CUDA tensors);
+    on CPU, Ray's separate groups each ask for a fraction of a core, so a two-core machine can
+    still place actor, reference and critic. In hybrid placement on Ray the ``first`` group
+    leaves room in its bundles for the replicas that run beside it.
+    """
+    from polyrl.controller import ResourcePool
+
+    use_gpu = trains_on_gpu(cfg)
+    on_ray = cfg.trainer.worker_backend == "ray"
+    shared = on_ray and not cfg.rollout.urls and rollout_placement(cfg) == "hybrid"
+    return ResourcePool(
+        name,
+        cfg.trainer.world_size,
+        cpus_per_worker=1.0 if use_gpu or not on_ray else 1.0 / groups,
+        gpus_per_worker=1.0 if use_gpu else 0.0,
+        max_colocate_count=2 if shared and first else 1,
+    )
+
+
 def start_engines(
     cfg: PolyRLConfig, specs: Mapping[str, Any], closers: list[Callable[[], None]]
 ) -> tuple[dict[str, Any], list[Any]]:
@@ -767,7 +819,7 @@ def start_engines(
     ``separate`` gives each its own. Ray is started here when the run needs it (and its
     shutdown appended to ``closers``).
     """
-    from polyrl.controller import ResourcePool, WorkerGroup
+    from polyrl.controller import WorkerGroup
 
     world = cfg.trainer.world_size
     backend = cfg.trainer.worker_backend
@@ -788,26 +840,12 @@ def start_engines(
     layouts = (
         [specs] if cfg.trainer.placement == "colocated" else [{k: v} for k, v in specs.items()]
     )
-    # Hybrid placement: the replicas' Ray ranks run in the first group's bundles beside it.
-    shared = backend == "ray" and not cfg.rollout.urls and rollout_placement(cfg) == "hybrid"
     views: dict[str, Any] = {}
     groups: list[Any] = []
     for layout in layouts:
         name = "+".join(layout)
-        kwargs: dict[str, Any] = {"backend": backend, "name": f"rl-{name}"}
-        if backend == "ray":
-            # Separate groups on CPU share the cores: each asks for a fraction of one, so a
-            # two-core machine can still place actor, reference and critic.
-            kwargs["pool"] = ResourcePool(
-                f"rl-{name}",
-                world,
-                cpus_per_worker=1.0 if use_gpu else 1.0 / len(layouts),
-                gpus_per_worker=1.0 if use_gpu else 0.0,
-                max_colocate_count=2 if shared and not groups else 1,
-            )
-        else:
-            kwargs["world_size"] = world
-        group = WorkerGroup(layout, **kwargs)
+        pool = engine_pool(cfg, f"rl-{name}", len(layouts), first=not groups)
+        group = WorkerGroup(layout, pool=pool, backend=backend, name=f"rl-{name}")
         groups.append(group)
         for role in layout:
             views[role] = group.role(role)

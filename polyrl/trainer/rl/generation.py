@@ -24,7 +24,12 @@ from polyrl.config import PolyRLConfig
 from polyrl.core.batch import Batch
 from polyrl.core.rollout_batch import rollout_widths, widen_rollout_batch
 from polyrl.rollout.client import NoReplicaAvailableError
-from polyrl.trainer.rl.build import sleeps_during_training
+from polyrl.trainer.rl.build import (
+    rollout_dtype,
+    rollout_placement,
+    sleeps_during_training,
+    trains_on_gpu,
+)
 from polyrl.trainer.rl.rollout import (
     RolloutProducer,
     derive_seed,
@@ -80,6 +85,15 @@ class Replicas:
         supervisor: restarts dead replicas (``None``: replicas the run does not own).
         actor: the actor's engine view, which pushes the weights (set by :meth:`sync_weights`
             otherwise).
+        senders: the engine rank that sends each replica its weights (``urls`` order; hybrid
+            placement on GPUs: the rank on its GPU); ``None``: rank 0 sends to all.
+
+    In hybrid placement on GPUs a sync frees the GPU for the replicas in this order: the
+    engines give their allocator's cache back (and their optimizer state with
+    ``actor.offload_optimizer``), the replicas wake their weights, the actor pushes the new
+    ones (in the replicas' dtype), the actor's parameters go to host memory with
+    ``actor.offload_params``, and only then do the replicas wake their KV cache, which is the
+    larger share. :meth:`sleep` brings what was offloaded back once the replicas sleep.
     """
 
     #: Seconds between two looks for dead replicas while a step generates.
@@ -93,9 +107,22 @@ class Replicas:
         transport: tuple[str, dict[str, Any]],
         supervisor: ReplicaSupervisor | None = None,
         actor: Any = None,
+        senders: Sequence[int] | None = None,
     ) -> None:
         self.cfg = cfg
         self.urls = list(urls)
+        if senders and len(senders) != len(self.urls):
+            raise ValueError(f"{len(senders)} sending ranks for {len(self.urls)} replicas")
+        #: Which engine rank sends to each replica (a restarted replica keeps its sender).
+        self._sender_of: dict[str, int] = dict(zip(self.urls, senders or (), strict=False))
+        #: The bytes on the wire are the replicas' dtype, not the engine's (fp32 master).
+        self.wire_dtype = rollout_dtype(cfg)
+        #: Hybrid placement on GPUs: engines and replicas take turns with the GPU memory.
+        self.shares_gpu = rollout_placement(cfg) == "hybrid" and trains_on_gpu(cfg)
+        #: What the actor moved to host memory for the replicas (brought back at sleep).
+        self._offloaded: dict[str, bool] = {}
+        #: Device bytes the replicas' last sleep freed (``None``: not on a GPU).
+        self._sleep_freed: float | None = None
         self.producer = producer
         self.transport, self.transport_options = transport
         self.supervisor = supervisor
@@ -127,30 +154,61 @@ class Replicas:
             producer.client.replica_wait = self.cfg.rollout.restart_timeout_s
 
     def sleep(self) -> None:
-        """Free the replicas' memory for training (see :func:`sleeps_during_training`)."""
-        if sleeps_during_training(self.cfg):
-            self._broadcast(self.producer.client.sleep)
+        """Free the replicas' memory for training (see :func:`sleeps_during_training`).
 
-    def wake(self) -> None:
-        """Undo :meth:`sleep` (nothing when the replicas do not sleep)."""
+        Then the actor gets back what it offloaded for them (``actor.offload_*``).
+        """
         if sleeps_during_training(self.cfg):
-            self._broadcast(self.producer.client.wake_up)
+            answers = self._broadcast(self.producer.client.sleep) or []
+            freed = [a.get("device_bytes_freed") for a in answers if isinstance(a, dict)]
+            if any(f is not None for f in freed):
+                self._sleep_freed = float(sum(f for f in freed if f is not None))
+        if self._offloaded and self.actor is not None:
+            offloaded, self._offloaded = self._offloaded, {}
+            self.actor.reload(**offloaded)
 
-    def _broadcast(self, call: Callable[[], Any]) -> None:
-        """Run a client broadcast; a replica found dead meanwhile is left to its restart."""
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        """Undo :meth:`sleep` for ``tags`` (``weights``/``kv_cache``; default both).
+
+        Nothing when the replicas do not sleep.
+        """
+        if sleeps_during_training(self.cfg):
+            self._broadcast(lambda: self.producer.client.wake_up(tags))
+
+    def _offload(self, params: bool, optimizer: bool) -> None:
+        """Move the actor's parameters and/or optimizer state to host memory, then free cache."""
+        if params or optimizer:
+            self.actor.offload(params=params, optimizer=optimizer)
+            self._offloaded = {
+                "params": params or self._offloaded.get("params", False),
+                "optimizer": optimizer or self._offloaded.get("optimizer", False),
+            }
+        else:
+            self.actor.empty_cache()
+
+    def _broadcast(self, call: Callable[[], Any]) -> Any:
+        """Run a client broadcast and return its answers (``None``: a replica died).
+
+        A replica found dead meanwhile is left to its restart.
+        """
         try:
-            self.producer.run(call())
+            return self.producer.run(call())
         except NoReplicaAvailableError:
             if self.supervisor is None or not self.supervisor.dead(grace_s=2.0):
                 raise
+            return None
 
     def metrics(self) -> dict[str, float]:
         """``rollout/replica_restarts`` and ``rollout/request_retries`` (both since the start)."""
         restarts = self.supervisor.restarts if self.supervisor is not None else 0
-        return {
+        metrics = {
             "rollout/replica_restarts": float(restarts),
             "rollout/request_retries": float(sum(c.retries for c in self._clients)),
         }
+        if self._sleep_freed is not None:
+            # GPU memory the replicas' last sleep gave back (measured by them; GPU only).
+            metrics["rollout/sleep_freed_bytes"] = self._sleep_freed
+        return metrics
 
     def sync_weights(self, actor: Any, version: int) -> dict[str, float]:
         """Wake the replicas and push the actor's weights as ``version``; return metrics.
@@ -160,16 +218,31 @@ class Replicas:
         """
         self.actor = actor
         self.recover(push=False)
-        self.wake()
+        actor_cfg = self.cfg.actor
+        if self.shares_gpu:
+            # The optimizer state is not needed for the push: out of the way first.
+            self._offload(params=False, optimizer=actor_cfg.offload_optimizer)
+            self.wake(["weights"])
+        else:
+            self.wake()
         early, self._early = self._early, {}
         targets = [u for u in self.urls if early.get(u) != version]
         # With every replica given this version early, that push is the step's sync.
         first = self._push(targets, version) if targets else self._early_stats
+        if self.shares_gpu:
+            # The KV cache, the replicas' larger share, wakes once the push no longer needs the
+            # actor's parameters on the GPU.
+            self._offload(params=actor_cfg.offload_params, optimizer=False)
+            self.wake(["kv_cache"])
         self.version = version
-        return {
+        metrics = {
             "perf/weight_sync_bytes": float(first["bytes"]),
             "perf/weight_sync_buckets": float(first["buckets"]),
         }
+        for kind, buckets in (first.get("received") or {}).items():
+            # What the replicas say arrived, by way (cuda_ipc, shm, dist, disk).
+            metrics[f"perf/weight_sync_received_{kind}"] = float(buckets)
+        return metrics
 
     # ------------------------------------------------------------------ lost replicas
     def recover(self, push: bool = True, version: int | None = None) -> list[str]:
@@ -206,6 +279,8 @@ class Replicas:
             with contextlib.suppress(KeyError):
                 client.enable_replica(handle.url, enabled=False)
         old, new = self.supervisor.restart(handle)
+        if old in self._sender_of:  # the same GPU, so the same sending rank
+            self._sender_of[new] = self._sender_of.pop(old)
         # A fresh server (often on the old port) has none of the weights pushed early.
         self._early.pop(old, None)
         self._early.pop(new, None)
@@ -259,10 +334,12 @@ class Replicas:
                     version=version,
                     mode=ro.weight_sync_mode,
                     inflight=self.inflight,
+                    dtype=self.wire_dtype,
+                    senders=[self._sender_of[u] for u in targets] if self._sender_of else None,
                 )
                 for url in targets:  # restarted ones included: they have the weights now
                     self._admit(url)
-                return next(s for s in stats if s is not None)
+                return _merged_push_stats(stats)
             except Exception as exc:
                 dead = self.supervisor.dead(grace_s=2.0) if self.supervisor is not None else []
                 if not dead:
@@ -279,6 +356,21 @@ class Replicas:
                     u for u in targets if u not in lost and (_weight_version(u) or 0) < version
                 ]
                 targets = behind + restarted
+
+
+def _merged_push_stats(stats: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
+    """One push's statistics from every sending rank's (``None``: a rank that sent nothing).
+
+    Sizes are one rank's (each sends the whole model); what the replicas received is summed.
+    """
+    sent = [s for s in stats if s is not None]
+    merged = dict(sent[0])
+    received: dict[str, int] = {}
+    for one in sent:
+        for kind, n in (one.get("received") or {}).items():
+            received[kind] = received.get(kind, 0) + int(n)
+    merged["received"] = received
+    return merged
 
 
 def _weight_version(url: str) -> int | None:

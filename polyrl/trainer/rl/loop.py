@@ -245,6 +245,7 @@ class RLTrainer:
             transport,
             supervisor=replica_supervisor(cfg, self.servers),
             actor=self.actor,
+            senders=self.servers.senders or None,
         )
         lora = (
             f"; LoRA rank {cfg.model.lora_rank} (reference = actor without adapter)"
