@@ -75,7 +75,8 @@ bench-rl-step-bf16: $(STAMP)
 # On a machine with CUDA, offline (e.g. the lent GPU box, from the repo root): tests_gpu and
 # benchmarks/gpu_step.py on the system torch, with the wheels that `make gpu-wheels` downloads
 # into gpu_wheels/ where PyPI is reachable (carry that folder). Report: $OUT/gpu_report.md or
-# outputs/gpu_report.md. Not part of `make test`; needs no .venv. GPU_STAGES picks stages.
+# outputs/gpu_report.md. Not part of `make test`; needs no .venv. GPU_STAGES picks the parts
+# (fast, grpo, bench; default fast): each call fits one 10-minute device command.
 GPU_STAGES ?=
 .PHONY: test-gpu gpu-wheels
 test-gpu:

@@ -101,6 +101,48 @@ def _table(rows: list[tuple[str, dict[str, Any], dict[str, Any]]], k: int) -> st
     return "\n".join(lines)
 
 
+#: Written beside a finished warm-up: what it was trained with.
+SFT_KEY_FILE = "demo_sft_key.json"
+
+
+def sft_key(cfg: PolyRLConfig) -> dict[str, Any]:
+    """Return what the demo's SFT warm-up depends on (model, data, SFT, seed, device)."""
+    return json.loads(
+        json.dumps(
+            {
+                "model": dataclasses.asdict(cfg.model),
+                "data": dataclasses.asdict(cfg.data),
+                "sft": dataclasses.asdict(cfg.sft),
+                "seed": cfg.seed,
+                "device": cfg.trainer.device,
+                "world_size": cfg.trainer.world_size,
+                "steps": cfg.sft.total_steps or cfg.trainer.total_steps,
+            },
+            default=str,
+        )
+    )
+
+
+def finished_sft(sft_dir: Path, key: dict[str, Any]) -> dict[str, Any] | None:
+    """Return the summary of a finished warm-up in ``sft_dir`` trained as ``key`` says, if any.
+
+    Finished: its summary (written last) and its exported model are there, and so is the key
+    it was trained with, equal to ``key``. The summary's model path is read relative to
+    ``sft_dir``, so a copied warm-up serves too.
+    """
+    from polyrl.trainer.sft import HF_DIR, SUMMARY_FILE
+
+    try:
+        summary = json.loads((sft_dir / SUMMARY_FILE).read_text())
+        saved = json.loads((sft_dir / SFT_KEY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    hf_dir = sft_dir / HF_DIR
+    if saved != key or not (hf_dir / "config.json").is_file():
+        return None
+    return {**summary, "hf_model": str(hf_dir)}
+
+
 def run(cfg: PolyRLConfig) -> dict[str, Any]:
     """Run the demo job for ``cfg`` and return its summary (also written as JSON)."""
     from polyrl.data.dataset import RLDataset
@@ -135,17 +177,25 @@ def run(cfg: PolyRLConfig) -> dict[str, Any]:
         cfg.data, task="", train_files=[str(train_path)], val_files=[str(test_path)]
     )
 
-    print(f"[demo] 1/3 SFT warm-up: {cfg.sft.total_steps} steps on {train_path}", flush=True)
-    sft_cfg = dataclasses.replace(
-        cfg,
-        model=dataclasses.replace(cfg.model, path=str(model_dir)),
-        data=files,
-        trainer=dataclasses.replace(
-            cfg.trainer, output_dir=str(out_dir / "sft"), save_freq=0, loggers=["jsonl"]
-        ),
-        sft=dataclasses.replace(cfg.sft, export_hf=True),
-    )
-    sft_summary = run_sft(sft_cfg)
+    key = sft_key(cfg)
+    sft_summary = finished_sft(out_dir / "sft", key)
+    if sft_summary is not None:
+        # A finished warm-up of the same length (an earlier run into this directory, or one
+        # copied there): the GPU check's GRPO runs share one this way.
+        print(f"[demo] 1/3 SFT warm-up: reusing the finished one in {out_dir / 'sft'}", flush=True)
+    else:
+        print(f"[demo] 1/3 SFT warm-up: {key['steps']} steps on {train_path}", flush=True)
+        sft_cfg = dataclasses.replace(
+            cfg,
+            model=dataclasses.replace(cfg.model, path=str(model_dir)),
+            data=files,
+            trainer=dataclasses.replace(
+                cfg.trainer, output_dir=str(out_dir / "sft"), save_freq=0, loggers=["jsonl"]
+            ),
+            sft=dataclasses.replace(cfg.sft, export_hf=True),
+        )
+        sft_summary = run_sft(sft_cfg)
+        (out_dir / "sft" / SFT_KEY_FILE).write_text(json.dumps(key, indent=2) + "\n")
     sft_dir = str(sft_summary["hf_model"])
 
     print(f"[demo] 2/3 GRPO: {cfg.trainer.total_steps} steps from the SFT checkpoint", flush=True)

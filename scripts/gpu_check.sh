@@ -1,24 +1,38 @@
 #!/usr/bin/env bash
-# The GPU check, run ON a CUDA machine from the repository root, offline:
+# The GPU check, run ON a CUDA machine from the repository root, offline, in calls that each
+# fit one 10-minute device command:
 #
-#   bash scripts/gpu_check.sh [setup] [test] [bench]      # no stage named: all three
+#   bash scripts/gpu_check.sh fast bench    # call 1: every GPU test but the GRPO runs, then
+#                                           #         benchmarks/gpu_step.py        (~5 min)
+#   bash scripts/gpu_check.sh grpo          # call 2: the two GRPO runs (hybrid, async); they
+#                                           #         share one SFT warm-up          (~8 min)
 #
-# setup  installs the wheels of gpu_wheels/ (made here by scripts/gpu_wheels.sh; carry the
-#        folder to the device machine) into .gpu-site/ with --target and puts it and the source
-#        tree on PYTHONPATH. Not a venv: the lent machine's python3 is itself a venv
-#        (/opt/torch/.venv) whose packages (torch 2.11+cu130, transformers, ...) a nested
-#        --system-site-packages venv would not see. torch is never installed or touched.
-# test   pytest tests_gpu -v (exit status non-zero when a test fails); POLYRL_GPU_TESTS="EXPR"
-#        passes -k EXPR, to split the suite over device calls (e.g. "not async", then "async").
+# No part named: `fast` (and the report says what to run next). Parts:
+# fast   pytest tests_gpu, all but the GRPO runs (FSDP2, native engine fp32 and bf16, CUDA
+#        IPC, vLLM and SGLang -- reported "not run" where they are not installed).
+# grpo   pytest tests_gpu/test_grpo_cuda.py; the SFT warm-up of the first run is kept in
+#        outputs/gpu_check/demo_sft for the second (and for a later call on the same machine).
 # bench  python benchmarks/gpu_step.py (its JSON record goes into the report).
 #
+# Every call installs the wheels of gpu_wheels/ (made here by scripts/gpu_wheels.sh; carry the
+# folder) into .gpu-site/ with --target and puts it and the source tree on PYTHONPATH (not a
+# venv: the lent machine's python3 is itself a venv whose torch 2.11+cu130 and transformers a
+# nested venv would not see; torch is never installed or touched). Seconds.
+#
+# Time: the whole call stays inside POLYRL_GPU_CALL_S (default 540 s): each pytest runs under
+# `timeout` with what is left less 40 s for the report, each test under pytest-timeout's
+# POLYRL_GPU_TEST_S (default 300 s) where pytest-timeout is installed, and every test's outcome
+# is written to the report as it finishes, so a call cut short still says what ran. A skipped
+# test is reported "NOT RUN", never as passed.
+#
+# POLYRL_GPU_DRY_RUN=1 runs every step that needs no GPU (set-up, versions, imports, collecting
+# the selected tests) and writes the same report: check the script here before a device call.
+#
 # The report is $OUT/gpu_report.md when $OUT is set (the device tool brings $OUT back), else
-# outputs/gpu_report.md; logs and the benchmark record sit beside it. The whole check takes
-# about 8-10 minutes on an H100; a device call is limited to 10, so there run it in two calls:
-# `bash scripts/gpu_check.sh setup test` then `bash scripts/gpu_check.sh bench` (setup is
-# repeated by each call; it takes seconds).
+# outputs/gpu_report.md; logs and the benchmark record sit beside it.
 set -uo pipefail
 
+START=$(date +%s)
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
@@ -26,14 +40,17 @@ WHEELS="${POLYRL_GPU_WHEELS:-$ROOT/gpu_wheels}"
 SITE="${POLYRL_GPU_SITE:-$ROOT/.gpu-site}"
 REPORT_DIR="${OUT:-$ROOT/outputs}"
 REPORT="$REPORT_DIR/gpu_report.md"
+CALL_S="${POLYRL_GPU_CALL_S:-540}"
+TEST_S="${POLYRL_GPU_TEST_S:-300}"
+DRY="${POLYRL_GPU_DRY_RUN:-0}"
 mkdir -p "$REPORT_DIR"
 rc=0
 
-stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(setup test bench)
-for s in "${stages[@]}"; do
-    case "$s" in setup | test | bench) ;; *)
-        echo "gpu_check.sh: unknown stage '$s' (expected setup, test or bench)" >&2
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(fast)
+for p in "${parts[@]}"; do
+    case "$p" in fast | grpo | bench) ;; *)
+        echo "gpu_check.sh: unknown part '$p' (expected fast, grpo or bench)" >&2
         exit 2
         ;;
     esac
@@ -41,17 +58,18 @@ done
 
 say() { printf '%s\n' "$*" | tee -a "$REPORT"; }
 fence() { say '```'; }
+left() { echo $((CALL_S - ($(date +%s) - START))); }
 
 : >"$REPORT"
 say "# polyrl GPU check"
 say ""
 say "- date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
 say "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-say "- stages: ${stages[*]}"
+say "- parts: ${parts[*]}$([ "$DRY" = 1 ] && echo ' (dry run: nothing that needs a GPU runs)')"
+say "- call budget: ${CALL_S}s, per test: ${TEST_S}s"
 say "- gpu: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1 || echo 'nvidia-smi not found')"
 say ""
 
-# Every stage needs the wheels and the source tree on the path; always (re)do it: seconds.
 if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     # --no-deps: the folder lists every dependency the machine lacks (scripts/gpu_requirements.txt);
     # the import check below catches anything still missing.
@@ -76,7 +94,8 @@ print(f"python {sys.version.split()[0]} ({sys.executable})")
 print(f"torch {torch.__version__} cuda {torch.version.cuda} available={torch.cuda.is_available()}"
       + (f" device={torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
 for name in ("transformers", "tokenizers", "safetensors", "numpy", "httpx", "fastapi", "uvicorn",
-             "pydantic", "tensordict", "pyarrow", "matplotlib", "math_verify", "pytest"):
+             "pydantic", "tensordict", "pyarrow", "matplotlib", "math_verify", "pytest",
+             "pytest_timeout"):
     try:
         mod = importlib.import_module(name)
         print(f"{name} {getattr(mod, '__version__', '?')}")
@@ -92,45 +111,87 @@ if ! "$PY" -c "import polyrl.rollout.server, polyrl.trainer.rl, polyrl.demo, pol
     exit 1
 fi
 say "setup: ok (PYTHONPATH=$PYTHONPATH)"
-if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+if [ "$DRY" != 1 ] && ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     # Every GPU test would be skipped and the benchmark refuse: that is no pass.
-    say "CUDA is not available here: the check needs a CUDA GPU (the stages run anyway)"
+    say "CUDA is not available here: the check needs a CUDA GPU (the parts run anyway; use POLYRL_GPU_DRY_RUN=1 to check the script alone)"
     rc=1
+fi
+timeout_opt=()
+pytest_help="$("$PY" -m pytest --help 2>/dev/null)"
+if [[ "$pytest_help" == *"--timeout="* ]]; then
+    timeout_opt=(--timeout="$TEST_S")
+else
+    say "pytest-timeout is not installed: no per-test limit, only the call's"
 fi
 say ""
 
-for s in "${stages[@]}"; do
-    case "$s" in
-    test)
-        say "## tests_gpu"
-        select=()
-        if [ -n "${POLYRL_GPU_TESTS:-}" ]; then
-            select=(-k "$POLYRL_GPU_TESTS")
-            say "selected: -k '$POLYRL_GPU_TESTS'"
-        fi
-        "$PY" -m pytest tests_gpu -v -rs -p no:cacheprovider "${select[@]}" \
-            --junitxml="$REPORT_DIR/gpu_tests.xml" >"$REPORT_DIR/gpu_tests.log" 2>&1
-        trc=$?
+run_tests() { # $1: title, rest: pytest selection
+    local title="$1" name="$2"
+    shift 2
+    say "## tests_gpu: $title"
+    local log="$REPORT_DIR/gpu_tests_$name.log"
+    if [ "$DRY" = 1 ]; then
+        "$PY" -m pytest -p no:cacheprovider --collect-only -q "$@" >"$log" 2>&1
+        local crc=$?
         fence
-        # The per-test lines and the closing summary line.
-        grep -E '(PASSED|FAILED|ERROR|SKIPPED)( |$)|^=+ .* in [0-9.]+s' "$REPORT_DIR/gpu_tests.log" \
-            | tee -a "$REPORT"
+        grep -E '::' "$log" | sed 's/^/- WOULD RUN /' | tee -a "$REPORT"
+        grep -E '^SKIPPED' "$log" | sed 's/^SKIPPED \[[0-9]*\] /- NOT RUN (whole module) /' | tee -a "$REPORT"
         fence
-        say "pytest exit status: $trc (full log: gpu_tests.log)"
-        if [ "$trc" -eq 5 ]; then say "pytest collected no tests"; fi
-        [ "$trc" -ne 0 ] && rc=1
+        say "collected: $(grep -c '::' "$log") test(s) (pytest exit status $crc)"
+        [ "$crc" -ne 0 ] && rc=1
         say ""
-        ;;
+        return
+    fi
+    local budget=$(($(left) - 40))
+    if [ "$budget" -lt 30 ]; then
+        say "not run: ${budget}s left of this call's ${CALL_S}s; run this part in a call of its own"
+        rc=1
+        say ""
+        return
+    fi
+    say "each line is written as its test ends (limit for this part: ${budget}s)"
+    fence
+    POLYRL_GPU_LIVE_REPORT="$REPORT" timeout --signal=INT --kill-after=20 "$budget" \
+        "$PY" -m pytest -v -rs -p no:cacheprovider "${timeout_opt[@]}" "$@" \
+        --junitxml="$REPORT_DIR/gpu_tests_$name.xml" >"$log" 2>&1
+    local trc=$?
+    fence
+    say "$(grep -E '^=+ .* in [0-9.]+s' "$log" | tail -1)"
+    case "$trc" in
+    0) say "pytest exit status 0 (full log: $(basename "$log"))" ;;
+    124 | 130 | 137) say "cut off after ${budget}s: the tests without a line above did not run (full log: $(basename "$log"))"; rc=1 ;;
+    5) say "pytest collected no tests"; rc=1 ;;
+    *) say "pytest exit status $trc (full log: $(basename "$log"))"; rc=1 ;;
+    esac
+    say ""
+}
+
+for p in "${parts[@]}"; do
+    case "$p" in
+    fast) run_tests "all but the GRPO runs" fast tests_gpu --ignore=tests_gpu/test_grpo_cuda.py ;;
+    grpo) run_tests "the GRPO runs" grpo tests_gpu/test_grpo_cuda.py ;;
     bench)
         say "## benchmarks/gpu_step.py"
-        "$PY" benchmarks/gpu_step.py >"$REPORT_DIR/gpu_step.log" 2>&1
+        if [ "$DRY" = 1 ]; then
+            say "dry run: not run (needs CUDA)"
+            say ""
+            continue
+        fi
+        budget=$(($(left) - 20))
+        if [ "$budget" -lt 30 ]; then
+            say "not run: ${budget}s left of this call's ${CALL_S}s; run it in a call of its own"
+            rc=1
+            say ""
+            continue
+        fi
+        timeout --kill-after=10 "$budget" "$PY" benchmarks/gpu_step.py >"$REPORT_DIR/gpu_step.log" 2>&1
         brc=$?
         if [ "$brc" -eq 0 ]; then
             tail -1 "$REPORT_DIR/gpu_step.log" >"$REPORT_DIR/gpu_step.json"
-            fence; cat "$REPORT_DIR/gpu_step.json" | tee -a "$REPORT"; fence
+            fence; tee -a "$REPORT" <"$REPORT_DIR/gpu_step.json"; fence
             say "(record also appended to benchmarks/history/gpu_step.jsonl on this machine)"
         else
-            say "gpu_step.py failed with status $brc:"
+            say "gpu_step.py failed with status $brc$([ "$brc" -eq 124 ] && echo " (cut off after ${budget}s)"):"
             fence; tail -30 "$REPORT_DIR/gpu_step.log" | tee -a "$REPORT"; fence
             rc=1
         fi
@@ -138,5 +199,8 @@ for s in "${stages[@]}"; do
         ;;
     esac
 done
-say "gpu_check: exit status $rc"
+if [ $# -eq 0 ]; then
+    say "next: \`bash scripts/gpu_check.sh bench\`, then \`bash scripts/gpu_check.sh grpo\` (each its own device call)"
+fi
+say "gpu_check: exit status $rc after $(($(date +%s) - START))s"
 exit "$rc"

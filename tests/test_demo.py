@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+SMALL = ["sft.total_steps=10", "trainer.total_steps=2", "trainer.test_freq=0", "rollout.n=4"]
+
 
 @pytest.mark.slow
 def test_demo_job_runs_sft_then_grpo_and_evaluates_both(tmp_path):
@@ -21,10 +23,7 @@ def test_demo_job_runs_sft_then_grpo_and_evaluates_both(tmp_path):
             "demo",
             f"trainer.output_dir={out}",
             "data.num_val=16",
-            "sft.total_steps=10",
-            "trainer.total_steps=2",
-            "trainer.test_freq=0",
-            "rollout.n=4",
+            *SMALL,
         ],
         capture_output=True,
         text=True,
@@ -44,3 +43,16 @@ def test_demo_job_runs_sft_then_grpo_and_evaluates_both(tmp_path):
     records = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "actor/pg_loss" in r]
     assert [r["rollout/weight_version"] for r in steps] == [0, 1]
+    # ... and the replica says what reached it: tensors written into its shared arena.
+    assert all(r["perf/weight_sync_received_shm_direct"] > 0 for r in steps)
+    # A finished warm-up is kept with what it was trained with: a rerun of the same job (the
+    # GPU check's GRPO runs share one) reuses it, another job does not.
+    from polyrl.config import load_config
+    from polyrl.demo import finished_sft, sft_key
+
+    cfg = load_config("demo", [f"trainer.output_dir={out}", "data.num_val=16", *SMALL])
+    assert finished_sft(out / "sft", sft_key(cfg))["steps"] == 10
+    other = load_config(
+        "demo", [f"trainer.output_dir={out}", "data.num_val=16", "sft.total_steps=11"]
+    )
+    assert finished_sft(out / "sft", sft_key(other)) is None

@@ -5,10 +5,13 @@ from __future__ import annotations
 import threading
 
 
-def run_engine(engine, requests, timeout: float = 120.0) -> dict[str, list[int]]:
+def run_engine(
+    engine, requests, timeout: float = 120.0, logprobs: dict[str, list[float]] | None = None
+) -> dict[str, list[int]]:
     """Submit ``requests`` (one sample each) to a started native engine; wait for all.
 
-    Returns each request's generated token ids by request id.
+    Returns each request's generated token ids by request id; with ``logprobs`` (a dict),
+    fills it with each request's token log-probs (requests asked with ``logprobs=True``).
     """
     out: dict[str, list[int]] = {r.request_id: [] for r in requests}
     left = [len(requests)]
@@ -23,6 +26,8 @@ def run_engine(engine, requests, timeout: float = 120.0) -> dict[str, list[int]]
                 return
             for delta in payload:
                 out[rid].extend(delta.token_ids)
+                if logprobs is not None and delta.logprobs:
+                    logprobs.setdefault(rid, []).extend(delta.logprobs)
                 if delta.finish_reason is not None:
                     left[0] -= 1
                     if left[0] == 0:
