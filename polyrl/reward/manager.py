@@ -50,6 +50,7 @@ from polyrl.reward.user_fn import (
 
 if TYPE_CHECKING:
     from polyrl.core.batch import Batch
+    from polyrl.reward.base import ReplicaEndpoints
 
 __all__ = ["RewardFailureError", "RewardManager", "RewardResult"]
 
@@ -189,7 +190,12 @@ class RewardManager:
     manager as a context manager) to stop them. Concurrent ``score`` calls from several
     threads are serialised. Workers are daemonic processes, so a scorer cannot start
     ``multiprocessing`` children of its own (``subprocess`` works).
+
+    It is a :class:`~polyrl.reward.base.Scorer` that reads only the batch's usual columns.
     """
+
+    wants_rows = False
+    wants_prompts = False
 
     def __init__(
         self,
@@ -363,6 +369,9 @@ class RewardManager:
                 )
             )
         return self._score_items(items)
+
+    def attach_rollout(self, client: ReplicaEndpoints) -> None:
+        """Nothing: registered scorers and custom functions do not ask the replicas."""
 
     def close(self) -> None:
         """Stop the worker processes. Idempotent; the manager cannot score afterwards."""
