@@ -139,30 +139,6 @@ class RewardResult:
     statuses: list[str] = field(default_factory=list)
     failures: dict[int, str] = field(default_factory=dict)
 
-    def token_level_scores(self, response_mask: torch.Tensor) -> torch.Tensor:
-        """Place each score on the last valid token of its response (zeros elsewhere).
-
-        Args:
-            response_mask: ``(B, R)`` mask of valid response tokens.
-
-        Raises:
-            ValueError: If the mask is not 2-D with B rows.
-        """
-        if response_mask.dim() != 2 or response_mask.shape[0] != self.scores.shape[0]:
-            raise ValueError(
-                f"response_mask must have shape (B={self.scores.shape[0]}, R), got "
-                f"{tuple(response_mask.shape)}"
-            )
-        mask = response_mask.bool()
-        out = torch.zeros(mask.shape, dtype=torch.float32, device=response_mask.device)
-        lengths = mask.sum(dim=1)
-        rows = torch.nonzero(lengths > 0, as_tuple=True)[0]
-        # Index of the last True per row (masks may be left- or right-aligned).
-        positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
-        last = torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=1).values
-        out[rows, last[rows]] = self.scores.to(out.device)[rows]
-        return out
-
 
 class RewardManager:
     """Score batches with registered scorers or a custom reward function.
