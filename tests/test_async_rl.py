@@ -283,12 +283,15 @@ def test_an_aborted_sample_resumes_from_its_tokens(agent_server, tiny_qwen2_toke
 
     import torch
 
+    from polyrl.reward import RewardManager
     from polyrl.trainer.rl.rollout import RolloutProducer
 
     cfg = load_config(
         "demo", ["rollout.max_new_tokens=384", "data.max_response_length=384", "rollout.n=2"]
     )
-    producer = RolloutProducer.connect(cfg, [str(agent_server.url)], tiny_qwen2_tokenizer, None)
+    # Nothing is scored here; the producer still needs a scorer (in-process: no workers).
+    rewards = RewardManager(num_workers=0)
+    producer = RolloutProducer.connect(cfg, [str(agent_server.url)], tiny_qwen2_tokenizer, rewards)
     producer.resume_aborted = True
     item = {"input_ids": torch.tensor(tiny_qwen2_tokenizer.encode("12+34="))}
 

@@ -85,6 +85,42 @@ def test_judge_template_fields_and_config_checks():
         check_config(load_config("grpo", ["reward.model_path=/nonexistent/rm"]))
 
 
+def test_every_scorer_kind_says_what_it_reads_and_where_the_replicas_are(tmp_path):
+    """The four scorer kinds declare the Scorer fields; wrappers pass them on."""
+    from polyrl.reward import RewardManager
+    from polyrl.reward.functions import RewardFunctionsManager
+    from polyrl.trainer.rl.asynchronous import SerialRewards
+    from polyrl.trainer.rl.reward_mix import MixedRewards
+    from polyrl.trainer.rl.rollout import reward_manager
+
+    class Replicas:
+        urls = ["http://127.0.0.1:1"]
+        api_key = None
+
+    batched = tmp_path / "trl_reward.py"
+    batched.write_text("def reward(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    trl = [f"reward.custom_function={batched}:reward"]
+    judged = ["reward.judge_template={response}", "reward.judge_weight=0.5"]
+    cases = [
+        ([], RewardManager, False, False),
+        (trl, RewardFunctionsManager, True, False),
+        (judged, MixedRewards, False, True),
+        (judged + trl, MixedRewards, True, True),
+    ]
+    for overrides, kind, rows, prompts in cases:
+        scorer = reward_manager(load_config("grpo", [*overrides, "reward.num_workers=0"]))
+        try:
+            shared = SerialRewards(scorer)
+            assert isinstance(scorer, kind)
+            for each in (scorer, shared):
+                assert (each.wants_rows, each.wants_prompts) == (rows, prompts), (overrides, each)
+                each.attach_rollout(Replicas())  # a no-op for the rules, noted by the judge
+            if isinstance(scorer, MixedRewards):
+                assert isinstance(scorer._policy_client, Replicas)
+        finally:
+            scorer.close()
+
+
 def test_reward_model_reads_the_tokens_polyrl_rm_trained_it_on(tiny_qwen2_tokenizer):
     """The scored text tokenises to the trainer's sequence: the score is read at the same token."""
     from polyrl.data.tasks import generate

@@ -1,5 +1,7 @@
 """Rewards: registered scorers (rule-based and code execution), user functions, a manager.
 
+What the trainer needs of any scorer is the :class:`~polyrl.reward.base.Scorer` Protocol.
+
 ``RewardManager`` / ``RewardResult`` / ``RewardFailureError`` are imported lazily so that
 reward worker processes, which import this package, do not pay for importing torch.
 """
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from polyrl.reward.base import ReplicaEndpoints, Scorer
 from polyrl.reward.code_exec import code_score, extract_program
 from polyrl.reward.registry import SCORERS, extract_answer, get_scorer, register_scorer
 from polyrl.reward.scorers import (
@@ -44,6 +47,8 @@ __all__ = [
     "RewardManager",
     "RewardResult",
     "RewardResultError",
+    "ReplicaEndpoints",
+    "Scorer",
     "arithmetic_score",
     "bind_scorer",
     "call_scorer",

@@ -64,6 +64,7 @@ from polyrl.reward.user_fn import (
 
 if TYPE_CHECKING:
     from polyrl.core.batch import Batch
+    from polyrl.reward.base import ReplicaEndpoints
     from polyrl.reward.manager import RewardResult
 
 __all__ = [
@@ -297,8 +298,8 @@ class RewardFunctionsManager:
     """Scores batches with several weighted reward functions (see the module docstring).
 
     Per-sample functions each get a :class:`~polyrl.reward.manager.RewardManager` (its own
-    worker pool of ``num_workers`` processes); batched ones are called here. The interface is
-    the manager's: :meth:`score` a batch, :meth:`close`.
+    worker pool of ``num_workers`` processes); batched ones are called here. It is a
+    :class:`~polyrl.reward.base.Scorer`, like the manager.
 
     The batch's non-tensor columns read: ``response_text``, ``source_row`` (the dataset row as
     given: prompt and columns), ``completion_ids`` (lists of token ids), and for the per-sample
@@ -307,6 +308,7 @@ class RewardFunctionsManager:
 
     #: Tells the rollout producer to put ``source_row`` and ``completion_ids`` on the batch.
     wants_rows = True
+    wants_prompts = False
 
     def __init__(
         self,
@@ -324,7 +326,6 @@ class RewardFunctionsManager:
         self.prompt_key = prompt_key
         self.error_reward = float(error_reward)
         self.max_failure_fraction = max_failure_fraction
-        self.has_custom_function = True
         self._managers: dict[int, RewardManager] = {}
         try:
             for k, f in enumerate(self.functions):
@@ -339,6 +340,9 @@ class RewardFunctionsManager:
         except BaseException:
             self.close()
             raise
+
+    def attach_rollout(self, client: ReplicaEndpoints) -> None:
+        """Nothing: reward functions do not ask the replicas."""
 
     def close(self) -> None:
         """Stop the per-sample functions' worker pools."""

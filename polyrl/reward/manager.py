@@ -2,9 +2,9 @@
 
 Each sample is scored by the user's custom function or by the scorer registered for its
 ``data_source``. Scoring runs in ``num_workers`` long-lived processes with a per-sample
-timeout: a scorer that hangs, raises, returns garbage or kills its process yields
-``error_reward`` for that sample and bumps a counter in the metrics; the worker is
-replaced when needed and the run goes on.
+timeout (a :class:`~polyrl.reward.pool.ScoringPool`): a scorer that hangs, raises, returns
+garbage or kills its process yields ``error_reward`` for that sample and bumps a counter in
+the metrics; the worker is replaced when needed and the run goes on.
 
 ``num_workers=0`` scores in the calling process instead. That is meant for debugging
 (breakpoints, tracebacks, profilers): exceptions and garbage are still caught, but no
@@ -22,15 +22,10 @@ from __future__ import annotations
 import collections
 import logging
 import math
-import multiprocessing as mp
-import os
-import signal
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -43,8 +38,8 @@ from polyrl.reward._worker import (
     ScorerResolver,
     make_payload,
     score_one,
-    worker_main,
 )
+from polyrl.reward.pool import ScoringPool
 from polyrl.reward.registry import get_scorer
 from polyrl.reward.user_fn import (
     RewardResultError,
@@ -55,6 +50,7 @@ from polyrl.reward.user_fn import (
 
 if TYPE_CHECKING:
     from polyrl.core.batch import Batch
+    from polyrl.reward.base import ReplicaEndpoints
 
 __all__ = ["RewardFailureError", "RewardManager", "RewardResult"]
 
@@ -67,10 +63,6 @@ _METRIC_FOR_STATUS = {
     "timeout": "reward/timeouts",
     "garbage": "reward/garbage",
 }
-_MAX_BOOT_FAILURES = 3
-#: Timed-out samples, with none finished, after which a batch's scorer is deemed hung (at
-#: least this many, and at least one per worker).
-_MIN_HUNG_SAMPLES = 2
 _BUILTIN_MODULE = "polyrl.reward.scorers"
 
 
@@ -147,74 +139,6 @@ class RewardResult:
     statuses: list[str] = field(default_factory=list)
     failures: dict[int, str] = field(default_factory=dict)
 
-    def token_level_scores(self, response_mask: torch.Tensor) -> torch.Tensor:
-        """Place each score on the last valid token of its response (zeros elsewhere).
-
-        Args:
-            response_mask: ``(B, R)`` mask of valid response tokens.
-
-        Raises:
-            ValueError: If the mask is not 2-D with B rows.
-        """
-        if response_mask.dim() != 2 or response_mask.shape[0] != self.scores.shape[0]:
-            raise ValueError(
-                f"response_mask must have shape (B={self.scores.shape[0]}, R), got "
-                f"{tuple(response_mask.shape)}"
-            )
-        mask = response_mask.bool()
-        out = torch.zeros(mask.shape, dtype=torch.float32, device=response_mask.device)
-        lengths = mask.sum(dim=1)
-        rows = torch.nonzero(lengths > 0, as_tuple=True)[0]
-        # Index of the last True per row (masks may be left- or right-aligned).
-        positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
-        last = torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=1).values
-        out[rows, last[rows]] = self.scores.to(out.device)[rows]
-        return out
-
-
-class _Worker:
-    """Book-keeping for one worker process in the pool."""
-
-    def __init__(self, proc: Any, conn: Connection, boot_deadline: float):
-        self.proc = proc
-        self.conn = conn
-        self.ready = False
-        self.boot_deadline = boot_deadline
-        self.chunk: list[Item] | None = None
-        self.pos = 0
-        self.deadline = math.inf
-
-    def kill(self) -> None:
-        pid = self.proc.pid
-        if pid is not None and hasattr(os, "killpg"):
-            # The worker leads its own process group (see worker_main): this also ends
-            # processes its scorer started. Before it has set that up, no such group exists.
-            try:
-                if os.getpgid(pid) == pid:
-                    os.killpg(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(timeout=5)
-        self.conn.close()
-
-
-def _stop_workers(workers: list[_Worker | None]) -> None:
-    for w in workers:
-        if w is None:
-            continue
-        try:
-            w.conn.send(("stop",))
-        except (OSError, ValueError):
-            pass
-    for w in workers:
-        if w is None:
-            continue
-        w.proc.join(timeout=2)
-        w.kill()
-    workers.clear()
-
 
 class RewardManager:
     """Score batches with registered scorers or a custom reward function.
@@ -242,7 +166,12 @@ class RewardManager:
     manager as a context manager) to stop them. Concurrent ``score`` calls from several
     threads are serialised. Workers are daemonic processes, so a scorer cannot start
     ``multiprocessing`` children of its own (``subprocess`` works).
+
+    It is a :class:`~polyrl.reward.base.Scorer` that reads only the batch's usual columns.
     """
+
+    wants_rows = False
+    wants_prompts = False
 
     def __init__(
         self,
@@ -293,16 +222,21 @@ class RewardManager:
         custom_fn = self._resolve_custom(custom_function)
         self._resolver = ScorerResolver(custom_fn) if num_workers == 0 else None
 
-        self._ctx = mp.get_context(mp_context)
-        self._scorer_payloads: dict[str, Payload] = {}
         self._shipped_fns: dict[str, Any] = {}
-        self._workers: list[_Worker | None] = []
-        self._boot_failures = 0
         self._closed = False
         self._lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
-        for _ in range(num_workers):
-            self._workers.append(self._start_worker())
+        self._pool = (
+            ScoringPool(
+                num_workers,
+                self._custom_payload,
+                timeout_s=self.timeout_s,
+                startup_timeout_s=self.startup_timeout_s,
+                mp_context=mp_context,
+                chunk_size=chunk_size,
+            )
+            if num_workers > 0
+            else None
+        )
 
     # ------------------------------------------------------------------ setup
 
@@ -322,20 +256,9 @@ class RewardManager:
             self._custom_payload = make_payload(custom_function)
         return custom_function
 
-    def _start_worker(self) -> _Worker:
-        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(
-            target=worker_main,
-            args=(child_conn, self._custom_payload, dict(self._scorer_payloads)),
-            daemon=True,
-            name="polyrl-reward-worker",
-        )
-        proc.start()
-        child_conn.close()
-        return _Worker(proc, parent_conn, time.monotonic() + self.startup_timeout_s)
-
     def _ship_scorers(self, data_sources: set[Any]) -> None:
         """Make sure workers score each data source with the scorer registered here."""
+        shipped: dict[str, Any] = {}
         updates: dict[str, Payload] = {}
         for source in data_sources:
             fn = get_scorer(source)  # raises KeyError listing the registered sources
@@ -345,7 +268,7 @@ class RewardManager:
             # Built-ins are registered in every worker already; anything else is sent (and a
             # built-in is sent back if a replaced scorer was shipped under its name earlier).
             builtin = getattr(fn, "__module__", None) == _BUILTIN_MODULE
-            if self.num_workers > 0 and (not builtin or source in self._scorer_payloads):
+            if self._pool is not None and (not builtin or source in self._pool.scorers):
                 try:
                     payload = make_payload(fn)
                 except TypeError as exc:
@@ -353,19 +276,15 @@ class RewardManager:
                         f"the scorer registered for data_source {source!r}: {exc}"
                     ) from None
                 updates[source] = payload
-                self._scorer_payloads[source] = payload
-            self._shipped_fns[source] = fn
+            shipped[source] = fn
+        # Only once every source could be shipped: a refused batch leaves nothing half-sent.
+        self._shipped_fns.update(shipped)
         if self._resolver is not None:
             self._resolver.update(
                 {s: self._shipped_fns[s] for s in data_sources if s in self._shipped_fns}
             )
-        if updates:
-            for w in self._workers:
-                if w is not None:
-                    try:
-                        w.conn.send(("scorers", updates))
-                    except (OSError, ValueError):
-                        pass  # a dead worker is noticed and replaced by the scoring loop
+        if self._pool is not None:
+            self._pool.add_scorers(updates)
 
     # ------------------------------------------------------------------ public API
 
@@ -427,11 +346,15 @@ class RewardManager:
             )
         return self._score_items(items)
 
+    def attach_rollout(self, client: ReplicaEndpoints) -> None:
+        """Nothing: registered scorers and custom functions do not ask the replicas."""
+
     def close(self) -> None:
         """Stop the worker processes. Idempotent; the manager cannot score afterwards."""
         with self._lock:
             self._closed = True
-            self._finalizer()
+            if self._pool is not None:
+                self._pool.close()
 
     def __enter__(self) -> RewardManager:
         return self
@@ -442,7 +365,7 @@ class RewardManager:
     @property
     def worker_pids(self) -> list[int]:
         """PIDs of the current worker processes (changes when workers are replaced)."""
-        return [w.proc.pid for w in self._workers if w is not None]
+        return self._pool.pids if self._pool is not None else []
 
     # ------------------------------------------------------------------ batch input
 
@@ -561,13 +484,11 @@ class RewardManager:
         start = time.perf_counter()
         if not self.has_custom_function:
             self._ship_scorers({item[1] for item in items})
-        if self.num_workers == 0:
+        if self._pool is None:
             assert self._resolver is not None
-            outcomes: list[tuple[str, float, dict[str, float], str]] = [
-                score_one(item, self._resolver) for item in items
-            ]
+            outcomes = [score_one(item, self._resolver) for item in items]
         else:
-            outcomes = self._run_pool(items)
+            outcomes = self._pool.run(items)
         self._check_result_types(items, outcomes)
         result = self._assemble(items, outcomes, time.perf_counter() - start)
         self._check_failures(items, result)
@@ -613,195 +534,6 @@ class RewardManager:
             first_data_source=data_source,
             first_failure=result.failures[index],
         )
-
-    def _ensure_workers(self) -> None:
-        for i, w in enumerate(self._workers):
-            if w is None:
-                self._workers[i] = self._start_worker()
-
-    def _replace(self, slot: int, *, booted: bool) -> None:
-        worker = self._workers[slot]
-        if worker is not None:
-            worker.kill()
-        if not booted:
-            self._boot_failures += 1
-            if self._boot_failures > _MAX_BOOT_FAILURES:
-                self._workers[slot] = None
-                raise RuntimeError(
-                    f"reward worker processes died during start-up {self._boot_failures} "
-                    "times in a row; see the worker's stderr above"
-                )
-        self._workers[slot] = self._start_worker()
-
-    def _run_pool(self, items: list[Item]) -> list[Outcome]:
-        self._ensure_workers()
-        n = len(items)
-        outcomes: list[Outcome | None] = [None] * n
-        position = {item[0]: p for p, item in enumerate(items)}
-        size = self.chunk_size or max(1, min(32, math.ceil(n / (self.num_workers * 4))))
-        pending: collections.deque[list[Item]] = collections.deque(
-            items[i : i + size] for i in range(0, n, size)
-        )
-        remaining = n
-        # Samples that timed out, and that ended any other way, in this batch so far.
-        timed_out = finished = 0
-        hung_after = max(_MIN_HUNG_SAMPLES, self.num_workers)
-
-        def record(worker: _Worker, outcome: Outcome) -> None:
-            nonlocal remaining, timed_out, finished
-            assert worker.chunk is not None
-            outcomes[position[worker.chunk[worker.pos][0]]] = outcome
-            remaining -= 1
-            if outcome[0] == "timeout":
-                timed_out += 1
-            else:
-                finished += 1
-            worker.pos += 1
-            if worker.pos == len(worker.chunk):
-                worker.chunk = None
-                worker.deadline = math.inf
-            elif self.timeout_s is not None:
-                worker.deadline = time.monotonic() + self.timeout_s
-
-        def fail_current(slot: int, status: str, message: str, *, booted: bool) -> None:
-            worker = self._workers[slot]
-            assert worker is not None
-            if worker.chunk is not None:
-                rest = worker.chunk[worker.pos + 1 :]
-                record(worker, (status, 0.0, {}, message))
-                if rest:
-                    pending.appendleft(rest)
-            worker.chunk = None
-            self._replace(slot, booted=booted)
-
-        def skip_rest() -> None:
-            """Mark every sample not yet scored as a timeout; replace busy workers."""
-            nonlocal remaining
-            message = (
-                f"not scored: the first {timed_out} samples tried in this batch all took longer "
-                f"than timeout_s={self.timeout_s} and none finished, so the scorer was taken to "
-                "be hung and the batch's other samples were skipped"
-            )
-            skipped: Outcome = ("timeout", 0.0, {}, message)
-            for slot, worker in enumerate(self._workers):
-                if worker is None or worker.chunk is None:
-                    continue
-                drain(slot)  # results that arrived in the meantime still count
-                if worker.chunk is None:
-                    continue
-                while worker.chunk is not None:
-                    record(worker, skipped)
-                self._replace(slot, booted=True)
-            while pending:
-                for item in pending.popleft():
-                    outcomes[position[item[0]]] = skipped
-                    remaining -= 1
-
-        def drain(slot: int) -> bool:
-            """Handle every message waiting from a worker; False if its pipe is closed."""
-            worker = self._workers[slot]
-            assert worker is not None
-            try:
-                while worker.conn.poll():
-                    message = worker.conn.recv()
-                    kind = message[0]
-                    if kind == "result":
-                        _, index, status, score, extras, text = message
-                        expected = worker.chunk[worker.pos][0] if worker.chunk else None
-                        if index != expected:
-                            raise RuntimeError(
-                                f"reward worker protocol error: got a result for sample "
-                                f"{index}, expected {expected}"
-                            )
-                        record(worker, (status, score, extras, text))
-                    elif kind == "ready":
-                        worker.ready = True
-                        self._boot_failures = 0
-                    elif kind == "init_error":
-                        worker.kill()
-                        self._workers[slot] = None
-                        raise RuntimeError(f"a reward worker failed to start:\n{message[1]}")
-            except (EOFError, OSError):
-                return False
-            return True
-
-        try:
-            while remaining:
-                now = time.monotonic()
-                for worker in self._workers:
-                    if worker is not None and worker.ready and worker.chunk is None and pending:
-                        chunk = pending.popleft()
-                        worker.chunk, worker.pos = chunk, 0
-                        worker.deadline = (
-                            now + self.timeout_s if self.timeout_s is not None else math.inf
-                        )
-                        try:
-                            worker.conn.send(("score", chunk))
-                        except (OSError, ValueError):
-                            pass  # dead worker: its sentinel fires below
-
-                waiting: dict[Any, tuple[int, bool]] = {}
-                horizon = math.inf
-                for slot, worker in enumerate(self._workers):
-                    assert worker is not None
-                    waiting[worker.conn] = (slot, False)
-                    waiting[worker.proc.sentinel] = (slot, True)
-                    horizon = min(
-                        horizon, worker.deadline if worker.ready else worker.boot_deadline
-                    )
-                timeout = None if horizon == math.inf else max(0.0, horizon - time.monotonic())
-                ready = wait(list(waiting), timeout=timeout)
-
-                died: set[int] = set()
-                for obj in ready:
-                    slot, is_sentinel = waiting[obj]
-                    if slot in died:
-                        continue
-                    if is_sentinel or not drain(slot):
-                        died.add(slot)
-                for slot in sorted(died):
-                    worker = self._workers[slot]
-                    assert worker is not None
-                    drain(slot)  # results sent just before dying still count
-                    worker.proc.join(timeout=5)
-                    code = worker.proc.exitcode
-                    fail_current(
-                        slot,
-                        "error",
-                        f"reward worker process died (exit code {code}) while scoring",
-                        booted=worker.ready,
-                    )
-
-                now = time.monotonic()
-                for slot, worker in enumerate(self._workers):
-                    assert worker is not None
-                    if not worker.ready:
-                        if now >= worker.boot_deadline:
-                            raise RuntimeError(
-                                f"a reward worker did not start within {self.startup_timeout_s}"
-                                " s (startup_timeout_s)"
-                            )
-                        continue
-                    if worker.chunk is not None and now >= worker.deadline:
-                        drain(slot)  # the result may have arrived in the meantime
-                        if worker.chunk is not None and time.monotonic() >= worker.deadline:
-                            fail_current(
-                                slot,
-                                "timeout",
-                                f"scoring took longer than timeout_s={self.timeout_s}; the "
-                                "worker was killed",
-                                booted=True,
-                            )
-                if remaining and finished == 0 and timed_out >= hung_after:
-                    skip_rest()
-        except BaseException:
-            # A worker still holding a chunk would send stale results later: discard it.
-            for slot, worker in enumerate(self._workers):
-                if worker is not None and worker.chunk is not None:
-                    worker.kill()
-                    self._workers[slot] = None
-            raise
-        return [o for o in outcomes if o is not None]
 
     def _assemble(self, items: list[Item], outcomes: list[Outcome], elapsed: float) -> RewardResult:
         n = len(items)

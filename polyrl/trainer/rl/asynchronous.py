@@ -47,6 +47,8 @@ import numpy as np
 from polyrl.config import PolyRLConfig
 from polyrl.core.batch import Batch
 from polyrl.core.rollout_batch import rollout_widths, widen_rollout_batch
+from polyrl.reward.base import ReplicaEndpoints, Scorer
+from polyrl.reward.manager import RewardResult
 from polyrl.trainer.rl.generation import wait_recovering
 from polyrl.trainer.rl.rollout import RolloutProducer, attach_scores, derive_seed
 from polyrl.transfer.replay import ReplayBuffer, ReplayEntry
@@ -88,21 +90,24 @@ def _mean_metrics(groups: Sequence[Mapping[str, float]]) -> dict[str, float]:
 
 
 class SerialRewards:
-    """A reward manager shared by two producers, scoring one batch at a time.
+    """A reward scorer shared by two producers, scoring one batch at a time.
 
     The rollout thread scores its groups while the trainer's thread may validate; the reward
     workers take one batch at a time. Closing is left to the owner of ``rewards``.
     """
 
-    def __init__(self, rewards: Any) -> None:
+    def __init__(self, rewards: Scorer) -> None:
         self.rewards = rewards
-        self.wants_rows = getattr(rewards, "wants_rows", False)
-        # A reward model or judge reads the prompts (polyrl/trainer/rl/reward_mix.py).
-        self.wants_prompts = getattr(rewards, "wants_prompts", False)
+        self.wants_rows = rewards.wants_rows
+        self.wants_prompts = rewards.wants_prompts
         self._lock = threading.Lock()
 
-    def score(self, batch: Batch) -> Any:
-        """Score ``batch`` with the shared manager (waits for a score in progress)."""
+    def attach_rollout(self, client: ReplicaEndpoints) -> None:
+        """Pass the producer's ``client`` on to the shared scorer."""
+        self.rewards.attach_rollout(client)
+
+    def score(self, batch: Batch) -> RewardResult:
+        """Score ``batch`` with the shared scorer (waits for a score in progress)."""
         with self._lock:
             return self.rewards.score(batch)
 

@@ -56,6 +56,7 @@ import torch
 from polyrl.config import ConfigError, PolyRLConfig, save_config
 from polyrl.core.batch import Batch
 from polyrl.model_engine.checkpoint import prune_checkpoints
+from polyrl.reward.base import Scorer
 from polyrl.trainer.rl.asynchronous import AheadRollout, SerialRewards
 from polyrl.trainer.rl.build import (
     RolloutServers,
@@ -272,7 +273,7 @@ class RLTrainer:
                 cfg, self.producer, self.replicas, self.train_ds, self.sampler.next_batch
             )
 
-    def _setup_ahead(self, rewards: Any) -> None:
+    def _setup_ahead(self, rewards: Scorer) -> None:
         """Set up generation ahead of training: a rollout thread with a producer of its own."""
         cfg = self.cfg
         assert self.servers is not None and self.producer is not None

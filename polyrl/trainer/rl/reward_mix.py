@@ -40,6 +40,8 @@ import torch
 
 from polyrl.config import PolyRLConfig
 from polyrl.core.batch import Batch
+from polyrl.reward.base import ReplicaEndpoints, Scorer
+from polyrl.reward.manager import RewardResult
 
 __all__ = ["JUDGE_API_KEY_ENV", "MixedRewards"]
 
@@ -67,20 +69,20 @@ class MixedRewards:
         cfg: the run's configuration (``reward.*`` is read).
         rule: the rule-based reward manager, or ``None`` when ``reward.rule_weight`` is 0.
 
-    The interface is the reward manager's (``score(batch)``, ``close()``); the rollout
-    producer also calls :meth:`attach_rollout` to tell the judge where its replicas are.
+    It is a :class:`~polyrl.reward.base.Scorer`: the rollout producer calls
+    :meth:`attach_rollout` to tell the judge where the policy's replicas are.
     """
 
     #: The producer adds ``raw_prompt`` (the prompt's chat messages) to the scored batch.
     wants_prompts = True
 
-    def __init__(self, cfg: PolyRLConfig, rule: Any | None) -> None:
+    def __init__(self, cfg: PolyRLConfig, rule: Scorer | None) -> None:
         from polyrl.reward.model import RewardModelProcess
 
         self.cfg = cfg
         self.rule = rule
-        self.wants_rows = bool(getattr(rule, "wants_rows", False))
-        self.has_custom_function = bool(getattr(rule, "has_custom_function", False))
+        #: The rule's batched reward functions read the rows' dataset records.
+        self.wants_rows = rule is not None and rule.wants_rows
         reward = cfg.reward
         self.model: RewardModelProcess | None = None
         if reward.model_path:
@@ -93,7 +95,7 @@ class MixedRewards:
                 trust_remote_code=cfg.model.trust_remote_code,
             )
         #: The policy's rollout client (where its replicas are); set by attach_rollout.
-        self._policy_client: Any = None
+        self._policy_client: ReplicaEndpoints | None = None
         self._judge_client: Any = None
         self._judge_urls: list[str] = []
         self._judge_loop: asyncio.AbstractEventLoop | None = None
@@ -101,10 +103,12 @@ class MixedRewards:
         self._judge_lock = threading.Lock()
 
     # ------------------------------------------------------------------ wiring
-    def attach_rollout(self, client: Any) -> None:
+    def attach_rollout(self, client: ReplicaEndpoints) -> None:
         """Note the policy's rollout ``client``: the judge asks its replicas (by their URLs)."""
         if self._policy_client is None:
             self._policy_client = client
+        if self.rule is not None:
+            self.rule.attach_rollout(client)
 
     def _call(self, coro: Any) -> Any:
         """Run ``coro`` on the judge's loop (started on first use) and wait for its result."""
@@ -163,10 +167,8 @@ class MixedRewards:
                 self.rule.close()
 
     # ------------------------------------------------------------------ scoring
-    def score(self, batch: Batch) -> Any:
-        """Score every row of ``batch``; returns a :class:`~polyrl.reward.manager.RewardResult`."""
-        from polyrl.reward.manager import RewardResult
-
+    def score(self, batch: Batch) -> RewardResult:
+        """Score every row of ``batch``."""
         start = time.perf_counter()
         reward = self.cfg.reward
         nt = batch.non_tensors

@@ -21,6 +21,7 @@ import torch
 from polyrl.config import PolyRLConfig
 from polyrl.core.batch import Batch
 from polyrl.core.rollout_batch import build_rollout_batch
+from polyrl.reward.base import Scorer
 from polyrl.reward.shaping import overlong_penalty
 from polyrl.trainer.rl.metrics import PER_FUNCTION_PREFIX, REWARD_METRICS
 
@@ -133,8 +134,8 @@ def derive_seed(base: int, *parts: int) -> int:
     return value
 
 
-def reward_manager(cfg: PolyRLConfig, reward_fn: Any = None) -> Any:
-    """Return the run's reward manager (``reward.*``; ``reward_fn`` overrides the function).
+def reward_manager(cfg: PolyRLConfig, reward_fn: Any = None) -> Scorer:
+    """Return the run's reward scorer (``reward.*``; ``reward_fn`` overrides the function).
 
     With ``reward.model_path``, ``reward.judge_template`` or a ``reward.rule_weight`` other than
     1, the rule-based manager (none when that weight is 0) is wrapped in a
@@ -171,13 +172,14 @@ def reward_manager(cfg: PolyRLConfig, reward_fn: Any = None) -> Any:
     }
     reward = cfg.reward
     mixed = bool(reward.model_path or reward.judge_template or reward.rule_weight != 1.0)
-    rule: Any = None
+    rule: Scorer | None = None
     if not mixed or reward.rule_weight != 0.0:
         if isinstance(fn, list | tuple):
             rule = RewardFunctionsManager(fn, prompt_key=cfg.data.prompt_key, **options)
         else:
             rule = RewardManager(custom_function=fn or None, **options)
     if not mixed:
+        assert rule is not None  # not mixed: the rule weight is 1
         return rule
     from polyrl.trainer.rl.reward_mix import MixedRewards
 
@@ -237,7 +239,8 @@ class RolloutProducer:
         cfg: the run's configuration (``rollout``, ``data``, ``agent`` groups are read).
         client: a :class:`~polyrl.rollout.client.RolloutClient` (started on ``loop``).
         tokenizer: the policy's tokenizer (decodes responses for the reward).
-        rewards: a :class:`~polyrl.reward.RewardManager`.
+        rewards: the :class:`~polyrl.reward.base.Scorer` that scores the samples (see
+            :func:`reward_manager`).
         loop: the event loop the client runs on.
 
     Attributes:
@@ -253,7 +256,7 @@ class RolloutProducer:
         cfg: PolyRLConfig,
         client: Any,
         tokenizer: Any,
-        rewards: Any,
+        rewards: Scorer,
         loop: asyncio.AbstractEventLoop,
     ) -> None:
         self.cfg = cfg
@@ -269,11 +272,9 @@ class RolloutProducer:
         self.stopping = False
         #: Samples continued after an abort, since the start.
         self.resumed_samples = 0
-        attach = getattr(rewards, "attach_rollout", None)
-        if attach is not None:
-            # A generative judge asks the policy's own replicas by default: it learns where
-            # they are from this client.
-            attach(client)
+        # A generative judge asks the policy's own replicas by default: it learns where they
+        # are from this client.
+        rewards.attach_rollout(client)
 
     @classmethod
     def connect(
@@ -281,7 +282,7 @@ class RolloutProducer:
         cfg: PolyRLConfig,
         urls: Sequence[str],
         tokenizer: Any,
-        rewards: Any,
+        rewards: Scorer,
         api_key: str | None = None,
     ) -> RolloutProducer:
         """Build a producer with its own event loop and client to ``urls``.
@@ -415,11 +416,11 @@ class RolloutProducer:
                 "extra_info": per_row([item.get("extra_info") or {} for item in items]),
             }
         )
-        if getattr(self.rewards, "wants_rows", False):
+        if self.rewards.wants_rows:
             # Batched reward functions get the dataset's columns (one dict per row, shared
             # by the row's n responses: they are read, not changed).
             batch.non_tensors["source_row"] = per_row([_source_row(item) for item in items])
-        if getattr(self.rewards, "wants_prompts", False):
+        if self.rewards.wants_prompts:
             # A reward model or judge reads the prompt's chat messages.
             prompt_key = self.cfg.data.prompt_key
             batch.non_tensors["raw_prompt"] = per_row(
@@ -606,12 +607,12 @@ class RolloutProducer:
     def score(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
         """Score every row: ``(scores (B,), accuracy (B,), reward metrics)``."""
         keys = ["data_source", "ground_truth", "extra_info", "response_text"]
-        if getattr(self.rewards, "wants_rows", False):
+        if self.rewards.wants_rows:
             keys.append("source_row")
-        if getattr(self.rewards, "wants_prompts", False):
+        if self.rewards.wants_prompts:
             keys.append("raw_prompt")
         scoring = Batch(non_tensors={k: batch.non_tensors[k] for k in keys})
-        if getattr(self.rewards, "wants_rows", False):
+        if self.rewards.wants_rows:
             ids = np.empty(len(batch), dtype=object)
             for i, row in enumerate(completion_ids(batch)):
                 ids[i] = row
