@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from polyrl.core.cuda import process_group_backend
+from polyrl.core.process import free_port
 
 __all__ = ["DistInfo", "free_port", "init_distributed", "release_distributed", "select_device"]
 
@@ -26,13 +26,6 @@ class DistInfo:
     world_size: int
     local_rank: int
     owned: bool  # True when the group was created by polyrl (released via release_distributed)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port on ``host`` that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def select_device(preference: str, local_rank: int) -> torch.device:

@@ -4,6 +4,9 @@
   and the :class:`~polyrl.core.rollout_api.RolloutBackend` protocol are the core's
   (:mod:`polyrl.core.rollout_api`), so the agent loop and the trainer share them;
 * :mod:`polyrl.rollout.native` -- our own continuous-batching engine (paged KV cache);
+* :mod:`polyrl.rollout.vllm_backend` and :mod:`polyrl.rollout.sglang_backend` -- vLLM and
+  SGLang servers run as child processes, on the shared base of
+  :mod:`polyrl.rollout.subprocess_backend`;
 * :mod:`polyrl.rollout.server` -- the FastAPI server of one replica (token-in/token-out
   ``/generate``, OpenAI-compatible endpoints, control and metrics), assembled from the routers
   of :mod:`polyrl.rollout.routes`; its process entry point with the weight-transfer routes is

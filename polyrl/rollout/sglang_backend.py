@@ -65,30 +65,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import os
 import re
 import shlex
-import shutil
-import signal
-import subprocess
-import tempfile
-import time
 import uuid
-import weakref
-from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from polyrl.core.rollout_api import (
-    BackendStats,
-    DeltaStream,
-    EngineUnavailableError,
     GenerateRequest,
     InvalidRequestError,
     ModelInfo,
@@ -96,15 +83,16 @@ from polyrl.core.rollout_api import (
     SampleDelta,
     SampleOutput,
     SamplingParams,
-    check_request_fits,
 )
-from polyrl.rollout.base import check_backend_options, register_backend
-from polyrl.rollout.vllm_backend import (
-    _free_port,
-    _is_pos_int,
-    _kill_group,
-    _model_shapes,
-    _repo_root,
+from polyrl.rollout.base import register_backend
+from polyrl.rollout.subprocess_backend import (
+    ServerOptions,
+    StreamJob,
+    SubprocessBackend,
+    find_venv,
+    prometheus_samples,
+    value_flags,
+    venv_has,
 )
 
 __all__ = [
@@ -130,18 +118,8 @@ SGLANG_ARGS_ENV = "POLYRL_SGLANG_ARGS"
 _SERVER_MODULE = "sglang.launch_server"
 # polyrl's names -> SGLang's --dtype values ("auto": the checkpoint's).
 _DTYPES = {"auto": "auto", "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-_MEMORY_TAGS = ("kv_cache", "weights")
-_TPS_WINDOW_S = 5.0
 _URL = re.compile(r"^https?://[^/\s:]+(:\d+)?/?$")
-# Launch through a stub that asks the kernel for SIGTERM when the parent dies (so a crashed
-# polyrl process leaves no SGLang server behind), then exec the real command.
-_PDEATHSIG_STUB = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    sys.exit('polyrl parent exited before the SGLang server started')\n"
-    "os.execv(sys.argv[2], sys.argv[2:])\n"
-)
+
 _METRICS = {
     "sglang:num_running_reqs": "running",
     "sglang:num_queue_reqs": "waiting",
@@ -158,14 +136,7 @@ def default_sglang_venv() -> Path:
     ``$POLYRL_SGLANG_VENV`` if set; else the first of ``<repo>/.venv-sglang`` and
     ``./.venv-sglang`` that holds SGLang; else ``<repo>/.venv-sglang``.
     """
-    env = os.environ.get(SGLANG_VENV_ENV)
-    if env:
-        return Path(env).expanduser().resolve()
-    candidates = [_repo_root() / ".venv-sglang", Path.cwd() / ".venv-sglang"]
-    for c in candidates:
-        if sglang_available(c):
-            return c.resolve()
-    return candidates[0]
+    return find_venv(SGLANG_VENV_ENV, ".venv-sglang", sglang_available)
 
 
 def sglang_available(venv: str | os.PathLike[str] | None = None) -> bool:
@@ -176,14 +147,11 @@ def sglang_available(venv: str | os.PathLike[str] | None = None) -> bool:
     that is there but broken.
     """
     path = Path(venv) if venv is not None else default_sglang_venv()
-    python = path / "bin" / "python"
-    if not (python.exists() and os.access(python, os.X_OK)):
-        return False
-    return any(path.glob("lib/python3*/site-packages/sglang/launch_server.py"))
+    return venv_has(path, "lib/python3*/site-packages/sglang/launch_server.py")
 
 
 @dataclasses.dataclass(frozen=True)
-class SGLangOptions:
+class SGLangOptions(ServerOptions):
     """Options of :class:`SGLangBackend`; checked on construction.
 
     The first group shares names (and meaning) with the native and vLLM backends' options.
@@ -231,79 +199,23 @@ class SGLangOptions:
         abort_timeout: seconds ``abort`` waits for SGLang to end an aborted stream.
     """
 
-    dtype: str = "auto"
-    device: str = "cuda"
-    max_model_len: int | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    kv_cache_tokens: int | None = None
-    seed: int | None = None
-    served_model_name: str | None = None
-    enable_prefix_caching: bool = True
-    trust_remote_code: bool = False
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float | None = None
-    enable_sleep_mode: bool = False
-    enforce_eager: bool = False
     weights_cpu_backup: bool = False
     deterministic_inference: bool = False
     enable_metrics: bool = True
     server_url: str | None = None
     sglang_venv: str | None = None
     startup_timeout: float = 900.0
-    warmup: bool = True
-    log_path: str | None = None
-    extra_args: tuple[str, ...] = ()
-    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    metrics_interval: float = 1.0
-    buffered_stream_interval: int = 16
     abort_timeout: float = 10.0
 
-    def __post_init__(self) -> None:
-        def bad(name: str, expected: str) -> ValueError:
-            return ValueError(
-                f"invalid sglang backend option {name}={getattr(self, name)!r}: expected {expected}"
-            )
+    _backend = "sglang"
+    _dtypes = tuple(_DTYPES)
+    _flags = ("weights_cpu_backup", "deterministic_inference", "enable_metrics")
+    _durations = ("abort_timeout",)
 
-        if self.dtype not in _DTYPES:
-            raise bad("dtype", f"one of {', '.join(_DTYPES)}")
-        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
-            raise bad("device", "'cuda', 'cuda:<index>' or 'cpu'")
-        for name in (
-            "max_model_len",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "kv_cache_tokens",
-        ):
-            value = getattr(self, name)
-            if value is not None and not _is_pos_int(value):
-                raise bad(name, "an int >= 1 (or None for the default)")
-        for name in ("tensor_parallel_size", "buffered_stream_interval"):
-            if not _is_pos_int(getattr(self, name)):
-                raise bad(name, "an int >= 1")
-        if self.seed is not None and (
-            not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0
-        ):
-            raise bad("seed", "an int >= 0 or None")
-        fraction = self.gpu_memory_utilization
-        if fraction is not None and (
-            isinstance(fraction, bool)
-            or not isinstance(fraction, int | float)
-            or not 0 < fraction < 1
-        ):
-            raise bad("gpu_memory_utilization", "a fraction in (0, 1) or None")
-        for name in (
-            "enable_prefix_caching",
-            "trust_remote_code",
-            "enable_sleep_mode",
-            "enforce_eager",
-            "weights_cpu_backup",
-            "deterministic_inference",
-            "enable_metrics",
-            "warmup",
-        ):
-            if not isinstance(getattr(self, name), bool):
-                raise bad(name, "true or false")
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        expected = "a fraction in (0, 1) or None"
+        self._check_fraction("gpu_memory_utilization", expected, one=False)
         if self.weights_cpu_backup and not self.enable_sleep_mode:
             raise ValueError(
                 "sglang backend option weights_cpu_backup=True needs enable_sleep_mode=True "
@@ -312,17 +224,7 @@ class SGLangOptions:
         if self.server_url is not None and (
             not isinstance(self.server_url, str) or not _URL.match(self.server_url)
         ):
-            raise bad("server_url", "an http(s)://host:port URL or None")
-        for name in ("startup_timeout", "metrics_interval", "abort_timeout"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise bad(name, "a number of seconds > 0")
-        if isinstance(self.extra_args, str) or not all(isinstance(a, str) for a in self.extra_args):
-            raise bad("extra_args", "a list of command-line strings")
-        if not isinstance(self.env, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()
-        ):
-            raise bad("env", "a mapping of strings to strings")
+            raise self._bad("server_url", "an http(s)://host:port URL or None")
 
 
 # ------------------------------------------------------------------ request/response mapping
@@ -473,18 +375,9 @@ def parse_sglang_metrics(text: str) -> dict[str, float]:
     Values of the same metric with different labels (TP/DP ranks) are summed.
     """
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
+    for name, _, value in prometheus_samples(text):
         key = _METRICS.get(name)
-        if key is None:
-            continue
-        try:
-            value = float(line.rsplit(" ", 1)[1])
-        except (IndexError, ValueError):
-            continue
-        if math.isfinite(value):
+        if key is not None and math.isfinite(value):
             out[key] = out.get(key, 0.0) + value
     return out
 
@@ -508,16 +401,15 @@ class _Sample:
         self.whole = SampleOutput(index=index, logprobs=[] if params.logprobs else None)
 
 
-class _Job:
+class _Job(StreamJob):
     """One request in flight: a streamed SGLang request per sample, one delta queue."""
+
+    backend: SGLangBackend
 
     def __init__(
         self, backend: SGLangBackend, request: GenerateRequest, max_new: int, stream: bool
     ):
-        self.backend = backend
-        self.request = request
-        self.max_new = max_new
-        self.stream = stream
+        super().__init__(backend, request, max_new, stream)
         tag = uuid.uuid4().hex[:12]
         # SGLang aborts every rid that *starts with* the one given: fixed-width sample numbers
         # keep one sample's rid from being a prefix of another's.
@@ -525,15 +417,7 @@ class _Job:
             _Sample(i, f"polyrl-{tag}-{i:03d}-{request.request_id}", request.params)
             for i in range(request.params.n)
         ]
-        self.inbox: asyncio.Queue[list[SampleDelta] | BaseException] = asyncio.Queue()
-        self.submitted = time.perf_counter()
-        self.first_token_at: float | None = None
-        self.sent = False
         self.failed = False
-
-    @property
-    def unfinished(self) -> int:
-        return sum(not s.finished for s in self.samples)
 
     def start(self) -> None:
         for s in self.samples:
@@ -566,12 +450,7 @@ class _Job:
     async def _run(self, s: _Sample) -> None:
         b = self.backend
         try:
-            await b._gate.wait()
-            b._check_serving()
-            client = b._http()
-            if not self.sent:
-                self.sent = True
-                b._counters["prompt_tokens"] += len(self.request.prompt_ids)
+            client = await self._admit()
             body = generate_body(
                 self.request,
                 self.max_new,
@@ -579,22 +458,9 @@ class _Job:
                 s.index,
                 stream_interval=None if self.stream else b.options.buffered_stream_interval,
             )
-            async with client.stream(
-                "POST", "/generate", json=body, timeout=httpx.Timeout(None)
-            ) as resp:
-                if resp.status_code != 200:
-                    raise b._sglang_error(
-                        resp.status_code, (await resp.aread()).decode("utf-8", "replace")
-                    )
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        raise b._sglang_error(500, json.dumps(chunk))
+            # Closed on a break too: leaving the stream closes SGLang's connection at once.
+            async with contextlib.aclosing(self._chunks(client, "/generate", body)) as chunks:
+                async for chunk in chunks:
                     delta = self._take(s, chunk)
                     if delta is not None:
                         self.inbox.put_nowait([delta])
@@ -608,8 +474,7 @@ class _Job:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            if isinstance(exc, httpx.HTTPError | json.JSONDecodeError):
-                exc = b._transport_error(exc)
+            exc = self._failure(exc)
             if not self.failed:
                 self.failed = True
                 self.inbox.put_nowait(exc)
@@ -642,14 +507,10 @@ class _Job:
             if s.first_version is None:
                 s.first_version = version
                 delta.first_weight_version = version
-            if self.first_token_at is None:
-                self.first_token_at = time.perf_counter()
-                b._counters["ttft_sum"] += self.first_token_at - self.submitted
-                b._counters["ttft_count"] += 1
-            b._count_tokens(len(delta.token_ids))
+            self._count_tokens(len(delta.token_ids))
         if delta.finish_reason is not None:
             s.finished = True
-            b._finished[delta.finish_reason] = b._finished.get(delta.finish_reason, 0) + 1
+            self._count_finish(delta.finish_reason)
             b._counters["cached_tokens"] += delta.cached_prompt_tokens
         if self.stream:
             if not delta.token_ids and delta.finish_reason is None:
@@ -675,23 +536,13 @@ class _Job:
     def _end_unfinished(self, reason: str) -> None:
         """Deliver ``reason`` for every sample that has not finished."""
         deltas: list[SampleDelta] = []
-        b = self.backend
         for s in self.samples:
             if s.finished:
                 continue
             s.finished = True
-            b._finished[reason] = b._finished.get(reason, 0) + 1
+            self._count_finish(reason)
             if self.stream:
-                deltas.append(
-                    SampleDelta(
-                        index=s.index,
-                        token_ids=[],
-                        logprobs=[] if self.request.params.logprobs else None,
-                        finish_reason=reason,
-                        weight_version=b._weight_version,
-                        first_weight_version=s.first_version,
-                    )
-                )
+                deltas.append(self._abort_delta(s.index, s.first_version, reason))
             else:
                 s.whole.finish_reason = reason
                 deltas.append(self._whole(s))
@@ -703,177 +554,26 @@ class _Job:
 
 
 @register_backend("sglang")
-class SGLangBackend:
+class SGLangBackend(SubprocessBackend):
     """An SGLang server subprocess behind :class:`~polyrl.core.rollout_api.RolloutBackend`.
 
     See the module docstring for how every method maps onto SGLang.
 
-    Args:
-        model_dir: local HF model directory (safetensors weights); read here for the vocab
-            size and eos ids even when ``server_url`` names a running server.
-        **options: :class:`SGLangOptions` fields.
-
-    Raises:
-        TypeError: an option that is not a :class:`SGLangOptions` field.
-        ValueError: an option with a bad value.
-        FileNotFoundError: ``model_dir`` has no ``config.json``.
+    Takes ``model_dir`` (read here for the vocab size and eos ids even when ``server_url``
+    names a running server) and :class:`SGLangOptions` fields, as :class:`SubprocessBackend`
+    does.
     """
 
-    #: The dataclass whose fields are this backend's options.
     options_class = SGLangOptions
-
-    def __init__(self, model_dir: str | os.PathLike[str], **options: Any):
-        check_backend_options("sglang", SGLangOptions, options)
-        extra = options.get("extra_args")
-        if isinstance(extra, str):  # one string in shell syntax, as $POLYRL_SGLANG_ARGS
-            options["extra_args"] = tuple(shlex.split(extra))
-        elif extra is not None:
-            options["extra_args"] = tuple(extra)
-        self.model_dir = Path(model_dir).expanduser().resolve()
-        self.options = SGLangOptions(**{k: v for k, v in options.items() if v is not None})
-        self._shapes = _model_shapes(self.model_dir)
-        self.venv = (
-            Path(self.options.sglang_venv).resolve()
-            if self.options.sglang_venv
-            else default_sglang_venv()
-        )
-        self.url: str | None = None
-        self.process: subprocess.Popen[bytes] | None = None
-        self.startup_seconds: float | None = None
-        self.warmup_seconds: float | None = None
-        self._info: ModelInfo | None = None
-        self._client: httpx.AsyncClient | None = None
-        self._tmp: str | None = None
-        self._log_path: Path | None = None
-        self._finalizer: weakref.finalize | None = None
-        self._poller: asyncio.Task[None] | None = None
-        self._jobs: dict[str, _Job] = {}
-        self._gate = asyncio.Event()
-        self._gate.set()
-        self._paused = False
-        self._kv_released = False
-        self._weights_asleep = False
-        self._weights_discarded = False
-        self._stopping = False
-        self._weight_version = 0
-        self._weights_lock = asyncio.Lock()
-        self._engine_pause = True  # whether SGLang's /pause_generation answered
-        self._keep_log = False
-        self._counters: dict[str, float] = {
-            "prompt_tokens": 0,
-            "generated_tokens": 0,
-            "cached_tokens": 0,
-            "ttft_sum": 0.0,
-            "ttft_count": 0,
-        }
-        self._finished: dict[str, int] = {}
-        self._tps: deque[tuple[float, int]] = deque()
-        self._scraped: dict[str, float] = {}
-
-    # ----------------------------------------------------------------------------- basics
-
-    @property
-    def info(self) -> ModelInfo:
-        """The served model (``max_model_len`` as the SGLang server reports it)."""
-        if self._info is None:
-            raise RuntimeError("the sglang backend is not started; await start() first")
-        return self._info
-
-    @property
-    def weight_version(self) -> int:
-        """Version of the weights in use."""
-        return self._weight_version
-
-    def log_tail(self, chars: int = 4000) -> str:
-        """Return the end of the SGLang server's log (empty for a server not launched here)."""
-        if self._log_path is None:
-            return ""
-        try:
-            return self._log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    def _http(self) -> httpx.AsyncClient:
-        if self._client is None:
-            raise RuntimeError("the sglang backend is not started; await start() first")
-        return self._client
-
-    def _exited(self) -> EngineUnavailableError | None:
-        if self.process is not None and self.process.poll() is not None:
-            return EngineUnavailableError(
-                f"the SGLang server exited with code {self.process.returncode}; log tail:\n"
-                f"{self.log_tail(2000)}"
-            )
-        return None
-
-    def _check_serving(self) -> None:
-        if self._stopping:
-            raise EngineUnavailableError("the sglang backend is shutting down")
-        exited = self._exited()
-        if exited is not None:
-            raise exited
-
-    def _sglang_error(self, status: int, text: str) -> RolloutError:
-        message = text
-        with contextlib.suppress(json.JSONDecodeError, AttributeError, TypeError):
-            body = json.loads(text)
-            err = body.get("error", body)
-            if isinstance(err, dict):
-                message = err.get("message") or body.get("message") or body.get("detail") or text
-            else:
-                message = str(err)
-        if 400 <= status < 500:
-            return InvalidRequestError(f"SGLang rejected the request: {message}")
-        self._keep_log = True
-        where = f" (SGLang's log: {self._log_path})" if self._log_path else ""
-        return RolloutError(f"SGLang server error (HTTP {status}): {message}{where}")
-
-    def _transport_error(self, exc: BaseException) -> RolloutError:
-        self._keep_log = True
-        exited = self._exited()
-        if exited is not None:
-            return exited
-        return RolloutError(f"talking to the SGLang server failed: {type(exc).__name__}: {exc}")
-
-    async def _call(
-        self,
-        method: str,
-        path: str,
-        *,
-        json_body: Any = None,
-        timeout: float | None = 300.0,
-    ) -> Any:
-        """One control request to SGLang; returns the decoded JSON body (or ``None``).
-
-        Raises:
-            InvalidRequestError: SGLang answered 4xx (404 for an endpoint it lacks).
-            RolloutError: 5xx, transport failure, or ``{"success": false}``.
-        """
-        self._check_serving()
-        try:
-            resp = await self._http().request(method, path, json=json_body, timeout=timeout)
-        except httpx.HTTPError as exc:
-            raise self._transport_error(exc) from exc
-        answer: Any = None
-        if resp.content:
-            try:
-                answer = resp.json()
-            except json.JSONDecodeError:
-                answer = resp.text
-        if isinstance(answer, dict) and answer.get("success") is False:
-            raise RolloutError(f"SGLang {path} failed: {answer.get('message') or answer}")
-        if resp.status_code != 200:
-            raise self._sglang_error(resp.status_code, resp.text)
-        return answer
-
-    def _count_tokens(self, n: int) -> None:
-        now = time.perf_counter()
-        self._counters["generated_tokens"] += n
-        self._tps.append((now, n))
-        while self._tps and now - self._tps[0][0] > _TPS_WINDOW_S:
-            self._tps.popleft()
+    name = "sglang"
+    server_name = "SGLang"
+    options: SGLangOptions
 
     # --------------------------------------------------------------------------- lifecycle
+
+    def _find_venv(self) -> Path:
+        o = self.options
+        return Path(o.sglang_venv).resolve() if o.sglang_venv else default_sglang_venv()
 
     def command(self, port: int) -> list[str]:
         """Return the SGLang server's command line for ``port``."""
@@ -901,16 +601,16 @@ class SGLangBackend:
         cmd += ["--device", device]
         if gpu:
             cmd += ["--base-gpu-id", gpu]
-        for flag, value in (
-            ("--context-length", o.max_model_len),
-            ("--max-running-requests", o.max_num_seqs),
-            ("--chunked-prefill-size", o.max_num_batched_tokens),
-            ("--max-total-tokens", o.kv_cache_tokens),
-            ("--mem-fraction-static", o.gpu_memory_utilization),
-            ("--random-seed", o.seed),
-        ):
-            if value is not None:
-                cmd += [flag, str(value)]
+        cmd += value_flags(
+            (
+                ("--context-length", o.max_model_len),
+                ("--max-running-requests", o.max_num_seqs),
+                ("--chunked-prefill-size", o.max_num_batched_tokens),
+                ("--max-total-tokens", o.kv_cache_tokens),
+                ("--mem-fraction-static", o.gpu_memory_utilization),
+                ("--random-seed", o.seed),
+            )
+        )
         for flag, on in (
             ("--disable-radix-cache", not o.enable_prefix_caching),
             ("--enable-memory-saver", o.enable_sleep_mode),
@@ -928,16 +628,7 @@ class SGLangBackend:
 
     def environment(self) -> dict[str, str]:
         """Return the SGLang server's environment."""
-        env = dict(os.environ)
-        # The polyrl venv must not leak into SGLang's interpreter, nor our API key into its env.
-        for key in ("VIRTUAL_ENV", "PYTHONHOME", "PYTHONPATH", "POLYRL_API_KEY"):
-            env.pop(key, None)
-        env["PATH"] = f"{self.venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
-        env.setdefault("HF_HUB_OFFLINE", "1")
-        env.setdefault("TRANSFORMERS_OFFLINE", "1")
-        env.setdefault("DO_NOT_TRACK", "1")
-        env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        env["PYTHONUNBUFFERED"] = "1"
+        env = self._child_environment()
         env.update(self.options.env)
         return env
 
@@ -950,131 +641,24 @@ class SGLangBackend:
                 f"SGLang server"
             )
 
-    def _new_client(self, url: str) -> None:
-        self.url = url.rstrip("/")
-        self._client = httpx.AsyncClient(
-            base_url=self.url,
-            timeout=httpx.Timeout(60.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            trust_env=False,
+    def _launch_environment(self, tmp_dir: str) -> dict[str, str]:
+        return self.environment()
+
+    async def _connect(self, started: float) -> None:
+        if self.options.server_url:
+            self._new_client(self.options.server_url)
+            await self._wait_healthy(started)
+        else:
+            await self._launch(started)
+
+    async def _model_info(self) -> ModelInfo:
+        return ModelInfo(
+            model=self.options.served_model_name or self.model_dir.name,
+            vocab_size=int(self._shapes["vocab_size"]),
+            max_model_len=await self._context_length(),
+            eos_token_ids=tuple(self._shapes["eos"]),
+            backend="sglang",
         )
-
-    async def start(self) -> None:
-        """Launch the SGLang server (or reach ``server_url``), wait until it answers, warm up.
-
-        A launched server is told to exit when the thread that started it ends
-        (``PR_SET_PDEATHSIG``), so call this from a thread that outlives the backend.
-
-        Raises:
-            FileNotFoundError: no SGLang installation in the venv (and no ``server_url``).
-            RuntimeError: the server exited while starting (the message has its log tail).
-            TimeoutError: it was not healthy after ``startup_timeout`` seconds.
-        """
-        if self._client is not None:
-            return
-        started = time.perf_counter()
-        try:
-            if self.options.server_url:
-                self._new_client(self.options.server_url)
-                await self._wait_healthy(started)
-            else:
-                await self._launch(started)
-            self.startup_seconds = time.perf_counter() - started
-            self._info = ModelInfo(
-                model=self.options.served_model_name or self.model_dir.name,
-                vocab_size=int(self._shapes["vocab_size"]),
-                max_model_len=await self._context_length(),
-                eos_token_ids=tuple(self._shapes["eos"]),
-                backend="sglang",
-            )
-            if self.options.warmup:
-                t0 = time.perf_counter()
-                await self._call(
-                    "POST",
-                    "/generate",
-                    json_body={
-                        "input_ids": [min(16, self._info.vocab_size - 1)],
-                        "sampling_params": {
-                            "max_new_tokens": 2,
-                            "temperature": 0,
-                            "ignore_eos": True,
-                        },
-                    },
-                    timeout=self.options.startup_timeout,
-                )
-                self.warmup_seconds = time.perf_counter() - t0
-            await self._scrape()
-            self._poller = asyncio.ensure_future(self._poll())
-        except BaseException:
-            self._keep_log = True
-            await self._stop_process()
-            raise
-
-    async def _launch(self, started: float) -> None:
-        self._check_loadable()
-        self._tmp = tempfile.mkdtemp(prefix="polyrl-sglang-")
-        self._log_path = (
-            Path(self.options.log_path)
-            if self.options.log_path
-            else Path(self._tmp) / "sglang-server.log"
-        )
-        env = self.environment()
-        for attempt in range(3):
-            port = _free_port("127.0.0.1")
-            self._spawn(port, env)
-            self._new_client(f"http://127.0.0.1:{port}")
-            if await self._wait_healthy(started):
-                return
-            # Lost the race for the port to another process: try another one.
-            await self._http().aclose()
-            self._client = None
-            if attempt == 2:
-                raise RuntimeError(f"SGLang could not bind a port; log tail:\n{self.log_tail()}")
-
-    def _spawn(self, port: int, env: dict[str, str]) -> None:
-        assert self._log_path is not None
-        cmd = self.command(port)
-        stub = [str(self.venv / "bin" / "python"), "-c", _PDEATHSIG_STUB, str(os.getpid())]
-        with open(self._log_path, "ab") as log:
-            log.write(f"\n# polyrl: {shlex.join(cmd)}\n".encode())
-            log.flush()
-            self.process = subprocess.Popen(
-                [*stub, *cmd],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-            )
-        # Whatever happens to this object, the server's process group goes with it.
-        self._finalizer = weakref.finalize(self, _kill_group, self.process.pid, signal.SIGKILL)
-
-    async def _wait_healthy(self, started: float) -> bool:
-        """Wait for ``/health``; ``False`` when a launched child died of a port clash."""
-        deadline = started + self.options.startup_timeout
-        while True:
-            if self.process is not None:
-                code = self.process.poll()
-                if code is not None:
-                    tail = self.log_tail()
-                    if "Address already in use" in tail:
-                        self.process = None
-                        return False
-                    raise RuntimeError(
-                        f"the SGLang server exited with code {code} while starting "
-                        f"({self._log_path}); log tail:\n{tail}"
-                    )
-            with contextlib.suppress(httpx.HTTPError):
-                resp = await self._http().get("/health", timeout=5.0)
-                if resp.status_code == 200:
-                    return True
-            if time.perf_counter() > deadline:
-                where = self.url if self.process is None else f"log tail:\n{self.log_tail()}"
-                raise TimeoutError(
-                    f"the SGLang server was not healthy after {self.options.startup_timeout} s; "
-                    f"{where}"
-                )
-            await asyncio.sleep(0.5)
 
     async def _context_length(self) -> int:
         info: Any = None
@@ -1085,118 +669,34 @@ class SGLangBackend:
         length = info.get("context_length") if isinstance(info, dict) else None
         return int(length or self.options.max_model_len or self._shapes["max_position"] or 2048)
 
-    async def shutdown(self) -> None:
-        """Abort in-flight requests and stop a launched server (its whole process group)."""
-        if self._stopping:
-            return
-        with contextlib.suppress(Exception):
-            await self.abort(None)
-        self._stopping = True
-        self._gate.set()
-        await self._stop_process()
+    def _warmup_request(self) -> tuple[str, dict[str, Any]]:
+        return "/generate", {
+            "input_ids": [min(16, self.info.vocab_size - 1)],
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True},
+        }
 
-    async def _stop_process(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._poller
-            self._poller = None
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
-        proc = self.process
-        if proc is not None and proc.poll() is None:
-            _kill_group(proc.pid, signal.SIGTERM)
-            try:
-                await asyncio.to_thread(proc.wait, 30)
-            except subprocess.TimeoutExpired:
-                _kill_group(proc.pid, signal.SIGKILL)
-                await asyncio.to_thread(proc.wait)
-        if proc is not None:
-            # SGLang's scheduler and detokenizer processes share the group.
-            _kill_group(proc.pid, signal.SIGKILL)
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        if proc is not None and proc.returncode not in (0, -signal.SIGTERM, None):
-            self._keep_log = True
-        if self._tmp is not None:
-            if self._keep_log and self.options.log_path is None:
-                logger.warning("SGLang server log kept at %s", self._log_path)
-            else:
-                shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp = None
+    def _check_answer(self, path: str, answer: Any) -> None:
+        # SGLang answers some failed control calls with 200 and {"success": false}.
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise RolloutError(f"SGLang {path} failed: {answer.get('message') or answer}")
 
     # -------------------------------------------------------------------------- requests
 
-    async def generate(
-        self, request: GenerateRequest, stream: bool = True
-    ) -> AsyncIterator[SampleDelta]:
-        """Submit ``request`` to SGLang and return its delta stream.
-
-        Validation errors raise here. Closing the stream (``aclose``) before every sample
-        finished aborts the request.
-
-        Raises:
-            InvalidRequestError: bad token ids, too long, stop strings, duplicate in-flight
-                ``request_id``.
-            EngineUnavailableError: asleep, weights discarded, shutting down, server gone.
-        """
-        self._http()
-        self._check_serving()
-        if self._kv_released:
-            raise EngineUnavailableError(
-                "the engine is asleep (KV cache released); call /wake_up first"
-            )
-        if self._weights_discarded:
-            raise EngineUnavailableError(
-                "the weights were discarded by sleep; load new ones with /update_weights first"
-            )
-        info = self.info
-        max_new = check_request_fits(request, info.vocab_size, info.max_model_len)
+    def _validate(self, request: GenerateRequest) -> int:
+        max_new = super()._validate(request)
         generate_body(request, max_new, "check")  # refuses what SGLang cannot do, here
-        if request.request_id in self._jobs:
-            raise InvalidRequestError(
-                f"request_id {request.request_id!r} is already in flight", param="request_id"
-            )
-        job = _Job(self, request, max_new, stream)
-        self._jobs[request.request_id] = job
-        job.start()
-        return DeltaStream(request.params.n, cancel=job.cancel, inbox=job.inbox)
+        return max_new
 
-    async def abort(self, request_ids: Sequence[str] | None = None) -> int:
-        """End in-flight requests (all when ``None``) with ``abort``; returns how many."""
-        if request_ids is None:
-            jobs = list(self._jobs.values())
-        else:
-            jobs = [j for i in request_ids if (j := self._jobs.get(i)) is not None]
-        await asyncio.gather(*(j.cancel() for j in jobs))
-        return len(jobs)
+    def _new_job(self, request: GenerateRequest, max_new: int, stream: bool) -> _Job:
+        return _Job(self, request, max_new, stream)
 
     # --------------------------------------------------------------------------- control
 
-    async def _engine_call(self, path: str, body: Mapping[str, Any]) -> bool:
-        """Call a pause/continue endpoint; ``False`` (and no more tries) when SGLang lacks it."""
-        if not self._engine_pause:
-            return False
-        try:
-            await self._call("POST", path, json_body=dict(body))
-        except InvalidRequestError as exc:
-            logger.warning("SGLang has no usable %s (%s); pausing new requests only", path, exc)
-            self._engine_pause = False
-            return False
-        return True
+    async def _pause_engine(self) -> None:
+        await self._engine_call("/pause_generation", json_body={"mode": "in_place"})
 
-    async def pause(self) -> None:
-        """Hold new requests here and freeze in-flight ones in SGLang (``in_place``)."""
-        self._gate.clear()
-        self._paused = True
-        await self._engine_call("/pause_generation", {"mode": "in_place"})
-
-    async def resume(self) -> None:
-        """Undo :meth:`pause`."""
-        await self._engine_call("/continue_generation", {})
-        self._paused = False
-        self._gate.set()
+    async def _resume_engine(self) -> None:
+        await self._engine_call("/continue_generation", json_body={})
 
     async def sleep(self, level: int = 1) -> dict[str, Any]:
         """Abort in-flight requests, then release GPU memory; ``generate`` answers 503 after.
@@ -1208,8 +708,7 @@ class SGLangBackend:
             InvalidRequestError: a level other than 1 or 2, or a server launched here without
                 ``enable_sleep_mode`` (``--enable-memory-saver``).
         """
-        if level not in (1, 2) or isinstance(level, bool):
-            raise InvalidRequestError(f"sleep level must be 1 or 2, got {level!r}", param="level")
+        self._check_level(level)
         if not self.options.server_url and not self.options.enable_sleep_mode:
             raise InvalidRequestError(
                 "the SGLang server was started without --enable-memory-saver; create the "
@@ -1220,10 +719,7 @@ class SGLangBackend:
         release_weights = level == 2 or self.options.weights_cpu_backup
         tags = ["kv_cache", "weights"] if release_weights else ["kv_cache"]
         answer = await self._call("POST", "/release_memory_occupation", json_body={"tags": tags})
-        self._kv_released = True
-        self._weights_asleep = release_weights
-        if level == 2:
-            self._weights_discarded = True
+        self._asleep(level, weights=release_weights)
         return {
             "level": level,
             "aborted_requests": aborted,
@@ -1238,13 +734,7 @@ class SGLangBackend:
 
         Only what :meth:`sleep` released is resumed (SGLang refuses to resume memory it holds).
         """
-        wanted = set(_MEMORY_TAGS) if tags is None else set(tags)
-        unknown = wanted - set(_MEMORY_TAGS)
-        if unknown:
-            raise InvalidRequestError(
-                f"unknown wake_up tag(s) {sorted(unknown)}; expected 'kv_cache' and/or 'weights'",
-                param="tags",
-            )
+        wanted = self._wake_tags(tags)
         asleep = {"kv_cache"} if self._kv_released else set()
         if self._weights_asleep:
             asleep.add("weights")
@@ -1261,26 +751,17 @@ class SGLangBackend:
             self._weights_asleep = False
         return {"needs_weights": self._weights_discarded, "resumed": resume, "sglang": answer}
 
-    def _next_version(self, version: int | None) -> int:
-        if version is not None and (
-            not isinstance(version, int) or isinstance(version, bool) or version < 0
-        ):
-            raise InvalidRequestError(
-                f"version must be an int >= 0, got {version!r}", param="version"
-            )
-        return self._weight_version + 1 if version is None else version
-
     async def _updating(self, body: Mapping[str, Any], path: str) -> Any:
         """Pause SGLang (retracting running requests), call ``path``, continue."""
         if self._weights_asleep:
             await self._call("POST", "/resume_memory_occupation", json_body={"tags": ["weights"]})
             self._weights_asleep = False
-        frozen = await self._engine_call("/pause_generation", {"mode": "retract"})
+        frozen = await self._engine_call("/pause_generation", json_body={"mode": "retract"})
         try:
             return await self._call("POST", path, json_body=dict(body), timeout=None)
         finally:
             if frozen and not self._paused:
-                await self._engine_call("/continue_generation", {})
+                await self._engine_call("/continue_generation", json_body={})
 
     async def update_weights(self, path: str, version: int | None = None) -> int:
         """Reload all weights in place from a safetensors directory; return the new version.
@@ -1302,9 +783,7 @@ class SGLangBackend:
                 "/update_weights_from_disk",
             )
             logger.info("SGLang reloaded weights from %s: %s", path, answer)
-            self._weights_discarded = False
-            self._weight_version = new_version
-            return new_version
+            return self._loaded(new_version)
 
     async def init_weights_update_group(
         self,
@@ -1361,9 +840,7 @@ class SGLangBackend:
                 },
                 "/update_weights_from_distributed",
             )
-            self._weights_discarded = False
-            self._weight_version = new_version
-            return new_version
+            return self._loaded(new_version)
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> Any:
         """Leave the group made by :meth:`init_weights_update_group`."""
@@ -1373,48 +850,21 @@ class SGLangBackend:
 
     # ----------------------------------------------------------------------------- stats
 
-    async def _scrape(self) -> None:
-        if not self.options.enable_metrics and not self.options.server_url:
-            return
-        with contextlib.suppress(httpx.HTTPError, RolloutError):
-            resp = await self._http().get("/metrics", timeout=10.0)
-            if resp.status_code == 200:
-                self._scraped = parse_sglang_metrics(resp.text)
+    @property
+    def _scrapes(self) -> bool:
+        return self.options.enable_metrics or bool(self.options.server_url)
 
-    async def _poll(self) -> None:
-        while True:
-            await asyncio.sleep(self.options.metrics_interval)
-            if self.process is not None and self.process.poll() is not None:
-                return
-            await self._scrape()
+    def _read_metrics(self, text: str) -> dict[str, Any]:
+        return parse_sglang_metrics(text)
 
-    def stats(self) -> BackendStats:
-        """Counters kept here plus the gauges last scraped from SGLang (KV cache in tokens)."""
+    def _engine_stats(self) -> dict[str, Any]:
+        """KV cache in tokens (SGLang has no blocks), cached prompt tokens, retractions."""
         sc = self._scraped
-        now = time.perf_counter()
-        recent = [(t, n) for t, n in self._tps if now - t <= _TPS_WINDOW_S]
-        tps = 0.0
-        if recent:
-            tps = sum(n for _, n in recent) / max(now - recent[0][0], 1e-3)
-        in_flight = sum(j.unfinished for j in self._jobs.values() if j.sent)
-        gated = sum(j.unfinished for j in self._jobs.values() if not j.sent)
-        queued = min(int(sc.get("waiting", 0)), in_flight)
         total = int(sc.get("total_tokens", 0))
         used = int(sc.get("used_tokens", 0)) or int(math.ceil(sc.get("token_usage", 0.0) * total))
-        return BackendStats(
-            running=in_flight - queued,
-            waiting=gated + queued,
-            paused=self._paused,
-            sleeping=self._kv_released or self._weights_asleep or self._weights_discarded,
-            weight_version=self._weight_version,
-            prompt_tokens_total=int(self._counters["prompt_tokens"]),
-            generated_tokens_total=int(self._counters["generated_tokens"]),
-            generated_tokens_per_s=tps,
-            kv_cache_blocks_total=total,
-            kv_cache_blocks_used=used,
-            prefix_cache_hit_tokens_total=int(self._counters["cached_tokens"]),
-            preemptions_total=int(sc.get("retractions", 0)),
-            finished_total=dict(self._finished),
-            ttft_seconds_sum=float(self._counters["ttft_sum"]),
-            ttft_count=int(self._counters["ttft_count"]),
-        )
+        return {
+            "kv_cache_blocks_total": total,
+            "kv_cache_blocks_used": used,
+            "prefix_cache_hit_tokens_total": int(self._counters["cached_tokens"]),
+            "preemptions_total": int(sc.get("retractions", 0)),
+        }

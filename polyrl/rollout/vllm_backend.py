@@ -71,33 +71,30 @@ import os
 import re
 import shlex
 import shutil
-import signal
-import socket
-import subprocess
-import tempfile
-import time
 import uuid
-import weakref
-from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from polyrl.core.dtypes import DTYPE_SIZES, FLOAT_DTYPES
 from polyrl.core.rollout_api import (
-    BackendStats,
-    DeltaStream,
-    EngineUnavailableError,
     GenerateRequest,
     InvalidRequestError,
     ModelInfo,
     RolloutError,
     SampleDelta,
-    check_request_fits,
 )
-from polyrl.rollout.base import check_backend_options, register_backend
+from polyrl.rollout.base import register_backend
+from polyrl.rollout.subprocess_backend import (
+    ServerOptions,
+    StreamJob,
+    SubprocessBackend,
+    find_venv,
+    is_pos_int,
+    prometheus_samples,
+    value_flags,
+    venv_has,
+)
 
 __all__ = [
     "CPU_ATTENTION_HEAD_SIZES",
@@ -126,23 +123,9 @@ _DTYPES = ("auto", *FLOAT_DTYPES)  # "auto": the checkpoint's
 _WEIGHT_LOADS = ("memory", "disk")
 _CPU_KV_CACHE_TOKENS = 65536  # kv_cache_tokens' default on CPU
 _LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
-_TPS_WINDOW_S = 5.0
 _FINISH_MAP = {"stop": "stop", "length": "length", "abort": "abort"}
 _TOKEN_KEY = re.compile(r"^token_id:(-?\d+)$")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
-# Launch through a stub that asks the kernel for SIGTERM when the parent dies, so a crashed or
-# SIGKILLed polyrl process does not leave a vLLM server running; then exec the real command.
-_PDEATHSIG_STUB = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    sys.exit('polyrl parent exited before the vLLM server started')\n"
-    "os.execv(sys.argv[2], sys.argv[2:])\n"
-)
-
-
-def _repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
 
 
 def default_vllm_venv() -> Path:
@@ -151,14 +134,7 @@ def default_vllm_venv() -> Path:
     ``$POLYRL_VLLM_VENV`` if set; else the first of ``<repo>/.venv-vllm`` and
     ``./.venv-vllm`` that holds vLLM; else ``<repo>/.venv-vllm``.
     """
-    env = os.environ.get(VLLM_VENV_ENV)
-    if env:
-        return Path(env).expanduser().resolve()
-    candidates = [_repo_root() / ".venv-vllm", Path.cwd() / ".venv-vllm"]
-    for c in candidates:
-        if vllm_available(c):
-            return c.resolve()
-    return candidates[0]
+    return find_venv(VLLM_VENV_ENV, ".venv-vllm", vllm_available)
 
 
 def vllm_available(venv: str | os.PathLike[str] | None = None) -> bool:
@@ -168,11 +144,9 @@ def vllm_available(venv: str | os.PathLike[str] | None = None) -> bool:
     seconds); ``start()`` reports an install that is there but broken.
     """
     path = Path(venv) if venv is not None else default_vllm_venv()
-    python = path / "bin" / "python"
-    if not (python.exists() and os.access(python, os.X_OK)):
-        return False
-    pattern = "lib/python3*/site-packages/vllm/entrypoints/launchers/api_server/entry.py"
-    return any(path.glob(pattern))
+    return venv_has(
+        path, "lib/python3*/site-packages/vllm/entrypoints/launchers/api_server/entry.py"
+    )
 
 
 def _cpu_list(cpus: Sequence[int]) -> str:
@@ -190,12 +164,8 @@ def _cpu_list(cpus: Sequence[int]) -> str:
     return ",".join(parts)
 
 
-def _is_pos_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
 @dataclasses.dataclass(frozen=True)
-class VLLMOptions:
+class VLLMOptions(ServerOptions):
     """Options of :class:`VLLMBackend`; checked on construction.
 
     The first group shares names (and meaning) with the native engine's options, so
@@ -261,59 +231,23 @@ class VLLMOptions:
 
     dtype: str = "float32"
     device: str = "cpu"
-    max_model_len: int | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    kv_cache_tokens: int | None = None
     block_size: int | None = None
-    seed: int | None = None
     num_threads: int | None = None
-    served_model_name: str | None = None
-    enable_prefix_caching: bool = True
-    trust_remote_code: bool = False
     enable_chunked_prefill: bool | None = None
     vllm_venv: str | None = None
     omp_threads_bind: str | None = None
     enforce_eager: bool = True
     logprobs_mode: str = "processed_logprobs"
-    startup_timeout: float = 600.0
-    warmup: bool = True
-    log_path: str | None = None
-    extra_args: tuple[str, ...] = ()
-    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    metrics_interval: float = 1.0
-    buffered_stream_interval: int = 16
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float | None = None
-    enable_sleep_mode: bool = False
     weight_load: str = "memory"
 
-    def __post_init__(self) -> None:
-        def bad(name: str, expected: str) -> ValueError:
-            return ValueError(
-                f"invalid vllm backend option {name}={getattr(self, name)!r}: expected {expected}"
-            )
+    _backend = "vllm"
+    _dtypes = _DTYPES
+    _devices = "'cpu', 'cuda' or 'cuda:<index>'"
+    _counts = ("block_size", "num_threads")
 
-        if self.dtype not in _DTYPES:
-            raise bad("dtype", f"one of {', '.join(_DTYPES)}")
-        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
-            raise bad("device", "'cpu', 'cuda' or 'cuda:<index>'")
-        for name in (
-            "max_model_len",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "block_size",
-            "num_threads",
-        ):
-            value = getattr(self, name)
-            if value is not None and not _is_pos_int(value):
-                raise bad(name, "an int >= 1 (or None for the default)")
-        for name in ("kv_cache_tokens",):
-            if getattr(self, name) is not None and not _is_pos_int(getattr(self, name)):
-                raise bad(name, "an int >= 1 (or None for the default)")
-        for name in ("buffered_stream_interval", "tensor_parallel_size"):
-            if not _is_pos_int(getattr(self, name)):
-                raise bad(name, "an int >= 1")
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        bad = self._bad
         on_cuda = self.device.startswith("cuda")
         if self.tensor_parallel_size > 1 and not on_cuda:
             raise bad("tensor_parallel_size", f"1 on device {self.device!r} (> 1 needs cuda)")
@@ -323,86 +257,16 @@ class VLLMOptions:
                 f"1 with device {self.device!r}, which names one GPU; use device='cuda' and "
                 "CUDA_VISIBLE_DEVICES to give a replica several",
             )
-        gmu = self.gpu_memory_utilization
-        if gmu is not None and (
-            isinstance(gmu, bool) or not isinstance(gmu, int | float) or not 0 < gmu <= 1
-        ):
-            raise bad("gpu_memory_utilization", "a fraction in (0, 1] (or None for vLLM's)")
-        if not isinstance(self.enable_sleep_mode, bool):
-            raise bad("enable_sleep_mode", "true or false")
+        expected = "a fraction in (0, 1] (or None for vLLM's)"
+        self._check_fraction("gpu_memory_utilization", expected, one=True)
         if self.weight_load not in _WEIGHT_LOADS:
             raise bad("weight_load", f"one of {', '.join(_WEIGHT_LOADS)}")
-        if self.seed is not None and (
-            not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0
-        ):
-            raise bad("seed", "an int >= 0 or None")
-        for name in ("enable_prefix_caching", "trust_remote_code", "enforce_eager", "warmup"):
-            if not isinstance(getattr(self, name), bool):
-                raise bad(name, "true or false")
         if self.enable_chunked_prefill is not None and not isinstance(
             self.enable_chunked_prefill, bool
         ):
             raise bad("enable_chunked_prefill", "true, false or None (the default)")
         if self.logprobs_mode not in _LOGPROBS_MODES:
             raise bad("logprobs_mode", f"one of {', '.join(_LOGPROBS_MODES)}")
-        for name in ("startup_timeout", "metrics_interval"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise bad(name, "a number of seconds > 0")
-        if isinstance(self.extra_args, str) or not all(isinstance(a, str) for a in self.extra_args):
-            raise bad("extra_args", "a list of command-line strings")
-        if not isinstance(self.env, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()
-        ):
-            raise bad("env", "a mapping of strings to strings")
-
-
-def _model_shapes(model_dir: Path) -> dict[str, Any]:
-    """Read what the backend needs from ``config.json`` and ``generation_config.json``."""
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(
-            f"{model_dir} is not a Hugging Face model directory (no config.json)"
-        )
-    config = json.loads(config_path.read_text())
-    text = config.get("text_config") or config
-    heads = text.get("num_attention_heads")
-    hidden = text.get("hidden_size")
-    head_dim = text.get("head_dim") or (hidden // heads if hidden and heads else None)
-    eos: set[int] = set()
-    gen_path = model_dir / "generation_config.json"
-    sources = [config, text]
-    if gen_path.is_file():
-        sources.append(json.loads(gen_path.read_text()))
-    for src in sources:
-        value = src.get("eos_token_id")
-        if isinstance(value, int):
-            eos.add(value)
-        elif isinstance(value, list):
-            eos.update(v for v in value if isinstance(v, int))
-    vocab = text.get("vocab_size") or config.get("vocab_size")
-    if not _is_pos_int(vocab):
-        raise ValueError(f"{config_path} has no usable vocab_size (got {vocab!r})")
-    return {
-        "vocab_size": vocab,
-        "layers": text.get("num_hidden_layers"),
-        "kv_heads": text.get("num_key_value_heads") or heads,
-        "head_dim": head_dim,
-        "dtype": text.get("torch_dtype") or text.get("dtype") or config.get("dtype"),
-        "eos": tuple(sorted(eos)),
-        "max_position": text.get("max_position_embeddings"),
-    }
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _kill_group(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)
 
 
 def _parse_metrics(text: str) -> dict[str, Any]:
@@ -415,21 +279,12 @@ def _parse_metrics(text: str) -> dict[str, Any]:
         "vllm:num_preemptions_total": "preemptions",
     }
     out: dict[str, Any] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name, _, rest = line.partition("{")
+    for name, labels, value in prometheus_samples(text):
         if name == "vllm:cache_config_info":
-            out["cache_config"] = dict(_LABEL.findall(rest))
-            continue
-        key = wanted.get(name)
-        if key is None:
-            continue
-        try:
-            value = float(line.rsplit(" ", 1)[1])
-        except (IndexError, ValueError):
-            continue
-        out[key] = out.get(key, 0.0) + value
+            # vLLM publishes its cache configuration as the labels of a constant gauge.
+            out["cache_config"] = dict(_LABEL.findall(labels))
+        elif name in wanted:
+            out[wanted[name]] = out.get(wanted[name], 0.0) + value
     return out
 
 
@@ -448,20 +303,18 @@ class _Sample:
         self.stop_reason: int | str | None = None
 
 
-class _Job:
-    """One request in flight: the task streaming it from vLLM and the queue its deltas go to."""
+class _Job(StreamJob):
+    """One request in flight: the task streaming all its samples from vLLM in one request."""
+
+    backend: VLLMBackend
 
     def __init__(self, backend: VLLMBackend, request: GenerateRequest, max_new: int, stream: bool):
-        self.backend = backend
-        self.request = request
-        self.max_new = max_new
-        self.stream = stream
+        super().__init__(backend, request, max_new, stream)
         self.samples = [_Sample() for _ in range(request.params.n)]
-        self.inbox: asyncio.Queue[list[SampleDelta] | BaseException] = asyncio.Queue()
         self.task: asyncio.Task[None] | None = None
-        self.submitted = time.perf_counter()
-        self.first_token_at: float | None = None
-        self.sent = False
+
+    def start(self) -> None:
+        self.task = asyncio.ensure_future(self.run())
 
     async def cancel(self) -> None:
         """Abort: stop streaming from vLLM and end the unfinished samples with ``abort``."""
@@ -473,10 +326,6 @@ class _Job:
         self._end_unfinished("abort")
         if self.backend._jobs.get(self.request.request_id) is self:
             del self.backend._jobs[self.request.request_id]
-
-    @property
-    def unfinished(self) -> int:
-        return sum(not s.finished for s in self.samples)
 
     def body(self) -> dict[str, Any]:
         b = self.backend
@@ -508,32 +357,12 @@ class _Job:
         return body
 
     async def run(self) -> None:
-        b = self.backend
         try:
-            await b._gate.wait()
-            b._check_serving()
-            client = b._http()
-            self.sent = True
-            b._counters["prompt_tokens"] += len(self.request.prompt_ids)
-            async with client.stream(
-                "POST", "/v1/completions", json=self.body(), timeout=httpx.Timeout(None)
-            ) as resp:
-                if resp.status_code != 200:
-                    raise b._vllm_error(
-                        resp.status_code, (await resp.aread()).decode("utf-8", "replace")
-                    )
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        break
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        raise b._vllm_error(500, json.dumps(chunk))
-                    deltas = [d for c in chunk.get("choices", ()) if (d := self._take(c))]
-                    if deltas:
-                        self.inbox.put_nowait(deltas)
+            client = await self._admit()
+            async for chunk in self._chunks(client, "/v1/completions", self.body()):
+                deltas = [d for c in chunk.get("choices", ()) if (d := self._take(c))]
+                if deltas:
+                    self.inbox.put_nowait(deltas)
             if self.unfinished:
                 raise RolloutError(
                     f"the vLLM stream of request {self.request.request_id!r} ended before "
@@ -542,12 +371,10 @@ class _Job:
         except asyncio.CancelledError:
             self._end_unfinished("abort")
         except Exception as exc:
-            if isinstance(exc, httpx.HTTPError | json.JSONDecodeError):
-                exc = b._transport_error(exc)
             self._end_unfinished(None)
-            self.inbox.put_nowait(exc)
+            self.inbox.put_nowait(self._failure(exc))
         finally:
-            b._jobs.pop(self.request.request_id, None)
+            self.backend._jobs.pop(self.request.request_id, None)
 
     def _take(self, choice: Mapping[str, Any]) -> SampleDelta | None:
         """Record one streamed choice; return the delta to deliver now, if any."""
@@ -577,11 +404,7 @@ class _Job:
             s.last = ids[-1]
             if s.first_version is None:
                 s.first_version = version
-            if self.first_token_at is None:
-                self.first_token_at = time.perf_counter()
-                b._counters["ttft_sum"] += self.first_token_at - self.submitted
-                b._counters["ttft_count"] += 1
-            b._count_tokens(len(ids))
+            self._count_tokens(len(ids))
         finish = choice.get("finish_reason")
         stop_reason = choice.get("stop_reason")
         if finish is not None:
@@ -591,7 +414,7 @@ class _Job:
                 stop_reason = s.last
             s.finished = True
             s.stop_reason = stop_reason
-            b._finished[finish] = b._finished.get(finish, 0) + 1
+            self._count_finish(finish)
         if self.stream:
             if not ids and finish is None:
                 return None
@@ -640,25 +463,15 @@ class _Job:
     def _end_unfinished(self, reason: str | None) -> None:
         """Close the unfinished samples: with ``reason`` delivered, or silently (on errors)."""
         deltas: list[SampleDelta] = []
-        b = self.backend
         for i, s in enumerate(self.samples):
             if s.finished:
                 continue
             s.finished = True
             if reason is None:
                 continue
-            b._finished[reason] = b._finished.get(reason, 0) + 1
+            self._count_finish(reason)
             if self.stream:
-                deltas.append(
-                    SampleDelta(
-                        index=i,
-                        token_ids=[],
-                        logprobs=[] if self.request.params.logprobs else None,
-                        finish_reason=reason,
-                        weight_version=b._weight_version,
-                        first_weight_version=s.first_version,
-                    )
-                )
+                deltas.append(self._abort_delta(i, s.first_version, reason))
             else:
                 deltas.append(self._whole(i, reason))
         if deltas:
@@ -666,165 +479,28 @@ class _Job:
 
 
 @register_backend("vllm")
-class VLLMBackend:
+class VLLMBackend(SubprocessBackend):
     """A vLLM OpenAI server subprocess behind :class:`~polyrl.core.rollout_api.RolloutBackend`.
 
-    See the module docstring for how every method maps onto vLLM.
-
-    Args:
-        model_dir: local HF model directory (safetensors weights).
-        **options: :class:`VLLMOptions` fields.
-
-    Raises:
-        TypeError: an option that is not a :class:`VLLMOptions` field.
-        ValueError: an option with a bad value.
-        FileNotFoundError: ``model_dir`` has no ``config.json``.
+    See the module docstring for how every method maps onto vLLM. Takes ``model_dir`` and
+    :class:`VLLMOptions` fields, as :class:`SubprocessBackend` does.
     """
 
-    #: The dataclass whose fields are this backend's options.
     options_class = VLLMOptions
+    name = "vllm"
+    server_name = "vLLM"
+    options: VLLMOptions
 
     def __init__(self, model_dir: str | os.PathLike[str], **options: Any):
-        check_backend_options("vllm", VLLMOptions, options)
-        if "extra_args" in options and options["extra_args"] is not None:
-            options["extra_args"] = tuple(options["extra_args"])
-        self.model_dir = Path(model_dir).expanduser().resolve()
-        self.options = VLLMOptions(**{k: v for k, v in options.items() if v is not None})
-        self._shapes = _model_shapes(self.model_dir)
-        self.venv = (
-            Path(self.options.vllm_venv).resolve()
-            if self.options.vllm_venv
-            else default_vllm_venv()
-        )
-        self.url: str | None = None
-        self.process: subprocess.Popen[bytes] | None = None
-        self.startup_seconds: float | None = None
-        self.warmup_seconds: float | None = None
-        self._info: ModelInfo | None = None
-        self._client: httpx.AsyncClient | None = None
-        self._tmp: str | None = None
-        self._log_path: Path | None = None
-        self._finalizer: weakref.finalize | None = None
-        self._poller: asyncio.Task[None] | None = None
-        self._jobs: dict[str, _Job] = {}
-        self._gate = asyncio.Event()
-        self._gate.set()
-        self._paused = False
-        self._kv_released = False
-        self._weights_asleep = False
-        self._weights_discarded = False
-        self._stopping = False
-        self._weight_version = 0
-        self._weights_lock = asyncio.Lock()
+        super().__init__(model_dir, **options)
         self._expected_shapes: dict[str, tuple[int, ...]] | None = None
         self._weight_bytes_cache: int | None = None
-        self._engine_pause = True  # whether vLLM's /pause endpoint answered
-        self._keep_log = False
-        self._counters: dict[str, float] = {
-            "prompt_tokens": 0,
-            "generated_tokens": 0,
-            "ttft_sum": 0.0,
-            "ttft_count": 0,
-        }
-        self._finished: dict[str, int] = {}
-        self._tps: deque[tuple[float, int]] = deque()
-        self._scraped: dict[str, Any] = {}
-
-    # ----------------------------------------------------------------------------- basics
-
-    @property
-    def info(self) -> ModelInfo:
-        """The served model (``max_model_len`` as the vLLM server reports it)."""
-        if self._info is None:
-            raise RuntimeError("the vllm backend is not started; await start() first")
-        return self._info
-
-    @property
-    def weight_version(self) -> int:
-        """Version of the weights in use."""
-        return self._weight_version
-
-    def log_tail(self, chars: int = 4000) -> str:
-        """Return the end of the vLLM server's log."""
-        if self._log_path is None:
-            return ""
-        try:
-            return self._log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    def _http(self) -> httpx.AsyncClient:
-        if self._client is None:
-            raise RuntimeError("the vllm backend is not started; await start() first")
-        return self._client
-
-    def _check_serving(self) -> None:
-        if self._stopping:
-            raise EngineUnavailableError("the vllm backend is shutting down")
-        if self.process is not None and self.process.poll() is not None:
-            raise EngineUnavailableError(
-                f"the vLLM server exited with code {self.process.returncode}; log tail:\n"
-                f"{self.log_tail(2000)}"
-            )
-
-    def _vllm_error(self, status: int, text: str) -> RolloutError:
-        try:
-            body = json.loads(text)
-            err = body.get("error", body)
-            message = err.get("message") if isinstance(err, dict) else str(err)
-            message = message or body.get("detail") or text
-        except (json.JSONDecodeError, AttributeError):
-            message = text
-        if 400 <= status < 500:
-            return InvalidRequestError(f"vLLM rejected the request: {message}")
-        self._keep_log = True
-        return RolloutError(
-            f"vLLM server error (HTTP {status}): {message} (vLLM's log: {self._log_path})"
-        )
-
-    def _transport_error(self, exc: BaseException) -> RolloutError:
-        self._keep_log = True
-        if self.process is not None and self.process.poll() is not None:
-            return EngineUnavailableError(
-                f"the vLLM server exited with code {self.process.returncode}; log tail:\n"
-                f"{self.log_tail(2000)}"
-            )
-        return RolloutError(f"talking to the vLLM server failed: {type(exc).__name__}: {exc}")
-
-    async def _call(
-        self,
-        method: str,
-        path: str,
-        *,
-        params: Mapping[str, Any] | None = None,
-        json_body: Any = None,
-        timeout: float | None = 300.0,
-    ) -> Any:
-        """One control request to vLLM; returns the decoded JSON body (or ``None``)."""
-        self._check_serving()
-        try:
-            resp = await self._http().request(
-                method, path, params=params, json=json_body, timeout=timeout
-            )
-        except httpx.HTTPError as exc:
-            raise self._transport_error(exc) from exc
-        if resp.status_code != 200:
-            raise self._vllm_error(resp.status_code, resp.text)
-        if not resp.content:
-            return None
-        try:
-            return resp.json()
-        except json.JSONDecodeError:
-            return resp.text
-
-    def _count_tokens(self, n: int) -> None:
-        now = time.perf_counter()
-        self._counters["generated_tokens"] += n
-        self._tps.append((now, n))
-        while self._tps and now - self._tps[0][0] > _TPS_WINDOW_S:
-            self._tps.popleft()
 
     # --------------------------------------------------------------------------- lifecycle
+
+    def _find_venv(self) -> Path:
+        o = self.options
+        return Path(o.vllm_venv).resolve() if o.vllm_venv else default_vllm_venv()
 
     def command(self, port: int) -> list[str]:
         """Return the vLLM server's command line for ``port``."""
@@ -862,15 +538,15 @@ class VLLMBackend:
                 cmd += ["--tensor-parallel-size", str(o.tensor_parallel_size)]
             if o.enable_sleep_mode:
                 cmd.append("--enable-sleep-mode")
-        for flag, value in (
-            ("--max-model-len", o.max_model_len),
-            ("--max-num-seqs", o.max_num_seqs),
-            ("--max-num-batched-tokens", o.max_num_batched_tokens),
-            ("--block-size", o.block_size),
-            ("--seed", o.seed),
-        ):
-            if value is not None:
-                cmd += [flag, str(value)]
+        cmd += value_flags(
+            (
+                ("--max-model-len", o.max_model_len),
+                ("--max-num-seqs", o.max_num_seqs),
+                ("--max-num-batched-tokens", o.max_num_batched_tokens),
+                ("--block-size", o.block_size),
+                ("--seed", o.seed),
+            )
+        )
         if o.enforce_eager:
             cmd.append("--enforce-eager")
         cmd.append(
@@ -911,7 +587,7 @@ class VLLMBackend:
         if self.on_cuda and (tokens is None or o.gpu_memory_utilization is not None):
             return None  # vLLM fills gpu_memory_utilization of the GPU
         s = self._shapes
-        if not all(_is_pos_int(s.get(k)) for k in ("layers", "kv_heads", "head_dim")):
+        if not all(is_pos_int(s.get(k)) for k in ("layers", "kv_heads", "head_dim")):
             return None  # unknown layout: leave the size to vLLM
         dtype = self.serving_dtype()
         if dtype == "auto":
@@ -928,28 +604,13 @@ class VLLMBackend:
         always removed: vLLM lets it override ``--kv-cache-memory-bytes``, in whole GiB.
         """
         o = self.options
-        env = dict(os.environ)
-        # The polyrl venv must not leak into vLLM's interpreter, nor our API key into its env.
-        for key in (
-            "VIRTUAL_ENV",
-            "PYTHONHOME",
-            "PYTHONPATH",
-            "POLYRL_API_KEY",
-            "VLLM_CPU_KVCACHE_SPACE",
-        ):
-            env.pop(key, None)
+        env = self._child_environment(drop=("VLLM_CPU_KVCACHE_SPACE",))
         if self.on_cuda:
             for key in [k for k in env if k.startswith("VLLM_CPU_")]:
                 env.pop(key)
-        env["PATH"] = f"{self.venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
-        env["PYTHONPATH"] = ext_dir
+        env["PYTHONPATH"] = ext_dir  # only the worker extension: nothing of the polyrl venv
         env["VLLM_SERVER_DEV_MODE"] = "1"
-        env.setdefault("HF_HUB_OFFLINE", "1")
-        env.setdefault("TRANSFORMERS_OFFLINE", "1")
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
-        env.setdefault("DO_NOT_TRACK", "1")
-        env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        env["PYTHONUNBUFFERED"] = "1"
         if o.device == "cpu":
             bind = o.omp_threads_bind
             if bind is None:
@@ -982,7 +643,7 @@ class VLLMBackend:
         head = self._shapes.get("head_dim")
         if (
             self.options.device == "cpu"
-            and _is_pos_int(head)
+            and is_pos_int(head)
             and head not in CPU_ATTENTION_HEAD_SIZES
         ):
             raise ValueError(
@@ -990,242 +651,57 @@ class VLLMBackend:
                 f"does not support (supported: {', '.join(map(str, CPU_ATTENTION_HEAD_SIZES))})"
             )
 
-    async def start(self) -> None:
-        """Launch the vLLM server, wait until it answers, warm it up and start scraping.
+    def _launch_environment(self, tmp_dir: str) -> dict[str, str]:
+        return self._environment(tmp_dir)
 
-        The server is told to exit when the thread that started it ends (``PR_SET_PDEATHSIG``),
-        so call this from a thread that outlives the backend, as an event loop's thread does.
-
-        Raises:
-            FileNotFoundError: no vLLM installation in the venv.
-            ValueError: the model's head size is one vLLM's CPU attention cannot run.
-            RuntimeError: the server exited while starting (the message has its log tail).
-            TimeoutError: it was not healthy after ``startup_timeout`` seconds.
-        """
-        if self.process is not None:
-            return
-        self._check_loadable()
-        self._tmp = tempfile.mkdtemp(prefix="polyrl-vllm-")
+    def _prepare(self, tmp_dir: str) -> None:
+        # The worker extension is imported by vLLM's workers from the server's PYTHONPATH.
         shutil.copyfile(
-            Path(__file__).with_name("vllm_ext.py"), Path(self._tmp) / f"{_EXT_MODULE}.py"
+            Path(__file__).with_name("vllm_ext.py"), Path(tmp_dir) / f"{_EXT_MODULE}.py"
         )
-        self._log_path = (
-            Path(self.options.log_path)
-            if self.options.log_path
-            else Path(self._tmp) / "vllm-server.log"
+
+    def _tidy_kept(self, tmp_dir: str) -> None:
+        Path(tmp_dir, f"{_EXT_MODULE}.py").unlink(missing_ok=True)
+
+    async def _model_info(self) -> ModelInfo:
+        models = await self._call("GET", "/v1/models")
+        entry = models["data"][0]
+        return ModelInfo(
+            model=str(entry["id"]),
+            vocab_size=int(self._shapes["vocab_size"]),
+            max_model_len=int(
+                entry.get("max_model_len")
+                or self.options.max_model_len
+                or self._shapes["max_position"]
+                or 2048
+            ),
+            eos_token_ids=tuple(self._shapes["eos"]),
+            backend="vllm",
         )
-        env = self._environment(self._tmp)
-        started = time.perf_counter()
-        try:
-            for attempt in range(3):
-                port = _free_port("127.0.0.1")
-                self._spawn(port, env)
-                self.url = f"http://127.0.0.1:{port}"
-                self._client = httpx.AsyncClient(
-                    base_url=self.url,
-                    timeout=httpx.Timeout(60.0),
-                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-                    trust_env=False,
-                )
-                if await self._wait_healthy(started):
-                    break
-                # Lost the race for the port to another process: try another one.
-                await self._client.aclose()
-                self._client = None
-                if attempt == 2:
-                    raise RuntimeError(f"vLLM could not bind a port; log tail:\n{self.log_tail()}")
-            self.startup_seconds = time.perf_counter() - started
-            models = await self._call("GET", "/v1/models")
-            entry = models["data"][0]
-            self._info = ModelInfo(
-                model=str(entry["id"]),
-                vocab_size=int(self._shapes["vocab_size"]),
-                max_model_len=int(
-                    entry.get("max_model_len")
-                    or self.options.max_model_len
-                    or self._shapes["max_position"]
-                    or 2048
-                ),
-                eos_token_ids=tuple(self._shapes["eos"]),
-                backend="vllm",
-            )
-            if self.options.warmup:
-                t0 = time.perf_counter()
-                await self._call(
-                    "POST",
-                    "/v1/completions",
-                    json_body={
-                        "model": self._info.model,
-                        "prompt": [min(16, self._info.vocab_size - 1)],
-                        "max_tokens": 2,
-                        "temperature": 0,
-                        "ignore_eos": True,
-                    },
-                    timeout=self.options.startup_timeout,
-                )
-                self.warmup_seconds = time.perf_counter() - t0
-            await self._scrape()
-            self._poller = asyncio.ensure_future(self._poll())
-        except BaseException:
-            self._keep_log = True
-            await self._stop_process()
-            raise
 
-    def _spawn(self, port: int, env: dict[str, str]) -> None:
-        assert self._log_path is not None
-        cmd = self.command(port)
-        stub = [str(self.venv / "bin" / "python"), "-c", _PDEATHSIG_STUB, str(os.getpid())]
-        with open(self._log_path, "ab") as log:
-            log.write(f"\n# polyrl: {shlex.join(cmd)}\n".encode())
-            log.flush()
-            self.process = subprocess.Popen(
-                [*stub, *cmd],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-            )
-        # Whatever happens to this object, the server's process group goes with it.
-        self._finalizer = weakref.finalize(self, _kill_group, self.process.pid, signal.SIGKILL)
-
-    async def _wait_healthy(self, started: float) -> bool:
-        """Wait for ``/health``; ``False`` when the child died of a port clash."""
-        assert self.process is not None
-        deadline = started + self.options.startup_timeout
-        while True:
-            code = self.process.poll()
-            if code is not None:
-                tail = self.log_tail()
-                if "Address already in use" in tail:
-                    self.process = None
-                    return False
-                raise RuntimeError(
-                    f"the vLLM server exited with code {code} while starting "
-                    f"({self._log_path}); log tail:\n{tail}"
-                )
-            with contextlib.suppress(httpx.HTTPError):
-                resp = await self._http().get("/health", timeout=5.0)
-                if resp.status_code == 200:
-                    return True
-            if time.perf_counter() > deadline:
-                raise TimeoutError(
-                    f"the vLLM server was not healthy after {self.options.startup_timeout} s; "
-                    f"log tail:\n{self.log_tail()}"
-                )
-            await asyncio.sleep(0.5)
-
-    async def shutdown(self) -> None:
-        """Abort in-flight requests and stop the server (its whole process group)."""
-        if self._stopping:
-            return
-        with contextlib.suppress(Exception):
-            await self.abort(None)
-        self._stopping = True
-        self._gate.set()
-        await self._stop_process()
-
-    async def _stop_process(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._poller
-            self._poller = None
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
-        proc = self.process
-        if proc is not None and proc.poll() is None:
-            _kill_group(proc.pid, signal.SIGTERM)
-            try:
-                await asyncio.to_thread(proc.wait, 30)
-            except subprocess.TimeoutExpired:
-                _kill_group(proc.pid, signal.SIGKILL)
-                await asyncio.to_thread(proc.wait)
-        if proc is not None:
-            # vLLM's engine and worker processes share the group; make sure none lingers.
-            _kill_group(proc.pid, signal.SIGKILL)
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        if proc is not None and proc.returncode not in (0, -signal.SIGTERM, None):
-            self._keep_log = True
-        if self._tmp is not None:
-            if self._keep_log and self.options.log_path is None:
-                # Something went wrong: keep the server's log for a post-mortem.
-                logger.warning("vLLM server log kept at %s", self._log_path)
-                Path(self._tmp, f"{_EXT_MODULE}.py").unlink(missing_ok=True)
-            else:
-                shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp = None
+    def _warmup_request(self) -> tuple[str, dict[str, Any]]:
+        # The first forward pass on CPU takes ~15-25 s: paid here, not by the first request.
+        return "/v1/completions", {
+            "model": self.info.model,
+            "prompt": [min(16, self.info.vocab_size - 1)],
+            "max_tokens": 2,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
 
     # -------------------------------------------------------------------------- requests
 
-    def _validate(self, request: GenerateRequest) -> int:
-        info = self.info
-        return check_request_fits(request, info.vocab_size, info.max_model_len)
-
-    async def generate(
-        self, request: GenerateRequest, stream: bool = True
-    ) -> AsyncIterator[SampleDelta]:
-        """Submit ``request`` to vLLM and return its delta stream.
-
-        Validation errors raise here. Closing the stream (``aclose``) before every sample
-        finished aborts the request.
-
-        Raises:
-            InvalidRequestError: bad token ids, too long, duplicate in-flight ``request_id``.
-            EngineUnavailableError: asleep, weights discarded, shutting down, server gone.
-        """
-        self._http()
-        self._check_serving()
-        if self._kv_released:
-            raise EngineUnavailableError(
-                "the engine is asleep (KV cache released); call /wake_up first"
-            )
-        if self._weights_discarded:
-            raise EngineUnavailableError(
-                "the weights were discarded by sleep(level=2); load new ones with "
-                "/update_weights first"
-            )
-        max_new = self._validate(request)
-        if request.request_id in self._jobs:
-            raise InvalidRequestError(
-                f"request_id {request.request_id!r} is already in flight", param="request_id"
-            )
-        job = _Job(self, request, max_new, stream)
-        self._jobs[request.request_id] = job
-        job.task = asyncio.ensure_future(job.run())
-        return DeltaStream(job.request.params.n, cancel=job.cancel, inbox=job.inbox)
-
-    async def abort(self, request_ids: Sequence[str] | None = None) -> int:
-        """End in-flight requests (all when ``None``) with ``abort``; returns how many."""
-        if request_ids is None:
-            jobs = list(self._jobs.values())
-        else:
-            jobs = [j for i in request_ids if (j := self._jobs.get(i)) is not None]
-        await asyncio.gather(*(j.cancel() for j in jobs))
-        return len(jobs)
+    def _new_job(self, request: GenerateRequest, max_new: int, stream: bool) -> _Job:
+        return _Job(self, request, max_new, stream)
 
     # --------------------------------------------------------------------------- control
 
-    async def pause(self) -> None:
-        """Hold new requests here and freeze in-flight ones in vLLM (``/pause?mode=keep``)."""
-        self._gate.clear()
-        self._paused = True
-        if self._engine_pause:
-            try:
-                await self._call("POST", "/pause", params={"mode": "keep"})
-            except InvalidRequestError as exc:
-                # An older vLLM without the RL endpoints: the gate alone still holds new work.
-                logger.warning("vLLM has no usable /pause (%s); pausing new requests only", exc)
-                self._engine_pause = False
+    async def _pause_engine(self) -> None:
+        await self._engine_call("/pause", params={"mode": "keep"})
 
-    async def resume(self) -> None:
-        """Undo :meth:`pause`."""
+    async def _resume_engine(self) -> None:
         if self._engine_pause:
             await self._call("POST", "/resume")
-        self._paused = False
-        self._gate.set()
 
     @property
     def _engine_sleeps(self) -> bool:
@@ -1258,16 +734,12 @@ class VLLMBackend:
         On CPU vLLM keeps its memory (its CPU worker ignores sleep), and on CUDA without sleep
         mode vLLM is not told at all: both only gate requests, and the byte counts are 0.
         """
-        if level not in (1, 2) or isinstance(level, bool):
-            raise InvalidRequestError(f"sleep level must be 1 or 2, got {level!r}", param="level")
+        self._check_level(level)
         aborted = await self.abort(None)
         answer = None
         if self._engine_sleeps:
             answer = await self._call("POST", "/sleep", params={"level": level, "mode": "abort"})
-        self._kv_released = True
-        self._weights_asleep = True
-        if level == 2:
-            self._weights_discarded = True
+        self._asleep(level, weights=True)
         frees = self.on_cuda and self.options.enable_sleep_mode
         kv = int(float(self._scraped.get("cache_config", {}).get("kv_cache_memory_bytes") or 0))
         weights = 0
@@ -1285,13 +757,7 @@ class VLLMBackend:
 
     async def wake_up(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
         """``/wake_up`` for ``tags`` (``weights`` and/or ``kv_cache``; default both)."""
-        wanted = {"kv_cache", "weights"} if tags is None else set(tags)
-        unknown = wanted - {"kv_cache", "weights"}
-        if unknown:
-            raise InvalidRequestError(
-                f"unknown wake_up tag(s) {sorted(unknown)}; expected 'kv_cache' and/or 'weights'",
-                param="tags",
-            )
+        wanted = self._wake_tags(tags)
         answer = None
         if self._engine_sleeps:
             answer = await self._call("POST", "/wake_up", params={"tags": sorted(wanted)})
@@ -1300,15 +766,6 @@ class VLLMBackend:
         if "weights" in wanted:
             self._weights_asleep = False
         return {"needs_weights": self._weights_discarded, "vllm": answer}
-
-    @staticmethod
-    def _check_version(version: int | None) -> None:
-        if version is not None and (
-            not isinstance(version, int) or isinstance(version, bool) or version < 0
-        ):
-            raise InvalidRequestError(
-                f"version must be an int >= 0, got {version!r}", param="version"
-            )
 
     async def _swap_weights(self, method: str, args: list[Any], version: int | None) -> Any:
         """Run the worker extension's ``method`` as one atomic switch; return its answer.
@@ -1337,8 +794,8 @@ class VLLMBackend:
             finally:
                 if freeze:
                     await self._call("POST", "/resume")
-            self._weights_discarded = False
-            self._weight_version = self._weight_version + 1 if version is None else version
+            # Counted under the lock: concurrent swaps without a version get one each.
+            self._loaded(self._next_version(version))
             return answer
 
     async def update_weights(self, path: str, version: int | None = None) -> int:
@@ -1349,7 +806,7 @@ class VLLMBackend:
         """
         from polyrl.models.loader import safetensors_files
 
-        self._check_version(version)
+        self._next_version(version)  # refuse a bad version before touching vLLM
         try:
             safetensors_files(str(path))
         except FileNotFoundError as exc:
@@ -1400,7 +857,7 @@ class VLLMBackend:
         """
         from polyrl.rollout.vllm_weights import pack_weights
 
-        self._check_version(version)
+        self._next_version(version)  # refuse a bad version before touching vLLM
         pairs = list(named_tensors)
         self._check_weight_set(pairs)
         packed = await asyncio.to_thread(pack_weights, pairs)
@@ -1420,50 +877,21 @@ class VLLMBackend:
 
     # ----------------------------------------------------------------------------- stats
 
-    async def _scrape(self) -> None:
-        with contextlib.suppress(httpx.HTTPError, RolloutError):
-            resp = await self._http().get("/metrics", timeout=10.0)
-            if resp.status_code == 200:
-                self._scraped = _parse_metrics(resp.text)
+    def _read_metrics(self, text: str) -> dict[str, Any]:
+        return _parse_metrics(text)
 
-    async def _poll(self) -> None:
-        while True:
-            await asyncio.sleep(self.options.metrics_interval)
-            if self.process is None or self.process.poll() is not None:
-                return
-            await self._scrape()
-
-    def stats(self) -> BackendStats:
-        """Counters kept here plus the KV-cache gauges last scraped from vLLM."""
+    def _engine_stats(self) -> dict[str, Any]:
+        """KV-cache blocks from vLLM's cache config and usage, its prefix hits, preemptions."""
         sc = self._scraped
-        now = time.perf_counter()
-        recent = [(t, n) for t, n in self._tps if now - t <= _TPS_WINDOW_S]
-        tps = 0.0
-        if recent:
-            tps = sum(n for _, n in recent) / max(now - recent[0][0], 1e-3)
-        in_flight = sum(j.unfinished for j in self._jobs.values() if j.sent)
-        gated = sum(j.unfinished for j in self._jobs.values() if not j.sent)
-        vllm_waiting = min(int(sc.get("waiting", 0)), in_flight)
         cache = sc.get("cache_config", {})
         block = int(float(cache.get("block_size") or 0) or 0)
         tokens = int(float(cache.get("kv_cache_size_tokens") or 0) or 0)
         total_blocks = tokens // block if block else 0
         usage = float(sc.get("kv_usage", 0.0))
-        return BackendStats(
-            running=in_flight - vllm_waiting,
-            waiting=gated + vllm_waiting,
-            paused=self._paused,
-            sleeping=self._kv_released or self._weights_asleep or self._weights_discarded,
-            weight_version=self._weight_version,
-            prompt_tokens_total=int(self._counters["prompt_tokens"]),
-            generated_tokens_total=int(self._counters["generated_tokens"]),
-            generated_tokens_per_s=tps,
-            kv_cache_blocks_total=total_blocks,
-            kv_cache_blocks_used=int(math.ceil(usage * total_blocks)),
-            kv_cache_bytes=int(float(cache.get("kv_cache_memory_bytes") or 0) or 0),
-            prefix_cache_hit_tokens_total=int(sc.get("prefix_hits", 0)),
-            preemptions_total=int(sc.get("preemptions", 0)),
-            finished_total=dict(self._finished),
-            ttft_seconds_sum=float(self._counters["ttft_sum"]),
-            ttft_count=int(self._counters["ttft_count"]),
-        )
+        return {
+            "kv_cache_blocks_total": total_blocks,
+            "kv_cache_blocks_used": int(math.ceil(usage * total_blocks)),
+            "kv_cache_bytes": int(float(cache.get("kv_cache_memory_bytes") or 0) or 0),
+            "prefix_cache_hit_tokens_total": int(sc.get("prefix_hits", 0)),
+            "preemptions_total": int(sc.get("preemptions", 0)),
+        }

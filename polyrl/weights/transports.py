@@ -16,7 +16,6 @@ import abc
 import json
 import os
 import shutil
-import socket
 import struct
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -31,6 +30,7 @@ import torch
 
 from polyrl.core.arena import ArenaWriter
 from polyrl.core.cuda import export_cuda_tensor, indexed_device
+from polyrl.core.process import free_port
 from polyrl.weights.base import (
     BucketMeta,
     Transport,
@@ -325,12 +325,6 @@ class DiskTransport(HttpControlTransport):
             shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 def write_bucket_file(path: str | os.PathLike[str], data: torch.Tensor) -> None:
     """Write ``data`` (1-D uint8, CPU) as a safetensors file with one tensor ``bucket``.
 
@@ -470,7 +464,7 @@ class DistTransport(HttpControlTransport):
             return
         import torch.distributed as dist
 
-        port = self.port or _free_port(self.host)
+        port = self.port or free_port(self.host)
         world = len(self.urls) + 1
         timeout = timedelta(seconds=self.timeout)
         self._store = dist.TCPStore(
