@@ -364,7 +364,7 @@ def test_world_size_two_engine_group_updates_both_replicas(ray_session, servers,
             results = group.sync_weights("shm", urls, BUCKET_MB, True, senders=[0, 1])
             assert [r["urls"] for r in results] == [[urls[0]], [urls[1]]]
             assert [r["transfers"] for r in results] == [n, n]  # one transport per rank
-            assert [set(r["received"]) for r in results] == [{"shm"}, {"shm"}]
+            assert [set(r["received"]) for r in results] == [{"shm_direct"}, {"shm_direct"}]
             assert versions(urls) == [start + 1] * 2
         for url in urls:
             assert outputs(url) == want
