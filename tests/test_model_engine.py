@@ -51,7 +51,9 @@ from polyrl.model_engine import (  # noqa: E402
 )
 from polyrl.model_engine import attention as cpu_attention  # noqa: E402
 from polyrl.model_engine import checkpoint as ckpt  # noqa: E402
+from polyrl.model_engine.engine import ENGINES  # noqa: E402
 from polyrl.model_engine.heads import read_safetensors  # noqa: E402
+from polyrl.model_engine.metrics import MetricsAccumulator  # noqa: E402
 from polyrl.model_engine.optim import LRSchedule  # noqa: E402
 
 VOCAB = 1000  # the tiny models' tokenizer has 1024 ids; stay inside it
@@ -117,6 +119,43 @@ def test_registry_builds_backends_by_name(tmp_path):
     assert "test-null" in available_engines()
     with pytest.raises(TypeError, match="abstract"):
         build_engine(str(tmp_path), EngineConfig(backend="test-null"), initialize=False)
+
+
+def test_metrics_accumulator_weights_by_loss_tokens_and_keeps_key_order():
+    acc = MetricsAccumulator()
+    acc.add(torch.tensor(0.5), 10, 3.0, {"m": 1.0, "loss": torch.tensor(7.0), "z": 2})
+    acc.add(torch.tensor(0.25), 6, 1.0, {"m": 5.0, "loss": 3.0})
+    out = acc.reduce(1, {"num_tokens": 4.0, "num_micro_batches": 2.0})
+    assert list(out) == ["loss", "num_tokens", "num_micro_batches", "compute_tokens"] + [
+        "loss_fn/loss",
+        "m",
+        "z",
+    ]
+    assert out["loss"] == 0.75 and out["compute_tokens"] == 16.0
+    assert out["m"] == (3 * 1.0 + 1 * 5.0) / 4 and out["loss_fn/loss"] == (21 + 3) / 4
+    assert out["z"] == 2.0
+    # Without loss tokens a metric is the plain mean over the micro-batches reporting it.
+    empty = MetricsAccumulator()
+    empty.add(torch.tensor(0.0), 1, 0.0, {"m": 1.0})
+    empty.add(torch.tensor(0.0), 1, 0.0, {"m": 3.0})
+    assert empty.reduce(1, {})["m"] == 2.0
+    with pytest.raises(ValueError, match="metric 'v' must be a scalar"):
+        empty.add(torch.tensor(0.0), 1, 1.0, {"v": torch.ones(2)})
+
+
+def test_engine_protocol_is_all_a_backend_implements(tmp_path):
+    members = [name for name in vars(TrainingEngine) if not name.startswith("_")]
+    assert {"train_batch", "shard_batch", "eval_mode", "has_adapter"} <= set(members)
+    attrs = {name: (lambda self, *a, **k: None) for name in members}
+    standalone = type("StandaloneEngine", (), attrs)  # implements it without inheriting
+    try:
+        register_engine("test-standalone")(standalone)
+        assert "test-standalone" in available_engines()
+        partial = type("PartialEngine", (), {k: v for k, v in attrs.items() if k != "lr"})
+        with pytest.raises(TypeError, match=r"missing: lr"):
+            register_engine("test-partial")(partial)
+    finally:
+        ENGINES.remove("test-standalone")
 
 
 def test_missing_model_dir_is_reported(tmp_path):

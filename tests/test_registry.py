@@ -118,3 +118,34 @@ def test_base_class_and_name_attribute():
     with pytest.raises(TypeError, match="must be a Base subclass"):
         reg.add("instance", Mine())
     assert reg.names() == ["mine"]
+
+
+def test_protocol_base_takes_classes_with_all_its_members():
+    from typing import Protocol
+
+    class Shape(Protocol):
+        def area(self) -> float: ...
+
+        @property
+        def sides(self) -> int: ...
+
+    reg: Registry = Registry("shape", base=Shape)
+
+    @reg.register("square")
+    class Square:  # no inheritance: the members are enough
+        sides = 4
+
+        def area(self) -> float:
+            return 1.0
+
+    assert reg.get("square") is Square
+
+    class Blob:
+        def area(self) -> float:
+            return 0.0
+
+    with pytest.raises(TypeError, match=r"Shape subclass or have all its members.*missing: sides"):
+        reg.register("blob")(Blob)
+    with pytest.raises(TypeError, match="must be a Shape subclass"):
+        reg.add("instance", Square())
+    assert reg.names() == ["square"]

@@ -44,6 +44,31 @@ def _definition(entry: object) -> tuple[str, str] | None:
     return module, qualname
 
 
+def _is_protocol(cls: type) -> bool:
+    return bool(getattr(cls, "_is_protocol", False))
+
+
+def _missing_members(entry: object, base: type) -> list[str] | None:
+    """Members of ``base`` that the class ``entry`` lacks; ``None`` when ``entry`` is no class.
+
+    A class base needs a subclass (everything is then inherited).  A :class:`typing.Protocol`
+    base is checked by structure, as ``issubclass`` cannot for protocols with properties: the
+    class needs every public method and property the protocol (and its protocol bases) define.
+    """
+    if not isinstance(entry, type):
+        return None
+    if not _is_protocol(base):
+        return [] if issubclass(entry, base) else None
+    members = {
+        name
+        for cls in base.__mro__
+        if _is_protocol(cls) and cls.__module__ != "typing"
+        for name in vars(cls)
+        if not name.startswith("_")
+    }
+    return sorted(name for name in members if not hasattr(entry, name))
+
+
 class Registry(Generic[T]):
     """Entries of one kind by name.
 
@@ -51,7 +76,8 @@ class Registry(Generic[T]):
         kind: what an entry is, for error messages (``"rollout backend"``).
         lazy: ``name -> module``: importing the module registers the entry ``name``; it is
             imported on the first :meth:`get` of that name (and listed by :meth:`names`).
-        base: entries must be subclasses of this class (``TypeError`` otherwise).
+        base: entries must be subclasses of this class (``TypeError`` otherwise); of a
+            :class:`typing.Protocol`, classes with all its members will do.
         name_attr: set this attribute of each entry to the name it is registered under.
         hint: appended to the unknown-name message (another way to name an entry, say).
     """
@@ -111,10 +137,15 @@ class Registry(Generic[T]):
             raise ValueError(f"{self.kind} names must be non-empty strings, got {name!r}")
 
     def _check_entry(self, name: str, entry: T, overwrite: bool) -> None:
-        if self.base is not None and not (isinstance(entry, type) and issubclass(entry, self.base)):
-            raise TypeError(
-                f"{self.kind} {name!r} must be a {self.base.__name__} subclass, got {entry!r}"
-            )
+        if self.base is not None:
+            missing = _missing_members(entry, self.base)
+            if missing is None or missing:
+                detail = f" (missing: {', '.join(missing)})" if missing else ""
+                raise TypeError(
+                    f"{self.kind} {name!r} must be a {self.base.__name__} subclass"
+                    f"{' or have all its members' if _is_protocol(self.base) else ''}, got "
+                    f"{entry!r}{detail}"
+                )
         existing = self._entries.get(name)
         if existing is None or existing is entry or overwrite:
             return

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from polyrl.core.balance import balance_rows_across_ranks
 
@@ -30,6 +31,7 @@ __all__ = [
     "group_token_costs",
     "min_micro_batches",
     "plan_micro_batches",
+    "plan_rank_micro_batches",
     "row_spans",
 ]
 
@@ -262,6 +264,48 @@ def plan_micro_batches(
             groups[big:big] = halves
     groups += [[] for _ in range(k - len(groups))]
     return groups
+
+
+def plan_rank_micro_batches(
+    lengths: Sequence[int],
+    world_size: int,
+    *,
+    dynamic: bool,
+    micro_batch_size: int = 1,
+    max_tokens: int = 0,
+    packed: bool = False,
+    group_size: int = 1,
+) -> list[list[int]]:
+    """Plan this rank's micro-batches; every rank gets the same count (collective).
+
+    The ranks agree on the count, the largest :func:`min_micro_batches` (and on any row or group
+    over the token budget, so all raise together) before anyone starts a collective forward.
+    ``group_size``: runs of that many consecutive rows stay in one micro-batch.
+    """
+    kwargs = {
+        "dynamic": dynamic,
+        "micro_batch_size": micro_batch_size,
+        "max_tokens": max_tokens,
+        "packed": packed,
+        "group_size": group_size,
+    }
+    # What must fit the budget at once: a row, or a whole group of rows.
+    costs = lengths if group_size == 1 else group_token_costs(lengths, group_size, packed)
+    longest = max(costs, default=0)
+    over = dynamic and longest > max_tokens
+    k_local = 0 if over else min_micro_batches(lengths, **kwargs)
+    stats = torch.tensor([k_local, longest], dtype=torch.int64)
+    if world_size > 1:
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    k, global_longest = (int(x) for x in stats.tolist())
+    if dynamic and global_longest > max_tokens:
+        what = "a sequence" if group_size == 1 else f"a group of {group_size} rows"
+        raise ValueError(
+            f"{what} of {global_longest} tokens exceeds "
+            f"max_tokens_per_micro_batch={max_tokens}; raise the budget to at least the longest "
+            "sequence" + ("" if group_size == 1 else " group (the rows that share a loss)")
+        )
+    return plan_micro_batches(lengths, max(k, 1), **kwargs)
 
 
 @dataclass

@@ -2,8 +2,10 @@
 
 An engine owns one model (a causal LM or a value model), its optimizer and LR schedule, sharded
 over the data-parallel ranks of ``torch.distributed``.  Trainers differ only in the data and the
-loss function they hand to :meth:`TrainingEngine.train_batch`; backends (FSDP2 now) plug in with
-``@register_engine(name)`` and are built with :func:`build_engine`.
+loss function they hand to :meth:`TrainingEngine.train_batch`.  A backend (FSDP2 now) implements
+the :class:`TrainingEngine` Protocol, registers with ``@register_engine(name)`` and is built with
+:func:`build_engine`; the logic every backend shares (the batch contract, loss normalisation
+counts, the loss and infer-function contracts, ``train_batch`` itself) is in free functions here.
 
 Batch column contract
 ---------------------
@@ -59,14 +61,15 @@ import abc
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from polyrl.core.batch import Batch
 from polyrl.core.numerics import agg_loss, shifted_token_log_probs
 from polyrl.core.registry import Registry
-from polyrl.model_engine.batching import MicroBatchLayout, balance_batch_for_dp
+from polyrl.model_engine.batching import MicroBatchLayout, balance_batch_for_dp, row_spans
 from polyrl.model_engine.config import CheckpointConfig, EngineConfig, ModelSpec, OptimizerConfig
 
 __all__ = [
@@ -78,15 +81,26 @@ __all__ = [
     "LossFn",
     "ModelOutput",
     "TrainingEngine",
+    "as_config",
     "available_engines",
     "build_engine",
+    "check_infer_result",
+    "check_loss_result",
     "compute_entropy",
     "compute_log_probs",
     "compute_log_probs_and_entropy",
     "compute_values",
     "global_counts",
+    "gather_rows",
+    "global_loss_counts",
+    "module_mode",
+    "no_adapter_error",
+    "prepare_batch",
     "register_engine",
+    "row_group_size",
     "sft_loss",
+    "shard_for_rank",
+    "train_on_batch",
 ]
 
 InferFn = Callable[["ModelOutput", Batch], Mapping[str, torch.Tensor]]
@@ -242,29 +256,29 @@ def sft_loss(output: ModelOutput, batch: Batch) -> tuple[torch.Tensor, dict[str,
     return loss, {"sft/nll": float(local)}
 
 
-class TrainingEngine(abc.ABC):
-    """One model + optimizer, sharded over the data-parallel ranks.
+class TrainingEngine(Protocol):
+    """The engine interface: one model + optimizer, sharded over the data-parallel ranks.
 
-    Construction only stores the configs; :meth:`initialize` joins (or creates) the
-    ``torch.distributed`` process group, loads and shards the model and builds the optimizer, so a
-    controller worker can construct the engine first and initialise it once its process group is
-    up.  Every method that touches the model is collective: all ranks must call it, in the same
-    order, each with its own share of the data.
+    A backend implements these members; it need not inherit anything (declaring the Protocol as
+    a base only has the type checker and ``abc`` check that every member is there).  The logic
+    backends share lives in free functions of this module (:func:`prepare_batch`,
+    :func:`check_loss_result`, :func:`train_on_batch`, :func:`module_mode`,
+    :func:`shard_for_rank`, ...) and :class:`~polyrl.model_engine.metrics.MetricsAccumulator`.
+
+    :func:`build_engine` constructs a backend as ``cls(model, engine, optimizer, checkpoint)``
+    (the four configs, see :func:`as_config`), which only stores them; :meth:`initialize` joins
+    (or creates) the ``torch.distributed`` process group, loads and shards the model and builds
+    the optimizer, so a controller worker can construct the engine first and initialise it once
+    its process group is up.  Every method that touches the model is collective: all ranks must
+    call it, in the same order, each with its own share of the data.
     """
 
-    backend_name: str = ""
-
-    def __init__(
-        self,
-        model: ModelSpec,
-        engine: EngineConfig,
-        optimizer: OptimizerConfig,
-        checkpoint: CheckpointConfig,
-    ) -> None:
-        self.model_spec = _as_config(model, ModelSpec, "model")
-        self.engine_config = _as_config(engine, EngineConfig, "engine")
-        self.optimizer_config = _as_config(optimizer, OptimizerConfig, "optimizer")
-        self.checkpoint_config = _as_config(checkpoint, CheckpointConfig, "checkpoint")
+    #: The name the backend is registered under (set by :func:`register_engine`).
+    backend_name: str
+    model_spec: ModelSpec
+    engine_config: EngineConfig
+    optimizer_config: OptimizerConfig
+    checkpoint_config: CheckpointConfig
 
     # ------------------------------------------------------------------------------ lifecycle
     @abc.abstractmethod
@@ -326,22 +340,15 @@ class TrainingEngine(abc.ABC):
     def lr(self) -> float:
         """Current learning rate."""
 
+    @abc.abstractmethod
     def train_batch(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step on this mini-batch: zero grad, forward/backward, clip, step.
 
         The LR schedule is not advanced (call :meth:`lr_scheduler_step` once per training step).
         Returns :meth:`forward_backward`'s metrics plus ``grad_norm``, ``lr`` and
         ``update_skipped`` (1.0 when a non-finite gradient norm skipped the step).
+        :func:`train_on_batch` implements it from the other members.
         """
-        with self.train_mode():
-            self.zero_grad()
-            metrics = self.forward_backward(batch, loss_fn)
-            lr = self.lr
-            grad_norm = self.optimizer_step()
-        metrics["grad_norm"] = grad_norm
-        metrics["lr"] = lr
-        metrics["update_skipped"] = 0.0 if math.isfinite(grad_norm) else 1.0
-        return metrics
 
     @abc.abstractmethod
     def infer_batch(
@@ -359,44 +366,28 @@ class TrainingEngine(abc.ABC):
 
     # ------------------------------------------------------------------------------ modes
     @abc.abstractmethod
-    def _set_training(self, mode: bool) -> bool:
-        """Switch train/eval mode; return the previous mode."""
-
-    @contextlib.contextmanager
-    def train_mode(self) -> Iterator[None]:
+    def train_mode(self) -> contextlib.AbstractContextManager[None]:
         """Context in which the model is in training mode (dropout on); restores the old mode."""
-        previous = self._set_training(True)
-        try:
-            yield
-        finally:
-            self._set_training(previous)
 
-    @contextlib.contextmanager
-    def eval_mode(self) -> Iterator[None]:
+    @abc.abstractmethod
+    def eval_mode(self) -> contextlib.AbstractContextManager[None]:
         """Context in which the model is in eval mode; restores the old mode."""
-        previous = self._set_training(False)
-        try:
-            yield
-        finally:
-            self._set_training(previous)
 
     # ------------------------------------------------------------------------------ adapters
     @property
+    @abc.abstractmethod
     def has_adapter(self) -> bool:
         """Whether the model trains a LoRA adapter on frozen base weights (``lora_rank > 0``)."""
-        return False
 
+    @abc.abstractmethod
     def adapter_disabled(self) -> contextlib.AbstractContextManager[None]:
         """Context in which the model runs without its adapter: the frozen base model.
 
         The reference policy of a LoRA run is this (no second engine holds a copy).
 
         Raises:
-            RuntimeError: the engine has no adapter.
+            RuntimeError: the engine has no adapter (:func:`no_adapter_error`).
         """
-        raise RuntimeError(
-            f"{type(self).__name__} has no LoRA adapter to disable (ModelSpec.lora_rank is 0)"
-        )
 
     # ------------------------------------------------------------------------------ weights
     @abc.abstractmethod
@@ -459,16 +450,199 @@ class TrainingEngine(abc.ABC):
         """Bring offloaded parameters and/or optimizer state back to the compute device."""
 
     # ------------------------------------------------------------------------------ data
+    @abc.abstractmethod
     def shard_batch(self, batch: Batch) -> Batch:
         """Return this rank's share of a full mini-batch, token counts balanced across ranks.
 
         For scripts where every rank holds the whole mini-batch; the number of rows must divide
-        by :attr:`world_size`.
+        by :attr:`world_size` (:func:`shard_for_rank`).
         """
-        if self.world_size == 1:
-            return batch
-        balanced, _ = balance_batch_for_dp(batch, self.world_size)
-        return balanced.chunk(self.world_size)[self.rank]
+
+
+# ---------------------------------------------------------------------------------- shared logic
+def check_infer_result(
+    result: object, rows: int, first: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """Check what an :data:`InferFn` returned for a micro-batch of ``rows`` rows; detach it.
+
+    ``first``: the first micro-batch's checked result, whose keys every later one must have.
+
+    Raises:
+        TypeError: not a non-empty mapping.
+        ValueError: a value that is not a tensor with ``rows`` rows, or keys unlike ``first``'s.
+    """
+    if not isinstance(result, Mapping) or not result:
+        raise TypeError("infer fn must return a non-empty mapping of tensors")
+    piece = {}
+    for key, value in result.items():
+        if not isinstance(value, torch.Tensor) or value.ndim == 0 or value.shape[0] != rows:
+            raise ValueError(f"infer fn output {key!r} must be a tensor with {rows} rows")
+        piece[key] = value.detach()
+    if first is not None and set(piece) != set(first):
+        raise ValueError("infer fn returned different keys for different micro-batches")
+    return piece
+
+
+def gather_rows(
+    pieces: list[dict[str, torch.Tensor]],
+    order: list[int],
+    num_rows: int,
+    compute_device: torch.device,
+    device: torch.device | None,
+) -> Batch:
+    """Join per-micro-batch outputs (on ``compute_device``) into one Batch in input row order.
+
+    ``order`` lists the input row of each output row, micro-batch after micro-batch; the result
+    is moved to ``device`` unless it is None.  No pieces: an empty Batch of ``num_rows`` rows.
+    """
+    if not pieces:
+        return Batch(batch_size=num_rows)
+    index = torch.tensor(order, dtype=torch.long, device=compute_device)
+    tensors = {}
+    for key in pieces[0]:
+        stacked = torch.cat([p[key] for p in pieces], dim=0)
+        result = torch.empty_like(stacked)
+        result[index] = stacked
+        tensors[key] = result.to(device) if device is not None else result
+    return Batch(tensors=tensors)
+
+
+def train_on_batch(engine: TrainingEngine, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
+    """:meth:`TrainingEngine.train_batch` from the engine's other members.
+
+    In training mode: zero grad, forward/backward, read the LR, clip and step.
+    """
+    with engine.train_mode():
+        engine.zero_grad()
+        metrics = engine.forward_backward(batch, loss_fn)
+        lr = engine.lr
+        grad_norm = engine.optimizer_step()
+    metrics["grad_norm"] = grad_norm
+    metrics["lr"] = lr
+    metrics["update_skipped"] = 0.0 if math.isfinite(grad_norm) else 1.0
+    return metrics
+
+
+@contextlib.contextmanager
+def module_mode(module: torch.nn.Module, training: bool) -> Iterator[None]:
+    """Context in which ``module`` is in training (or eval) mode; restores the old mode."""
+    previous = module.training
+    module.train(training)
+    try:
+        yield
+    finally:
+        module.train(previous)
+
+
+def shard_for_rank(batch: Batch, rank: int, world_size: int) -> Batch:
+    """Return ``rank``'s share of a full mini-batch, token counts balanced across ranks.
+
+    The number of rows must divide by ``world_size``.
+    """
+    if world_size == 1:
+        return batch
+    balanced, _ = balance_batch_for_dp(batch, world_size)
+    return balanced.chunk(world_size)[rank]
+
+
+def no_adapter_error(engine: object) -> RuntimeError:
+    """Return the error :meth:`TrainingEngine.adapter_disabled` raises without an adapter."""
+    return RuntimeError(
+        f"{type(engine).__name__} has no LoRA adapter to disable (ModelSpec.lora_rank is 0)"
+    )
+
+
+def row_group_size(batch: Batch) -> int:
+    """``batch.meta[ROW_GROUP_KEY]`` (default 1), checked to be an int >= 1."""
+    size = batch.meta.get(ROW_GROUP_KEY, 1)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"batch.meta[{ROW_GROUP_KEY!r}] must be an int >= 1, got {size!r}")
+    return size
+
+
+def prepare_batch(
+    batch: Batch, device: torch.device, need_loss_mask: bool
+) -> tuple[Batch, list[int]]:
+    """Check ``batch`` against the column contract and copy it to ``device``.
+
+    Adds ``position_ids`` when absent and zeroes ``loss_mask`` on padding and on each row's first
+    real token (nothing predicts it).  Returns the prepared batch and each row's real-token count.
+    """
+    if not isinstance(batch, Batch):
+        raise TypeError(f"expected a polyrl.core.batch.Batch, got {type(batch).__name__}")
+    required = ["input_ids", "attention_mask"] + (["loss_mask"] if need_loss_mask else [])
+    missing = [k for k in required if k not in batch.tensor_keys]
+    if missing:
+        raise KeyError(
+            f"batch is missing tensor column(s) {missing}; engine batches need "
+            f"{required} (+ optional position_ids), got columns {batch.keys()}"
+        )
+    ids = batch["input_ids"]
+    shape = tuple(ids.shape)
+    if ids.ndim != 2:
+        raise ValueError(f"input_ids must be (B, T), got shape {shape}")
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be an integer tensor, got {ids.dtype}")
+    for key in ("attention_mask", "position_ids", "loss_mask"):
+        if key in batch.tensor_keys and tuple(batch[key].shape) != shape:
+            raise ValueError(
+                f"{key} has shape {tuple(batch[key].shape)}, expected {shape} like input_ids"
+            )
+    tensors = {k: v.to(device) for k, v in batch.tensors.items()}
+    am = tensors["attention_mask"]
+    starts, lengths = row_spans(am)
+    if "position_ids" not in tensors:
+        tensors["position_ids"] = (am.long().cumsum(1) - 1).clamp(min=0)
+    if need_loss_mask:
+        lm = tensors["loss_mask"]
+        keep = am.bool().clone()
+        if shape[0]:
+            keep[torch.arange(shape[0], device=am.device), starts] = False
+        tensors["loss_mask"] = torch.where(
+            keep, lm, torch.zeros((), dtype=lm.dtype, device=lm.device)
+        )
+    local = Batch(
+        tensors=tensors, non_tensors=batch.non_tensors, meta=batch.meta, batch_size=shape[0]
+    )
+    return local, lengths.tolist()
+
+
+def global_loss_counts(loss_mask: torch.Tensor, world_size: int) -> tuple[float, float]:
+    """Loss tokens and rows with any, summed over all ranks (collective when ``world_size > 1``).
+
+    What :data:`GLOBAL_TOKENS_KEY` / :data:`GLOBAL_SEQS_KEY` hold; ``loss_mask`` is this rank's
+    cleaned mask (:func:`prepare_batch`).
+    """
+    nonzero = loss_mask != 0
+    counts = torch.tensor([int(nonzero.sum()), int(nonzero.any(dim=1).sum())], dtype=torch.float64)
+    if world_size > 1:
+        dist.all_reduce(counts)
+    tokens, seqs = (float(x) for x in counts.tolist())
+    return tokens, seqs
+
+
+def check_loss_result(result: object, forward_only: bool) -> tuple[torch.Tensor, Mapping[str, Any]]:
+    """Check what a :data:`LossFn` returned against the loss contract; return ``(loss, metrics)``.
+
+    Raises:
+        TypeError: not a ``(loss, metrics)`` pair, a loss that is not a scalar tensor, or
+            metrics that are not a mapping.
+        ValueError: a loss to back-propagate (not ``forward_only``) that does not depend on the
+            model output.
+    """
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise TypeError(f"loss_fn must return (loss, metrics), got {type(result).__name__}")
+    loss, metrics = result
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError("loss_fn's loss must be a scalar tensor")
+    if not forward_only and not loss.requires_grad:
+        raise ValueError(
+            "loss_fn returned a loss that does not depend on the model output "
+            "(requires_grad is False)"
+        )
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"loss_fn's metrics must be a mapping, got {type(metrics).__name__}")
+    return loss, metrics
 
 
 #: Training-engine backends by name; the built-in ones are imported on first use, so importing
@@ -483,7 +657,8 @@ register_engine = ENGINES.register
 available_engines = ENGINES.names
 
 
-def _as_config(value: Any, cls: type, what: str) -> Any:
+def as_config(value: Any, cls: type, what: str) -> Any:
+    """Return ``value`` as a ``cls`` config: itself, ``cls(**value)`` or ``cls()`` for None."""
     if value is None:
         return cls()
     if isinstance(value, cls):
@@ -505,12 +680,10 @@ def build_engine(
 
     ``model`` may be a :class:`ModelSpec`, a dict of its fields, or just the model directory.
     """
-    spec = (
-        ModelSpec(path=model) if isinstance(model, str) else _as_config(model, ModelSpec, "model")
-    )
-    eng_cfg = _as_config(engine, EngineConfig, "engine")
-    opt_cfg = _as_config(optimizer, OptimizerConfig, "optimizer")
-    ckpt_cfg = _as_config(checkpoint, CheckpointConfig, "checkpoint")
+    spec = ModelSpec(path=model) if isinstance(model, str) else as_config(model, ModelSpec, "model")
+    eng_cfg = as_config(engine, EngineConfig, "engine")
+    opt_cfg = as_config(optimizer, OptimizerConfig, "optimizer")
+    ckpt_cfg = as_config(checkpoint, CheckpointConfig, "checkpoint")
     obj = ENGINES.get(eng_cfg.backend)(spec, eng_cfg, opt_cfg, ckpt_cfg)
     if initialize:
         obj.initialize()

@@ -26,15 +26,18 @@ runs it.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from polyrl.model_engine.batching import MicroBatchLayout, row_spans
 from polyrl.model_engine.engine import ModelOutput
 
 __all__ = [
     "PrefixSplit",
+    "agree_prefix_splits",
     "plan_prefix_split",
     "shared_prefix_forward",
     "supports_shared_prefix",
@@ -105,6 +108,31 @@ def plan_prefix_split(
         0, group, torch.arange(b, device=group.device), reduce="amin"
     )
     return PrefixSplit(split=split, first=first, prefix_rows=prefix_rows, group=group)
+
+
+def agree_prefix_splits(
+    columns: Sequence[torch.Tensor],
+    plan: list[list[int]],
+    world_size: int,
+) -> tuple[list[PrefixSplit | None], list[bool]]:
+    """Per micro-batch of ``plan``: this rank's prefix split (or None), and all ranks' say.
+
+    ``columns``: the batch's ``input_ids``, ``attention_mask``, ``position_ids`` and
+    ``loss_mask``.  Under FSDP every model call is a collective, so a micro-batch takes the
+    two-call shared-prefix forward only if every rank with rows in it can (collective when
+    ``world_size > 1``); ranks without rows then run two dummy calls.
+    """
+    splits: list[PrefixSplit | None] = [
+        plan_prefix_split(*(c[rows] for c in columns)) if rows else None for rows in plan
+    ]
+    if world_size == 1:
+        return splits, [split is not None for split in splits]
+    # A rank without rows in a micro-batch does not stand in the others' way.
+    ready = [s is not None or not rows for rows, s in zip(plan, splits, strict=True)]
+    flags = torch.tensor(ready, dtype=torch.int64)
+    dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+    agreed = [bool(f) for f in flags.tolist()]
+    return [split if ok else None for split, ok in zip(splits, agreed, strict=True)], agreed
 
 
 def _forward_params(model: torch.nn.Module) -> set[str]:
