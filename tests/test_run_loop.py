@@ -21,7 +21,7 @@ import pytest
 from polyrl.config import ConfigError, PolyRLConfig
 from polyrl.model_engine import checkpoint as ckpt
 from polyrl.trainer.checkpointing import checkpoint_root
-from polyrl.trainer.run_loop import LoopTrainer, RunLoop, series
+from polyrl.trainer.run_loop import LoopTrainer, RunLoop, first_and_last
 from polyrl.trainer.tracking import read_metrics
 
 
@@ -79,7 +79,7 @@ class Counter:
         self.closed = True
 
     def summarize(self, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        return {"last_val_x": series(records, "val/x")[-1]}
+        return first_and_last(records, "val/x", "val_x")
 
 
 def _cfg(out: Path, *extra: str, **trainer: Any) -> PolyRLConfig:
@@ -158,6 +158,7 @@ def test_cadence_records_console_progress_and_summary(tmp_path, capsys):
     assert list(summary) == [
         "steps",
         "resumed_from",
+        "first_val_x",
         "last_val_x",
         "checkpoint",
         "hf_model",
@@ -166,11 +167,11 @@ def test_cadence_records_console_progress_and_summary(tmp_path, capsys):
         "elapsed_s",
     ]
     assert summary["steps"] == 5 and summary["resumed_from"] is None
-    assert summary["last_val_x"] == 15.0
+    assert summary["first_val_x"] == 0.0 and summary["last_val_x"] == 15.0
     assert summary["checkpoint"] == str(checkpoint_root(out) / "global_step_5")
     assert summary["metrics"] == str(out / "metrics.jsonl")
     assert summary["plot"] == str(out / "learning_curves.png") and Path(summary["plot"]).is_file()
-    assert "[toy] done: steps=5 resumed_from=None last_val_x=15.0" in std.out
+    assert "[toy] done: steps=5 resumed_from=None first_val_x=0.0 last_val_x=15.0" in std.out
 
 
 def test_console_keys_restrict_the_line_to_them_and_val(tmp_path, capsys):
@@ -187,12 +188,11 @@ def test_console_keys_restrict_the_line_to_them_and_val(tmp_path, capsys):
 def test_no_validation_and_no_saves(tmp_path):
     out = tmp_path / "run"
     toy = Counter(checkpoint_root(out), total=3, val=False)
-    toy.summarize = lambda records: {}  # type: ignore[method-assign]
     summary = _loop(_cfg(out, save_freq=0)).run(toy)
     assert [c for c, _ in toy.calls] == ["setup", "step", "step", "step", "finish"]
     assert summary["checkpoint"] is None and summary["steps"] == 3
+    assert summary["first_val_x"] is None and summary["last_val_x"] is None
     toy = Counter(checkpoint_root(out), total=3)
-    toy.summarize = lambda records: {}  # type: ignore[method-assign]
     _loop(_cfg(out, save_freq=0, test_freq=0)).run(toy)
     assert "validate" not in [c for c, _ in toy.calls]
 

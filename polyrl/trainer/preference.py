@@ -44,7 +44,7 @@ from polyrl.trainer.preference_data import (
     collate_pairs,
     pairs_from_rows,
 )
-from polyrl.trainer.run_loop import RunLoop, series
+from polyrl.trainer.run_loop import RunLoop, first_and_last
 from polyrl.trainer.sft import (
     HF_DIR,
     check_devices,
@@ -514,13 +514,9 @@ class _PreferenceRun:
                 self.refs.release()
 
     def summarize(self, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        accuracy = series(records, ACCURACY[self.kind])
-        val_losses = series(records, "val/loss")
         return {
-            "first_val_accuracy": accuracy[0] if accuracy else None,
-            "last_val_accuracy": accuracy[-1] if accuracy else None,
-            "first_val_loss": val_losses[0] if val_losses else None,
-            "last_val_loss": val_losses[-1] if val_losses else None,
+            **first_and_last(records, ACCURACY[self.kind], "val_accuracy"),
+            **first_and_last(records, "val/loss", "val_loss"),
         }
 
 

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 from polyrl.trainer.checkpointing import resolve_resume_path
 
-__all__ = ["PLOT_FILE", "LoopTrainer", "RunLoop", "plot_run", "series"]
+__all__ = ["PLOT_FILE", "LoopTrainer", "RunLoop", "first_and_last", "plot_run", "series"]
 
 PLOT_FILE = "learning_curves.png"
 
@@ -94,6 +94,18 @@ class LoopTrainer(Protocol):
 def series(records: Sequence[Mapping[str, Any]], key: str) -> list[Any]:
     """Return the values of ``key`` in ``records``, in order, skipping records without it."""
     return [r[key] for r in records if r.get(key) is not None]
+
+
+def first_and_last(records: Sequence[Mapping[str, Any]], key: str, name: str) -> dict[str, Any]:
+    """Return ``{"first_<name>": ..., "last_<name>": ...}``: ``key``'s first and last values.
+
+    Both are ``None`` when no record holds ``key``.
+    """
+    values = series(records, key)
+    return {
+        f"first_{name}": values[0] if values else None,
+        f"last_{name}": values[-1] if values else None,
+    }
 
 
 def plot_run(

@@ -38,7 +38,7 @@ from polyrl.config import ConfigError, PolyRLConfig, save_config
 from polyrl.config.schema import constructor_kwargs
 from polyrl.core.batch import Batch
 from polyrl.trainer.checkpointing import checkpoint_root
-from polyrl.trainer.run_loop import RunLoop, series
+from polyrl.trainer.run_loop import RunLoop, first_and_last, series
 from polyrl.trainer.sft_data import SFTDataError, SFTDataset, chats_from_rows, collate_chats
 
 __all__ = [
@@ -522,10 +522,8 @@ class _SFTRun:
         self.runner.close()
 
     def summarize(self, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-        val_losses = series(records, "val/loss")
         train_losses = series(records, "train/loss")
         return {
-            "first_val_loss": val_losses[0] if val_losses else None,
-            "last_val_loss": val_losses[-1] if val_losses else None,
+            **first_and_last(records, "val/loss", "val_loss"),
             "last_train_loss": train_losses[-1] if train_losses else None,
         }
