@@ -1,6 +1,8 @@
 """Trainers built on the model engine, and their bookkeeping: tracking, plots, checkpoints.
 
 * :func:`polyrl.trainer.sft.run_sft` -- supervised fine-tuning (``polyrl sft``);
+* :class:`polyrl.trainer.run_loop.RunLoop` -- the run loop every trainer runs in (resume,
+  tracking, progress, validation and save cadence, plot and summary);
 * :class:`polyrl.trainer.tracking.Tracker` -- metrics fan-out to console / jsonl / tensorboard /
   wandb / mlflow backends;
 * :func:`polyrl.trainer.plotting.plot_learning_curves` -- learning-curve PNGs from metrics.jsonl;

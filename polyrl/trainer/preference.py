@@ -25,8 +25,8 @@ run in one process (world size 1).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import json
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -37,19 +37,19 @@ import torch
 
 from polyrl.config import ConfigError, PolyRLConfig, save_config
 from polyrl.config.schema import constructor_kwargs
-from polyrl.trainer.checkpointing import checkpoint_root, resolve_resume_path
+from polyrl.trainer.checkpointing import checkpoint_root
 from polyrl.trainer.preference_data import (
     PreferenceDataset,
     TokenizedPair,
     collate_pairs,
     pairs_from_rows,
 )
+from polyrl.trainer.run_loop import RunLoop, first_and_last
 from polyrl.trainer.sft import (
     HF_DIR,
     check_devices,
     data_files,
     engine_configs,
-    plot_run,
     resolve_model_dir,
     restore_sampler,
 )
@@ -318,8 +318,6 @@ def run_preference(
     datasets this way); ``model_dir`` / ``ref_model_dir`` replace ``model.path`` /
     ``dpo.ref_model_path``.
     """
-    from tqdm import tqdm
-
     from polyrl.algo.preference import DPO_LOSSES
     from polyrl.data.sampler import StatefulSampler
     from polyrl.models.loader import load_tokenizer
@@ -331,7 +329,6 @@ def run_preference(
         reward_model_engine_loss,
         reward_pair_terms,
     )
-    from polyrl.trainer.tracking import Tracker
 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
@@ -358,7 +355,6 @@ def run_preference(
     total = (
         opts.total_steps or trainer.total_steps or trainer.total_epochs * sampler.batches_per_epoch
     )
-    pair_metrics = DPO_METRICS if kind == "dpo" else RM_METRICS
     if kind == "dpo":
         reference_free = DPO_LOSSES.get(opts.loss_type).reference_free
         kwargs = {
@@ -393,7 +389,14 @@ def run_preference(
     )
 
     root = checkpoint_root(out_dir)
-    resume_from = resolve_resume_path(trainer.resume_mode, trainer.resume, root)
+    loop = RunLoop(
+        cfg,
+        kind,
+        out_dir,
+        root,
+        plot_keys=list(trainer.plot_metrics) or list(DEFAULT_PLOT_METRICS[kind]),
+        started=started,
+    )
     engine, ref_engine = _build_engines(
         cfg,
         kind,
@@ -405,102 +408,116 @@ def run_preference(
     refs = None
     if kind == "dpo" and not reference_free:
         refs = _ReferenceLogProbs(ref_engine, pad_id, data.val_batch_size)
-    validate = val_ds is not None and trainer.test_freq > 0
-    history: list[dict[str, Any]] = []
-    tracker = None
-    hf_dir = None
-    try:
-        if refs is not None and opts.precompute_ref_log_probs:
-            refs.get("train", train_ds, range(len(train_ds)))
-            if val_ds is not None:
-                refs.get("val", val_ds, range(len(val_ds)))
-            refs.release()
-        step = 0
-        if resume_from is not None:
-            step = restore_sampler(sampler, engine.load_checkpoint(resume_from), resume_from)
-            _log(kind, f"resumed from {resume_from} at step {step}")
-        tracker = Tracker.for_run(
-            cfg,
-            out_dir,
-            resume_step=step if resume_from is not None else None,
-            total_steps=total,
-        )
+    run = _PreferenceRun(
+        cfg,
+        kind,
+        engine,
+        refs,
+        sampler,
+        train_ds,
+        val_ds,
+        pad_id,
+        total_steps=total,
+        root=root,
+        loss_fn=loss_fn,
+        terms=terms,
+        pair_metrics=DPO_METRICS if kind == "dpo" else RM_METRICS,
+    )
+    return loop.run(run)
 
-        def record(metrics: dict[str, float], at: int) -> None:
-            history.append({"step": at, **tracker.log(metrics, at)})
 
-        def held_out() -> dict[str, float]:
-            assert val_ds is not None
-            return _validate(kind, engine, val_ds, refs, terms, data.val_batch_size, pad_id)
+@dataclasses.dataclass
+class _PreferenceRun:
+    """One DPO or RM run as the run loop's :class:`~polyrl.trainer.run_loop.LoopTrainer`."""
 
-        if validate and trainer.val_before_train and resume_from is None:
-            record(held_out(), step)
-        last_ckpt = resume_from
-        bar = tqdm(
-            total=total, initial=step, desc=kind, unit="step", dynamic_ncols=True, file=sys.stderr
-        )
-        with bar:
-            while step < total:
-                indices = sampler.next_batch()
-                items = [train_ds[i] for i in indices]
-                ref = refs.get("train", train_ds, indices) if refs is not None else None
-                batch = _pair_batch(kind, items, pad_id, ref)
-                tick = time.perf_counter()
-                out = engine.train_batch(batch, loss_fn)
-                engine.lr_scheduler_step()
-                elapsed = time.perf_counter() - tick
-                step += 1
-                metrics = {
-                    "train/loss": out["loss"],
-                    "train/grad_norm": out["grad_norm"],
-                    "train/lr": out["lr"],
-                    "train/tokens_per_s": float(batch["attention_mask"].sum()) / elapsed,
-                    "train/epoch": sampler.epoch + sampler.position / sampler.batches_per_epoch,
-                }
-                metrics.update({k: out[k] for k in pair_metrics})
-                if validate and (step % trainer.test_freq == 0 or step == total):
-                    metrics.update(held_out())
-                # Log before saving, as SFT does: a resume drops records after its checkpoint.
-                record(metrics, step)
-                bar.update(1)
-                bar.set_postfix(loss=f"{out['loss']:.4f}")
-                if trainer.save_freq and (step % trainer.save_freq == 0 or step == total):
-                    last_ckpt = engine.save_checkpoint(
-                        str(root), step, {"sampler": sampler.state_dict()}
-                    )
-        if opts.export_hf:
-            hf_dir = engine.export_hf(str(out_dir / HF_DIR))
-            if kind == "rm":
-                from polyrl.model_engine.heads import to_sequence_classifier
+    cfg: PolyRLConfig
+    kind: str
+    engine: Any
+    refs: _ReferenceLogProbs | None
+    sampler: Any
+    train_ds: PreferenceDataset
+    val_ds: PreferenceDataset | None
+    pad_id: int
+    total_steps: int
+    root: Path
+    loss_fn: Callable[..., Any]
+    terms: Callable[..., Any]
+    #: The loss's per-pair metrics, logged with each step's.
+    pair_metrics: Sequence[str]
 
-                to_sequence_classifier(hf_dir, pad_token_id=pad_id)
-            _log(kind, f"model exported to {hf_dir}")
-    finally:
-        if tracker is not None:
-            tracker.finish()
-        engine.close()
-        if refs is not None:
+    @property
+    def has_validation(self) -> bool:
+        return self.val_ds is not None
+
+    def setup(self) -> None:
+        """Precompute the reference log-probs when asked (then free the reference model)."""
+        refs = self.refs
+        if refs is not None and getattr(self.cfg, self.kind).precompute_ref_log_probs:
+            refs.get("train", self.train_ds, range(len(self.train_ds)))
+            if self.val_ds is not None:
+                refs.get("val", self.val_ds, range(len(self.val_ds)))
             refs.release()
 
-    keys = list(trainer.plot_metrics) or list(DEFAULT_PLOT_METRICS[kind])
-    plot, records = plot_run(tracker, history, out_dir, keys, f"polyrl {kind}")
-    accuracy = [r[ACCURACY[kind]] for r in records if r.get(ACCURACY[kind]) is not None]
-    val_losses = [r["val/loss"] for r in records if r.get("val/loss") is not None]
-    summary = {
-        "steps": step,
-        "resumed_from": str(resume_from) if resume_from else None,
-        "first_val_accuracy": accuracy[0] if accuracy else None,
-        "last_val_accuracy": accuracy[-1] if accuracy else None,
-        "first_val_loss": val_losses[0] if val_losses else None,
-        "last_val_loss": val_losses[-1] if val_losses else None,
-        "checkpoint": str(last_ckpt) if last_ckpt else None,
-        "hf_model": hf_dir,
-        "plot": str(plot) if plot else None,
-        "elapsed_s": round(time.perf_counter() - started, 2),
-    }
-    (out_dir / f"{kind}_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    _log(kind, "done: " + " ".join(f"{k}={v}" for k, v in summary.items()))
-    return summary
+    def load(self, path: str) -> int:
+        return restore_sampler(self.sampler, self.engine.load_checkpoint(path), path)
+
+    def step(self, step: int) -> dict[str, float]:
+        sampler, engine, refs = self.sampler, self.engine, self.refs
+        indices = sampler.next_batch()
+        items = [self.train_ds[i] for i in indices]
+        ref = refs.get("train", self.train_ds, indices) if refs is not None else None
+        batch = _pair_batch(self.kind, items, self.pad_id, ref)
+        tick = time.perf_counter()
+        out = engine.train_batch(batch, self.loss_fn)
+        engine.lr_scheduler_step()
+        elapsed = time.perf_counter() - tick
+        metrics = {
+            "train/loss": out["loss"],
+            "train/grad_norm": out["grad_norm"],
+            "train/lr": out["lr"],
+            "train/tokens_per_s": float(batch["attention_mask"].sum()) / elapsed,
+            "train/epoch": sampler.epoch + sampler.position / sampler.batches_per_epoch,
+        }
+        metrics.update({k: out[k] for k in self.pair_metrics})
+        return metrics
+
+    def validate(self) -> dict[str, float]:
+        assert self.val_ds is not None
+        batch_size = self.cfg.data.val_batch_size
+        return _validate(
+            self.kind, self.engine, self.val_ds, self.refs, self.terms, batch_size, self.pad_id
+        )
+
+    def save(self, step: int) -> str:
+        state = {"sampler": self.sampler.state_dict()}
+        return self.engine.save_checkpoint(str(self.root), step, state)
+
+    def progress(self, metrics: Mapping[str, float]) -> dict[str, str]:
+        return {"loss": f"{metrics['train/loss']:.4f}"}
+
+    def finish(self) -> str | None:
+        if not getattr(self.cfg, self.kind).export_hf:
+            return None
+        hf_dir = self.engine.export_hf(str(Path(self.cfg.trainer.output_dir) / HF_DIR))
+        if self.kind == "rm":
+            from polyrl.model_engine.heads import to_sequence_classifier
+
+            to_sequence_classifier(hf_dir, pad_token_id=self.pad_id)
+        _log(self.kind, f"model exported to {hf_dir}")
+        return hf_dir
+
+    def close(self) -> None:
+        try:
+            self.engine.close()
+        finally:
+            if self.refs is not None:
+                self.refs.release()
+
+    def summarize(self, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        return {
+            **first_and_last(records, ACCURACY[self.kind], "val_accuracy"),
+            **first_and_last(records, "val/loss", "val_loss"),
+        }
 
 
 def run_dpo(cfg: PolyRLConfig, **kwargs: Any) -> dict[str, Any]:

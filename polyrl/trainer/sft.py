@@ -27,7 +27,7 @@ loss is exactly that of the mini-batch.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -37,7 +37,8 @@ from typing import Any
 from polyrl.config import ConfigError, PolyRLConfig, save_config
 from polyrl.config.schema import constructor_kwargs
 from polyrl.core.batch import Batch
-from polyrl.trainer.checkpointing import checkpoint_root, resolve_resume_path
+from polyrl.trainer.checkpointing import checkpoint_root
+from polyrl.trainer.run_loop import RunLoop, first_and_last, series
 from polyrl.trainer.sft_data import SFTDataError, SFTDataset, chats_from_rows, collate_chats
 
 __all__ = [
@@ -46,7 +47,6 @@ __all__ = [
     "check_devices",
     "engine_configs",
     "load_sft_datasets",
-    "plot_run",
     "ray_init_options",
     "resolve_model_dir",
     "restore_sampler",
@@ -55,7 +55,6 @@ __all__ = [
 
 #: Metrics drawn in ``learning_curves.png`` when ``trainer.plot_metrics`` is empty.
 DEFAULT_PLOT_METRICS = ("train/loss", "val/loss")
-PLOT_FILE = "learning_curves.png"
 SUMMARY_FILE = "sft_summary.json"
 HF_DIR = "hf_model"
 
@@ -198,29 +197,6 @@ def restore_sampler(sampler: Any, info: Mapping[str, Any], resume_from: str | Pa
             key="trainer.resume_mode",
         ) from None
     return int(info["step"])
-
-
-def plot_run(
-    tracker: Any,
-    history: Sequence[Mapping[str, Any]],
-    out_dir: Path,
-    keys: Sequence[str],
-    title: str,
-) -> tuple[Path | None, list[dict[str, Any]]]:
-    """Draw ``learning_curves.png`` of a finished run; returns it and the run's metric records.
-
-    The records come from the tracker's metrics file, which spans the whole run including the
-    steps before a resume; without a jsonl logger, from ``history`` (this process's records).
-    """
-    from polyrl.trainer.plotting import plot_learning_curves
-    from polyrl.trainer.tracking import read_metrics
-
-    metrics_file = tracker.metrics_path
-    if metrics_file is None:
-        metrics_file = out_dir / f".{title.split()[-1]}_history.jsonl"
-        metrics_file.write_text("".join(json.dumps(r) + "\n" for r in history))
-    plot = plot_learning_curves(metrics_file, out_dir / PLOT_FILE, list(keys), title=title)
-    return plot, read_metrics(metrics_file)
 
 
 # ------------------------------------------------------------------------------ runners
@@ -424,12 +400,9 @@ def _check_config(cfg: PolyRLConfig, max_length: int) -> None:
 
 def run_sft(cfg: PolyRLConfig) -> dict[str, Any]:
     """Run SFT as configured (see the module docstring); returns the summary it writes."""
-    from tqdm import tqdm
-
     from polyrl.data.sampler import StatefulSampler
     from polyrl.model_engine import CheckpointConfig, ModelSpec
     from polyrl.models.loader import load_tokenizer
-    from polyrl.trainer.tracking import Tracker
 
     started = time.perf_counter()
     trainer, sft, data = cfg.trainer, cfg.sft, cfg.data
@@ -462,7 +435,14 @@ def run_sft(cfg: PolyRLConfig) -> dict[str, Any]:
 
     root = checkpoint_root(out_dir)
     # Before the engine is built: a bad resume path should fail fast.
-    resume_from = resolve_resume_path(trainer.resume_mode, trainer.resume, root)
+    loop = RunLoop(
+        cfg,
+        "sft",
+        out_dir,
+        root,
+        plot_keys=list(trainer.plot_metrics) or list(DEFAULT_PLOT_METRICS),
+        started=started,
+    )
     import torch
 
     use_gpu = trainer.device == "cuda" or (trainer.device == "auto" and torch.cuda.is_available())
@@ -478,80 +458,72 @@ def run_sft(cfg: PolyRLConfig) -> dict[str, Any]:
         use_gpu=use_gpu,
         ray_options=ray_init_options(cfg),
     )
-    pad_id = int(tokenizer.pad_token_id)
-    validate = val_ds is not None and trainer.test_freq > 0
-    history: list[dict[str, Any]] = []
-    tracker = None
-    try:
-        step = 0
-        if resume_from is not None:
-            step = restore_sampler(sampler, runner.load(resume_from), resume_from)
-            _log(f"resumed from {resume_from} at step {step}")
-        tracker = Tracker.for_run(
-            cfg,
-            out_dir,
-            resume_step=step if resume_from is not None else None,
-            total_steps=total,
-        )
+    run = _SFTRun(cfg, runner, sampler, train_ds, val_ds, int(tokenizer.pad_token_id), total, root)
+    return loop.run(run)
 
-        def record(metrics: dict[str, float], at: int) -> None:
-            history.append({"step": at, **tracker.log(metrics, at)})
 
-        if validate and trainer.val_before_train and resume_from is None:
-            record(_validate(runner, val_ds, data.val_batch_size, pad_id), step)
-        last_ckpt = resume_from
-        bar = tqdm(
-            total=total, initial=step, desc="sft", unit="step", dynamic_ncols=True, file=sys.stderr
-        )
-        with bar:
-            while step < total:
-                batch = collate_chats([train_ds[i] for i in sampler.next_batch()], pad_id)
-                tick = time.perf_counter()
-                out = runner.train_step(batch)
-                elapsed = time.perf_counter() - tick
-                step += 1
-                metrics = {
-                    "train/loss": out["loss"],
-                    "train/grad_norm": out["grad_norm"],
-                    "train/lr": out["lr"],
-                    "train/loss_tokens": out["num_tokens"],
-                    "train/tokens_per_s": float(batch["attention_mask"].sum()) / elapsed,
-                    "train/epoch": sampler.epoch + sampler.position / sampler.batches_per_epoch,
-                }
-                if validate and (step % trainer.test_freq == 0 or step == total):
-                    metrics.update(_validate(runner, val_ds, data.val_batch_size, pad_id))
-                # Log before saving: a crash in between re-runs the step from the previous
-                # checkpoint, and resuming drops the records logged after that checkpoint.
-                record(metrics, step)
-                bar.update(1)
-                bar.set_postfix(loss=f"{out['loss']:.4f}")
-                if trainer.save_freq and (step % trainer.save_freq == 0 or step == total):
-                    last_ckpt = runner.save(str(root), step, {"sampler": sampler.state_dict()})
-        hf_dir = None
-        if sft.export_hf:
-            tick = time.perf_counter()
-            hf_dir = runner.export_hf(str(out_dir / HF_DIR))
-            _log(f"model exported to {hf_dir} in {time.perf_counter() - tick:.2f}s")
-    finally:
-        if tracker is not None:
-            tracker.finish()
-        runner.close()
+@dataclasses.dataclass
+class _SFTRun:
+    """One SFT run as the run loop's :class:`~polyrl.trainer.run_loop.LoopTrainer`."""
 
-    keys = list(trainer.plot_metrics) or list(DEFAULT_PLOT_METRICS)
-    plot, records = plot_run(tracker, history, out_dir, keys, "polyrl sft")
-    val_losses = [r["val/loss"] for r in records if r.get("val/loss") is not None]
-    train_losses = [r["train/loss"] for r in records if r.get("train/loss") is not None]
-    summary = {
-        "steps": step,
-        "resumed_from": str(resume_from) if resume_from else None,
-        "first_val_loss": val_losses[0] if val_losses else None,
-        "last_val_loss": val_losses[-1] if val_losses else None,
-        "last_train_loss": train_losses[-1] if train_losses else None,
-        "checkpoint": str(last_ckpt) if last_ckpt else None,
-        "hf_model": hf_dir,
-        "plot": str(plot) if plot else None,
-        "elapsed_s": round(time.perf_counter() - started, 2),
-    }
-    (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-    _log("done: " + " ".join(f"{k}={v}" for k, v in summary.items()))
-    return summary
+    cfg: PolyRLConfig
+    runner: SFTRunner
+    sampler: Any
+    train_ds: SFTDataset
+    val_ds: SFTDataset | None
+    pad_id: int
+    total_steps: int
+    root: Path
+
+    @property
+    def has_validation(self) -> bool:
+        return self.val_ds is not None
+
+    def setup(self) -> None:
+        """Nothing: the runner is built before the loop (a bad setting fails before it)."""
+
+    def load(self, path: str) -> int:
+        return restore_sampler(self.sampler, self.runner.load(path), path)
+
+    def step(self, step: int) -> dict[str, float]:
+        sampler = self.sampler
+        batch = collate_chats([self.train_ds[i] for i in sampler.next_batch()], self.pad_id)
+        tick = time.perf_counter()
+        out = self.runner.train_step(batch)
+        elapsed = time.perf_counter() - tick
+        return {
+            "train/loss": out["loss"],
+            "train/grad_norm": out["grad_norm"],
+            "train/lr": out["lr"],
+            "train/loss_tokens": out["num_tokens"],
+            "train/tokens_per_s": float(batch["attention_mask"].sum()) / elapsed,
+            "train/epoch": sampler.epoch + sampler.position / sampler.batches_per_epoch,
+        }
+
+    def validate(self) -> dict[str, float]:
+        assert self.val_ds is not None
+        return _validate(self.runner, self.val_ds, self.cfg.data.val_batch_size, self.pad_id)
+
+    def save(self, step: int) -> str:
+        return self.runner.save(str(self.root), step, {"sampler": self.sampler.state_dict()})
+
+    def progress(self, metrics: Mapping[str, float]) -> dict[str, str]:
+        return {"loss": f"{metrics['train/loss']:.4f}"}
+
+    def finish(self) -> str | None:
+        if not self.cfg.sft.export_hf:
+            return None
+        tick = time.perf_counter()
+        hf_dir = self.runner.export_hf(str(Path(self.cfg.trainer.output_dir) / HF_DIR))
+        _log(f"model exported to {hf_dir} in {time.perf_counter() - tick:.2f}s")
+        return hf_dir
+
+    def close(self) -> None:
+        self.runner.close()
+
+    def summarize(self, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        train_losses = series(records, "train/loss")
+        return {
+            **first_and_last(records, "val/loss", "val_loss"),
+            "last_train_loss": train_losses[-1] if train_losses else None,
+        }

@@ -43,7 +43,6 @@ one would have.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import sys
 import time
@@ -72,7 +71,12 @@ from polyrl.trainer.rl.build import (
 )
 from polyrl.trainer.rl.dataplane import DataPlane, InlinePlane, QueuePlane
 from polyrl.trainer.rl.generation import DriverRollout, QueueRollout, Replicas
-from polyrl.trainer.rl.metrics import CONSOLE_METRICS, step_metrics, write_summary
+from polyrl.trainer.rl.metrics import (
+    CONSOLE_METRICS,
+    DEFAULT_PLOT_METRICS,
+    step_metrics,
+    summary_fields,
+)
 from polyrl.trainer.rl.rollout import (
     RolloutProducer,
     has_custom_reward,
@@ -582,106 +586,23 @@ class RLTrainer:
     # ------------------------------------------------------------------ the run
     def fit(self) -> dict[str, Any]:
         """Run the configured job; return the summary written to ``rl_summary.json``."""
-        from tqdm import tqdm
-
-        from polyrl.trainer.checkpointing import resolve_resume_path
-        from polyrl.trainer.tracking import Tracker
+        from polyrl.trainer.run_loop import RunLoop
 
         started = time.perf_counter()
-        cfg, trainer = self.cfg, self.cfg.trainer
-        # A bad resume path fails before anything is started.
-        resume_from = resolve_resume_path(trainer.resume_mode, trainer.resume, self._roots()[0])
-        tracker = None
-        history: list[dict[str, Any]] = []
-        last_ckpt = resume_from
-        try:
-            self.setup()
-            step = 0
-            if resume_from is not None:
-                step = self.load(resume_from)
-                self.sync_weights(self._version(step))
-                _log(f"resumed from {resume_from} at step {step}")
-            validate = self.val_ds is not None and trainer.test_freq > 0
-            _log(
-                f"model {self.model_dir} | {len(self.train_ds)} train / "
-                f"{len(self.val_ds) if self.val_ds else 0} val prompts | {self.total_steps} steps "
-                f"of {cfg.data.train_batch_size} prompts x {cfg.rollout.n} | "
-                f"{cfg.algorithm.adv_estimator} / {cfg.actor.policy_loss}"
-            )
-            tracker = Tracker.for_run(
-                cfg,
-                self.out_dir,
-                resume_step=step if resume_from is not None else None,
-                total_steps=self.total_steps,
-            )
-
-            console = tracker.backends.get("console")
-            if console is not None:
-                # One readable line per step; every metric still goes to the other loggers.
-                console.keys = CONSOLE_METRICS
-                console.prefixes = ("val/",)
-
-            def record(metrics: dict[str, float], at: int) -> None:
-                history.append({"step": at, **tracker.log(metrics, at)})
-
-            if validate and trainer.val_before_train and resume_from is None:
-                tick = time.perf_counter()
-                val = self.validate()
-                val["timing_s/testing"] = time.perf_counter() - tick
-                record(val, step)
-            bar = tqdm(
-                total=self.total_steps,
-                initial=step,
-                desc="rl",
-                unit="step",
-                dynamic_ncols=True,
-                file=sys.stderr,
-            )
-            with bar:
-                while step < self.total_steps:
-                    step += 1
-                    metrics = self.step(step)
-                    if validate and (step % trainer.test_freq == 0 or step == self.total_steps):
-                        tick = time.perf_counter()
-                        metrics.update(self.validate())
-                        metrics["timing_s/testing"] = time.perf_counter() - tick
-                    metrics["training/global_step"] = float(step)
-                    # Log before saving: a crash in between re-runs the step from the previous
-                    # checkpoint, and resuming drops the records logged after it.
-                    record(metrics, step)
-                    bar.update(1)
-                    bar.set_postfix(score=f"{metrics.get('critic/score/mean', math.nan):.3f}")
-                    if trainer.save_freq and (
-                        step % trainer.save_freq == 0 or step == self.total_steps
-                    ):
-                        last_ckpt = self.save(step)
-            hf_dir = None
-            if trainer.export_hf:
-                tick = time.perf_counter()
-                hf_dir = self.export_hf(self.out_dir / HF_DIR)
-                _log(f"policy exported to {hf_dir} in {time.perf_counter() - tick:.2f}s")
-        finally:
-            if tracker is not None:
-                tracker.finish()
-            self.close()
-        metrics_file = tracker.metrics_path if tracker is not None else None
-        if metrics_file is None:
-            metrics_file = self.out_dir / ".rl_history.jsonl"
-            metrics_file.write_text("".join(json.dumps(r) + "\n" for r in history))
-        summary = write_summary(
+        k = self.cfg.rollout.val_n
+        loop = RunLoop(
             self.cfg,
+            "rl",
             self.out_dir,
-            metrics_file,
-            {
-                "steps": step,
-                "resumed_from": resume_from,
-                "checkpoint": last_ckpt,
-                "hf_model": hf_dir,
-                "elapsed_s": round(time.perf_counter() - started, 2),
-            },
+            self._roots()[0],
+            plot_keys=list(self.cfg.trainer.plot_metrics)
+            or [m.format(k=k) for m in DEFAULT_PLOT_METRICS],
+            console_keys=CONSOLE_METRICS,
+            step_key="training/global_step",
+            summary_metrics=True,
+            started=started,
         )
-        _log("done: " + " ".join(f"{k}={v}" for k, v in summary.items()))
-        return summary
+        return loop.run(_RLRun(self))
 
     def export_hf(self, directory: str | Path) -> str:
         """Write the actor as a Hugging Face model directory (call before the run closes)."""
@@ -710,6 +631,68 @@ class RLTrainer:
             closer = self._closers.pop()
             with contextlib.suppress(Exception):
                 closer()
+
+
+class _RLRun:
+    """:class:`RLTrainer` as the run loop's :class:`~polyrl.trainer.run_loop.LoopTrainer`."""
+
+    def __init__(self, trainer: RLTrainer) -> None:
+        self.trainer = trainer
+
+    @property
+    def total_steps(self) -> int:
+        return self.trainer.total_steps
+
+    @property
+    def has_validation(self) -> bool:
+        return self.trainer.val_ds is not None
+
+    def setup(self) -> None:
+        trainer = self.trainer
+        trainer.setup()
+        cfg = trainer.cfg
+        _log(
+            f"model {trainer.model_dir} | {len(trainer.train_ds)} train / "
+            f"{len(trainer.val_ds) if trainer.val_ds else 0} val prompts | "
+            f"{trainer.total_steps} steps of {cfg.data.train_batch_size} prompts x "
+            f"{cfg.rollout.n} | {cfg.algorithm.adv_estimator} / {cfg.actor.policy_loss}"
+        )
+
+    def load(self, path: str) -> int:
+        trainer = self.trainer
+        step = trainer.load(path)
+        trainer.sync_weights(trainer._version(step))
+        return step
+
+    def step(self, step: int) -> dict[str, float]:
+        return self.trainer.step(step)
+
+    def validate(self) -> dict[str, float]:
+        tick = time.perf_counter()
+        metrics = self.trainer.validate()
+        metrics["timing_s/testing"] = time.perf_counter() - tick
+        return metrics
+
+    def save(self, step: int) -> str:
+        return self.trainer.save(step)
+
+    def progress(self, metrics: Mapping[str, float]) -> dict[str, str]:
+        return {"score": f"{metrics.get('critic/score/mean', math.nan):.3f}"}
+
+    def finish(self) -> str | None:
+        trainer = self.trainer
+        if not trainer.cfg.trainer.export_hf:
+            return None
+        tick = time.perf_counter()
+        hf_dir = trainer.export_hf(trainer.out_dir / HF_DIR)
+        _log(f"policy exported to {hf_dir} in {time.perf_counter() - tick:.2f}s")
+        return hf_dir
+
+    def close(self) -> None:
+        self.trainer.close()
+
+    def summarize(self, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        return summary_fields(records, self.trainer.cfg.rollout.val_n)
 
 
 def run_rl(cfg: PolyRLConfig, **kwargs: Any) -> dict[str, Any]:

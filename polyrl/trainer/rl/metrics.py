@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from polyrl.core.batch import Batch
 from polyrl.core.numerics import masked_mean
+from polyrl.trainer.run_loop import first_and_last
 
 __all__ = [
     "CONSOLE_METRICS",
@@ -21,11 +20,8 @@ __all__ = [
     "masked_stats",
     "stats",
     "step_metrics",
-    "write_summary",
+    "summary_fields",
 ]
-
-PLOT_FILE = "learning_curves.png"
-SUMMARY_FILE = "rl_summary.json"
 
 #: Prefix of the per-function reward metrics (TRL's names): ``rewards/<name>/mean``.
 PER_FUNCTION_PREFIX = "rewards/"
@@ -129,39 +125,12 @@ def step_metrics(
     return out
 
 
-def write_summary(
-    cfg: Any, out_dir: Path, metrics_file: Path, run: Mapping[str, Any]
-) -> dict[str, Any]:
-    """Draw the learning curves and write ``rl_summary.json``; return the summary.
+def summary_fields(records: Sequence[Mapping[str, Any]], k: int) -> dict[str, Any]:
+    """Return the RL fields of ``rl_summary.json`` from the run's metric ``records``.
 
-    ``run`` holds what only the run knows (steps, checkpoint, elapsed time); the first and
-    last validation accuracy and score come from ``metrics_file``.
+    They are the first and last validation accuracy (``val/acc/mean@k``) and training score.
     """
-    from polyrl.trainer.plotting import plot_learning_curves
-    from polyrl.trainer.tracking import read_metrics
-
-    k = cfg.rollout.val_n
-    keys = list(cfg.trainer.plot_metrics) or [m.format(k=k) for m in DEFAULT_PLOT_METRICS]
-    plot = plot_learning_curves(metrics_file, out_dir / PLOT_FILE, keys, title="polyrl rl")
-    records = read_metrics(metrics_file)
-
-    def series(key: str) -> list[float]:
-        return [r[key] for r in records if r.get(key) is not None]
-
-    val_acc = series(f"val/acc/mean@{k}")
-    scores = series("critic/score/mean")
-    summary = {
-        "steps": run.get("steps"),
-        "resumed_from": run.get("resumed_from"),
-        "first_val_acc": val_acc[0] if val_acc else None,
-        "last_val_acc": val_acc[-1] if val_acc else None,
-        "first_score": scores[0] if scores else None,
-        "last_score": scores[-1] if scores else None,
-        "checkpoint": run.get("checkpoint"),
-        "hf_model": run.get("hf_model"),
-        "metrics": str(metrics_file),
-        "plot": str(plot) if plot else None,
-        "elapsed_s": run.get("elapsed_s"),
+    return {
+        **first_and_last(records, f"val/acc/mean@{k}", "val_acc"),
+        **first_and_last(records, "critic/score/mean", "score"),
     }
-    (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-    return summary

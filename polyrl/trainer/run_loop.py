@@ -1,0 +1,271 @@
+"""The one run loop of the RL, SFT and preference trainers.
+
+A trainer supplies what only it knows -- its set-up, one training step, the held-out
+metrics, saving and loading a checkpoint, the export at the end, the fields of its summary --
+as a :class:`LoopTrainer`; :class:`RunLoop` owns the rest of a run:
+
+* **resume**: ``trainer.resume_mode`` / ``trainer.resume`` pick the checkpoint (the newest
+  complete one under the trainer's checkpoint root for ``auto``; resolved when the loop is built,
+  so a bad path fails before anything starts); the trainer restores it and says its step;
+* **tracking**: a :class:`~polyrl.trainer.tracking.Tracker` for ``trainer.loggers``; a resumed
+  run's tracker drops the records logged after the checkpoint, and every step is logged
+  *before* it is saved, so a crash in between re-runs the step from the previous checkpoint and
+  the resumed run logs what an uninterrupted one would have;
+* **cadence**: validation before training (``trainer.val_before_train``, fresh runs only), every
+  ``trainer.test_freq`` steps and at the last step; a checkpoint every ``trainer.save_freq``
+  steps and at the last step;
+* **display**: the tqdm progress bar (its postfix from the trainer) and the console tracker's
+  one line per step;
+* **the end**: ``learning_curves.png`` from the run's metric records (the whole run, across
+  resumes) and ``<kind>_summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from polyrl.trainer.checkpointing import resolve_resume_path
+
+__all__ = ["PLOT_FILE", "LoopTrainer", "RunLoop", "first_and_last", "plot_run", "series"]
+
+PLOT_FILE = "learning_curves.png"
+
+
+class LoopTrainer(Protocol):
+    """What a trainer supplies to :class:`RunLoop`.
+
+    The loop calls :meth:`setup`, then :meth:`load` when resuming, then :meth:`step` for each
+    remaining step (with :meth:`validate` and :meth:`save` at their cadence), :meth:`finish`
+    after the last one, and :meth:`close` in every case.
+    """
+
+    @property
+    def total_steps(self) -> int:
+        """Steps of the whole run (read after :meth:`setup`)."""
+        ...
+
+    @property
+    def has_validation(self) -> bool:
+        """Whether there is held-out data to :meth:`validate` on (read after :meth:`setup`)."""
+        ...
+
+    def setup(self) -> None:
+        """Build what the steps need (engines, servers); :meth:`close` releases it."""
+        ...
+
+    def load(self, path: str) -> int:
+        """Restore the checkpoint at ``path``; return the step it was saved at."""
+        ...
+
+    def step(self, step: int) -> dict[str, float]:
+        """Run training step ``step`` (1-based); return its metrics."""
+        ...
+
+    def validate(self) -> dict[str, float]:
+        """Return the held-out metrics (``val/...``) of the current model."""
+        ...
+
+    def save(self, step: int) -> str:
+        """Write the checkpoint of ``step``; return its directory."""
+        ...
+
+    def progress(self, metrics: Mapping[str, float]) -> dict[str, str]:
+        """Return the progress bar's postfix after a step with ``metrics``."""
+        ...
+
+    def finish(self) -> str | None:
+        """Work after the last step, before :meth:`close` (the export); the export's path."""
+        ...
+
+    def close(self) -> None:
+        """Release everything :meth:`setup` built (also after a failure)."""
+        ...
+
+    def summarize(self, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """Return the trainer's own summary fields, from the whole run's metric records."""
+        ...
+
+
+def series(records: Sequence[Mapping[str, Any]], key: str) -> list[Any]:
+    """Return the values of ``key`` in ``records``, in order, skipping records without it."""
+    return [r[key] for r in records if r.get(key) is not None]
+
+
+def first_and_last(records: Sequence[Mapping[str, Any]], key: str, name: str) -> dict[str, Any]:
+    """Return ``{"first_<name>": ..., "last_<name>": ...}``: ``key``'s first and last values.
+
+    Both are ``None`` when no record holds ``key``.
+    """
+    values = series(records, key)
+    return {
+        f"first_{name}": values[0] if values else None,
+        f"last_{name}": values[-1] if values else None,
+    }
+
+
+def plot_run(
+    tracker: Any,
+    history: Sequence[Mapping[str, Any]],
+    out_dir: Path,
+    keys: Sequence[str],
+    title: str,
+) -> tuple[Path | None, list[dict[str, Any]], Path]:
+    """Draw ``learning_curves.png`` of a finished run; return it, the records and their file.
+
+    The records come from the tracker's metrics file, which spans the whole run including the
+    steps before a resume; without a jsonl logger, from ``history`` (this process's records),
+    written to ``.<kind>_history.jsonl`` for the plot.
+    """
+    from polyrl.trainer.plotting import plot_learning_curves
+    from polyrl.trainer.tracking import read_metrics
+
+    metrics_file = tracker.metrics_path
+    if metrics_file is None:
+        metrics_file = out_dir / f".{title.split()[-1]}_history.jsonl"
+        metrics_file.write_text("".join(json.dumps(r) + "\n" for r in history))
+    plot = plot_learning_curves(metrics_file, out_dir / PLOT_FILE, list(keys), title=title)
+    return plot, read_metrics(metrics_file), metrics_file
+
+
+class RunLoop:
+    """Runs a :class:`LoopTrainer` from its first (or resumed) step to the summary.
+
+    Args:
+        cfg: the run's :class:`~polyrl.config.PolyRLConfig` (its ``trainer`` group drives the
+            loop; the tracker records all of it).
+        kind: the trainer's name (``rl``, ``sft``, ``dpo``, ``rm``): the log prefix, the
+            progress bar's label, the plot's title and ``<kind>_summary.json``.
+        out_dir: the run directory.
+        checkpoint_root: where the trainer's checkpoints live (``resume_mode=auto`` takes the
+            newest complete one there).
+        plot_keys: the metrics drawn in ``learning_curves.png``.
+        console_keys: when set, the console line shows only these metrics (and ``val/`` ones).
+        step_key: when set, each step's record also holds its step number under this name
+            (verl's ``training/global_step``).
+        summary_metrics: the summary names the metrics file (``metrics``).
+        started: ``time.perf_counter()`` when the run started (the summary's ``elapsed_s``).
+
+    Raises:
+        ConfigError: ``trainer.resume_mode`` names a path that holds no complete checkpoint.
+    """
+
+    def __init__(
+        self,
+        cfg: Any,
+        kind: str,
+        out_dir: Path,
+        checkpoint_root: Path,
+        *,
+        plot_keys: Sequence[str],
+        console_keys: Sequence[str] | None = None,
+        step_key: str | None = None,
+        summary_metrics: bool = False,
+        started: float | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.kind = kind
+        self.out_dir = Path(out_dir)
+        self.plot_keys = list(plot_keys)
+        self.console_keys = tuple(console_keys) if console_keys is not None else None
+        self.step_key = step_key
+        self.summary_metrics = summary_metrics
+        self.started = time.perf_counter() if started is None else started
+        trainer = cfg.trainer
+        # Now, before the trainer builds anything: a bad resume path fails fast.
+        self.resume_from = resolve_resume_path(trainer.resume_mode, trainer.resume, checkpoint_root)
+
+    def log(self, message: str) -> None:
+        """Print ``[<kind>] message`` above the progress bar."""
+        from tqdm import tqdm
+
+        tqdm.write(f"[{self.kind}] {message}", file=sys.stdout)
+        sys.stdout.flush()
+
+    def run(self, trainer: LoopTrainer) -> dict[str, Any]:
+        """Run ``trainer`` to its last step; write and return the summary."""
+        from tqdm import tqdm
+
+        from polyrl.trainer.tracking import Tracker
+
+        cfg = self.cfg.trainer
+        resume_from = self.resume_from
+        history: list[dict[str, Any]] = []
+        tracker = None
+        step = 0
+        last_ckpt = resume_from
+        try:
+            trainer.setup()
+            if resume_from is not None:
+                step = trainer.load(resume_from)
+                self.log(f"resumed from {resume_from} at step {step}")
+            total = trainer.total_steps
+            tracker = Tracker.for_run(
+                self.cfg,
+                self.out_dir,
+                resume_step=step if resume_from is not None else None,
+                total_steps=total,
+            )
+            console = tracker.backends.get("console")
+            if console is not None and self.console_keys is not None:
+                # One readable line per step; every metric still goes to the other loggers.
+                console.keys = self.console_keys
+                console.prefixes = ("val/",)
+
+            def record(metrics: dict[str, float], at: int) -> None:
+                history.append({"step": at, **tracker.log(metrics, at)})
+
+            validate = trainer.has_validation and cfg.test_freq > 0
+            if validate and cfg.val_before_train and resume_from is None:
+                record(trainer.validate(), step)
+            bar = tqdm(
+                total=total,
+                initial=step,
+                desc=self.kind,
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+            )
+            with bar:
+                while step < total:
+                    step += 1
+                    metrics = trainer.step(step)
+                    if validate and (step % cfg.test_freq == 0 or step == total):
+                        metrics.update(trainer.validate())
+                    if self.step_key is not None:
+                        metrics[self.step_key] = float(step)
+                    # Log before saving: a crash in between re-runs the step from the previous
+                    # checkpoint, and resuming drops the records logged after that checkpoint.
+                    record(metrics, step)
+                    bar.update(1)
+                    bar.set_postfix(trainer.progress(metrics))
+                    if cfg.save_freq and (step % cfg.save_freq == 0 or step == total):
+                        last_ckpt = trainer.save(step)
+            hf_dir = trainer.finish()
+        finally:
+            if tracker is not None:
+                tracker.finish()
+            trainer.close()
+
+        plot, records, metrics_file = plot_run(
+            tracker, history, self.out_dir, self.plot_keys, f"polyrl {self.kind}"
+        )
+        summary: dict[str, Any] = {
+            "steps": step,
+            "resumed_from": str(resume_from) if resume_from else None,
+            **trainer.summarize(records),
+            "checkpoint": str(last_ckpt) if last_ckpt else None,
+            "hf_model": hf_dir,
+        }
+        if self.summary_metrics:
+            summary["metrics"] = str(metrics_file)
+        summary["plot"] = str(plot) if plot else None
+        summary["elapsed_s"] = round(time.perf_counter() - self.started, 2)
+        summary_file = self.out_dir / f"{self.kind}_summary.json"
+        summary_file.write_text(json.dumps(summary, indent=2) + "\n")
+        self.log("done: " + " ".join(f"{k}={v}" for k, v in summary.items()))
+        return summary

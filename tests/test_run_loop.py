@@ -1,0 +1,234 @@
+"""The run loop shared by the RL, SFT and preference trainers, tested once on a toy trainer.
+
+The toy trainer (no model) counts: each step adds the step number to ``x``, its checkpoint
+holds ``x``. What the loop owns -- resume from the newest complete checkpoint, dropping the
+records logged after it, the tracker's records and console line, the validation and save
+cadence, the progress bar, the plot and the summary -- is checked here; the trainers' own
+resume tests (``test_sft.py``, ``test_preference.py``, ``test_rl_trainer.py``,
+``test_async_rl.py``, ``test_lora.py``) check that their step, validation and checkpoints
+restore exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from polyrl.config import ConfigError, PolyRLConfig
+from polyrl.model_engine import checkpoint as ckpt
+from polyrl.trainer.checkpointing import checkpoint_root
+from polyrl.trainer.run_loop import LoopTrainer, RunLoop, first_and_last
+from polyrl.trainer.tracking import read_metrics
+
+
+class Crash(RuntimeError):
+    """The simulated kill."""
+
+
+class Counter:
+    """A :class:`LoopTrainer` whose state is one number; ``crash_saving`` kills it mid-save."""
+
+    def __init__(
+        self, root: Path, total: int = 5, *, val: bool = True, crash_saving: int = 0
+    ) -> None:
+        self.root, self.total_steps, self.has_validation = root, total, val
+        self.crash_saving = crash_saving
+        self.x = 0
+        self.calls: list[tuple[str, int]] = []
+        self.closed = False
+
+    def setup(self) -> None:
+        self.calls.append(("setup", self.x))
+
+    def load(self, path: str) -> int:
+        info = json.loads((Path(path) / ckpt.COMPLETE_MARKER).read_text())
+        self.x = info["x"]
+        self.calls.append(("load", info["step"]))
+        return info["step"]
+
+    def step(self, step: int) -> dict[str, float]:
+        self.x += step
+        self.calls.append(("step", step))
+        return {"train/loss": 1.0 / step, "train/x": float(self.x)}
+
+    def validate(self) -> dict[str, float]:
+        self.calls.append(("validate", self.x))
+        return {"val/x": float(self.x)}
+
+    def save(self, step: int) -> str:
+        self.calls.append(("save", step))
+        path = self.root / f"global_step_{step}"
+        path.mkdir(parents=True, exist_ok=True)
+        if step == self.crash_saving:
+            raise Crash(f"killed while saving step {step}")  # before the completion marker
+        ckpt.write_complete_marker(str(path), {"step": step, "x": self.x})
+        return str(path)
+
+    def progress(self, metrics: Mapping[str, float]) -> dict[str, str]:
+        return {"x": f"{metrics['train/x']:.0f}"}
+
+    def finish(self) -> str | None:
+        self.calls.append(("finish", self.x))
+        return None
+
+    def close(self) -> None:
+        self.closed = True
+
+    def summarize(self, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        return first_and_last(records, "val/x", "val_x")
+
+
+def _cfg(out: Path, *extra: str, **trainer: Any) -> PolyRLConfig:
+    cfg = PolyRLConfig()
+    settings = {
+        "output_dir": str(out),
+        "loggers": ["console", "jsonl"],
+        "save_freq": 2,
+        "test_freq": 2,
+        "val_before_train": True,
+        "plot_metrics": ["train/loss"],
+        **trainer,
+    }
+    for key, value in settings.items():
+        setattr(cfg.trainer, key, value)
+    return cfg
+
+
+def _loop(cfg: PolyRLConfig, **kwargs: Any) -> RunLoop:
+    out = Path(cfg.trainer.output_dir)
+    return RunLoop(cfg, "toy", out, checkpoint_root(out), plot_keys=["train/loss"], **kwargs)
+
+
+def _without_time(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if k != "time"} for r in records]
+
+
+def test_the_counter_is_a_loop_trainer(tmp_path):
+    trainer: LoopTrainer = Counter(tmp_path)  # the Protocol, checked by the type checker
+    assert trainer.total_steps == 5
+
+
+def test_cadence_records_console_progress_and_summary(tmp_path, capsys):
+    out = tmp_path / "run"
+    cfg = _cfg(out)
+    toy = Counter(checkpoint_root(out))
+    summary = _loop(cfg, step_key="training/global_step", summary_metrics=True).run(toy)
+
+    # Validation before training, every test_freq steps and at the last; saves every
+    # save_freq steps and at the last; every step logged before it is saved.
+    assert toy.calls == [
+        ("setup", 0),
+        ("validate", 0),
+        ("step", 1),
+        ("step", 2),
+        ("validate", 3),
+        ("save", 2),
+        ("step", 3),
+        ("step", 4),
+        ("validate", 10),
+        ("save", 4),
+        ("step", 5),
+        ("validate", 15),
+        ("save", 5),
+        ("finish", 15),
+    ]
+    assert toy.closed
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5]
+    # The step's metrics, then the validation's, then the step number under step_key.
+    assert list(records[2]) == ["step", "time", "train/loss", "train/x", "val/x"] + [
+        "training/global_step"
+    ]
+    assert records[0] == {"step": 0, "time": records[0]["time"], "val/x": 0.0}
+    assert "val/x" not in records[3] and records[5]["training/global_step"] == 5.0
+
+    std = capsys.readouterr()
+    lines = [line for line in std.out.splitlines() if line.startswith("step ")]
+    assert lines[0] == "step 0/5 | val/x 0" and len(lines) == 6
+    assert lines[3].startswith("step 3/5 | train/loss 0.3333 | train/x 6")
+    assert "5/5" in std.err and "x=15" in std.err  # the progress bar and its postfix
+    assert [s for s, _ in ckpt.list_checkpoints(str(checkpoint_root(out)))] == [2, 4, 5]
+
+    written = json.loads((out / "toy_summary.json").read_text())
+    assert written == summary
+    assert list(summary) == [
+        "steps",
+        "resumed_from",
+        "first_val_x",
+        "last_val_x",
+        "checkpoint",
+        "hf_model",
+        "metrics",
+        "plot",
+        "elapsed_s",
+    ]
+    assert summary["steps"] == 5 and summary["resumed_from"] is None
+    assert summary["first_val_x"] == 0.0 and summary["last_val_x"] == 15.0
+    assert summary["checkpoint"] == str(checkpoint_root(out) / "global_step_5")
+    assert summary["metrics"] == str(out / "metrics.jsonl")
+    assert summary["plot"] == str(out / "learning_curves.png") and Path(summary["plot"]).is_file()
+    assert "[toy] done: steps=5 resumed_from=None first_val_x=0.0 last_val_x=15.0" in std.out
+
+
+def test_console_keys_restrict_the_line_to_them_and_val(tmp_path, capsys):
+    out = tmp_path / "run"
+    _loop(_cfg(out, loggers=["console"]), console_keys=["train/x"]).run(Counter(tmp_path / "c"))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert lines[1:3] == ["step 1/5 | train/x 1", "step 2/5 | train/x 3 | val/x 3"]
+    # Without the jsonl logger the summary and plot come from this process's records.
+    summary = json.loads((out / "toy_summary.json").read_text())
+    assert summary["last_val_x"] == 15.0
+    assert [r["step"] for r in read_metrics(out / ".toy_history.jsonl")] == [0, 1, 2, 3, 4, 5]
+
+
+def test_no_validation_and_no_saves(tmp_path):
+    out = tmp_path / "run"
+    toy = Counter(checkpoint_root(out), total=3, val=False)
+    summary = _loop(_cfg(out, save_freq=0)).run(toy)
+    assert [c for c, _ in toy.calls] == ["setup", "step", "step", "step", "finish"]
+    assert summary["checkpoint"] is None and summary["steps"] == 3
+    assert summary["first_val_x"] is None and summary["last_val_x"] is None
+    toy = Counter(checkpoint_root(out), total=3)
+    _loop(_cfg(out, save_freq=0, test_freq=0)).run(toy)
+    assert "validate" not in [c for c, _ in toy.calls]
+
+
+def test_a_run_killed_while_saving_resumes_from_the_newest_complete_checkpoint(tmp_path):
+    full = tmp_path / "full"
+    _loop(_cfg(full)).run(Counter(checkpoint_root(full)))
+
+    out = tmp_path / "run"
+    toy = Counter(checkpoint_root(out), crash_saving=4)
+    with pytest.raises(Crash):
+        _loop(_cfg(out)).run(toy)
+    assert toy.closed  # closed on the way out, and the tracker flushed step 4
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+    assert (checkpoint_root(out) / "global_step_4").is_dir()  # half-written: no marker
+
+    resumed = Counter(checkpoint_root(out))
+    summary = _loop(_cfg(out, resume_mode="auto")).run(resumed)
+    # Restored after setup from step 2 (x = 3), no validation before training, steps 3-5 re-run.
+    assert resumed.calls[:3] == [("setup", 0), ("load", 2), ("step", 3)]
+    assert resumed.x == 15
+    assert summary["resumed_from"] == str(checkpoint_root(out) / "global_step_2")
+    assert summary["steps"] == 5 and summary["last_val_x"] == 15.0
+    # The records logged after the checkpoint (steps 3, 4) were dropped and logged again:
+    # the file reads as the uninterrupted run's.
+    after, before = read_metrics(out / "metrics.jsonl"), read_metrics(full / "metrics.jsonl")
+    assert _without_time(after) == _without_time(before)
+    assert [s for s, _ in ckpt.list_checkpoints(str(checkpoint_root(out)))] == [2, 4, 5]
+
+    # A finished run resumes to nothing left to do.
+    done = Counter(checkpoint_root(out))
+    summary = _loop(_cfg(out, resume_mode="auto")).run(done)
+    assert [c for c, _ in done.calls] == ["setup", "load", "finish"]
+    assert _without_time(read_metrics(out / "metrics.jsonl")) == _without_time(before)
+
+
+def test_a_bad_resume_path_fails_when_the_loop_is_built(tmp_path):
+    with pytest.raises(ConfigError, match="trainer.resume_mode"):
+        _loop(_cfg(tmp_path, resume_mode=str(tmp_path / "nowhere")))
