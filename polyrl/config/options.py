@@ -20,12 +20,14 @@ import functools
 import math
 import types
 import typing
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, Union
 
 __all__ = [
     "ConfigError",
     "ConfigGroup",
+    "canonical_mapping",
+    "canonical_path",
     "check_value",
     "constructor_kwargs",
     "deferred_registry_checks",
@@ -42,16 +44,18 @@ def constructor_kwargs(target: type, *sections: Any, **explicit: Any) -> dict[st
     """Keyword arguments for the dataclass ``target`` from config sections, by field name.
 
     A config section maps onto the constructor it configures: every field of ``target`` that
-    a section has under the same name is taken from it (later sections win), then
-    ``explicit`` values (for what the config spells differently or computes). Adding an
-    option then touches its config field and the constructor that uses it, nothing between.
+    a section has under the same name (or under the name its ``option(maps_to=)`` gives) is
+    taken from it (later sections win), then ``explicit`` values (for what the config
+    computes). Adding an option then touches its config field and the constructor that uses
+    it, nothing between.
     """
     names = {f.name for f in dataclasses.fields(target)}
     out: dict[str, Any] = {}
     for section in sections:
         for f in dataclasses.fields(section):
-            if f.name in names:
-                out[f.name] = getattr(section, f.name)
+            name = f.metadata.get("maps_to", f.name)
+            if name in names:
+                out[name] = getattr(section, f.name)
     unknown = sorted(set(explicit) - names)
     if unknown:
         raise TypeError(f"{target.__name__} has no field(s) {unknown}")
@@ -109,6 +113,7 @@ def option(
     gt: float | None = None,
     le: float | None = None,
     lt: float | None = None,
+    maps_to: str | None = None,
 ) -> Any:
     """Declare a config option: a dataclass field with a default and a one-line description.
 
@@ -128,6 +133,8 @@ def option(
         gt: Exclusive lower bound for numbers.
         le: Inclusive upper bound for numbers.
         lt: Exclusive upper bound for numbers.
+        maps_to: The constructor argument the option sets when it differs from the option's
+            name (``optimizer`` sets ``OptimizerConfig.name``); see :func:`constructor_kwargs`.
 
     Returns:
         A ``dataclasses.field`` carrying ``help``, ``choices`` and bounds in its metadata.
@@ -147,6 +154,8 @@ def option(
     bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
     if bounds:
         metadata["bounds"] = bounds
+    if maps_to is not None:
+        metadata["maps_to"] = maps_to
     has_default = default is not dataclasses.MISSING
     has_factory = default_factory is not dataclasses.MISSING
     if has_default == has_factory:
@@ -365,26 +374,90 @@ def _group_class(tp: Any) -> type | None:
     return None
 
 
-def _group_from_mapping(cls: type, value: Any, key: str) -> Any:
-    """Build group ``cls`` from a mapping of its options (nested mappings for nested groups)."""
+def _group_from_mapping(cls: type, value: Any, key: str, default: Any = None) -> Any:
+    """Build group ``cls`` from a mapping of its options (nested mappings for nested groups).
+
+    Options the mapping leaves out keep ``default``'s values when it is a ``cls`` (the field's
+    own default: a critic's ``optim`` has the critic's learning rate), else the class defaults.
+    """
     from polyrl.core.registry import did_you_mean
 
+    value = canonical_mapping(cls, value)
     names = _group_fields(cls)
     for name in value:
         if name not in names:
             hint = did_you_mean(name, names)
             raise ConfigError(f"unknown option {name!r} of {cls.__name__}{hint}", key=key)
     try:
+        if isinstance(default, cls):
+            return dataclasses.replace(default, **value)
         return cls(**value)
     except ConfigError as exc:
         raise exc.prefixed(key) from None
+
+
+def _field_default(field: dataclasses.Field[Any]) -> Any:
+    """Return the default value of ``field`` (a fresh one from its factory), or ``None``."""
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return None if field.default is dataclasses.MISSING else field.default
+
+
+def canonical_path(cls: type, parts: Sequence[str]) -> list[str]:
+    """Return the dotted path ``parts`` under group ``cls`` with every alias spelled out.
+
+    Under :class:`~polyrl.config.schema.PolyRLConfig`, ``["actor", "lr"]`` is ``["actor",
+    "optim", "lr"]`` (see :attr:`ConfigGroup.aliases`); a path without an alias, or one that
+    names no option, comes back unchanged.
+    """
+    out: list[str] = []
+    rest = list(parts)
+    group: Any = cls
+    while rest:
+        part = rest.pop(0)
+        aliases = getattr(group, "aliases", {})
+        if part in aliases:
+            rest[:0] = aliases[part].split(".")
+            continue
+        out.append(part)
+        spec = _group_fields(group).get(part) if dataclasses.is_dataclass(group) else None
+        group = _group_class(spec[1]) if spec is not None else None
+    return out
+
+
+def canonical_mapping(cls: type, mapping: Mapping[Any, Any]) -> dict[Any, Any]:
+    """Return a mapping of group ``cls``'s options with its aliases nested under their paths.
+
+    For :class:`~polyrl.config.schema.ActorConfig`, ``{"lr": 1e-5, "ppo_epochs": 2}`` is
+    ``{"optim": {"lr": 1e-5}, "ppo_epochs": 2}``. Keys keep their order; a later key wins over
+    an earlier one that sets the same option. Only this level is rewritten: nested groups
+    rewrite their own mapping when they are built.
+
+    Raises:
+        ConfigError: an alias sets an option inside a group the mapping also gives whole.
+    """
+    aliases = getattr(cls, "aliases", {})
+    out: dict[Any, Any] = {}
+    for key, value in mapping.items():
+        path = aliases[key].split(".") if isinstance(key, str) and key in aliases else [key]
+        *parents, leaf = path
+        node = out
+        for part in parents:
+            sub = node.get(part)
+            if sub is not None and not isinstance(sub, Mapping):
+                raise ConfigError(f"sets an option of '{part}', which is given whole", key=key)
+            node[part] = node = dict(sub or {})
+        if isinstance(node.get(leaf), Mapping) and isinstance(value, Mapping):
+            value = {**node[leaf], **value}
+        node[leaf] = value
+    return out
 
 
 def _checked(field: dataclasses.Field[Any], tp: Any, value: Any, key: str) -> Any:
     """Return ``value`` checked (type, choices, bounds) for ``field``; mappings become groups."""
     group = _group_class(tp)
     if group is not None and isinstance(value, dict):
-        value = _group_from_mapping(group, value, key)
+        value = _group_from_mapping(group, value, key, _field_default(field))
     value = check_value(value, tp, key)
     if "registry" in field.metadata:
         # Under deferred validation (the loader) the user's modules are not imported yet:
@@ -473,7 +546,15 @@ class ConfigGroup:
     (``cfg.actor.lr = 1e-6``) checks its type, choices and bounds the same way, naming
     ``Group.option`` in the error; the cross-field :meth:`validate` runs when a group is built
     (and the trainers check the whole config before they start).
+
+    :attr:`aliases` keeps other spellings of options working: an option moved into a nested
+    group keeps its old flat name in mappings, YAML, ``key=value`` overrides and attribute
+    access (``cfg.actor.lr`` reads ``cfg.actor.optim.lr``).
     """
+
+    aliases: typing.ClassVar[dict[str, str]] = {}
+    """``{other spelling: canonical dotted path inside the group}``, e.g. ``{"lr": "optim.lr"}``.
+    Subclasses set it without an annotation (a plain class attribute, not a field)."""
 
     def __post_init__(self) -> None:
         for name, (f, tp) in _group_fields(type(self)).items():
@@ -482,7 +563,28 @@ class ConfigGroup:
         if not _DEFER_VALIDATE.get():
             self.validate()
 
+    def __getattr__(self, name: str) -> Any:
+        # Called only for a name that is no attribute: an alias reads the option it names.
+        path = type(self).aliases.get(name)
+        if path is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        obj: Any = self
+        for part in path.split("."):
+            obj = getattr(obj, part)
+        return obj
+
     def __setattr__(self, name: str, value: Any) -> None:
+        path = type(self).aliases.get(name)
+        if path is not None:
+            *parents, leaf = path.split(".")
+            owner: Any = self
+            for part in parents:
+                owner = getattr(owner, part)
+            try:
+                setattr(owner, leaf, value)
+            except ConfigError as exc:  # name the option as the caller spelt it
+                raise ConfigError(exc.detail, key=f"{type(self).__name__}.{name}") from None
+            return
         spec = _group_fields(type(self)).get(name)
         if spec is not None and name in self.__dict__:
             # A reassignment (``__init__`` sets each field once; __post_init__ checks those).

@@ -24,6 +24,8 @@ from polyrl.config.options import (
     _DEFER_VALIDATE,
     ConfigError,
     ConfigGroup,
+    canonical_mapping,
+    canonical_path,
     check_value,
     constructor_kwargs,
     deferred_registry_checks,
@@ -46,6 +48,7 @@ __all__ = [
     "ConfigGroup",
     "DataConfig",
     "ModelConfig",
+    "OptimConfig",
     "PolyRLConfig",
     "PrimeConfig",
     "RayConfig",
@@ -54,6 +57,8 @@ __all__ = [
     "SFTConfig",
     "TrainerConfig",
     "TransferConfig",
+    "canonical_mapping",
+    "canonical_path",
     "check_value",
     "constructor_kwargs",
     "deferred_registry_checks",
@@ -127,6 +132,50 @@ LOSS_AGG_MODES = (
     "seq-mean-token-sum-norm",
 )
 PLACEMENTS = ("colocated", "separate")
+
+
+@dataclasses.dataclass
+class OptimConfig(ConfigGroup):
+    """Optimizer, learning-rate schedule and gradient clipping of one trained model.
+
+    Every group that trains a model holds one as its ``optim`` option, with that model's
+    defaults (``actor.optim.lr`` is 1e-6, ``critic.optim.lr`` 1e-5); the class defaults are the
+    actor's. The trainers build the engine's ``OptimizerConfig`` from it, and take
+    ``EngineConfig.grad_clip`` from it, by :func:`constructor_kwargs` (``maps_to`` names the
+    argument where the spelling differs). The old flat spellings (``actor.lr``) stay accepted
+    through :data:`OPTIM_ALIASES`.
+    """
+
+    optimizer: str = option(
+        "adamw", "Optimizer (OptimizerConfig.name).", choices=OPTIMIZERS, maps_to="name"
+    )
+    lr: float = option(1e-6, "Peak learning rate.", ge=0.0)
+    weight_decay: float = option(0.0, "Decoupled weight decay.", ge=0.0)
+    lr_scheduler: str = option(
+        "constant",
+        "Learning-rate shape after warmup (OptimizerConfig.scheduler).",
+        choices=LR_SCHEDULERS,
+        maps_to="scheduler",
+    )
+    warmup_ratio: float = option(
+        0.0, "Linear warmup as a fraction of the total steps.", ge=0.0, lt=1.0
+    )
+    min_lr_ratio: float = option(
+        0.0, "Floor of the decayed learning rate as a fraction of lr.", ge=0.0, le=1.0
+    )
+    grad_clip: float = option(
+        1.0, "Max global gradient norm; 0 disables clipping (EngineConfig.grad_clip).", ge=0.0
+    )
+
+
+#: The flat spellings of the ``optim`` options (``actor.lr`` is ``actor.optim.lr``), kept as
+#: aliases by every group that holds an ``optim``.
+OPTIM_ALIASES = {f.name: f"optim.{f.name}" for f in dataclasses.fields(OptimConfig)}
+
+
+def _optim(help: str, **defaults: Any) -> Any:
+    """Return the ``optim`` option of a group that trains a model, with its own ``defaults``."""
+    return option(OptimConfig(**defaults), help)
 
 
 @dataclasses.dataclass
@@ -569,6 +618,8 @@ class TrainerConfig(ConfigGroup):
 class SFTConfig(ConfigGroup):
     """Supervised fine-tuning on chat data (``polyrl sft``): sequence layout and optimisation."""
 
+    aliases = OPTIM_ALIASES
+
     messages_key: str = option(
         "messages", "Column holding the chat messages (list of role/content dicts) in SFT files."
     )
@@ -585,17 +636,12 @@ class SFTConfig(ConfigGroup):
     total_steps: int = option(
         0, "SFT steps; 0 follows trainer.total_steps (the demo sets its warm-up length here).", ge=0
     )
-    optimizer: str = option("adamw", "Optimizer.", choices=OPTIMIZERS)
-    lr: float = option(1e-5, "Peak learning rate.", ge=0.0)
-    weight_decay: float = option(0.01, "Decoupled weight decay.", ge=0.0)
-    lr_scheduler: str = option("cosine", "Learning-rate shape after warmup.", choices=LR_SCHEDULERS)
-    warmup_ratio: float = option(
-        0.0, "Linear warmup as a fraction of the total steps.", ge=0.0, lt=1.0
+    optim: OptimConfig = _optim(
+        "Optimizer, schedule and gradient clipping.",
+        lr=1e-5,
+        weight_decay=0.01,
+        lr_scheduler="cosine",
     )
-    min_lr_ratio: float = option(
-        0.0, "Floor of the decayed learning rate as a fraction of lr.", ge=0.0, le=1.0
-    )
-    grad_clip: float = option(1.0, "Max global gradient norm; 0 disables clipping.", ge=0.0)
     dynamic_batching: bool = option(
         True, "Form micro-batches by token budget with padding removed (else fixed rows)."
     )
@@ -622,6 +668,8 @@ class SFTConfig(ConfigGroup):
 class PairwiseConfig(ConfigGroup):
     """Options shared by the trainers on preference pairs (``dpo`` and ``rm`` groups)."""
 
+    aliases = OPTIM_ALIASES
+
     chosen_key: str = option("chosen", "Column holding the preferred completion.")
     rejected_key: str = option("rejected", "Column holding the dispreferred completion.")
     max_length: int = option(
@@ -636,17 +684,7 @@ class PairwiseConfig(ConfigGroup):
         choices=PAIR_TRUNCATIONS,
     )
     total_steps: int = option(0, "Training steps; 0 follows trainer.total_steps.", ge=0)
-    optimizer: str = option("adamw", "Optimizer.", choices=OPTIMIZERS)
-    lr: float = option(1e-6, "Peak learning rate.", ge=0.0)
-    weight_decay: float = option(0.0, "Decoupled weight decay.", ge=0.0)
-    lr_scheduler: str = option("linear", "Learning-rate shape after warmup.", choices=LR_SCHEDULERS)
-    warmup_ratio: float = option(
-        0.0, "Linear warmup as a fraction of the total steps.", ge=0.0, lt=1.0
-    )
-    min_lr_ratio: float = option(
-        0.0, "Floor of the decayed learning rate as a fraction of lr.", ge=0.0, le=1.0
-    )
-    grad_clip: float = option(1.0, "Max global gradient norm; 0 disables clipping.", ge=0.0)
+    optim: OptimConfig = _optim("Optimizer, schedule and gradient clipping.", lr_scheduler="linear")
     dynamic_batching: bool = option(
         True, "Form micro-batches by token budget with padding removed (else fixed rows)."
     )
@@ -709,7 +747,9 @@ class DPOConfig(PairwiseConfig):
 class RMConfig(PairwiseConfig):
     """Reward-model training on pairs (``polyrl rm``); names follow TRL's ``RewardConfig``."""
 
-    lr: float = option(1e-5, "Peak learning rate.", ge=0.0)
+    optim: OptimConfig = _optim(
+        "Optimizer, schedule and gradient clipping.", lr=1e-5, lr_scheduler="linear"
+    )
     margin_key: str = option(
         "margin",
         "Column of per-pair margins m in -logsigmoid(r_c - r_r - m); rows without it use 0.",
@@ -771,6 +811,8 @@ class AlgorithmConfig(ConfigGroup):
 class ActorConfig(ConfigGroup):
     """Policy (actor) optimisation in RL: loss, clipping, mini-batches and optimizer."""
 
+    aliases = OPTIM_ALIASES
+
     policy_loss: str = option(
         "ppo_clip",
         "Policy loss, built-in or registered (register_policy_loss).",
@@ -795,12 +837,7 @@ class ActorConfig(ConfigGroup):
         0, "Prompts per optimizer step (times rollout.n rows); 0 is the whole batch.", ge=0
     )
     ppo_epochs: int = option(1, "Passes over each step's batch.", ge=1)
-    optimizer: str = option("adamw", "Optimizer.", choices=OPTIMIZERS)
-    lr: float = option(1e-6, "Learning rate.", ge=0.0)
-    weight_decay: float = option(0.0, "Decoupled weight decay.", ge=0.0)
-    lr_scheduler: str = option("constant", "Learning-rate shape.", choices=LR_SCHEDULERS)
-    warmup_ratio: float = option(0.0, "Linear warmup fraction of the steps.", ge=0.0, lt=1.0)
-    grad_clip: float = option(1.0, "Max global gradient norm; 0 disables clipping.", ge=0.0)
+    optim: OptimConfig = _optim("Policy optimizer, schedule and gradient clipping.")
     max_tokens_per_micro_batch: int = option(
         16384, "Token budget of a micro-batch (dynamic batching).", ge=1
     )
@@ -836,16 +873,15 @@ class ActorConfig(ConfigGroup):
 class CriticConfig(ConfigGroup):
     """Value model (critic) optimisation, used by the gae estimator (PPO)."""
 
+    aliases = OPTIM_ALIASES
+
     model_path: str = option("", "Critic initialisation; empty starts from the policy model.")
     cliprange_value: float = option(0.5, "Clip range of the value update.", ge=0.0)
     loss_agg_mode: str = option(
         "token-mean", "How per-token value losses are reduced.", choices=LOSS_AGG_MODES
     )
     ppo_epochs: int = option(1, "Passes over each step's batch.", ge=1)
-    optimizer: str = option("adamw", "Optimizer.", choices=OPTIMIZERS)
-    lr: float = option(1e-5, "Learning rate.", ge=0.0)
-    weight_decay: float = option(0.0, "Decoupled weight decay.", ge=0.0)
-    grad_clip: float = option(1.0, "Max global gradient norm; 0 disables clipping.", ge=0.0)
+    optim: OptimConfig = _optim("Value-model optimizer, schedule and gradient clipping.", lr=1e-5)
 
 
 @dataclasses.dataclass
@@ -954,6 +990,8 @@ class RayConfig(ConfigGroup):
 class PrimeConfig(ConfigGroup):
     """PRIME's implicit process reward model (algorithm.adv_estimator=prime; polyrl train)."""
 
+    aliases = OPTIM_ALIASES
+
     beta: float = option(
         0.05, "Scale of the implicit reward beta * log(pi_prm / pi_ref) (verl: beta_train).", gt=0.0
     )
@@ -977,10 +1015,7 @@ class PrimeConfig(ConfigGroup):
         0, "Prompts per PRM optimizer step (times rollout.n rows); 0 is the whole batch.", ge=0
     )
     epochs: int = option(1, "PRM passes over each step's batch.", ge=1)
-    optimizer: str = option("adamw", "PRM optimizer.", choices=OPTIMIZERS)
-    lr: float = option(1e-6, "PRM learning rate.", ge=0.0)
-    weight_decay: float = option(0.0, "PRM decoupled weight decay.", ge=0.0)
-    grad_clip: float = option(10.0, "PRM max global gradient norm; 0 disables clipping.", ge=0.0)
+    optim: OptimConfig = _optim("PRM optimizer, schedule and gradient clipping.", grad_clip=10.0)
 
 
 @dataclasses.dataclass
