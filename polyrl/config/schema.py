@@ -173,6 +173,39 @@ class OptimConfig(ConfigGroup):
 OPTIM_ALIASES = {f.name: f"optim.{f.name}" for f in dataclasses.fields(OptimConfig)}
 
 
+#: The model-engine options that several groups declare (actor, sft, dpo, rm): name ->
+#: (what it does, bounds). Each maps onto the ``EngineConfig`` field of the same name by
+#: :func:`constructor_kwargs`; :func:`_engine_option` builds a group's field from it.
+_ENGINE_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    "dynamic_batching": (
+        "Form micro-batches by token budget with padding removed, else of fixed rows",
+        {},
+    ),
+    "micro_batch_size": ("Rows per micro-batch when dynamic_batching is off", {"ge": 1}),
+    "max_tokens_per_micro_batch": (
+        "Token budget of a micro-batch with dynamic batching",
+        {"ge": 1},
+    ),
+    "gradient_checkpointing": ("Recompute activations in the backward pass", {}),
+    "share_prefix": (
+        "Run a prefix that rows share before their first trained token once per micro-batch, "
+        "exact to rounding, off under gradient_checkpointing",
+        {},
+    ),
+}
+
+
+def _engine_option(name: str, default: Any, detail: str = "") -> Any:
+    """Return the field of engine option ``name`` with a group's ``default``.
+
+    ``detail`` says what the option means in that group (a unit, a lower bound, advice); the
+    help names the ``EngineConfig`` field it sets.
+    """
+    what, bounds = _ENGINE_OPTIONS[name]
+    detail = f"; {detail}" if detail else ""
+    return option(default, f"{what}{detail} (EngineConfig.{name}).", **bounds)
+
+
 def _optim(help: str, **defaults: Any) -> Any:
     """Return the ``optim`` option of a group that trains a model, with its own ``defaults``."""
     return option(OptimConfig(**defaults), help)
@@ -642,18 +675,14 @@ class SFTConfig(ConfigGroup):
         weight_decay=0.01,
         lr_scheduler="cosine",
     )
-    dynamic_batching: bool = option(
-        True, "Form micro-batches by token budget with padding removed (else fixed rows)."
+    dynamic_batching: bool = _engine_option("dynamic_batching", True)
+    micro_batch_size: int = _engine_option("micro_batch_size", 4)
+    max_tokens_per_micro_batch: int = _engine_option(
+        "max_tokens_per_micro_batch", 8192, "at least max_length"
     )
-    micro_batch_size: int = option(4, "Rows per micro-batch when dynamic_batching is off.", ge=1)
-    max_tokens_per_micro_batch: int = option(
-        8192, "Token budget of a micro-batch with dynamic batching (>= max_length).", ge=1
-    )
-    gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass.")
-    share_prefix: bool = option(
-        False,
-        "Run prefixes that rows share before the first trained column once (see "
-        "actor.share_prefix); off: SFT rows rarely share more than the chat header.",
+    gradient_checkpointing: bool = _engine_option("gradient_checkpointing", False)
+    share_prefix: bool = _engine_option(
+        "share_prefix", False, "SFT rows rarely share more than the chat header"
     )
     export_hf: bool = option(
         True, "Write the final model as a Hugging Face directory to output_dir/hf_model."
@@ -685,22 +714,13 @@ class PairwiseConfig(ConfigGroup):
     )
     total_steps: int = option(0, "Training steps; 0 follows trainer.total_steps.", ge=0)
     optim: OptimConfig = _optim("Optimizer, schedule and gradient clipping.", lr_scheduler="linear")
-    dynamic_batching: bool = option(
-        True, "Form micro-batches by token budget with padding removed (else fixed rows)."
+    dynamic_batching: bool = _engine_option("dynamic_batching", True)
+    micro_batch_size: int = _engine_option("micro_batch_size", 4, "two rows per pair")
+    max_tokens_per_micro_batch: int = _engine_option(
+        "max_tokens_per_micro_batch", 8192, "at least 2 * max_length: a pair's rows share one"
     )
-    micro_batch_size: int = option(
-        4, "Rows (two per pair) per micro-batch when dynamic_batching is off.", ge=1
-    )
-    max_tokens_per_micro_batch: int = option(
-        8192,
-        "Token budget of a micro-batch with dynamic batching (>= 2 * max_length: a pair's two "
-        "rows share one).",
-        ge=1,
-    )
-    gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass.")
-    share_prefix: bool = option(
-        False, "Run each pair's shared prompt once per micro-batch (see actor.share_prefix)."
-    )
+    gradient_checkpointing: bool = _engine_option("gradient_checkpointing", False)
+    share_prefix: bool = _engine_option("share_prefix", False, "here each pair's shared prompt")
     export_hf: bool = option(
         True, "Write the final model as a Hugging Face directory to output_dir/hf_model."
     )
@@ -838,15 +858,18 @@ class ActorConfig(ConfigGroup):
     )
     ppo_epochs: int = option(1, "Passes over each step's batch.", ge=1)
     optim: OptimConfig = _optim("Policy optimizer, schedule and gradient clipping.")
-    max_tokens_per_micro_batch: int = option(
-        16384, "Token budget of a micro-batch (dynamic batching).", ge=1
+    max_tokens_per_micro_batch: int = _engine_option(
+        "max_tokens_per_micro_batch", 16384, "the reference, critic and PRM use it too"
     )
-    gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass.")
-    share_prefix: bool = option(
+    gradient_checkpointing: bool = _engine_option(
+        "gradient_checkpointing", False, "the reference, critic and PRM use it too"
+    )
+    share_prefix: bool = _engine_option(
+        "share_prefix",
         False,
-        "Run each prompt once per micro-batch for all its responses, logits from the first "
-        "response token on (actor and reference; exact to rounding; off under "
-        "gradient_checkpointing; opt-in: it changes rounding, and the demo lands lower with it).",
+        "here each prompt once for all its responses, logits from the first response token "
+        "on, in the actor and the reference; opt-in: it changes rounding, and the demo lands "
+        "lower with it",
     )
     offload_params: bool = option(
         False,
