@@ -543,7 +543,7 @@ class ConfigGroup:
 
     A group option also takes a mapping of that group's options
     (``PolyRLConfig(rollout={"n": 4})``). Assigning an option after construction
-    (``cfg.actor.lr = 1e-6``) checks its type, choices and bounds the same way, naming
+    (``cfg.actor.optim.lr = 1e-6``) checks its type, choices and bounds the same way, naming
     ``Group.option`` in the error; the cross-field :meth:`validate` runs when a group is built
     (and the trainers check the whole config before they start).
 

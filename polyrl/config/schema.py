@@ -149,8 +149,10 @@ class OptimConfig(ConfigGroup):
     optimizer: str = option(
         "adamw", "Optimizer (OptimizerConfig.name).", choices=OPTIMIZERS, maps_to="name"
     )
-    lr: float = option(1e-6, "Peak learning rate.", ge=0.0)
-    weight_decay: float = option(0.0, "Decoupled weight decay.", ge=0.0)
+    lr: float = option(1e-6, "Peak learning rate (OptimizerConfig.lr).", ge=0.0)
+    weight_decay: float = option(
+        0.0, "Decoupled weight decay (OptimizerConfig.weight_decay).", ge=0.0
+    )
     lr_scheduler: str = option(
         "constant",
         "Learning-rate shape after warmup (OptimizerConfig.scheduler).",
@@ -158,10 +160,16 @@ class OptimConfig(ConfigGroup):
         maps_to="scheduler",
     )
     warmup_ratio: float = option(
-        0.0, "Linear warmup as a fraction of the total steps.", ge=0.0, lt=1.0
+        0.0,
+        "Linear warmup as a fraction of the total steps (OptimizerConfig.warmup_ratio).",
+        ge=0.0,
+        lt=1.0,
     )
     min_lr_ratio: float = option(
-        0.0, "Floor of the decayed learning rate as a fraction of lr.", ge=0.0, le=1.0
+        0.0,
+        "Floor of the decayed learning rate as a fraction of lr (OptimizerConfig.min_lr_ratio).",
+        ge=0.0,
+        le=1.0,
     )
     grad_clip: float = option(
         1.0, "Max global gradient norm; 0 disables clipping (EngineConfig.grad_clip).", ge=0.0
