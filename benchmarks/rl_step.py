@@ -138,7 +138,7 @@ def run_polyrl_step(
                 f"rollout.n={GENERATIONS}",
                 f"rollout.max_new_tokens={MAX_NEW_TOKENS}",
                 "rollout.temperature=1.0",
-                "actor.lr=1e-6",
+                "actor.optim.lr=1e-6",
                 "actor.ppo_mini_batch_size=0",  # one optimizer update per step
                 "actor.ppo_epochs=1",
                 "actor.use_kl_loss=false",

@@ -108,7 +108,7 @@ def main() -> None:
         # a group of several to compare against.
         "rollout.n=1" if args.trainer == "remax" else "rollout.n=4",
         "rollout.max_new_tokens=8",
-        "actor.lr=1e-3",
+        "actor.optim.lr=1e-3",
         *args.set,
     ]
     config = load_config(args.trainer, overrides)

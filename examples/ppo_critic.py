@@ -38,7 +38,7 @@ def main() -> None:
         f"trainer.output_dir={out}",
         "trainer.device=cpu",
         "trainer.worker_backend=local",
-        "critic.lr=1e-3",  # the critic's own optimizer settings
+        "critic.optim.lr=1e-3",  # the critic's own optimizer settings
         "critic.ppo_epochs=2",
         "trainer.critic_warmup=0",  # steps that train only the critic first
     ]

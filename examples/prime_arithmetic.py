@@ -22,8 +22,8 @@ one, which seldom answers a sum right early on: while every answer of a prompt g
 score, neither the PRM's labels nor the leave-one-out baselines tell its answers apart. At full
 size pass
 ``--set model.path=/models/Qwen2.5-0.5B-Instruct --set trainer.device=cuda`` and your data
-(``--set data.task= --set data.train_files=[train.parquet]``); ``prime.lr`` then wants the paper's
-small value (1e-6), as the preset's 3e-4 is for its tiny model.
+(``--set data.task= --set data.train_files=[train.parquet]``); ``prime.optim.lr`` then wants the
+paper's small value (1e-6), as the preset's 3e-4 is for its tiny model.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Run it::
 
 The same from the command line: ``polyrl sft sft_demo data.task= data.train_files=[chats.jsonl]``.
 At full size pass ``--set model.path=/models/Qwen2.5-0.5B-Instruct --set trainer.device=cuda``
-and ``sft.lr`` of about 1e-5.
+and ``sft.optim.lr`` of about 1e-5.
 """
 
 from __future__ import annotations

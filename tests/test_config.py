@@ -687,17 +687,23 @@ def test_constructor_kwargs_maps_sections_onto_a_constructor_by_field_name():
         lr: float = 0.0
         grad_clip: float = 0.0
         name: str = ""
+        scheduler: str = ""
 
-    cfg = load_config("ppo", ["actor.lr=0.25", "actor.grad_clip=2.0", "critic.grad_clip=3.0"])
-    assert constructor_kwargs(Target, cfg.actor) == {
+    cfg = load_config(
+        "ppo", ["actor.optim.lr=0.25", "actor.optim.grad_clip=2.0", "critic.optim.grad_clip=3.0"]
+    )
+    # optim.optimizer and optim.lr_scheduler map onto name and scheduler (option(maps_to=)).
+    assert constructor_kwargs(Target, cfg.actor.optim) == {
         "lr": 0.25,
         "grad_clip": 2.0,
+        "name": "adamw",
+        "scheduler": "constant",
     }
     # Later sections win; explicit values win over both.
-    got = constructor_kwargs(Target, cfg.actor, cfg.critic, name="adamw")
-    assert got["grad_clip"] == 3.0 and got["name"] == "adamw" and got["lr"] == cfg.critic.lr
+    got = constructor_kwargs(Target, cfg.actor.optim, cfg.critic.optim, name="sgd")
+    assert got["grad_clip"] == 3.0 and got["name"] == "sgd" and got["lr"] == cfg.critic.optim.lr
     with pytest.raises(TypeError, match="no field"):
-        constructor_kwargs(Target, cfg.actor, momentum=0.9)
+        constructor_kwargs(Target, cfg.actor.optim, momentum=0.9)
 
 
 def test_rl_engine_specs_take_each_option_from_its_section(tmp_path):
@@ -706,12 +712,12 @@ def test_rl_engine_specs_take_each_option_from_its_section(tmp_path):
     cfg = load_config(
         "ppo",
         [
-            "actor.grad_clip=2.5",
+            "actor.optim.grad_clip=2.5",
             "actor.share_prefix=true",
-            "actor.lr=3e-6",
-            "actor.warmup_ratio=0.1",
-            "critic.grad_clip=0.5",
-            "critic.lr=2e-5",
+            "actor.optim.lr=3e-6",
+            "actor.optim.warmup_ratio=0.1",
+            "critic.optim.grad_clip=0.5",
+            "critic.optim.lr=2e-5",
             "trainer.max_ckpt_to_keep=1",
         ],
     )
@@ -727,6 +733,41 @@ def test_rl_engine_specs_take_each_option_from_its_section(tmp_path):
     # Only the actor prunes itself: a critic saved (and pruned) before a crash in the actor's
     # save would lose the step the run resumes from; the trainer prunes it after the actor.
     assert actor["checkpoint"].max_to_keep == 1 and critic["checkpoint"].max_to_keep == 0
+
+
+def test_optim_groups_keep_their_owners_defaults():
+    cfg = PolyRLConfig()
+    assert (cfg.actor.optim.lr, cfg.critic.optim.lr, cfg.prime.optim.lr) == (1e-6, 1e-5, 1e-6)
+    assert (cfg.sft.optim.lr, cfg.dpo.optim.lr, cfg.rm.optim.lr) == (1e-5, 1e-6, 1e-5)
+    assert cfg.prime.optim.grad_clip == 10.0 and cfg.sft.optim.weight_decay == 0.01
+    assert cfg.sft.optim.lr_scheduler == "cosine" and cfg.dpo.optim.lr_scheduler == "linear"
+    # Setting one option of an owner's optim keeps that owner's other defaults.
+    assert PolyRLConfig(critic={"optim": {"grad_clip": 2.0}}).critic.optim.lr == 1e-5
+    assert load_config(None, ["critic.optim.grad_clip=2"]).critic.optim.lr == 1e-5
+
+
+def test_flat_optimizer_spellings_are_aliases_of_the_optim_group(tmp_path):
+    canonical = load_config("ppo", ["actor.optim.lr=0.25", "critic.optim.grad_clip=3.0"])
+    # Overrides, YAML files, Python mappings and attributes take the flat spelling.
+    assert load_config("ppo", ["actor.lr=0.25", "critic.grad_clip=3.0"]) == canonical
+    preset = tmp_path / "flat.yaml"
+    preset.write_text("actor:\n  lr: 0.25\ncritic:\n  grad_clip: 3.0\n  lr: 0.001\n")
+    flat = load_config(str(preset), ["critic.cliprange_value=0.5", "actor.ppo_epochs=2"])
+    assert flat.actor.optim.lr == 0.25 and flat.critic.optim.grad_clip == 3.0
+    cfg = PolyRLConfig(sft={"lr": 0.5, "optim": {"weight_decay": 0.0}})
+    assert (cfg.sft.optim.lr, cfg.sft.optim.weight_decay, cfg.sft.lr) == (0.5, 0.0, 0.5)
+    cfg.sft.lr_scheduler = "linear"
+    assert cfg.sft.optim.lr_scheduler == "linear"
+    # A later key wins over an earlier one that sets the same option.
+    assert load_config(None, ["actor.lr=0.1", "actor.optim.lr=0.2"]).actor.optim.lr == 0.2
+    assert load_config(None, ["actor.optim.lr=0.2", "actor.lr=0.1"]).actor.optim.lr == 0.1
+    # A near miss of an alias is suggested like an option.
+    with pytest.raises(ConfigError, match="did you mean 'actor.lr'"):
+        load_config(None, ["actor.lrr=1"])
+    # The dump holds the canonical spelling only, and reads back the same.
+    assert "optim:" in to_yaml(canonical) and "\n  lr:" not in to_yaml(canonical)
+    (tmp_path / "dump.yaml").write_text(to_yaml(canonical))
+    assert load_config(str(tmp_path / "dump.yaml")) == canonical
 
 
 def test_replica_options_map_the_rollout_group_onto_the_backend_options():

@@ -25,6 +25,8 @@ from polyrl.config import verl_compat
 from polyrl.config.schema import (
     ConfigError,
     PolyRLConfig,
+    canonical_mapping,
+    canonical_path,
     check_value,
     deferred_registry_checks,
     deferred_validation,
@@ -222,8 +224,8 @@ def _init_fields(cls: type) -> list[dataclasses.Field[Any]]:
 
 
 def _dotted_keys(cls: type, prefix: str = "") -> list[str]:
-    """Every valid dotted path under ``cls``: groups and options."""
-    keys: list[str] = []
+    """Every valid dotted path under ``cls``: groups, options and their aliases (``actor.lr``)."""
+    keys: list[str] = [f"{prefix}{alias}" for alias in getattr(cls, "aliases", {})]
     hints = resolved_type_hints(cls)
     for f in _init_fields(cls):
         path = f"{prefix}{f.name}"
@@ -395,6 +397,10 @@ def _convert(value: Any, tp: Any, key: str, current: Any, root: type, source: st
 def _apply(obj: T, patch: Mapping[Any, Any], prefix: str, root: type, source: str | None) -> T:
     """Return a copy of group ``obj`` with ``patch`` (a nested mapping) applied and validated."""
     cls = type(obj)
+    try:
+        patch = canonical_mapping(cls, patch)  # flat aliases (actor.lr) nest (actor.optim.lr)
+    except ConfigError as exc:
+        raise exc.prefixed(prefix[:-1]).with_source(source) from None
     hints = resolved_type_hints(cls)
     names = {f.name for f in _init_fields(cls)}
     changes: dict[str, Any] = {}
@@ -581,6 +587,7 @@ def _read_overrides(overrides: Sequence[str], root: type) -> _Overrides:
         parts, value = parse_override(text)
         if parts and parts[0] == ASYNC_SPELLING:
             parts = [ASYNC_GROUP, *parts[1:]]
+        parts = canonical_path(root, parts)  # actor.lr is actor.optim.lr
         key, source = ".".join(parts), f"override '{text}'"
         schema = _is_schema_path(parts, root)
         entry = verl_compat.lookup(key)
@@ -614,7 +621,7 @@ def _read_overrides(overrides: Sequence[str], root: type) -> _Overrides:
                     continue
                 if _same(converted, given):
                     converted = value  # unchanged: keep the raw text for string options
-            target = entry.polyrl.split(".")
+            target = canonical_path(root, entry.polyrl.split("."))
             out.patches.append((source, _override_patch(target, converted, root, source)))
             out.user_keys.add(entry.polyrl)
     for reason, keys in out.ignored.items():

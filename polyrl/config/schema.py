@@ -1,11 +1,8 @@
-"""Typed option groups for polyrl.
+"""The catalogue of polyrl's option groups: one ``ConfigGroup`` dataclass per group.
 
-Every option is a dataclass field built with :func:`option`, which stores a one-line description
-(and optional constraints) in the field metadata. Groups subclass :class:`ConfigGroup`, whose
-``__post_init__`` checks types, enumerated choices and numeric bounds, so a bad value fails when
-the object is built, whether it came from YAML, a command-line override or Python code.
-
-Adding a group is a new ``ConfigGroup`` dataclass plus one field on :class:`PolyRLConfig`::
+The framework these are declared with (:func:`option`, :class:`ConfigGroup`, the type checks,
+:func:`constructor_kwargs`) is :mod:`polyrl.config.options`; its public names are re-exported
+here. Adding a group is a new ``ConfigGroup`` dataclass plus one field on :class:`PolyRLConfig`::
 
     @dataclasses.dataclass
     class EngineConfig(ConfigGroup):
@@ -17,18 +14,28 @@ Adding a group is a new ``ConfigGroup`` dataclass plus one field on :class:`Poly
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import copy
 import dataclasses
-import functools
-import math
 import re
-import types
-import typing
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, Union
+from collections.abc import Sequence
+from typing import Any
 
+from polyrl.config.options import (
+    _DEFER_REGISTRY,
+    _DEFER_VALIDATE,
+    ConfigError,
+    ConfigGroup,
+    canonical_mapping,
+    canonical_path,
+    check_value,
+    constructor_kwargs,
+    deferred_registry_checks,
+    deferred_validation,
+    option,
+    option_help,
+    resolved_type_hints,
+    type_name,
+    validate_tree,
+)
 from polyrl.core.dtypes import FLOAT_DTYPES
 from polyrl.core.prompts import TRUNCATION_POLICIES, check_template_kwargs
 
@@ -41,6 +48,7 @@ __all__ = [
     "ConfigGroup",
     "DataConfig",
     "ModelConfig",
+    "OptimConfig",
     "PolyRLConfig",
     "PrimeConfig",
     "RayConfig",
@@ -49,6 +57,8 @@ __all__ = [
     "SFTConfig",
     "TrainerConfig",
     "TransferConfig",
+    "canonical_mapping",
+    "canonical_path",
     "check_value",
     "constructor_kwargs",
     "deferred_registry_checks",
@@ -59,468 +69,6 @@ __all__ = [
     "type_name",
     "validate_tree",
 ]
-
-
-def constructor_kwargs(target: type, *sections: Any, **explicit: Any) -> dict[str, Any]:
-    """Keyword arguments for the dataclass ``target`` from config sections, by field name.
-
-    A config section maps onto the constructor it configures: every field of ``target`` that
-    a section has under the same name is taken from it (later sections win), then
-    ``explicit`` values (for what the config spells differently or computes). Adding an
-    option then touches its config field and the constructor that uses it, nothing between.
-    """
-    names = {f.name for f in dataclasses.fields(target)}
-    out: dict[str, Any] = {}
-    for section in sections:
-        for f in dataclasses.fields(section):
-            if f.name in names:
-                out[f.name] = getattr(section, f.name)
-    unknown = sorted(set(explicit) - names)
-    if unknown:
-        raise TypeError(f"{target.__name__} has no field(s) {unknown}")
-    out.update(explicit)
-    return out
-
-
-class ConfigError(ValueError):
-    """A configuration value, key, preset or override is invalid.
-
-    Attributes:
-        detail: What is wrong, without the key or source.
-        key: Dotted path of the offending option, when known (``"data.max_prompt_length"``).
-        source: Where the value came from (``"override 'a=b'"``, ``"preset file '/x.yaml'"``).
-    """
-
-    def __init__(self, detail: str, key: str | None = None, source: str | None = None) -> None:
-        self.detail = detail
-        self.key = key
-        self.source = source
-        super().__init__(self._render())
-
-    def _render(self) -> str:
-        msg = f"{self.key}: {self.detail}" if self.key else self.detail
-        if self.source:
-            msg += f" (in {self.source})"
-        return msg
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Keep key and source when the error crosses a process boundary (Ray, multiprocessing).
-        return (type(self), (self.detail, self.key, self.source))
-
-    def prefixed(self, prefix: str) -> ConfigError:
-        """Return a copy whose key is nested under ``prefix`` (the group's dotted path)."""
-        if not prefix:
-            return self
-        key = f"{prefix}.{self.key}" if self.key else None
-        return ConfigError(self.detail, key=key, source=self.source)
-
-    def with_source(self, source: str | None) -> ConfigError:
-        """Return a copy that names where the bad value came from (keeps an existing source)."""
-        if self.source or not source:
-            return self
-        return ConfigError(self.detail, key=self.key, source=source)
-
-
-def option(
-    default: Any = dataclasses.MISSING,
-    help: str = "",
-    *,
-    default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
-    choices: Sequence[Any] | None = None,
-    registry: str | None = None,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-    lt: float | None = None,
-) -> Any:
-    """Declare a config option: a dataclass field with a default and a one-line description.
-
-    Args:
-        default: The default value. Mutable values (lists, dicts, dataclass instances) are
-            deep-copied for each new object; a dataclass *class* means "a fresh default
-            instance of that group".
-        help: One-line description shown by ``polyrl config describe``. Required.
-        default_factory: Alternative to ``default`` (a zero-argument callable).
-        choices: Allowed values; for list options, allowed values of each element. With
-            ``registry``, the built-in names (listed by ``polyrl config describe``).
-        registry: ``"package.module:NAME"`` of the :class:`~polyrl.core.registry.Registry`
-            whose names are the allowed values: a name a user module registers (see
-            ``trainer.imports``) is accepted too. The module is imported only to check a name
-            that is not among ``choices``, so the built-in names cost no import.
-        ge: Inclusive lower bound for numbers.
-        gt: Exclusive lower bound for numbers.
-        le: Inclusive upper bound for numbers.
-        lt: Exclusive upper bound for numbers.
-
-    Returns:
-        A ``dataclasses.field`` carrying ``help``, ``choices`` and bounds in its metadata.
-    """
-    if not isinstance(help, str) or not help.strip():
-        raise TypeError("option() needs a non-empty one-line help string")
-    metadata: dict[str, Any] = {"help": help.strip()}
-    if choices is not None:
-        metadata["choices"] = tuple(choices)
-    if registry is not None:
-        module, sep, attr = registry.partition(":")
-        if not module or not sep or not attr:
-            raise TypeError(
-                f"option(registry=) must look like 'package.module:NAME', got {registry!r}"
-            )
-        metadata["registry"] = registry
-    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
-    if bounds:
-        metadata["bounds"] = bounds
-    has_default = default is not dataclasses.MISSING
-    has_factory = default_factory is not dataclasses.MISSING
-    if has_default == has_factory:
-        raise TypeError("option() needs exactly one of default or default_factory")
-    if has_factory:
-        return dataclasses.field(default_factory=default_factory, metadata=metadata)
-    if isinstance(default, type) and dataclasses.is_dataclass(default):
-        return dataclasses.field(default_factory=default, metadata=metadata)
-    if isinstance(default, list | dict | set) or dataclasses.is_dataclass(default):
-        template = copy.deepcopy(default)
-        return dataclasses.field(default_factory=lambda: copy.deepcopy(template), metadata=metadata)
-    return dataclasses.field(default=default, metadata=metadata)
-
-
-def option_help(cls: type, name: str) -> str:
-    """Return the help string of option ``name`` on config class ``cls``."""
-    for f in dataclasses.fields(cls):
-        if f.name == name:
-            return str(f.metadata.get("help", ""))
-    raise KeyError(f"{cls.__name__} has no option {name!r}")
-
-
-@functools.cache
-def resolved_type_hints(cls: type) -> dict[str, Any]:
-    """Field annotations of a dataclass with string (``from __future__``) annotations resolved."""
-    return typing.get_type_hints(cls)
-
-
-def _is_union(tp: Any) -> bool:
-    return typing.get_origin(tp) in (Union, types.UnionType)
-
-
-def type_name(tp: Any, choices: Sequence[Any] | None = None, open_choices: bool = False) -> str:
-    """Readable name of an option type, e.g. ``list[str]`` or ``{qwen2,llama}`` for choices.
-
-    ``open_choices``: the choices are the built-in names of a registry, which takes any
-    registered name too (``{grpo,rloo} | registered``).
-    """
-    if choices:
-        inner = "{" + ",".join(str(c) if c != "" else "''" for c in choices) + "}"
-        if open_choices:
-            inner += " | registered"
-        origin = typing.get_origin(tp)
-        if origin in (list, tuple):
-            return f"list[{inner}]"
-        return inner
-    if tp is Any:
-        return "any"
-    if tp is type(None):
-        return "None"
-    if _is_union(tp):
-        return " | ".join(type_name(a) for a in typing.get_args(tp))
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "{" + ",".join(str(a) for a in typing.get_args(tp)) + "}"
-    if origin is not None:
-        args = ", ".join(type_name(a) for a in typing.get_args(tp))
-        return f"{getattr(origin, '__name__', str(origin))}[{args}]"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _describe_value(value: Any) -> str:
-    if isinstance(value, dict):
-        return "a mapping"
-    if isinstance(value, list):
-        return "a list"
-    return f"{type(value).__name__} {value!r}"
-
-
-def check_value(value: Any, tp: Any, key: str) -> Any:
-    """Check ``value`` against the annotated type ``tp`` strictly; return it (ints -> floats).
-
-    This is the no-guessing check used when a group object is built: ``True`` is not an ``int``,
-    ``"3"`` is not an ``int``. The loader converts YAML and command-line text before this runs.
-
-    Raises:
-        ConfigError: naming ``key``, the expected type and the value given.
-    """
-    expected = type_name(tp)
-    bad = ConfigError(f"expected {expected}, got {_describe_value(value)}", key=key)
-    if tp is Any:
-        return value
-    if _is_union(tp):
-        for arg in typing.get_args(tp):
-            if arg is type(None):
-                if value is None:
-                    return None
-                continue
-            try:
-                return check_value(value, arg, key)
-            except ConfigError:
-                continue
-        raise bad
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        args = typing.get_args(tp)
-        if any(value == a and type(value) is type(a) for a in args):
-            return value
-        raise bad
-    if origin is list:
-        if not isinstance(value, list):
-            raise bad
-        (elem,) = typing.get_args(tp) or (Any,)
-        return [check_value(v, elem, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise bad
-        kt, vt = typing.get_args(tp) or (Any, Any)
-        return {
-            check_value(k, kt, f"{key} (a key)"): check_value(v, vt, f"{key}.{k}")
-            for k, v in value.items()
-        }
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise bad
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise bad
-    if tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        raise bad
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise bad
-    if isinstance(tp, type):
-        if isinstance(value, tp):
-            return value
-        raise bad
-    raise ConfigError(f"unsupported option type {tp!r}", key=key)
-
-
-def _check_bounds(value: Any, bounds: dict[str, float], key: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return
-    if isinstance(value, float) and math.isnan(value):
-        raise ConfigError("expected a number, got nan", key=key)
-    tests = {
-        "ge": (lambda v, b: v >= b, ">="),
-        "gt": (lambda v, b: v > b, ">"),
-        "le": (lambda v, b: v <= b, "<="),
-        "lt": (lambda v, b: v < b, "<"),
-    }
-    for name, bound in bounds.items():
-        ok, symbol = tests[name]
-        if not ok(value, bound):
-            raise ConfigError(f"value {value!r} out of range; expected {symbol} {bound}", key=key)
-
-
-def _check_choices(value: Any, choices: tuple[Any, ...], key: str) -> None:
-    allowed = ", ".join(repr(c) for c in choices)
-    items = value if isinstance(value, list) else [value]
-    for i, item in enumerate(items):
-        if item not in choices:
-            where = f" at index {i}" if isinstance(value, list) else ""
-            raise ConfigError(f"invalid value {item!r}{where}; expected one of: {allowed}", key=key)
-
-
-@functools.cache
-def _registry(spec: str) -> Any:
-    """Return the :class:`~polyrl.core.registry.Registry` named ``"package.module:NAME"``."""
-    import importlib
-
-    module, _, attr = spec.partition(":")
-    return getattr(importlib.import_module(module), attr)
-
-
-def _check_registered(value: Any, builtin: tuple[Any, ...], spec: str, key: str) -> None:
-    """Check every name in ``value`` is built in or registered in the registry ``spec``."""
-    from polyrl.core.registry import did_you_mean
-
-    items = value if isinstance(value, list) else [value]
-    unknown = [(i, v) for i, v in enumerate(items) if v not in builtin]
-    if not unknown:
-        return  # the built-in names need no import
-    registry = _registry(spec)
-    for i, item in unknown:
-        if item in registry:
-            continue
-        where = f" at index {i}" if isinstance(value, list) else ""
-        known = registry.names()
-        raise ConfigError(
-            f"unknown {registry.kind} {item!r}{where}{did_you_mean(item, known)} "
-            f"(known: {', '.join(known)}); to use one of your own, list the module that "
-            "registers it in trainer.imports",
-            key=key,
-        )
-
-
-def _check_registry_fields(obj: Any) -> None:
-    """Check the registry-backed options of group ``obj`` (see ``option(registry=)``)."""
-    for name, (f, _) in _group_fields(type(obj)).items():
-        if "registry" in f.metadata:
-            _check_registered(
-                getattr(obj, name), f.metadata.get("choices", ()), f.metadata["registry"], name
-            )
-
-
-@functools.cache
-def _group_fields(cls: type) -> dict[str, tuple[dataclasses.Field[Any], Any]]:
-    """``name -> (field, resolved type)`` of a config group class."""
-    hints = resolved_type_hints(cls)
-    return {f.name: (f, hints[f.name]) for f in dataclasses.fields(cls)}
-
-
-def _group_class(tp: Any) -> type | None:
-    """Return the :class:`ConfigGroup` class an option of type ``tp`` (or ``tp | None``) holds."""
-    if _is_union(tp):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        tp = args[0] if len(args) == 1 else None
-    if isinstance(tp, type) and issubclass(tp, ConfigGroup) and dataclasses.is_dataclass(tp):
-        return tp
-    return None
-
-
-def _group_from_mapping(cls: type, value: Any, key: str) -> Any:
-    """Build group ``cls`` from a mapping of its options (nested mappings for nested groups)."""
-    from polyrl.core.registry import did_you_mean
-
-    names = _group_fields(cls)
-    for name in value:
-        if name not in names:
-            hint = did_you_mean(name, names)
-            raise ConfigError(f"unknown option {name!r} of {cls.__name__}{hint}", key=key)
-    try:
-        return cls(**value)
-    except ConfigError as exc:
-        raise exc.prefixed(key) from None
-
-
-def _checked(field: dataclasses.Field[Any], tp: Any, value: Any, key: str) -> Any:
-    """Return ``value`` checked (type, choices, bounds) for ``field``; mappings become groups."""
-    group = _group_class(tp)
-    if group is not None and isinstance(value, dict):
-        value = _group_from_mapping(group, value, key)
-    value = check_value(value, tp, key)
-    if "registry" in field.metadata:
-        # Under deferred validation (the loader) the user's modules are not imported yet:
-        # validate_tree checks the names once they are.
-        if not (_DEFER_VALIDATE.get() or _DEFER_REGISTRY.get()):
-            _check_registered(
-                value, field.metadata.get("choices", ()), field.metadata["registry"], key
-            )
-    elif "choices" in field.metadata:
-        _check_choices(value, field.metadata["choices"], key)
-    if "bounds" in field.metadata:
-        _check_bounds(value, field.metadata["bounds"], key)
-    return value
-
-
-_DEFER_VALIDATE: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "polyrl_defer_validate", default=False
-)
-
-
-_DEFER_REGISTRY: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "polyrl_defer_registry", default=False
-)
-
-
-@contextlib.contextmanager
-def deferred_registry_checks() -> Iterator[None]:
-    """Build groups without checking registry-backed names inside the block.
-
-    The loader reads a preset in this mode: the names a user module registers are known only
-    once ``trainer.imports`` is imported, which :func:`validate_tree` does before it checks them.
-    """
-    token = _DEFER_REGISTRY.set(True)
-    try:
-        yield
-    finally:
-        _DEFER_REGISTRY.reset(token)
-
-
-@contextlib.contextmanager
-def deferred_validation() -> Iterator[None]:
-    """Build groups without their cross-field :meth:`ConfigGroup.validate` inside the block.
-
-    Per-option checks still run, but for registry-backed names (see
-    :func:`deferred_registry_checks`). The loader applies a list of overrides in this mode, so
-    that their order does not matter (``rollout.tensor_parallel_size=2`` may come before
-    ``rollout.backend=vllm``, ``algorithm.adv_estimator=mine`` before ``trainer.imports=[m]``),
-    then calls :func:`validate_tree` once.
-    """
-    token = _DEFER_VALIDATE.set(True)
-    try:
-        yield
-    finally:
-        _DEFER_VALIDATE.reset(token)
-
-
-def validate_tree(obj: Any, prefix: str = "") -> None:
-    """Run :meth:`ConfigGroup.validate` on ``obj`` and every group under it.
-
-    Raises:
-        ConfigError: keyed by the option's dotted path from ``obj``.
-    """
-    try:
-        obj.prepare()
-    except ConfigError as exc:
-        raise exc.prefixed(prefix[:-1]) from None
-    for name, (_, tp) in _group_fields(type(obj)).items():
-        if _group_class(tp) is not None and isinstance(getattr(obj, name), ConfigGroup):
-            validate_tree(getattr(obj, name), f"{prefix}{name}.")
-    try:
-        _check_registry_fields(obj)
-        obj.validate()
-    except ConfigError as exc:
-        raise exc.prefixed(prefix[:-1]) from None
-
-
-class ConfigGroup:
-    """Base class of every option group; validates fields after ``__init__`` and on assignment.
-
-    Subclasses are ``@dataclasses.dataclass`` classes whose fields are declared with
-    :func:`option`. For checks that involve several fields, override :meth:`validate` (raise
-    :class:`ConfigError` with ``key=`` the field name) instead of ``__post_init__``.
-
-    A group option also takes a mapping of that group's options
-    (``PolyRLConfig(rollout={"n": 4})``). Assigning an option after construction
-    (``cfg.actor.lr = 1e-6``) checks its type, choices and bounds the same way, naming
-    ``Group.option`` in the error; the cross-field :meth:`validate` runs when a group is built
-    (and the trainers check the whole config before they start).
-    """
-
-    def __post_init__(self) -> None:
-        for name, (f, tp) in _group_fields(type(self)).items():
-            # Normalise ints given for float options so equality and YAML output are stable.
-            object.__setattr__(self, name, _checked(f, tp, getattr(self, name), name))
-        if not _DEFER_VALIDATE.get():
-            self.validate()
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        spec = _group_fields(type(self)).get(name)
-        if spec is not None and name in self.__dict__:
-            # A reassignment (``__init__`` sets each field once; __post_init__ checks those).
-            value = _checked(spec[0], spec[1], value, f"{type(self).__name__}.{name}")
-        object.__setattr__(self, name, value)
-
-    def validate(self) -> None:
-        """Cross-field checks; the default has none. Raise ``ConfigError(detail, key=name)``."""
-
-    def prepare(self) -> None:
-        """Run by :func:`validate_tree` before the groups under this one are validated.
-
-        :class:`PolyRLConfig` imports the user modules of ``trainer.imports`` here, so the
-        names they register are known when the registry-backed options are checked.
-        """
 
 
 def _import_user_modules(entries: Sequence[str]) -> None:
@@ -584,6 +132,91 @@ LOSS_AGG_MODES = (
     "seq-mean-token-sum-norm",
 )
 PLACEMENTS = ("colocated", "separate")
+
+
+@dataclasses.dataclass
+class OptimConfig(ConfigGroup):
+    """Optimizer, learning-rate schedule and gradient clipping of one trained model.
+
+    Every group that trains a model holds one as its ``optim`` option, with that model's
+    defaults (``actor.optim.lr`` is 1e-6, ``critic.optim.lr`` 1e-5); the class defaults are the
+    actor's. The trainers build the engine's ``OptimizerConfig`` from it, and take
+    ``EngineConfig.grad_clip`` from it, by :func:`constructor_kwargs` (``maps_to`` names the
+    argument where the spelling differs). The old flat spellings (``actor.lr``) stay accepted
+    through :data:`OPTIM_ALIASES`.
+    """
+
+    optimizer: str = option(
+        "adamw", "Optimizer (OptimizerConfig.name).", choices=OPTIMIZERS, maps_to="name"
+    )
+    lr: float = option(1e-6, "Peak learning rate (OptimizerConfig.lr).", ge=0.0)
+    weight_decay: float = option(
+        0.0, "Decoupled weight decay (OptimizerConfig.weight_decay).", ge=0.0
+    )
+    lr_scheduler: str = option(
+        "constant",
+        "Learning-rate shape after warmup (OptimizerConfig.scheduler).",
+        choices=LR_SCHEDULERS,
+        maps_to="scheduler",
+    )
+    warmup_ratio: float = option(
+        0.0,
+        "Linear warmup as a fraction of the total steps (OptimizerConfig.warmup_ratio).",
+        ge=0.0,
+        lt=1.0,
+    )
+    min_lr_ratio: float = option(
+        0.0,
+        "Floor of the decayed learning rate as a fraction of lr (OptimizerConfig.min_lr_ratio).",
+        ge=0.0,
+        le=1.0,
+    )
+    grad_clip: float = option(
+        1.0, "Max global gradient norm; 0 disables clipping (EngineConfig.grad_clip).", ge=0.0
+    )
+
+
+#: The flat spellings of the ``optim`` options (``actor.lr`` is ``actor.optim.lr``), kept as
+#: aliases by every group that holds an ``optim``.
+OPTIM_ALIASES = {f.name: f"optim.{f.name}" for f in dataclasses.fields(OptimConfig)}
+
+
+#: The model-engine options that several groups declare (actor, sft, dpo, rm): name ->
+#: (what it does, bounds). Each maps onto the ``EngineConfig`` field of the same name by
+#: :func:`constructor_kwargs`; :func:`_engine_option` builds a group's field from it.
+_ENGINE_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    "dynamic_batching": (
+        "Form micro-batches by token budget with padding removed, else of fixed rows",
+        {},
+    ),
+    "micro_batch_size": ("Rows per micro-batch when dynamic_batching is off", {"ge": 1}),
+    "max_tokens_per_micro_batch": (
+        "Token budget of a micro-batch with dynamic batching",
+        {"ge": 1},
+    ),
+    "gradient_checkpointing": ("Recompute activations in the backward pass", {}),
+    "share_prefix": (
+        "Run a prefix that rows share before their first trained token once per micro-batch, "
+        "exact to rounding, off under gradient_checkpointing",
+        {},
+    ),
+}
+
+
+def _engine_option(name: str, default: Any, detail: str = "") -> Any:
+    """Return the field of engine option ``name`` with a group's ``default``.
+
+    ``detail`` says what the option means in that group (a unit, a lower bound, advice); the
+    help names the ``EngineConfig`` field it sets.
+    """
+    what, bounds = _ENGINE_OPTIONS[name]
+    detail = f"; {detail}" if detail else ""
+    return option(default, f"{what}{detail} (EngineConfig.{name}).", **bounds)
+
+
+def _optim(help: str, **defaults: Any) -> Any:
+    """Return the ``optim`` option of a group that trains a model, with its own ``defaults``."""
+    return option(OptimConfig(**defaults), help)
 
 
 @dataclasses.dataclass
@@ -1026,6 +659,8 @@ class TrainerConfig(ConfigGroup):
 class SFTConfig(ConfigGroup):
     """Supervised fine-tuning on chat data (``polyrl sft``): sequence layout and optimisation."""
 
+    aliases = OPTIM_ALIASES
+
     messages_key: str = option(
         "messages", "Column holding the chat messages (list of role/content dicts) in SFT files."
     )
@@ -1042,29 +677,20 @@ class SFTConfig(ConfigGroup):
     total_steps: int = option(
         0, "SFT steps; 0 follows trainer.total_steps (the demo sets its warm-up length here).", ge=0
     )
-    optimizer: str = option("adamw", "Optimizer.", choices=OPTIMIZERS)
-    lr: float = option(1e-5, "Peak learning rate.", ge=0.0)
-    weight_decay: float = option(0.01, "Decoupled weight decay.", ge=0.0)
-    lr_scheduler: str = option("cosine", "Learning-rate shape after warmup.", choices=LR_SCHEDULERS)
-    warmup_ratio: float = option(
-        0.0, "Linear warmup as a fraction of the total steps.", ge=0.0, lt=1.0
+    optim: OptimConfig = _optim(
+        "Optimizer, schedule and gradient clipping.",
+        lr=1e-5,
+        weight_decay=0.01,
+        lr_scheduler="cosine",
     )
-    min_lr_ratio: float = option(
-        0.0, "Floor of the decayed learning rate as a fraction of lr.", ge=0.0, le=1.0
+    dynamic_batching: bool = _engine_option("dynamic_batching", True)
+    micro_batch_size: int = _engine_option("micro_batch_size", 4)
+    max_tokens_per_micro_batch: int = _engine_option(
+        "max_tokens_per_micro_batch", 8192, "at least max_length"
     )
-    grad_clip: float = option(1.0, "Max global gradient norm; 0 disables clipping.", ge=0.0)
-    dynamic_batching: bool = option(
-        True, "Form micro-batches by token budget with padding removed (else fixed rows)."
-    )
-    micro_batch_size: int = option(4, "Rows per micro-batch when dynamic_batching is off.", ge=1)
-    max_tokens_per_micro_batch: int = option(
-        8192, "Token budget of a micro-batch with dynamic batching (>= max_length).", ge=1
-    )
-    gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass.")
-    share_prefix: bool = option(
-        False,
-        "Run prefixes that rows share before the first trained column once (see "
-        "actor.share_prefix); off: SFT rows rarely share more than the chat header.",
+    gradient_checkpointing: bool = _engine_option("gradient_checkpointing", False)
+    share_prefix: bool = _engine_option(
+        "share_prefix", False, "SFT rows rarely share more than the chat header"
     )
     export_hf: bool = option(
         True, "Write the final model as a Hugging Face directory to output_dir/hf_model."
@@ -1078,6 +704,8 @@ class SFTConfig(ConfigGroup):
 @dataclasses.dataclass
 class PairwiseConfig(ConfigGroup):
     """Options shared by the trainers on preference pairs (``dpo`` and ``rm`` groups)."""
+
+    aliases = OPTIM_ALIASES
 
     chosen_key: str = option("chosen", "Column holding the preferred completion.")
     rejected_key: str = option("rejected", "Column holding the dispreferred completion.")
@@ -1093,33 +721,14 @@ class PairwiseConfig(ConfigGroup):
         choices=PAIR_TRUNCATIONS,
     )
     total_steps: int = option(0, "Training steps; 0 follows trainer.total_steps.", ge=0)
-    optimizer: str = option("adamw", "Optimizer.", choices=OPTIMIZERS)
-    lr: float = option(1e-6, "Peak learning rate.", ge=0.0)
-    weight_decay: float = option(0.0, "Decoupled weight decay.", ge=0.0)
-    lr_scheduler: str = option("linear", "Learning-rate shape after warmup.", choices=LR_SCHEDULERS)
-    warmup_ratio: float = option(
-        0.0, "Linear warmup as a fraction of the total steps.", ge=0.0, lt=1.0
+    optim: OptimConfig = _optim("Optimizer, schedule and gradient clipping.", lr_scheduler="linear")
+    dynamic_batching: bool = _engine_option("dynamic_batching", True)
+    micro_batch_size: int = _engine_option("micro_batch_size", 4, "two rows per pair")
+    max_tokens_per_micro_batch: int = _engine_option(
+        "max_tokens_per_micro_batch", 8192, "at least 2 * max_length: a pair's rows share one"
     )
-    min_lr_ratio: float = option(
-        0.0, "Floor of the decayed learning rate as a fraction of lr.", ge=0.0, le=1.0
-    )
-    grad_clip: float = option(1.0, "Max global gradient norm; 0 disables clipping.", ge=0.0)
-    dynamic_batching: bool = option(
-        True, "Form micro-batches by token budget with padding removed (else fixed rows)."
-    )
-    micro_batch_size: int = option(
-        4, "Rows (two per pair) per micro-batch when dynamic_batching is off.", ge=1
-    )
-    max_tokens_per_micro_batch: int = option(
-        8192,
-        "Token budget of a micro-batch with dynamic batching (>= 2 * max_length: a pair's two "
-        "rows share one).",
-        ge=1,
-    )
-    gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass.")
-    share_prefix: bool = option(
-        False, "Run each pair's shared prompt once per micro-batch (see actor.share_prefix)."
-    )
+    gradient_checkpointing: bool = _engine_option("gradient_checkpointing", False)
+    share_prefix: bool = _engine_option("share_prefix", False, "here each pair's shared prompt")
     export_hf: bool = option(
         True, "Write the final model as a Hugging Face directory to output_dir/hf_model."
     )
@@ -1166,7 +775,9 @@ class DPOConfig(PairwiseConfig):
 class RMConfig(PairwiseConfig):
     """Reward-model training on pairs (``polyrl rm``); names follow TRL's ``RewardConfig``."""
 
-    lr: float = option(1e-5, "Peak learning rate.", ge=0.0)
+    optim: OptimConfig = _optim(
+        "Optimizer, schedule and gradient clipping.", lr=1e-5, lr_scheduler="linear"
+    )
     margin_key: str = option(
         "margin",
         "Column of per-pair margins m in -logsigmoid(r_c - r_r - m); rows without it use 0.",
@@ -1228,6 +839,8 @@ class AlgorithmConfig(ConfigGroup):
 class ActorConfig(ConfigGroup):
     """Policy (actor) optimisation in RL: loss, clipping, mini-batches and optimizer."""
 
+    aliases = OPTIM_ALIASES
+
     policy_loss: str = option(
         "ppo_clip",
         "Policy loss, built-in or registered (register_policy_loss).",
@@ -1252,21 +865,19 @@ class ActorConfig(ConfigGroup):
         0, "Prompts per optimizer step (times rollout.n rows); 0 is the whole batch.", ge=0
     )
     ppo_epochs: int = option(1, "Passes over each step's batch.", ge=1)
-    optimizer: str = option("adamw", "Optimizer.", choices=OPTIMIZERS)
-    lr: float = option(1e-6, "Learning rate.", ge=0.0)
-    weight_decay: float = option(0.0, "Decoupled weight decay.", ge=0.0)
-    lr_scheduler: str = option("constant", "Learning-rate shape.", choices=LR_SCHEDULERS)
-    warmup_ratio: float = option(0.0, "Linear warmup fraction of the steps.", ge=0.0, lt=1.0)
-    grad_clip: float = option(1.0, "Max global gradient norm; 0 disables clipping.", ge=0.0)
-    max_tokens_per_micro_batch: int = option(
-        16384, "Token budget of a micro-batch (dynamic batching).", ge=1
+    optim: OptimConfig = _optim("Policy optimizer, schedule and gradient clipping.")
+    max_tokens_per_micro_batch: int = _engine_option(
+        "max_tokens_per_micro_batch", 16384, "the reference, critic and PRM use it too"
     )
-    gradient_checkpointing: bool = option(False, "Recompute activations in the backward pass.")
-    share_prefix: bool = option(
+    gradient_checkpointing: bool = _engine_option(
+        "gradient_checkpointing", False, "the reference, critic and PRM use it too"
+    )
+    share_prefix: bool = _engine_option(
+        "share_prefix",
         False,
-        "Run each prompt once per micro-batch for all its responses, logits from the first "
-        "response token on (actor and reference; exact to rounding; off under "
-        "gradient_checkpointing; opt-in: it changes rounding, and the demo lands lower with it).",
+        "here each prompt once for all its responses, logits from the first response token "
+        "on, in the actor and the reference; opt-in: it changes rounding, and the demo lands "
+        "lower with it",
     )
     offload_params: bool = option(
         False,
@@ -1293,16 +904,15 @@ class ActorConfig(ConfigGroup):
 class CriticConfig(ConfigGroup):
     """Value model (critic) optimisation, used by the gae estimator (PPO)."""
 
+    aliases = OPTIM_ALIASES
+
     model_path: str = option("", "Critic initialisation; empty starts from the policy model.")
     cliprange_value: float = option(0.5, "Clip range of the value update.", ge=0.0)
     loss_agg_mode: str = option(
         "token-mean", "How per-token value losses are reduced.", choices=LOSS_AGG_MODES
     )
     ppo_epochs: int = option(1, "Passes over each step's batch.", ge=1)
-    optimizer: str = option("adamw", "Optimizer.", choices=OPTIMIZERS)
-    lr: float = option(1e-5, "Learning rate.", ge=0.0)
-    weight_decay: float = option(0.0, "Decoupled weight decay.", ge=0.0)
-    grad_clip: float = option(1.0, "Max global gradient norm; 0 disables clipping.", ge=0.0)
+    optim: OptimConfig = _optim("Value-model optimizer, schedule and gradient clipping.", lr=1e-5)
 
 
 @dataclasses.dataclass
@@ -1411,6 +1021,8 @@ class RayConfig(ConfigGroup):
 class PrimeConfig(ConfigGroup):
     """PRIME's implicit process reward model (algorithm.adv_estimator=prime; polyrl train)."""
 
+    aliases = OPTIM_ALIASES
+
     beta: float = option(
         0.05, "Scale of the implicit reward beta * log(pi_prm / pi_ref) (verl: beta_train).", gt=0.0
     )
@@ -1434,10 +1046,7 @@ class PrimeConfig(ConfigGroup):
         0, "Prompts per PRM optimizer step (times rollout.n rows); 0 is the whole batch.", ge=0
     )
     epochs: int = option(1, "PRM passes over each step's batch.", ge=1)
-    optimizer: str = option("adamw", "PRM optimizer.", choices=OPTIMIZERS)
-    lr: float = option(1e-6, "PRM learning rate.", ge=0.0)
-    weight_decay: float = option(0.0, "PRM decoupled weight decay.", ge=0.0)
-    grad_clip: float = option(10.0, "PRM max global gradient norm; 0 disables clipping.", ge=0.0)
+    optim: OptimConfig = _optim("PRM optimizer, schedule and gradient clipping.", grad_clip=10.0)
 
 
 @dataclasses.dataclass

@@ -149,31 +149,24 @@ def load_sft_datasets(
 def engine_configs(cfg: PolyRLConfig, opts: Any, total_steps: int) -> tuple[Any, Any]:
     """``(EngineConfig, OptimizerConfig)`` from a trainer's option group.
 
-    ``opts`` is a group with the SFT option names (``sft``, ``dpo``, ``rm``: optimizer, lr,
-    weight_decay, lr_scheduler, warmup_ratio, min_lr_ratio, grad_clip, dynamic_batching,
-    micro_batch_size, max_tokens_per_micro_batch, gradient_checkpointing, share_prefix).
+    ``opts`` is a group with the SFT engine option names (``sft``, ``dpo``, ``rm``:
+    dynamic_batching, micro_batch_size, max_tokens_per_micro_batch, gradient_checkpointing,
+    share_prefix) and an ``optim`` group; both map onto the constructors by field name.
     """
     from polyrl.model_engine import EngineConfig, MixedPrecisionConfig, OptimizerConfig
 
     engine = EngineConfig(
-        device=cfg.trainer.device,
-        dynamic_batching=opts.dynamic_batching,
-        micro_batch_size=opts.micro_batch_size,
-        max_tokens_per_micro_batch=opts.max_tokens_per_micro_batch,
-        gradient_checkpointing=opts.gradient_checkpointing,
-        share_prefix=opts.share_prefix,
-        grad_clip=opts.grad_clip,
-        mixed_precision=MixedPrecisionConfig(param_dtype=cfg.model.compute_dtype),
-        seed=cfg.seed,
+        **constructor_kwargs(
+            EngineConfig,
+            opts,
+            opts.optim,
+            device=cfg.trainer.device,
+            mixed_precision=MixedPrecisionConfig(param_dtype=cfg.model.compute_dtype),
+            seed=cfg.seed,
+        )
     )
     optimizer = OptimizerConfig(
-        name=opts.optimizer,
-        lr=opts.lr,
-        weight_decay=opts.weight_decay,
-        scheduler=opts.lr_scheduler,
-        warmup_ratio=opts.warmup_ratio,
-        total_steps=total_steps,
-        min_lr_ratio=opts.min_lr_ratio,
+        **constructor_kwargs(OptimizerConfig, opts.optim, total_steps=total_steps)
     )
     return engine, optimizer
 

@@ -739,6 +739,7 @@ def engine_specs(
         **constructor_kwargs(
             EngineConfig,
             actor,
+            actor.optim,
             device=cfg.trainer.device,
             dynamic_batching=True,
             mixed_precision=MixedPrecisionConfig(param_dtype=cfg.model.compute_dtype),
@@ -751,24 +752,16 @@ def engine_specs(
     actor_ckpt = CheckpointConfig(max_to_keep=cfg.trainer.max_ckpt_to_keep)
     side_ckpt = CheckpointConfig(max_to_keep=0)
 
-    def trained(role: str, spec: Any, engine_cfg: Any, section: Any, **optim: Any) -> Any:
-        """Spec a trained role; its optimizer options come from its config ``section``."""
+    def trained(role: str, spec: Any, engine_cfg: Any, section: Any) -> Any:
+        """Spec a trained role; its optimizer options come from its config ``section.optim``."""
         ckpt = actor_ckpt if role == "actor" else side_ckpt
         optimizer = OptimizerConfig(
-            **constructor_kwargs(
-                OptimizerConfig,
-                section,
-                name=section.optimizer,
-                total_steps=max(total_steps, 1),
-                **optim,
-            )
+            **constructor_kwargs(OptimizerConfig, section.optim, total_steps=max(total_steps, 1))
         )
         kwargs = {"role": role, "model": spec, "engine": engine_cfg, "optimizer": optimizer}
         return WorkerSpec(EngineWorker, kwargs={**kwargs, "checkpoint": ckpt})
 
-    specs: dict[str, Any] = {
-        "actor": trained("actor", model, engine, actor, scheduler=actor.lr_scheduler)
-    }
+    specs: dict[str, Any] = {"actor": trained("actor", model, engine, actor)}
     if use_ref and not model.lora_rank:
         specs["ref"] = WorkerSpec(
             EngineWorker, kwargs={"role": "reference", "model": model, "engine": engine}
@@ -777,12 +770,14 @@ def engine_specs(
         critic_model = dataclasses.replace(
             model, path=critic.model_path or str(model_dir), kind="value", lora_rank=0
         )
-        critic_engine = dataclasses.replace(engine, **constructor_kwargs(EngineConfig, critic))
+        critic_engine = dataclasses.replace(
+            engine, **constructor_kwargs(EngineConfig, critic.optim)
+        )
         specs["critic"] = trained("critic", critic_model, critic_engine, critic)
     if use_prm:
         prime = cfg.prime
         prm_model = dataclasses.replace(model, path=prime.model_path or str(model_dir), lora_rank=0)
-        prm_engine = dataclasses.replace(engine, grad_clip=prime.grad_clip)
+        prm_engine = dataclasses.replace(engine, **constructor_kwargs(EngineConfig, prime.optim))
         specs["prm"] = trained("prm", prm_model, prm_engine, prime)
     return specs
 
