@@ -24,6 +24,7 @@ from polyrl.core.rollout_batch import build_rollout_batch, rollout_widths, widen
 from polyrl.model_engine.engine import GLOBAL_SEQS_KEY, GLOBAL_TOKENS_KEY
 from polyrl.trainer.rl import RLTrainer
 from polyrl.trainer.rl.advantage import place_on_last_token
+from polyrl.trainer.rl.asynchronous import AheadRollout
 from polyrl.trainer.rl.rollout import group_varies, select_groups
 from polyrl.trainer.rl_losses import actor_loss, critic_loss, state_values
 
@@ -505,8 +506,8 @@ def test_python_api_trains_from_rows_with_a_named_reward(tmp_path, tiny_qwen2_di
 def _switch_config(trainer: RLTrainer, cfg) -> None:
     """Give the trainer and every part built from its config (a test's shortcut) ``cfg``."""
     parts = [trainer, trainer.plane, trainer.rollout, trainer.producer, trainer.replicas]
-    if trainer.ahead is not None:
-        parts.append(trainer.ahead.producer)
+    if isinstance(trainer.rollout, AheadRollout):  # its rollout thread's producer
+        parts.append(trainer.rollout.producer)
     for part in parts:
         part.cfg = cfg
 

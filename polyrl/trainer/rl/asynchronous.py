@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from polyrl.config import PolyRLConfig
+from polyrl.config import ConfigError, PolyRLConfig
 from polyrl.core.batch import Batch
 from polyrl.core.rollout_batch import rollout_widths, widen_rollout_batch
 from polyrl.reward.base import ReplicaEndpoints, Scorer
@@ -117,6 +117,9 @@ class SerialRewards:
 
 class AheadRollout:
     """The generation phase of ``trainer.mode=one_step_off|async`` (see the module docstring).
+
+    A :class:`~polyrl.trainer.rl.generation.GenerationPhase`: the step calls it as it calls the
+    sync mode's.
 
     Args:
         cfg: the run's configuration (``trainer.mode``, ``async_rl``, ``rollout``, ``data``).
@@ -332,6 +335,10 @@ class AheadRollout:
                 }
                 f.write(json.dumps(record) + "\n")
 
+    def weight_version(self, step: int, updates: int) -> int:
+        """Return ``updates``: versions count the actor's updates (a critic warm-up makes none)."""
+        return updates
+
     def before_sync(self, version: int) -> None:
         """``one_step_off``: let the batch being generated finish on the current weights.
 
@@ -364,21 +371,35 @@ class AheadRollout:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Return the buffer and the sampler position, taken together (see the module doc)."""
+        """Return the trainer-state entries ``ahead`` (the buffer) and ``sampler``.
+
+        The sampler position replaces the trainer's own: it is taken together with the buffer
+        (see the module doc), while the rollout thread draws prompts as the trainer saves.
+        """
         with self.buffer.lock:
             return {
-                "buffer": self.buffer.state_dict(),
+                "ahead": {"buffer": self.buffer.state_dict()},
                 "sampler": self.sampler.state_dict(),
             }
 
     def load_state_dict(self, state: Mapping[str, Any], step: int, version: int) -> None:
         """Restore :meth:`state_dict` (before :meth:`start`); drop log lines after ``step``.
 
-        ``step`` is the checkpoint's step and ``version`` the weights the servers get. The
-        sampler is restored by its owner, from the position :meth:`state_dict` gave.
+        ``state`` is the trainer's checkpoint state of ``step``, and ``version`` the weights
+        the servers get. The sampler is restored by its owner, from the position
+        :meth:`state_dict` gave.
+
+        Raises:
+            ConfigError: the checkpoint holds no buffer (a ``trainer.mode=sync`` run saved it).
         """
+        if "ahead" not in state:
+            raise ConfigError(
+                f"the checkpoint of step {step} was saved by a trainer.mode=sync run; resume it "
+                "with trainer.mode=sync",
+                key="trainer.mode",
+            )
         self._resumed = True
-        self.buffer.load_state_dict(state["buffer"])
+        self.buffer.load_state_dict(state["ahead"]["buffer"])
         self.completed_steps = step
         self.version = version
         if self.samples_log.exists():
