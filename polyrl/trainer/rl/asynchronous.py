@@ -46,6 +46,7 @@ import numpy as np
 
 from polyrl.config import ConfigError, PolyRLConfig
 from polyrl.core.batch import Batch
+from polyrl.core.columns import SCORE, UID, WEIGHT_VERSION_FIRST, WEIGHT_VERSION_LAST
 from polyrl.core.rollout_batch import rollout_widths, widen_rollout_batch
 from polyrl.reward.base import ReplicaEndpoints, Scorer
 from polyrl.reward.manager import RewardResult
@@ -265,13 +266,13 @@ class AheadRollout:
             )
         metrics.update(attach_scores(batch, scored, baseline))
         # Groups of one prompt drawn twice (epochs) stay apart in group-relative estimators.
-        batch.non_tensors["uid"] = np.array(
-            [f"{uid}#{serial}" for uid in batch.non_tensors["uid"]], dtype=object
+        batch.non_tensors[UID] = np.array(
+            [f"{uid}#{serial}" for uid in batch.non_tensors[UID]], dtype=object
         )
-        version = min(int(v) for v in batch.non_tensors["weight_version_first"])
+        version = min(int(v) for v in batch.non_tensors[WEIGHT_VERSION_FIRST])
         # The group's generation metrics travel with it: a batch reports its own groups'.
         item = {"batch": batch, "metrics": metrics}
-        self.buffer.fill(serial, item, version, float(batch["score"].float().std(0)))
+        self.buffer.fill(serial, item, version, float(batch[SCORE].float().std(0)))
 
     # ------------------------------------------------------------------ the trainer's side
     def generate(self, step: int, timing: dict[str, float]) -> tuple[Batch, dict[str, float]]:
@@ -291,8 +292,8 @@ class AheadRollout:
         self._nudge()  # room in the buffer again
         timing["timing_s/gen"] = timing.get("timing_s/gen", 0.0) + waited
         batch = self._assemble(entries)
-        firsts = list(batch.non_tensors["weight_version_first"])
-        lasts = list(batch.non_tensors["weight_version_last"])
+        firsts = list(batch.non_tensors[WEIGHT_VERSION_FIRST])
+        lasts = list(batch.non_tensors[WEIGHT_VERSION_LAST])
         metrics = _mean_metrics([e.item["metrics"] for e in entries])
         metrics.update(staleness_metrics(self.version, firsts, lasts))
         counts = self.buffer.counts()
@@ -322,8 +323,8 @@ class AheadRollout:
         with self.samples_log.open("a") as f:
             for e in entries:
                 rows = e.item["batch"].non_tensors
-                firsts = [int(v) for v in rows["weight_version_first"]]
-                lasts = [int(v) for v in rows["weight_version_last"]]
+                firsts = [int(v) for v in rows[WEIGHT_VERSION_FIRST]]
+                lasts = [int(v) for v in rows[WEIGHT_VERSION_LAST]]
                 record = {
                     "step": step,
                     "serial": e.serial,

@@ -26,6 +26,7 @@ import torch
 
 from polyrl.config import PolyRLConfig
 from polyrl.core.batch import Batch
+from polyrl.core.columns import ACC, BASELINE, SCORE, UID
 from polyrl.core.rollout_batch import rollout_widths, widen_rollout_batch
 from polyrl.rollout.client import NoReplicaAvailableError
 from polyrl.trainer.rl.build import (
@@ -518,7 +519,7 @@ class DriverRollout(SyncGeneration):
         still missing, so every step trains on the same number of rows.
         """
         algo, n = self.cfg.algorithm, self.cfg.rollout.n
-        judged = "acc" if algo.filter_groups_metric == "acc" else "score"
+        judged = ACC if algo.filter_groups_metric == "acc" else SCORE
         batches = [batch]
         first = group_varies(batch[judged], n)
         varies = first
@@ -526,8 +527,8 @@ class DriverRollout(SyncGeneration):
             items = [self.dataset[i] for i in self.next_indices()]
             more, _ = self._sample(items, derive_seed(seed, len(batches)), timing)
             # A prompt drawn again (the sampler wrapped an epoch) is a group of its own.
-            more.non_tensors["uid"] = np.array(
-                [f"{uid}#{len(batches)}" for uid in more.non_tensors["uid"]], dtype=object
+            more.non_tensors[UID] = np.array(
+                [f"{uid}#{len(batches)}" for uid in more.non_tensors[UID]], dtype=object
             )
             batches.append(more)
             varies = torch.cat([varies, group_varies(more[judged], n)])
@@ -628,8 +629,6 @@ class QueueRollout(SyncGeneration):
             bool(summary.pop("rollout_log_probs")),
         )
         summary.pop("rows")
-        fields = ("score", "acc", "uid") + (
-            ("baseline",) if cfg.algorithm.adv_estimator == "remax" else ()
-        )
+        fields = (SCORE, ACC, UID) + ((BASELINE,) if cfg.algorithm.adv_estimator == "remax" else ())
         self.replicas.sleep()
         return StoredRows(meta, layout, fields), summary

@@ -55,6 +55,7 @@ import torch
 
 from polyrl.config import ConfigError, PolyRLConfig, save_config
 from polyrl.core.batch import Batch
+from polyrl.core.columns import OLD_LOG_PROBS, PRM_LOG_PROBS, REF_LOG_PROBS, VALUES
 from polyrl.model_engine.checkpoint import prune_checkpoints
 from polyrl.reward.base import Scorer
 from polyrl.trainer.rl.asynchronous import AheadRollout, SerialRewards
@@ -419,7 +420,7 @@ class RLTrainer:
             train()
         with timer(timing, "prm"):
             rows = self.plane.infer(
-                self.prm.compute_prm_log_prob, rows, "prm_log_probs", share_prefix=True
+                self.prm.compute_prm_log_prob, rows, PRM_LOG_PROBS, share_prefix=True
             )
         if update == "after":
             train()
@@ -445,16 +446,16 @@ class RLTrainer:
             if self.need_old_log_probs:
                 with timer(timing, "old_log_prob"):
                     rows = plane.infer(
-                        self.actor.compute_log_prob, rows, "old_log_probs", share_prefix=True
+                        self.actor.compute_log_prob, rows, OLD_LOG_PROBS, share_prefix=True
                     )
             if self.use_ref:
                 with timer(timing, "ref"):
                     rows = plane.infer(
-                        self.ref.compute_ref_log_prob, rows, "ref_log_probs", share_prefix=True
+                        self.ref.compute_ref_log_prob, rows, REF_LOG_PROBS, share_prefix=True
                     )
             if self.use_critic:
                 with timer(timing, "values"):
-                    rows = plane.infer(self.critic.compute_values, rows, "values")
+                    rows = plane.infer(self.critic.compute_values, rows, VALUES)
             if self.use_prm:
                 rows = self._prm_phase(rows, timing, metrics)
             # 4. advantages (KL penalty in the reward first)
