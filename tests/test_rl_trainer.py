@@ -70,6 +70,26 @@ def test_widen_rollout_batch_equals_building_at_the_wider_layout():
         widen_rollout_batch(narrow, 2, 3, 0)
 
 
+def test_inline_plane_joins_only_the_named_output_column():
+    from polyrl.core.columns import ENTROPY, LOSS_MASK, OLD_LOG_PROBS, VALUES
+    from polyrl.trainer.rl.dataplane import InlinePlane
+
+    rows = Batch(tensors={"x": torch.arange(3.0), LOSS_MASK: torch.ones(3, 2)})
+    calls = []
+
+    def method(batch: Batch, **kwargs) -> Batch:
+        calls.append((len(batch), kwargs))  # padded to the data-parallel size
+        return Batch(tensors={OLD_LOG_PROBS: batch["x"] * 2, ENTROPY: batch["x"]})
+
+    plane = InlinePlane(load_config("demo"), world_size=2)
+    out = plane.infer(method, rows, OLD_LOG_PROBS, share_prefix=True)
+    assert calls == [(4, {"share_prefix": True})]
+    assert set(out.keys()) == {"x", LOSS_MASK, OLD_LOG_PROBS}  # not the entropy nobody asked for
+    assert torch.equal(out[OLD_LOG_PROBS], torch.tensor([0.0, 2.0, 4.0]))
+    with pytest.raises(KeyError, match=VALUES):
+        plane.infer(method, rows, VALUES)
+
+
 def test_group_varies_and_select_groups_prefer_informative_groups():
     acc = torch.tensor([1, 1, 0, 1, 0, 0, 1, 0, 1, 1, 1, 1], dtype=torch.float32)
     varies = group_varies(acc, 2)  # groups: [1,1] [0,1] [0,0] [1,0] [1,1] [1,1]
