@@ -539,7 +539,7 @@ class RLTrainer:
             "updates": self.updates,
         }
         # Off the sync mode: the generated groups not trained yet, and the sampler position
-        # they belong to (taken together: the rollout thread draws prompts while we save).
+        # they belong to (taken together: the rollout thread draws prompts as the trainer saves).
         assert self.rollout is not None, "call setup() first"
         state.update(self.rollout.state_dict())
         # The actor goes last: its checkpoint marks the step as complete for resume.
