@@ -20,7 +20,7 @@ import pytest
 from test_rl_trainer import _e2e_overrides
 
 from polyrl.config import ConfigError, load_config
-from polyrl.trainer.rl.asynchronous import gate_limit, staleness_metrics
+from polyrl.trainer.rl.asynchronous import AheadRollout, gate_limit, staleness_metrics
 from polyrl.transfer.replay import BufferClosedError, ReplayBuffer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,6 +82,36 @@ def test_state_round_trip_keeps_filled_groups_and_regenerates_unfilled_ones():
         ReplayBuffer(sampling="reward_variance").load_state_dict(buffer.state_dict())
     with pytest.raises(KeyError, match="filled already"):
         restored.fill(1, "again", 4)
+
+
+def test_generation_phases_number_versions_and_checkpoint_in_the_trainer_layout(tmp_path):
+    """The step calls every phase alike: what differs by mode is in the phases' hooks."""
+    from types import SimpleNamespace
+
+    from polyrl.data.sampler import StatefulSampler
+    from polyrl.trainer.rl.generation import SyncGeneration
+
+    sync = SyncGeneration()
+    assert sync.weight_version(step=3, updates=2) == 3  # a warm-up step pushed nothing
+    assert sync.state_dict() == {}
+    sync.load_state_dict({"ahead": {"buffer": {}}}, 2, 2)  # an async checkpoint resumes in sync
+    cfg = load_config("demo", ["trainer.mode=async", "data.train_batch_size=2"])
+    sampler = StatefulSampler(8, 2, shuffle=False)
+    producer = SimpleNamespace(resume_aborted=False)
+    ahead = AheadRollout(cfg, producer, list(range(8)), sampler, 4, tmp_path)
+    assert ahead.weight_version(step=3, updates=2) == 2  # versions count updates
+    ahead._reserve_batch()  # the rollout thread drew one batch
+    state = ahead.state_dict()
+    # The layout checkpoints have always had: the buffer under "ahead", the sampler position
+    # taken with it replacing the trainer's own.
+    assert set(state) == {"ahead", "sampler"} and set(state["ahead"]) == {"buffer"}
+    assert state["sampler"] == sampler.state_dict()
+    resumed = AheadRollout(cfg, producer, list(range(8)), sampler, 4, tmp_path)
+    resumed.load_state_dict(state, step=1, version=1)
+    assert [s for s, _ in resumed.buffer.unfilled()] == [0, 1]
+    assert (resumed.completed_steps, resumed.version) == (1, 1)
+    with pytest.raises(ConfigError, match="trainer.mode=sync run"):
+        resumed.load_state_dict({"sampler": state["sampler"]}, step=1, version=1)
 
 
 def test_a_failed_producer_or_a_closed_buffer_wakes_the_trainer():

@@ -24,6 +24,7 @@ from polyrl.core.rollout_batch import build_rollout_batch, rollout_widths, widen
 from polyrl.model_engine.engine import GLOBAL_SEQS_KEY, GLOBAL_TOKENS_KEY
 from polyrl.trainer.rl import RLTrainer
 from polyrl.trainer.rl.advantage import place_on_last_token
+from polyrl.trainer.rl.asynchronous import AheadRollout
 from polyrl.trainer.rl.rollout import group_varies, select_groups
 from polyrl.trainer.rl_losses import actor_loss, critic_loss, state_values
 
@@ -67,6 +68,26 @@ def test_widen_rollout_batch_equals_building_at_the_wider_layout():
     assert widen_rollout_batch(narrow, 3, 3, 0) is narrow
     with pytest.raises(ValueError, match="cannot narrow"):
         widen_rollout_batch(narrow, 2, 3, 0)
+
+
+def test_inline_plane_joins_only_the_named_output_column():
+    from polyrl.core.columns import ENTROPY, LOSS_MASK, OLD_LOG_PROBS, VALUES
+    from polyrl.trainer.rl.dataplane import InlinePlane
+
+    rows = Batch(tensors={"x": torch.arange(3.0), LOSS_MASK: torch.ones(3, 2)})
+    calls = []
+
+    def method(batch: Batch, **kwargs) -> Batch:
+        calls.append((len(batch), kwargs))  # padded to the data-parallel size
+        return Batch(tensors={OLD_LOG_PROBS: batch["x"] * 2, ENTROPY: batch["x"]})
+
+    plane = InlinePlane(load_config("demo"), world_size=2)
+    out = plane.infer(method, rows, OLD_LOG_PROBS, share_prefix=True)
+    assert calls == [(4, {"share_prefix": True})]
+    assert set(out.keys()) == {"x", LOSS_MASK, OLD_LOG_PROBS}  # not the entropy nobody asked for
+    assert torch.equal(out[OLD_LOG_PROBS], torch.tensor([0.0, 2.0, 4.0]))
+    with pytest.raises(KeyError, match=VALUES):
+        plane.infer(method, rows, VALUES)
 
 
 def test_group_varies_and_select_groups_prefer_informative_groups():
@@ -505,8 +526,8 @@ def test_python_api_trains_from_rows_with_a_named_reward(tmp_path, tiny_qwen2_di
 def _switch_config(trainer: RLTrainer, cfg) -> None:
     """Give the trainer and every part built from its config (a test's shortcut) ``cfg``."""
     parts = [trainer, trainer.plane, trainer.rollout, trainer.producer, trainer.replicas]
-    if trainer.ahead is not None:
-        parts.append(trainer.ahead.producer)
+    if isinstance(trainer.rollout, AheadRollout):  # its rollout thread's producer
+        parts.append(trainer.rollout.producer)
     for part in parts:
         part.cfg = cfg
 

@@ -12,6 +12,15 @@ from collections.abc import Sequence
 import torch
 
 from polyrl.core.batch import Batch
+from polyrl.core.columns import (
+    ATTENTION_MASK,
+    INPUT_IDS,
+    LOSS_MASK,
+    POSITION_IDS,
+    PROMPT_LENGTH,
+    RESPONSE_LENGTH,
+    ROLLOUT_LOG_PROBS,
+)
 
 __all__ = ["build_rollout_batch", "rollout_widths", "widen_rollout_batch"]
 
@@ -61,15 +70,15 @@ def build_rollout_batch(
             if lp is not None:
                 old[i, width_p : width_p + len(r)] = torch.as_tensor(list(lp), dtype=torch.float32)
     tensors = {
-        "input_ids": ids,
-        "attention_mask": attn,
-        "position_ids": (attn.cumsum(1) - 1).clamp(min=0),
-        "loss_mask": loss,
-        "prompt_length": torch.as_tensor([len(p) for p in prompts], dtype=torch.long),
-        "response_length": torch.as_tensor([len(r) for r in responses], dtype=torch.long),
+        INPUT_IDS: ids,
+        ATTENTION_MASK: attn,
+        POSITION_IDS: (attn.cumsum(1) - 1).clamp(min=0),
+        LOSS_MASK: loss,
+        PROMPT_LENGTH: torch.as_tensor([len(p) for p in prompts], dtype=torch.long),
+        RESPONSE_LENGTH: torch.as_tensor([len(r) for r in responses], dtype=torch.long),
     }
     if rollout_log_probs is not None:
-        tensors["rollout_log_probs"] = old
+        tensors[ROLLOUT_LOG_PROBS] = old
     return Batch(tensors=tensors)
 
 
@@ -79,9 +88,9 @@ def rollout_widths(batch: Batch) -> tuple[int, int]:
     Prompts are left-padded and never empty, so a row's prompt ends (and its response starts)
     at its first attended position plus its prompt length.
     """
-    attn = batch["attention_mask"]
+    attn = batch[ATTENTION_MASK]
     first = int(torch.argmax((attn[0] != 0).to(torch.int8)))
-    width_p = first + int(batch["prompt_length"][0])
+    width_p = first + int(batch[PROMPT_LENGTH][0])
     return width_p, int(attn.shape[1]) - width_p
 
 
@@ -111,7 +120,7 @@ def widen_rollout_batch(
     tensors = {}
     for key, value in batch.tensors.items():
         if value.dim() >= 2 and value.shape[1] == total:
-            fill = pad_token_id if key == "input_ids" else 0
+            fill = pad_token_id if key == INPUT_IDS else 0
             wide = torch.full(
                 (value.shape[0], width_prompt + width_response, *value.shape[2:]),
                 fill,
@@ -120,6 +129,6 @@ def widen_rollout_batch(
             wide[:, shift : shift + total] = value
             value = wide
         tensors[key] = value
-    if "position_ids" in tensors:  # as build_rollout_batch numbers them, padding included
-        tensors["position_ids"] = (tensors["attention_mask"].cumsum(1) - 1).clamp(min=0)
+    if POSITION_IDS in tensors:  # as build_rollout_batch numbers them, padding included
+        tensors[POSITION_IDS] = (tensors[ATTENTION_MASK].cumsum(1) - 1).clamp(min=0)
     return Batch(tensors=tensors, non_tensors=dict(batch.non_tensors), meta=dict(batch.meta))

@@ -50,6 +50,14 @@ import torch
 
 from polyrl.controller import Dispatch, Worker, register
 from polyrl.core.batch import Batch
+from polyrl.core.columns import (
+    ENTROPY,
+    LOSS_MASK,
+    OLD_LOG_PROBS,
+    PRM_LOG_PROBS,
+    REF_LOG_PROBS,
+    VALUES,
+)
 from polyrl.core.dtypes import resolve_dtype
 from polyrl.core.registry import Registry
 from polyrl.model_engine.config import CheckpointConfig, EngineConfig, ModelSpec, OptimizerConfig
@@ -80,16 +88,17 @@ __all__ = [
     "resolve_loss",
 ]
 
+# The columns each inference method adds; the names live in :mod:`polyrl.core.columns`.
 #: Column added by :meth:`EngineWorker.compute_log_prob` (the behaviour policy's log-probs).
-LOG_PROBS_KEY = "old_log_probs"
+LOG_PROBS_KEY = OLD_LOG_PROBS
 #: Column added by :meth:`EngineWorker.compute_log_prob` with ``with_entropy=True``.
-ENTROPY_KEY = "entropy"
+ENTROPY_KEY = ENTROPY
 #: Column added by :meth:`EngineWorker.compute_ref_log_prob`.
-REF_LOG_PROBS_KEY = "ref_log_probs"
+REF_LOG_PROBS_KEY = REF_LOG_PROBS
 #: Column added by :meth:`EngineWorker.compute_values`.
-VALUES_KEY = "values"
+VALUES_KEY = VALUES
 #: Column added by :meth:`EngineWorker.compute_prm_log_prob`.
-PRM_LOG_PROBS_KEY = "prm_log_probs"
+PRM_LOG_PROBS_KEY = PRM_LOG_PROBS
 
 #: Engine roles: what the hosted model is and which methods it serves. ``prm`` is PRIME's
 #: implicit process reward model: a causal LM trained on outcome labels.
@@ -181,7 +190,7 @@ def resolve_loss(name: str, kwargs: Mapping[str, Any] | None = None) -> LossFn:
 
 # ------------------------------------------------------------------------------ helpers
 def pad_batch_for_dp(
-    batch: Batch, dp_size: int, zero_keys: Sequence[str] = ("loss_mask",)
+    batch: Batch, dp_size: int, zero_keys: Sequence[str] = (LOSS_MASK,)
 ) -> tuple[Batch, int]:
     """Pad ``batch`` to a multiple of ``dp_size`` with rows that carry no loss.
 

@@ -18,12 +18,13 @@ from typing import Any
 import numpy as np
 
 from polyrl.core.batch import Batch
+from polyrl.core.columns import PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS
 from polyrl.core.rollout_batch import build_rollout_batch
 
 __all__ = ["RAGGED_FIELDS", "StepLayout", "StoreClient", "StoredRows"]
 
 #: Per-sample token fields the rollout side puts (each row its own 1-D array).
-RAGGED_FIELDS = ("prompt_ids", "response_ids", "response_mask", "rollout_log_probs")
+RAGGED_FIELDS = (PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS)
 
 
 def _rows_of(batch: Batch, key: str) -> list[list[Any]]:
@@ -56,11 +57,11 @@ class StepLayout:
         per-row scalars) are carried over as they are; the per-row objects too.
         """
         batch = build_rollout_batch(
-            _rows_of(rows, "prompt_ids"),
-            _rows_of(rows, "response_ids"),
+            _rows_of(rows, PROMPT_IDS),
+            _rows_of(rows, RESPONSE_IDS),
             self.pad_id,
-            _rows_of(rows, "rollout_log_probs") if self.rollout_log_probs else None,
-            _rows_of(rows, "response_mask"),
+            _rows_of(rows, ROLLOUT_LOG_PROBS) if self.rollout_log_probs else None,
+            _rows_of(rows, RESPONSE_MASK),
             width_prompt=self.width_prompt,
             width_response=self.width_response,
         )
@@ -74,9 +75,9 @@ class StepLayout:
 
     def fields(self, extra: Sequence[str] = ()) -> list[str]:
         """Return the queue fields :meth:`rebuild` needs, plus ``extra``."""
-        base = ["prompt_ids", "response_ids", "response_mask"]
+        base = [PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK]
         if self.rollout_log_probs:
-            base.append("rollout_log_probs")
+            base.append(ROLLOUT_LOG_PROBS)
         return base + [f for f in extra if f not in base]
 
     def load(self, queue: Any, meta: Any, extra: Sequence[str] = ()) -> Batch:

@@ -16,6 +16,24 @@ import torch
 from polyrl.algo.prime import implicit_reward_metrics, implicit_rewards
 from polyrl.config import PolyRLConfig
 from polyrl.core.batch import Batch
+from polyrl.core.columns import (
+    ACC,
+    ADVANTAGES,
+    BASELINE,
+    FINISH_REASON,
+    IMPLICIT_REWARDS,
+    LOSS_MASK,
+    OLD_LOG_PROBS,
+    PRM_LOG_PROBS,
+    REF_LOG_PROBS,
+    RESPONSE_LENGTH,
+    RETURNS,
+    SCORE,
+    TOKEN_LEVEL_REWARDS,
+    TOKEN_LEVEL_SCORES,
+    UID,
+    VALUES,
+)
 from polyrl.trainer.rl.metrics import batch_metrics
 from polyrl.trainer.rl_losses import state_values
 
@@ -28,7 +46,7 @@ __all__ = [
 ]
 
 #: The columns the advantage phase adds to a step's rows.
-ADVANTAGE_OUTPUTS = ("token_level_rewards", "advantages", "returns")
+ADVANTAGE_OUTPUTS = (TOKEN_LEVEL_REWARDS, ADVANTAGES, RETURNS)
 
 
 def place_on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -50,16 +68,16 @@ def filter_overlong(batch: Batch, max_response_length: int) -> int:
     (the advantages were already computed with it) but adds nothing to the loss. Returns how
     many rows were masked.
     """
-    reasons = batch.non_tensors.get("finish_reason")
+    reasons = batch.non_tensors.get(FINISH_REASON)
     if reasons is not None:
         cut = torch.tensor([str(r) == "length" for r in reasons], dtype=torch.bool)
     else:
-        cut = batch["response_length"] >= max_response_length
-    cut = cut.to(batch["loss_mask"].device)
+        cut = batch[RESPONSE_LENGTH] >= max_response_length
+    cut = cut.to(batch[LOSS_MASK].device)
     if bool(cut.any()):
-        mask = batch["loss_mask"].clone()
+        mask = batch[LOSS_MASK].clone()
         mask[cut] = 0
-        batch["loss_mask"] = mask
+        batch[LOSS_MASK] = mask
     return int(cut.sum())
 
 
@@ -76,14 +94,14 @@ def compute_advantages(
     from polyrl.algo import apply_kl_penalty, get_advantage_estimator
 
     algo = cfg.algorithm
-    mask = batch["loss_mask"]
+    mask = batch[LOSS_MASK]
     metrics: dict[str, float] = {}
-    rewards = batch["token_level_scores"]
+    rewards = batch[TOKEN_LEVEL_SCORES]
     if algo.use_kl_in_reward:
         rewards, kl_metrics = apply_kl_penalty(
             rewards,
-            batch["old_log_probs"],
-            batch["ref_log_probs"],
+            batch[OLD_LOG_PROBS],
+            batch[REF_LOG_PROBS],
             mask,
             kl_ctrl,
             algo.kl_penalty,
@@ -97,10 +115,10 @@ def compute_advantages(
     elif algo.adv_estimator == "reinforce_plus_plus":
         kwargs = {"gamma": algo.gamma}
     elif algo.adv_estimator == "prime":
-        if "implicit_rewards" not in batch.tensor_keys:
+        if IMPLICIT_REWARDS not in batch.tensor_keys:
             raise KeyError("the prime estimator needs the PRM's implicit_rewards column")
         kwargs = {
-            "process_rewards": batch["implicit_rewards"],
+            "process_rewards": batch[IMPLICIT_REWARDS],
             "implicit_coef": cfg.prime.implicit_reward_coef,
             "outcome_coef": cfg.prime.outcome_reward_coef,
             "whiten": cfg.prime.whiten_advantages,
@@ -109,14 +127,14 @@ def compute_advantages(
     advantages, returns = estimator(
         rewards,
         mask,
-        index=list(batch.non_tensors["uid"]),
-        values=batch["values"] if "values" in batch.tensor_keys else None,
+        index=list(batch.non_tensors[UID]),
+        values=batch[VALUES] if VALUES in batch.tensor_keys else None,
         baseline_rewards=baseline,
         **kwargs,
     )
-    batch["token_level_rewards"] = rewards
-    batch["advantages"] = advantages.float()
-    batch["returns"] = returns.float()
+    batch[TOKEN_LEVEL_REWARDS] = rewards
+    batch[ADVANTAGES] = advantages.float()
+    batch[RETURNS] = returns.float()
     return metrics
 
 
@@ -131,21 +149,19 @@ def advantage_phase(
     into the token ``implicit_rewards`` and reports ``prime/*`` metrics. Returns the names of
     the columns it wrote and the step's data metrics.
     """
-    mask = batch["loss_mask"]
-    batch["token_level_scores"] = place_on_last_token(batch["score"], mask)
+    mask = batch[LOSS_MASK]
+    batch[TOKEN_LEVEL_SCORES] = place_on_last_token(batch[SCORE], mask)
     written = list(ADVANTAGE_OUTPUTS)
     prime_metrics: dict[str, float] = {}
-    if "prm_log_probs" in batch.tensor_keys:
-        rewards = implicit_rewards(
-            batch["prm_log_probs"], batch["ref_log_probs"], mask, cfg.prime.beta
-        )
-        batch["implicit_rewards"] = rewards
-        stats = implicit_reward_metrics(rewards.sum(-1), batch["acc"], mask)
+    if PRM_LOG_PROBS in batch.tensor_keys:
+        rewards = implicit_rewards(batch[PRM_LOG_PROBS], batch[REF_LOG_PROBS], mask, cfg.prime.beta)
+        batch[IMPLICIT_REWARDS] = rewards
+        stats = implicit_reward_metrics(rewards.sum(-1), batch[ACC], mask)
         prime_metrics = {f"prime/{k}": v for k, v in stats.items()}
-    if "values" in batch.tensor_keys:
-        batch["values"] = state_values(batch["values"]) * mask
-        written.append("values")
-    baseline = batch["baseline"] if "baseline" in batch.tensor_keys else None
+    if VALUES in batch.tensor_keys:
+        batch[VALUES] = state_values(batch[VALUES]) * mask
+        written.append(VALUES)
+    baseline = batch[BASELINE] if BASELINE in batch.tensor_keys else None
     metrics = compute_advantages(batch, cfg, kl_ctrl, baseline)
     metrics.update(prime_metrics)
     metrics.update(batch_metrics(batch, max_response_length))
@@ -155,5 +171,5 @@ def advantage_phase(
         filtered = filter_overlong(batch, max_response_length)
         metrics["actor/overlong_filtered"] = float(filtered)
         metrics["actor/overlong_filtered_fraction"] = filtered / max(len(batch), 1)
-        written.append("loss_mask")
+        written.append(LOSS_MASK)
     return written, metrics

@@ -44,8 +44,9 @@ from typing import Any
 
 import numpy as np
 
-from polyrl.config import PolyRLConfig
+from polyrl.config import ConfigError, PolyRLConfig
 from polyrl.core.batch import Batch
+from polyrl.core.columns import SCORE, UID, WEIGHT_VERSION_FIRST, WEIGHT_VERSION_LAST
 from polyrl.core.rollout_batch import rollout_widths, widen_rollout_batch
 from polyrl.reward.base import ReplicaEndpoints, Scorer
 from polyrl.reward.manager import RewardResult
@@ -117,6 +118,9 @@ class SerialRewards:
 
 class AheadRollout:
     """The generation phase of ``trainer.mode=one_step_off|async`` (see the module docstring).
+
+    A :class:`~polyrl.trainer.rl.generation.GenerationPhase`: the step calls it as it calls the
+    sync mode's.
 
     Args:
         cfg: the run's configuration (``trainer.mode``, ``async_rl``, ``rollout``, ``data``).
@@ -262,13 +266,13 @@ class AheadRollout:
             )
         metrics.update(attach_scores(batch, scored, baseline))
         # Groups of one prompt drawn twice (epochs) stay apart in group-relative estimators.
-        batch.non_tensors["uid"] = np.array(
-            [f"{uid}#{serial}" for uid in batch.non_tensors["uid"]], dtype=object
+        batch.non_tensors[UID] = np.array(
+            [f"{uid}#{serial}" for uid in batch.non_tensors[UID]], dtype=object
         )
-        version = min(int(v) for v in batch.non_tensors["weight_version_first"])
+        version = min(int(v) for v in batch.non_tensors[WEIGHT_VERSION_FIRST])
         # The group's generation metrics travel with it: a batch reports its own groups'.
         item = {"batch": batch, "metrics": metrics}
-        self.buffer.fill(serial, item, version, float(batch["score"].float().std(0)))
+        self.buffer.fill(serial, item, version, float(batch[SCORE].float().std(0)))
 
     # ------------------------------------------------------------------ the trainer's side
     def generate(self, step: int, timing: dict[str, float]) -> tuple[Batch, dict[str, float]]:
@@ -288,8 +292,8 @@ class AheadRollout:
         self._nudge()  # room in the buffer again
         timing["timing_s/gen"] = timing.get("timing_s/gen", 0.0) + waited
         batch = self._assemble(entries)
-        firsts = list(batch.non_tensors["weight_version_first"])
-        lasts = list(batch.non_tensors["weight_version_last"])
+        firsts = list(batch.non_tensors[WEIGHT_VERSION_FIRST])
+        lasts = list(batch.non_tensors[WEIGHT_VERSION_LAST])
         metrics = _mean_metrics([e.item["metrics"] for e in entries])
         metrics.update(staleness_metrics(self.version, firsts, lasts))
         counts = self.buffer.counts()
@@ -319,8 +323,8 @@ class AheadRollout:
         with self.samples_log.open("a") as f:
             for e in entries:
                 rows = e.item["batch"].non_tensors
-                firsts = [int(v) for v in rows["weight_version_first"]]
-                lasts = [int(v) for v in rows["weight_version_last"]]
+                firsts = [int(v) for v in rows[WEIGHT_VERSION_FIRST]]
+                lasts = [int(v) for v in rows[WEIGHT_VERSION_LAST]]
                 record = {
                     "step": step,
                     "serial": e.serial,
@@ -331,6 +335,10 @@ class AheadRollout:
                     "last_versions": lasts,
                 }
                 f.write(json.dumps(record) + "\n")
+
+    def weight_version(self, step: int, updates: int) -> int:
+        """Return ``updates``: versions count the actor's updates (a critic warm-up makes none)."""
+        return updates
 
     def before_sync(self, version: int) -> None:
         """``one_step_off``: let the batch being generated finish on the current weights.
@@ -364,21 +372,35 @@ class AheadRollout:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Return the buffer and the sampler position, taken together (see the module doc)."""
+        """Return the trainer-state entries ``ahead`` (the buffer) and ``sampler``.
+
+        The sampler position replaces the trainer's own: it is taken together with the buffer
+        (see the module doc), while the rollout thread draws prompts as the trainer saves.
+        """
         with self.buffer.lock:
             return {
-                "buffer": self.buffer.state_dict(),
+                "ahead": {"buffer": self.buffer.state_dict()},
                 "sampler": self.sampler.state_dict(),
             }
 
     def load_state_dict(self, state: Mapping[str, Any], step: int, version: int) -> None:
         """Restore :meth:`state_dict` (before :meth:`start`); drop log lines after ``step``.
 
-        ``step`` is the checkpoint's step and ``version`` the weights the servers get. The
-        sampler is restored by its owner, from the position :meth:`state_dict` gave.
+        ``state`` is the trainer's checkpoint state of ``step``, and ``version`` the weights
+        the servers get. The sampler is restored by its owner, from the position
+        :meth:`state_dict` gave.
+
+        Raises:
+            ConfigError: the checkpoint holds no buffer (a ``trainer.mode=sync`` run saved it).
         """
+        if "ahead" not in state:
+            raise ConfigError(
+                f"the checkpoint of step {step} was saved by a trainer.mode=sync run; resume it "
+                "with trainer.mode=sync",
+                key="trainer.mode",
+            )
         self._resumed = True
-        self.buffer.load_state_dict(state["buffer"])
+        self.buffer.load_state_dict(state["ahead"]["buffer"])
         self.completed_steps = step
         self.version = version
         if self.samples_log.exists():

@@ -33,7 +33,11 @@ class DataPlane(Protocol):
     """What a step does with its rows, whatever holds them."""
 
     def infer(self, method: Callable[..., Any], rows: Any, output: str, **kwargs: Any) -> Any:
-        """Run an inference ``method`` on ``rows``; return the rows with its ``output`` column."""
+        """Run an inference ``method`` on ``rows``; return the rows with its ``output`` column.
+
+        ``output`` is the column ``method`` adds (a name of :mod:`polyrl.core.columns`); no
+        other column of its result joins the rows.
+        """
         ...
 
     def advantages(
@@ -64,9 +68,16 @@ class InlinePlane:
         self.world_size = world_size
 
     def infer(self, method: Callable[..., Any], rows: Batch, output: str, **kwargs: Any) -> Batch:
-        """Call ``method`` on the padded batch and join its outputs (padding dropped) onto it."""
+        """Call ``method`` on the padded batch and join its ``output`` column onto it.
+
+        Only ``output`` joins the rows (its padding dropped), as :class:`QueuePlane` fetches
+        only ``output`` back: whatever else ``method`` returns is not the step's.
+
+        Raises:
+            KeyError: ``method`` returned no ``output`` column.
+        """
         padded, extra = pad_batch_for_dp(rows, self.world_size)
-        out = method(padded, **kwargs)
+        out = method(padded, **kwargs).select(output)
         return rows.union(out[: len(rows)] if extra else out)
 
     def advantages(

@@ -1,11 +1,15 @@
 """The generation phase of an RL step: one object that hands the step a scored batch.
 
-Whatever produces the step's samples -- the driver itself (:class:`DriverRollout`) or the
-transfer queue's rollout workers (:class:`QueueRollout`) -- the step sees one call,
-``generate(step, indices, timing)``, which returns a reference to scored rows (a ``Batch`` or
-:class:`~polyrl.workers.store.StoredRows`) and the generation metrics. What differs between
-algorithms lives here, not in the step: ReMax's greedy baseline, DAPO's dynamic sampling, and
-putting the rollout replicas to sleep while the engines train (:class:`Replicas`).
+Whatever produces the step's samples -- the driver itself (:class:`DriverRollout`), the
+transfer queue's rollout workers (:class:`QueueRollout`) or, in ``trainer.mode=one_step_off|async``,
+a rollout thread generating ahead of training
+(:class:`~polyrl.trainer.rl.asynchronous.AheadRollout`) -- the step sees one
+:class:`GenerationPhase`: ``generate(step, timing)`` returns a reference to scored rows (a
+``Batch`` or :class:`~polyrl.workers.store.StoredRows`) and the generation metrics, and a few
+hooks around the weight sync and the checkpoint do what the mode needs (nothing, in
+``trainer.mode=sync``: :class:`SyncGeneration`). What differs between algorithms lives here, not
+in the step: ReMax's greedy baseline, DAPO's dynamic sampling, and putting the rollout replicas
+to sleep while the engines train (:class:`Replicas`).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import httpx
 import numpy as np
@@ -22,6 +26,7 @@ import torch
 
 from polyrl.config import PolyRLConfig
 from polyrl.core.batch import Batch
+from polyrl.core.columns import ACC, BASELINE, SCORE, UID
 from polyrl.core.rollout_batch import rollout_widths, widen_rollout_batch
 from polyrl.rollout.client import NoReplicaAvailableError
 from polyrl.trainer.rl.build import (
@@ -41,9 +46,83 @@ from polyrl.trainer.rl.store_worker import ROLLOUT_FIELDS, StoreWorkers, merge_r
 from polyrl.trainer.rl.supervisor import ReplicaSupervisor
 from polyrl.workers.store import StepLayout, StoredRows
 
-__all__ = ["DriverRollout", "QueueRollout", "Replicas", "wait_recovering"]
+__all__ = [
+    "DriverRollout",
+    "GenerationPhase",
+    "QueueRollout",
+    "Replicas",
+    "SyncGeneration",
+    "wait_recovering",
+]
 
 T = TypeVar("T")
+
+
+class GenerationPhase(Protocol):
+    """What an RL step asks of whoever generates its samples, in every ``trainer.mode``.
+
+    The step calls each method unconditionally, in this order: :meth:`generate`, (after the
+    actor's update) :meth:`weight_version` and :meth:`before_sync`, the weight sync, then
+    :meth:`after_step`. Generation within the step (``sync``) needs none of the hooks
+    (:class:`SyncGeneration`); generation ahead of it
+    (:class:`~polyrl.trainer.rl.asynchronous.AheadRollout`) uses each.
+    """
+
+    def generate(self, step: int, timing: dict[str, float]) -> tuple[Any, dict[str, float]]:
+        """Return a reference to step ``step``'s scored rows and the generation metrics."""
+        ...
+
+    def weight_version(self, step: int, updates: int) -> int:
+        """Return the actor's weight version after ``step``, with ``updates`` updates so far."""
+        ...
+
+    def before_sync(self, version: int) -> None:
+        """Prepare for the push of the actor's weights to the replicas as ``version``."""
+        ...
+
+    def after_step(self, version: int) -> None:
+        """Close the step; the replicas now serve ``version``."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Entries for the trainer's checkpoint state (they replace its own of one name)."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any], step: int, version: int) -> None:
+        """Restore from the trainer's checkpoint ``state`` of ``step``; replicas get ``version``."""
+        ...
+
+    def close(self) -> None:
+        """Stop what the phase runs of its own (before the replicas stop)."""
+        ...
+
+
+class SyncGeneration:
+    """The :class:`GenerationPhase` hooks of generation within the step (``trainer.mode=sync``).
+
+    None is needed: the step generates, trains and pushes in turn, so weight versions are step
+    numbers, a checkpoint holds no generated rows and nothing runs between steps.
+    """
+
+    def weight_version(self, step: int, updates: int) -> int:
+        """Return ``step``: each step pushes its weights (or, in a critic warm-up, none)."""
+        return step
+
+    def before_sync(self, version: int) -> None:
+        """Nothing: no generation runs during the sync."""
+
+    def after_step(self, version: int) -> None:
+        """Nothing: the next step generates with the weights pushed."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing to add to the trainer's state."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any], step: int, version: int) -> None:
+        """Nothing to restore (a checkpoint of the async modes resumes here too)."""
+
+    def close(self) -> None:
+        """Nothing of its own to stop: the trainer closes the producer and workers."""
 
 
 def wait_recovering(
@@ -383,7 +462,7 @@ def _weight_version(url: str) -> int | None:
         return None
 
 
-class DriverRollout:
+class DriverRollout(SyncGeneration):
     """Generation in the driver: the step's rows are a scored :class:`~polyrl.core.batch.Batch`.
 
     Args:
@@ -440,7 +519,7 @@ class DriverRollout:
         still missing, so every step trains on the same number of rows.
         """
         algo, n = self.cfg.algorithm, self.cfg.rollout.n
-        judged = "acc" if algo.filter_groups_metric == "acc" else "score"
+        judged = ACC if algo.filter_groups_metric == "acc" else SCORE
         batches = [batch]
         first = group_varies(batch[judged], n)
         varies = first
@@ -448,8 +527,8 @@ class DriverRollout:
             items = [self.dataset[i] for i in self.next_indices()]
             more, _ = self._sample(items, derive_seed(seed, len(batches)), timing)
             # A prompt drawn again (the sampler wrapped an epoch) is a group of its own.
-            more.non_tensors["uid"] = np.array(
-                [f"{uid}#{len(batches)}" for uid in more.non_tensors["uid"]], dtype=object
+            more.non_tensors[UID] = np.array(
+                [f"{uid}#{len(batches)}" for uid in more.non_tensors[UID]], dtype=object
             )
             batches.append(more)
             varies = torch.cat([varies, group_varies(more[judged], n)])
@@ -468,7 +547,7 @@ class DriverRollout:
         return batch[rows]
 
 
-class QueueRollout:
+class QueueRollout(SyncGeneration):
     """Generation in the transfer queue's rollout workers: the step's rows stay in the queue.
 
     Each worker gets a share of the step's prompt indices, generates, scores (ReMax: its
@@ -550,8 +629,6 @@ class QueueRollout:
             bool(summary.pop("rollout_log_probs")),
         )
         summary.pop("rows")
-        fields = ("score", "acc", "uid") + (
-            ("baseline",) if cfg.algorithm.adv_estimator == "remax" else ()
-        )
+        fields = (SCORE, ACC, UID) + ((BASELINE,) if cfg.algorithm.adv_estimator == "remax" else ())
         self.replicas.sleep()
         return StoredRows(meta, layout, fields), summary

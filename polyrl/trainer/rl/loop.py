@@ -54,6 +54,7 @@ import torch
 
 from polyrl.config import ConfigError, PolyRLConfig, save_config
 from polyrl.core.batch import Batch
+from polyrl.core.columns import OLD_LOG_PROBS, PRM_LOG_PROBS, REF_LOG_PROBS, VALUES
 from polyrl.model_engine.checkpoint import prune_checkpoints
 from polyrl.reward.base import Scorer
 from polyrl.trainer.rl.asynchronous import AheadRollout, SerialRewards
@@ -70,7 +71,12 @@ from polyrl.trainer.rl.build import (
     weight_transport,
 )
 from polyrl.trainer.rl.dataplane import DataPlane, InlinePlane, QueuePlane
-from polyrl.trainer.rl.generation import DriverRollout, QueueRollout, Replicas
+from polyrl.trainer.rl.generation import (
+    DriverRollout,
+    GenerationPhase,
+    QueueRollout,
+    Replicas,
+)
 from polyrl.trainer.rl.metrics import (
     CONSOLE_METRICS,
     DEFAULT_PLOT_METRICS,
@@ -165,7 +171,8 @@ class RLTrainer:
         # the tokens towards the proximal policy, the actor before this step's update. With one
         # update per step its log-probs are the update's own detached forward, so decoupled PPO
         # needs no extra pass then, like the on-policy case above (and equals tis).
-        self.ahead: AheadRollout | None = None
+        #: The generation phase (set up by :meth:`setup`): the same calls in every mode.
+        self.rollout: GenerationPhase | None = None
         self.off_policy = cfg.trainer.mode != "sync" and cfg.async_rl.correction != "none"
         #: Actor updates so far: the weight version the replicas serve once it is pushed.
         self.updates = 0
@@ -265,7 +272,6 @@ class RLTrainer:
         )
         # Where the step's rows live, and who generates them.
         self.plane: DataPlane
-        self.rollout: DriverRollout | QueueRollout | AheadRollout
         if cfg.transfer.enable:
             self._setup_queue(views)
             return
@@ -287,20 +293,19 @@ class RLTrainer:
         producer = RolloutProducer.connect(
             cfg, self.servers.urls, self.tokenizer, shared, api_key=self.servers.api_key
         )
-        self.ahead = AheadRollout(
+        # close() stops it before the servers; the producer is closed after it.
+        self.rollout = ahead = AheadRollout(
             cfg, producer, self.train_ds, self.sampler, self.total_steps, self.out_dir
         )
         self._closers.append(producer.close)
-        self._closers.append(self.ahead.close)
-        self.replicas.inflight = self.ahead.inflight_policy
+        self.replicas.inflight = ahead.inflight_policy
         self.replicas.attach(producer)
-        self.ahead.recover = self.replicas.recover
-        self.rollout = self.ahead
+        ahead.recover = self.replicas.recover
         opts = cfg.async_rl
         _log(
-            f"mode: {cfg.trainer.mode}, staleness <= {self.ahead.max_staleness}, "
+            f"mode: {cfg.trainer.mode}, staleness <= {ahead.max_staleness}, "
             f"partial rollouts {opts.partial_rollout}, correction {opts.correction}, "
-            f"replay {self.ahead.buffer.sampling} (reuse <= {self.ahead.buffer.max_reuse})"
+            f"replay {ahead.buffer.sampling} (reuse <= {ahead.buffer.max_reuse})"
         )
 
     def describe_data(self) -> str:
@@ -419,7 +424,7 @@ class RLTrainer:
             train()
         with timer(timing, "prm"):
             rows = self.plane.infer(
-                self.prm.compute_prm_log_prob, rows, "prm_log_probs", share_prefix=True
+                self.prm.compute_prm_log_prob, rows, PRM_LOG_PROBS, share_prefix=True
             )
         if update == "after":
             train()
@@ -432,28 +437,29 @@ class RLTrainer:
     # ------------------------------------------------------------------ one step
     def step(self, step: int) -> dict[str, float]:
         """Run training step ``step`` (1-based) and return its metrics."""
-        cfg, plane = self.cfg, self.plane
+        cfg, plane, rollout = self.cfg, self.plane, self.rollout
+        assert rollout is not None, "call setup() first"
         timing: dict[str, float] = {}
         metrics: dict[str, float] = {}
         with timer(timing, "step"):
             # 1-2. generate and score (the replicas may sleep from here until the sync); off
             # the sync mode, take a batch the rollout thread generated ahead
-            rows, generated = self.rollout.generate(step, timing)
+            rows, generated = rollout.generate(step, timing)
             metrics.update(generated)
             # 3. old log-probs, reference log-probs, values
             if self.need_old_log_probs:
                 with timer(timing, "old_log_prob"):
                     rows = plane.infer(
-                        self.actor.compute_log_prob, rows, "old_log_probs", share_prefix=True
+                        self.actor.compute_log_prob, rows, OLD_LOG_PROBS, share_prefix=True
                     )
             if self.use_ref:
                 with timer(timing, "ref"):
                     rows = plane.infer(
-                        self.ref.compute_ref_log_prob, rows, "ref_log_probs", share_prefix=True
+                        self.ref.compute_ref_log_prob, rows, REF_LOG_PROBS, share_prefix=True
                     )
             if self.use_critic:
                 with timer(timing, "values"):
-                    rows = plane.infer(self.critic.compute_values, rows, "values")
+                    rows = plane.infer(self.critic.compute_values, rows, VALUES)
             if self.use_prm:
                 rows = self._prm_phase(rows, timing, metrics)
             # 4. advantages (KL penalty in the reward first)
@@ -488,13 +494,11 @@ class RLTrainer:
                 # 6. weight sync (off the sync mode, versions count updates)
                 with timer(timing, "update_weights"):
                     version = self._version(step)
-                    if self.ahead is not None:
-                        self.ahead.before_sync(version)
+                    rollout.before_sync(version)
                     metrics.update(self.sync_weights(version))
             else:
                 self.replicas.wake()
-            if self.ahead is not None:
-                self.ahead.after_step(self.replicas.version)
+            rollout.after_step(self.replicas.version)
             metrics.update(plane.release(rows))
         metrics.update(self.replicas.metrics())
         metrics.update(step_metrics(data, timing, self.sampler, cfg.trainer.world_size))
@@ -502,8 +506,9 @@ class RLTrainer:
         return metrics
 
     def _version(self, step: int) -> int:
-        """Return the actor's weight version after ``step``: the step, or (ahead) its updates."""
-        return self.updates if self.ahead is not None else step
+        """Return the actor's weight version after ``step`` (the generation phase numbers it)."""
+        assert self.rollout is not None, "call setup() first"
+        return self.rollout.weight_version(step, self.updates)
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
@@ -537,11 +542,10 @@ class RLTrainer:
             "step": step,
             "updates": self.updates,
         }
-        if self.ahead is not None:
-            # The generated groups not trained yet, and the sampler position they belong to
-            # (taken together: the rollout thread draws prompts while the trainer saves).
-            state["ahead"] = self.ahead.state_dict()
-            state["sampler"] = state["ahead"].pop("sampler")
+        # Off the sync mode: the generated groups not trained yet, and the sampler position
+        # they belong to (taken together: the rollout thread draws prompts as the trainer saves).
+        assert self.rollout is not None, "call setup() first"
+        state.update(self.rollout.state_dict())
         # The actor goes last: its checkpoint marks the step as complete for resume.
         path = self.actor.save_checkpoint(str(actor_root), step, state)[0]
         # The side engines are pruned only now (they do not prune themselves, see
@@ -572,15 +576,9 @@ class RLTrainer:
             ) from None
         self.kl_ctrl.value = float(state.get("kl_coef", self.kl_ctrl.value))
         self.updates = int(state.get("updates", step))
-        if self.ahead is not None:
-            if "ahead" not in state:
-                raise ConfigError(
-                    f"checkpoint {path} was saved by a trainer.mode=sync run; resume it with "
-                    "trainer.mode=sync",
-                    key="trainer.mode",
-                )
-            # fit() pushes the restored weights as this version before the first step.
-            self.ahead.load_state_dict(state["ahead"], step, self._version(step))
+        assert self.rollout is not None, "call setup() first"
+        # fit() pushes the restored weights as this version before the first step.
+        self.rollout.load_state_dict(state, step, self._version(step))
         return step
 
     # ------------------------------------------------------------------ the run
@@ -610,10 +608,11 @@ class RLTrainer:
 
     def close(self) -> None:
         """Stop the worker groups, the rollout client and replicas, and the reward workers."""
-        if self.ahead is not None:
-            # The rollout thread first: it would take the servers' shutdown for a failure.
+        if self.rollout is not None:
+            # The generation phase first: a rollout thread generating ahead of training would
+            # take the servers' shutdown for a failure.
             with contextlib.suppress(Exception):
-                self.ahead.close()
+                self.rollout.close()
         if self.servers is not None:
             # Replicas on Ray may run in the engines' bundles: they go first.
             with contextlib.suppress(Exception):

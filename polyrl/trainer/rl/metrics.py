@@ -8,6 +8,20 @@ from typing import Any
 import torch
 
 from polyrl.core.batch import Batch
+from polyrl.core.columns import (
+    ACC,
+    ADVANTAGES,
+    ATTENTION_MASK,
+    LOSS_MASK,
+    OLD_LOG_PROBS,
+    PROMPT_LENGTH,
+    RESPONSE_LENGTH,
+    RETURNS,
+    ROLLOUT_LOG_PROBS,
+    SCORE,
+    TOKEN_LEVEL_REWARDS,
+    VALUES,
+)
 from polyrl.core.numerics import masked_mean
 from polyrl.trainer.run_loop import first_and_last
 
@@ -92,23 +106,23 @@ def batch_metrics(batch: Batch, max_response_length: int) -> dict[str, float]:
     Scores, accuracy, rewards, advantages, returns, values, lengths, the rollout/engine
     log-prob gap and token counts (``perf/total_num_tokens``, ``perf/response_tokens``).
     """
-    mask = batch["loss_mask"]
-    resp_len = batch["response_length"].float()
+    mask = batch[LOSS_MASK]
+    resp_len = batch[RESPONSE_LENGTH].float()
     out: dict[str, float] = {}
-    out.update(stats("critic/score", batch["score"]))
-    out["critic/acc/mean"] = float(batch["acc"].mean())
-    out.update(stats("critic/rewards", batch["token_level_rewards"].sum(1)))
-    out.update(masked_stats("critic/advantages", batch["advantages"], mask))
-    out.update(masked_stats("critic/returns", batch["returns"], mask))
-    if "values" in batch.tensor_keys:
-        out.update(masked_stats("critic/values", batch["values"], mask))
+    out.update(stats("critic/score", batch[SCORE]))
+    out["critic/acc/mean"] = float(batch[ACC].mean())
+    out.update(stats("critic/rewards", batch[TOKEN_LEVEL_REWARDS].sum(1)))
+    out.update(masked_stats("critic/advantages", batch[ADVANTAGES], mask))
+    out.update(masked_stats("critic/returns", batch[RETURNS], mask))
+    if VALUES in batch.tensor_keys:
+        out.update(masked_stats("critic/values", batch[VALUES], mask))
     out.update(stats("response_length", resp_len))
     out["response_length/clip_ratio"] = float((resp_len >= max_response_length).float().mean())
-    out.update(stats("prompt_length", batch["prompt_length"].float()))
-    if "old_log_probs" in batch.tensor_keys and "rollout_log_probs" in batch.tensor_keys:
-        gap = (batch["old_log_probs"] - batch["rollout_log_probs"]).abs()
+    out.update(stats("prompt_length", batch[PROMPT_LENGTH].float()))
+    if OLD_LOG_PROBS in batch.tensor_keys and ROLLOUT_LOG_PROBS in batch.tensor_keys:
+        gap = (batch[OLD_LOG_PROBS] - batch[ROLLOUT_LOG_PROBS]).abs()
         out["rollout/log_prob_gap"] = float(masked_mean(gap, mask))
-    out["perf/total_num_tokens"] = float(batch["attention_mask"].sum())
+    out["perf/total_num_tokens"] = float(batch[ATTENTION_MASK].sum())
     out["perf/response_tokens"] = float(resp_len.sum())
     return out
 

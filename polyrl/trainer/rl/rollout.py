@@ -20,6 +20,19 @@ import torch
 
 from polyrl.config import PolyRLConfig
 from polyrl.core.batch import Batch
+from polyrl.core.columns import (
+    ACC,
+    ATTENTION_MASK,
+    BASELINE,
+    FINISH_REASON,
+    INPUT_IDS,
+    PROMPT_LENGTH,
+    RESPONSE_LENGTH,
+    SCORE,
+    UID,
+    WEIGHT_VERSION_FIRST,
+    WEIGHT_VERSION_LAST,
+)
 from polyrl.core.rollout_batch import build_rollout_batch
 from polyrl.reward.base import Scorer
 from polyrl.reward.shaping import overlong_penalty
@@ -66,10 +79,10 @@ def attach_scores(
     response's score), which the advantage phase reads.
     """
     scores, acc, reward_metrics = scored
-    batch["score"] = scores.float()
-    batch["acc"] = acc.float()
+    batch[SCORE] = scores.float()
+    batch[ACC] = acc.float()
     if baseline is not None:
-        batch["baseline"] = baseline.float()
+        batch[BASELINE] = baseline.float()
     return {
         k: float(v)
         for k, v in reward_metrics.items()
@@ -197,8 +210,8 @@ def add_weight_versions(batch: Batch, firsts: Sequence[int], lasts: Sequence[int
     The columns are ``weight_version_first`` and ``weight_version_last``; the asynchronous
     trainer measures staleness from the oldest.
     """
-    batch.non_tensors["weight_version_first"] = np.array([int(v) for v in firsts], dtype=object)
-    batch.non_tensors["weight_version_last"] = np.array([int(v) for v in lasts], dtype=object)
+    batch.non_tensors[WEIGHT_VERSION_FIRST] = np.array([int(v) for v in firsts], dtype=object)
+    batch.non_tensors[WEIGHT_VERSION_LAST] = np.array([int(v) for v in lasts], dtype=object)
 
 
 def has_custom_reward(cfg: PolyRLConfig, reward_fn: Any = None) -> bool:
@@ -209,12 +222,12 @@ def has_custom_reward(cfg: PolyRLConfig, reward_fn: Any = None) -> bool:
 
 def completion_ids(batch: Batch) -> list[list[int]]:
     """Each row's response token ids, without padding."""
-    ids, attention = batch["input_ids"], batch["attention_mask"]
+    ids, attention = batch[INPUT_IDS], batch[ATTENTION_MASK]
     if len(batch) == 0:
         return []
     # Prompts are left-padded up to one column, where every response starts.
-    start = int(attention[0].argmax()) + int(batch["prompt_length"][0])
-    lengths = batch["response_length"].tolist()
+    start = int(attention[0].argmax()) + int(batch[PROMPT_LENGTH][0])
+    lengths = batch[RESPONSE_LENGTH].tolist()
     return [ids[i, start : start + n].tolist() for i, n in enumerate(lengths)]
 
 
@@ -410,7 +423,7 @@ class RolloutProducer:
 
         batch.non_tensors.update(
             {
-                "uid": per_row([str(item["uid"]) for item in items]),
+                UID: per_row([str(item["uid"]) for item in items]),
                 "data_source": per_row([item["data_source"] for item in items]),
                 "ground_truth": per_row([ground_truth_of(item) for item in items]),
                 "extra_info": per_row([item.get("extra_info") or {} for item in items]),
@@ -482,7 +495,7 @@ class RolloutProducer:
         batch = build_rollout_batch(rows_p, rows_r, self.pad_id, rows_lp if have_lp else None)
         texts = self.tokenizer.batch_decode(rows_r, skip_special_tokens=True)
         batch.non_tensors["response_text"] = np.array(texts, dtype=object)
-        batch.non_tensors["finish_reason"] = np.array(rows_finish, dtype=object)
+        batch.non_tensors[FINISH_REASON] = np.array(rows_finish, dtype=object)
         add_weight_versions(batch, firsts, lasts)
         return batch, {"rollout/weight_version": float(max(lasts))}
 
@@ -587,7 +600,7 @@ class RolloutProducer:
             s, a, _ = self.score(batch)
             scores.append(s)
             accs.append(a)
-            lengths.append(batch["response_length"].float())
+            lengths.append(batch[RESPONSE_LENGTH].float())
             sources += list(batch.non_tensors["data_source"])
         score = torch.cat(scores).view(-1, k)
         acc = torch.cat(accs).view(-1, k)
@@ -628,7 +641,7 @@ class RolloutProducer:
         reward_cfg = self.cfg.reward
         if reward_cfg.overlong_buffer_len > 0:
             penalty = overlong_penalty(
-                batch["response_length"],
+                batch[RESPONSE_LENGTH],
                 response_cap(self.cfg),
                 reward_cfg.overlong_buffer_len,
                 reward_cfg.overlong_penalty_factor,

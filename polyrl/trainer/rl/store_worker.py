@@ -39,6 +39,20 @@ import numpy as np
 
 from polyrl.config import PolyRLConfig
 from polyrl.core.batch import Batch
+from polyrl.core.columns import (
+    ACC,
+    BASELINE,
+    INPUT_IDS,
+    LOSS_MASK,
+    PROMPT_IDS,
+    PROMPT_LENGTH,
+    RESPONSE_IDS,
+    RESPONSE_LENGTH,
+    RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+    SCORE,
+    UID,
+)
 from polyrl.trainer.rl.advantage import advantage_phase
 from polyrl.trainer.rl.rollout import RolloutProducer, attach_scores, reward_manager
 from polyrl.workers.store import StoreClient, StoredRows
@@ -52,9 +66,9 @@ __all__ = [
 ]
 
 #: Per-sample fields the rollout workers put (ragged 1-D token tensors and scalars).
-ROLLOUT_FIELDS = ("prompt_ids", "response_ids", "response_mask", "score", "acc")
+ROLLOUT_FIELDS = (PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK, SCORE, ACC)
 #: Per-row objects kept next to the tokens (the advantage phase needs ``uid``).
-ROW_OBJECTS = ("uid", "data_source", "ground_truth", "extra_info", "response_text")
+ROW_OBJECTS = (UID, "data_source", "ground_truth", "extra_info", "response_text")
 
 
 def sample_rows(batch: Batch) -> Batch:
@@ -66,27 +80,27 @@ def sample_rows(batch: Batch) -> Batch:
     :func:`~polyrl.trainer.rl.rollout.attach_scores`) one number per row; the per-row objects
     of :data:`ROW_OBJECTS` are kept.
     """
-    width_p = int(batch["prompt_length"].max())
-    ids, loss = batch["input_ids"], batch["loss_mask"]
-    logps = batch["rollout_log_probs"] if "rollout_log_probs" in batch.tensor_keys else None
+    width_p = int(batch[PROMPT_LENGTH].max())
+    ids, loss = batch[INPUT_IDS], batch[LOSS_MASK]
+    logps = batch[ROLLOUT_LOG_PROBS] if ROLLOUT_LOG_PROBS in batch.tensor_keys else None
     columns: dict[str, list[np.ndarray]] = {
-        "prompt_ids": [],
-        "response_ids": [],
-        "response_mask": [],
+        PROMPT_IDS: [],
+        RESPONSE_IDS: [],
+        RESPONSE_MASK: [],
     }
     if logps is not None:
-        columns["rollout_log_probs"] = []
+        columns[ROLLOUT_LOG_PROBS] = []
     # Rows are numpy arrays: they pickle a hundred times faster than small torch tensors.
     ids_np, loss_np = ids.numpy(), loss.numpy()
     logps_np = logps.numpy() if logps is not None else None
     for i, (p, r) in enumerate(
-        zip(batch["prompt_length"].tolist(), batch["response_length"].tolist(), strict=True)
+        zip(batch[PROMPT_LENGTH].tolist(), batch[RESPONSE_LENGTH].tolist(), strict=True)
     ):
-        columns["prompt_ids"].append(ids_np[i, width_p - p : width_p].copy())
-        columns["response_ids"].append(ids_np[i, width_p : width_p + r].copy())
-        columns["response_mask"].append(loss_np[i, width_p : width_p + r].copy())
+        columns[PROMPT_IDS].append(ids_np[i, width_p - p : width_p].copy())
+        columns[RESPONSE_IDS].append(ids_np[i, width_p : width_p + r].copy())
+        columns[RESPONSE_MASK].append(loss_np[i, width_p : width_p + r].copy())
         if logps_np is not None:
-            columns["rollout_log_probs"].append(logps_np[i, width_p : width_p + r].copy())
+            columns[ROLLOUT_LOG_PROBS].append(logps_np[i, width_p : width_p + r].copy())
     non_tensors: dict[str, np.ndarray] = {}
     for key, values in columns.items():
         arr = np.empty(len(values), dtype=object)
@@ -95,7 +109,7 @@ def sample_rows(batch: Batch) -> Batch:
     for key in ROW_OBJECTS:
         if key in batch.non_tensors:
             non_tensors[key] = batch.non_tensors[key]
-    tensors = {k: batch[k] for k in ("score", "acc", "baseline") if k in batch.tensor_keys}
+    tensors = {k: batch[k] for k in (SCORE, ACC, BASELINE) if k in batch.tensor_keys}
     return Batch(tensors=tensors, non_tensors=non_tensors)
 
 
@@ -203,10 +217,10 @@ class StoreRolloutWorker:
         summary.update(
             {
                 "rows": float(len(rows)),
-                "width_prompt": float(batch["prompt_length"].max()),
-                "width_response": float(batch["response_length"].max()),
+                "width_prompt": float(batch[PROMPT_LENGTH].max()),
+                "width_response": float(batch[RESPONSE_LENGTH].max()),
                 "time_reward": reward_s,
-                "rollout_log_probs": float("rollout_log_probs" in batch.tensor_keys),
+                "rollout_log_probs": float(ROLLOUT_LOG_PROBS in batch.tensor_keys),
             }
         )
         return rows, summary
