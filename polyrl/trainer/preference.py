@@ -35,24 +35,23 @@ from typing import Any
 
 import torch
 
-from polyrl.config import ConfigError, PolyRLConfig, save_config
+from polyrl.config import ConfigError, PolyRLConfig
 from polyrl.config.schema import constructor_kwargs
 from polyrl.trainer.checkpointing import checkpoint_root, resolve_resume_path
+from polyrl.trainer.common import (
+    check_devices,
+    data_files,
+    resolve_model_dir,
+    save_run_config,
+    with_training_autos,
+)
 from polyrl.trainer.preference_data import (
     PreferenceDataset,
     TokenizedPair,
     collate_pairs,
     pairs_from_rows,
 )
-from polyrl.trainer.sft import (
-    HF_DIR,
-    check_devices,
-    data_files,
-    engine_configs,
-    plot_run,
-    resolve_model_dir,
-    restore_sampler,
-)
+from polyrl.trainer.sft import HF_DIR, engine_configs, plot_run, restore_sampler
 
 __all__ = ["DEFAULT_PLOT_METRICS", "run_dpo", "run_preference", "run_rm"]
 
@@ -341,7 +340,7 @@ def run_preference(
     _check_config(cfg, kind, max_length, train_rows is not None)
     out_dir = Path(trainer.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out_dir / f"{kind}_config.yaml")
+    save_run_config(cfg, with_training_autos(cfg), out_dir / f"{kind}_config.yaml")
 
     model_path = Path(model_dir) if model_dir is not None else resolve_model_dir(cfg, out_dir)
     tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.model.trust_remote_code)

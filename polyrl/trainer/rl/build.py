@@ -161,7 +161,7 @@ def check_config(cfg: PolyRLConfig, has_rows: bool = False, has_model: bool = Fa
 
     ``has_rows`` / ``has_model``: the caller passes prompt rows / a model directory itself.
     """
-    from polyrl.trainer.sft import check_devices
+    from polyrl.trainer.common import check_devices
     from polyrl.trainer.tracking import check_trackers
 
     validate_tree(cfg)  # cross-field checks, also after options were assigned one by one
@@ -326,7 +326,7 @@ def load_datasets(
         train = RLDataset(list(train_rows), tokenizer, **kwargs)
         val = RLDataset(list(val_rows), tokenizer, **kwargs) if val_rows else None
         return train, val
-    from polyrl.trainer.sft import data_files
+    from polyrl.trainer.common import data_files
 
     train_files, val_files = data_files(cfg, out_dir)
     train = RLDataset(train_files, tokenizer, **kwargs)
@@ -828,7 +828,7 @@ def start_engines(
         import ray
 
         if not ray.is_initialized():
-            from polyrl.trainer.sft import ray_init_options
+            from polyrl.trainer.common import ray_init_options
 
             options = ray_init_options(cfg)
             if not use_gpu and options.get("address") == "local" and "num_cpus" not in options:

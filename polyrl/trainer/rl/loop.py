@@ -177,7 +177,7 @@ class RLTrainer:
         """Build the model (if tiny), data, rollout replicas, engine groups and data plane."""
         from polyrl.data.sampler import StatefulSampler
         from polyrl.models.loader import load_tokenizer
-        from polyrl.trainer.sft import resolve_model_dir
+        from polyrl.trainer.common import resolve_model_dir
 
         cfg = self.cfg
         self.out_dir.mkdir(parents=True, exist_ok=True)
