@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from polyrl.config import ConfigError, available_presets, load_config
-from polyrl.trainer.rl.build import check_config
+from polyrl.trainer.rl.checks import check_config
 
 
 def test_every_algorithm_named_in_the_train_help_has_a_preset():
