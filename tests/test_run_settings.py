@@ -2,18 +2,21 @@
 
 Every option an RL run leaves to ``auto`` is decided once into a frozen
 :class:`~polyrl.trainer.rl.settings.RunSettings`, and the run directory's config file shows the
-decided values.
+decided values; a preset's mini-batch size that does not fit the batch the user gave yields to
+it, with a note, while a value the user wrote stays an error.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import yaml
 
-from polyrl.config import load_config, to_dict
+from polyrl.config import ConfigError, ConfigNote, load_config, to_dict
 from polyrl.trainer.common import save_run_config, with_training_autos
+from polyrl.trainer.rl.checks import check_config
 from polyrl.trainer.rl.settings import (
     RunSettings,
     resolve_settings,
@@ -147,3 +150,46 @@ def test_sft_and_preference_config_files_show_the_device_and_compute_dtype(tmp_p
         text = path.read_text()
         assert "#   trainer.device: 'auto' -> " in text
         assert "#   model.compute_dtype: 'auto' -> " in text
+
+
+# ------------------------------------------------------------------ presets yield
+def _load(preset: str, overrides: list[str]):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config(preset, overrides)
+    return cfg, [str(w.message) for w in caught if issubclass(w.category, ConfigNote)]
+
+
+def test_a_presets_mini_batch_yields_to_the_users_batch_size():
+    # As a TRL user tries it: the 16 is the preset's, not the user's.
+    cfg, notes = _load("grpo", ["data.train_batch_size=4", "trainer.device=cpu"])
+    assert cfg.actor.ppo_mini_batch_size == 4
+    assert any(
+        "preset 'grpo' sets actor.ppo_mini_batch_size=16, which does not fit the given "
+        "data.train_batch_size=4; using 4" in note
+        for note in notes
+    ), notes
+    check_config(cfg)
+    # The largest size up to the preset's that divides the batch.
+    assert _load("grpo", ["data.train_batch_size=24"])[0].actor.ppo_mini_batch_size == 12
+    # A batch the preset's size fits leaves it, without a note.
+    cfg, notes = _load("grpo", ["data.train_batch_size=64"])
+    assert cfg.actor.ppo_mini_batch_size == 16 and not notes
+    # Each rank needs a row per mini-batch: 32 prompts x 1 response over 32 ranks leave one
+    # row each, so the 16 (which divides 32) yields to one mini-batch of the whole batch.
+    shape = ["data.train_batch_size=32", "rollout.n=1", "trainer.n_gpus_per_node=32"]
+    cfg, notes = _load("grpo", shape)
+    assert cfg.actor.ppo_mini_batch_size == 32 and "trainer.n_gpus_per_node=32" in notes[-1]
+
+
+def test_a_mini_batch_the_user_wrote_stays_an_error():
+    cfg, notes = _load("grpo", ["data.train_batch_size=4", "actor.ppo_mini_batch_size=16"])
+    assert cfg.actor.ppo_mini_batch_size == 16 and not notes
+    with pytest.raises(ConfigError, match=r"16 must divide data.train_batch_size \(4\)") as err:
+        check_config(cfg)
+    assert err.value.key == "actor.ppo_mini_batch_size"
+    # verl's spelling of it is the user's too.
+    cfg, _ = _load(
+        "grpo", ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=16"]
+    )
+    assert cfg.actor.ppo_mini_batch_size == 16

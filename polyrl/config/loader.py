@@ -738,6 +738,69 @@ def _drop_preset_keys(data: dict[str, Any], user: set[str], source: str) -> list
     return notes
 
 
+#: Mini-batch options a preset may set, each in prompts: it must divide ``data.train_batch_size``
+#: and leave every training rank at least one row per mini-batch.
+_MINI_BATCH_KEYS = ("actor.ppo_mini_batch_size", "prime.mini_batch_size")
+#: The options a mini-batch size must fit.
+_BATCH_SHAPE_KEYS = (
+    "data.train_batch_size",
+    "rollout.n",
+    "trainer.nnodes",
+    "trainer.n_gpus_per_node",
+)
+
+
+def _preset_value(data: Mapping[str, Any], key: str) -> Any:
+    group, name = key.split(".")
+    section = data.get(group)
+    return section.get(name) if isinstance(section, Mapping) else None
+
+
+def _option(cfg: Any, key: str) -> Any:
+    group, name = key.split(".")
+    return getattr(getattr(cfg, group), name)
+
+
+def _yield_preset_values(
+    cfg: PolyRLConfig, data: Mapping[str, Any], user: set[str], source: str
+) -> tuple[PolyRLConfig, list[str]]:
+    """Let the preset's values that no longer fit what the user set yield to it; return notes.
+
+    A preset's mini-batch size (``actor.ppo_mini_batch_size``, ``prime.mini_batch_size``) that
+    does not fit the user's ``data.train_batch_size`` (or ``rollout.n`` / world size) becomes
+    the nearest size that fits, the largest up to it or else the smallest above it: a divisor
+    of the batch that leaves every rank a row per mini-batch (the whole batch for a batch
+    smaller than the preset's mini-batch). A value the user set stays as given, and the
+    trainer's check names it.
+    """
+    notes: list[str] = []
+    given = [k for k in _BATCH_SHAPE_KEYS if k in user]
+    if not given:
+        return cfg, notes
+    batch = cfg.data.train_batch_size
+    rows_per_rank = batch * cfg.rollout.n // cfg.trainer.world_size
+
+    def fits(size: int) -> bool:
+        return batch % size == 0 and rows_per_rank >= batch // size
+
+    for key in _MINI_BATCH_KEYS:
+        preset = _preset_value(data, key)
+        if key in user or not preset or fits(preset):
+            continue
+        # The largest size up to the preset's that fits, else the smallest above it.
+        sizes = [*range(min(preset, batch), 0, -1), *range(preset + 1, batch + 1)]
+        size = next((m for m in sizes if fits(m)), None)
+        if size is None:
+            continue  # nothing fits: the trainer's check says what to raise
+        cfg = _set(cfg, key, size, source)
+        settings = ", ".join(f"{k}={_option(cfg, k)}" for k in given)
+        notes.append(
+            f"{source} sets {key}={preset}, which does not fit the given {settings}; using "
+            f"{size}, the nearest size that does (set {key} to choose)"
+        )
+    return cfg, notes
+
+
 def load_config(
     preset: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()
 ) -> PolyRLConfig:
@@ -751,6 +814,9 @@ def load_config(
       the user sets decides the run length; given both, a non-zero ``total_steps`` wins and a
       note says so);
     * ``data.max_response_length`` also sets ``rollout.max_new_tokens`` unless that is given.
+    * a preset's mini-batch size (``actor.ppo_mini_batch_size``, ``prime.mini_batch_size``)
+      that does not fit the given ``data.train_batch_size`` (or ``rollout.n``, world size)
+      becomes the nearest one that does.
 
     Each such decision is reported as a :class:`ConfigNote` warning.
 
@@ -774,7 +840,8 @@ def load_config(
     with deferred_registry_checks():  # the preset may name what its trainer.imports register
         base = from_dict(data, PolyRLConfig, source=source)
     cfg = _apply_all(base, read)
-    _emit(notes + read.notes)
+    cfg, yielded = _yield_preset_values(cfg, data, read.user_keys, source)
+    _emit(notes + read.notes + yielded)
     return cfg
 
 
