@@ -14,7 +14,7 @@ import warnings
 import pytest
 import yaml
 
-from polyrl.config import ConfigError, ConfigNote, load_config, to_dict
+from polyrl.config import ConfigError, ConfigNote, describe, load_config
 from polyrl.trainer.common import save_run_config, with_training_autos
 from polyrl.trainer.rl.checks import check_config
 from polyrl.trainer.rl.settings import (
@@ -42,19 +42,13 @@ RESOLVED = {
 GPU_RUN = ["trainer.device=cuda", "trainer.worker_backend=local", "trainer.n_gpus_per_node=4"]
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
+def _flat(cfg) -> dict:
+    return {o.key: o.default for o in describe(cfg)}
 
 
 def _auto_keys(cfg) -> set[str]:
     """The options of ``cfg`` that say auto (``rollout.replicas``: 0 is auto)."""
-    flat = _flat(to_dict(cfg))
+    flat = _flat(cfg)
     keys = {k for k, v in flat.items() if v == "auto"}
     return keys | ({"rollout.replicas"} if flat["rollout.replicas"] == 0 else set())
 
@@ -111,12 +105,12 @@ def test_the_run_config_file_shows_every_auto_resolved(tmp_path, overrides):
     # matmul_dtype applies to the native backend only; elsewhere it must stay auto.
     assert left == ({"rollout.matmul_dtype"} if cfg.rollout.backend != "native" else set())
     assert saved == resolved_config(cfg, settings, "shm")
-    flat = _flat(to_dict(saved))
+    flat = _flat(saved)
     assert flat["trainer.device"] == settings.training_device
     assert flat["rollout.replicas"] == settings.replicas
     assert flat["rollout.dtype"] == settings.rollout_dtype
     # Every other option is kept as set.
-    given = _flat(to_dict(cfg))
+    given = _flat(cfg)
     assert all(flat[k] == v for k, v in given.items() if k not in RESOLVED)
     # The header says what the run decided, from what.
     text = path.read_text()

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from polyrl.config import ConfigError, PolyRLConfig, to_dict, to_yaml
+from polyrl.config import ConfigError, PolyRLConfig, describe, to_yaml
 
 __all__ = [
     "check_devices",
@@ -145,16 +145,6 @@ def with_training_autos(cfg: PolyRLConfig) -> PolyRLConfig:
     )
 
 
-def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping) and value:
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def save_run_config(
     given: PolyRLConfig, resolved: PolyRLConfig, path: str | os.PathLike[str]
 ) -> Path:
@@ -164,8 +154,10 @@ def save_run_config(
     by a comment that names each option the run resolved and what ``given`` said, so a reader
     sees which values the machine decided.
     """
-    before, after = _flat(to_dict(given)), _flat(to_dict(resolved))
-    changed = [(k, before[k], after[k]) for k in after if before.get(k) != after[k]]
+    before = {o.key: o.default for o in describe(given)}
+    changed = [
+        (o.key, before[o.key], o.default) for o in describe(resolved) if before[o.key] != o.default
+    ]
     header = ""
     if changed:
         header = "# Settings this run resolved (the value given -> the value used):\n" + "".join(
