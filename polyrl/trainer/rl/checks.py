@@ -114,7 +114,8 @@ def check_config(
             "stream fixed prompt sets); turn one of them off",
             key="algorithm.filter_groups",
         )
-    check_mode(cfg, settings)
+    run = settings_for(cfg, settings)
+    check_mode(cfg, run)
     reward = cfg.reward
     if reward.rule_weight == 0.0 and not reward.model_path and not reward.judge_template:
         raise ConfigError(
@@ -162,7 +163,7 @@ def check_config(
             key="actor.ppo_mini_batch_size",
         )
     world = cfg.trainer.world_size
-    minis = batch // actor.ppo_mini_batch_size if actor.ppo_mini_batch_size else 1
+    minis = run.num_mini_batches
     if (batch * cfg.rollout.n) // world < minis:
         raise ConfigError(
             f"{batch} prompts x {cfg.rollout.n} responses over {world} ranks leave fewer rows per "
@@ -182,7 +183,7 @@ def check_config(
                 f"{prime.mini_batch_size} must divide data.train_batch_size ({batch})",
                 key="prime.mini_batch_size",
             )
-        prm_minis = batch // prime.mini_batch_size if prime.mini_batch_size else 1
+        prm_minis = run.prm_mini_batches
         if (batch * cfg.rollout.n) // world < prm_minis:
             raise ConfigError(
                 f"{batch} prompts x {cfg.rollout.n} responses over {world} ranks leave fewer "
