@@ -2,8 +2,9 @@
 
 Every option an RL run leaves to ``auto`` is decided once into a frozen
 :class:`~polyrl.trainer.rl.settings.RunSettings`, and the run directory's config file shows the
-decided values; a preset's mini-batch size that does not fit the batch the user gave yields to
-it, with a note, while a value the user wrote stays an error.
+decided values; a preset's mini-batch size that does not fit the batch the user gave, or a token
+budget below the lengths the user gave, yields to them, with a note, while a value the user
+wrote stays an error.
 """
 
 from __future__ import annotations
@@ -154,16 +155,23 @@ def _load(preset: str, overrides: list[str]):
     return cfg, [str(w.message) for w in caught if issubclass(w.category, ConfigNote)]
 
 
+def _yields(preset: str, overrides: list[str], note: str):
+    """Load with ``overrides``: a note says ``note``, and the trainer's checks pass."""
+    cfg, notes = _load(preset, [*overrides, "trainer.device=cpu"])
+    assert any(note in n for n in notes), notes
+    check_config(cfg)
+    return cfg
+
+
 def test_a_presets_mini_batch_yields_to_the_users_batch_size():
     # As a TRL user tries it: the 16 is the preset's, not the user's.
-    cfg, notes = _load("grpo", ["data.train_batch_size=4", "trainer.device=cpu"])
-    assert cfg.actor.ppo_mini_batch_size == 4
-    assert any(
+    _yields(
+        "grpo",
+        ["data.train_batch_size=4"],
         "preset 'grpo' sets actor.ppo_mini_batch_size=16, which does not fit the given "
-        "data.train_batch_size=4; using 4" in note
-        for note in notes
-    ), notes
-    check_config(cfg)
+        "data.train_batch_size=4; using 4",
+    )
+    assert _load("grpo", ["data.train_batch_size=4"])[0].actor.ppo_mini_batch_size == 4
     # The largest size up to the preset's that divides the batch.
     assert _load("grpo", ["data.train_batch_size=24"])[0].actor.ppo_mini_batch_size == 12
     # A batch the preset's size fits leaves it, without a note.
@@ -187,3 +195,25 @@ def test_a_mini_batch_the_user_wrote_stays_an_error():
         "grpo", ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=16"]
     )
     assert cfg.actor.ppo_mini_batch_size == 16
+
+
+def test_a_token_budget_the_user_did_not_set_holds_the_given_lengths():
+    # 1024 prompt tokens + the whole multi-turn trajectory (the tool loop is on).
+    cfg = _yields(
+        "grpo_tool",
+        ["data.max_response_length=20000"],
+        "actor.max_tokens_per_micro_batch=16384, which you did not set, is below the longest "
+        "sequence of the given data.max_response_length=20000 (21024 tokens); using 21024",
+    )
+    assert cfg.actor.max_tokens_per_micro_batch == 21024
+    # A turn capped lower keeps the budget.
+    cfg, notes = _load(
+        "demo", ["data.max_response_length=20000", "rollout.max_new_tokens=8", "trainer.device=cpu"]
+    )
+    assert cfg.actor.max_tokens_per_micro_batch == 16384 and not notes
+    # A budget the user wrote stays an error.
+    cfg, _ = _load(
+        "demo", ["data.max_response_length=20000", "actor.max_tokens_per_micro_batch=1000"]
+    )
+    with pytest.raises(ConfigError, match="1000 is below the longest sequence"):
+        check_config(cfg)

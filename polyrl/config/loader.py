@@ -43,6 +43,7 @@ __all__ = [
     "load_config",
     "parse_override",
     "read_preset",
+    "response_cap",
     "save_config",
     "to_dict",
     "to_yaml",
@@ -738,6 +739,23 @@ def _drop_preset_keys(data: dict[str, Any], user: set[str], source: str) -> list
     return notes
 
 
+def response_cap(cfg: PolyRLConfig) -> int:
+    """Return the most tokens one RL response may hold.
+
+    With the agent loop that is a whole multi-turn trajectory (``data.max_response_length``);
+    otherwise one turn (``rollout.max_new_tokens``, capped by ``data.max_response_length``).
+    """
+    data = cfg.data.max_response_length
+    return data if cfg.agent.enable else min(cfg.rollout.max_new_tokens, data)
+
+
+#: What an RL sequence's length follows: the actor's token budget must hold the longest one.
+_LENGTH_KEYS = (
+    "data.max_prompt_length",
+    "data.max_response_length",
+    "rollout.max_new_tokens",
+    "agent.enable",
+)
 #: Mini-batch options a preset may set, each in prompts: it must divide ``data.train_batch_size``
 #: and leave every training rank at least one row per mini-batch.
 _MINI_BATCH_KEYS = ("actor.ppo_mini_batch_size", "prime.mini_batch_size")
@@ -801,6 +819,27 @@ def _yield_preset_values(
     return cfg, notes
 
 
+def _yield_token_budget(cfg: PolyRLConfig, user: set[str]) -> tuple[PolyRLConfig, list[str]]:
+    """Raise an ``actor.max_tokens_per_micro_batch`` the user did not set to the longest sequence.
+
+    When the user's lengths (:data:`_LENGTH_KEYS`) make a sequence longer than the budget the
+    preset (or the default) gives, no micro-batch could hold it; the budget becomes the length
+    of the longest sequence.
+    """
+    key = "actor.max_tokens_per_micro_batch"
+    given = [k for k in _LENGTH_KEYS if k in user]
+    longest = cfg.data.max_prompt_length + response_cap(cfg)
+    budget = cfg.actor.max_tokens_per_micro_batch
+    if key in user or not given or budget >= longest:
+        return cfg, []
+    settings = ", ".join(f"{k}={_option(cfg, k)}" for k in given)
+    note = (
+        f"{key}={budget}, which you did not set, is below the longest sequence of the given "
+        f"{settings} ({longest} tokens); using {longest} (set {key} to choose)"
+    )
+    return _set(cfg, key, longest, "the given lengths"), [note]
+
+
 def load_config(
     preset: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()
 ) -> PolyRLConfig:
@@ -816,7 +855,9 @@ def load_config(
     * ``data.max_response_length`` also sets ``rollout.max_new_tokens`` unless that is given.
     * a preset's mini-batch size (``actor.ppo_mini_batch_size``, ``prime.mini_batch_size``)
       that does not fit the given ``data.train_batch_size`` (or ``rollout.n``, world size)
-      becomes the nearest one that does.
+      becomes the nearest one that does;
+    * an ``actor.max_tokens_per_micro_batch`` below the longest sequence the given lengths
+      allow is raised to it.
 
     Each such decision is reported as a :class:`ConfigNote` warning.
 
@@ -841,7 +882,8 @@ def load_config(
         base = from_dict(data, PolyRLConfig, source=source)
     cfg = _apply_all(base, read)
     cfg, yielded = _yield_preset_values(cfg, data, read.user_keys, source)
-    _emit(notes + read.notes + yielded)
+    cfg, raised = _yield_token_budget(cfg, read.user_keys)
+    _emit(notes + read.notes + yielded + raised)
     return cfg
 
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from polyrl.config import ConfigError, PolyRLConfig
+from polyrl.config import ConfigError, PolyRLConfig, response_cap
 from polyrl.config.schema import validate_tree
 from polyrl.trainer.common import check_devices
-from polyrl.trainer.rl.rollout import response_cap
 from polyrl.trainer.rl.settings import RunSettings, settings_for
 
 __all__ = ["check_config", "check_mode"]
