@@ -150,7 +150,7 @@ def test_modes_refuse_what_they_cannot_run_with():
         ("transfer.enable=true", "transfer.enable"),
         ("algorithm.filter_groups=true", "algorithm.filter_groups"),
     ]:
-        from polyrl.trainer.rl.build import check_mode
+        from polyrl.trainer.rl.checks import check_mode
 
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             check_mode(load_config("demo", ["trainer.mode=async", override]))

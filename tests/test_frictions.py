@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from polyrl.config import ConfigError, available_presets, load_config
-from polyrl.trainer.rl.build import check_config
+from polyrl.trainer.rl.checks import check_config
 
 
 def test_every_algorithm_named_in_the_train_help_has_a_preset():
@@ -78,7 +78,7 @@ def test_a_missing_tracker_package_is_reported_before_anything_starts(monkeypatc
 
 
 def test_device_check_names_the_option():
-    from polyrl.trainer.sft import check_devices
+    from polyrl.trainer.common import check_devices
 
     cfg = load_config("grpo", ["trainer.device=cpu", "rollout.device=cpu"])
     check_devices(cfg, ("trainer.device", "rollout.device"))
@@ -163,7 +163,7 @@ def test_the_proxy_says_when_the_served_model_is_not_a_directory_here(monkeypatc
 
 
 def test_polyrl_starts_its_own_ray_unless_given_an_address():
-    from polyrl.trainer.sft import ray_init_options
+    from polyrl.trainer.common import ray_init_options
 
     # "local": a new Ray even where `ray start` left a cluster running on this machine (plain
     # ray.init() joins it, then refuses num_cpus).

@@ -41,7 +41,7 @@ def test_full_kl_matches_the_hand_computed_divergence():
 
 
 def test_new_estimators_are_config_choices_and_full_is_refused_by_the_trainer():
-    from polyrl.trainer.rl.build import check_config
+    from polyrl.trainer.rl.checks import check_config
 
     assert {"abs", "full"} <= set(KL_ESTIMATORS)
     cfg = load_config("grpo", ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=abs"])

@@ -77,7 +77,7 @@ def test_judge_template_fields_and_config_checks():
         load_config("grpo", ["reward.judge_template=Is {answer} right?"])
     with pytest.raises(ConfigError, match="reward.judge_parse"):
         load_config("grpo", ["reward.judge_template={response}", "reward.judge_parse=[("])
-    from polyrl.trainer.rl.build import check_config
+    from polyrl.trainer.rl.checks import check_config
 
     with pytest.raises(ConfigError, match="reward.rule_weight"):
         check_config(load_config("grpo", ["reward.rule_weight=0"]))

@@ -26,6 +26,7 @@ from polyrl.trainer.rl import RLTrainer
 from polyrl.trainer.rl.advantage import place_on_last_token
 from polyrl.trainer.rl.asynchronous import AheadRollout
 from polyrl.trainer.rl.rollout import group_varies, select_groups
+from polyrl.trainer.rl.settings import resolved_config
 from polyrl.trainer.rl_losses import actor_loss, critic_loss, state_values
 
 REPO = Path(__file__).resolve().parents[1]
@@ -658,6 +659,10 @@ def test_dapo_dynamic_sampling_fills_the_batch_and_shapes_overlong_rewards(tmp_p
     trainer = RLTrainer(load_config("dapo", overrides))
     try:
         trainer.setup()
+        # The run directory's config shows what the run resolved, the transport included.
+        saved = load_config(tmp_path / "dapo" / "rl_config.yaml")
+        assert saved == resolved_config(trainer.cfg, trainer.settings, trainer.replicas.transport)
+        assert "auto" not in (saved.trainer.device, saved.rollout.weight_transport)
         before = trainer.sampler.state_dict()
         metrics = trainer.step(1)
         assert metrics["filter/gen_batches"] == 3.0

@@ -16,7 +16,7 @@ from polyrl.data.schema import RowValidationError
 from polyrl.reward import RewardFailureError, RewardFunctionError
 from polyrl.reward.functions import RewardFunctionsManager, resolve_reward_functions
 from polyrl.reward.user_fn import RewardResultError
-from polyrl.trainer.rl.build import check_config
+from polyrl.trainer.rl.checks import check_config
 
 datasets = pytest.importorskip("datasets")
 

@@ -222,7 +222,7 @@ def test_every_alias_target_is_a_polyrl_option_and_the_doc_is_current():
 
 
 def test_critic_model_path_without_model_path_is_refused():
-    from polyrl.trainer.rl.build import check_config
+    from polyrl.trainer.rl.checks import check_config
 
     cfg = load_config("grpo", ["critic.model_path=/models/qwen"])
     with pytest.raises(ConfigError, match=r"model.path: is empty.*critic.model_path"):

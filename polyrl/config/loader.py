@@ -45,6 +45,7 @@ __all__ = [
     "load_config",
     "parse_override",
     "read_preset",
+    "response_cap",
     "save_config",
     "to_dict",
     "to_yaml",
@@ -745,6 +746,107 @@ def _drop_preset_keys(data: dict[str, Any], user: set[str], source: str) -> list
     return notes
 
 
+def response_cap(cfg: PolyRLConfig) -> int:
+    """Return the most tokens one RL response may hold.
+
+    With the agent loop that is a whole multi-turn trajectory (``data.max_response_length``);
+    otherwise one turn (``rollout.max_new_tokens``, capped by ``data.max_response_length``).
+    """
+    data = cfg.data.max_response_length
+    return data if cfg.agent.enable else min(cfg.rollout.max_new_tokens, data)
+
+
+#: What an RL sequence's length follows: the actor's token budget must hold the longest one.
+_LENGTH_KEYS = (
+    "data.max_prompt_length",
+    "data.max_response_length",
+    "rollout.max_new_tokens",
+    "agent.enable",
+)
+#: Mini-batch options a preset may set, each in prompts: it must divide ``data.train_batch_size``
+#: and leave every training rank at least one row per mini-batch.
+_MINI_BATCH_KEYS = ("actor.ppo_mini_batch_size", "prime.mini_batch_size")
+#: The options a mini-batch size must fit.
+_BATCH_SHAPE_KEYS = (
+    "data.train_batch_size",
+    "rollout.n",
+    "trainer.nnodes",
+    "trainer.n_gpus_per_node",
+)
+
+
+def _preset_value(data: Mapping[str, Any], key: str) -> Any:
+    group, name = key.split(".")
+    section = data.get(group)
+    return section.get(name) if isinstance(section, Mapping) else None
+
+
+def _option(cfg: Any, key: str) -> Any:
+    group, name = key.split(".")
+    return getattr(getattr(cfg, group), name)
+
+
+def _yield_preset_values(
+    cfg: PolyRLConfig, data: Mapping[str, Any], user: set[str], source: str
+) -> tuple[PolyRLConfig, list[str]]:
+    """Let the preset's values that no longer fit what the user set yield to it; return notes.
+
+    A preset's mini-batch size (``actor.ppo_mini_batch_size``, ``prime.mini_batch_size``) that
+    does not fit the user's ``data.train_batch_size`` (or ``rollout.n`` / world size) becomes
+    the nearest size that fits, the largest up to it or else the smallest above it: a divisor
+    of the batch that leaves every rank a row per mini-batch (the whole batch for a batch
+    smaller than the preset's mini-batch). A value the user set stays as given, and the
+    trainer's check names it.
+    """
+    notes: list[str] = []
+    given = [k for k in _BATCH_SHAPE_KEYS if k in user]
+    if not given:
+        return cfg, notes
+    batch = cfg.data.train_batch_size
+    rows_per_rank = batch * cfg.rollout.n // cfg.trainer.world_size
+
+    def fits(size: int) -> bool:
+        return batch % size == 0 and rows_per_rank >= batch // size
+
+    for key in _MINI_BATCH_KEYS:
+        preset = _preset_value(data, key)
+        if key in user or not preset or fits(preset):
+            continue
+        # The largest size up to the preset's that fits, else the smallest above it.
+        sizes = [*range(min(preset, batch), 0, -1), *range(preset + 1, batch + 1)]
+        size = next((m for m in sizes if fits(m)), None)
+        if size is None:
+            continue  # nothing fits: the trainer's check says what to raise
+        cfg = _set(cfg, key, size, source)
+        settings = ", ".join(f"{k}={_option(cfg, k)}" for k in given)
+        notes.append(
+            f"{source} sets {key}={preset}, which does not fit the given {settings}; using "
+            f"{size}, the nearest size that does (set {key} to choose)"
+        )
+    return cfg, notes
+
+
+def _yield_token_budget(cfg: PolyRLConfig, user: set[str]) -> tuple[PolyRLConfig, list[str]]:
+    """Raise an ``actor.max_tokens_per_micro_batch`` the user did not set to the longest sequence.
+
+    When the user's lengths (:data:`_LENGTH_KEYS`) make a sequence longer than the budget the
+    preset (or the default) gives, no micro-batch could hold it; the budget becomes the length
+    of the longest sequence.
+    """
+    key = "actor.max_tokens_per_micro_batch"
+    given = [k for k in _LENGTH_KEYS if k in user]
+    longest = cfg.data.max_prompt_length + response_cap(cfg)
+    budget = cfg.actor.max_tokens_per_micro_batch
+    if key in user or not given or budget >= longest:
+        return cfg, []
+    settings = ", ".join(f"{k}={_option(cfg, k)}" for k in given)
+    note = (
+        f"{key}={budget}, which you did not set, is below the longest sequence of the given "
+        f"{settings} ({longest} tokens); using {longest} (set {key} to choose)"
+    )
+    return _set(cfg, key, longest, "the given lengths"), [note]
+
+
 def load_config(
     preset: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()
 ) -> PolyRLConfig:
@@ -758,6 +860,11 @@ def load_config(
       the user sets decides the run length; given both, a non-zero ``total_steps`` wins and a
       note says so);
     * ``data.max_response_length`` also sets ``rollout.max_new_tokens`` unless that is given.
+    * a preset's mini-batch size (``actor.ppo_mini_batch_size``, ``prime.mini_batch_size``)
+      that does not fit the given ``data.train_batch_size`` (or ``rollout.n``, world size)
+      becomes the nearest one that does;
+    * an ``actor.max_tokens_per_micro_batch`` below the longest sequence the given lengths
+      allow is raised to it.
 
     Each such decision is reported as a :class:`ConfigNote` warning.
 
@@ -781,7 +888,9 @@ def load_config(
     with deferred_registry_checks():  # the preset may name what its trainer.imports register
         base = from_dict(data, PolyRLConfig, source=source)
     cfg = _apply_all(base, read)
-    _emit(notes + read.notes)
+    cfg, yielded = _yield_preset_values(cfg, data, read.user_keys, source)
+    cfg, raised = _yield_token_budget(cfg, read.user_keys)
+    _emit(notes + read.notes + yielded + raised)
     return cfg
 
 

@@ -6,7 +6,9 @@
 * :class:`polyrl.trainer.tracking.Tracker` -- metrics fan-out to console / jsonl / tensorboard /
   wandb / mlflow backends;
 * :func:`polyrl.trainer.plotting.plot_learning_curves` -- learning-curve PNGs from metrics.jsonl;
-* :mod:`polyrl.trainer.checkpointing` -- checkpoint location and ``resume_mode`` resolution.
+* :mod:`polyrl.trainer.checkpointing` -- checkpoint location and ``resume_mode`` resolution;
+* :mod:`polyrl.trainer.common` -- what every trainer needs before its first step (model
+  directory, data files, device checks, Ray options, the resolved config file).
 
 Submodules import lazily so ``import polyrl.trainer`` stays cheap.
 """

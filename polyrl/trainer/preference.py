@@ -35,9 +35,16 @@ from typing import Any
 
 import torch
 
-from polyrl.config import ConfigError, PolyRLConfig, save_config
+from polyrl.config import ConfigError, PolyRLConfig
 from polyrl.config.schema import constructor_kwargs
 from polyrl.trainer.checkpointing import checkpoint_root
+from polyrl.trainer.common import (
+    check_devices,
+    data_files,
+    resolve_model_dir,
+    save_run_config,
+    with_training_autos,
+)
 from polyrl.trainer.preference_data import (
     PreferenceDataset,
     TokenizedPair,
@@ -45,14 +52,7 @@ from polyrl.trainer.preference_data import (
     pairs_from_rows,
 )
 from polyrl.trainer.run_loop import RunLoop, first_and_last
-from polyrl.trainer.sft import (
-    HF_DIR,
-    check_devices,
-    data_files,
-    engine_configs,
-    resolve_model_dir,
-    restore_sampler,
-)
+from polyrl.trainer.sft import HF_DIR, engine_configs, restore_sampler
 
 __all__ = ["DEFAULT_PLOT_METRICS", "run_dpo", "run_preference", "run_rm"]
 
@@ -338,7 +338,7 @@ def run_preference(
     _check_config(cfg, kind, max_length, train_rows is not None)
     out_dir = Path(trainer.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out_dir / f"{kind}_config.yaml")
+    save_run_config(cfg, with_training_autos(cfg), out_dir / f"{kind}_config.yaml")
 
     model_path = Path(model_dir) if model_dir is not None else resolve_model_dir(cfg, out_dir)
     tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.model.trust_remote_code)

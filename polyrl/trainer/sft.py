@@ -34,21 +34,27 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from polyrl.config import ConfigError, PolyRLConfig, save_config
+from polyrl.config import ConfigError, PolyRLConfig
 from polyrl.config.schema import constructor_kwargs
 from polyrl.core.batch import Batch
 from polyrl.trainer.checkpointing import checkpoint_root
+from polyrl.trainer.common import (
+    check_devices,
+    data_files,
+    ray_init_options,
+    resolve_model_dir,
+    save_run_config,
+    training_device,
+    with_training_autos,
+)
 from polyrl.trainer.run_loop import RunLoop, first_and_last, series
 from polyrl.trainer.sft_data import SFTDataError, SFTDataset, chats_from_rows, collate_chats
 
 __all__ = [
     "DEFAULT_PLOT_METRICS",
     "SFTRunner",
-    "check_devices",
     "engine_configs",
     "load_sft_datasets",
-    "ray_init_options",
-    "resolve_model_dir",
     "restore_sampler",
     "run_sft",
 ]
@@ -67,23 +73,6 @@ def _log(message: str) -> None:
 
 
 # ------------------------------------------------------------------------------ inputs
-def resolve_model_dir(cfg: PolyRLConfig, out_dir: Path) -> Path:
-    """``model.path``, or a tiny model built (once) under ``<out_dir>/model``."""
-    if cfg.model.path:
-        path = Path(cfg.model.path)
-        if not (path / "config.json").is_file():
-            raise ConfigError(
-                f"{str(path)!r} is not a Hugging Face model directory (no config.json)",
-                key="model.path",
-            )
-        return path
-    from polyrl.models.tiny import build_tiny_model
-
-    return build_tiny_model(
-        cfg.model.tiny_arch, out_dir / "model", size=cfg.model.tiny_size, seed=cfg.seed
-    )
-
-
 def _read_chats(files: list[str], cfg: PolyRLConfig) -> list[dict[str, Any]]:
     from polyrl.data.io import read_rows
 
@@ -92,36 +81,6 @@ def _read_chats(files: list[str], cfg: PolyRLConfig) -> list[dict[str, Any]]:
         rows = read_rows(name)
         chats += chats_from_rows(rows, cfg.sft.messages_key, cfg.data.prompt_key, source=name)
     return chats
-
-
-def data_files(cfg: PolyRLConfig, out_dir: Path) -> tuple[list[str], list[str]]:
-    """Return the run's training and validation files (a generated task's splits, or files).
-
-    With ``data.task`` the task's train/test splits are written under ``data.data_dir``
-    (default ``<out_dir>/data``); ``data.val_files``, when given, replace the generated test
-    split. Used by the SFT and RL trainers alike.
-
-    Raises:
-        ConfigError: neither a task nor training files are set.
-    """
-    data = cfg.data
-    if not data.task:
-        if not data.train_files:
-            raise ConfigError("no training data files", key="data.train_files")
-        return list(data.train_files), list(data.val_files)
-    from polyrl.data.tasks import write_task_splits
-
-    data_dir = Path(data.data_dir) if data.data_dir else out_dir / "data"
-    train_path, test_path = write_task_splits(
-        data.task,
-        data_dir,
-        data.num_train,
-        data.num_val,
-        seed=cfg.seed_for("data"),
-        **data.task_options,
-    )
-    val_files = list(data.val_files) or ([str(test_path)] if data.num_val > 0 else [])
-    return [str(train_path)], val_files
 
 
 def load_sft_datasets(
@@ -318,27 +277,6 @@ class SFTRunner:
             self._started_ray = False
 
 
-def ray_init_options(cfg: PolyRLConfig) -> dict[str, Any]:
-    """``ray.init`` keyword arguments for ``cfg.ray`` (join ``address`` or start a local Ray)."""
-    opts: dict[str, Any] = {
-        "namespace": cfg.ray.namespace,
-        "include_dashboard": False,
-        "configure_logging": False,
-    }
-    if cfg.ray.address:
-        opts["address"] = cfg.ray.address
-    else:
-        # "local" starts a Ray of our own even where a cluster is already running on this
-        # machine (`ray start`, another run): plain ray.init() would join that one, and then
-        # refuse num_cpus/num_gpus.
-        opts["address"] = "local"
-        if cfg.ray.num_cpus:
-            opts["num_cpus"] = cfg.ray.num_cpus
-        if cfg.ray.num_gpus >= 0:
-            opts["num_gpus"] = cfg.ray.num_gpus
-    return opts
-
-
 # ------------------------------------------------------------------------------ the loop
 def _validate(runner: SFTRunner, val: SFTDataset, batch_size: int, pad_id: int) -> dict[str, float]:
     weighted = 0.0
@@ -349,24 +287,6 @@ def _validate(runner: SFTRunner, val: SFTDataset, batch_size: int, pad_id: int) 
         weighted += metrics["loss"] * metrics["num_tokens"]
         tokens += metrics["num_tokens"]
     return {"val/loss": weighted / max(tokens, 1.0), "val/num_tokens": tokens}
-
-
-def check_devices(cfg: PolyRLConfig, keys: Sequence[str] = ("trainer.device",)) -> None:
-    """Refuse ``cuda`` in the device options ``keys`` on a machine without CUDA, at once.
-
-    Otherwise Ray waits for GPUs that never come and the run fails a minute later.
-    """
-    import torch
-
-    for key in keys:
-        group, name = key.split(".")
-        if getattr(getattr(cfg, group), name) == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(
-                "is cuda but this machine has no CUDA device visible to torch "
-                f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
-                "use cpu or auto",
-                key=key,
-            )
 
 
 def _check_config(cfg: PolyRLConfig, max_length: int) -> None:
@@ -403,7 +323,7 @@ def run_sft(cfg: PolyRLConfig) -> dict[str, Any]:
     _check_config(cfg, max_length)
     out_dir = Path(trainer.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out_dir / "sft_config.yaml")
+    save_run_config(cfg, with_training_autos(cfg), out_dir / "sft_config.yaml")
 
     model_dir = resolve_model_dir(cfg, out_dir)
     tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
@@ -436,9 +356,7 @@ def run_sft(cfg: PolyRLConfig) -> dict[str, Any]:
         plot_keys=list(trainer.plot_metrics) or list(DEFAULT_PLOT_METRICS),
         started=started,
     )
-    import torch
-
-    use_gpu = trainer.device == "cuda" or (trainer.device == "auto" and torch.cuda.is_available())
+    use_gpu = training_device(cfg) == "cuda"
     engine_cfg, optimizer_cfg = engine_configs(cfg, sft, total)
     runner = SFTRunner(
         # model.* maps onto ModelSpec by field name (dtype, trust_remote_code, the LoRA options).

@@ -9,6 +9,8 @@
 * :mod:`~polyrl.trainer.rl.rollout` -- sampling and scoring through the rollout client;
 * :mod:`~polyrl.trainer.rl.store_worker` -- the transfer queue's rollout workers;
 * :mod:`~polyrl.trainer.rl.metrics` -- what a step reports;
+* :mod:`~polyrl.trainer.rl.settings` -- every ``auto`` of the config, resolved once;
+* :mod:`~polyrl.trainer.rl.checks` -- the config's checks, before anything starts;
 * :mod:`~polyrl.trainer.rl.build` -- the wiring, run once at set-up.
 """
 

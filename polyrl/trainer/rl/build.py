@@ -1,7 +1,8 @@
-"""Wiring of an RL run: check the config, load data, start replicas, engines and the queue.
+"""Wiring of an RL run: load data, start replicas, engines and the queue.
 
-Every function here runs once, at :meth:`~polyrl.trainer.rl.loop.RLTrainer.setup`; the step
-itself lives in :mod:`polyrl.trainer.rl.loop`.
+Every function here runs once, at :meth:`~polyrl.trainer.rl.loop.RLTrainer.setup`, from the
+run's resolved settings (:mod:`polyrl.trainer.rl.settings`; the config's checks are in
+:mod:`polyrl.trainer.rl.checks`); the step itself lives in :mod:`polyrl.trainer.rl.loop`.
 """
 
 from __future__ import annotations
@@ -15,13 +16,12 @@ from typing import Any
 import torch
 
 from polyrl.config import ConfigError, PolyRLConfig
-from polyrl.config.schema import constructor_kwargs, validate_tree
-from polyrl.core.dtypes import dtype_name
-from polyrl.trainer.rl.rollout import response_cap
+from polyrl.config.schema import constructor_kwargs
+from polyrl.trainer.common import data_files, ray_init_options
+from polyrl.trainer.rl.settings import RunSettings, resolve_settings, settings_for
 
 __all__ = [
     "RolloutServers",
-    "check_config",
     "choose_transport",
     "engine_pool",
     "engine_specs",
@@ -50,39 +50,30 @@ __all__ = [
 ]
 
 
+# Each of these reads one field of the run's settings (see RunSettings for what auto means).
 def trains_on_gpu(cfg: PolyRLConfig) -> bool:
     """Whether the training engines run on CUDA (``trainer.device``, auto when available)."""
-    return cfg.trainer.device == "cuda" or (
-        cfg.trainer.device == "auto" and torch.cuda.is_available()
-    )
+    return resolve_settings(cfg).trains_on_gpu
 
 
 def rollout_device(cfg: PolyRLConfig) -> str:
     """Where the replicas serve (``rollout.device``; auto follows the training engines)."""
-    if cfg.rollout.device != "auto":
-        return cfg.rollout.device
-    return "cuda" if trains_on_gpu(cfg) else "cpu"
+    return resolve_settings(cfg).rollout_device
 
 
 def rollout_placement(cfg: PolyRLConfig) -> str:
     """``hybrid`` or ``separate`` (``rollout.placement``; auto is hybrid on CUDA)."""
-    if cfg.rollout.placement != "auto":
-        return cfg.rollout.placement
-    return "hybrid" if rollout_device(cfg) == "cuda" else "separate"
+    return resolve_settings(cfg).placement
 
 
 def rollout_dtype(cfg: PolyRLConfig) -> str:
     """Return the replicas' weights dtype (``rollout.dtype``; auto: bf16 on CUDA, else model's)."""
-    if cfg.rollout.dtype != "auto":
-        return cfg.rollout.dtype
-    return "bfloat16" if rollout_device(cfg) == "cuda" else cfg.model.dtype
+    return resolve_settings(cfg).rollout_dtype
 
 
 def gpus_per_replica(cfg: PolyRLConfig) -> int:
     """GPUs one replica holds (0 on CPU)."""
-    if rollout_device(cfg) != "cuda":
-        return 0
-    return cfg.rollout.gpus_per_replica or cfg.rollout.tensor_parallel_size
+    return resolve_settings(cfg).gpus_per_replica
 
 
 def replica_count(cfg: PolyRLConfig) -> int:
@@ -91,17 +82,12 @@ def replica_count(cfg: PolyRLConfig) -> int:
     Auto: in hybrid placement on GPUs, one replica per ``gpus_per_replica`` of the training
     GPUs (every training GPU also serves), else one.
     """
-    if cfg.rollout.replicas:
-        return cfg.rollout.replicas
-    per = gpus_per_replica(cfg)
-    if rollout_placement(cfg) == "hybrid" and per:
-        return max(1, cfg.trainer.world_size // per)
-    return 1
+    return resolve_settings(cfg).replicas
 
 
 def sleeps_during_training(cfg: PolyRLConfig) -> bool:
     """Whether the replicas free their memory while the engines train (always in hybrid)."""
-    return cfg.rollout.sleep_during_training or rollout_placement(cfg) == "hybrid"
+    return resolve_settings(cfg).sleeps_during_training
 
 
 def rollout_matmul_dtype(cfg: PolyRLConfig) -> str:
@@ -111,190 +97,7 @@ def rollout_matmul_dtype(cfg: PolyRLConfig) -> str:
     bfloat16 on CUDA and ``model.dtype`` on CPU), so rollout and training round their matmuls
     alike.
     """
-    from polyrl.model_engine import MixedPrecisionConfig
-
-    if cfg.rollout.matmul_dtype != "auto":
-        return cfg.rollout.matmul_dtype
-    precision = MixedPrecisionConfig(param_dtype=cfg.model.compute_dtype)
-    compute = precision.compute_dtype("cuda" if trains_on_gpu(cfg) else "cpu", cfg.model.dtype)
-    return dtype_name(compute)
-
-
-def check_mode(cfg: PolyRLConfig) -> None:
-    """Refuse what ``trainer.mode=one_step_off|async`` cannot run with, naming the option."""
-    mode = cfg.trainer.mode
-    if mode == "sync":
-        return
-    refused = [
-        (
-            sleeps_during_training(cfg),
-            "rollout.sleep_during_training",
-            "the rollout replicas must keep serving while the engines train; set "
-            "rollout.sleep_during_training=false (and rollout.placement=separate on GPUs)",
-        ),
-        (
-            cfg.transfer.enable,
-            "transfer.enable",
-            "the rollout runs ahead in the driver's rollout thread, not in transfer-queue "
-            "workers; set transfer.enable=false",
-        ),
-        (
-            cfg.algorithm.filter_groups,
-            "algorithm.filter_groups",
-            "dynamic sampling draws extra prompts per step, which the staleness gate does not "
-            "count; turn it off",
-        ),
-        (
-            cfg.async_rl.partial_rollout == "resume" and cfg.agent.enable,
-            "async_rl.partial_rollout",
-            "resume continues single-turn samples from their partial tokens; agent loops "
-            "continue on the new weights (use continue)",
-        ),
-    ]
-    for bad, key, why in refused:
-        if bad:
-            raise ConfigError(f"trainer.mode={mode}: {why}", key=key)
-
-
-def check_config(cfg: PolyRLConfig, has_rows: bool = False, has_model: bool = False) -> None:
-    """Refuse settings that cannot run together, naming the option to change.
-
-    ``has_rows`` / ``has_model``: the caller passes prompt rows / a model directory itself.
-    """
-    from polyrl.trainer.sft import check_devices
-    from polyrl.trainer.tracking import check_trackers
-
-    validate_tree(cfg)  # cross-field checks, also after options were assigned one by one
-    check_devices(cfg, ("trainer.device", "rollout.device"))
-    check_trackers(cfg.trainer.loggers)
-    algo, actor = cfg.algorithm, cfg.actor
-    if not has_rows and not cfg.data.task and not cfg.data.train_files:
-        raise ConfigError(
-            "no training data: set data.task (a generated task) or data.train_files",
-            key="data.train_files",
-        )
-    if cfg.critic.model_path and not cfg.model.path and not has_model:
-        role = (
-            "the critic's start"
-            if algo.adv_estimator == "gae"
-            else f"unused: {algo.adv_estimator} trains no critic"
-        )
-        raise ConfigError(
-            f"is empty, so the policy would be a freshly built random model, while "
-            f"critic.model_path={cfg.critic.model_path!r} ({role}); set model.path (verl: "
-            "actor_rollout_ref.model.path) to the policy model",
-            key="model.path",
-        )
-    if algo.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline", "prime") and (
-        cfg.rollout.n < 2
-    ):
-        raise ConfigError(
-            f"{algo.adv_estimator} compares the responses of one prompt and needs rollout.n >= 2, "
-            f"got {cfg.rollout.n}",
-            key="rollout.n",
-        )
-    if algo.filter_groups and (cfg.rollout.n < 2 or algo.adv_estimator == "remax"):
-        raise ConfigError(
-            "algorithm.filter_groups keeps prompts whose responses differ: it needs rollout.n >= "
-            f"2 and an estimator other than remax (got n={cfg.rollout.n}, "
-            f"{algo.adv_estimator})",
-            key="algorithm.filter_groups",
-        )
-    if algo.filter_groups and cfg.transfer.enable:
-        raise ConfigError(
-            "algorithm.filter_groups is not supported with transfer.enable (the rollout workers "
-            "stream fixed prompt sets); turn one of them off",
-            key="algorithm.filter_groups",
-        )
-    check_mode(cfg)
-    reward = cfg.reward
-    if reward.rule_weight == 0.0 and not reward.model_path and not reward.judge_template:
-        raise ConfigError(
-            "is 0 and neither reward.model_path nor reward.judge_template is set: nothing "
-            "would score the responses",
-            key="reward.rule_weight",
-        )
-    if reward.model_path and not Path(reward.model_path, "config.json").is_file():
-        raise ConfigError(
-            f"{reward.model_path!r} is not a Hugging Face model directory (no config.json); "
-            "expected a *ForSequenceClassification checkpoint with num_labels=1",
-            key="reward.model_path",
-        )
-    if algo.overlong_filter and cfg.transfer.enable:
-        raise ConfigError(
-            "algorithm.overlong_filter masks rows in the driver's batch; it is not supported with "
-            "transfer.enable (the ranks rebuild their masks from the queue); turn one of them off",
-            key="algorithm.overlong_filter",
-        )
-    for key, kind in (
-        ("algorithm.kl_penalty", algo.kl_penalty if algo.use_kl_in_reward else ""),
-        ("actor.kl_loss_type", actor.kl_loss_type if actor.use_kl_loss else ""),
-    ):
-        if kind == "full":
-            raise ConfigError(
-                "'full' (the exact KL of the whole next-token distributions) needs the policy's "
-                "and the reference's log-probabilities over the whole vocabulary at every "
-                "response token, but the engines hand each other one log-prob per token (the "
-                "whole distributions would be B x T x vocabulary floats per step); use k3 / "
-                "low_var_kl, k1, k2 or abs here, or call polyrl.algo.kl_penalty(logp, ref_logp, "
-                "'full') on log_softmax outputs in a loop of your own",
-                key=key,
-            )
-    response = response_cap(cfg)
-    if cfg.reward.overlong_buffer_len > response:
-        raise ConfigError(
-            f"{cfg.reward.overlong_buffer_len} exceeds the maximum response length ({response}); "
-            "the buffer is the last part of the allowed length",
-            key="reward.overlong_buffer_len",
-        )
-    batch = cfg.data.train_batch_size
-    if actor.ppo_mini_batch_size and batch % actor.ppo_mini_batch_size:
-        raise ConfigError(
-            f"{actor.ppo_mini_batch_size} must divide data.train_batch_size ({batch})",
-            key="actor.ppo_mini_batch_size",
-        )
-    world = cfg.trainer.world_size
-    minis = batch // actor.ppo_mini_batch_size if actor.ppo_mini_batch_size else 1
-    if (batch * cfg.rollout.n) // world < minis:
-        raise ConfigError(
-            f"{batch} prompts x {cfg.rollout.n} responses over {world} ranks leave fewer rows per "
-            f"rank than the {minis} mini-batches; raise data.train_batch_size",
-            key="actor.ppo_mini_batch_size",
-        )
-    if cfg.transfer.enable and (batch * cfg.rollout.n) % world:
-        raise ConfigError(
-            f"with transfer.enable the {batch} prompts x {cfg.rollout.n} responses must split "
-            f"evenly over the {world} ranks (each rank fetches its own rows, unpadded)",
-            key="data.train_batch_size",
-        )
-    prime = cfg.prime
-    if algo.adv_estimator == "prime":
-        if prime.mini_batch_size and batch % prime.mini_batch_size:
-            raise ConfigError(
-                f"{prime.mini_batch_size} must divide data.train_batch_size ({batch})",
-                key="prime.mini_batch_size",
-            )
-        prm_minis = batch // prime.mini_batch_size if prime.mini_batch_size else 1
-        if (batch * cfg.rollout.n) // world < prm_minis:
-            raise ConfigError(
-                f"{batch} prompts x {cfg.rollout.n} responses over {world} ranks leave fewer "
-                f"rows per rank than the {prm_minis} PRM mini-batches; raise it or "
-                "data.train_batch_size",
-                key="prime.mini_batch_size",
-            )
-        if prime.update == "none" and not prime.model_path:
-            raise ConfigError(
-                "is none (a frozen PRM) but prime.model_path is empty: a PRM started from the "
-                "policy equals the reference, so every implicit reward would be 0; set "
-                "prime.model_path to a trained PRM or use before/after",
-                key="prime.update",
-            )
-    if actor.max_tokens_per_micro_batch < cfg.data.max_prompt_length + response:
-        raise ConfigError(
-            f"{actor.max_tokens_per_micro_batch} is below the longest sequence "
-            f"({cfg.data.max_prompt_length} prompt + {response} response tokens)",
-            key="actor.max_tokens_per_micro_batch",
-        )
+    return resolve_settings(cfg).matmul_dtype
 
 
 def load_datasets(
@@ -326,15 +129,13 @@ def load_datasets(
         train = RLDataset(list(train_rows), tokenizer, **kwargs)
         val = RLDataset(list(val_rows), tokenizer, **kwargs) if val_rows else None
         return train, val
-    from polyrl.trainer.sft import data_files
-
     train_files, val_files = data_files(cfg, out_dir)
     train = RLDataset(train_files, tokenizer, **kwargs)
     val = RLDataset(val_files, tokenizer, **kwargs) if val_files else None
     return train, val
 
 
-def replica_options(cfg: PolyRLConfig) -> dict[str, Any]:
+def replica_options(cfg: PolyRLConfig, settings: RunSettings | None = None) -> dict[str, Any]:
     """Return the rollout backend's options for the replicas the trainer starts.
 
     ``rollout.*`` maps onto the backend's options dataclass by field name, so an option is
@@ -345,23 +146,22 @@ def replica_options(cfg: PolyRLConfig) -> dict[str, Any]:
     """
     from polyrl.rollout.base import backend_options_class
 
-    ro = cfg.rollout
+    ro, run = cfg.rollout, settings_for(cfg, settings)
     options_class = backend_options_class(ro.backend)
-    matmul = rollout_matmul_dtype(cfg)
-    dtype = rollout_dtype(cfg)
+    matmul, dtype, on_cuda = run.matmul_dtype, run.rollout_dtype, run.rollout_device == "cuda"
     computed = {
         "dtype": dtype,
-        "device": rollout_device(cfg),
+        "device": run.rollout_device,
         "seed": cfg.seed_for("rollout"),
         "num_threads": ro.num_threads or None,  # 0: the launcher's share of the cores
         "matmul_dtype": matmul if matmul != dtype else None,
         "max_model_len": ro.max_model_len or None,  # 0: the model's own limit
-        "enable_sleep_mode": sleeps_during_training(cfg),
+        "enable_sleep_mode": run.sleeps_during_training,
         # SGLang keeps its weights on the GPU through a level-1 sleep unless it may back them
         # up on the host; hybrid placement needs that memory for training.
-        "weights_cpu_backup": sleeps_during_training(cfg) and rollout_device(cfg) == "cuda",
+        "weights_cpu_backup": run.sleeps_during_training and on_cuda,
         # CUDA graphs are a GPU matter: on CPU the backend keeps its own default (eager).
-        "enforce_eager": ro.enforce_eager if rollout_device(cfg) == "cuda" else None,
+        "enforce_eager": ro.enforce_eager if on_cuda else None,
     }
     names = {f.name for f in dataclasses.fields(options_class)}
     options = constructor_kwargs(
@@ -434,7 +234,10 @@ class RolloutServers:
 
 
 def weight_transport(
-    cfg: PolyRLConfig, servers: RolloutServers, trainer_host: str = "127.0.0.1"
+    cfg: PolyRLConfig,
+    servers: RolloutServers,
+    trainer_host: str = "127.0.0.1",
+    settings: RunSettings | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """Resolve ``rollout.weight_transport`` for this run's placement (``auto`` chooses).
 
@@ -444,8 +247,8 @@ def weight_transport(
     between hosts opens its rendezvous on ``trainer_host`` (the sending rank's address); the
     servers' API key travels with every transport.
     """
-    trainer = "cuda" if trains_on_gpu(cfg) else "cpu"
-    rollout = rollout_device(cfg)
+    run = settings_for(cfg, settings)
+    trainer, rollout = run.training_device, run.rollout_device
     name = cfg.rollout.weight_transport
     options: dict[str, Any] = {}
     hybrid = servers.placement == "hybrid"
@@ -501,7 +304,9 @@ def local_replica_gpus(
     ]
 
 
-def replica_env(cfg: PolyRLConfig, gpus: Sequence[str]) -> dict[str, str]:
+def replica_env(
+    cfg: PolyRLConfig, gpus: Sequence[str], settings: RunSettings | None = None
+) -> dict[str, str]:
     """Return the environment a replica on ``gpus`` runs with (besides the inherited one).
 
     Its ``CUDA_VISIBLE_DEVICES``; and, for the trainer's own CUDA replicas when the transport
@@ -511,7 +316,8 @@ def replica_env(cfg: PolyRLConfig, gpus: Sequence[str]) -> dict[str, str]:
     from polyrl.weights.base import CUDA_IPC_ENV
 
     env = {"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else {}
-    if rollout_device(cfg) == "cuda" and cfg.rollout.weight_transport in ("auto", "cuda_ipc"):
+    on_cuda = settings_for(cfg, settings).rollout_device == "cuda"
+    if on_cuda and cfg.rollout.weight_transport in ("auto", "cuda_ipc"):
         env[CUDA_IPC_ENV] = "1"
     return env
 
@@ -521,6 +327,7 @@ def replica_processes(
     model_dir: Path,
     visible: Sequence[str] | None = None,
     api_key: str | None = None,
+    settings: RunSettings | None = None,
 ) -> list[Any]:
     """Return the replica subprocesses a run on one machine starts (not started yet).
 
@@ -530,23 +337,23 @@ def replica_processes(
     """
     from polyrl.rollout.launcher import ServerProcess
 
-    count = replica_count(cfg)
-    per = gpus_per_replica(cfg)
+    run = settings_for(cfg, settings)
+    per = run.gpus_per_replica
     gpus = local_replica_gpus(
-        rollout_placement(cfg),
-        count,
+        run.placement,
+        run.replicas,
         per,
         cfg.trainer.world_size,
         visible_gpus() if visible is None and per else (visible or []),
     )
-    options = replica_options(cfg)
+    options = replica_options(cfg, run)
     return [
         ServerProcess(
             model_dir,
             backend=cfg.rollout.backend,
             api_key=api_key,
             options=options,
-            env=replica_env(cfg, g),
+            env=replica_env(cfg, g, run),
         )
         for g in gpus
     ]
@@ -565,6 +372,7 @@ def start_replicas(
     model_dir: Path,
     closers: list[Callable[[], None]],
     engine_groups: Sequence[Any] = (),
+    settings: RunSettings | None = None,
 ) -> RolloutServers:
     """Start the run's rollout servers (unless ``rollout.urls`` names running ones).
 
@@ -579,23 +387,23 @@ def start_replicas(
         return RolloutServers(
             list(ro.urls), os.environ.get(API_KEY_ENV) or None, same_host=_loopback(ro.urls)
         )
+    run = settings_for(cfg, settings)
     if cfg.trainer.worker_backend == "ray":
-        return start_ray_replicas(cfg, model_dir, closers, engine_groups)
+        return start_ray_replicas(cfg, model_dir, closers, engine_groups, run)
     from polyrl.rollout.launcher import start_processes
 
     # Even on loopback: another local process must not pause the replicas or push weights.
     api_key = run_api_key()
-    processes = replica_processes(cfg, model_dir, api_key=api_key)
+    processes = replica_processes(cfg, model_dir, api_key=api_key, settings=run)
     start_processes(processes)
     for process in processes:
         closers.append(process.stop)
-    placement = rollout_placement(cfg)
     return RolloutServers(
         [str(p.url) for p in processes],
         api_key,
-        placement=placement,
+        placement=run.placement,
         processes=processes,
-        senders=hybrid_senders(placement, len(processes), gpus_per_replica(cfg)),
+        senders=hybrid_senders(run.placement, len(processes), run.gpus_per_replica),
     )
 
 
@@ -643,6 +451,7 @@ def start_ray_replicas(
     model_dir: Path,
     closers: list[Callable[[], None]],
     engine_groups: Sequence[Any] = (),
+    settings: RunSettings | None = None,
 ) -> RolloutServers:
     """Start the rollout servers on Ray actors of a :class:`RolloutReplicaWorker` group.
 
@@ -654,9 +463,8 @@ def start_ray_replicas(
     from polyrl.controller import ResourcePool, WorkerGroup, WorkerSpec
     from polyrl.workers.rollout_replica import RolloutReplicaWorker, replica_plans
 
-    placement = rollout_placement(cfg)
-    per = gpus_per_replica(cfg)
-    count = replica_count(cfg)
+    run = settings_for(cfg, settings)
+    placement, per, count = run.placement, run.gpus_per_replica, run.replicas
     if placement == "hybrid":
         if not engine_groups:
             raise ValueError("hybrid placement on Ray starts the replicas beside the engines")
@@ -683,9 +491,9 @@ def start_ray_replicas(
         kwargs={
             "model_dir": str(model_dir),
             "backend": cfg.rollout.backend,
-            "options": replica_options(cfg),
+            "options": replica_options(cfg, run),
             "api_key": api_key,
-            "env": replica_env(cfg, []),
+            "env": replica_env(cfg, [], run),
         },
     )
     group = WorkerGroup(spec, pool=pool, backend="ray", name="rl-rollout", init_distributed=False)
@@ -710,6 +518,7 @@ def engine_specs(
     use_ref: bool,
     use_critic: bool,
     use_prm: bool = False,
+    settings: RunSettings | None = None,
 ) -> dict[str, Any]:
     """Return the worker specs of the actor, and of the reference, critic and PRM when used.
 
@@ -733,16 +542,16 @@ def engine_specs(
 
     # Each config section maps onto the constructor it configures by field name
     # (constructor_kwargs); only what the config spells differently is named here.
-    actor, critic = cfg.actor, cfg.critic
+    actor, critic, run = cfg.actor, cfg.critic, settings_for(cfg, settings)
     model = ModelSpec(**constructor_kwargs(ModelSpec, cfg.model, path=str(model_dir)))
     engine = EngineConfig(
         **constructor_kwargs(
             EngineConfig,
             actor,
             actor.optim,
-            device=cfg.trainer.device,
+            device=run.training_device,
             dynamic_batching=True,
-            mixed_precision=MixedPrecisionConfig(param_dtype=cfg.model.compute_dtype),
+            mixed_precision=MixedPrecisionConfig(param_dtype=run.compute_dtype),
             seed=cfg.seed,
         )
     )
@@ -782,7 +591,13 @@ def engine_specs(
     return specs
 
 
-def engine_pool(cfg: PolyRLConfig, name: str, groups: int = 1, first: bool = True) -> Any:
+def engine_pool(
+    cfg: PolyRLConfig,
+    name: str,
+    groups: int = 1,
+    first: bool = True,
+    settings: RunSettings | None = None,
+) -> Any:
     """Return the resource pool of one engine worker group (``groups`` of them in the run).
 
     On CUDA every rank gets a GPU of its own, with the Ray backend and the local one alike (a
@@ -793,9 +608,10 @@ def engine_pool(cfg: PolyRLConfig, name: str, groups: int = 1, first: bool = Tru
     """
     from polyrl.controller import ResourcePool
 
-    use_gpu = trains_on_gpu(cfg)
+    run = settings_for(cfg, settings)
+    use_gpu = run.trains_on_gpu
     on_ray = cfg.trainer.worker_backend == "ray"
-    shared = on_ray and not cfg.rollout.urls and rollout_placement(cfg) == "hybrid"
+    shared = on_ray and not cfg.rollout.urls and run.placement == "hybrid"
     return ResourcePool(
         name,
         cfg.trainer.world_size,
@@ -806,7 +622,10 @@ def engine_pool(cfg: PolyRLConfig, name: str, groups: int = 1, first: bool = Tru
 
 
 def start_engines(
-    cfg: PolyRLConfig, specs: Mapping[str, Any], closers: list[Callable[[], None]]
+    cfg: PolyRLConfig,
+    specs: Mapping[str, Any],
+    closers: list[Callable[[], None]],
+    settings: RunSettings | None = None,
 ) -> tuple[dict[str, Any], list[Any]]:
     """Start the engine worker groups; return each role's view and the groups.
 
@@ -818,18 +637,17 @@ def start_engines(
 
     world = cfg.trainer.world_size
     backend = cfg.trainer.worker_backend
-    use_gpu = trains_on_gpu(cfg)
+    run = settings_for(cfg, settings)
+    use_gpu = run.trains_on_gpu
     if backend == "ray":
         import ray
 
         if not ray.is_initialized():
-            from polyrl.trainer.sft import ray_init_options
-
             options = ray_init_options(cfg)
             if not use_gpu and options.get("address") == "local" and "num_cpus" not in options:
                 # On one CPU host the engines and the replica servers share the cores as they
                 # do without Ray; give Ray a CPU slot for each replica besides the engines'.
-                options["num_cpus"] = max(os.cpu_count() or 1, world + replica_count(cfg))
+                options["num_cpus"] = max(os.cpu_count() or 1, world + run.replicas)
             ray.init(**options)
             closers.append(ray.shutdown)
     layouts = (
@@ -839,7 +657,7 @@ def start_engines(
     groups: list[Any] = []
     for layout in layouts:
         name = "+".join(layout)
-        pool = engine_pool(cfg, f"rl-{name}", len(layouts), first=not groups)
+        pool = engine_pool(cfg, f"rl-{name}", len(layouts), first=not groups, settings=run)
         group = WorkerGroup(layout, pool=pool, backend=backend, name=f"rl-{name}")
         groups.append(group)
         for role in layout:
@@ -847,16 +665,16 @@ def start_engines(
     return views, groups
 
 
-def start_transfer_queue(cfg: PolyRLConfig, closers: list[Callable[[], None]]) -> tuple[Any, str]:
+def start_transfer_queue(
+    cfg: PolyRLConfig, closers: list[Callable[[], None]], settings: RunSettings | None = None
+) -> tuple[Any, str]:
     """Start the transfer queue (``transfer.backend``; auto follows the worker backend).
 
     Returns the queue client and the backend it runs on; its close goes to ``closers``.
     """
     from polyrl.transfer import make_transfer_queue
 
-    backend = cfg.transfer.backend
-    if backend == "auto":
-        backend = "ray" if cfg.trainer.worker_backend == "ray" else "local"
+    backend = settings_for(cfg, settings).transfer_backend
     options = {"num_storage_units": cfg.transfer.num_storage_units} if backend == "ray" else {}
     queue = make_transfer_queue(backend, **options)
     closers.append(queue.close)

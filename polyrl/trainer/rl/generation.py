@@ -29,12 +29,6 @@ from polyrl.core.batch import Batch
 from polyrl.core.columns import ACC, BASELINE, SCORE, UID
 from polyrl.core.rollout_batch import rollout_widths, widen_rollout_batch
 from polyrl.rollout.client import NoReplicaAvailableError
-from polyrl.trainer.rl.build import (
-    rollout_dtype,
-    rollout_placement,
-    sleeps_during_training,
-    trains_on_gpu,
-)
 from polyrl.trainer.rl.rollout import (
     RolloutProducer,
     derive_seed,
@@ -42,6 +36,7 @@ from polyrl.trainer.rl.rollout import (
     select_groups,
     timer,
 )
+from polyrl.trainer.rl.settings import RunSettings, settings_for
 from polyrl.trainer.rl.store_worker import ROLLOUT_FIELDS, StoreWorkers, merge_rollout_summaries
 from polyrl.trainer.rl.supervisor import ReplicaSupervisor
 from polyrl.workers.store import StepLayout, StoredRows
@@ -166,6 +161,8 @@ class Replicas:
             otherwise).
         senders: the engine rank that sends each replica its weights (``urls`` order; hybrid
             placement on GPUs: the rank on its GPU); ``None``: rank 0 sends to all.
+        settings: the run's resolved settings (wire dtype, placement, sleep); resolved from
+            ``cfg`` when ``None``.
 
     In hybrid placement on GPUs a sync frees the GPU for the replicas in this order: the
     engines give their allocator's cache back (and their optimizer state with
@@ -187,17 +184,21 @@ class Replicas:
         supervisor: ReplicaSupervisor | None = None,
         actor: Any = None,
         senders: Sequence[int] | None = None,
+        settings: RunSettings | None = None,
     ) -> None:
         self.cfg = cfg
+        run = settings_for(cfg, settings)
         self.urls = list(urls)
         if senders and len(senders) != len(self.urls):
             raise ValueError(f"{len(senders)} sending ranks for {len(self.urls)} replicas")
         #: Which engine rank sends to each replica (a restarted replica keeps its sender).
         self._sender_of: dict[str, int] = dict(zip(self.urls, senders or (), strict=False))
         #: The bytes on the wire are the replicas' dtype, not the engine's (fp32 master).
-        self.wire_dtype = rollout_dtype(cfg)
+        self.wire_dtype = run.rollout_dtype
         #: Hybrid placement on GPUs: engines and replicas take turns with the GPU memory.
-        self.shares_gpu = rollout_placement(cfg) == "hybrid" and trains_on_gpu(cfg)
+        self.shares_gpu = run.shares_gpu
+        #: Whether the replicas free their memory while the engines train.
+        self.sleeps = run.sleeps_during_training
         #: What the actor moved to host memory for the replicas (brought back at sleep).
         self._offloaded: dict[str, bool] = {}
         #: Device bytes the replicas' last sleep freed (``None``: not on a GPU).
@@ -233,11 +234,11 @@ class Replicas:
             producer.client.replica_wait = self.cfg.rollout.restart_timeout_s
 
     def sleep(self) -> None:
-        """Free the replicas' memory for training (see :func:`sleeps_during_training`).
+        """Free the replicas' memory for training (when ``RunSettings.sleeps_during_training``).
 
         Then the actor gets back what it offloaded for them (``actor.offload_*``).
         """
-        if sleeps_during_training(self.cfg):
+        if self.sleeps:
             answers = self._broadcast(self.producer.client.sleep) or []
             freed = [a.get("device_bytes_freed") for a in answers if isinstance(a, dict)]
             if any(f is not None for f in freed):
@@ -251,7 +252,7 @@ class Replicas:
 
         Nothing when the replicas do not sleep.
         """
-        if sleeps_during_training(self.cfg):
+        if self.sleeps:
             self._broadcast(lambda: self.producer.client.wake_up(tags))
 
     def _offload(self, params: bool, optimizer: bool) -> None:

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from polyrl.config import ConfigError, PolyRLConfig, save_config
+from polyrl.config import ConfigError, PolyRLConfig
 from polyrl.core.batch import Batch
 from polyrl.core.columns import OLD_LOG_PROBS, PRM_LOG_PROBS, REF_LOG_PROBS, VALUES
 from polyrl.model_engine.checkpoint import prune_checkpoints
@@ -60,16 +60,15 @@ from polyrl.reward.base import Scorer
 from polyrl.trainer.rl.asynchronous import AheadRollout, SerialRewards
 from polyrl.trainer.rl.build import (
     RolloutServers,
-    check_config,
     engine_specs,
     load_datasets,
     replica_supervisor,
-    rollout_device,
     start_engines,
     start_replicas,
     start_transfer_queue,
     weight_transport,
 )
+from polyrl.trainer.rl.checks import check_config
 from polyrl.trainer.rl.dataplane import DataPlane, InlinePlane, QueuePlane
 from polyrl.trainer.rl.generation import (
     DriverRollout,
@@ -91,10 +90,13 @@ from polyrl.trainer.rl.rollout import (
     reward_manager,
     timer,
 )
+from polyrl.trainer.rl.settings import RunSettings, resolve_settings, save_rl_config
 
 __all__ = ["RLTrainer", "run_rl"]
 
 HF_DIR = "hf_model"
+#: The run's config in its output directory, with every auto setting resolved.
+CONFIG_FILE = "rl_config.yaml"
 ACTOR_LOSS = "polyrl.trainer.rl_losses:actor_loss"
 CRITIC_LOSS = "polyrl.trainer.rl_losses:critic_loss"
 PRM_LOSS = "polyrl.trainer.rl_losses:prm_loss"
@@ -135,7 +137,12 @@ class RLTrainer:
         val_rows: Sequence[Mapping[str, Any]] | None = None,
         model_dir: str | Path | None = None,
     ) -> None:
-        check_config(cfg, has_rows=train_rows is not None, has_model=model_dir is not None)
+        #: Every setting the config leaves to auto, decided once for this run.
+        self.settings: RunSettings = resolve_settings(cfg)
+        run = self.settings
+        check_config(
+            cfg, has_rows=train_rows is not None, has_model=model_dir is not None, settings=run
+        )
         self.cfg = cfg
         self.reward_fn = reward_fn
         self._train_rows = train_rows
@@ -151,29 +158,16 @@ class RLTrainer:
         self.critic: Any = None
         self.prm: Any = None
         algo = cfg.algorithm
-        self.use_critic = algo.adv_estimator == "gae"
+        self.use_critic = run.use_critic
         # PRIME's implicit process reward model; its rewards are measured against the reference.
-        self.use_prm = algo.adv_estimator == "prime"
-        self.use_ref = algo.use_kl_in_reward or cfg.actor.use_kl_loss or self.use_prm
-        minis = (
-            cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size
-            if cfg.actor.ppo_mini_batch_size
-            else 1
-        )
-        self.num_mini_batches = minis
-        prime_minis = cfg.prime.mini_batch_size
-        self.prm_mini_batches = cfg.data.train_batch_size // prime_minis if prime_minis else 1
-        # Old log-probs equal the current ones when each step makes exactly one optimizer
-        # update; they are only computed when the update is off-policy or the KL penalty needs
-        # them (the loss then takes the detached current log-probs, ratio 1).
-        self.need_old_log_probs = cfg.actor.ppo_epochs > 1 or minis > 1 or algo.use_kl_in_reward
-        # Off the sync mode the rollout's weights lag the actor's: the rollout's log-probs weigh
-        # the tokens towards the proximal policy, the actor before this step's update. With one
-        # update per step its log-probs are the update's own detached forward, so decoupled PPO
-        # needs no extra pass then, like the on-policy case above (and equals tis).
+        self.use_prm = run.use_prm
+        self.use_ref = run.use_ref
+        self.num_mini_batches = run.num_mini_batches
+        self.prm_mini_batches = run.prm_mini_batches
+        self.need_old_log_probs = run.need_old_log_probs
         #: The generation phase (set up by :meth:`setup`): the same calls in every mode.
         self.rollout: GenerationPhase | None = None
-        self.off_policy = cfg.trainer.mode != "sync" and cfg.async_rl.correction != "none"
+        self.off_policy = run.off_policy
         #: Actor updates so far: the weight version the replicas serve once it is pushed.
         self.updates = 0
         from polyrl.algo.kl import AdaptiveKLController, FixedKLController
@@ -188,11 +182,11 @@ class RLTrainer:
         """Build the model (if tiny), data, rollout replicas, engine groups and data plane."""
         from polyrl.data.sampler import StatefulSampler
         from polyrl.models.loader import load_tokenizer
-        from polyrl.trainer.sft import resolve_model_dir
+        from polyrl.trainer.common import resolve_model_dir
 
-        cfg = self.cfg
+        cfg, run = self.cfg, self.settings
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.out_dir / "rl_config.yaml")
+        save_rl_config(cfg, run, self.out_dir / CONFIG_FILE)
         self.model_dir = self._model_dir or resolve_model_dir(cfg, self.out_dir)
         self.tokenizer = load_tokenizer(
             self.model_dir, trust_remote_code=cfg.model.trust_remote_code
@@ -226,9 +220,15 @@ class RLTrainer:
         self._closers.append(rewards.close)
         # Engine worker groups first: in hybrid placement the replicas run beside their ranks.
         specs = engine_specs(
-            cfg, self.model_dir, self.total_steps, self.use_ref, self.use_critic, self.use_prm
+            cfg,
+            self.model_dir,
+            self.total_steps,
+            self.use_ref,
+            self.use_critic,
+            self.use_prm,
+            settings=run,
         )
-        views, self._groups = start_engines(cfg, specs, self._closers)
+        views, self._groups = start_engines(cfg, specs, self._closers, settings=run)
         self.actor, self.ref, self.critic = views["actor"], views.get("ref"), views.get("critic")
         self.prm = views.get("prm")
         if self.use_ref and self.ref is None:
@@ -237,7 +237,9 @@ class RLTrainer:
             self.ref = self.actor
         for view in views.values():
             view.init_model()
-        self.servers = start_replicas(cfg, self.model_dir, self._closers, self._groups)
+        self.servers = start_replicas(
+            cfg, self.model_dir, self._closers, self._groups, settings=run
+        )
         urls = self.servers.urls
         self.producer = RolloutProducer.connect(
             cfg, urls, self.tokenizer, rewards, api_key=self.servers.api_key
@@ -245,11 +247,13 @@ class RLTrainer:
         self._closers.append(self.producer.close)
         self.producer.run(self.producer.client.wait_ready(timeout=300.0))
         _log(
-            f"rollout: {len(urls)} {cfg.rollout.backend} replica(s) on "
-            f"{rollout_device(cfg)}, {self.servers.placement} placement, at {', '.join(urls)}"
+            f"rollout: {len(urls)} {cfg.rollout.backend} replica(s) on {run.rollout_device}, "
+            f"{self.servers.placement} placement, at {', '.join(urls)}"
         )
         sender = self._groups[0].worker_info[0]
-        transport = weight_transport(cfg, self.servers, trainer_host=sender.node_ip)
+        transport = weight_transport(cfg, self.servers, trainer_host=sender.node_ip, settings=run)
+        # The transport is known now that the servers run: the config file shows it too.
+        save_rl_config(cfg, run, self.out_dir / CONFIG_FILE, transport=transport[0])
         self.replicas = Replicas(
             cfg,
             urls,
@@ -258,6 +262,7 @@ class RLTrainer:
             supervisor=replica_supervisor(cfg, self.servers),
             actor=self.actor,
             senders=self.servers.senders or None,
+            settings=run,
         )
         lora = (
             f"; LoRA rank {cfg.model.lora_rank} (reference = actor without adapter)"
@@ -338,7 +343,7 @@ class RLTrainer:
         from polyrl.trainer.rl.store_worker import StoreWorkers
 
         cfg = self.cfg
-        queue, backend = start_transfer_queue(cfg, self._closers)
+        queue, backend = start_transfer_queue(cfg, self._closers, settings=self.settings)
         for view in {id(v): v for v in views.values()}.values():
             view.attach_transfer_queue(queue)
         count = cfg.transfer.num_rollout_workers

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from polyrl.config import PolyRLConfig
+from polyrl.config import PolyRLConfig, response_cap
 from polyrl.core.batch import Batch
 from polyrl.core.columns import (
     ACC,
@@ -88,16 +88,6 @@ def attach_scores(
         for k, v in reward_metrics.items()
         if k in REWARD_METRICS or k.startswith(PER_FUNCTION_PREFIX)
     }
-
-
-def response_cap(cfg: PolyRLConfig) -> int:
-    """Return the most tokens one response may hold.
-
-    With the agent loop that is a whole multi-turn trajectory (``data.max_response_length``);
-    otherwise one turn (``rollout.max_new_tokens``, capped by ``data.max_response_length``).
-    """
-    data = cfg.data.max_response_length
-    return data if cfg.agent.enable else min(cfg.rollout.max_new_tokens, data)
 
 
 def group_varies(values: torch.Tensor, n: int) -> torch.Tensor:

@@ -1,0 +1,205 @@
+"""The RL trainer's checks of its config, in one place: what cannot run together, refused.
+
+:func:`check_config` runs when an :class:`~polyrl.trainer.rl.RLTrainer` is made, before
+anything starts; each refusal is a :class:`~polyrl.config.ConfigError` naming the option to
+change. The checks of single options and of one group's fields live with the schema
+(:func:`~polyrl.config.schema.validate_tree`, run first here).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from polyrl.config import ConfigError, PolyRLConfig, response_cap
+from polyrl.config.schema import validate_tree
+from polyrl.trainer.common import check_devices
+from polyrl.trainer.rl.settings import RunSettings, settings_for
+
+__all__ = ["check_config", "check_mode"]
+
+
+def check_mode(cfg: PolyRLConfig, settings: RunSettings | None = None) -> None:
+    """Refuse what ``trainer.mode=one_step_off|async`` cannot run with, naming the option.
+
+    ``settings``: the run's resolved settings (resolved from ``cfg`` when not given).
+    """
+    mode = cfg.trainer.mode
+    if mode == "sync":
+        return
+    run = settings_for(cfg, settings)
+    refused = [
+        (
+            run.sleeps_during_training,
+            "rollout.sleep_during_training",
+            "the rollout replicas must keep serving while the engines train; set "
+            "rollout.sleep_during_training=false (and rollout.placement=separate on GPUs)",
+        ),
+        (
+            cfg.transfer.enable,
+            "transfer.enable",
+            "the rollout runs ahead in the driver's rollout thread, not in transfer-queue "
+            "workers; set transfer.enable=false",
+        ),
+        (
+            cfg.algorithm.filter_groups,
+            "algorithm.filter_groups",
+            "dynamic sampling draws extra prompts per step, which the staleness gate does not "
+            "count; turn it off",
+        ),
+        (
+            cfg.async_rl.partial_rollout == "resume" and cfg.agent.enable,
+            "async_rl.partial_rollout",
+            "resume continues single-turn samples from their partial tokens; agent loops "
+            "continue on the new weights (use continue)",
+        ),
+    ]
+    for bad, key, why in refused:
+        if bad:
+            raise ConfigError(f"trainer.mode={mode}: {why}", key=key)
+
+
+def check_config(
+    cfg: PolyRLConfig,
+    has_rows: bool = False,
+    has_model: bool = False,
+    settings: RunSettings | None = None,
+) -> None:
+    """Refuse settings that cannot run together, naming the option to change.
+
+    ``has_rows`` / ``has_model``: the caller passes prompt rows / a model directory itself.
+    ``settings``: the run's resolved settings (resolved from ``cfg`` when not given).
+    """
+    from polyrl.trainer.tracking import check_trackers
+
+    validate_tree(cfg)  # cross-field checks, also after options were assigned one by one
+    check_devices(cfg, ("trainer.device", "rollout.device"))
+    check_trackers(cfg.trainer.loggers)
+    algo, actor = cfg.algorithm, cfg.actor
+    if not has_rows and not cfg.data.task and not cfg.data.train_files:
+        raise ConfigError(
+            "no training data: set data.task (a generated task) or data.train_files",
+            key="data.train_files",
+        )
+    if cfg.critic.model_path and not cfg.model.path and not has_model:
+        role = (
+            "the critic's start"
+            if algo.adv_estimator == "gae"
+            else f"unused: {algo.adv_estimator} trains no critic"
+        )
+        raise ConfigError(
+            f"is empty, so the policy would be a freshly built random model, while "
+            f"critic.model_path={cfg.critic.model_path!r} ({role}); set model.path (verl: "
+            "actor_rollout_ref.model.path) to the policy model",
+            key="model.path",
+        )
+    if algo.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline", "prime") and (
+        cfg.rollout.n < 2
+    ):
+        raise ConfigError(
+            f"{algo.adv_estimator} compares the responses of one prompt and needs rollout.n >= 2, "
+            f"got {cfg.rollout.n}",
+            key="rollout.n",
+        )
+    if algo.filter_groups and (cfg.rollout.n < 2 or algo.adv_estimator == "remax"):
+        raise ConfigError(
+            "algorithm.filter_groups keeps prompts whose responses differ: it needs rollout.n >= "
+            f"2 and an estimator other than remax (got n={cfg.rollout.n}, "
+            f"{algo.adv_estimator})",
+            key="algorithm.filter_groups",
+        )
+    if algo.filter_groups and cfg.transfer.enable:
+        raise ConfigError(
+            "algorithm.filter_groups is not supported with transfer.enable (the rollout workers "
+            "stream fixed prompt sets); turn one of them off",
+            key="algorithm.filter_groups",
+        )
+    run = settings_for(cfg, settings)
+    check_mode(cfg, run)
+    reward = cfg.reward
+    if reward.rule_weight == 0.0 and not reward.model_path and not reward.judge_template:
+        raise ConfigError(
+            "is 0 and neither reward.model_path nor reward.judge_template is set: nothing "
+            "would score the responses",
+            key="reward.rule_weight",
+        )
+    if reward.model_path and not Path(reward.model_path, "config.json").is_file():
+        raise ConfigError(
+            f"{reward.model_path!r} is not a Hugging Face model directory (no config.json); "
+            "expected a *ForSequenceClassification checkpoint with num_labels=1",
+            key="reward.model_path",
+        )
+    if algo.overlong_filter and cfg.transfer.enable:
+        raise ConfigError(
+            "algorithm.overlong_filter masks rows in the driver's batch; it is not supported with "
+            "transfer.enable (the ranks rebuild their masks from the queue); turn one of them off",
+            key="algorithm.overlong_filter",
+        )
+    for key, kind in (
+        ("algorithm.kl_penalty", algo.kl_penalty if algo.use_kl_in_reward else ""),
+        ("actor.kl_loss_type", actor.kl_loss_type if actor.use_kl_loss else ""),
+    ):
+        if kind == "full":
+            raise ConfigError(
+                "'full' (the exact KL of the whole next-token distributions) needs the policy's "
+                "and the reference's log-probabilities over the whole vocabulary at every "
+                "response token, but the engines hand each other one log-prob per token (the "
+                "whole distributions would be B x T x vocabulary floats per step); use k3 / "
+                "low_var_kl, k1, k2 or abs here, or call polyrl.algo.kl_penalty(logp, ref_logp, "
+                "'full') on log_softmax outputs in a loop of your own",
+                key=key,
+            )
+    response = response_cap(cfg)
+    if cfg.reward.overlong_buffer_len > response:
+        raise ConfigError(
+            f"{cfg.reward.overlong_buffer_len} exceeds the maximum response length ({response}); "
+            "the buffer is the last part of the allowed length",
+            key="reward.overlong_buffer_len",
+        )
+    batch = cfg.data.train_batch_size
+    if actor.ppo_mini_batch_size and batch % actor.ppo_mini_batch_size:
+        raise ConfigError(
+            f"{actor.ppo_mini_batch_size} must divide data.train_batch_size ({batch})",
+            key="actor.ppo_mini_batch_size",
+        )
+    world = cfg.trainer.world_size
+    minis = run.num_mini_batches
+    if (batch * cfg.rollout.n) // world < minis:
+        raise ConfigError(
+            f"{batch} prompts x {cfg.rollout.n} responses over {world} ranks leave fewer rows per "
+            f"rank than the {minis} mini-batches; raise data.train_batch_size",
+            key="actor.ppo_mini_batch_size",
+        )
+    if cfg.transfer.enable and (batch * cfg.rollout.n) % world:
+        raise ConfigError(
+            f"with transfer.enable the {batch} prompts x {cfg.rollout.n} responses must split "
+            f"evenly over the {world} ranks (each rank fetches its own rows, unpadded)",
+            key="data.train_batch_size",
+        )
+    prime = cfg.prime
+    if algo.adv_estimator == "prime":
+        if prime.mini_batch_size and batch % prime.mini_batch_size:
+            raise ConfigError(
+                f"{prime.mini_batch_size} must divide data.train_batch_size ({batch})",
+                key="prime.mini_batch_size",
+            )
+        prm_minis = run.prm_mini_batches
+        if (batch * cfg.rollout.n) // world < prm_minis:
+            raise ConfigError(
+                f"{batch} prompts x {cfg.rollout.n} responses over {world} ranks leave fewer "
+                f"rows per rank than the {prm_minis} PRM mini-batches; raise it or "
+                "data.train_batch_size",
+                key="prime.mini_batch_size",
+            )
+        if prime.update == "none" and not prime.model_path:
+            raise ConfigError(
+                "is none (a frozen PRM) but prime.model_path is empty: a PRM started from the "
+                "policy equals the reference, so every implicit reward would be 0; set "
+                "prime.model_path to a trained PRM or use before/after",
+                key="prime.update",
+            )
+    if actor.max_tokens_per_micro_batch < cfg.data.max_prompt_length + response:
+        raise ConfigError(
+            f"{actor.max_tokens_per_micro_batch} is below the longest sequence "
+            f"({cfg.data.max_prompt_length} prompt + {response} response tokens)",
+            key="actor.max_tokens_per_micro_batch",
+        )
