@@ -17,7 +17,7 @@ from polyrl.algo.prime import implicit_reward_metrics, implicit_rewards
 from polyrl.config import PolyRLConfig
 from polyrl.core.batch import Batch
 from polyrl.trainer.rl.metrics import batch_metrics
-from polyrl.trainer.rl_losses import state_values
+from polyrl.workers.rl_losses import state_values
 
 __all__ = [
     "ADVANTAGE_OUTPUTS",

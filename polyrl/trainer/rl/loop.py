@@ -81,13 +81,11 @@ from polyrl.trainer.rl.rollout import (
     reward_manager,
     timer,
 )
+from polyrl.workers.losses import ACTOR_LOSS, CRITIC_LOSS, PRM_LOSS
 
 __all__ = ["RLTrainer", "run_rl"]
 
 HF_DIR = "hf_model"
-ACTOR_LOSS = "polyrl.trainer.rl_losses:actor_loss"
-CRITIC_LOSS = "polyrl.trainer.rl_losses:critic_loss"
-PRM_LOSS = "polyrl.trainer.rl_losses:prm_loss"
 
 
 def _log(message: str) -> None:
