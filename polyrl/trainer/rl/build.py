@@ -10,7 +10,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +18,10 @@ from polyrl.config import ConfigError, PolyRLConfig
 from polyrl.config.schema import constructor_kwargs, validate_tree
 from polyrl.core.dtypes import dtype_name
 from polyrl.trainer.rl.rollout import response_cap
+
+if TYPE_CHECKING:
+    from polyrl.controller import RoleView
+    from polyrl.workers.handles import EngineHandles
 
 __all__ = [
     "RolloutServers",
@@ -812,14 +816,15 @@ def engine_pool(cfg: PolyRLConfig, name: str, groups: int = 1, first: bool = Tru
 
 def start_engines(
     cfg: PolyRLConfig, specs: Mapping[str, Any], closers: list[Callable[[], None]]
-) -> tuple[dict[str, Any], list[Any]]:
-    """Start the engine worker groups; return each role's view and the groups.
+) -> tuple[EngineHandles, list[Any]]:
+    """Start the engine worker groups; return the roles' typed handles and the groups.
 
     ``trainer.placement=colocated`` puts every role in one group (one process per rank),
     ``separate`` gives each its own. Ray is started here when the run needs it (and its
     shutdown appended to ``closers``).
     """
     from polyrl.controller import WorkerGroup
+    from polyrl.workers.handles import EngineHandles
 
     world = cfg.trainer.world_size
     backend = cfg.trainer.worker_backend
@@ -840,7 +845,7 @@ def start_engines(
     layouts = (
         [specs] if cfg.trainer.placement == "colocated" else [{k: v} for k, v in specs.items()]
     )
-    views: dict[str, Any] = {}
+    views: dict[str, RoleView] = {}
     groups: list[Any] = []
     for layout in layouts:
         name = "+".join(layout)
@@ -849,7 +854,7 @@ def start_engines(
         groups.append(group)
         for role in layout:
             views[role] = group.role(role)
-    return views, groups
+    return EngineHandles.of(views), groups
 
 
 def start_transfer_queue(cfg: PolyRLConfig, closers: list[Callable[[], None]]) -> tuple[Any, str]:

@@ -39,6 +39,7 @@ from polyrl.trainer.rl.rollout import (
 )
 from polyrl.trainer.rl.store_worker import ROLLOUT_FIELDS, StoreWorkers, merge_rollout_summaries
 from polyrl.trainer.rl.supervisor import ReplicaSupervisor
+from polyrl.workers.handles import ActorHandle
 from polyrl.workers.store import StepLayout, StoredRows
 
 __all__ = ["DriverRollout", "QueueRollout", "Replicas", "wait_recovering"]
@@ -83,7 +84,7 @@ class Replicas:
         transport: the weight transport's name and options (see
             :func:`~polyrl.trainer.rl.build.weight_transport`).
         supervisor: restarts dead replicas (``None``: replicas the run does not own).
-        actor: the actor's engine view, which pushes the weights (set by :meth:`sync_weights`
+        actor: the actor's handle, which pushes the weights (set by :meth:`sync_weights`
             otherwise).
         senders: the engine rank that sends each replica its weights (``urls`` order; hybrid
             placement on GPUs: the rank on its GPU); ``None``: rank 0 sends to all.
@@ -106,7 +107,7 @@ class Replicas:
         producer: RolloutProducer,
         transport: tuple[str, dict[str, Any]],
         supervisor: ReplicaSupervisor | None = None,
-        actor: Any = None,
+        actor: ActorHandle | None = None,
         senders: Sequence[int] | None = None,
     ) -> None:
         self.cfg = cfg
@@ -126,7 +127,7 @@ class Replicas:
         self.producer = producer
         self.transport, self.transport_options = transport
         self.supervisor = supervisor
-        self.actor = actor
+        self.actor: ActorHandle | None = actor
         #: The weight version every replica serves (0: the model's own weights).
         self.version = 0
         #: What the replicas do with requests in flight during a push (``keep``: they go on
@@ -210,7 +211,7 @@ class Replicas:
             metrics["rollout/sleep_freed_bytes"] = self._sleep_freed
         return metrics
 
-    def sync_weights(self, actor: Any, version: int) -> dict[str, float]:
+    def sync_weights(self, actor: ActorHandle, version: int) -> dict[str, float]:
         """Wake the replicas and push the actor's weights as ``version``; return metrics.
 
         Replicas found dead first are restarted and get this sync; one that dies during it is
