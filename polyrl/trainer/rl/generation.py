@@ -344,7 +344,7 @@ class Replicas:
             except Exception as exc:
                 dead = self.supervisor.dead(grace_s=2.0) if self.supervisor is not None else []
                 if not dead:
-                    unreachable = [u for u in targets if _weight_version(u) is None]
+                    unreachable = [u for u in targets if self._weight_version(u) is None]
                     if unreachable:
                         raise RuntimeError(
                             f"weight sync of version {version} failed: rollout replica(s) "
@@ -354,9 +354,20 @@ class Replicas:
                 lost = {h.url for h in dead}
                 restarted = [self._restart(h) for h in dead]
                 behind = [
-                    u for u in targets if u not in lost and (_weight_version(u) or 0) < version
+                    u for u in targets if u not in lost and (self._weight_version(u) or 0) < version
                 ]
                 targets = behind + restarted
+
+    def _weight_version(self, url: str) -> int | None:
+        """Return the weight version ``url`` serves (``None``: it does not answer ``/health``).
+
+        Asked through the producer's client, so with the servers' API key.
+        """
+        try:
+            state = self.producer.run(self.producer.client.health(url, timeout=10.0))
+            return int(state["weight_version"])
+        except (httpx.HTTPError, ValueError, KeyError):
+            return None
 
 
 def _merged_push_stats(stats: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
@@ -372,16 +383,6 @@ def _merged_push_stats(stats: Sequence[Mapping[str, Any] | None]) -> dict[str, A
             received[kind] = received.get(kind, 0) + int(n)
     merged["received"] = received
     return merged
-
-
-def _weight_version(url: str) -> int | None:
-    """Return the weight version ``url`` serves (``None``: it does not answer ``/health``)."""
-    try:
-        response = httpx.get(f"{url}/health", timeout=10.0)
-        response.raise_for_status()
-        return int(response.json()["weight_version"])
-    except (httpx.HTTPError, ValueError, KeyError):
-        return None
 
 
 class DriverRollout:
