@@ -159,12 +159,7 @@ class ActorHandle(EngineHandle):
     ) -> dict[str, Any]:
         """Train on the rows (metrics ``actor/*``): :meth:`EngineWorker.update_actor`."""
         return self.view.update_actor(
-            batch,
-            loss=loss,
-            loss_kwargs=loss_kwargs,
-            num_mini_batches=num_mini_batches,
-            epochs=epochs,
-            step_scheduler=step_scheduler,
+            batch, loss, loss_kwargs, num_mini_batches, epochs, step_scheduler
         )
 
     def sync_weights(
@@ -216,12 +211,7 @@ class CriticHandle(EngineHandle):
     ) -> dict[str, Any]:
         """Train on the rows (metrics ``critic/*``): :meth:`EngineWorker.update_critic`."""
         return self.view.update_critic(
-            batch,
-            loss=loss,
-            loss_kwargs=loss_kwargs,
-            num_mini_batches=num_mini_batches,
-            epochs=epochs,
-            step_scheduler=step_scheduler,
+            batch, loss, loss_kwargs, num_mini_batches, epochs, step_scheduler
         )
 
 
@@ -245,12 +235,7 @@ class PRMHandle(EngineHandle):
     ) -> dict[str, Any]:
         """Train on the rows (metrics ``prime/prm_*``): :meth:`EngineWorker.update_prm`."""
         return self.view.update_prm(
-            batch,
-            loss=loss,
-            loss_kwargs=loss_kwargs,
-            num_mini_batches=num_mini_batches,
-            epochs=epochs,
-            step_scheduler=step_scheduler,
+            batch, loss, loss_kwargs, num_mini_batches, epochs, step_scheduler
         )
 
 
