@@ -32,12 +32,14 @@ test: lint
 test-fast: $(STAMP)
 	$(PY) -m pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
-# ruff (style, docstrings, imports) and import-linter (the layer contracts in pyproject.toml:
-# a service imports only the core and the model definitions, never another service).
+# ruff (style, docstrings, imports), import-linter (the layer contracts in pyproject.toml:
+# a service imports only the core and the model definitions, never another service) and
+# tests/test_layers.py (seconds): what import-linter cannot see, module names in strings.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check polyrl tests tests_gpu benchmarks examples scripts
 	$(VENV)/bin/ruff format --check polyrl tests tests_gpu benchmarks examples scripts
 	$(VENV)/bin/lint-imports
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py
 
 clean-venv:
 	rm -rf $(VENV)

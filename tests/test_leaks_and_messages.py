@@ -150,6 +150,7 @@ def weights_http():
     from polyrl.weights.server_routes import register_weight_routes
 
     class Backend:
+        weight_receive = "load_fn"
         weight_version = 0
 
         async def load_weights(self, pairs, version):

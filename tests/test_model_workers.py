@@ -226,6 +226,41 @@ def test_colocated_actor_ref_critic_in_one_process(colocated, hf_model, tmp_path
     assert after < before
 
 
+def test_every_handle_method_is_a_worker_method_with_its_signature():
+    import inspect
+
+    from polyrl.controller.dispatch import registered_methods
+    from polyrl.workers import handles
+
+    registered = registered_methods(EngineWorker)
+    classes = (handles.ActorHandle, handles.ReferenceHandle, handles.CriticHandle)
+    for cls in (*classes, handles.PRMHandle):
+        methods = [n for n, f in vars(cls).items() if inspect.isfunction(f) and n[0] != "_"]
+        for base in cls.__mro__[1:-1]:
+            methods += [n for n, f in vars(base).items() if inspect.isfunction(f) and n[0] != "_"]
+        for name in methods:
+            assert name in registered, f"{cls.__name__}.{name} is no registered worker method"
+            # The parameters are the worker's; the result is what the group's dispatch makes.
+            ours = inspect.signature(getattr(cls, name)).parameters
+            theirs = inspect.signature(getattr(EngineWorker, name)).parameters
+            assert list(ours.values()) == list(theirs.values()), f"{cls.__name__}.{name}"
+
+
+def test_typed_handles_drive_the_colocated_roles(colocated):
+    from polyrl.workers.handles import EngineHandles
+
+    engines = EngineHandles.of({role: colocated.role(role) for role in colocated.roles})
+    assert list(engines.started()) == ["actor", "ref", "critic"] and engines.prm is None
+    batch = make_batch(2, 8, VOCAB, seed=3)
+    ref = engines.ref.compute_ref_log_prob(batch)[REF_LOG_PROBS_KEY]
+    assert torch.equal(ref, colocated.ref_compute_ref_log_prob(batch)[REF_LOG_PROBS_KEY])
+    values = engines.critic.compute_values(batch)[VALUES_KEY]
+    assert values.shape == batch["input_ids"].shape
+    assert engines.actor.weight_digest() == colocated.actor_weight_digest()
+    with pytest.raises(ValueError, match="must include 'actor'"):
+        EngineHandles.of({"ref": colocated.role("ref")})
+
+
 def test_log_probs_with_shared_prefixes_match_on_response_tokens(colocated, hf_model):
     """share_prefix=True (what the RL trainer asks for) changes only positions no loss reads."""
     group = colocated

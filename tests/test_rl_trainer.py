@@ -6,6 +6,7 @@ real engine workers (Ray actors, or local processes), on the nano tiny model.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -15,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -121,6 +123,40 @@ class _Output:
 
     def log_probs_and_entropy(self):
         return self.log_probs, self._entropy
+
+
+class _HealthTable:
+    """A rollout client whose replicas answer ``/health`` from a table (others refuse)."""
+
+    def __init__(self, versions: dict[str, int]) -> None:
+        self.versions = versions
+
+    async def health(self, url: str, timeout: float | None = None) -> dict:
+        if url not in self.versions:
+            raise httpx.ConnectError(f"{url} refused the connection")
+        return {"status": "ok", "weight_version": self.versions[url]}
+
+
+def test_replicas_ask_weight_versions_through_the_producers_client_from_any_thread():
+    from types import SimpleNamespace
+
+    from polyrl.trainer.rl.generation import Replicas
+    from polyrl.trainer.rl.rollout import RolloutProducer
+
+    cfg = load_config("demo", ["trainer.device=cpu"])
+    loop = asyncio.new_event_loop()
+    rewards = SimpleNamespace(attach_rollout=lambda client: None)
+    tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=1)
+    producer = RolloutProducer(cfg, _HealthTable({"http://a": 3}), tokenizer, rewards, loop)
+    replicas = Replicas(cfg, ["http://a"], producer, ("shm", {}))
+    try:
+        assert replicas._weight_version("http://a") == 3
+        assert replicas._weight_version("http://b") is None  # does not answer
+        # During a generation the loop runs, and the watch's thread asks through it.
+        asked = producer.run(asyncio.to_thread(replicas._weight_version, "http://a"))
+        assert asked == 3
+    finally:
+        loop.close()
 
 
 def _rl_batch(adv, mask, **extra):

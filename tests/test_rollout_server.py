@@ -84,6 +84,15 @@ def gen(http, prompt, **params):
 def test_health_and_auth(server, http):
     h = httpx.get(f"{server.url}/health").json()  # no token needed
     assert h["status"] == "ok" and h["model"] == "tiny" and h["max_model_len"] == 2048
+
+    async def through_the_client():
+        async with RolloutClient([server.url], api_key=KEY, health_interval=0) as c:
+            return await c.health(server.url), await c.check_health()
+
+    one, every = asyncio.run(through_the_client())
+    assert one["weight_version"] == h["weight_version"]
+    (state,) = every
+    assert state["url"] == server.url and state["healthy"] and state["model"] == one["model"]
     r = httpx.post(f"{server.url}/generate", json={"input_ids": [1, 2]})
     assert r.status_code == 401 and "bearer" in r.json()["error"]["message"]
     r = httpx.get(f"{server.url}/metrics", headers={"Authorization": "Bearer wrong"})

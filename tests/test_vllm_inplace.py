@@ -34,6 +34,7 @@ from polyrl.rollout.vllm_backend import VLLMBackend, VLLMOptions
 from polyrl.rollout.vllm_ext import iter_shared
 from polyrl.rollout.vllm_weights import pack_weights
 from polyrl.weights import WeightReceiver, WeightSender, WeightTransferError
+from polyrl.weights.receiver import LoadFnTarget
 from polyrl.weights.server_routes import register_weight_routes
 from polyrl.weights.staging import SafetensorsDirTarget, SharedArenaTarget
 
@@ -259,6 +260,10 @@ class MemoryBackend(DirBackend):
         self.loads: list[dict[str, Any]] = []
         self.weight_load = "memory"
 
+    @property
+    def weight_receive(self) -> str:  # as VLLMBackend's: it follows weight_load
+        return "safetensors_dir" if self.weight_load == "disk" else "shared_arena"
+
     def serving_dtype(self) -> str:
         return self.dtype
 
@@ -376,6 +381,7 @@ def test_routes_prefer_memory_for_vllm_and_keep_disk_reachable(model_dir):
     assert isinstance(receiver.target, SafetensorsDirTarget)
 
     class DirOnly:  # a backend that only reloads directories
+        weight_receive = "safetensors_dir"
         model_dir = backend.model_dir
         weight_version = 0
 
@@ -383,6 +389,34 @@ def test_routes_prefer_memory_for_vllm_and_keep_disk_reachable(model_dir):
             return 1
 
     assert isinstance(register_weight_routes(FastAPI(), DirOnly()).target, SafetensorsDirTarget)
+
+
+def test_routes_follow_what_the_backend_declares(model_dir):
+    from polyrl.rollout.native.backend import NativeBackend
+    from polyrl.rollout.sglang_backend import SGLangBackend
+
+    assert NativeBackend.weight_receive == "stream"
+    assert SGLangBackend.weight_receive == "safetensors_dir"
+    assert VLLMBackend(model_dir).weight_receive == "shared_arena"
+    assert VLLMBackend(model_dir, weight_load="disk").weight_receive == "safetensors_dir"
+
+    class Undeclared:  # load_weights alone no longer picks a path
+        weight_version = 0
+
+        async def load_weights(self, pairs, version=None):
+            return 1
+
+    with pytest.raises(TypeError, match="declares weight_receive=None: set it to one of stream"):
+        register_weight_routes(FastAPI(), Undeclared())
+    Undeclared.weight_receive = "stream"  # but no engine to stream into
+    with pytest.raises(TypeError, match="weight_receive='stream' but has no engine"):
+        register_weight_routes(FastAPI(), Undeclared())
+    Undeclared.weight_receive = "load_fn"
+    assert isinstance(register_weight_routes(FastAPI(), Undeclared()).target, LoadFnTarget)
+    Undeclared.weight_receive = "none"
+    app = FastAPI()
+    assert register_weight_routes(app, Undeclared()) is None
+    assert not [r for r in app.routes if getattr(r, "path", "").startswith("/weights")]
 
 
 # --------------------------------------------------------- VLLMBackend.load_weights

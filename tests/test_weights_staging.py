@@ -25,6 +25,8 @@ from polyrl.weights.staging import SafetensorsDirTarget
 class DirBackend:
     """A backend that, like vLLM, only reloads whole safetensors directories."""
 
+    weight_receive = "safetensors_dir"
+
     def __init__(self, model_dir: Path, tied: bool):
         self.model_dir = model_dir
         self.tied = tied

@@ -2,7 +2,7 @@
 
 Level: the algorithm layer. These are pure functions of ``(B, T)`` tensors (log-probs,
 advantages, values, a response mask) and know nothing of models or engines; the model-engine
-loss functions built on them are in :mod:`polyrl.trainer.rl_losses`. Each loss reduces its
+loss functions built on them are in :mod:`polyrl.workers.rl_losses`. Each loss reduces its
 per-token terms with :func:`polyrl.core.numerics.agg_loss` (modes ``token-mean``,
 ``seq-mean-token-sum``, ``seq-mean-token-mean``, ``seq-mean-token-sum-norm``).
 

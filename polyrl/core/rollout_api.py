@@ -23,6 +23,7 @@ from polyrl.core.registry import did_you_mean
 
 __all__ = [
     "FINISH_REASONS",
+    "WEIGHT_RECEIVE_PATHS",
     "BackendStats",
     "DeltaStream",
     "EngineUnavailableError",
@@ -37,6 +38,7 @@ __all__ = [
     "SampleDelta",
     "SampleOutput",
     "SamplingParams",
+    "WeightReceive",
     "check_request_fits",
     "collect_outputs",
 ]
@@ -45,6 +47,29 @@ FinishReason = Literal["stop", "length", "abort"]
 #: ``stop``: a stop token or string ended the sample; ``length``: ``max_new_tokens`` or the
 #: context length was reached; ``abort``: ``/abort`` (or a client disconnect) ended it early.
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+
+WeightReceive = Literal["stream", "shared_arena", "safetensors_dir", "load_fn", "none"]
+#: How a backend takes the weights pushed to its replica's ``/weights/*`` routes
+#: (:attr:`RolloutBackend.weight_receive`; the routes are
+#: :func:`polyrl.weights.server_routes.register_weight_routes`):
+#:
+#: * ``stream`` -- every chunk lands in place in the backend's ``engine``, which has
+#:   ``begin_weight_update``, ``weight_destination``, ``commit_weight_update`` and
+#:   ``abort_weight_update`` (the native engine);
+#: * ``shared_arena`` -- the set is received into a shared-memory arena laid out like the
+#:   checkpoint in ``model_dir``, handed to ``load_weights(pairs, version)`` at commit (vLLM);
+#: * ``safetensors_dir`` -- the set is staged as a safetensors directory and loaded once at
+#:   commit with ``update_weights(path, version)`` (vLLM with ``weight_load="disk"``, SGLang);
+#: * ``load_fn`` -- the whole set, in temporaries, goes to ``load_weights(pairs, version)`` at
+#:   commit;
+#: * ``none`` -- the replica takes no pushed weights (no ``/weights/*`` routes).
+WEIGHT_RECEIVE_PATHS: tuple[str, ...] = (
+    "stream",
+    "shared_arena",
+    "safetensors_dir",
+    "load_fn",
+    "none",
+)
 
 #: Upper bounds that keep one request from monopolising a server.
 MAX_N = 128
@@ -550,6 +575,14 @@ class RolloutBackend(Protocol):
     @property
     def weight_version(self) -> int:
         """Version of the weights now in use."""
+        ...
+
+    @property
+    def weight_receive(self) -> WeightReceive:
+        """How pushed weights reach this backend; one of :data:`WEIGHT_RECEIVE_PATHS`.
+
+        A class attribute does; the replica's weight routes pick their receive path from it.
+        """
         ...
 
     async def start(self) -> None:

@@ -37,7 +37,7 @@ Loss functions
 --------------
 A loss function (:data:`LossFn`) has the signature ``loss_fn(model_output, batch) -> (loss,
 metrics)``; :func:`sft_loss` is the one defined here, the RL ones are in
-:mod:`polyrl.trainer.rl_losses`:
+:mod:`polyrl.workers.rl_losses`:
 
 * ``model_output`` is a :class:`ModelOutput` for one micro-batch; its per-token tensors
   (``log_probs``, ``entropy``, ``values``) are ``(b, T)`` and aligned with the micro-batch's

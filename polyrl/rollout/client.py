@@ -244,17 +244,32 @@ class RolloutClient:
 
     # -------------------------------------------------------------------------- health
 
+    async def health(self, url: str, timeout: float | None = None) -> dict[str, Any]:
+        """Return the ``/health`` answer of the server at ``url`` (with this client's key).
+
+        ``url`` may be a replica's or any other server's; the replicas' states are left as
+        they are. ``timeout`` defaults to ``connect_timeout``.
+
+        Raises:
+            httpx.HTTPError: the server did not answer, or answered an error status.
+            ValueError: the answer is not JSON.
+        """
+        r = await self._client().get(
+            f"{url.rstrip('/')}/health",
+            timeout=self.connect_timeout if timeout is None else timeout,
+        )
+        r.raise_for_status()
+        return r.json()
+
     async def check_health(self) -> list[dict[str, Any]]:
         """Probe every replica's ``/health`` now; update and return their states."""
-        http = self._client()
 
         async def probe(replica: Replica) -> dict[str, Any]:
             try:
-                r = await http.get(f"{replica.url}/health", timeout=self.connect_timeout)
-                r.raise_for_status()
+                state = await self.health(replica.url)
                 replica.healthy = True
                 replica.last_error = None
-                return {"url": replica.url, "healthy": True, **r.json()}
+                return {"url": replica.url, "healthy": True, **state}
             except (httpx.HTTPError, ValueError) as exc:
                 self._mark_down(replica, exc)
                 return {"url": replica.url, "healthy": False, "error": replica.last_error}

@@ -83,6 +83,7 @@ from polyrl.core.rollout_api import (
     SampleDelta,
     SampleOutput,
     SamplingParams,
+    WeightReceive,
 )
 from polyrl.rollout.base import register_backend
 from polyrl.rollout.subprocess_backend import (
@@ -565,6 +566,8 @@ class SGLangBackend(SubprocessBackend):
     """
 
     options_class = SGLangOptions
+    #: Pushed weights are staged as a safetensors directory for :meth:`update_weights`.
+    weight_receive: WeightReceive = "safetensors_dir"
     name = "sglang"
     server_name = "SGLang"
     options: SGLangOptions

@@ -83,6 +83,7 @@ from polyrl.core.rollout_api import (
     ModelInfo,
     RolloutError,
     SampleDelta,
+    WeightReceive,
 )
 from polyrl.rollout.base import register_backend
 from polyrl.rollout.subprocess_backend import (
@@ -572,6 +573,11 @@ class VLLMBackend(SubprocessBackend):
     def weight_load(self) -> str:
         """How ``/weights/*`` transfers reach vLLM: ``memory`` or ``disk`` (see the options)."""
         return self.options.weight_load
+
+    @property
+    def weight_receive(self) -> WeightReceive:
+        """``shared_arena`` (``weight_load="memory"``) or ``safetensors_dir`` (``disk``)."""
+        return "safetensors_dir" if self.options.weight_load == "disk" else "shared_arena"
 
     def serving_dtype(self) -> str:
         """Return the ``--dtype`` vLLM gets: ``auto`` is ``bfloat16`` on CUDA, vLLM's on CPU."""

@@ -15,19 +15,22 @@ segments this replica keeps mapped, ``minor_faults``: the process's page faults 
 ``POST /weights/dist/init`` ``{"host", "port", "rank", "world_size", "timeout"?, "backend"?}``
 joins the sender's group.
 
-Backends with a streaming interface (the native engine: ``begin_weight_update``,
-``weight_destination``, ``commit_weight_update``, ``abort_weight_update``) receive every chunk
-straight into place. vLLM (``load_weights`` and a checkpoint ``model_dir``, with
+The receive path is the one the backend declares in its ``weight_receive``
+(:data:`polyrl.core.rollout_api.WeightReceive`): ``stream`` (the native engine:
+``begin_weight_update``, ``weight_destination``, ``commit_weight_update``,
+``abort_weight_update``) receives every chunk straight into place; ``shared_arena`` (vLLM with
 ``weight_load == "memory"``, its default) receives into a shared-memory arena handed to its
-workers in place at commit; with ``weight_load == "disk"`` -- and for any backend that only
-reloads from a directory (``update_weights(path)``) -- the set is staged as a safetensors
-directory and reloaded once at commit (:mod:`polyrl.weights.staging`). Other backends with an
-atomic ``load_weights`` get the whole set at commit, in temporaries.
+workers in place at commit; ``safetensors_dir`` (vLLM with ``weight_load == "disk"``, SGLang:
+backends that reload from a directory with ``update_weights(path)``) stages the set as a
+safetensors directory reloaded once at commit (:mod:`polyrl.weights.staging`); ``load_fn``
+gives an atomic ``load_weights`` the whole set at commit, in temporaries; ``none`` adds no
+routes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import resource
 import sys
@@ -44,6 +47,7 @@ from pydantic import BaseModel, ConfigDict
 
 from polyrl.core.cuda import open_cuda_tensor
 from polyrl.core.http_guard import json_request_body, parse_json
+from polyrl.core.rollout_api import WEIGHT_RECEIVE_PATHS
 from polyrl.weights.base import CUDA_IPC_ENV, BucketMeta, WeightTransferError
 from polyrl.weights.receiver import LoadFnTarget, NameMap, WeightReceiver, WeightTarget
 from polyrl.weights.transports import (
@@ -371,51 +375,88 @@ class _AbortBody(_Body):
     reason: str | None = None
 
 
+#: What each receive path calls on the backend (checked once, when the routes are added).
+_RECEIVE_NEEDS: dict[str, tuple[str, ...]] = {
+    "stream": ("engine", "weight_version"),
+    "shared_arena": ("load_weights", "model_dir", "weight_version"),
+    "safetensors_dir": ("update_weights", "model_dir", "weight_version"),
+    "load_fn": ("load_weights", "weight_version"),
+    "none": (),
+}
+
+
+_MISSING = object()
+
+
+def _static_attr(obj: Any, name: str) -> Any:
+    return inspect.getattr_static(obj, name, _MISSING)
+
+
+def _declared_receive(backend: Any) -> str:
+    """Return the receive path ``backend`` declares; raise a clear error for an unusable one."""
+    name = type(backend).__name__
+    receive = getattr(backend, "weight_receive", None)
+    if receive not in WEIGHT_RECEIVE_PATHS:
+        raise TypeError(
+            f"rollout backend {name} declares weight_receive={receive!r}: set it to one of "
+            f"{', '.join(WEIGHT_RECEIVE_PATHS)} (polyrl.core.rollout_api.WeightReceive) to say "
+            "how weights pushed to its replica reach it ('none': the replica takes none)"
+        )
+    # Looked up statically: a backend's properties (weight_version) may refuse before start.
+    missing = [a for a in _RECEIVE_NEEDS[receive] if _static_attr(backend, a) is _MISSING]
+    if missing:
+        raise TypeError(
+            f"rollout backend {name} declares weight_receive={receive!r} but has no "
+            f"{', '.join(missing)}"
+        )
+    return receive
+
+
 def register_weight_routes(
     app: FastAPI,
     backend: Any,
     name_map: NameMap | None = None,
     stall_timeout: float = 120.0,
 ) -> WeightReceiver | None:
-    """Add the ``/weights/*`` endpoints for ``backend``.
+    """Add the ``/weights/*`` endpoints for ``backend``, on the path it declares.
 
-    In order: streams into the backend's engine when it supports streamed updates; for a
-    backend with ``load_weights`` and a checkpoint ``model_dir`` (vLLM) whose ``weight_load``
-    is not ``"disk"``, receives into a shared-memory arena given to ``load_weights`` at commit;
-    for a backend with ``update_weights(path)`` and ``model_dir`` (vLLM with
-    ``weight_load="disk"``), stages a safetensors directory reloaded once at commit; for any
-    other ``load_weights``, collects temporaries for it. Returns the receiver, or ``None``
-    when the backend can do none of these.
+    ``backend.weight_receive`` (see the module docstring) picks the target: ``stream`` streams
+    into the backend's engine; ``shared_arena`` receives into a shared-memory arena given to
+    ``load_weights`` at commit; ``safetensors_dir`` stages a safetensors directory reloaded
+    once at commit with ``update_weights``; ``load_fn`` collects temporaries for
+    ``load_weights``. Returns the receiver, or ``None`` for ``none`` (no routes added).
+
+    Raises:
+        TypeError: the backend declares no ``weight_receive`` (or an unknown one), or lacks
+            what its declared path calls.
     """
     loop_holder: dict[str, asyncio.AbstractEventLoop] = {}
 
     def run(coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, loop_holder["loop"]).result()
 
+    receive = _declared_receive(backend)
     target: WeightTarget
-    has_load = hasattr(backend, "load_weights")
-    has_checkpoint = hasattr(backend, "model_dir")
-    from_disk = getattr(backend, "weight_load", "memory") == "disk"
-    if has_load and hasattr(backend, "engine"):
+    if receive == "none":
+        return None
+    if receive == "stream":
         target = EngineTarget(backend)
-    elif has_load and has_checkpoint and not from_disk:
+    elif receive == "shared_arena":
         # vLLM: the transfer lands in shared memory, its workers load it from there in place.
         from polyrl.weights.staging import SharedArenaTarget
 
         target = SharedArenaTarget(backend, run)
-    elif hasattr(backend, "update_weights") and has_checkpoint and (from_disk or not has_load):
-        # vLLM with weight_load="disk": a safetensors directory, reloaded once at commit.
+    elif receive == "safetensors_dir":
+        # A safetensors directory, reloaded once at commit.
         from polyrl.weights.staging import SafetensorsDirTarget
 
         target = SafetensorsDirTarget(backend, run)
-    elif has_load:
+    else:  # load_fn
 
         def load(pairs: list[tuple[str, torch.Tensor]], version: int) -> int:
             return run(backend.load_weights(pairs, None if version < 0 else version))
 
         target = LoadFnTarget(load, lambda: int(backend.weight_version))
-    else:
-        return None
     receiver = WeightReceiver(target, name_map, stall_timeout=stall_timeout)
     dist_state = _DistState()
     shm = _ShmCache()

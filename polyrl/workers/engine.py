@@ -24,8 +24,9 @@ calls role-prefixed methods::
     ref = group.ref_compute_ref_log_prob(batch)                # adds "ref_log_probs"
 
 Loss functions travel by name (plus keyword arguments), never as closures: a name registered
-with :func:`register_loss` in the worker process (``"sft"`` is built in) or an import path
-``"package.module:function"`` that the worker imports.  See :func:`resolve_loss`.
+with :func:`~polyrl.workers.losses.register_loss` in the worker process (``"sft"`` and the RL
+losses are built in) or an import path ``"package.module:function"`` that the worker imports.
+See :mod:`polyrl.workers.losses`.
 
 Data-parallel calls (``compute_*``, ``update_*``, ``evaluate_loss``) split a Batch into one
 contiguous shard per rank.  When its length does not divide the number of ranks the dispatcher
@@ -38,10 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import hashlib
-import importlib
-import inspect
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -59,17 +57,15 @@ from polyrl.core.columns import (
     VALUES,
 )
 from polyrl.core.dtypes import resolve_dtype
-from polyrl.core.registry import Registry
 from polyrl.model_engine.config import CheckpointConfig, EngineConfig, ModelSpec, OptimizerConfig
 from polyrl.model_engine.engine import (
-    LossFn,
     TrainingEngine,
     build_engine,
     compute_log_probs,
     compute_log_probs_and_entropy,
     compute_values,
-    sft_loss,
 )
+from polyrl.workers.losses import LOSSES, available_losses, register_loss, resolve_loss
 from polyrl.workers.store import StoreClient, StoredRows
 from polyrl.workers.weight_sync import WeightSync
 
@@ -112,80 +108,6 @@ _MODEL_KIND = {
 }
 #: Where each trained role's update metrics go (``actor/pg_loss``, ``prime/prm_loss``, ...).
 _METRIC_PREFIX = {"actor": "actor/", "critic": "critic/", "prm": "prime/prm_"}
-
-
-# ------------------------------------------------------------------------------ loss registry
-#: Loss functions ``fn(model_output, batch, **kwargs) -> (loss, metrics)`` by name.
-LOSSES: Registry[Callable[..., Any]] = Registry(
-    "loss", hint="or give an import path 'package.module:function'"
-)
-available_losses = LOSSES.names
-
-
-def register_loss(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Register ``fn(model_output, batch, **kwargs) -> (loss, metrics)`` under ``name``.
-
-    The registration must happen in the worker process too (e.g. at import of the module that
-    defines the loss); otherwise pass the loss as ``"module:function"``.
-    """
-    if not isinstance(name, str) or ":" in name:
-        raise ValueError(f"loss name must be a non-empty str without ':', got {name!r}")
-    register = LOSSES.register(name)
-
-    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
-        if not callable(fn):
-            raise TypeError(f"@register_loss({name!r}) must decorate a callable, got {fn!r}")
-        return register(fn)
-
-    return deco
-
-
-register_loss("sft")(sft_loss)
-
-
-def _import_loss(path: str) -> Callable[..., Any]:
-    module_name, _, attr = path.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"loss import path must look like 'package.module:function', got {path!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"cannot import the module of loss {path!r}: {exc}") from exc
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"loss {path!r}: {module_name} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise TypeError(f"loss {path!r} is not callable (got {type(obj).__name__})")
-    return obj
-
-
-def resolve_loss(name: str, kwargs: Mapping[str, Any] | None = None) -> LossFn:
-    """Return the loss function ``name`` with ``kwargs`` bound.
-
-    Args:
-        name: a registered name (see :func:`available_losses`) or ``"package.module:function"``.
-        kwargs: keyword arguments of the loss beyond ``(model_output, batch)``.
-
-    Raises:
-        ValueError: unknown name, unimportable path, or ``kwargs`` the function does not accept.
-    """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"loss must be a registered name or 'module:function', got {name!r}")
-    fn = _import_loss(name) if ":" in name else LOSSES.get(name)
-    kwargs = dict(kwargs or {})
-    if kwargs:
-        try:
-            inspect.signature(fn).bind(None, None, **kwargs)
-        except TypeError as exc:
-            raise ValueError(
-                f"loss {name!r} does not accept kwargs {sorted(kwargs)}: {exc}"
-            ) from None
-        except ValueError:
-            pass  # no introspectable signature (a builtin): let the call report bad kwargs
-        return functools.partial(fn, **kwargs)
-    return fn
 
 
 # ------------------------------------------------------------------------------ helpers

@@ -14,6 +14,7 @@ from polyrl.core.rollout_api import (
     ModelInfo,
     RolloutError,
     SampleDelta,
+    WeightReceive,
 )
 from polyrl.rollout.base import check_backend_options, register_backend
 from polyrl.rollout.native.engine import NativeEngine, NativeEngineConfig, Sink
@@ -39,6 +40,8 @@ class NativeBackend:
 
     #: The dataclass whose fields are this backend's options.
     options_class = NativeEngineConfig
+    #: Pushed weights stream into the engine's parameters (its shadows, or in place).
+    weight_receive: WeightReceive = "stream"
 
     def __init__(self, model_dir: str | os.PathLike[str], **options: Any):
         check_backend_options("native", NativeEngineConfig, options)

@@ -35,7 +35,7 @@ from polyrl.core.columns import (
     VALUES,
 )
 from polyrl.trainer.rl.metrics import batch_metrics
-from polyrl.trainer.rl_losses import state_values
+from polyrl.workers.rl_losses import state_values
 
 __all__ = [
     "ADVANTAGE_OUTPUTS",

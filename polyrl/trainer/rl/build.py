@@ -11,7 +11,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,6 +19,10 @@ from polyrl.config import ConfigError, PolyRLConfig
 from polyrl.config.schema import constructor_kwargs
 from polyrl.trainer.common import data_files, ray_init_options
 from polyrl.trainer.rl.settings import RunSettings, resolve_settings, settings_for
+
+if TYPE_CHECKING:
+    from polyrl.controller import RoleView
+    from polyrl.workers.handles import EngineHandles
 
 __all__ = [
     "RolloutServers",
@@ -626,14 +630,15 @@ def start_engines(
     specs: Mapping[str, Any],
     closers: list[Callable[[], None]],
     settings: RunSettings | None = None,
-) -> tuple[dict[str, Any], list[Any]]:
-    """Start the engine worker groups; return each role's view and the groups.
+) -> tuple[EngineHandles, list[Any]]:
+    """Start the engine worker groups; return the roles' typed handles and the groups.
 
     ``trainer.placement=colocated`` puts every role in one group (one process per rank),
     ``separate`` gives each its own. Ray is started here when the run needs it (and its
     shutdown appended to ``closers``).
     """
     from polyrl.controller import WorkerGroup
+    from polyrl.workers.handles import EngineHandles
 
     world = cfg.trainer.world_size
     backend = cfg.trainer.worker_backend
@@ -653,7 +658,7 @@ def start_engines(
     layouts = (
         [specs] if cfg.trainer.placement == "colocated" else [{k: v} for k, v in specs.items()]
     )
-    views: dict[str, Any] = {}
+    views: dict[str, RoleView] = {}
     groups: list[Any] = []
     for layout in layouts:
         name = "+".join(layout)
@@ -662,7 +667,7 @@ def start_engines(
         groups.append(group)
         for role in layout:
             views[role] = group.role(role)
-    return views, groups
+    return EngineHandles.of(views), groups
 
 
 def start_transfer_queue(

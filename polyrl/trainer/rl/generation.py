@@ -39,6 +39,7 @@ from polyrl.trainer.rl.rollout import (
 from polyrl.trainer.rl.settings import RunSettings, settings_for
 from polyrl.trainer.rl.store_worker import ROLLOUT_FIELDS, StoreWorkers, merge_rollout_summaries
 from polyrl.trainer.rl.supervisor import ReplicaSupervisor
+from polyrl.workers.handles import ActorHandle
 from polyrl.workers.store import StepLayout, StoredRows
 
 __all__ = [
@@ -157,7 +158,7 @@ class Replicas:
         transport: the weight transport's name and options (see
             :func:`~polyrl.trainer.rl.build.weight_transport`).
         supervisor: restarts dead replicas (``None``: replicas the run does not own).
-        actor: the actor's engine view, which pushes the weights (set by :meth:`sync_weights`
+        actor: the actor's handle, which pushes the weights (set by :meth:`sync_weights`
             otherwise).
         senders: the engine rank that sends each replica its weights (``urls`` order; hybrid
             placement on GPUs: the rank on its GPU); ``None``: rank 0 sends to all.
@@ -182,7 +183,7 @@ class Replicas:
         producer: RolloutProducer,
         transport: tuple[str, dict[str, Any]],
         supervisor: ReplicaSupervisor | None = None,
-        actor: Any = None,
+        actor: ActorHandle | None = None,
         senders: Sequence[int] | None = None,
         settings: RunSettings | None = None,
     ) -> None:
@@ -206,7 +207,7 @@ class Replicas:
         self.producer = producer
         self.transport, self.transport_options = transport
         self.supervisor = supervisor
-        self.actor = actor
+        self.actor: ActorHandle | None = actor
         #: The weight version every replica serves (0: the model's own weights).
         self.version = 0
         #: What the replicas do with requests in flight during a push (``keep``: they go on
@@ -290,7 +291,7 @@ class Replicas:
             metrics["rollout/sleep_freed_bytes"] = self._sleep_freed
         return metrics
 
-    def sync_weights(self, actor: Any, version: int) -> dict[str, float]:
+    def sync_weights(self, actor: ActorHandle, version: int) -> dict[str, float]:
         """Wake the replicas and push the actor's weights as ``version``; return metrics.
 
         Replicas found dead first are restarted and get this sync; one that dies during it is
@@ -423,7 +424,7 @@ class Replicas:
             except Exception as exc:
                 dead = self.supervisor.dead(grace_s=2.0) if self.supervisor is not None else []
                 if not dead:
-                    unreachable = [u for u in targets if _weight_version(u) is None]
+                    unreachable = [u for u in targets if self._weight_version(u) is None]
                     if unreachable:
                         raise RuntimeError(
                             f"weight sync of version {version} failed: rollout replica(s) "
@@ -433,9 +434,20 @@ class Replicas:
                 lost = {h.url for h in dead}
                 restarted = [self._restart(h) for h in dead]
                 behind = [
-                    u for u in targets if u not in lost and (_weight_version(u) or 0) < version
+                    u for u in targets if u not in lost and (self._weight_version(u) or 0) < version
                 ]
                 targets = behind + restarted
+
+    def _weight_version(self, url: str) -> int | None:
+        """Return the weight version ``url`` serves (``None``: it does not answer ``/health``).
+
+        Asked through the producer's client, so with the servers' API key.
+        """
+        try:
+            state = self.producer.run(self.producer.client.health(url, timeout=10.0))
+            return int(state["weight_version"])
+        except (httpx.HTTPError, ValueError, KeyError):
+            return None
 
 
 def _merged_push_stats(stats: Sequence[Mapping[str, Any] | None]) -> dict[str, Any]:
@@ -451,16 +463,6 @@ def _merged_push_stats(stats: Sequence[Mapping[str, Any] | None]) -> dict[str, A
             received[kind] = received.get(kind, 0) + int(n)
     merged["received"] = received
     return merged
-
-
-def _weight_version(url: str) -> int | None:
-    """Return the weight version ``url`` serves (``None``: it does not answer ``/health``)."""
-    try:
-        response = httpx.get(f"{url}/health", timeout=10.0)
-        response.raise_for_status()
-        return int(response.json()["weight_version"])
-    except (httpx.HTTPError, ValueError, KeyError):
-        return None
 
 
 class DriverRollout(SyncGeneration):

@@ -91,15 +91,20 @@ from polyrl.trainer.rl.rollout import (
     timer,
 )
 from polyrl.trainer.rl.settings import RunSettings, resolve_settings, save_rl_config
+from polyrl.workers.handles import (
+    ActorHandle,
+    CriticHandle,
+    EngineHandle,
+    PRMHandle,
+    ReferenceHandle,
+)
+from polyrl.workers.losses import ACTOR_LOSS, CRITIC_LOSS, PRM_LOSS
 
 __all__ = ["RLTrainer", "run_rl"]
 
 HF_DIR = "hf_model"
 #: The run's config in its output directory, with every auto setting resolved.
 CONFIG_FILE = "rl_config.yaml"
-ACTOR_LOSS = "polyrl.trainer.rl_losses:actor_loss"
-CRITIC_LOSS = "polyrl.trainer.rl_losses:critic_loss"
-PRM_LOSS = "polyrl.trainer.rl_losses:prm_loss"
 
 
 def _log(message: str) -> None:
@@ -153,10 +158,11 @@ class RLTrainer:
         self._groups: list[Any] = []
         self.servers: RolloutServers | None = None
         self.producer: RolloutProducer | None = None
-        self.actor: Any = None
-        self.ref: Any = None
-        self.critic: Any = None
-        self.prm: Any = None
+        # The engine roles, set by setup(): typed handles of their worker groups.
+        self.actor: ActorHandle | None = None
+        self.ref: ReferenceHandle | ActorHandle | None = None
+        self.critic: CriticHandle | None = None
+        self.prm: PRMHandle | None = None
         algo = cfg.algorithm
         self.use_critic = run.use_critic
         # PRIME's implicit process reward model; its rewards are measured against the reference.
@@ -228,13 +234,14 @@ class RLTrainer:
             self.use_prm,
             settings=run,
         )
-        views, self._groups = start_engines(cfg, specs, self._closers, settings=run)
-        self.actor, self.ref, self.critic = views["actor"], views.get("ref"), views.get("critic")
-        self.prm = views.get("prm")
+        engines, self._groups = start_engines(cfg, specs, self._closers, settings=run)
+        self.actor, self.ref, self.critic = engines.actor, engines.ref, engines.critic
+        self.prm = engines.prm
         if self.use_ref and self.ref is None:
             # LoRA: the reference is the actor's base model (its adapter disabled), so the ref
             # role maps onto the actor engine instead of a second copy of the model.
             self.ref = self.actor
+        views = engines.started()
         for view in views.values():
             view.init_model()
         self.servers = start_replicas(
@@ -338,7 +345,7 @@ class RLTrainer:
             f"{self.total_steps} steps from {how}"
         )
 
-    def _setup_queue(self, views: Mapping[str, Any]) -> None:
+    def _setup_queue(self, views: Mapping[str, EngineHandle]) -> None:
         """Start the transfer queue, attach it to the engines and start its rollout workers."""
         from polyrl.trainer.rl.store_worker import StoreWorkers
 
@@ -530,7 +537,7 @@ class RLTrainer:
         root = checkpoint_root(self.out_dir)
         return root / "actor", root / "critic", root / "prm"
 
-    def _side_engines(self) -> list[tuple[str, Any, Path]]:
+    def _side_engines(self) -> list[tuple[str, EngineHandle, Path]]:
         """Return the trained engines checkpointed beside the actor: (name, view, root)."""
         _, critic_root, prm_root = self._roots()
         pairs = [("critic", self.critic, critic_root), ("prm", self.prm, prm_root)]

@@ -307,7 +307,17 @@ class RolloutProducer:
         return producer
 
     def run(self, coro: Any) -> Any:
-        """Run ``coro`` to completion on the client's event loop."""
+        """Run ``coro`` to completion on the client's event loop, from any thread.
+
+        While the loop runs in another thread (a generation whose watch restarts a replica in
+        a thread of its own), the coroutine is handed to it and this thread waits.
+        """
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if self._loop.is_running() and running is not self._loop:
+            return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
         return self._loop.run_until_complete(coro)
 
     def run_watched(self, coro: Any) -> Any:

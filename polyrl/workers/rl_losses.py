@@ -1,0 +1,201 @@
+"""The RL losses as model-engine loss functions: ``fn(model_output, batch, **kwargs)``.
+
+Level: the glue layer, binding the algorithm layer's loss math (:mod:`polyrl.algo.losses`)
+to the model engine's loss plug-in signature (:data:`polyrl.model_engine.engine.LossFn`, where
+the SFT loss is); both are services, so only a layer above them may join the two. The engine
+calls a loss once per micro-batch; these adapters read the RL columns of the batch, call the
+pure functions of :mod:`polyrl.algo`, and normalise by the mini-batch-wide counts the engine
+puts in ``batch.meta`` so that the micro-batch losses add up to the mini-batch loss whatever
+the split. They are registered as ``"rl_actor"``, ``"rl_critic"`` and ``"rl_prm"`` in
+:data:`polyrl.workers.losses.LOSSES` when the engine worker's module is imported, so the
+trainer sends them to the workers by those names (:data:`~polyrl.workers.losses.ACTOR_LOSS`,
+...).
+
+Batch columns, all ``(B, T)`` over the whole sequence (prompt and response), zero off the
+response: ``loss_mask`` (1 on response tokens), ``advantages``, ``old_log_probs`` (optional:
+without it the update is taken as exactly on-policy and the ratio is 1), ``ref_log_probs`` (KL
+loss), ``returns`` and ``values`` (critic, state-aligned: see :func:`state_values`); the PRIME
+PRM's loss reads ``ref_log_probs`` and the per-row outcome label ``acc`` ``(B,)``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from polyrl.algo.kl import kl_loss as _kl_loss
+from polyrl.algo.losses import get_policy_loss, rollout_importance_weights, value_loss
+from polyrl.algo.prime import implicit_prm_loss
+from polyrl.core.numerics import agg_loss, masked_mean
+from polyrl.model_engine.engine import global_counts
+
+if TYPE_CHECKING:
+    from polyrl.core.batch import Batch
+    from polyrl.model_engine.engine import ModelOutput
+
+__all__ = ["actor_loss", "critic_loss", "prm_loss", "state_values"]
+
+
+def state_values(token_values: torch.Tensor) -> torch.Tensor:
+    """Shift a value head's per-token outputs to the state *before* each token.
+
+    A value model's output at position ``t`` has read tokens ``0..t``; the value of the state in
+    which token ``t`` is chosen is its output at ``t - 1``. Column 0 gets 0 (no state precedes
+    it; it is never a response token).
+    """
+    out = torch.zeros_like(token_values)
+    out[:, 1:] = token_values[:, :-1]
+    return out
+
+
+def _local_scale(mode: str, mask: torch.Tensor, counts: dict[str, Any]) -> float:
+    """Factor turning a loss normalised by global counts into this micro-batch's own mean."""
+    tokens, seqs = counts["num_tokens"], counts["num_seqs"]
+    if mode == "token-mean":
+        local = float((mask != 0).sum())
+        return 1.0 if tokens is None or local == 0 else max(tokens, 1.0) / local
+    local = float((mask != 0).any(dim=1).sum())
+    if mode == "seq-mean-token-sum-norm":
+        local = float(mask.shape[0])
+    return 1.0 if seqs is None or local == 0 else max(seqs, 1.0) / local
+
+
+def _require(batch: Batch, *keys: str, loss: str) -> None:
+    missing = [k for k in keys if k not in batch.tensor_keys]
+    if missing:
+        raise KeyError(f"{loss} needs batch columns {missing}; got {sorted(batch.tensor_keys)}")
+
+
+def actor_loss(
+    output: ModelOutput,
+    batch: Batch,
+    *,
+    policy_loss: str = "ppo_clip",
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float | None = 3.0,
+    loss_agg_mode: str = "token-mean",
+    horizon: int | None = None,
+    entropy_coeff: float = 0.0,
+    use_kl_loss: bool = False,
+    kl_loss_coef: float = 0.001,
+    kl_loss_type: str = "k3",
+    rollout_is: str = "none",
+    rollout_is_threshold: float = 2.0,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Policy-gradient loss of one micro-batch (PPO clip or GSPO, plus entropy and KL terms).
+
+    Metrics (the engine averages them over micro-batches): ``pg_loss``, ``pg_clipfrac``,
+    ``pg_clipfrac_lower``, ``ppo_kl``, ``entropy`` (token mean of the current policy's entropy),
+    and ``entropy_loss`` / ``kl_loss`` when those terms are on.
+
+    ``rollout_is`` (``token`` or ``sequence``; ``none`` is off) weights each token's advantage
+    by the truncated importance weight from the rollout's log-probs (``rollout_log_probs``) to
+    the old policy's (:func:`~polyrl.algo.losses.rollout_importance_weights`); every policy
+    loss here is linear in the advantage, so this weights each token's policy-gradient term.
+    Adds ``rollout_is_mean``, ``rollout_is_max`` and ``rollout_is_clipfrac``.
+    """
+    _require(batch, "loss_mask", "advantages", loss="actor_loss")
+    mask = batch["loss_mask"]
+    counts = global_counts(batch)
+    # One pass over the vocabulary gives both; the entropy is always reported as a metric.
+    log_prob, entropy = output.log_probs_and_entropy()
+    if "old_log_probs" in batch.tensor_keys:
+        old_log_prob = batch["old_log_probs"].to(log_prob.dtype)
+    else:
+        old_log_prob = log_prob.detach()
+    advantages = batch["advantages"].to(log_prob.dtype)
+    is_metrics: dict[str, float] = {}
+    if rollout_is != "none":
+        _require(batch, "rollout_log_probs", loss=f"actor_loss with rollout_is={rollout_is}")
+        weights, is_metrics = rollout_importance_weights(
+            old_log_prob, batch["rollout_log_probs"], mask, rollout_is, rollout_is_threshold
+        )
+        advantages = advantages * weights
+    loss, pg_metrics = get_policy_loss(policy_loss)(
+        log_prob,
+        old_log_prob,
+        advantages,
+        mask,
+        clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high,
+        clip_ratio_c=clip_ratio_c,
+        loss_agg_mode=loss_agg_mode,
+        horizon=horizon,
+        **counts,
+    )
+    metrics: dict[str, Any] = {**pg_metrics, **is_metrics}
+    metrics["pg_loss"] = pg_metrics["pg_loss"] * _local_scale(loss_agg_mode, mask, counts)
+    if entropy is not None:
+        metrics["entropy"] = float(masked_mean(entropy.detach(), mask))
+    if entropy is not None and entropy_coeff > 0:
+        ent = agg_loss(entropy, mask, loss_agg_mode, horizon, **counts)
+        loss = loss - entropy_coeff * ent
+        metrics["entropy_loss"] = float(ent.detach()) * _local_scale(loss_agg_mode, mask, counts)
+    if use_kl_loss:
+        _require(batch, "ref_log_probs", loss="actor_loss with use_kl_loss")
+        kl = _kl_loss(
+            log_prob,
+            batch["ref_log_probs"].to(log_prob.dtype),
+            mask,
+            kl_loss_type,
+            loss_agg_mode,
+            **counts,
+        )
+        loss = loss + kl_loss_coef * kl
+        metrics["kl_loss"] = float(kl.detach()) * _local_scale(loss_agg_mode, mask, counts)
+        metrics["kl_coef"] = kl_loss_coef
+    return loss, metrics
+
+
+def critic_loss(
+    output: ModelOutput,
+    batch: Batch,
+    *,
+    cliprange_value: float = 0.5,
+    loss_agg_mode: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """Clipped value loss of one micro-batch against ``returns``.
+
+    Metrics: ``vf_loss``, ``vf_clipfrac`` and ``vpred_mean``.
+    """
+    _require(batch, "loss_mask", "returns", "values", loss="critic_loss")
+    mask = batch["loss_mask"]
+    counts = global_counts(batch)
+    values = state_values(output.values)
+    loss, metrics = value_loss(
+        values,
+        batch["values"].to(values.dtype),
+        batch["returns"].to(values.dtype),
+        mask,
+        cliprange_value,
+        loss_agg_mode,
+        **counts,
+    )
+    metrics = dict(metrics)
+    metrics["vf_loss"] = metrics["vf_loss"] * _local_scale(loss_agg_mode, mask, counts)
+    metrics["vpred_mean"] = float(masked_mean(values.detach(), mask))
+    return loss, metrics
+
+
+def prm_loss(
+    output: ModelOutput, batch: Batch, *, beta: float = 0.05
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """PRIME's implicit PRM loss of one micro-batch (:func:`~polyrl.algo.prime.implicit_prm_loss`).
+
+    Reads ``loss_mask``, ``ref_log_probs`` and the outcome label ``acc``; the loss is the
+    cross-entropy averaged over the mini-batch's sequences, so the engine's ``loss`` metric is
+    the mini-batch's exact mean. No metrics of its own: the engine would weigh per-sequence
+    figures by token counts; the trainer reports the PRM's accuracy where it scores the step.
+    """
+    _require(batch, "loss_mask", "ref_log_probs", "acc", loss="prm_loss")
+    loss, _ = implicit_prm_loss(
+        output.log_probs,
+        batch["ref_log_probs"],
+        batch["loss_mask"],
+        batch["acc"],
+        beta,
+        num_seqs=global_counts(batch)["num_seqs"],
+    )
+    return loss, {}
