@@ -690,7 +690,21 @@ def test_shared_prefix_update_gives_the_metrics_of_a_full_forward(tmp_path):
         assert shared["actor/compute_tokens"] < full["actor/compute_tokens"]
 
 
-def test_grpo_step_with_the_rollout_correction_reports_its_weights(tmp_path):
+def test_grpo_step_with_the_rollout_correction_reports_its_weights(tmp_path, monkeypatch):
+    import polyrl.trainer.rl.rollout as rollout_module
+
+    # Every response's first rollout log-prob is lowered by log(3): its sequence weight
+    # exp(sum(old - rollout)) is then 3 times the true weight, which is 1 up to rounding (an
+    # fp32 rollout against an fp32 trainer). A stub that logged 1.0, an inverted ratio (1/3)
+    # or the truncated weights (2) fails; test_actor_loss_weights_advantages_by_the_rollout_
+    # correction checks the truncation's arithmetic by hand.
+    def offset_batch(*args, **kwargs):
+        batch = build_rollout_batch(*args, **kwargs)
+        first = rollout_widths(batch)[0]  # every response starts at this column
+        batch["rollout_log_probs"][:, first] -= math.log(3.0)
+        return batch
+
+    monkeypatch.setattr(rollout_module, "build_rollout_batch", offset_batch)
     overrides = _e2e_overrides(
         tmp_path,
         "tis",
@@ -706,9 +720,8 @@ def test_grpo_step_with_the_rollout_correction_reports_its_weights(tmp_path):
         metrics = trainer.step(1)
     finally:
         trainer.close()
-    # fp32 rollout against an fp32 trainer: the rollout's policy is the trainer's up to
-    # rounding, so the weights are 1 within it and none is truncated.
-    assert metrics["actor/rollout_is_mean"] == pytest.approx(1.0, abs=1e-3)
-    assert metrics["actor/rollout_is_max"] == pytest.approx(1.0, abs=1e-3)
-    assert metrics["actor/rollout_is_clipfrac"] == 0.0
+    # The metrics are of the weights before truncation; every one is above the threshold.
+    assert metrics["actor/rollout_is_mean"] == pytest.approx(3.0, rel=1e-3)
+    assert metrics["actor/rollout_is_max"] == pytest.approx(3.0, rel=1e-3)
+    assert metrics["actor/rollout_is_clipfrac"] == 1.0
     assert math.isfinite(metrics["actor/pg_loss"])
