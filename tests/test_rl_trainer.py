@@ -266,6 +266,22 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_policy_updated(out: Path, model_dir: Path, steps: int) -> None:
+    """Each of ``steps`` steps had a gradient, and the exported policy is not the initial one.
+
+    For end-to-end runs that check little else: ``steps == N`` alone passes without updates.
+    """
+    from safetensors.torch import load_file
+
+    norms = [r["actor/grad_norm"] for r in _records(out) if "actor/grad_norm" in r]
+    assert len(norms) == steps and all(n > 0 and math.isfinite(n) for n in norms), norms
+    (start,) = model_dir.glob("*.safetensors")
+    (end,) = (out / "hf_model").glob("*.safetensors")
+    before, after = load_file(start), load_file(end)
+    moved = [k for k in before.keys() & after.keys() if not torch.equal(before[k], after[k])]
+    assert moved, "the exported policy has the initial weights"
+
+
 @pytest.mark.slow
 def test_grpo_on_ray_raises_the_reward(tmp_path, ray_session):
     cfg = load_config(
@@ -484,6 +500,9 @@ def test_python_api_trains_from_rows_with_a_named_reward(tmp_path, tiny_qwen2_di
             "data.val_batch_size=8",
             "rollout.n=2",
             "trainer.loggers=[jsonl]",
+            # A random policy never reverses a string: every advantage is 0, and without the
+            # entropy bonus's gradient no weight would move (checked below).
+            "actor.entropy_coeff=0.01",
         ],
     )
     trainer = GRPOTrainer(
@@ -496,6 +515,7 @@ def test_python_api_trains_from_rows_with_a_named_reward(tmp_path, tiny_qwen2_di
     assert trainer.config.data.task == "" and trainer.config.algorithm.adv_estimator == "grpo"
     summary = trainer.train()
     assert summary["steps"] == 2 and summary["first_val_acc"] is not None
+    assert_policy_updated(tmp_path / "api", tiny_qwen2_dir, steps=2)
     records = _records(tmp_path / "api")
     assert any("val/acc/mean@1" in r for r in records)
     with pytest.raises(ConfigError, match="no training data"):
