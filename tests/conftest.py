@@ -110,3 +110,23 @@ def engines():
     yield make
     for engine in reversed(made):
         engine.close()
+
+
+@pytest.fixture
+def native_kernels():
+    """The native engine's C kernels, built: skip where no C compiler exists, else fail.
+
+    The engine falls back to torch when the kernels do not build, so a test that skipped on
+    ``not available()`` would hide a source that no longer compiles: only a machine without a
+    compiler may skip.
+    """
+    from polyrl.rollout.native import cpu_kernels
+
+    if cpu_kernels.available():
+        return
+    if cpu_kernels._compiler() is None:
+        pytest.skip("no C compiler here, so no native kernels (the torch path is tested instead)")
+    pytest.fail(
+        f"a C compiler exists but the native kernels are unavailable: "
+        f"{cpu_kernels.unavailable_reason()}"
+    )

@@ -6,7 +6,6 @@ The kernels' numerics are tested in test_rollout_native_fast.py and test_rollout
 from __future__ import annotations
 
 import fnmatch
-import logging
 import platform
 import tomllib
 from pathlib import Path
@@ -33,18 +32,62 @@ BUILDS.append(
 )
 
 
-@pytest.mark.skipif(cpu_kernels._compiler() is None, reason="no C compiler here")
-@pytest.mark.parametrize("flags", BUILDS)
-def test_kernels_compile_without_warnings(flags, tmp_path, caplog):
-    cc = cpu_kernels._compiler()
-    source = cpu_kernels._source()
-    with caplog.at_level(logging.DEBUG, logger=cpu_kernels.__name__):
-        if cpu_kernels._build(cc, flags, tmp_path / "werror.so", source, werror=True):
-            assert (tmp_path / "werror.so").stat().st_size > 0
-            return
-        if not cpu_kernels._build(cc, flags, tmp_path / "plain.so", source):
+needs_compiler = pytest.mark.skipif(
+    cpu_kernels._compiler() is None, reason="no C compiler here: nothing to build"
+)
+# The smallest shared library: whether the compiler takes a flag set at all.
+PROBE = "int polyrl_probe(void) { return 0; }\n"
+# The kernels' source with a syntax error appended (the real file is never touched).
+BROKEN = "\nint polyrl_broken(void) { return 0 }\n"
+
+
+def check_build(cc: str, flags: list[str], source: str, tmp_path: Path) -> None:
+    """Fail unless ``source`` builds warning-free with ``flags``; skip if ``cc`` lacks them.
+
+    The loader skips a flag set that does not compile (``-fopenmp`` without an OpenMP
+    runtime), but a source that fails where a trivial file builds is broken, not unsupported.
+    """
+    try:
+        cpu_kernels._build(cc, flags, tmp_path / "werror.so", source, werror=True)
+    except cpu_kernels.KernelBuildError as strict:
+        try:
+            cpu_kernels._build(cc, flags, tmp_path / "probe.so", PROBE)
+        except cpu_kernels.KernelBuildError:
             pytest.skip(f"{cc} cannot build with {' '.join(flags)} here (the loader skips it too)")
-    pytest.fail("the kernels build with warnings:\n" + caplog.text)
+        try:
+            cpu_kernels._build(cc, flags, tmp_path / "plain.so", source)
+        except cpu_kernels.KernelBuildError as exc:
+            pytest.fail(f"the kernels do not compile:\n{exc}")
+        pytest.fail(f"the kernels build with warnings:\n{strict}")
+    assert (tmp_path / "werror.so").stat().st_size > 0
+
+
+@needs_compiler
+@pytest.mark.parametrize("flags", BUILDS)
+def test_kernels_compile_without_warnings(flags, tmp_path):
+    check_build(cpu_kernels._compiler(), flags, cpu_kernels._source(), tmp_path)
+
+
+@needs_compiler
+def test_a_kernel_source_that_does_not_compile_fails_the_kernel_tests(
+    monkeypatch, tmp_path, request
+):
+    # A syntax error fails the build for every flag set; the engine then falls back to torch,
+    # so the kernel tests must fail rather than skip on `not available()`.
+    cc = cpu_kernels._compiler()
+    broken = cpu_kernels._source() + BROKEN
+    with pytest.raises(pytest.fail.Exception, match="do not compile"):
+        check_build(cc, list(cpu_kernels._FLAG_SETS[-1]), broken, tmp_path)
+    monkeypatch.setenv("POLYRL_KERNEL_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_kernels, "_source", lambda: broken)
+    monkeypatch.setattr(cpu_kernels, "_tried", False)
+    monkeypatch.setattr(cpu_kernels, "_lib", None)
+    monkeypatch.setattr(cpu_kernels, "_why", None)
+    assert not cpu_kernels.available()
+    assert "polyrl_broken" in cpu_kernels.unavailable_reason()
+    # What the kernel tests in test_rollout_native_fast.py and test_rollout_sampler.py use.
+    with pytest.raises(pytest.fail.Exception, match="(?s)compiler exists.*polyrl_broken"):
+        request.getfixturevalue("native_kernels")
 
 
 def test_no_c_source_in_python_files():
@@ -78,5 +121,7 @@ def test_missing_source_disables_the_kernels(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_SOURCE_FILE", "csrc/no_such_file.c")
     monkeypatch.setattr(cpu_kernels, "_tried", False)
     monkeypatch.setattr(cpu_kernels, "_lib", None)
+    monkeypatch.setattr(cpu_kernels, "_why", None)
     monkeypatch.setattr(cpu_kernels, "_compiler", lambda: "cc")
     assert not cpu_kernels.available()
+    assert "source is missing" in cpu_kernels.unavailable_reason()

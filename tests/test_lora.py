@@ -12,6 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
+import peft
 import pytest
 import torch
 from test_rl_trainer import _e2e_overrides
@@ -21,8 +22,6 @@ from polyrl.config import ConfigError, load_config
 from polyrl.model_engine import ModelSpec
 from polyrl.model_engine import checkpoint as ckpt
 from polyrl.model_engine.lora import merge_lora_weight, peft_adapter_key, resolve_target_modules
-
-peft = pytest.importorskip("peft")
 
 BODY = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

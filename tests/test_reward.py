@@ -786,7 +786,8 @@ def test_hanging_scorer_times_out_and_worker_is_killed(behave_pool, kind):
     assert result.scores.tolist() == [-1.0, 1.0]
     assert result.metrics["reward/timeouts"] == 1.0
     assert "timeout_s=1.0" in result.failures[0]
-    assert 0.9 <= elapsed < 3.5, elapsed
+    # Not before the 1 s limit; far from the scorer's own end (hang: 1000 s, spin: never).
+    assert 0.9 <= elapsed < 60, elapsed
     (killed,) = pids_before - set(behave_pool.worker_pids)
     with pytest.raises(ProcessLookupError):
         os.kill(killed, 0)

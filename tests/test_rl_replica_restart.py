@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from waiting import wait_until
 
 from polyrl.config import load_config
 from polyrl.trainer.rl import RLTrainer
@@ -281,8 +282,6 @@ def _parent_of(proc: Path) -> int:
 
 
 def test_a_hung_replica_counts_as_dead_and_its_restart_replaces_it(tiny_qwen2_dir):
-    import time
-
     from polyrl.rollout.launcher import ServerProcess
     from polyrl.trainer.rl.supervisor import LocalReplica, ReplicaSupervisor
 
@@ -292,8 +291,8 @@ def test_a_hung_replica_counts_as_dead_and_its_restart_replaces_it(tiny_qwen2_di
         assert supervisor.dead() == []
         os.kill(process.process.pid, signal.SIGSTOP)  # running, but answers nothing
         assert supervisor.dead() == []  # silent for less than a second so far
-        time.sleep(1.2)
-        [hung] = supervisor.dead()
+        # Stopped, it never answers again: it counts as hung once silent for 1 s.
+        [hung] = wait_until(supervisor.dead, "the stopped replica counts as dead")
         old, new = supervisor.restart(hung)
         assert process.alive and supervisor.restarts == 1
         assert httpx.get(f"{new}/health", timeout=10).json()["status"] == "ok"

@@ -324,6 +324,22 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_policy_updated(out: Path, model_dir: Path, steps: int) -> None:
+    """Each of ``steps`` steps had a gradient, and the exported policy is not the initial one.
+
+    For end-to-end runs that check little else: ``steps == N`` alone passes without updates.
+    """
+    from safetensors.torch import load_file
+
+    norms = [r["actor/grad_norm"] for r in _records(out) if "actor/grad_norm" in r]
+    assert len(norms) == steps and all(n > 0 and math.isfinite(n) for n in norms), norms
+    (start,) = model_dir.glob("*.safetensors")
+    (end,) = (out / "hf_model").glob("*.safetensors")
+    before, after = load_file(start), load_file(end)
+    moved = [k for k in before.keys() & after.keys() if not torch.equal(before[k], after[k])]
+    assert moved, "the exported policy has the initial weights"
+
+
 @pytest.mark.slow
 def test_grpo_on_ray_raises_the_reward(tmp_path, ray_session):
     cfg = load_config(
@@ -542,6 +558,9 @@ def test_python_api_trains_from_rows_with_a_named_reward(tmp_path, tiny_qwen2_di
             "data.val_batch_size=8",
             "rollout.n=2",
             "trainer.loggers=[jsonl]",
+            # A random policy never reverses a string: every advantage is 0, and without the
+            # entropy bonus's gradient no weight would move (checked below).
+            "actor.entropy_coeff=0.01",
         ],
     )
     trainer = GRPOTrainer(
@@ -554,6 +573,7 @@ def test_python_api_trains_from_rows_with_a_named_reward(tmp_path, tiny_qwen2_di
     assert trainer.config.data.task == "" and trainer.config.algorithm.adv_estimator == "grpo"
     summary = trainer.train()
     assert summary["steps"] == 2 and summary["first_val_acc"] is not None
+    assert_policy_updated(tmp_path / "api", tiny_qwen2_dir, steps=2)
     records = _records(tmp_path / "api")
     assert any("val/acc/mean@1" in r for r in records)
     with pytest.raises(ConfigError, match="no training data"):
@@ -752,7 +772,21 @@ def test_shared_prefix_update_gives_the_metrics_of_a_full_forward(tmp_path):
         assert shared["actor/compute_tokens"] < full["actor/compute_tokens"]
 
 
-def test_grpo_step_with_the_rollout_correction_reports_its_weights(tmp_path):
+def test_grpo_step_with_the_rollout_correction_reports_its_weights(tmp_path, monkeypatch):
+    import polyrl.trainer.rl.rollout as rollout_module
+
+    # Every response's first rollout log-prob is lowered by log(3): its sequence weight
+    # exp(sum(old - rollout)) is then 3 times the true weight, which is 1 up to rounding (an
+    # fp32 rollout against an fp32 trainer). A stub that logged 1.0, an inverted ratio (1/3)
+    # or the truncated weights (2) fails; test_actor_loss_weights_advantages_by_the_rollout_
+    # correction checks the truncation's arithmetic by hand.
+    def offset_batch(*args, **kwargs):
+        batch = build_rollout_batch(*args, **kwargs)
+        first = rollout_widths(batch)[0]  # every response starts at this column
+        batch["rollout_log_probs"][:, first] -= math.log(3.0)
+        return batch
+
+    monkeypatch.setattr(rollout_module, "build_rollout_batch", offset_batch)
     overrides = _e2e_overrides(
         tmp_path,
         "tis",
@@ -768,9 +802,8 @@ def test_grpo_step_with_the_rollout_correction_reports_its_weights(tmp_path):
         metrics = trainer.step(1)
     finally:
         trainer.close()
-    # fp32 rollout against an fp32 trainer: the rollout's policy is the trainer's up to
-    # rounding, so the weights are 1 within it and none is truncated.
-    assert metrics["actor/rollout_is_mean"] == pytest.approx(1.0, abs=1e-3)
-    assert metrics["actor/rollout_is_max"] == pytest.approx(1.0, abs=1e-3)
-    assert metrics["actor/rollout_is_clipfrac"] == 0.0
+    # The metrics are of the weights before truncation; every one is above the threshold.
+    assert metrics["actor/rollout_is_mean"] == pytest.approx(3.0, rel=1e-3)
+    assert metrics["actor/rollout_is_max"] == pytest.approx(3.0, rel=1e-3)
+    assert metrics["actor/rollout_is_clipfrac"] == 1.0
     assert math.isfinite(metrics["actor/pg_loss"])

@@ -17,13 +17,12 @@ import time
 
 import httpx
 import pytest
+import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
+from schemathesis.generation import GenerationMode
 
 from polyrl.rollout.launcher import ServerProcess
 from polyrl.rollout.options import ServerLimits
-
-schemathesis = pytest.importorskip("schemathesis")
-from schemathesis.generation import GenerationMode  # noqa: E402
 
 OPTIONS = {
     "num_threads": 1,

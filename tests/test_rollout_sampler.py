@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from polyrl.rollout.native import cpu_kernels
 from polyrl.rollout.native.sampler import Sampler, SamplingRow, _mix64, seeded_uniform
 
 # Chi-square critical values at p = 0.001 (the tests fail one correct generator in 1000 seeds).
@@ -99,7 +98,9 @@ def test_a_seeded_row_draws_the_same_whatever_shares_the_batch():
 
 
 @pytest.mark.parametrize("use_kernels", [True, False])
-def test_masked_entries_are_never_drawn_even_at_the_extremes(use_kernels):
+def test_masked_entries_are_never_drawn_even_at_the_extremes(use_kernels, request):
+    if use_kernels:
+        request.getfixturevalue("native_kernels")  # else the torch path would run twice
     # Uniforms as close to 0 and 1 as the stream makes them, and a target rounded up to the
     # total (1.0): the first and the last allowed entry, never the masked tail.
     logits = torch.tensor([[-1.0, 0.0, 3.0, 1.0, -2.0]])
@@ -110,7 +111,7 @@ def test_masked_entries_are_never_drawn_even_at_the_extremes(use_kernels):
         assert sampler._draw(z, [SamplingRow()]).tolist() == [want]
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="no C compiler for the native kernels")
+@pytest.mark.usefixtures("native_kernels")
 def test_kernel_draws_the_tokens_of_the_torch_path():
     # The C inversion must pick exactly the torch path's token (same cumulative sums, same
     # search, same masked-tail fix), so seeded outputs do not depend on the kernels.

@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 import torch
+from waiting import wait_until
 
 from polyrl.core.numerics import token_log_probs
 from polyrl.models.loader import load_causal_lm, load_tokenizer
@@ -237,7 +238,16 @@ def _stream_tokens(url, body, record, finished):
     finished["done"] = True
 
 
+def _generated_tokens(http) -> int:
+    """The server's count of tokens generated so far (its /metrics counter)."""
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("polyrl_rollout_generated_tokens_total"):
+            return int(float(line.rsplit(" ", 1)[1]))
+    raise AssertionError("no generated-tokens counter in /metrics")
+
+
 def test_pause_abort_resume(server, http):
+    before = _generated_tokens(http)
     tokens: list[int] = []
     finished: dict = {}
     body = {
@@ -252,10 +262,12 @@ def test_pause_abort_resume(server, http):
     while len(tokens) < 3 and time.time() < deadline:
         time.sleep(0.01)
     assert http.post("/pause").json() == {"paused": True}
-    time.sleep(0.3)  # let tokens already on the wire arrive
-    frozen = len(tokens)
+    # /pause answers once no step runs: the count is final; its tokens may be on the wire.
+    frozen = _generated_tokens(http) - before
+    wait_until(lambda: len(tokens) >= frozen, "the tokens made before the pause arrive")
     time.sleep(0.5)
     assert len(tokens) == frozen, "tokens kept coming while paused"
+    assert _generated_tokens(http) - before == frozen
     assert http.get("/health").json()["paused"] is True
 
     # A request sent while paused waits for resume.
@@ -266,7 +278,7 @@ def test_pause_abort_resume(server, http):
 
     w = threading.Thread(target=later)
     w.start()
-    time.sleep(0.3)
+    wait_until(lambda: http.get("/health").json()["waiting"] == 1, "the request is queued")
     assert "out" not in waiting
 
     assert http.post("/abort", json={"request_ids": ["long-one"]}).json()["aborted"] == 1

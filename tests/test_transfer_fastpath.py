@@ -6,10 +6,10 @@ import asyncio
 import os
 import stat
 import threading
-import time
 
 import pytest
 import torch
+from waiting import wait_until
 
 from polyrl.core.batch import Batch
 from polyrl.transfer.base import TransferError
@@ -22,6 +22,7 @@ class _Target:
     def __init__(self) -> None:
         self.event = asyncio.Event()
         self.seen: list[tuple] = []
+        self.waiting = 0  # calls blocked in get_meta_local now
 
     async def commit_new(self, *args):
         self.seen.append(args)
@@ -30,7 +31,11 @@ class _Target:
 
     async def get_meta_local(self, wait: bool, tag: str):
         if wait:
-            await self.event.wait()
+            self.waiting += 1
+            try:
+                await self.event.wait()
+            finally:
+                self.waiting -= 1
         if tag == "boom":
             raise TransferError("no such partition 'boom'")
         return ("meta", tag)
@@ -95,7 +100,7 @@ def test_a_waiting_call_is_woken_by_a_call_from_another_thread(served):
         target=lambda: out.update(got=client.call("get_meta_local", True, "w"))
     )
     waiter.start()
-    time.sleep(0.2)
+    wait_until(lambda: target.waiting == 1, "the call waits on the server")
     assert waiter.is_alive()
     client.call("commit_new", "p")
     waiter.join(10)
@@ -120,7 +125,7 @@ def test_unreachable_server_and_broken_connection(served, tmp_path):
 
     waiter = threading.Thread(target=wait)
     waiter.start()
-    time.sleep(0.2)
+    wait_until(lambda: target.waiting == 1, "the call waits on the server")
     # The controller goes away mid-call: the caller gets a clear error, not a hang.
     for task in asyncio.all_tasks(loop):
         loop.call_soon_threadsafe(task.cancel)

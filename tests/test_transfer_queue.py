@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from waiting import wait_until
 
 from polyrl.core.batch import Batch
 from polyrl.transfer import (
@@ -207,11 +208,16 @@ def test_get_meta_blocks_until_a_producer_puts_and_times_out_with_a_clear_error(
     def consume():
         got.append(q.get_meta(["x"], 3, "later", "c", timeout=20))
 
+    def consumer_waits() -> bool:
+        # The consumer is blocked on the queue's condition (CPython lists its waiters).
+        return len(q._cond._waiters) == 1
+
     t = threading.Thread(target=consume)
     t.start()
-    time.sleep(0.2)
+    wait_until(consumer_waits, "the consumer waits for the partition")
     q.put(Batch({"x": torch.zeros(2)}), "later")  # partition created after the wait began
-    time.sleep(0.1)
+    # Woken by the put, it found 2 of its 3 samples and waits again: it did not return.
+    wait_until(consumer_waits, "the consumer waits again after 2 of 3 samples")
     assert not got
     q.put(Batch({"x": torch.zeros(2)}), "later")
     t.join(5)

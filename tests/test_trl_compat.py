@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+import datasets
 import numpy as np
 import pytest
 
@@ -17,8 +18,6 @@ from polyrl.reward import RewardFailureError, RewardFunctionError
 from polyrl.reward.functions import RewardFunctionsManager, resolve_reward_functions
 from polyrl.reward.user_fn import RewardResultError
 from polyrl.trainer.rl.checks import check_config
-
-datasets = pytest.importorskip("datasets")
 
 PROMPTS = ["1+1=", "2+2=", "3+1=", "2+5=", "4+4=", "1+3=", "6+2=", "5+4="]
 ANSWERS = ["2", "4", "4", "7", "8", "4", "8", "9"]

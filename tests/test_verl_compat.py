@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from test_rl_trainer import assert_policy_updated
 
 from polyrl.config import (
     ConfigError,
@@ -420,6 +421,7 @@ def test_verls_grpo_example_line_trains(tmp_path, tiny_qwen2_dir):
     assert "2 steps from trainer.total_epochs=1 x 2 batches of 8 prompts" in data_line
     summary = _summary(tmp_path)
     assert summary["steps"] == 2
+    assert_policy_updated(tmp_path / "out", tiny_qwen2_dir, steps=2)
     cfg = load_config(tmp_path / "out" / "rl_config.yaml")
     assert cfg.model.path == str(tiny_qwen2_dir) and cfg.actor.use_kl_loss
     assert cfg.actor.kl_loss_type == "low_var_kl" and cfg.rollout.n == 4
@@ -435,6 +437,7 @@ def test_verls_ppo_example_line_trains(tmp_path, tiny_qwen2_dir):
     assert "critic.ppo_micro_batch_size_per_gpu" in out  # named in the "ignored" note
     summary = _summary(tmp_path)
     assert summary["steps"] == 2
+    assert_policy_updated(tmp_path / "out", tiny_qwen2_dir, steps=2)
     cfg = load_config(tmp_path / "out" / "rl_config.yaml")
     assert cfg.algorithm.adv_estimator == "gae" and cfg.critic.model_path == str(tiny_qwen2_dir)
     assert cfg.critic.lr == 1e-5 and not cfg.algorithm.use_kl_in_reward

@@ -20,7 +20,7 @@ shared library cached under ``$POLYRL_KERNEL_DIR`` (default ``~/.cache/polyrl/ke
 by a hash of the source, the flags, the compiler and the CPU. Nothing is downloaded. When no
 compiler is found, the source file is missing, compilation fails, or ``POLYRL_NATIVE_KERNELS=0``
 is set, :func:`available` is ``False`` and callers use their torch path instead (same results up
-to float rounding).
+to float rounding); :func:`unavailable_reason` says which of these happened.
 The library links OpenMP; torch has loaded its own ``libgomp.so.1`` already, so both share one
 thread pool instead of competing with two.
 """
@@ -42,12 +42,14 @@ from pathlib import Path
 import torch
 
 __all__ = [
+    "KernelBuildError",
     "add_rms_norm",
     "available",
     "inverse_sample",
     "paged_decode_attention",
     "rope_and_store",
     "silu_mul",
+    "unavailable_reason",
 ]
 
 logger = logging.getLogger(__name__)
@@ -67,6 +69,12 @@ _WARNING_FLAGS = ("-Wall", "-Wextra")
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
+# Why _lib is None once _tried (None while the kernels load, or before the first try).
+_why: str | None = None
+
+
+class KernelBuildError(RuntimeError):
+    """The C compiler rejected the kernels' source; the message holds its command and errors."""
 
 
 def _compiler() -> str | None:
@@ -100,12 +108,15 @@ def _source() -> str:
     return resources.files(__spec__.parent).joinpath(_SOURCE_FILE).read_text(encoding="utf-8")
 
 
-def _build(cc: str, flags: list[str], out: Path, source: str, *, werror: bool = False) -> bool:
-    """Compile ``source`` with ``flags`` into the shared library ``out``; whether it worked.
+def _build(cc: str, flags: list[str], out: Path, source: str, *, werror: bool = False) -> None:
+    """Compile ``source`` with ``flags`` into the shared library ``out``.
 
     The text compiled is the text the caller hashed into ``out``'s name: it is written to a
     scratch file here rather than compiled in place from the package. ``-Wall -Wextra`` are
     always on; ``werror`` makes their warnings errors (for tests).
+
+    Raises:
+        KernelBuildError: the compiler failed (the message ends with its last errors).
     """
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
@@ -116,33 +127,33 @@ def _build(cc: str, flags: list[str], out: Path, source: str, *, werror: bool = 
         cmd += ["-shared", "-fPIC", str(src), "-o", str(target), "-lm"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
-            logger.debug("kernel build failed (%s): %s", " ".join(cmd), proc.stderr[-2000:])
-            return False
+            raise KernelBuildError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
         if proc.stderr.strip():
             logger.debug("kernel build warnings (%s): %s", " ".join(cmd), proc.stderr[-2000:])
         # Atomic: a concurrent process either sees no library or a complete one.
         os.replace(target, out)
-    return True
 
 
-def _load() -> ctypes.CDLL | None:
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    """Build (or find cached) and load the library: ``(library, None)`` or ``(None, why not)``."""
     if os.environ.get("POLYRL_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "no"):
-        return None
+        return None, "POLYRL_NATIVE_KERNELS turns them off"
     cc = _compiler()
     if cc is None:
         logger.info("no C compiler found; the native engine uses its torch attention path")
-        return None
+        return None, "no C compiler found ($CC, cc, gcc, clang)"
     try:
         source = _source()
     except OSError as exc:
         logger.warning("the native engine's C source is missing (%s); using the torch path", exc)
-        return None
+        return None, f"their C source is missing: {exc}"
     try:
         version = subprocess.run(
             [cc, "--version"], capture_output=True, text=True, timeout=30
         ).stdout
     except (OSError, subprocess.SubprocessError):
         version = ""
+    failure = "no flag set built them"
     for flags in _FLAG_SETS:
         key = hashlib.sha256(
             "\0".join([source, " ".join([*flags, *_WARNING_FLAGS]), version, _cpu_id()]).encode()
@@ -150,11 +161,16 @@ def _load() -> ctypes.CDLL | None:
         for directory in (_cache_dir(), Path(tempfile.gettempdir()) / "polyrl-kernels"):
             path = directory / f"polyrl_kernels_{key}.so"
             try:
-                if not path.exists() and not _build(cc, flags, path, source):
-                    break  # these flags do not compile here; try the next set
+                if not path.exists():
+                    _build(cc, flags, path, source)
                 lib = ctypes.CDLL(str(path))
+            except KernelBuildError as exc:
+                logger.debug("kernel build failed: %s", exc)
+                failure = str(exc)
+                break  # these flags do not compile here; try the next set
             except (OSError, subprocess.SubprocessError) as exc:
                 logger.debug("kernel library at %s unusable: %s", path, exc)
+                failure = f"the library at {path} is unusable: {exc}"
                 continue  # e.g. an unwritable cache directory: try the next one
             fn = lib.polyrl_paged_decode_f32
             i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -173,17 +189,18 @@ def _load() -> ctypes.CDLL | None:
             fn = lib.polyrl_inverse_sample_f32
             fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64]
             fn.restype = ctypes.c_int
-            return lib
+            return lib, None
     logger.warning("could not build the native engine's C kernels; using the torch path")
-    return None
+    # The last flag set's error: the one with the fewest flags, so the source's own fault.
+    return None, f"they did not build: {failure}"
 
 
 def _library() -> ctypes.CDLL | None:
-    global _lib, _tried
+    global _lib, _tried, _why
     if not _tried:
         with _lock:
             if not _tried:
-                _lib = _load()
+                _lib, _why = _load()
                 _tried = True
     return _lib
 
@@ -198,6 +215,14 @@ def _require_library() -> ctypes.CDLL:
 def available() -> bool:
     """Whether the compiled kernels can be used (compiles them on the first call)."""
     return _library() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`available` is ``False`` (turned off, no compiler, the build's errors); else None.
+
+    Compiles the kernels on the first call, like :func:`available`.
+    """
+    return None if _library() is not None else _why
 
 
 def paged_decode_attention(
