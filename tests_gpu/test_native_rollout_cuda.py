@@ -34,20 +34,26 @@ def hf_greedy(model, prompt: list[int]) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def started_engine(model_dir, dtype: str) -> NativeEngine:
+    """A native engine on CUDA in ``dtype``, started (the caller shuts it down)."""
+    config = NativeEngineConfig(
+        device="cuda",
+        dtype=dtype,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        kv_cache_tokens=4096,
+    )
+    engine = NativeEngine(model_dir, config)
+    engine.start()
+    return engine
+
+
 def test_native_engine_greedy_equals_hf_generate_on_cuda(tiny_dir):
     ps = prompts(6)
     model = load_causal_lm(tiny_dir, "float32", "cuda")
     want = [hf_greedy(model, p) for p in ps]
     del model
-    config = NativeEngineConfig(
-        device="cuda",
-        dtype="float32",
-        max_num_seqs=16,
-        max_num_batched_tokens=256,
-        kv_cache_tokens=4096,
-    )
-    engine = NativeEngine(tiny_dir, config)
-    engine.start()
+    engine = started_engine(tiny_dir, "float32")
     try:
         assert engine.runner.device.type == "cuda"
         params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -73,15 +79,7 @@ def hf_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
 
 def test_native_engine_in_bf16_with_its_fast_forward_matches_hf(tiny_dir):
     ps = prompts(6, seed=2)
-    config = NativeEngineConfig(
-        device="cuda",
-        dtype="bfloat16",
-        max_num_seqs=16,
-        max_num_batched_tokens=256,
-        kv_cache_tokens=4096,
-    )
-    engine = NativeEngine(tiny_dir, config)
-    engine.start()
+    engine = started_engine(tiny_dir, "bfloat16")
     got_lp: dict[str, list[float]] = {}
     try:
         # The production path: bf16 weights through the engine's own packed forward.
