@@ -478,3 +478,14 @@ def test_backend_load_weights_refuses_a_wrong_set_before_vllm(model_dir):
     with pytest.raises(InvalidRequestError, match="version must be an int >= 0"):
         run_async(b.load_weights(list(new.items()), version=-2))
     assert server.calls == [] and b.weight_version == 0
+
+
+def test_vllm_metrics_skip_gauges_that_read_nan():
+    from polyrl.rollout.vllm_backend import _parse_metrics
+
+    text = (
+        'vllm:num_requests_running{model_name="m"} 2\n'
+        'vllm:num_requests_waiting{model_name="m"} NaN\n'
+        'vllm:kv_cache_usage_perc{model_name="m"} 0.25\n'
+    )
+    assert _parse_metrics(text) == {"running": 2.0, "kv_usage": 0.25}

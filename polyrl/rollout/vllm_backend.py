@@ -284,7 +284,8 @@ def _parse_metrics(text: str) -> dict[str, Any]:
         if name == "vllm:cache_config_info":
             # vLLM publishes its cache configuration as the labels of a constant gauge.
             out["cache_config"] = dict(_LABEL.findall(labels))
-        elif name in wanted:
+        elif name in wanted and math.isfinite(value):
+            # A gauge vLLM has not set yet reads NaN: skip it, like an absent one.
             out[wanted[name]] = out.get(wanted[name], 0.0) + value
     return out
 
