@@ -11,7 +11,9 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from test_rl_trainer import assert_policy_updated
 
 from polyrl.config import (
@@ -24,6 +26,7 @@ from polyrl.config import (
     verl_compat,
 )
 from polyrl.config.loader import _is_schema_path
+from polyrl.core.batch import Batch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -255,6 +258,102 @@ def test_apply_chat_template_kwargs_map_and_reach_the_dataset(tiny_qwen2_tokeniz
     assert train.apply_chat_template_kwargs == {"enable_thinking": False}
 
 
+# ------------------------------------------------------------------ verl's DAPO keys
+_DAPO_KEYS = [
+    "data.train_batch_size=2",
+    "data.gen_batch_size=3",
+    "algorithm.filter_groups.enable=True",
+    "algorithm.filter_groups.max_num_gen_batches=4",
+]
+
+
+@pytest.mark.parametrize(
+    ("metric", "polyrl_metric"),
+    [("acc", "acc"), ("score", "score"), ("seq_reward", "score"), ("seq_final_reward", "score")],
+)
+def test_verl_dapo_keys_set_dynamic_sampling(metric, polyrl_metric):
+    cfg, _ = _load("dapo", [*_DAPO_KEYS, f"algorithm.filter_groups.metric={metric}"])
+    algo = cfg.algorithm
+    assert (algo.filter_groups, algo.filter_groups_metric) == (True, polyrl_metric)
+    assert (algo.gen_batch_size, algo.max_gen_batches, cfg.data.train_batch_size) == (3, 4, 2)
+
+
+def test_verl_seq_final_reward_with_kl_in_reward_is_refused():
+    # verl's seq_final_reward sums the rewards less the KL penalty; polyrl applies that after
+    # filtering, so the two would judge groups differently.
+    with pytest.raises(ConfigError, match="seq_final_reward"):
+        load_config(
+            "dapo",
+            ["algorithm.filter_groups.metric=seq_final_reward", "algorithm.use_kl_in_reward=True"],
+        )
+    with pytest.raises(ConfigError, match="no polyrl equivalent"):
+        load_config("dapo", ["algorithm.filter_groups.metric=seq_len"])
+    with pytest.raises(ConfigError, match="no limit"):
+        load_config("dapo", ["algorithm.filter_groups.max_num_gen_batches=0"])
+
+
+def test_verls_seq_reward_is_the_score_polyrl_filters_on():
+    """verl's seq_reward sums token_level_scores: the rule score plus the overlong penalty."""
+    from polyrl.reward.shaping import overlong_penalty
+    from polyrl.trainer.rl.advantage import place_on_last_token
+    from polyrl.trainer.rl.rollout import group_varies
+
+    # Cap 8, buffer 4, factor 1: a response of 8 tokens gets -1, of 6 tokens -0.5, of <= 4 none.
+    lengths = torch.tensor([8, 4, 6, 2])
+    rule = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    score = rule + overlong_penalty(lengths, 8, 4, 1.0)  # as RolloutProducer.score does
+    assert score.tolist() == [0.0, 1.0, -0.5, 0.0]
+    mask = torch.arange(8)[None, :] < lengths[:, None]
+    assert place_on_last_token(score, mask).sum(-1).tolist() == score.tolist()
+    # Both groups of two agree on acc and are dropped by it; their seq_reward differs.
+    assert group_varies(rule, 2).tolist() == [False, False]
+    assert group_varies(score, 2).tolist() == [True, True]
+
+
+def test_gen_batch_size_rounds_fill_the_train_batch(tmp_path):
+    """Rounds of gen_batch_size prompts until train_batch_size groups vary (verl's DAPO)."""
+    from polyrl.core.columns import ACC, SCORE, UID
+    from polyrl.trainer.rl.generation import DriverRollout, prompts_per_round
+
+    cfg = load_config("dapo", [*_DAPO_KEYS, "algorithm.filter_groups.metric=seq_reward"])
+    assert prompts_per_round(cfg) == 3
+    n = cfg.rollout.n
+    # Hand-made rewards per prompt: prompts 0 and 2 of round one vary, prompt 1 does not.
+    rewards = {0: [1.0] + [0.0] * (n - 1), 1: [1.0] * n, 2: [0.0] * (n - 1) + [0.5]}
+
+    class Producer:
+        def sample_and_score(self, items, n_, temperature, seed, timing):
+            rows = [rewards[i] for i in items]
+            score = torch.tensor([r for row in rows for r in row])
+            uids = np.array([f"p{i}" for i in items for _ in range(n_)], dtype=object)
+            batch = Batch({SCORE: score, ACC: (score >= 1).float()}, {UID: uids})
+            return batch, {}
+
+    class Replicas:
+        def sleep(self):
+            pass
+
+    drawn = []
+
+    def next_indices():
+        drawn.append([0, 1, 2])
+        return drawn[-1]
+
+    rollout = DriverRollout(cfg, Producer(), Replicas(), list(range(3)), next_indices)
+    batch, metrics = rollout.generate(1, {})
+    assert len(drawn) == 1 and metrics["filter/gen_batches"] == 1.0
+    assert list(batch[UID][::n]) == ["p0", "p2"]  # train_batch_size groups, in order
+    assert len(batch) == cfg.data.train_batch_size * n
+
+
+def test_gen_batch_rounds_that_cannot_fill_the_batch_are_refused():
+    from polyrl.trainer.rl.checks import check_config
+
+    cfg = load_config("dapo", [*_DAPO_KEYS, "data.train_batch_size=16", "data.gen_batch_size=2"])
+    with pytest.raises(ConfigError, match="algorithm.gen_batch_size"):
+        check_config(cfg)
+
+
 # ------------------------------------------------------------------- verl's launch lines
 # From verl's examples/grpo_trainer/run_qwen2-7b.sh and examples/ppo_trainer/
 # run_deepseek7b_llm.sh; the values the test changes are in _SHRINK.
@@ -358,7 +457,71 @@ _SHRINK = {
 }
 
 
-def _verl_args(script: str, model: Path, train: Path, test: Path) -> list[str]:
+# tests/special_e2e/run_dapo.sh's line (recipe.dapo.main_dapo) as its shell expands it with
+# NUM_GPUS=8, clip-higher, token-mean, the overlong buffer and dynamic sampling on seq_reward.
+VERL_DAPO = """
+    data.train_files=$HOME/data/gsm8k/train.parquet
+    data.val_files=$HOME/data/gsm8k/test.parquet
+    reward_model.reward_manager=dapo
+    algorithm.adv_estimator=grpo
+    algorithm.use_kl_in_reward=False
+    algorithm.kl_ctrl.kl_coef=0.0
+    actor_rollout_ref.actor.use_kl_loss=False
+    actor_rollout_ref.actor.kl_loss_coef=0.0
+    actor_rollout_ref.actor.clip_ratio_low=0.2
+    actor_rollout_ref.actor.clip_ratio_high=0.28
+    data.max_prompt_length=1024
+    data.max_response_length=2048
+    reward_model.overlong_buffer.enable=True
+    reward_model.overlong_buffer.len=128
+    reward_model.overlong_buffer.penalty_factor=1.0
+    actor_rollout_ref.actor.loss_agg_mode=token-mean
+    data.train_batch_size=256
+    data.gen_batch_size=1024
+    algorithm.filter_groups.enable=True
+    algorithm.filter_groups.metric=seq_reward
+    algorithm.filter_groups.max_num_gen_batches=10
+    actor_rollout_ref.model.path=$HOME/models/Qwen/Qwen2.5-0.5B-Instruct
+    actor_rollout_ref.actor.optim.lr=1e-6
+    actor_rollout_ref.model.use_remove_padding=True
+    actor_rollout_ref.model.use_fused_kernels=True
+    actor_rollout_ref.rollout.n=4
+    actor_rollout_ref.actor.ppo_mini_batch_size=128
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2
+    actor_rollout_ref.actor.fsdp_config.param_offload=False
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2
+    actor_rollout_ref.rollout.tensor_model_parallel_size=2
+    actor_rollout_ref.rollout.name=vllm
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.8
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2
+    actor_rollout_ref.ref.fsdp_config.param_offload=True
+    trainer.logger=console
+    trainer.project_name='verl-test'
+    trainer.experiment_name="qwen2.5-0.5b-instruct-dapo-minimal"
+    trainer.n_gpus_per_node=8
+    trainer.nnodes=1
+    trainer.save_freq=-1
+    trainer.total_epochs=2
+    trainer.resume_mode=disable
+    trainer.val_before_train=False
+    trainer.total_training_steps=1
+"""
+
+# The DAPO line's sizes, shrunk like _SHRINK's (its generation round stays 2x the train batch).
+_SHRINK_DAPO = {
+    **_SHRINK,
+    "data.train_batch_size": "4",
+    "data.gen_batch_size": "8",
+    "actor_rollout_ref.actor.ppo_mini_batch_size": "2",
+    "reward_model.overlong_buffer.len": "4",
+    "trainer.total_training_steps": "2",
+}
+
+
+def _verl_args(
+    script: str, model: Path, train: Path, test: Path, shrink: dict[str, str] = _SHRINK
+) -> list[str]:
     """The verl launch line's arguments as a shell would pass them, values shrunk."""
     paths = {
         "data.train_files": str(train),
@@ -369,15 +532,17 @@ def _verl_args(script: str, model: Path, train: Path, test: Path) -> list[str]:
     args = []
     for line in script.split():
         key, _, value = line.partition("=")
-        value = paths.get(key, _SHRINK.get(key, value))
+        value = paths.get(key, shrink.get(key, value))
         # The shell strips one level of quotes: trainer.logger='["console"]' -> ["console"].
-        if len(value) >= 2 and value[0] == value[-1] == "'":
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
             value = value[1:-1]
         args.append(f"{key}={value}")
     return args
 
 
-def _run_verl_line(tmp_path: Path, tiny_dir: Path, preset: str, script: str) -> str:
+def _run_verl_line(
+    tmp_path: Path, tiny_dir: Path, preset: str, script: str, shrink: dict[str, str] = _SHRINK
+) -> str:
     from polyrl.data.tasks import write_task_splits
 
     train, test = write_task_splits("arithmetic", tmp_path / "gsm8k", 16, 8, seed=0, max_digits=1)
@@ -386,7 +551,7 @@ def _run_verl_line(tmp_path: Path, tiny_dir: Path, preset: str, script: str) -> 
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    return -len(solution_str) / 50.0\n"
     )
-    args = _verl_args(script, tiny_dir, train, test) + [
+    args = _verl_args(script, tiny_dir, train, test, shrink) + [
         f"custom_reward_function.path={reward}",
         f"trainer.default_local_dir={tmp_path / 'out'}",
         # The test machine: CPU, engines in local processes.
@@ -444,6 +609,39 @@ def test_verls_ppo_example_line_trains(tmp_path, tiny_qwen2_dir):
     records = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert any("critic/vf_loss" in r for r in records)
     print(f"verl PPO line: {time.perf_counter() - started:.1f}s")
+
+
+@pytest.mark.slow
+def test_verls_dapo_line_trains_with_dynamic_sampling(tmp_path, tiny_qwen2_dir):
+    started = time.perf_counter()
+    out = _run_verl_line(tmp_path, tiny_qwen2_dir, "dapo", VERL_DAPO, _SHRINK_DAPO)
+    # Rounds of gen_batch_size prompts: an epoch of 16 prompts is two of them.
+    assert "2 steps from trainer.total_steps (an epoch is 2)" in out
+    assert _summary(tmp_path)["steps"] == 2
+    assert_policy_updated(tmp_path / "out", tiny_qwen2_dir, steps=2)
+    cfg = load_config(tmp_path / "out" / "rl_config.yaml")
+    algo, actor = cfg.algorithm, cfg.actor
+    # Each setting as verl means it (values shrunk by _SHRINK_DAPO).
+    assert (algo.filter_groups, algo.gen_batch_size, algo.max_gen_batches) == (True, 8, 10)
+    assert algo.filter_groups_metric == "score"  # seq_reward: the score, overlong penalty in
+    assert cfg.data.train_batch_size == 4 and cfg.rollout.n == 4
+    assert algo.adv_estimator == "grpo" and not algo.use_kl_in_reward and algo.kl_coef == 0.0
+    assert not actor.use_kl_loss and actor.kl_loss_coef == 0.0
+    assert (actor.clip_ratio_low, actor.clip_ratio_high) == (0.2, 0.28)
+    assert actor.loss_agg_mode == "token-mean" and actor.optim.lr == 1e-6
+    assert actor.ppo_mini_batch_size == 2
+    assert (cfg.reward.overlong_buffer_len, cfg.reward.overlong_penalty_factor) == (4, 1.0)
+    assert (cfg.data.max_prompt_length, cfg.data.max_response_length) == (64, 8)
+    assert cfg.rollout.max_new_tokens == 8 and cfg.rollout.backend == "native"
+    assert (cfg.trainer.total_steps, cfg.trainer.save_freq) == (2, 0)
+    assert cfg.trainer.resume_mode == "never" and not cfg.trainer.val_before_train
+    records = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "filter/gen_batches" in r]
+    assert len(steps) == 2
+    for r in steps:
+        # The dense reward scores responses by length: groups vary and one round fills the step.
+        assert r["filter/gen_batches"] == 1.0 and r["filter/informative_groups"] == 4.0
+    print(f"verl DAPO line: {time.perf_counter() - started:.1f}s")
 
 
 def test_hydra_add_and_force_prefixes_set_the_option():

@@ -819,6 +819,12 @@ class AlgorithmConfig(ConfigGroup):
     max_gen_batches: int = option(
         10, "Dynamic sampling: generation rounds per step at most (then uninformative fill).", ge=1
     )
+    gen_batch_size: int = option(
+        0,
+        "Dynamic sampling: prompts generated per round, before filtering (verl's "
+        "data.gen_batch_size); 0 is data.train_batch_size. Epochs count rounds of this size.",
+        ge=0,
+    )
     rollout_is: str = option(
         "none",
         "Truncated importance sampling from the rollout's log-probs to the trainer's old "

@@ -214,6 +214,44 @@ def _overlong_buffer(given: Mapping[str, Any], cfg: Any) -> dict[str, Any]:
     return out
 
 
+# verl's DAPO trainer judges a group by a reward-manager extra (acc, score) or by a sum over
+# the response's tokens: seq_reward sums token_level_scores (the reward manager's reward, the
+# overlong penalty included) -- polyrl's per-row score; seq_final_reward sums
+# token_level_rewards, which differ from those only by the KL-in-reward penalty.
+_FILTER_METRICS = {
+    "acc": "acc",
+    "score": "score",
+    "seq_reward": "score",
+    "seq_final_reward": "score",
+}
+
+
+def _filter_metric(given: Mapping[str, Any], cfg: Any) -> dict[str, Any]:
+    metric = given.get("algorithm.filter_groups.metric")
+    if metric is None:
+        return {}
+    if metric not in _FILTER_METRICS:
+        raise VerlValueError(
+            f"filter_groups metric {metric!r} has no polyrl equivalent "
+            f"({', '.join(_FILTER_METRICS)})"
+        )
+    if metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+        raise VerlValueError(
+            "seq_final_reward with algorithm.use_kl_in_reward=True needs the KL penalty before "
+            "filtering; polyrl applies it after (use seq_reward, the reward before the penalty)"
+        )
+    return {"algorithm.filter_groups_metric": _FILTER_METRICS[metric]}
+
+
+def _gen_batches(v: Any) -> Any:
+    if isinstance(v, int) and not isinstance(v, bool) and v <= 0:
+        raise VerlValueError(
+            f"{v} (verl: no limit) has no polyrl equivalent; give the most generation rounds "
+            "per step, e.g. 10"
+        )
+    return v
+
+
 def _target_modules(v: Any) -> Any:
     # verl takes "all-linear" or a list; polyrl's option is always a list.
     return [v] if isinstance(v, str) else v
@@ -429,8 +467,25 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _o("algorithm.rollout_correction.rollout_rs", (None,), "no rejection sampling"),
     _o("algorithm.rollout_correction.bypass_mode", (False,), "old log-probs are recomputed"),
     _a("algorithm.filter_groups.enable", "algorithm.filter_groups"),
-    _a("algorithm.filter_groups.metric", "algorithm.filter_groups_metric"),
-    _a("algorithm.filter_groups.max_num_gen_batches", "algorithm.max_gen_batches"),
+    _d(
+        "algorithm.filter_groups.metric",
+        "algorithm.filter_groups_metric",
+        "seq_reward (summed token scores, overlong penalty included) is score; so is "
+        "seq_final_reward, without algorithm.use_kl_in_reward",
+        _filter_metric,
+    ),
+    _a(
+        "algorithm.filter_groups.max_num_gen_batches",
+        "algorithm.max_gen_batches",
+        "when the rounds find too few informative groups, verl stops with an error; polyrl "
+        "fills the batch with uninformative ones. verl's 0 (no limit) is an error",
+        _gen_batches,
+    ),
+    _a(
+        "data.gen_batch_size",
+        "algorithm.gen_batch_size",
+        "prompts generated per dynamic-sampling round, before filtering",
+    ),
     # ---- reward
     _d(
         "custom_reward_function.path",

@@ -107,6 +107,15 @@ def check_config(
             f"{algo.adv_estimator})",
             key="algorithm.filter_groups",
         )
+    drawn = algo.gen_batch_size * algo.max_gen_batches  # 0: rounds of data.train_batch_size
+    if algo.filter_groups and 0 < drawn < cfg.data.train_batch_size:
+        # Even with every group informative, the rounds could not fill the step's batch.
+        raise ConfigError(
+            f"algorithm.gen_batch_size={algo.gen_batch_size} x algorithm.max_gen_batches="
+            f"{algo.max_gen_batches} rounds draw fewer prompts than data.train_batch_size="
+            f"{cfg.data.train_batch_size}; raise one of them",
+            key="algorithm.gen_batch_size",
+        )
     if algo.filter_groups and cfg.transfer.enable:
         raise ConfigError(
             "algorithm.filter_groups is not supported with transfer.enable (the rollout workers "

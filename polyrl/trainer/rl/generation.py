@@ -48,6 +48,7 @@ __all__ = [
     "QueueRollout",
     "Replicas",
     "SyncGeneration",
+    "prompts_per_round",
     "wait_recovering",
 ]
 
@@ -119,6 +120,19 @@ class SyncGeneration:
 
     def close(self) -> None:
         """Nothing of its own to stop: the trainer closes the producer and workers."""
+
+
+def prompts_per_round(cfg: PolyRLConfig) -> int:
+    """Prompts the sampler hands out per generation round (its batch size).
+
+    ``data.train_batch_size``, except under DAPO dynamic sampling with
+    ``algorithm.gen_batch_size`` set: then each round draws that many (verl's
+    ``data.gen_batch_size``) and the step keeps ``data.train_batch_size`` groups of them.
+    """
+    algo = cfg.algorithm
+    if algo.filter_groups and algo.gen_batch_size:
+        return algo.gen_batch_size
+    return cfg.data.train_batch_size
 
 
 def wait_recovering(
@@ -502,7 +516,8 @@ class DriverRollout(SyncGeneration):
         seed = derive_seed(self.cfg.seed_for("rollout"), step)
         batch, metrics = self._sample(items, seed, timing)
         if self.cfg.algorithm.filter_groups:
-            batch = self._keep_informative_groups(len(items), batch, seed, timing, metrics)
+            needed = self.cfg.data.train_batch_size
+            batch = self._keep_informative_groups(needed, batch, seed, timing, metrics)
         self.replicas.sleep()
         return batch, metrics
 

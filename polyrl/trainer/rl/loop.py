@@ -75,6 +75,7 @@ from polyrl.trainer.rl.generation import (
     GenerationPhase,
     QueueRollout,
     Replicas,
+    prompts_per_round,
 )
 from polyrl.trainer.rl.metrics import (
     CONSOLE_METRICS,
@@ -206,14 +207,18 @@ class RLTrainer:
             self._val_rows,
             custom_reward=has_custom_reward(cfg, self.reward_fn),
         )
-        if len(self.train_ds) < cfg.data.train_batch_size:
-            raise ConfigError(
-                f"{cfg.data.train_batch_size} exceeds the {len(self.train_ds)} training prompts",
-                key="data.train_batch_size",
-            )
+        per_round = prompts_per_round(cfg)
+        for key, size in (
+            ("data.train_batch_size", cfg.data.train_batch_size),
+            ("algorithm.gen_batch_size", per_round),
+        ):
+            if len(self.train_ds) < size:
+                raise ConfigError(
+                    f"{size} exceeds the {len(self.train_ds)} training prompts", key=key
+                )
         self.sampler = StatefulSampler(
             len(self.train_ds),
-            cfg.data.train_batch_size,
+            per_round,
             shuffle=cfg.data.shuffle,
             seed=cfg.seed_for("data"),
         )
@@ -322,7 +327,7 @@ class RLTrainer:
 
     def describe_data(self) -> str:
         """One line: where the prompts come from, how many, and how the step count was set."""
-        cfg, data, trainer = self.cfg, self.cfg.data, self.cfg.trainer
+        data, trainer = self.cfg.data, self.cfg.trainer
         if self._train_rows is not None:
             source = "rows passed in Python"
         elif data.task:
@@ -338,7 +343,7 @@ class RLTrainer:
         else:
             how = (
                 f"trainer.total_epochs={trainer.total_epochs} x {per_epoch} batches of "
-                f"{cfg.data.train_batch_size} prompts"
+                f"{self.sampler.batch_size} prompts"
             )
         return (
             f"{source} -> {len(self.train_ds)} train / {val} val prompts | "
