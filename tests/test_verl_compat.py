@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import yaml
 from test_rl_trainer import assert_policy_updated
 
 from polyrl.config import (
@@ -180,8 +181,8 @@ def test_verl_lora_keys_set_the_lora_options():
 @pytest.mark.parametrize(
     ("override", "words"),
     [
-        ("actor_rollout_ref.model.pth=x", ["verl option 'actor_rollout_ref.model.pth'", "no"]),
         ("actor_rollout_ref.actor.foo.bar=1", ["has no polyrl equivalent"]),
+        ("critic.model.tokenizer_path=x", ["verl option 'critic.model.tokenizer_path'", "no"]),
         ("custom_reward_function.foo=1", ["has no polyrl equivalent"]),
         ("actor_rollout_ref.rollout.name=trtllm", ["'trtllm'", "vllm, sglang or hf"]),
         ("reward_model.enable=True", ["reward_model.enable", "needs reward_model.model.path"]),
@@ -195,6 +196,162 @@ def test_verl_keys_without_a_polyrl_meaning_say_so(override, words):
     for word in words:
         assert word in msg, msg
     assert "did you mean" not in msg
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"),
+    [
+        ("actor_rollout_ref.actor.optim.learning_rate=1e-6", "actor_rollout_ref.actor.optim.lr"),
+        ("actor_rollout_ref.rollout.temprature=0.7", "actor_rollout_ref.rollout.temperature"),
+        (
+            "actor_rollout_ref.actor.ppo_mini_batchsize=16",
+            "actor_rollout_ref.actor.ppo_mini_batch_size",
+        ),
+        ("actor_rollout_ref.model.pth=x", "actor_rollout_ref.model.path"),
+    ],
+)
+def test_a_typo_of_a_verl_key_names_the_key(typo, meant):
+    with pytest.raises(ConfigError) as info:
+        load_config("grpo", [typo])
+    assert f"did you mean '{meant}'?" in str(info.value)
+    assert "no polyrl equivalent" not in str(info.value)
+
+
+def test_no_suggestion_names_an_option_of_another_meaning():
+    # Another word is another meaning: a generation batch is not the training batch, verl's
+    # micro-batch is not its mini-batch, the low clip is not the high one.
+    for bad in (
+        "data.gen_batch_size=3",
+        "critic.model.tokenizer_path=x",
+        "actor_rollout_ref.actor.ppo_micro_batch=2",
+        "actor_rollout_ref.actor.clip_ratio_mid=0.2",
+    ):
+        with pytest.raises(ConfigError) as info:
+            load_config("grpo", [bad])
+        assert "did you mean" not in str(info.value), str(info.value)
+    assert not verl_compat.near_spelling("gen_batch_size", "train_batch_size")
+    assert not verl_compat.near_spelling("ppo_micro_batch_size", "ppo_mini_batch_size")
+    assert verl_compat.near_spelling("learning_rate", "lr")
+
+
+def test_speed_only_verl_knobs_are_accepted_with_a_note():
+    ar = "actor_rollout_ref.rollout"
+    line = [
+        f"{ar}.multi_stage_wake_up=True",
+        f"{ar}.over_sample_rate=0",
+        f"{ar}.ignore_eos=False",
+        "critic.optim.lr_warmup_steps_ratio=0",
+    ]
+    cfg, notes = _load("ppo", line)
+    assert cfg == load_config("ppo", ["actor_rollout_ref.rollout.n=1"])
+    assert any("multi_stage_wake_up ignored" in n for n in notes)
+    # Away from the neutral value they change what is trained: refused, all in one error.
+    with pytest.raises(ConfigError) as info:
+        load_config("ppo", [f"{ar}.over_sample_rate=0.1", f"{ar}.ignore_eos=True"])
+    assert "over_sample_rate=0.1" in str(info.value) and "ignore_eos=True" in str(info.value)
+
+
+def test_every_problem_of_a_line_is_reported_at_once(capsys):
+    from polyrl import cli
+
+    line = [
+        "actor_rollout_ref.rollout.temprature=0.7",
+        "actor_rollout_ref.rollout.n=five",
+        "trainer.val_only=True",
+        "data.max_prompt_length=64",
+        "nogroup.x=1",
+    ]
+    with pytest.raises(ConfigError) as info:
+        load_config("grpo", line)
+    msg = str(info.value)
+    assert msg.startswith("4 problems in the overrides:")
+    problems = msg.splitlines()[1:]
+    assert len(problems) == 4, msg
+    for words in (
+        "did you mean 'actor_rollout_ref.rollout.temperature'",
+        "expected int",
+        "trainer.val_only",
+        "unknown key 'nogroup.x'",
+    ):
+        assert sum(words in p for p in problems) == 1, (words, msg)
+    assert cli.main(["config", "show", "grpo", *line]) == 2
+    assert "4 problems" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ verl's defaults
+def test_a_verl_line_takes_verls_defaults_with_one_note():
+    line = ["actor_rollout_ref.model.path=/models/qwen", "trainer.project_name=p"]
+    for preset, estimator in (("grpo", "grpo"), ("ppo", "gae"), (None, "grpo")):
+        cfg, notes = _load(preset, line)
+        assert cfg.algorithm.adv_estimator == estimator
+        # verl's ppo_trainer.yaml, not the demo preset's values.
+        assert cfg.actor.lr == 1e-6 and cfg.actor.ppo_epochs == 1
+        assert cfg.actor.clip_ratio_low == cfg.actor.clip_ratio_high == 0.2
+        assert cfg.actor.optim.weight_decay == 0.01 and cfg.actor.kl_loss_type == "low_var_kl"
+        assert (cfg.algorithm.gamma, cfg.algorithm.lam) == (1.0, 1.0)
+        assert (cfg.rollout.n, cfg.rollout.val_n, cfg.rollout.val_temperature) == (1, 1, 0.0)
+        assert (cfg.data.max_prompt_length, cfg.data.max_response_length) == (512, 512)
+        assert cfg.rollout.max_new_tokens == 512 and cfg.data.task == ""
+        assert (cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size) == (1024, 256)
+        assert (cfg.trainer.total_steps, cfg.trainer.total_epochs) == (0, 30)
+        assert cfg.trainer.resume_mode == "auto" and cfg.trainer.save_freq == 0
+        assert cfg.trainer.output_dir == "checkpoints/p/gsm8k"
+        assert len(notes) == 1 and "the line speaks verl" in notes[0], notes
+    # The demo presets stay for lines in polyrl's own keys, and for a preset file.
+    demo = load_config("grpo", ["model.path=/models/qwen"])
+    assert demo.actor.lr == 3e-4 and demo.rollout.n == 8 and demo.data.task == "arithmetic"
+    assert load_config("ppo", ["trainer.save_freq=-1"]).algorithm.lam == 0.95  # verl value
+    preset_file = REPO / "polyrl" / "config" / "presets" / "grpo.yaml"
+    assert load_config(preset_file, line).actor.lr == 3e-4
+    # A verl line's own values win over verl's defaults.
+    cfg = load_config("grpo", [*line, "trainer.default_local_dir=/ckpt", "actor.lr=2e-6"])
+    assert cfg.trainer.output_dir == "/ckpt" and cfg.actor.lr == 2e-6
+
+
+def test_config_show_prints_verls_defaults(capsys):
+    from polyrl import cli
+
+    assert cli.main(["config", "show", "grpo", "actor_rollout_ref.rollout.n=5"]) == 0
+    out = capsys.readouterr()
+    shown = yaml.safe_load(out.out)
+    assert shown["actor"]["optim"]["lr"] == 1e-6 and shown["rollout"]["n"] == 5
+    assert shown["trainer"]["output_dir"] == "checkpoints/verl_examples/gsm8k"
+    assert out.err.count("the line speaks verl") == 1
+
+
+def test_a_verl_line_differs_from_verl_only_where_the_doc_says():
+    from polyrl.config import available_presets
+    from polyrl.config.loader import read_preset, to_dict
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict) and v:
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigNote)
+        verl = flat(to_dict(load_config(None, ["trainer.logger=console"])))
+    for key, value in verl_compat.VERL_DEFAULTS.items():
+        assert verl[key] == value, key
+    kept = verl_compat.PRESET_ALGORITHM_KEYS
+    for preset in available_presets():
+        data, _ = read_preset(preset)
+        if "algorithm" not in data:
+            continue  # not an RL preset
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConfigNote)
+            got = flat(to_dict(load_config(preset, ["trainer.logger=console"])))
+        differ = {k for k in got if got[k] != verl[k]}
+        assert all(any(k == x or k.startswith(f"{x}.") for x in kept) for k in differ), (
+            preset,
+            differ,
+        )
+    doc = (REPO / "docs" / "migrating_from_verl.md").read_text()
+    assert verl_compat.defaults_markdown() in doc, "regenerate: verl_compat.defaults_markdown()"
 
 
 def test_list_options_take_verls_scalar_and_string_forms():
