@@ -10,6 +10,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -515,7 +516,9 @@ _SHRINK = {
 }
 
 
-def _verl_args(script: str, model: Path, train: Path, test: Path) -> list[str]:
+def _verl_args(
+    script: str, model: Path, train: Any, test: Any, shrink: dict[str, str] | None = None
+) -> list[str]:
     """The verl launch line's arguments as a shell would pass them, values shrunk."""
     paths = {
         "data.train_files": str(train),
@@ -523,10 +526,11 @@ def _verl_args(script: str, model: Path, train: Path, test: Path) -> list[str]:
         "actor_rollout_ref.model.path": str(model),
         "critic.model.path": str(model),
     }
+    shrink = {**_SHRINK, **(shrink or {})}
     args = []
     for line in script.split():
         key, _, value = line.partition("=")
-        value = paths.get(key, _SHRINK.get(key, value))
+        value = paths.get(key.lstrip("+"), shrink.get(key, value))
         # The shell strips one level of quotes: trainer.logger='["console"]' -> ["console"].
         if len(value) >= 2 and value[0] == value[-1] == "'":
             value = value[1:-1]
@@ -534,16 +538,23 @@ def _verl_args(script: str, model: Path, train: Path, test: Path) -> list[str]:
     return args
 
 
-def _run_verl_line(tmp_path: Path, tiny_dir: Path, preset: str, script: str) -> str:
-    from polyrl.data.tasks import write_task_splits
-
-    train, test = write_task_splits("arithmetic", tmp_path / "gsm8k", 16, 8, seed=0, max_digits=1)
+def _run_verl_line(
+    tmp_path: Path,
+    tiny_dir: Path,
+    preset: str,
+    script: str,
+    files: tuple[Any, Any] | None = None,
+    shrink: dict[str, str] | None = None,
+) -> str:
+    """Run ``polyrl train PRESET`` with the verl line; ``files`` replace the generated data."""
+    if files is None:
+        files = _task_files(tmp_path / "gsm8k", seed=0)
     reward = tmp_path / "reward.py"
     reward.write_text(
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    return -len(solution_str) / 50.0\n"
     )
-    args = _verl_args(script, tiny_dir, train, test) + [
+    args = _verl_args(script, tiny_dir, *files, shrink=shrink) + [
         f"custom_reward_function.path={reward}",
         f"trainer.default_local_dir={tmp_path / 'out'}",
         # The test machine: CPU, engines in local processes.
@@ -563,6 +574,19 @@ def _run_verl_line(tmp_path: Path, tiny_dir: Path, preset: str, script: str) -> 
     return proc.stdout + proc.stderr
 
 
+def _task_files(out: Path, seed: int, num_train: int = 16, prompt_key: str = "prompt"):
+    """Tiny GSM8K-shaped parquet splits (the arithmetic task), prompts under ``prompt_key``."""
+    from polyrl.data.io import read_rows, write_rows
+    from polyrl.data.tasks import write_task_splits
+
+    splits = write_task_splits("arithmetic", out, num_train, 8, seed=seed, max_digits=1)
+    if prompt_key != "prompt":
+        for path in splits:
+            rows = read_rows(path)
+            write_rows([{prompt_key: r.pop("prompt"), **r} for r in rows], path)
+    return splits
+
+
 def _summary(tmp_path: Path) -> dict:
     return json.loads((tmp_path / "out" / "rl_summary.json").read_text())
 
@@ -571,8 +595,9 @@ def _summary(tmp_path: Path) -> dict:
 def test_verls_grpo_example_line_trains(tmp_path, tiny_qwen2_dir):
     started = time.perf_counter()
     out = _run_verl_line(tmp_path, tiny_qwen2_dir, "grpo", VERL_GRPO)
-    assert "polyrl: note: preset 'grpo' sets data.task=arithmetic; dropped" in out
-    assert "trainer.total_steps=100; dropped" in out
+    # verl's defaults, not the demo preset's task and step count, fill what the line leaves.
+    assert out.count("polyrl: note: the line speaks verl") == 1
+    assert "dropped" not in out
     data_line = next(line for line in out.splitlines() if line.startswith("[rl] data:"))
     assert "train.parquet" in data_line and "16 train / 8 val prompts" in data_line
     assert "2 steps from trainer.total_epochs=1 x 2 batches of 8 prompts" in data_line
@@ -601,6 +626,180 @@ def test_verls_ppo_example_line_trains(tmp_path, tiny_qwen2_dir):
     records = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert any("critic/vf_loss" in r for r in records)
     print(f"verl PPO line: {time.perf_counter() - started:.1f}s")
+
+
+# Our lines in the shape of verl's examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh
+# (with verl's LoRA keys) and examples/ppo_trainer/run_qwen2-7b_seq_balance.sh (GSM8K + MATH in
+# verl's string-list form); the values the tests change are in their shrink dicts.
+VERL_GRPO_LORA = """
+    algorithm.adv_estimator=grpo
+    data.train_files=$HOME/data/gsm8k/train.parquet
+    data.val_files=$HOME/data/gsm8k/test.parquet
+    data.train_batch_size=1024
+    data.max_prompt_length=512
+    data.max_response_length=1024
+    data.filter_overlong_prompts=True
+    data.truncation='error'
+    data.prompt_key=messages
+    data.shuffle=False
+    actor_rollout_ref.model.path=Qwen/Qwen2.5-3B-Instruct
+    actor_rollout_ref.model.use_shm=True
+    actor_rollout_ref.model.lora_rank=64
+    actor_rollout_ref.model.lora_alpha=32
+    actor_rollout_ref.model.target_modules=all-linear
+    actor_rollout_ref.actor.optim.lr=3e-6
+    actor_rollout_ref.model.use_remove_padding=True
+    actor_rollout_ref.actor.ppo_mini_batch_size=256
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40
+    actor_rollout_ref.actor.use_kl_loss=True
+    actor_rollout_ref.actor.kl_loss_coef=0.001
+    actor_rollout_ref.actor.kl_loss_type=low_var_kl
+    actor_rollout_ref.actor.entropy_coeff=0
+    actor_rollout_ref.model.enable_gradient_checkpointing=True
+    actor_rollout_ref.actor.fsdp_config.param_offload=False
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40
+    actor_rollout_ref.rollout.tensor_model_parallel_size=2
+    actor_rollout_ref.rollout.name=vllm
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.6
+    actor_rollout_ref.rollout.n=5
+    actor_rollout_ref.rollout.load_format=safetensors
+    actor_rollout_ref.rollout.layered_summon=True
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40
+    actor_rollout_ref.ref.fsdp_config.param_offload=True
+    algorithm.use_kl_in_reward=False
+    trainer.critic_warmup=0
+    trainer.logger=['console','wandb']
+    trainer.project_name='verl_grpo_example_gsm8k'
+    trainer.experiment_name='qwen2_7b_function_rm'
+    trainer.n_gpus_per_node=8
+    trainer.nnodes=1
+    trainer.save_freq=20
+    trainer.test_freq=5
+    trainer.total_epochs=15
+"""
+
+VERL_PPO_SEQ_BALANCE = """
+    data.train_files="$train_files"
+    data.val_files="$test_files"
+    data.train_batch_size=4096
+    data.val_batch_size=1312
+    data.max_prompt_length=4096
+    data.max_response_length=4096
+    actor_rollout_ref.model.path=Qwen/Qwen2-7B-Instruct
+    actor_rollout_ref.actor.optim.lr=1e-6
+    actor_rollout_ref.model.use_remove_padding=True
+    actor_rollout_ref.model.enable_gradient_checkpointing=True
+    actor_rollout_ref.actor.ppo_mini_batch_size=512
+    actor_rollout_ref.actor.ppo_micro_batch_size=128
+    actor_rollout_ref.actor.use_dynamic_bsz=True
+    actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384
+    actor_rollout_ref.actor.fsdp_config.param_offload=False
+    actor_rollout_ref.actor.fsdp_config.grad_offload=False
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+    actor_rollout_ref.rollout.log_prob_micro_batch_size=256
+    actor_rollout_ref.rollout.tensor_model_parallel_size=2
+    actor_rollout_ref.rollout.name=vllm
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.5
+    actor_rollout_ref.ref.log_prob_micro_batch_size=256
+    actor_rollout_ref.ref.fsdp_config.param_offload=True
+    critic.optim.lr=1e-5
+    critic.model.use_remove_padding=True
+    critic.model.path=Qwen/Qwen2.5-Math-PRM-7B
+    critic.model.enable_gradient_checkpointing=True
+    critic.ppo_micro_batch_size=256
+    critic.model.fsdp_config.param_offload=False
+    critic.model.fsdp_config.grad_offload=False
+    critic.model.fsdp_config.optimizer_offload=False
+    algorithm.kl_ctrl.kl_coef=0.001
+    trainer.critic_warmup=0
+    trainer.logger=['console','wandb']
+    trainer.project_name='verl_example_gsm8k'
+    trainer.experiment_name='qwen2-7b_function_rm_bsz8k_p4k_r4k_seq_packing'
+    trainer.n_gpus_per_node=8
+    +trainer.val_before_train=False
+    trainer.nnodes=1
+    trainer.save_freq=-1
+    trainer.test_freq=5
+    trainer.total_epochs=15
+"""
+
+
+def _resolved(tmp_path: Path) -> PolyRLConfig:
+    """The run's resolved config (``rl_config.yaml`` shows every auto resolved)."""
+    return load_config(tmp_path / "out" / "rl_config.yaml")
+
+
+@pytest.mark.slow
+def test_a_verl_grpo_lora_line_trains_with_verls_meaning(tmp_path, tiny_qwen2_dir):
+    started = time.perf_counter()
+    files = _task_files(tmp_path / "gsm8k", seed=0, prompt_key="messages")
+    shrink = {"actor_rollout_ref.rollout.n": "5", "trainer.logger": "['console','file']"}
+    out = _run_verl_line(tmp_path, tiny_qwen2_dir, "grpo", VERL_GRPO_LORA, files, shrink)
+    assert out.count("polyrl: note: the line speaks verl") == 1
+    assert _summary(tmp_path)["steps"] == 2
+    cfg = _resolved(tmp_path)
+    # What the line says, in verl's meaning.
+    assert cfg.model.path == str(tiny_qwen2_dir) and cfg.actor.lr == 3e-6
+    assert (cfg.model.lora_rank, cfg.model.lora_alpha) == (64, 32)
+    assert cfg.model.target_modules == ["all-linear"]
+    assert cfg.data.prompt_key == "messages" and not cfg.data.shuffle
+    assert cfg.data.truncation == "filter" and cfg.data.train_files == [str(files[0])]
+    assert (cfg.data.max_prompt_length, cfg.data.max_response_length) == (64, 8)
+    assert cfg.rollout.max_new_tokens == 8 and cfg.rollout.n == 5
+    assert cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef == 0.001
+    assert cfg.actor.kl_loss_type == "low_var_kl" and cfg.actor.entropy_coeff == 0
+    assert cfg.actor.gradient_checkpointing and not cfg.algorithm.use_kl_in_reward
+    assert cfg.actor.ppo_mini_batch_size == 4 and cfg.trainer.test_freq == 2
+    assert cfg.trainer.project_name == "verl_grpo_example_gsm8k"
+    assert cfg.trainer.experiment_name == "qwen2_7b_function_rm"
+    # What it leaves unset, at verl's defaults.
+    assert cfg.algorithm.adv_estimator == "grpo" and cfg.algorithm.norm_adv_by_std
+    assert cfg.actor.clip_ratio_low == cfg.actor.clip_ratio_high == 0.2
+    assert cfg.actor.ppo_epochs == 1 and cfg.actor.optim.weight_decay == 0.01
+    assert (cfg.rollout.val_n, cfg.rollout.val_temperature) == (1, 0.0)
+    assert (cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k) == (1.0, 1.0, -1)
+    assert cfg.trainer.resume_mode == "auto" and cfg.trainer.val_before_train
+    print(f"verl GRPO LoRA line: {time.perf_counter() - started:.1f}s")
+
+
+@pytest.mark.slow
+def test_a_verl_ppo_line_on_two_train_files_trains_with_verls_meaning(tmp_path, tiny_qwen2_dir):
+    started = time.perf_counter()
+    gsm8k = _task_files(tmp_path / "gsm8k", seed=0, num_train=8)
+    math = _task_files(tmp_path / "math", seed=1, num_train=8)
+    # What the shell passes for data.train_files="['$gsm8k_train_path', '$math_train_path']".
+    files = tuple(f"['{a}', '{b}']" for a, b in zip(gsm8k, math, strict=True))
+    shrink = {
+        "data.val_batch_size": "8",
+        "actor_rollout_ref.actor.ppo_micro_batch_size": "2",
+        "critic.ppo_micro_batch_size": "2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size": "2",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size": "2",
+        "trainer.logger": "['console','file']",
+        "data.max_prompt_length": "64",
+    }
+    out = _run_verl_line(tmp_path, tiny_qwen2_dir, "ppo", VERL_PPO_SEQ_BALANCE, files, shrink)
+    assert out.count("polyrl: note: the line speaks verl") == 1
+    assert _summary(tmp_path)["steps"] == 2
+    cfg = _resolved(tmp_path)
+    assert cfg.data.train_files == [str(gsm8k[0]), str(math[0])]
+    assert cfg.data.val_files == [str(gsm8k[1]), str(math[1])]
+    assert cfg.critic.model_path == str(tiny_qwen2_dir) and cfg.critic.optim.lr == 1e-5
+    assert cfg.actor.lr == 1e-6 and cfg.algorithm.kl_coef == 0.001
+    assert cfg.actor.max_tokens_per_micro_batch == 16384  # ppo_max_token_len_per_gpu
+    assert not cfg.trainer.val_before_train and cfg.data.val_batch_size == 8
+    # What it leaves unset, at verl's defaults: GAE with lam 1, one response per prompt.
+    assert cfg.algorithm.adv_estimator == "gae"
+    assert (cfg.algorithm.gamma, cfg.algorithm.lam) == (1.0, 1.0)
+    assert cfg.rollout.n == 1 and cfg.actor.ppo_epochs == cfg.critic.ppo_epochs == 1
+    assert not cfg.algorithm.use_kl_in_reward and not cfg.actor.use_kl_loss
+    assert cfg.critic.optim.weight_decay == 0.01 and cfg.critic.cliprange_value == 0.5
+    assert cfg.actor.clip_ratio_low == cfg.actor.clip_ratio_high == 0.2
+    assert (cfg.rollout.val_n, cfg.rollout.val_temperature) == (1, 0.0)
+    records = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert any("critic/vf_loss" in r for r in records)
+    print(f"verl PPO seq-balance line: {time.perf_counter() - started:.1f}s")
 
 
 def test_hydra_add_and_force_prefixes_set_the_option():
