@@ -304,6 +304,9 @@ def test_a_verl_line_takes_verls_defaults_with_one_note():
     assert load_config("ppo", ["trainer.save_freq=-1"]).algorithm.lam == 0.95  # verl value
     preset_file = REPO / "polyrl" / "config" / "presets" / "grpo.yaml"
     assert load_config(preset_file, line).actor.lr == 3e-4
+    # verl's defaults are its RL trainer's: an SFT preset keeps its values.
+    sft, _ = _load("sft_demo", ["trainer.logger=console"])
+    assert sft.sft == load_config("sft_demo").sft and sft.trainer.output_dir == "outputs/sft_demo"
     # A verl line's own values win over verl's defaults.
     cfg = load_config("grpo", [*line, "trainer.default_local_dir=/ckpt", "actor.lr=2e-6"])
     assert cfg.trainer.output_dir == "/ckpt" and cfg.actor.lr == 2e-6

@@ -906,6 +906,11 @@ def load_config(
 
     Each such decision is reported as a :class:`ConfigNote` warning.
 
+    A line that speaks verl (a key of :data:`~polyrl.config.verl_compat.VERL_KEYS` that is not
+    a polyrl option) on the default or a bundled RL preset runs on verl's defaults instead of
+    the preset's (:func:`~polyrl.config.verl_compat.verl_base`: the preset keeps only the keys
+    that name its algorithm), with one note saying so.
+
     Args:
         preset: Bundled preset name (``default``, ``demo``; see :func:`available_presets`) or a
             YAML file path. ``None`` means ``default``.
@@ -917,14 +922,16 @@ def load_config(
         A validated :class:`PolyRLConfig` instance.
 
     Raises:
-        ConfigError: unknown preset, unknown key (naming the nearest valid one), wrong type,
-            invalid value or malformed override.
+        ConfigError: unknown preset, unknown key (naming a near spelling, if any), wrong type,
+            invalid value or malformed override; every problem of the overrides in one error,
+            one per line.
     """
     data, source = read_preset("default" if preset is None else preset)
     read = _read_overrides(overrides, PolyRLConfig)
-    speaks_verl = bool(read.verl_keys) and not (
-        preset is not None and (not isinstance(preset, str) or _looks_like_path(preset))
-    )
+    # verl's defaults are verl's RL trainer's: for the default preset and the bundled RL ones
+    # (SFT/DPO/RM presets have no algorithm group), never for a preset file the user wrote.
+    bundled = preset is None or (isinstance(preset, str) and not _looks_like_path(preset))
+    speaks_verl = bool(read.verl_keys) and bundled and ("algorithm" in data or not data)
     if speaks_verl:
         # A verl line means what it means in verl: its unset options take verl's defaults,
         # not the demo preset's (a preset file the user wrote stays theirs).
