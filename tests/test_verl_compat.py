@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -268,15 +269,19 @@ def test_every_problem_of_a_line_is_reported_at_once(capsys):
     assert msg.startswith("4 problems in the overrides:")
     problems = msg.splitlines()[1:]
     assert len(problems) == 4, msg
-    for words in (
+    words = (
         "did you mean 'actor_rollout_ref.rollout.temperature'",
         "expected int",
         "trainer.val_only",
         "unknown key 'nogroup.x'",
-    ):
-        assert sum(words in p for p in problems) == 1, (words, msg)
+    )
+    for problem, word in zip(problems, words, strict=True):  # in the line's order
+        assert word in problem, (word, msg)
+    assert pickle.loads(pickle.dumps(info.value)).problems[3].source == "override 'nogroup.x=1'"
     assert cli.main(["config", "show", "grpo", *line]) == 2
-    assert "4 problems" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == "polyrl: error: 4 problems:" and len(err) == 5, err
+    assert all(word in problem for problem, word in zip(err[1:], words, strict=True))
 
 
 # ------------------------------------------------------------------ verl's defaults

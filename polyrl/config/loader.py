@@ -37,6 +37,7 @@ from polyrl.config.schema import (
 
 __all__ = [
     "ConfigNote",
+    "ConfigProblems",
     "OptionInfo",
     "apply_overrides",
     "available_presets",
@@ -589,6 +590,8 @@ class _Overrides:
     """The line's keys that are verl's and not polyrl's: the line speaks verl."""
     errors: list[ConfigError] = dataclasses.field(default_factory=list)
     """Every problem found, reported together (:func:`_raise_all`)."""
+    sources: list[str] = dataclasses.field(default_factory=list)
+    """Each override's source, in line order (to report the problems in that order)."""
 
 
 #: ``async`` is a Python keyword, so the group is ``async_rl``; overrides may say ``async.*``.
@@ -600,6 +603,7 @@ def _read_overrides(overrides: Sequence[str], root: type) -> _Overrides:
         raise ConfigError("overrides must be a list of 'key=value' strings, not one string")
     out = _Overrides()
     for text in overrides:
+        out.sources.append(f"override '{text}'")
         try:
             _read_override(text, root, out)
         except ConfigError as exc:
@@ -654,13 +658,28 @@ def _read_override(text: str, root: type, out: _Overrides) -> None:
         out.user_keys.add(entry.polyrl)
 
 
+class ConfigProblems(ConfigError):
+    """Several problems of one set of overrides, reported together, one per line.
+
+    Attributes:
+        problems: The problems, in the order of the overrides.
+    """
+
+    def __init__(self, problems: Sequence[ConfigError]) -> None:
+        self.problems = list(problems)
+        lines = "\n".join(f"  {exc}" for exc in self.problems)
+        super().__init__(f"{len(self.problems)} problems in the overrides:\n{lines}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.problems,))
+
+
 def _raise_all(errors: Sequence[ConfigError]) -> None:
-    """Raise the line's problems as one error, one per line (a single one as it is)."""
+    """Raise the line's problems as one error (a single one as it is)."""
     if len(errors) == 1:
         raise errors[0]
     if errors:
-        lines = "\n".join(f"  {exc}" for exc in errors)
-        raise ConfigError(f"{len(errors)} problems in the overrides:\n{lines}")
+        raise ConfigProblems(errors)
 
 
 def _derive_of(verl_key: str) -> Any:
@@ -751,7 +770,8 @@ def _apply_all(cfg: T, read: _Overrides) -> T:
                 cfg = _apply(cfg, patch, "", root, source)
             except ConfigError as exc:
                 errors.append(exc)
-        _raise_all(errors)
+        order = {source: i for i, source in enumerate(read.sources)}
+        _raise_all(sorted(errors, key=lambda exc: order.get(exc.source or "", len(order))))
         cfg = _finish(cfg, read)
     try:
         validate_tree(cfg)
