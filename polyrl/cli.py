@@ -35,6 +35,7 @@ import yaml
 from polyrl.config import (
     ConfigError,
     ConfigNote,
+    ConfigProblems,
     PolyRLConfig,
     available_presets,
     describe,
@@ -565,6 +566,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = args.handler(args)
         sys.stdout.flush()
         return 0 if code is None else int(code)
+    except ConfigProblems as exc:  # every problem of the line, each on its own line
+        problems = "".join(f"\n  {_one_line(p)}" for p in exc.problems)
+        print(f"polyrl: error: {len(exc.problems)} problems:{problems}", file=sys.stderr)
+        return USAGE_ERROR
     except (CLIError, ConfigError) as exc:
         print(f"polyrl: error: {_one_line(exc)}", file=sys.stderr)
         return USAGE_ERROR

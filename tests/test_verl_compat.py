@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+import yaml
 from test_rl_trainer import assert_policy_updated
 
 from polyrl.config import (
@@ -183,8 +186,8 @@ def test_verl_lora_keys_set_the_lora_options():
 @pytest.mark.parametrize(
     ("override", "words"),
     [
-        ("actor_rollout_ref.model.pth=x", ["verl option 'actor_rollout_ref.model.pth'", "no"]),
         ("actor_rollout_ref.actor.foo.bar=1", ["has no polyrl equivalent"]),
+        ("critic.model.tokenizer_path=x", ["verl option 'critic.model.tokenizer_path'", "no"]),
         ("custom_reward_function.foo=1", ["has no polyrl equivalent"]),
         ("actor_rollout_ref.rollout.name=trtllm", ["'trtllm'", "vllm, sglang or hf"]),
         ("reward_model.enable=True", ["reward_model.enable", "needs reward_model.model.path"]),
@@ -198,6 +201,169 @@ def test_verl_keys_without_a_polyrl_meaning_say_so(override, words):
     for word in words:
         assert word in msg, msg
     assert "did you mean" not in msg
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"),
+    [
+        ("actor_rollout_ref.actor.optim.learning_rate=1e-6", "actor_rollout_ref.actor.optim.lr"),
+        ("actor_rollout_ref.rollout.temprature=0.7", "actor_rollout_ref.rollout.temperature"),
+        (
+            "actor_rollout_ref.actor.ppo_mini_batchsize=16",
+            "actor_rollout_ref.actor.ppo_mini_batch_size",
+        ),
+        ("actor_rollout_ref.model.pth=x", "actor_rollout_ref.model.path"),
+    ],
+)
+def test_a_typo_of_a_verl_key_names_the_key(typo, meant):
+    with pytest.raises(ConfigError) as info:
+        load_config("grpo", [typo])
+    assert f"did you mean '{meant}'?" in str(info.value)
+    assert "no polyrl equivalent" not in str(info.value)
+
+
+def test_no_suggestion_names_an_option_of_another_meaning():
+    # Another word is another meaning: a generation batch is not the training batch, verl's
+    # micro-batch is not its mini-batch, the low clip is not the high one.
+    for bad in (
+        "data.gen_batch_size=3",
+        "critic.model.tokenizer_path=x",
+        "actor_rollout_ref.actor.ppo_micro_batch=2",
+        "actor_rollout_ref.actor.clip_ratio_mid=0.2",
+    ):
+        with pytest.raises(ConfigError) as info:
+            load_config("grpo", [bad])
+        assert "did you mean" not in str(info.value), str(info.value)
+    assert not verl_compat.near_spelling("gen_batch_size", "train_batch_size")
+    assert not verl_compat.near_spelling("ppo_micro_batch_size", "ppo_mini_batch_size")
+    assert verl_compat.near_spelling("learning_rate", "lr")
+
+
+def test_speed_only_verl_knobs_are_accepted_with_a_note():
+    ar = "actor_rollout_ref.rollout"
+    line = [
+        f"{ar}.multi_stage_wake_up=True",
+        f"{ar}.over_sample_rate=0",
+        f"{ar}.ignore_eos=False",
+        "critic.optim.lr_warmup_steps_ratio=0",
+    ]
+    cfg, notes = _load("ppo", line)
+    assert cfg == load_config("ppo", ["actor_rollout_ref.rollout.n=1"])
+    assert any("multi_stage_wake_up ignored" in n for n in notes)
+    # Away from the neutral value they change what is trained: refused, all in one error.
+    with pytest.raises(ConfigError) as info:
+        load_config("ppo", [f"{ar}.over_sample_rate=0.1", f"{ar}.ignore_eos=True"])
+    assert "over_sample_rate=0.1" in str(info.value) and "ignore_eos=True" in str(info.value)
+
+
+def test_every_problem_of_a_line_is_reported_at_once(capsys):
+    from polyrl import cli
+
+    line = [
+        "actor_rollout_ref.rollout.temprature=0.7",
+        "actor_rollout_ref.rollout.n=five",
+        "trainer.val_only=True",
+        "data.max_prompt_length=64",
+        "nogroup.x=1",
+    ]
+    with pytest.raises(ConfigError) as info:
+        load_config("grpo", line)
+    msg = str(info.value)
+    assert msg.startswith("4 problems in the overrides:")
+    problems = msg.splitlines()[1:]
+    assert len(problems) == 4, msg
+    words = (
+        "did you mean 'actor_rollout_ref.rollout.temperature'",
+        "expected int",
+        "trainer.val_only",
+        "unknown key 'nogroup.x'",
+    )
+    for problem, word in zip(problems, words, strict=True):  # in the line's order
+        assert word in problem, (word, msg)
+    assert pickle.loads(pickle.dumps(info.value)).problems[3].source == "override 'nogroup.x=1'"
+    assert cli.main(["config", "show", "grpo", *line]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == "polyrl: error: 4 problems:" and len(err) == 5, err
+    assert all(word in problem for problem, word in zip(err[1:], words, strict=True))
+
+
+# ------------------------------------------------------------------ verl's defaults
+def test_a_verl_line_takes_verls_defaults_with_one_note():
+    line = ["actor_rollout_ref.model.path=/models/qwen", "trainer.project_name=p"]
+    for preset, estimator in (("grpo", "grpo"), ("ppo", "gae"), (None, "grpo")):
+        cfg, notes = _load(preset, line)
+        assert cfg.algorithm.adv_estimator == estimator
+        # verl's ppo_trainer.yaml, not the demo preset's values.
+        assert cfg.actor.lr == 1e-6 and cfg.actor.ppo_epochs == 1
+        assert cfg.actor.clip_ratio_low == cfg.actor.clip_ratio_high == 0.2
+        assert cfg.actor.optim.weight_decay == 0.01 and cfg.actor.kl_loss_type == "low_var_kl"
+        assert (cfg.algorithm.gamma, cfg.algorithm.lam) == (1.0, 1.0)
+        assert (cfg.rollout.n, cfg.rollout.val_n, cfg.rollout.val_temperature) == (1, 1, 0.0)
+        assert (cfg.data.max_prompt_length, cfg.data.max_response_length) == (512, 512)
+        assert cfg.rollout.max_new_tokens == 512 and cfg.data.task == ""
+        assert (cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size) == (1024, 256)
+        assert (cfg.trainer.total_steps, cfg.trainer.total_epochs) == (0, 30)
+        assert cfg.trainer.resume_mode == "auto" and cfg.trainer.save_freq == 0
+        assert cfg.trainer.output_dir == "checkpoints/p/gsm8k"
+        assert len(notes) == 1 and "the line speaks verl" in notes[0], notes
+    # The demo presets stay for lines in polyrl's own keys, and for a preset file.
+    demo = load_config("grpo", ["model.path=/models/qwen"])
+    assert demo.actor.lr == 3e-4 and demo.rollout.n == 8 and demo.data.task == "arithmetic"
+    assert load_config("ppo", ["trainer.save_freq=-1"]).algorithm.lam == 0.95  # verl value
+    preset_file = REPO / "polyrl" / "config" / "presets" / "grpo.yaml"
+    assert load_config(preset_file, line).actor.lr == 3e-4
+    # verl's defaults are its RL trainer's: an SFT preset keeps its values.
+    sft, _ = _load("sft_demo", ["trainer.logger=console"])
+    assert sft.sft == load_config("sft_demo").sft and sft.trainer.output_dir == "outputs/sft_demo"
+    # A verl line's own values win over verl's defaults.
+    cfg = load_config("grpo", [*line, "trainer.default_local_dir=/ckpt", "actor.lr=2e-6"])
+    assert cfg.trainer.output_dir == "/ckpt" and cfg.actor.lr == 2e-6
+
+
+def test_config_show_prints_verls_defaults(capsys):
+    from polyrl import cli
+
+    assert cli.main(["config", "show", "grpo", "actor_rollout_ref.rollout.n=5"]) == 0
+    out = capsys.readouterr()
+    shown = yaml.safe_load(out.out)
+    assert shown["actor"]["optim"]["lr"] == 1e-6 and shown["rollout"]["n"] == 5
+    assert shown["trainer"]["output_dir"] == "checkpoints/verl_examples/gsm8k"
+    assert out.err.count("the line speaks verl") == 1
+
+
+def test_a_verl_line_differs_from_verl_only_where_the_doc_says():
+    from polyrl.config import available_presets
+    from polyrl.config.loader import read_preset, to_dict
+
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict) and v:
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigNote)
+        verl = flat(to_dict(load_config(None, ["trainer.logger=console"])))
+    for key, value in verl_compat.VERL_DEFAULTS.items():
+        assert verl[key] == value, key
+    kept = verl_compat.PRESET_ALGORITHM_KEYS
+    for preset in available_presets():
+        data, _ = read_preset(preset)
+        if "algorithm" not in data:
+            continue  # not an RL preset
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConfigNote)
+            got = flat(to_dict(load_config(preset, ["trainer.logger=console"])))
+        differ = {k for k in got if got[k] != verl[k]}
+        assert all(any(k == x or k.startswith(f"{x}.") for x in kept) for k in differ), (
+            preset,
+            differ,
+        )
+    doc = (REPO / "docs" / "migrating_from_verl.md").read_text()
+    assert verl_compat.defaults_markdown() in doc, "regenerate: verl_compat.defaults_markdown()"
 
 
 def test_list_options_take_verls_scalar_and_string_forms():
@@ -520,7 +686,7 @@ _SHRINK_DAPO = {
 
 
 def _verl_args(
-    script: str, model: Path, train: Path, test: Path, shrink: dict[str, str] = _SHRINK
+    script: str, model: Path, train: Any, test: Any, shrink: dict[str, str] | None = None
 ) -> list[str]:
     """The verl launch line's arguments as a shell would pass them, values shrunk."""
     paths = {
@@ -529,10 +695,11 @@ def _verl_args(
         "actor_rollout_ref.model.path": str(model),
         "critic.model.path": str(model),
     }
+    shrink = {**_SHRINK, **(shrink or {})}
     args = []
     for line in script.split():
         key, _, value = line.partition("=")
-        value = paths.get(key, shrink.get(key, value))
+        value = paths.get(key.lstrip("+"), shrink.get(key, value))
         # The shell strips one level of quotes: trainer.logger='["console"]' -> ["console"].
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
             value = value[1:-1]
@@ -541,17 +708,22 @@ def _verl_args(
 
 
 def _run_verl_line(
-    tmp_path: Path, tiny_dir: Path, preset: str, script: str, shrink: dict[str, str] = _SHRINK
+    tmp_path: Path,
+    tiny_dir: Path,
+    preset: str,
+    script: str,
+    files: tuple[Any, Any] | None = None,
+    shrink: dict[str, str] | None = None,
 ) -> str:
-    from polyrl.data.tasks import write_task_splits
-
-    train, test = write_task_splits("arithmetic", tmp_path / "gsm8k", 16, 8, seed=0, max_digits=1)
+    """Run ``polyrl train PRESET`` with the verl line; ``files`` replace the generated data."""
+    if files is None:
+        files = _task_files(tmp_path / "gsm8k", seed=0)
     reward = tmp_path / "reward.py"
     reward.write_text(
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    return -len(solution_str) / 50.0\n"
     )
-    args = _verl_args(script, tiny_dir, train, test, shrink) + [
+    args = _verl_args(script, tiny_dir, *files, shrink=shrink) + [
         f"custom_reward_function.path={reward}",
         f"trainer.default_local_dir={tmp_path / 'out'}",
         # The test machine: CPU, engines in local processes.
@@ -571,6 +743,19 @@ def _run_verl_line(
     return proc.stdout + proc.stderr
 
 
+def _task_files(out: Path, seed: int, num_train: int = 16, prompt_key: str = "prompt"):
+    """Tiny GSM8K-shaped parquet splits (the arithmetic task), prompts under ``prompt_key``."""
+    from polyrl.data.io import read_rows, write_rows
+    from polyrl.data.tasks import write_task_splits
+
+    splits = write_task_splits("arithmetic", out, num_train, 8, seed=seed, max_digits=1)
+    if prompt_key != "prompt":
+        for path in splits:
+            rows = read_rows(path)
+            write_rows([{prompt_key: r.pop("prompt"), **r} for r in rows], path)
+    return splits
+
+
 def _summary(tmp_path: Path) -> dict:
     return json.loads((tmp_path / "out" / "rl_summary.json").read_text())
 
@@ -579,8 +764,9 @@ def _summary(tmp_path: Path) -> dict:
 def test_verls_grpo_example_line_trains(tmp_path, tiny_qwen2_dir):
     started = time.perf_counter()
     out = _run_verl_line(tmp_path, tiny_qwen2_dir, "grpo", VERL_GRPO)
-    assert "polyrl: note: preset 'grpo' sets data.task=arithmetic; dropped" in out
-    assert "trainer.total_steps=100; dropped" in out
+    # verl's defaults, not the demo preset's task and step count, fill what the line leaves.
+    assert out.count("polyrl: note: the line speaks verl") == 1
+    assert "dropped" not in out
     data_line = next(line for line in out.splitlines() if line.startswith("[rl] data:"))
     assert "train.parquet" in data_line and "16 train / 8 val prompts" in data_line
     assert "2 steps from trainer.total_epochs=1 x 2 batches of 8 prompts" in data_line
@@ -614,7 +800,7 @@ def test_verls_ppo_example_line_trains(tmp_path, tiny_qwen2_dir):
 @pytest.mark.slow
 def test_verls_dapo_line_trains_with_dynamic_sampling(tmp_path, tiny_qwen2_dir):
     started = time.perf_counter()
-    out = _run_verl_line(tmp_path, tiny_qwen2_dir, "dapo", VERL_DAPO, _SHRINK_DAPO)
+    out = _run_verl_line(tmp_path, tiny_qwen2_dir, "dapo", VERL_DAPO, shrink=_SHRINK_DAPO)
     # Rounds of gen_batch_size prompts: an epoch of 16 prompts is two of them.
     assert "2 steps from trainer.total_steps (an epoch is 2)" in out
     assert _summary(tmp_path)["steps"] == 2
@@ -642,6 +828,180 @@ def test_verls_dapo_line_trains_with_dynamic_sampling(tmp_path, tiny_qwen2_dir):
         # The dense reward scores responses by length: groups vary and one round fills the step.
         assert r["filter/gen_batches"] == 1.0 and r["filter/informative_groups"] == 4.0
     print(f"verl DAPO line: {time.perf_counter() - started:.1f}s")
+
+
+# Our lines in the shape of verl's examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh
+# (with verl's LoRA keys) and examples/ppo_trainer/run_qwen2-7b_seq_balance.sh (GSM8K + MATH in
+# verl's string-list form); the values the tests change are in their shrink dicts.
+VERL_GRPO_LORA = """
+    algorithm.adv_estimator=grpo
+    data.train_files=$HOME/data/gsm8k/train.parquet
+    data.val_files=$HOME/data/gsm8k/test.parquet
+    data.train_batch_size=1024
+    data.max_prompt_length=512
+    data.max_response_length=1024
+    data.filter_overlong_prompts=True
+    data.truncation='error'
+    data.prompt_key=messages
+    data.shuffle=False
+    actor_rollout_ref.model.path=Qwen/Qwen2.5-3B-Instruct
+    actor_rollout_ref.model.use_shm=True
+    actor_rollout_ref.model.lora_rank=64
+    actor_rollout_ref.model.lora_alpha=32
+    actor_rollout_ref.model.target_modules=all-linear
+    actor_rollout_ref.actor.optim.lr=3e-6
+    actor_rollout_ref.model.use_remove_padding=True
+    actor_rollout_ref.actor.ppo_mini_batch_size=256
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40
+    actor_rollout_ref.actor.use_kl_loss=True
+    actor_rollout_ref.actor.kl_loss_coef=0.001
+    actor_rollout_ref.actor.kl_loss_type=low_var_kl
+    actor_rollout_ref.actor.entropy_coeff=0
+    actor_rollout_ref.model.enable_gradient_checkpointing=True
+    actor_rollout_ref.actor.fsdp_config.param_offload=False
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40
+    actor_rollout_ref.rollout.tensor_model_parallel_size=2
+    actor_rollout_ref.rollout.name=vllm
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.6
+    actor_rollout_ref.rollout.n=5
+    actor_rollout_ref.rollout.load_format=safetensors
+    actor_rollout_ref.rollout.layered_summon=True
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40
+    actor_rollout_ref.ref.fsdp_config.param_offload=True
+    algorithm.use_kl_in_reward=False
+    trainer.critic_warmup=0
+    trainer.logger=['console','wandb']
+    trainer.project_name='verl_grpo_example_gsm8k'
+    trainer.experiment_name='qwen2_7b_function_rm'
+    trainer.n_gpus_per_node=8
+    trainer.nnodes=1
+    trainer.save_freq=20
+    trainer.test_freq=5
+    trainer.total_epochs=15
+"""
+
+VERL_PPO_SEQ_BALANCE = """
+    data.train_files="$train_files"
+    data.val_files="$test_files"
+    data.train_batch_size=4096
+    data.val_batch_size=1312
+    data.max_prompt_length=4096
+    data.max_response_length=4096
+    actor_rollout_ref.model.path=Qwen/Qwen2-7B-Instruct
+    actor_rollout_ref.actor.optim.lr=1e-6
+    actor_rollout_ref.model.use_remove_padding=True
+    actor_rollout_ref.model.enable_gradient_checkpointing=True
+    actor_rollout_ref.actor.ppo_mini_batch_size=512
+    actor_rollout_ref.actor.ppo_micro_batch_size=128
+    actor_rollout_ref.actor.use_dynamic_bsz=True
+    actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384
+    actor_rollout_ref.actor.fsdp_config.param_offload=False
+    actor_rollout_ref.actor.fsdp_config.grad_offload=False
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+    actor_rollout_ref.rollout.log_prob_micro_batch_size=256
+    actor_rollout_ref.rollout.tensor_model_parallel_size=2
+    actor_rollout_ref.rollout.name=vllm
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.5
+    actor_rollout_ref.ref.log_prob_micro_batch_size=256
+    actor_rollout_ref.ref.fsdp_config.param_offload=True
+    critic.optim.lr=1e-5
+    critic.model.use_remove_padding=True
+    critic.model.path=Qwen/Qwen2.5-Math-PRM-7B
+    critic.model.enable_gradient_checkpointing=True
+    critic.ppo_micro_batch_size=256
+    critic.model.fsdp_config.param_offload=False
+    critic.model.fsdp_config.grad_offload=False
+    critic.model.fsdp_config.optimizer_offload=False
+    algorithm.kl_ctrl.kl_coef=0.001
+    trainer.critic_warmup=0
+    trainer.logger=['console','wandb']
+    trainer.project_name='verl_example_gsm8k'
+    trainer.experiment_name='qwen2-7b_function_rm_bsz8k_p4k_r4k_seq_packing'
+    trainer.n_gpus_per_node=8
+    +trainer.val_before_train=False
+    trainer.nnodes=1
+    trainer.save_freq=-1
+    trainer.test_freq=5
+    trainer.total_epochs=15
+"""
+
+
+def _resolved(tmp_path: Path) -> PolyRLConfig:
+    """The run's resolved config (``rl_config.yaml`` shows every auto resolved)."""
+    return load_config(tmp_path / "out" / "rl_config.yaml")
+
+
+@pytest.mark.slow
+def test_a_verl_grpo_lora_line_trains_with_verls_meaning(tmp_path, tiny_qwen2_dir):
+    started = time.perf_counter()
+    files = _task_files(tmp_path / "gsm8k", seed=0, prompt_key="messages")
+    shrink = {"actor_rollout_ref.rollout.n": "5", "trainer.logger": "['console','file']"}
+    out = _run_verl_line(tmp_path, tiny_qwen2_dir, "grpo", VERL_GRPO_LORA, files, shrink)
+    assert out.count("polyrl: note: the line speaks verl") == 1
+    assert _summary(tmp_path)["steps"] == 2
+    cfg = _resolved(tmp_path)
+    # What the line says, in verl's meaning.
+    assert cfg.model.path == str(tiny_qwen2_dir) and cfg.actor.lr == 3e-6
+    assert (cfg.model.lora_rank, cfg.model.lora_alpha) == (64, 32)
+    assert cfg.model.target_modules == ["all-linear"]
+    assert cfg.data.prompt_key == "messages" and not cfg.data.shuffle
+    assert cfg.data.truncation == "filter" and cfg.data.train_files == [str(files[0])]
+    assert (cfg.data.max_prompt_length, cfg.data.max_response_length) == (64, 8)
+    assert cfg.rollout.max_new_tokens == 8 and cfg.rollout.n == 5
+    assert cfg.actor.use_kl_loss and cfg.actor.kl_loss_coef == 0.001
+    assert cfg.actor.kl_loss_type == "low_var_kl" and cfg.actor.entropy_coeff == 0
+    assert cfg.actor.gradient_checkpointing and not cfg.algorithm.use_kl_in_reward
+    assert cfg.actor.ppo_mini_batch_size == 4 and cfg.trainer.test_freq == 2
+    assert cfg.trainer.project_name == "verl_grpo_example_gsm8k"
+    assert cfg.trainer.experiment_name == "qwen2_7b_function_rm"
+    # What it leaves unset, at verl's defaults.
+    assert cfg.algorithm.adv_estimator == "grpo" and cfg.algorithm.norm_adv_by_std
+    assert cfg.actor.clip_ratio_low == cfg.actor.clip_ratio_high == 0.2
+    assert cfg.actor.ppo_epochs == 1 and cfg.actor.optim.weight_decay == 0.01
+    assert (cfg.rollout.val_n, cfg.rollout.val_temperature) == (1, 0.0)
+    assert (cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k) == (1.0, 1.0, -1)
+    assert cfg.trainer.resume_mode == "auto" and cfg.trainer.val_before_train
+    print(f"verl GRPO LoRA line: {time.perf_counter() - started:.1f}s")
+
+
+@pytest.mark.slow
+def test_a_verl_ppo_line_on_two_train_files_trains_with_verls_meaning(tmp_path, tiny_qwen2_dir):
+    started = time.perf_counter()
+    gsm8k = _task_files(tmp_path / "gsm8k", seed=0, num_train=8)
+    math = _task_files(tmp_path / "math", seed=1, num_train=8)
+    # What the shell passes for data.train_files="['$gsm8k_train_path', '$math_train_path']".
+    files = tuple(f"['{a}', '{b}']" for a, b in zip(gsm8k, math, strict=True))
+    shrink = {
+        "data.val_batch_size": "8",
+        "actor_rollout_ref.actor.ppo_micro_batch_size": "2",
+        "critic.ppo_micro_batch_size": "2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size": "2",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size": "2",
+        "trainer.logger": "['console','file']",
+        "data.max_prompt_length": "64",
+    }
+    out = _run_verl_line(tmp_path, tiny_qwen2_dir, "ppo", VERL_PPO_SEQ_BALANCE, files, shrink)
+    assert out.count("polyrl: note: the line speaks verl") == 1
+    assert _summary(tmp_path)["steps"] == 2
+    cfg = _resolved(tmp_path)
+    assert cfg.data.train_files == [str(gsm8k[0]), str(math[0])]
+    assert cfg.data.val_files == [str(gsm8k[1]), str(math[1])]
+    assert cfg.critic.model_path == str(tiny_qwen2_dir) and cfg.critic.optim.lr == 1e-5
+    assert cfg.actor.lr == 1e-6 and cfg.algorithm.kl_coef == 0.001
+    assert cfg.actor.max_tokens_per_micro_batch == 16384  # ppo_max_token_len_per_gpu
+    assert not cfg.trainer.val_before_train and cfg.data.val_batch_size == 8
+    # What it leaves unset, at verl's defaults: GAE with lam 1, one response per prompt.
+    assert cfg.algorithm.adv_estimator == "gae"
+    assert (cfg.algorithm.gamma, cfg.algorithm.lam) == (1.0, 1.0)
+    assert cfg.rollout.n == 1 and cfg.actor.ppo_epochs == cfg.critic.ppo_epochs == 1
+    assert not cfg.algorithm.use_kl_in_reward and not cfg.actor.use_kl_loss
+    assert cfg.critic.optim.weight_decay == 0.01 and cfg.critic.cliprange_value == 0.5
+    assert cfg.actor.clip_ratio_low == cfg.actor.clip_ratio_high == 0.2
+    assert (cfg.rollout.val_n, cfg.rollout.val_temperature) == (1, 0.0)
+    records = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert any("critic/vf_loss" in r for r in records)
+    print(f"verl PPO seq-balance line: {time.perf_counter() - started:.1f}s")
 
 
 def test_hydra_add_and_force_prefixes_set_the_option():

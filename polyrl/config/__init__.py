@@ -8,6 +8,7 @@
 
 from polyrl.config.loader import (
     ConfigNote,
+    ConfigProblems,
     OptionInfo,
     apply_overrides,
     available_presets,
@@ -55,6 +56,7 @@ __all__ = [
     "ConfigError",
     "ConfigGroup",
     "ConfigNote",
+    "ConfigProblems",
     "CriticConfig",
     "DPOConfig",
     "DataConfig",

@@ -37,6 +37,7 @@ from polyrl.config.schema import (
 
 __all__ = [
     "ConfigNote",
+    "ConfigProblems",
     "OptionInfo",
     "apply_overrides",
     "available_presets",
@@ -238,22 +239,33 @@ def _dotted_keys(cls: type, prefix: str = "") -> list[str]:
 
 
 def _unknown_key(path: str, root: type, source: str | None) -> ConfigError:
-    if verl_compat.is_verl_only(path):
-        # Never guess across groups for a verl key: a near spelling means something else here.
+    candidates = _dotted_keys(root)
+    parent, _, leaf = path.rpartition(".")
+    if verl_compat.is_verl_only(path) or (
+        verl_compat.is_verl_group(parent) and parent not in candidates
+    ):
+        # A near spelling of a verl key of the same group is a typo; anything else is a verl
+        # option polyrl lacks. Never a guess across groups: it would mean something else.
+        near = verl_compat.near_spellings(path)
+        if near:
+            return ConfigError(
+                f"unknown verl key '{path}'; did you mean '{near[0]}'?", source=source
+            )
         return ConfigError(
             f"verl option '{path}' has no polyrl equivalent; drop it, or see "
             "'polyrl config verl' (docs/migrating_from_verl.md) for the keys polyrl reads",
             source=source,
         )
-    candidates = _dotted_keys(root)
-    parent, _, leaf = path.rpartition(".")
-    # In a known group, a near spelling of one of its options; else of a whole key (the group
-    # itself misspelt). Nothing further afield: a guess that merely shares letters
-    # ('nogroup.x' -> 'rollout.n', 'actor.learning_rate' -> 'actor.warmup_ratio') misleads.
+    # In a known group, a near spelling of one of its options (or of a verl key spelt there);
+    # else of a whole key (the group itself misspelt). Nothing further afield: a guess that
+    # merely shares letters ('nogroup.x' -> 'rollout.n', 'actor.learning_rate' ->
+    # 'actor.warmup_ratio') misleads, and so does another word ('data.gen_batch_size' is not
+    # 'data.train_batch_size').
     siblings = {k.rpartition(".")[2]: k for k in candidates if k.rpartition(".")[0] == parent}
     if parent and siblings:
-        near = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.6)
-        close = [siblings[near[0]]] if near else []
+        near = difflib.get_close_matches(leaf, list(siblings), n=3, cutoff=0.6)
+        close = [siblings[n] for n in near if verl_compat.near_spelling(leaf, n)]
+        close = close or verl_compat.near_spellings(path)
     else:
         close = difflib.get_close_matches(path, candidates, n=1, cutoff=0.6)
     if close:
@@ -574,6 +586,12 @@ class _Overrides:
     notes: list[str] = dataclasses.field(default_factory=list)
     ignored: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     """verl keys accepted without effect, by the reason."""
+    verl_keys: list[str] = dataclasses.field(default_factory=list)
+    """The line's keys that are verl's and not polyrl's: the line speaks verl."""
+    errors: list[ConfigError] = dataclasses.field(default_factory=list)
+    """Every problem found, reported together (:func:`_raise_all`)."""
+    sources: list[str] = dataclasses.field(default_factory=list)
+    """Each override's source, in line order (to report the problems in that order)."""
 
 
 #: ``async`` is a Python keyword, so the group is ``async_rl``; overrides may say ``async.*``.
@@ -585,49 +603,83 @@ def _read_overrides(overrides: Sequence[str], root: type) -> _Overrides:
         raise ConfigError("overrides must be a list of 'key=value' strings, not one string")
     out = _Overrides()
     for text in overrides:
-        parts, value = parse_override(text)
-        if parts and parts[0] == ASYNC_SPELLING:
-            parts = [ASYNC_GROUP, *parts[1:]]
-        parts = canonical_path(root, parts)  # actor.lr is actor.optim.lr
-        key, source = ".".join(parts), f"override '{text}'"
-        schema = _is_schema_path(parts, root)
-        entry = verl_compat.lookup(key)
-        if entry is not None and schema and entry.polyrl != key:
-            entry = None  # a polyrl key keeps its polyrl meaning
-        if entry is None:
-            out.patches.append((source, _override_patch(parts, value, root, source)))
-            out.user_keys.update(_flat_keys(parts, value))
-            continue
-        given = value.raw if value.yaml_error is not None else value.parsed
-        if entry.kind == "ignored":
-            out.ignored.setdefault(entry.note, []).append(key)
-        elif entry.kind == "off":
-            if not any(given == v for v in entry.off):
-                raise ConfigError(
-                    f"verl option {key}={given!r} has no polyrl equivalent: {entry.note}",
-                    source=source,
-                )
-        elif entry.kind == "derived":
-            out.verl_given[key] = given
-            if all(d.derive is not entry.derive for d in out.derived):
-                out.derived.append(entry)
-        else:
-            converted: Any = value
-            if entry.convert is not None:
-                try:
-                    converted = entry.convert(given)
-                except verl_compat.VerlValueError as exc:
-                    raise ConfigError(f"verl option {key}: {exc}", source=source) from None
-                if converted is verl_compat.SKIP:
-                    continue
-                if _same(converted, given):
-                    converted = value  # unchanged: keep the raw text for string options
-            target = canonical_path(root, entry.polyrl.split("."))
-            out.patches.append((source, _override_patch(target, converted, root, source)))
-            out.user_keys.add(entry.polyrl)
+        out.sources.append(f"override '{text}'")
+        try:
+            _read_override(text, root, out)
+        except ConfigError as exc:
+            out.errors.append(exc)
     for reason, keys in out.ignored.items():
         out.notes.append(f"verl option(s) {', '.join(keys)} ignored: {reason}")
     return out
+
+
+def _read_override(text: str, root: type, out: _Overrides) -> None:
+    parts, value = parse_override(text)
+    if parts and parts[0] == ASYNC_SPELLING:
+        parts = [ASYNC_GROUP, *parts[1:]]
+    parts = canonical_path(root, parts)  # actor.lr is actor.optim.lr
+    key, source = ".".join(parts), f"override '{text}'"
+    schema = _is_schema_path(parts, root)
+    entry = verl_compat.lookup(key)
+    if entry is not None and schema and entry.polyrl != key:
+        entry = None  # a polyrl key keeps its polyrl meaning
+    if entry is None:
+        out.patches.append((source, _override_patch(parts, value, root, source)))
+        out.user_keys.update(_flat_keys(parts, value))
+        return
+    if not schema:
+        out.verl_keys.append(key)
+    given = value.raw if value.yaml_error is not None else value.parsed
+    if entry.kind == "ignored":
+        out.ignored.setdefault(entry.note, []).append(key)
+    elif entry.kind == "off":
+        if not any(given == v for v in entry.off):
+            raise ConfigError(
+                f"verl option {key}={given!r} has no polyrl equivalent: {entry.note}",
+                source=source,
+            )
+    elif entry.kind == "derived":
+        out.verl_given[key] = given
+        if all(d.derive is not entry.derive for d in out.derived):
+            out.derived.append(entry)
+    else:
+        converted: Any = value
+        if entry.convert is not None:
+            try:
+                converted = entry.convert(given)
+            except verl_compat.VerlValueError as exc:
+                raise ConfigError(f"verl option {key}: {exc}", source=source) from None
+            if converted is verl_compat.SKIP:
+                return
+            if _same(converted, given):
+                converted = value  # unchanged: keep the raw text for string options
+        target = canonical_path(root, entry.polyrl.split("."))
+        out.patches.append((source, _override_patch(target, converted, root, source)))
+        out.user_keys.add(entry.polyrl)
+
+
+class ConfigProblems(ConfigError):
+    """Several problems of one set of overrides, reported together, one per line.
+
+    Attributes:
+        problems: The problems, in the order of the overrides.
+    """
+
+    def __init__(self, problems: Sequence[ConfigError]) -> None:
+        self.problems = list(problems)
+        lines = "\n".join(f"  {exc}" for exc in self.problems)
+        super().__init__(f"{len(self.problems)} problems in the overrides:\n{lines}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.problems,))
+
+
+def _raise_all(errors: Sequence[ConfigError]) -> None:
+    """Raise the line's problems as one error (a single one as it is)."""
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ConfigProblems(errors)
 
 
 def _derive_of(verl_key: str) -> Any:
@@ -711,9 +763,15 @@ def apply_overrides(cfg: T, overrides: Sequence[str]) -> T:
 def _apply_all(cfg: T, read: _Overrides) -> T:
     """Apply the overrides in order, then the cross-field checks once (order-independent)."""
     root = type(cfg)
+    errors = list(read.errors)
     with deferred_validation():
         for source, patch in read.patches:
-            cfg = _apply(cfg, patch, "", root, source)
+            try:
+                cfg = _apply(cfg, patch, "", root, source)
+            except ConfigError as exc:
+                errors.append(exc)
+        order = {source: i for i, source in enumerate(read.sources)}
+        _raise_all(sorted(errors, key=lambda exc: order.get(exc.source or "", len(order))))
         cfg = _finish(cfg, read)
     try:
         validate_tree(cfg)
@@ -868,6 +926,11 @@ def load_config(
 
     Each such decision is reported as a :class:`ConfigNote` warning.
 
+    A line that speaks verl (a key of :data:`~polyrl.config.verl_compat.VERL_KEYS` that is not
+    a polyrl option) on the default or a bundled RL preset runs on verl's defaults instead of
+    the preset's (:func:`~polyrl.config.verl_compat.verl_base`: the preset keeps only the keys
+    that name its algorithm), with one note saying so.
+
     Args:
         preset: Bundled preset name (``default``, ``demo``; see :func:`available_presets`) or a
             YAML file path. ``None`` means ``default``.
@@ -879,15 +942,34 @@ def load_config(
         A validated :class:`PolyRLConfig` instance.
 
     Raises:
-        ConfigError: unknown preset, unknown key (naming the nearest valid one), wrong type,
-            invalid value or malformed override.
+        ConfigError: unknown preset, unknown key (naming a near spelling, if any), wrong type,
+            invalid value or malformed override; every problem of the overrides in one error,
+            one per line.
     """
     data, source = read_preset("default" if preset is None else preset)
     read = _read_overrides(overrides, PolyRLConfig)
+    # verl's defaults are verl's RL trainer's: for the default preset and the bundled RL ones
+    # (SFT/DPO/RM presets have no algorithm group), never for a preset file the user wrote.
+    bundled = preset is None or (isinstance(preset, str) and not _looks_like_path(preset))
+    speaks_verl = bool(read.verl_keys) and bundled and ("algorithm" in data or not data)
+    if speaks_verl:
+        # A verl line means what it means in verl: its unset options take verl's defaults,
+        # not the demo preset's (a preset file the user wrote stays theirs).
+        data, kept = verl_compat.verl_base(data)
+        keeps = f"; {source} gives only {', '.join(kept)}" if kept else ""
+        read.notes.insert(
+            0,
+            f"the line speaks verl ({read.verl_keys[0]}, ...): options it leaves unset take "
+            f"verl's defaults (docs/migrating_from_verl.md lists where polyrl differs){keeps}",
+        )
+        source = "verl's defaults"
     notes = _drop_preset_keys(data, read.user_keys, source)
     with deferred_registry_checks():  # the preset may name what its trainer.imports register
         base = from_dict(data, PolyRLConfig, source=source)
     cfg = _apply_all(base, read)
+    if speaks_verl and "trainer.output_dir" not in read.user_keys:
+        out_dir = verl_compat.verl_output_dir(cfg.trainer.project_name, cfg.trainer.experiment_name)
+        cfg = _set(cfg, "trainer.output_dir", out_dir, source)
     cfg, yielded = _yield_preset_values(cfg, data, read.user_keys, source)
     cfg, raised = _yield_token_budget(cfg, read.user_keys)
     _emit(notes + read.notes + yielded + raised)

@@ -26,17 +26,27 @@ The policy, one rule per kind of entry:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 __all__ = [
+    "PRESET_ALGORITHM_KEYS",
     "SKIP",
+    "VERL_DEFAULTS",
+    "VERL_DIFFERENCES",
     "VERL_KEYS",
     "VERL_ONLY_ROOTS",
     "VerlKey",
     "VerlValueError",
+    "defaults_markdown",
+    "is_verl_group",
     "lookup",
     "markdown_table",
+    "near_spelling",
+    "near_spellings",
+    "verl_base",
+    "verl_output_dir",
 ]
 
 Kind = Literal["alias", "derived", "ignored", "off"]
@@ -394,6 +404,13 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _i(f"{_AR}.rollout.cudagraph_capture_sizes", _PERF),
     _i(f"{_AR}.rollout.engine_kwargs.*", _PERF),
     _i(f"{_AR}.rollout.layered_summon", _PERF),
+    _i(f"{_AR}.rollout.multi_stage_wake_up", _PERF),
+    _o(
+        f"{_AR}.rollout.over_sample_rate",
+        (0, 0.0),
+        "every request runs to the end (no over-sampling and aborting the slowest)",
+    ),
+    _o(f"{_AR}.rollout.ignore_eos", (False,), "generation always stops at EOS"),
     _i(f"{_AR}.rollout.calculate_log_probs", "rollouts always return their log-probs"),
     _i(f"{_AR}.rollout.log_prob_micro_batch_size_per_gpu", _LOGPROB),
     _i(f"{_AR}.rollout.log_prob_micro_batch_size", _LOGPROB),
@@ -655,3 +672,175 @@ def markdown_table() -> str:
             note = f"other values are an error: {e.note}"
         rows.append(f"| `{e.verl}` | {target} | {_cell(note)} |")
     return "\n".join(rows) + "\n"
+
+
+# ------------------------------------------------------------------- verl's defaults
+#: verl's defaults (``ppo_trainer.yaml``) where polyrl's own defaults differ: a launch line in
+#: verl's keys starts from polyrl's defaults plus these, so an option it leaves unset means
+#: what it means in verl. ``trainer.output_dir`` follows verl's
+#: ``checkpoints/<project_name>/<experiment_name>`` (see :func:`verl_output_dir`).
+VERL_DEFAULTS: dict[str, Any] = {
+    "data.train_batch_size": 1024,
+    "actor.ppo_mini_batch_size": 256,
+    "actor.optim.weight_decay": 0.01,
+    "actor.kl_loss_type": "low_var_kl",
+    "actor.gradient_checkpointing": True,
+    "critic.optim.weight_decay": 0.01,
+    "trainer.total_epochs": 30,
+    "trainer.project_name": "verl_examples",
+    "trainer.experiment_name": "gsm8k",
+    "trainer.resume_mode": "auto",
+}
+
+#: Options a verl line leaves unset that still differ from verl: ``(polyrl key, verl's value,
+#: polyrl's value, why)``. ``docs/migrating_from_verl.md`` lists them (:func:`defaults_markdown`).
+VERL_DIFFERENCES: tuple[tuple[str, str, str, str], ...] = (
+    (
+        "algorithm.adv_estimator",
+        "gae",
+        "the preset's (grpo for `grpo`, gae for `ppo`, ...)",
+        "the preset names the algorithm (verl's GRPO lines set it anyway)",
+    ),
+    (
+        "trainer.loggers",
+        "[console, wandb]",
+        "[console]",
+        "wandb needs `pip install polyrl[tracking]` and a login; name it to use it",
+    ),
+    (
+        "trainer.n_gpus_per_node",
+        "8",
+        "1",
+        "set your GPU count; trainer.device=auto (verl: cuda) picks CUDA when present",
+    ),
+    (
+        "rollout.tensor_parallel_size",
+        "2",
+        "1",
+        "polyrl's native engine has no tensor parallelism; set it for vLLM/SGLang",
+    ),
+    ("rollout.dtype", "bfloat16", "auto", "auto is bfloat16 on CUDA, model.dtype on CPU"),
+    ("rollout.max_num_seqs", "1024", "256", "tunes speed or memory only"),
+    ("data.val_batch_size", "null (all at once)", "64", "tunes speed or memory only"),
+    (
+        "data.seed",
+        "1",
+        "-1 (the run's seed)",
+        "the samplers differ anyway, so the prompt order is not verl's",
+    ),
+)
+
+#: A bundled preset's keys that name its algorithm: a verl line keeps these from the preset
+#: it runs under and takes verl's defaults for everything else.
+PRESET_ALGORITHM_KEYS = (
+    "algorithm.adv_estimator",
+    "algorithm.filter_groups",
+    "algorithm.filter_groups_metric",
+    "agent.enable",
+    "agent.default_loop",
+    "prime",
+)
+
+
+def _get(data: Mapping[str, Any], key: str) -> Any:
+    node: Any = data
+    for part in key.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return SKIP
+        node = node[part]
+    return node
+
+
+def _put(data: dict[str, Any], key: str, value: Any) -> None:
+    *groups, name = key.split(".")
+    node = data
+    for part in groups:
+        node = node.setdefault(part, {})
+    node[name] = value
+
+
+def verl_base(preset: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """Return the base a verl launch line runs on, and the preset keys it keeps.
+
+    The base is polyrl's defaults plus :data:`VERL_DEFAULTS`, plus the preset's
+    :data:`PRESET_ALGORITHM_KEYS` (``polyrl train ppo`` still means GAE).
+    """
+    data: dict[str, Any] = {}
+    for key, value in VERL_DEFAULTS.items():
+        _put(data, key, value)
+    kept = []
+    for key in PRESET_ALGORITHM_KEYS:
+        value = _get(preset, key)
+        if value is not SKIP:
+            _put(data, key, value)
+            kept.append(f"{key}={value}")
+    return data, kept
+
+
+def verl_output_dir(project: str, experiment: str) -> str:
+    """Return verl's ``trainer.default_local_dir``: ``checkpoints/<project>/<experiment>``."""
+    return f"checkpoints/{project}/{experiment}"
+
+
+def defaults_markdown() -> str:
+    """Return, as Markdown, what a verl line's unset options are where polyrl's differ."""
+    rows = [
+        "| option | verl's default | a verl line gets |",
+        "| --- | --- | --- |",
+        *(f"| `{key}` | {value} | the same |" for key, value in VERL_DEFAULTS.items()),
+        "| `trainer.output_dir` | checkpoints/<project_name>/<experiment_name> | the same |",
+        *(
+            f"| `{key}` | {verl} | **{ours}**: {_cell(why)} |"
+            for key, verl, ours, why in VERL_DIFFERENCES
+        ),
+    ]
+    kept = ", ".join(f"`{k}`" for k in PRESET_ALGORITHM_KEYS[1:])
+    rows.append(
+        f"| {kept} | verl's recipe flags | **the preset's**: what `polyrl train PRESET` names |"
+    )
+    return "\n".join(rows) + "\n"
+
+
+# ----------------------------------------------------------------------- typos
+def _same_word(a: str, b: str) -> bool:
+    return a == b or difflib.SequenceMatcher(None, a, b).ratio() >= 0.75
+
+
+def near_spelling(typo: str, name: str) -> bool:
+    """Whether ``typo`` misspells ``name``, without naming another option.
+
+    Word by word (``_``-separated): the same words up to one misspelt word
+    (``temprature``), a missing or extra ``_`` (``ppo_mini_batchsize``), or the words'
+    initials (``learning_rate`` is ``lr``). A different word is another meaning
+    (``gen_batch_size`` is not ``train_batch_size``, ``ppo_micro_`` is not ``ppo_mini_``).
+    """
+    a, b = typo.lower(), name.lower()
+    if a == b:
+        return False
+    if a.replace("_", "") == b.replace("_", ""):
+        return True
+    wa, wb = a.split("_"), b.split("_")
+    if len(wa) > 1 and "".join(w[:1] for w in wa) == b:
+        return True
+    if len(wa) != len(wb):
+        return False
+    differ = [(x, y) for x, y in zip(wa, wb, strict=True) if x != y]
+    return len(differ) == 1 and _same_word(*differ[0])
+
+
+def near_spellings(key: str) -> list[str]:
+    """Return the verl keys of ``key``'s group that it misspells (see :func:`near_spelling`)."""
+    parent, _, leaf = key.rpartition(".")
+    out = []
+    for name in _EXACT:
+        group, _, other = name.rpartition(".")
+        if group == parent and near_spelling(leaf, other) and name not in out:
+            out.append(name)
+    return out
+
+
+def is_verl_group(group: str) -> bool:
+    """Whether verl options live directly in ``group`` (``critic.model``, ``data``, ...)."""
+    return any(name.rpartition(".")[0] == group for name in _EXACT) or any(
+        sub.verl[:-2] == group for sub in _SUBTREES
+    )
