@@ -17,6 +17,10 @@
     )
     summary = trainer.train()
 
+A TRL script keeps its arguments: ``args=GRPOConfig(...)`` (TRL's fields and defaults, see
+:mod:`polyrl.config.trl_compat`) instead of ``config=``, ``processing_class=`` for the
+tokenizer and ``peft_config=LoraConfig(...)`` for the ``model.lora_*`` options.
+
 Each class fixes the advantage estimator (``GRPOTrainer``: ``grpo``, ``PPOTrainer``: ``gae``
 with a critic, ...) and has defaults valid for it (:attr:`_RLTrainerAPI.defaults`:
 ``rollout.n=8`` for GRPO and RLOO): a default applies where the config still holds
@@ -438,7 +442,8 @@ class DPOTrainer(_PreferenceTrainerAPI):
 
     Rows with ``ref_chosen_logps`` / ``ref_rejected_logps`` need no reference model. Options are
     the ``dpo`` config group (TRL's ``DPOConfig`` names); ``model=None`` builds the tiny model
-    of ``model.*``.
+    of ``model.*``. TRL's ``args=DPOConfig(...)``, ``processing_class=`` and ``peft_config=``
+    are taken as by the RL trainers.
     """
 
     kind = "dpo"
