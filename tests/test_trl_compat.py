@@ -432,7 +432,8 @@ def test_each_trl_field_has_one_row_and_the_docs_show_the_table(cls):
 def test_trl_defaults_mean_what_they_mean_in_trl():
     cfg = GRPOConfig().to_polyrl()
     assert (cfg.actor.optim.lr, cfg.actor.optim.lr_scheduler, cfg.rollout.n) == (1e-6, "linear", 8)
-    assert (cfg.data.max_prompt_length, cfg.data.truncation) == (512, "left")
+    assert (cfg.data.max_prompt_length, cfg.data.truncation) == (512, "error")  # TRL: no limit
+    assert cfg.rollout.top_k == -1 and cfg.actor.entropy_coeff == 0.0
     assert cfg.data.max_response_length == cfg.rollout.max_new_tokens == 256
     assert cfg.data.train_batch_size == cfg.actor.ppo_mini_batch_size == 1  # 8 completions / 8
     assert not cfg.actor.use_kl_loss and cfg.actor.loss_agg_mode == "token-mean"  # beta 0, dapo
@@ -452,6 +453,9 @@ def test_trl_defaults_mean_what_they_mean_in_trl():
     rloo = RLOOConfig().to_polyrl()
     assert (rloo.rollout.n, rloo.data.train_batch_size) == (2, 4)
     assert rloo.algorithm.use_kl_in_reward and rloo.algorithm.kl_coef == 0.05
+    assert not rloo.actor.use_kl_loss and rloo.actor.loss_agg_mode == "seq-mean-token-sum"
+    legacy = GRPOConfig(max_prompt_length=128).to_polyrl()  # TRL before 1.0: cut on the left
+    assert (legacy.data.max_prompt_length, legacy.data.truncation) == (128, "left")
     dpo = DPOConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2).to_polyrl()
     assert (dpo.dpo.beta, dpo.dpo.loss_type, dpo.dpo.optim.lr) == (0.1, "sigmoid", 1e-6)
     assert (dpo.dpo.max_length, dpo.data.train_batch_size) == (1024, 8)
@@ -505,6 +509,7 @@ def test_trl_fields_polyrl_cannot_honour_are_named_in_one_note():
         GRPOConfig(scale_rewards="batch"),
         GRPOConfig(delta=2.0),
         DPOConfig(loss_type="hinge"),
+        DPOConfig(loss_type=["sigmoid", "bco_pair"]),
     ):
         with pytest.raises(ConfigError, match="polyrl has no"):
             bad.to_polyrl()

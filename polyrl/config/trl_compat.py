@@ -1,8 +1,9 @@
 """TRL's trainer configs (``GRPOConfig``, ``RLOOConfig``, ``DPOConfig``, ``RewardConfig``).
 
 A TRL script keeps its ``args=GRPOConfig(...)``: these classes take TRL's field names with TRL's
-defaults, and :meth:`TRLConfig.to_polyrl` turns one into a :class:`PolyRLConfig` through one
-table per class (:meth:`TRLConfig.rows`), the table ``docs/migrating_from_trl.md`` shows
+defaults (those of TRL 1.9), and :meth:`TRLConfig.to_polyrl` turns one into a
+:class:`PolyRLConfig` through one table per class (:meth:`TRLConfig.rows`, plus the options the
+TRL algorithm fixes, :attr:`TRLConfig.fixed`), the table ``docs/migrating_from_trl.md`` shows
 (``python -m polyrl.config.trl_compat`` prints it). Each row is one TRL field and says what it
 sets:
 
@@ -182,7 +183,12 @@ def _training_rows(group: str) -> tuple[Row, ...]:
             f"`{group}.gradient_checkpointing`",
             _set(f"{group}.gradient_checkpointing"),
         ),
-        Row("bf16", "`model.compute_dtype` (None: auto, bfloat16 on CUDA)", _precision),
+        Row(
+            "bf16",
+            "`model.compute_dtype` (None: auto, bfloat16 on CUDA, float32 on CPU where TRL "
+            "takes bfloat16 too)",
+            _precision,
+        ),
         Row("fp16", "`model.compute_dtype=float16` (read with `bf16`)", lambda value, args: {}),
         Row(
             "use_cpu",
@@ -205,6 +211,7 @@ def _training_rows(group: str) -> tuple[Row, ...]:
         Row("push_to_hub", "not honoured", None),
         Row("remove_unused_columns", "not needed: polyrl keeps every column", lambda v, a: {}),
         Row("dataloader_num_workers", "not honoured (speed only)", None),
+        Row("disable_dropout", "not honoured: the model's dropout is kept (0 in most LLMs)", None),
     )
 
 
@@ -220,6 +227,8 @@ class TRLConfig:
     trainer_kind: ClassVar[str] = ""
     #: The config group of the trained model's optimizer and engine options.
     group: ClassVar[str] = "actor"
+    #: Options the TRL trainer's algorithm implies whatever the fields say.
+    fixed: ClassVar[Mapping[str, Any]] = {}
 
     output_dir: str = "trainer_output"
     seed: int = 42
@@ -254,6 +263,7 @@ class TRLConfig:
     push_to_hub: bool = False
     remove_unused_columns: bool = False
     dataloader_num_workers: int = 0
+    disable_dropout: bool = True
 
     @classmethod
     def rows(cls) -> tuple[Row, ...]:
@@ -270,7 +280,7 @@ class TRLConfig:
             ConfigError: a value that would train another objective (a loss polyrl lacks), or
                 batch sizes that do not divide into whole groups.
         """
-        values: dict[str, Any] = {}
+        values: dict[str, Any] = dict(self.fixed)
         for row in self.rows():
             if row.to is None:
                 continue
@@ -338,8 +348,7 @@ def _rl_batches(value: Any, args: Any) -> Mapping[str, Any]:
 
 def _clip(value: Any, args: Any) -> Mapping[str, Any]:
     high = value if args.epsilon_high is None else args.epsilon_high
-    # TRL's clipped objective has no dual clip.
-    return {"actor.clip_ratio_low": value, "actor.clip_ratio_high": high, "actor.clip_ratio_c": 0.0}
+    return {"actor.clip_ratio_low": value, "actor.clip_ratio_high": high}
 
 
 def _kl_loss(value: Any, args: Any) -> Mapping[str, Any]:
@@ -357,42 +366,40 @@ def _off_unless_none(what: str) -> Convert:
 
 
 @dataclasses.dataclass
-class GRPOConfig(TRLConfig):
-    """TRL's ``GRPOConfig``: its field names, meanings and defaults; see the module docstring."""
+class _OnlineConfig(TRLConfig):
+    """Fields TRL's ``GRPOConfig`` and ``RLOOConfig`` share (generation, clipping, KL)."""
 
-    trainer_kind: ClassVar[str] = "grpo"
+    #: TRL's clipped objectives have no dual clip.
+    fixed: ClassVar[Mapping[str, Any]] = {"actor.clip_ratio_c": 0.0}
 
     learning_rate: float = 1e-6
+    disable_dropout: bool = False
     num_generations: int = 8
-    max_prompt_length: int | None = 512
     max_completion_length: int = 256
     generation_batch_size: int | None = None
     steps_per_generation: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int | None = None
+    top_k: int | None = 0
     min_p: float | None = None
     repetition_penalty: float = 1.0
     beta: float = 0.0
     num_iterations: int = 1
     epsilon: float = 0.2
     epsilon_high: float | None = None
-    delta: float | None = None
-    importance_sampling_level: str = "token"
-    loss_type: str = "dapo"
-    scale_rewards: str | bool = "group"
     mask_truncated_completions: bool = False
     shuffle_dataset: bool = True
     use_vllm: bool = False
-    vllm_mode: str = "server"
+    vllm_mode: str = "colocate"
     vllm_gpu_memory_utilization: float = 0.3
+    vllm_tensor_parallel_size: int = 1
     reward_weights: list[float] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     log_completions: bool = False
 
     @classmethod
     def rows(cls) -> tuple[Row, ...]:
-        """Return the training rows, then GRPO's own."""
+        """Return the training rows, then those of generation and the policy loss."""
         return _training_rows(cls.group) + (
             Row(
                 "per_device_train_batch_size",
@@ -405,15 +412,6 @@ class GRPOConfig(TRLConfig):
             _read_with("steps_per_generation", "per_device_train_batch_size"),
             Row("num_generations", "`rollout.n`", _set("rollout.n")),
             Row(
-                "max_prompt_length",
-                "`data.max_prompt_length`, `data.truncation=left`",
-                lambda value, args: (
-                    None
-                    if value is None
-                    else {"data.max_prompt_length": value, "data.truncation": "left"}
-                ),
-            ),
-            Row(
                 "max_completion_length",
                 "`data.max_response_length`, `rollout.max_new_tokens`",
                 _set("data.max_response_length", "rollout.max_new_tokens"),
@@ -422,7 +420,7 @@ class GRPOConfig(TRLConfig):
             Row("top_p", "`rollout.top_p`", _set("rollout.top_p")),
             Row(
                 "top_k",
-                "`rollout.top_k` (None, 0: -1)",
+                "`rollout.top_k` (None, 0: -1, off)",
                 lambda value, args: {"rollout.top_k": value if value else -1},
             ),
             Row(
@@ -443,14 +441,74 @@ class GRPOConfig(TRLConfig):
             Row("num_iterations", "`actor.ppo_epochs`", _set("actor.ppo_epochs")),
             Row(
                 "epsilon",
-                "`actor.clip_ratio_low` (and `_high` when epsilon_high is None), "
-                "`actor.clip_ratio_c=0` (no dual clip)",
+                "`actor.clip_ratio_low` (and `_high` when epsilon_high is None)",
                 _clip,
             ),
+            _read_with("epsilon_high", "epsilon"),
             Row(
-                "epsilon_high",
-                "`actor.clip_ratio_high` (read with `epsilon`)",
+                "mask_truncated_completions",
+                "`algorithm.overlong_filter`",
+                _set("algorithm.overlong_filter"),
+            ),
+            Row("shuffle_dataset", "`data.shuffle`", _set("data.shuffle")),
+            Row(
+                "use_vllm",
+                "`rollout.backend`: vllm, else native",
+                lambda value, args: {"rollout.backend": "vllm" if value else "native"},
+            ),
+            Row("vllm_mode", "not honoured: polyrl places replicas by `rollout.placement`", None),
+            Row(
+                "vllm_gpu_memory_utilization",
+                "`rollout.gpu_memory_utilization`",
+                _set("rollout.gpu_memory_utilization"),
+            ),
+            Row(
+                "vllm_tensor_parallel_size",
+                "`rollout.tensor_parallel_size`",
+                _set("rollout.tensor_parallel_size"),
+            ),
+            Row(
+                "reward_weights",
+                "the trainer's `reward_weights=` (when not given there)",
                 lambda value, args: {},
+            ),
+            Row(
+                "chat_template_kwargs",
+                "`data.apply_chat_template_kwargs` (None: {})",
+                lambda value, args: {"data.apply_chat_template_kwargs": value or {}},
+            ),
+            Row("log_completions", "not honoured: completions are not logged", None),
+        )
+
+
+def _prompt_limit(value: Any, args: Any) -> Mapping[str, Any]:
+    if value is None:  # TRL >= 1.0 has no prompt limit; polyrl keeps its own
+        return {}
+    return {"data.max_prompt_length": value, "data.truncation": "left"}
+
+
+@dataclasses.dataclass
+class GRPOConfig(_OnlineConfig):
+    """TRL's ``GRPOConfig``: its field names, meanings and defaults; see the module docstring."""
+
+    trainer_kind: ClassVar[str] = "grpo"
+
+    max_prompt_length: int | None = None
+    delta: float | None = None
+    importance_sampling_level: str = "token"
+    loss_type: str = "dapo"
+    scale_rewards: str | bool = "group"
+    entropy_coef: float = 0.0
+
+    @classmethod
+    def rows(cls) -> tuple[Row, ...]:
+        """Return the shared rows, then GRPO's own."""
+        return super().rows() + (
+            Row(
+                "max_prompt_length",
+                "TRL before 1.0: `data.max_prompt_length`, `data.truncation=left`; None: "
+                "`data.max_prompt_length` stays (512), a longer prompt is an error",
+                _prompt_limit,
             ),
             Row("delta", "None only (two-sided clipping is an error)", _off_unless_none("delta")),
             Row(
@@ -483,39 +541,12 @@ class GRPOConfig(TRLConfig):
                     True,
                 ),
             ),
-            Row(
-                "mask_truncated_completions",
-                "`algorithm.overlong_filter`",
-                _set("algorithm.overlong_filter"),
-            ),
-            Row("shuffle_dataset", "`data.shuffle`", _set("data.shuffle")),
-            Row(
-                "use_vllm",
-                "`rollout.backend`: vllm, else native",
-                lambda value, args: {"rollout.backend": "vllm" if value else "native"},
-            ),
-            Row("vllm_mode", "not honoured: polyrl places replicas by `rollout.placement`", None),
-            Row(
-                "vllm_gpu_memory_utilization",
-                "`rollout.gpu_memory_utilization`",
-                _set("rollout.gpu_memory_utilization"),
-            ),
-            Row(
-                "reward_weights",
-                "the trainer's `reward_weights=` (when not given there)",
-                lambda value, args: {},
-            ),
-            Row(
-                "chat_template_kwargs",
-                "`data.apply_chat_template_kwargs` (None: {})",
-                lambda value, args: {"data.apply_chat_template_kwargs": value or {}},
-            ),
-            Row("log_completions", "not honoured: completions are not logged", None),
+            Row("entropy_coef", "`actor.entropy_coeff`", _set("actor.entropy_coeff")),
         )
 
 
 def _kl_in_reward(value: Any, args: Any) -> Mapping[str, Any]:
-    # TRL's RLOO subtracts beta * KL(policy || reference) of each sequence from its reward.
+    # TRL's RLOO subtracts beta * sum_t (logp_old - logp_ref) of each sequence from its reward.
     return {
         "algorithm.use_kl_in_reward": value > 0,
         "algorithm.kl_coef": value,
@@ -525,24 +556,45 @@ def _kl_in_reward(value: Any, args: Any) -> Mapping[str, Any]:
 
 
 @dataclasses.dataclass
-class RLOOConfig(GRPOConfig):
-    """TRL's ``RLOOConfig``: ``GRPOConfig``'s fields, RLOO's defaults, the KL in the reward."""
+class RLOOConfig(_OnlineConfig):
+    """TRL's ``RLOOConfig``: its field names, meanings and defaults; the KL is in the reward.
+
+    TRL clips one ratio per sequence, of the summed log-probs; polyrl clips per token. With
+    ``num_iterations=1`` (the default) the ratio is 1 and the two updates are the same.
+    """
 
     trainer_kind: ClassVar[str] = "rloo"
+    #: TRL's RLOO loss: the mean over sequences of each sequence's summed token terms.
+    fixed: ClassVar[Mapping[str, Any]] = {
+        "actor.clip_ratio_c": 0.0,
+        "actor.loss_agg_mode": "seq-mean-token-sum",
+    }
 
     num_generations: int = 2
     beta: float = 0.05
+    normalize_advantages: bool = False
+    reward_clip_range: tuple[float, float] | None = None
 
     @classmethod
     def rows(cls) -> tuple[Row, ...]:
-        """GRPO's rows, with ``beta`` as a penalty on the reward."""
+        """Return the shared rows (``beta`` a penalty on the reward), then RLOO's own."""
         kl = Row(
             "beta",
             "`algorithm.use_kl_in_reward` (beta > 0), `algorithm.kl_coef`, "
             "`algorithm.kl_penalty=k1`",
             _kl_in_reward,
         )
-        return tuple(kl if row.field == "beta" else row for row in super().rows())
+        return tuple(kl if row.field == "beta" else row for row in super().rows()) + (
+            Row("normalize_advantages", "not honoured: RLOO's advantages stay unscaled", None),
+            Row("reward_clip_range", "not honoured: rewards are not clipped", None),
+        )
+
+
+def _dpo_loss(value: Any, args: Any) -> Mapping[str, Any] | None:
+    # TRL takes a list of losses (summed with loss_weights); polyrl trains one.
+    losses = [value] if isinstance(value, str) else list(value)
+    name = losses[0] if len(losses) == 1 else "+".join(losses)
+    return _choice("dpo.loss_type", {"sigmoid": "sigmoid", "ipo": "ipo"}, True)(name, args)
 
 
 def _pairs(value: Any, args: Any) -> Mapping[str, Any]:
@@ -581,11 +633,9 @@ class DPOConfig(_PairConfig):
 
     learning_rate: float = 1e-6
     beta: float = 0.1
-    loss_type: str = "sigmoid"
+    loss_type: str | list[str] = dataclasses.field(default_factory=lambda: ["sigmoid"])
     label_smoothing: float = 0.0
-    max_prompt_length: int | None = 512
-    max_completion_length: int | None = None
-    truncation_mode: str = "keep_end"
+    truncation_mode: str = "keep_start"
     precompute_ref_log_probs: bool = False
 
     @classmethod
@@ -595,15 +645,13 @@ class DPOConfig(_PairConfig):
             Row("beta", "`dpo.beta`", _set("dpo.beta")),
             Row(
                 "loss_type",
-                "`dpo.loss_type` (sigmoid, ipo; others are an error)",
-                _choice("dpo.loss_type", {"sigmoid": "sigmoid", "ipo": "ipo"}, True),
+                "`dpo.loss_type`: sigmoid, ipo (one loss; others and mixtures are an error)",
+                _dpo_loss,
             ),
             Row("label_smoothing", "`dpo.label_smoothing`", _set("dpo.label_smoothing")),
-            Row("max_prompt_length", "not honoured: polyrl does not cut prompts of pairs", None),
-            Row("max_completion_length", "not honoured: polyrl does not cut completions", None),
             Row(
                 "truncation_mode",
-                "not honoured: a pair over max_length is an error "
+                "not honoured: a pair over max_length is an error, not cut "
                 "(`dpo.truncation=filter` drops it)",
                 None,
             ),
@@ -624,7 +672,6 @@ class RewardConfig(_PairConfig):
 
     learning_rate: float = 1e-4
     center_rewards_coefficient: float | None = None
-    disable_dropout: bool = True
 
     @classmethod
     def rows(cls) -> tuple[Row, ...]:
@@ -635,7 +682,6 @@ class RewardConfig(_PairConfig):
                 "`rm.center_rewards_coefficient` (None: 0)",
                 lambda value, args: {"rm.center_rewards_coefficient": value or 0.0},
             ),
-            Row("disable_dropout", "not honoured: the model's dropout is kept", None),
         )
 
 
@@ -731,6 +777,9 @@ def markdown_table() -> str:
             value = getattr(defaults, row.field)
             target = row.polyrl.replace("|", "\\|")
             lines.append(f"| `{row.field}` | `{value!r}` | {target} |")
+        if cls.fixed:
+            always = ", ".join(f"`{k}={v}`" for k, v in cls.fixed.items())
+            lines += ["", f"Always (TRL's algorithm): {always}."]
         out.append("\n".join(lines))
     return "\n\n".join(out) + "\n"
 
