@@ -1,7 +1,9 @@
-"""TRL users' scripts: reward_funcs with weights, TRL-style datasets, RLConfig() defaults."""
+"""TRL users' scripts: reward_funcs with weights, TRL-style datasets, RLConfig() defaults,
+TRL's configs (args=GRPOConfig(...), peft_config=) and its quick starts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -9,8 +11,20 @@ from pathlib import Path
 import datasets
 import numpy as np
 import pytest
+import yaml
 
-from polyrl import GRPOTrainer, PPOTrainer, RLConfig, RLOOTrainer
+from polyrl import (
+    DPOConfig,
+    GRPOConfig,
+    GRPOTrainer,
+    PPOTrainer,
+    RewardConfig,
+    RewardModelTrainer,
+    RLConfig,
+    RLOOConfig,
+    RLOOTrainer,
+)
+from polyrl.config import ConfigError, ConfigNote, trl_compat
 from polyrl.core.batch import Batch
 from polyrl.data.dataset import RLDataset
 from polyrl.data.schema import RowValidationError
@@ -391,3 +405,264 @@ def test_config_custom_function_may_be_batched_and_rows_need_only_a_prompt(tmp_p
         assert result.scores.tolist() == [1.0, 1.0]
     finally:
         manager.close()
+
+
+# ------------------------------------------------------------------ TRL's configs (args=)
+TRL_CLASSES = (GRPOConfig, RLOOConfig, DPOConfig, RewardConfig)
+
+
+def reward_len(completions, **kwargs):
+    """TRL's quick-start reward: completions close to 20 characters."""
+    return [-abs(20 - len(completion)) for completion in completions]
+
+
+def _resolved(run_dir: Path, name: str) -> dict:
+    """The run's resolved config (its YAML, every auto resolved)."""
+    return yaml.safe_load((run_dir / name).read_text())
+
+
+@pytest.mark.parametrize("cls", TRL_CLASSES)
+def test_each_trl_field_has_one_row_and_the_docs_show_the_table(cls):
+    rows = [row.field for row in cls.rows()]
+    assert sorted(rows) == sorted(f.name for f in dataclasses.fields(cls)), "one row per field"
+    doc = (Path(__file__).parents[1] / "docs" / "migrating_from_trl.md").read_text()
+    assert trl_compat.markdown_table() in doc, "regenerate: python -m polyrl.config.trl_compat"
+
+
+def test_trl_defaults_mean_what_they_mean_in_trl():
+    cfg = GRPOConfig().to_polyrl()
+    assert (cfg.actor.optim.lr, cfg.actor.optim.lr_scheduler, cfg.rollout.n) == (1e-6, "linear", 8)
+    assert (cfg.data.max_prompt_length, cfg.data.truncation) == (512, "error")  # TRL: no limit
+    assert cfg.rollout.top_k == -1 and cfg.actor.entropy_coeff == 0.0
+    assert cfg.data.max_response_length == cfg.rollout.max_new_tokens == 256
+    assert cfg.data.train_batch_size == cfg.actor.ppo_mini_batch_size == 1  # 8 completions / 8
+    assert not cfg.actor.use_kl_loss and cfg.actor.loss_agg_mode == "token-mean"  # beta 0, dapo
+    assert (cfg.actor.clip_ratio_low, cfg.actor.clip_ratio_high, cfg.actor.clip_ratio_c) == (
+        0.2,
+        0.2,
+        0.0,
+    )
+    assert cfg.actor.policy_loss == "ppo_clip" and cfg.algorithm.norm_adv_by_std
+    assert (cfg.trainer.total_epochs, cfg.trainer.total_steps, cfg.trainer.save_freq) == (3, 0, 500)
+    assert cfg.actor.gradient_checkpointing and cfg.rollout.backend == "native"
+    assert (cfg.trainer.output_dir, cfg.seed, cfg.model.compute_dtype) == (
+        "trainer_output",
+        42,
+        "auto",
+    )
+    rloo = RLOOConfig().to_polyrl()
+    assert (rloo.rollout.n, rloo.data.train_batch_size) == (2, 4)
+    assert rloo.algorithm.use_kl_in_reward and rloo.algorithm.kl_coef == 0.05
+    assert not rloo.actor.use_kl_loss and rloo.actor.loss_agg_mode == "seq-mean-token-sum"
+    legacy = GRPOConfig(max_prompt_length=128).to_polyrl()  # TRL before 1.0: cut on the left
+    assert (legacy.data.max_prompt_length, legacy.data.truncation) == (128, "left")
+    dpo = DPOConfig(per_device_train_batch_size=4, gradient_accumulation_steps=2).to_polyrl()
+    assert (dpo.dpo.beta, dpo.dpo.loss_type, dpo.dpo.optim.lr) == (0.1, "sigmoid", 1e-6)
+    assert (dpo.dpo.max_length, dpo.data.train_batch_size) == (1024, 8)
+    rm = RewardConfig(center_rewards_coefficient=0.01).to_polyrl()
+    assert (rm.rm.optim.lr, rm.rm.center_rewards_coefficient, rm.rm.max_length) == (
+        1e-4,
+        0.01,
+        1024,
+    )
+
+
+def test_trl_fields_polyrl_cannot_honour_are_named_in_one_note():
+    args = GRPOConfig(
+        num_generations=4,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        steps_per_generation=4,
+        logging_steps=5,
+        warmup_steps=10,
+        save_strategy="epoch",
+        report_to=["wandb"],
+        epsilon=0.1,
+        epsilon_high=0.28,
+        beta=0.04,
+        loss_type="dr_grpo",
+        importance_sampling_level="sequence",
+        scale_rewards="none",
+        top_k=0,
+        max_steps=3,
+    )
+    with pytest.warns(ConfigNote) as notes:
+        cfg = args.to_polyrl()
+    (note,) = [str(n.message) for n in notes]
+    assert args.unhonoured() == ["warmup_steps=10", "logging_steps=5", "save_strategy='epoch'"]
+    for field in args.unhonoured():
+        assert field in note
+    # 16 completions per generation (4 x 4 steps), 8 per optimizer step, 4 per prompt.
+    assert (cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size) == (4, 2)
+    assert (cfg.actor.clip_ratio_low, cfg.actor.clip_ratio_high) == (0.1, 0.28)
+    assert (cfg.actor.use_kl_loss, cfg.actor.kl_loss_coef, cfg.actor.kl_loss_type) == (
+        True,
+        0.04,
+        "k3",
+    )
+    assert (cfg.actor.loss_agg_mode, cfg.actor.policy_loss) == ("seq-mean-token-sum-norm", "gspo")
+    assert not cfg.algorithm.norm_adv_by_std and cfg.rollout.top_k == -1
+    assert cfg.trainer.loggers == ["console", "wandb"] and cfg.trainer.total_steps == 3
+    # Values that would train another objective are errors, not notes.
+    for bad in (
+        GRPOConfig(loss_type="cispo"),
+        GRPOConfig(scale_rewards="batch"),
+        GRPOConfig(delta=2.0),
+        DPOConfig(loss_type="hinge"),
+        DPOConfig(loss_type=["sigmoid", "bco_pair"]),
+    ):
+        with pytest.raises(ConfigError, match="polyrl has no"):
+            bad.to_polyrl()
+    with pytest.raises(ConfigError, match="multiple of num_generations"):
+        GRPOConfig(per_device_train_batch_size=6).to_polyrl()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'num_generation'"):
+        GRPOConfig(num_generation=4)
+
+
+def test_peft_lora_config_maps_onto_the_lora_options(tiny_qwen2_dir):
+    peft = pytest.importorskip("peft")
+    options = trl_compat.lora_options(
+        peft.LoraConfig(r=8, lora_alpha=32, lora_dropout=0.05), tiny_qwen2_dir
+    )
+    assert options == {
+        "model.lora_rank": 8,
+        "model.lora_alpha": 32.0,
+        "model.lora_dropout": 0.05,
+        "model.target_modules": ["q_proj", "v_proj"],  # peft's default for qwen2
+    }
+    lora = peft.LoraConfig(r=4, target_modules="all-linear", use_rslora=True, bias="all")
+    with pytest.warns(ConfigNote, match="use_rslora=True") as notes:
+        options = trl_compat.lora_options(lora, tiny_qwen2_dir)
+    assert "bias='all'" in str(notes[0].message) and options["model.target_modules"] == [
+        "all-linear"
+    ]
+    with pytest.raises(ConfigError, match="a pattern"):
+        trl_compat.lora_options(peft.LoraConfig(target_modules=".*proj"), tiny_qwen2_dir)
+
+
+def test_trainers_take_trl_arguments(tiny_qwen2_dir):
+    ds = _dataset()
+    with pytest.raises(TypeError, match="not both"):
+        GRPOTrainer(
+            tiny_qwen2_dir,
+            config=RLConfig(),
+            args=GRPOConfig(),
+            reward_funcs=short,
+            train_dataset=ds,
+        )
+    with pytest.raises(TypeError, match="GRPOTrainer takes a GRPOConfig"):
+        GRPOTrainer(tiny_qwen2_dir, args=DPOConfig(), reward_funcs=short, train_dataset=ds)
+    with pytest.raises(TypeError, match="PPOTrainer takes no TRL config"):
+        PPOTrainer(tiny_qwen2_dir, args=GRPOConfig(), reward_funcs=short, train_dataset=ds)
+    # num_generations=1 is the user's, not overridden by GRPOTrainer's own default of 8.
+    args = GRPOConfig(num_generations=1, per_device_train_batch_size=2, reward_weights=[2.0])
+    trainer = GRPOTrainer(
+        model=str(tiny_qwen2_dir), reward_funcs=short, args=args, train_dataset=ds
+    )
+    assert trainer.config.rollout.n == 1 and trainer.config.data.template_string_prompts is False
+    assert [f.weight for f in trainer._reward_fn] == [2.0]
+    from polyrl import trl
+
+    assert trl.RewardTrainer is RewardModelTrainer and trl.GRPOConfig is GRPOConfig
+
+
+def _grpo_quick_start(model: str, output_dir: str):
+    """TRL's GRPO quick start; only the import, the model path and max_steps are changed."""
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    from polyrl import GRPOConfig, GRPOTrainer  # was: from trl import GRPOConfig, GRPOTrainer
+
+    dataset = Dataset.from_dict({"prompt": PROMPTS})
+
+    training_args = GRPOConfig(
+        output_dir=output_dir,
+        learning_rate=1e-5,
+        num_generations=2,
+        per_device_train_batch_size=4,
+        max_completion_length=8,
+        beta=0.04,
+        epsilon_high=0.28,
+        loss_type="grpo",
+        temperature=0.9,
+        logging_steps=10,
+        max_steps=2,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward_len,
+        args=training_args,
+        train_dataset=dataset,
+        peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+    )
+    return trainer.train()
+
+
+@pytest.mark.slow
+def test_trl_grpo_quick_start_runs_with_the_import_changed(tmp_path, tiny_qwen2_dir):
+    out = tmp_path / "Qwen2-0.5B-GRPO"
+    summary = _grpo_quick_start(str(tiny_qwen2_dir), str(out))
+    assert summary["steps"] == 2
+    cfg = _resolved(out, "rl_config.yaml")
+    actor, rollout, data = cfg["actor"], cfg["rollout"], cfg["data"]
+    assert (actor["optim"]["lr"], actor["optim"]["lr_scheduler"]) == (1e-5, "linear")
+    assert (rollout["n"], rollout["temperature"], rollout["max_new_tokens"]) == (2, 0.9, 8)
+    assert (data["train_batch_size"], actor["ppo_mini_batch_size"]) == (2, 2)  # 4 / 2 per prompt
+    assert (data["max_response_length"], data["max_prompt_length"]) == (8, 512)
+    assert (actor["use_kl_loss"], actor["kl_loss_coef"], actor["kl_loss_type"]) == (
+        True,
+        0.04,
+        "k3",
+    )
+    assert (actor["clip_ratio_low"], actor["clip_ratio_high"], actor["clip_ratio_c"]) == (
+        0.2,
+        0.28,
+        0.0,
+    )
+    assert (actor["loss_agg_mode"], actor["policy_loss"]) == ("seq-mean-token-mean", "ppo_clip")
+    assert actor["gradient_checkpointing"] and cfg["algorithm"]["norm_adv_by_std"]
+    assert cfg["algorithm"]["adv_estimator"] == "grpo" and cfg["trainer"]["total_steps"] == 2
+    model = cfg["model"]
+    assert (model["lora_rank"], model["lora_alpha"], model["target_modules"]) == (
+        8,
+        16.0,
+        ["all-linear"],
+    )
+
+
+@pytest.mark.slow
+def test_trl_dpo_quick_start_runs_with_the_import_changed(tmp_path, tiny_qwen2_dir):
+    from datasets import Dataset
+
+    from polyrl import DPOConfig, DPOTrainer  # was: from trl import DPOConfig, DPOTrainer
+    from polyrl.models.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_qwen2_dir)  # was: AutoTokenizer.from_pretrained(...)
+    train_dataset = Dataset.from_dict(
+        {
+            "prompt": PROMPTS,
+            "chosen": [f" {a}" for a in ANSWERS],
+            "rejected": [f" {int(a) + 1}" for a in ANSWERS],
+        }
+    )
+    training_args = DPOConfig(
+        output_dir=str(tmp_path / "Qwen2-0.5B-DPO"),
+        per_device_train_batch_size=4,
+        beta=0.2,
+        max_length=64,
+        logging_steps=10,
+        max_steps=2,
+    )
+    trainer = DPOTrainer(
+        model=str(tiny_qwen2_dir),
+        args=training_args,
+        processing_class=tokenizer,
+        train_dataset=train_dataset,
+    )
+    trainer.train()
+    cfg = _resolved(tmp_path / "Qwen2-0.5B-DPO", "dpo_config.yaml")
+    dpo = cfg["dpo"]
+    assert (dpo["beta"], dpo["loss_type"], dpo["max_length"]) == (0.2, "sigmoid", 64)
+    assert (dpo["optim"]["lr"], dpo["optim"]["lr_scheduler"]) == (1e-6, "linear")
+    assert dpo["gradient_checkpointing"] and cfg["data"]["train_batch_size"] == 4
+    assert cfg["trainer"]["total_steps"] == 2

@@ -17,6 +17,10 @@
     )
     summary = trainer.train()
 
+A TRL script keeps its arguments: ``args=GRPOConfig(...)`` (TRL's fields and defaults, see
+:mod:`polyrl.config.trl_compat`) instead of ``config=``, ``processing_class=`` for the
+tokenizer and ``peft_config=LoraConfig(...)`` for the ``model.lora_*`` options.
+
 Each class fixes the advantage estimator (``GRPOTrainer``: ``grpo``, ``PPOTrainer``: ``gae``
 with a critic, ...) and has defaults valid for it (:attr:`_RLTrainerAPI.defaults`:
 ``rollout.n=8`` for GRPO and RLOO): a default applies where the config still holds
@@ -47,6 +51,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from polyrl.config import ConfigError, PolyRLConfig
+from polyrl.config.trl_compat import DPOConfig, GRPOConfig, RewardConfig, RLOOConfig
 
 __all__ = [
     "DPOTrainer",
@@ -171,10 +176,60 @@ def _check_rows_have_reward_fields(rows: list[dict] | None, what: str) -> None:
             )
 
 
+class _TRLArguments:
+    """A trainer's config and tokenizer, from polyrl's ``config=`` or TRL's arguments.
+
+    TRL's are ``args=`` (a config of :mod:`polyrl.config.trl_compat`), ``processing_class=``
+    and ``peft_config=``.
+    """
+
+    def __init__(
+        self,
+        trainer: Any,
+        config: PolyRLConfig | None,
+        args: Any,
+        tokenizer: Any,
+        processing_class: Any,
+        peft_config: Any,
+        model: Any,
+    ) -> None:
+        name = type(trainer).__name__
+        if args is not None:
+            accepted = trainer.trl_config
+            if accepted is None or not isinstance(args, accepted):
+                wanted = (
+                    f"a {accepted.__name__} (polyrl.{accepted.__name__})"
+                    if accepted
+                    else ("no TRL config (pass config=)")
+                )
+                raise TypeError(f"{name} takes {wanted} as args=, got {type(args).__name__}")
+            if config is not None:
+                raise TypeError("pass args= (TRL's config) or config= (polyrl's), not both")
+            config = args.to_polyrl()
+        cfg = config if config is not None else PolyRLConfig()
+        if not isinstance(cfg, PolyRLConfig):
+            raise TypeError(f"config must be an RLConfig, got {type(cfg).__name__}")
+        if peft_config is not None:
+            from polyrl.config.trl_compat import with_lora
+
+            cfg = with_lora(cfg, peft_config, model)
+        if processing_class is not None and tokenizer is not None:
+            raise TypeError("pass processing_class= (TRL's name) or tokenizer=, not both")
+        self.config = cfg
+        self.tokenizer = processing_class if processing_class is not None else tokenizer
+
+
 class _RLTrainerAPI:
-    """Shared constructor of the algorithm-specific trainers (see the module docstring)."""
+    """Shared constructor of the algorithm-specific trainers (see the module docstring).
+
+    TRL's keyword arguments are taken too: ``args=`` (this class's :attr:`trl_config`, e.g.
+    ``GRPOConfig``, instead of ``config=``), ``processing_class=`` (the tokenizer) and
+    ``peft_config=`` (a ``peft.LoraConfig``: the ``model.lora_*`` options).
+    """
 
     adv_estimator: ClassVar[str] = ""
+    #: The TRL config class ``args=`` takes (None: only ``config=``).
+    trl_config: ClassVar[type | None] = None
     #: Options (dotted keys) this trainer sets where the config still holds ``RLConfig()``'s
     #: default, so that ``config=RLConfig()`` (or no config) runs this algorithm; any value the
     #: user set, even by ``load_config``, wins.
@@ -194,15 +249,23 @@ class _RLTrainerAPI:
         *,
         reward_funcs: Any = None,
         reward_weights: Sequence[float] | None = None,
+        args: Any = None,
+        processing_class: Any = None,
+        peft_config: Any = None,
     ) -> None:
-        cfg = config if config is not None else PolyRLConfig()
-        if not isinstance(cfg, PolyRLConfig):
-            raise TypeError(f"config must be an RLConfig, got {type(cfg).__name__}")
+        trl = _TRLArguments(self, config, args, tokenizer, processing_class, peft_config, model)
+        cfg = trl.config
+        if args is not None and reward_weights is None and reward_funcs is not None:
+            reward_weights = args.reward_weights
         cfg = dataclasses.replace(
             cfg,
             algorithm=dataclasses.replace(cfg.algorithm, adv_estimator=self.adv_estimator),
         )
-        cfg, self.applied_defaults = _apply_defaults(cfg, {**self.trl_defaults, **self.defaults})
+        # A TRL config states every option it sets (num_generations=1 too): only the
+        # TRL-wide defaults apply over it, not this class's.
+        own = {} if args is not None else self.defaults
+        cfg, self.applied_defaults = _apply_defaults(cfg, {**self.trl_defaults, **own})
+        tokenizer = trl.tokenizer
         cfg, train_rows, val_rows = _with_datasets(cfg, train_dataset, eval_dataset)
         self._reward_fn = _reward_functions(
             reward_fn, reward_funcs, reward_weights, cfg, train_rows
@@ -287,6 +350,7 @@ class GRPOTrainer(_RLTrainerAPI):
 
     adv_estimator = "grpo"
     defaults = {"rollout.n": 8}
+    trl_config = GRPOConfig
 
 
 class PPOTrainer(_RLTrainerAPI):
@@ -300,6 +364,7 @@ class RLOOTrainer(_RLTrainerAPI):
 
     adv_estimator = "rloo"
     defaults = {"rollout.n": 8}
+    trl_config = RLOOConfig
 
 
 class REINFORCEPlusPlusTrainer(_RLTrainerAPI):
@@ -318,6 +383,8 @@ class _PreferenceTrainerAPI:
     """Shared constructor of :class:`DPOTrainer` and :class:`RewardModelTrainer`."""
 
     kind: ClassVar[str] = ""
+    #: The TRL config class ``args=`` takes.
+    trl_config: ClassVar[type | None] = None
 
     def __init__(
         self,
@@ -326,14 +393,16 @@ class _PreferenceTrainerAPI:
         config: PolyRLConfig | None = None,
         train_dataset: DatasetLike | None = None,
         eval_dataset: DatasetLike | None = None,
+        *,
+        args: Any = None,
+        processing_class: Any = None,
+        peft_config: Any = None,
     ) -> None:
-        cfg = config if config is not None else PolyRLConfig()
-        if not isinstance(cfg, PolyRLConfig):
-            raise TypeError(f"config must be a PolyRLConfig, got {type(cfg).__name__}")
-        cfg, train_rows, val_rows = _with_datasets(cfg, train_dataset, eval_dataset)
+        trl = _TRLArguments(self, config, args, tokenizer, processing_class, peft_config, model)
+        cfg, train_rows, val_rows = _with_datasets(trl.config, train_dataset, eval_dataset)
         self.config = cfg
         self._model = model
-        self._tokenizer = tokenizer
+        self._tokenizer = trl.tokenizer
         self._train_rows = train_rows
         self._val_rows = val_rows
 
@@ -373,10 +442,12 @@ class DPOTrainer(_PreferenceTrainerAPI):
 
     Rows with ``ref_chosen_logps`` / ``ref_rejected_logps`` need no reference model. Options are
     the ``dpo`` config group (TRL's ``DPOConfig`` names); ``model=None`` builds the tiny model
-    of ``model.*``.
+    of ``model.*``. TRL's ``args=DPOConfig(...)``, ``processing_class=`` and ``peft_config=``
+    are taken as by the RL trainers.
     """
 
     kind = "dpo"
+    trl_config = DPOConfig
 
     def __init__(
         self,
@@ -386,8 +457,21 @@ class DPOTrainer(_PreferenceTrainerAPI):
         config: PolyRLConfig | None = None,
         train_dataset: DatasetLike | None = None,
         eval_dataset: DatasetLike | None = None,
+        *,
+        args: Any = None,
+        processing_class: Any = None,
+        peft_config: Any = None,
     ) -> None:
-        super().__init__(model, tokenizer, config, train_dataset, eval_dataset)
+        super().__init__(
+            model,
+            tokenizer,
+            config,
+            train_dataset,
+            eval_dataset,
+            args=args,
+            processing_class=processing_class,
+            peft_config=peft_config,
+        )
         if ref_model is not None and not isinstance(ref_model, str | os.PathLike):
             raise TypeError(
                 f"ref_model must be a model directory, got {type(ref_model).__name__} (save an "
@@ -412,3 +496,4 @@ class RewardModelTrainer(_PreferenceTrainerAPI):
     """
 
     kind = "rm"
+    trl_config = RewardConfig
