@@ -933,6 +933,11 @@ class AgentConfig(ConfigGroup):
         choices=TOOLS,
         registry="polyrl.agent.tools:TOOLS",
     )
+    tool_config: str = option(
+        "",
+        "A tool YAML in verl's format (tools: [{class_name, config, tool_schema}]): the tool "
+        "loop offers its tools, named by their tool_schema, besides agent.tools.",
+    )
     tool_parser: str = option(
         "hermes",
         "Parser (built-in or registered) of the model's tool calls.",
