@@ -123,7 +123,7 @@ POLICY_LOSSES = ("ppo_clip", "gspo")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "simpo")
 PAIR_TRUNCATIONS = ("error", "filter")
 AGENT_LOOPS = ("single_turn", "tool", "env")
-TOOLS = ("calculator", "countdown_check", "python")
+TOOLS = ("calculator", "countdown_check", "gsm8k_check", "python")
 TOOL_PARSERS = ("hermes",)
 LOSS_AGG_MODES = (
     "token-mean",
