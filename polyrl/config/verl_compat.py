@@ -411,8 +411,17 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         "imported and must be a polyrl.agent.tools.Tool",
         _tool_config,
     ),
-    _a(f"{_AR}.rollout.multi_turn.max_assistant_turns", "agent.max_turns", convert=_null_skip),
-    _a(f"{_AR}.rollout.multi_turn.max_tool_response_length", "agent.max_tool_response_tokens"),
+    _a(
+        f"{_AR}.rollout.multi_turn.max_assistant_turns",
+        "agent.max_turns",
+        "null (verl: no limit but the response budget) keeps agent.max_turns",
+        _null_skip,
+    ),
+    _a(
+        f"{_AR}.rollout.multi_turn.max_tool_response_length",
+        "agent.max_tool_response_tokens",
+        "verl counts characters, polyrl tokens (a limit at least as loose)",
+    ),
     _a(f"{_AR}.rollout.multi_turn.format", "agent.tool_parser"),
     _o(
         f"{_AR}.rollout.multi_turn.max_user_turns",
