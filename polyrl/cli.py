@@ -192,6 +192,7 @@ def config_from_args(args: argparse.Namespace) -> PolyRLConfig:
     )
     if config_path is not None and config_name is None:
         raise CLIError("--config-path needs --config-name (the YAML file in that folder)")
+    base: list[str] = []
     with warnings.catch_warnings(record=True) as notes:
         warnings.simplefilter("always", ConfigNote)
         if config_name is not None:
@@ -199,7 +200,14 @@ def config_from_args(args: argparse.Namespace) -> PolyRLConfig:
             overrides = base + overrides  # the command line wins, as in verl
             for note in base_notes:
                 warnings.warn(note, ConfigNote, stacklevel=1)
-        cfg = load_config(preset, overrides)
+        try:
+            cfg = load_config(preset, overrides)
+        except ConfigError as exc:
+            if exc.source not in {f"override '{text}'" for text in base}:
+                raise
+            # The key came from the YAML, not from the line the user sees: say so.
+            where = f"{exc.source}, read from --config-name {config_name}"
+            raise ConfigError(exc.detail, key=exc.key, source=where) from None
     for note in notes:
         if issubclass(note.category, ConfigNote):
             print(f"polyrl: note: {note.message}", file=sys.stderr)

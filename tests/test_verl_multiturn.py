@@ -141,6 +141,14 @@ def test_config_path_without_config_name_is_one_line(capsys):
     assert "--config-path needs --config-name" in capsys.readouterr().err
 
 
+def test_a_bad_key_of_the_verl_yaml_names_the_yaml(tmp_path, capsys):
+    (tmp_path / "run.yaml").write_text("data:\n  max_prompt_lenght: 5\n")
+    assert main(["config", "show", "grpo", "-cp", str(tmp_path), "-cn", "run"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean 'data.max_prompt_length'" in err
+    assert "read from --config-name run" in err
+
+
 # ------------------------------------------------------------------ verl's tool YAML
 def test_verls_gsm8k_tool_becomes_polyrls_answer_check_with_the_given_schema(tmp_path):
     from polyrl.agent.tools import Gsm8kCheckTool, load_tool_config
