@@ -28,7 +28,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import yaml
 
@@ -42,6 +42,7 @@ from polyrl.config import (
     load_config,
     to_yaml,
 )
+from polyrl.config.loader import inline_yaml, verl_config_overrides
 from polyrl.core.registry import Registry
 
 __all__ = [
@@ -98,8 +99,23 @@ def subcommand(name: str, help: str) -> Callable[[Setup], Setup]:
 class _Parser(argparse.ArgumentParser):
     """ArgumentParser whose errors become :class:`CLIError` (one line, no usage dump)."""
 
+    intermixed = False
+    """Read options anywhere among the positionals (``train grpo --config-path D k=v``)."""
+    _parsing = False
+
     def error(self, message: str) -> NoReturn:
         raise CLIError(f"{message} (see '{self.prog} --help')")
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def]
+        # A subcommand's parser is called through parse_known_args; the intermixed parse
+        # calls it again, hence the guard.
+        if not self.intermixed or self._parsing:
+            return super().parse_known_args(args, namespace)
+        self._parsing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._parsing = False
 
 
 def _version() -> str:
@@ -142,6 +158,22 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="key=value",
         help="overrides such as trainer.total_steps=10 data.train_files=[a.parquet,b.parquet]",
     )
+    # verl's (Hydra's) options: a YAML config in verl's keys, read before the overrides.
+    parser.add_argument(
+        "--config-path",
+        "-cp",
+        metavar="DIR",
+        help="verl's --config-path: the folder of --config-name (default: the current one)",
+    )
+    parser.add_argument(
+        "--config-name",
+        "-cn",
+        metavar="NAME",
+        help="verl's --config-name: DIR/NAME.yaml, a config in verl's keys (its defaults: may "
+        "name ppo_trainer; hydra: is ignored), read before the key=value overrides",
+    )
+    if isinstance(parser, _Parser):
+        parser.intermixed = True
 
 
 def config_from_args(args: argparse.Namespace) -> PolyRLConfig:
@@ -155,20 +187,34 @@ def config_from_args(args: argparse.Namespace) -> PolyRLConfig:
     if preset is not None and "=" in preset and not preset.endswith((".yaml", ".yml")):
         overrides.insert(0, preset)
         preset = None
+    config_path, config_name = (
+        getattr(args, "config_path", None),
+        getattr(args, "config_name", None),
+    )
+    if config_path is not None and config_name is None:
+        raise CLIError("--config-path needs --config-name (the YAML file in that folder)")
+    base: list[str] = []
     with warnings.catch_warnings(record=True) as notes:
         warnings.simplefilter("always", ConfigNote)
-        cfg = load_config(preset, overrides)
+        if config_name is not None:
+            base, base_notes = verl_config_overrides(config_path, config_name)
+            overrides = base + overrides  # the command line wins, as in verl
+            for note in base_notes:
+                warnings.warn(note, ConfigNote, stacklevel=1)
+        try:
+            cfg = load_config(preset, overrides)
+        except ConfigError as exc:
+            if exc.source not in {f"override '{text}'" for text in base}:
+                raise
+            # The key came from the YAML, not from the line the user sees: say so.
+            where = f"{exc.source}, read from --config-name {config_name}"
+            raise ConfigError(exc.detail, key=exc.key, source=where) from None
     for note in notes:
         if issubclass(note.category, ConfigNote):
             print(f"polyrl: note: {note.message}", file=sys.stderr)
         else:
             warnings.showwarning(note.message, note.category, note.filename, note.lineno)
     return cfg
-
-
-def _inline_yaml(value: Any) -> str:
-    text = yaml.safe_dump(value, default_flow_style=True, width=1000).strip()
-    return text.removesuffix("...").strip()
 
 
 @subcommand("config", help="Show or describe the configuration.")
@@ -219,7 +265,7 @@ def _config_describe(args: argparse.Namespace) -> int:
         out.append("| option | type | default | description |")
         out.append("| --- | --- | --- | --- |")
         for row in rows:
-            cells = [f"`{row.key}`", f"`{row.type}`", f"`{_inline_yaml(row.default)}`", row.help]
+            cells = [f"`{row.key}`", f"`{row.type}`", f"`{inline_yaml(row.default)}`", row.help]
             out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     else:
         group = None
@@ -228,7 +274,7 @@ def _config_describe(args: argparse.Namespace) -> int:
             if out and this_group != group:
                 out.append("")
             group = this_group
-            out.append(f"{row.key}: {row.type} = {_inline_yaml(row.default)}")
+            out.append(f"{row.key}: {row.type} = {inline_yaml(row.default)}")
             out.append(f"    {row.help}")
     sys.stdout.write("\n".join(out) + "\n")
     return 0

@@ -236,7 +236,10 @@ def test_describe_lists_the_built_in_names_of_registry_backed_options():
     rows = {r.key: r for r in describe()}
     assert rows["algorithm.adv_estimator"].type.startswith("{gae,grpo,")
     assert rows["algorithm.adv_estimator"].type.endswith("} | registered")
-    assert rows["agent.tools"].type == "list[{calculator,countdown_check,python} | registered]"
+    assert (
+        rows["agent.tools"].type
+        == "list[{calculator,countdown_check,gsm8k_check,python} | registered]"
+    )
     assert rows["algorithm.kl_penalty"].type.endswith("}")  # a closed choice stays closed
     assert rows["trainer.imports"].type == "list[str]"
 

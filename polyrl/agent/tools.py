@@ -4,6 +4,8 @@
 * ``python``: runs code in the namespace sandbox of :mod:`polyrl.core.sandbox`.
 * ``countdown_check``: checks a candidate countdown expression against the sample's numbers
   and target (reusing the countdown scorer's safe expression evaluator).
+* ``gsm8k_check``: checks a GSM8K answer against the sample's ground truth (verl's
+  ``Gsm8kTool``); :func:`load_tool_config` reads verl's tool YAML.
 
 A tool's ``call`` receives the parsed JSON arguments plus the sample's per-tool context
 (``extra_info["tools_kwargs"][tool_name]``) as keyword arguments; it returns a
@@ -18,6 +20,7 @@ import ast
 import dataclasses
 import math
 import operator
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,13 +31,16 @@ __all__ = [
     "TOOLS",
     "CalculatorTool",
     "CountdownCheckTool",
+    "Gsm8kCheckTool",
     "PythonSandboxTool",
     "Tool",
     "ToolError",
     "ToolResult",
+    "VERL_TOOL_CLASSES",
     "available_tools",
     "create_tool",
     "get_tool",
+    "load_tool_config",
     "register_tool",
     "safe_calculate",
 ]
@@ -374,3 +380,119 @@ class PythonSandboxTool(Tool):
         if not isinstance(code, str) or not code.strip():
             raise ToolError("'code' must be a non-empty string of Python source")
         return await self.run_code(code)
+
+
+# ----------------------------------------------------------------------------- gsm8k check
+
+
+@register_tool("gsm8k_check")
+class Gsm8kCheckTool(Tool):
+    """Check a GSM8K answer against the sample's ground truth (verl's ``Gsm8kTool``).
+
+    The context (``tools_kwargs[<tool name>]``) gives ``ground_truth``, directly or under
+    ``create_kwargs`` as verl's GSM8K data writes it. The answer is read as verl reads it
+    (``#### <answer>``, flexible extraction); the reply says the parsed answer and its reward
+    (1.0 when correct). The turn reward stays 0: the run's reward function scores the response.
+    """
+
+    description = "Check an answer to the GSM8K math problem: 1.0 if it is correct, 0.0 otherwise."
+    parameters = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "description": "the answer, digits only"}},
+        "required": ["answer"],
+    }
+
+    async def call(self, arguments: Mapping[str, Any], **context: Any) -> ToolResult | str:
+        """Score ``arguments["answer"]`` against the context's ground truth."""
+        from polyrl.core.gsm8k import gsm8k_score
+
+        truth = context.get("ground_truth")
+        if truth is None:
+            truth = (context.get("create_kwargs") or {}).get("ground_truth")
+        if truth is None:
+            raise ToolError("gsm8k_check needs the sample's 'ground_truth' in tools_kwargs")
+        answer = str(arguments.get("answer", ""))
+        response = answer if answer.startswith("#### ") else f"#### {answer}"
+        reward = gsm8k_score(response, truth, method="flexible")
+        return f"Current parsed answer={answer!r} reward={reward}"
+
+
+# ----------------------------------------------------------------------------- verl tool YAML
+
+#: verl's tool classes and the polyrl tool that does the same.
+VERL_TOOL_CLASSES = {"verl.tools.gsm8k_tool.Gsm8kTool": "gsm8k_check"}
+
+
+def load_tool_config(path: str | os.PathLike[str]) -> list[Tool]:
+    """Build the tools a verl tool YAML lists (``multi_turn.tool_config_path``).
+
+    Each entry of ``tools:`` names a ``class_name``, its ``config`` and an OpenAI
+    ``tool_schema``. A verl class in :data:`VERL_TOOL_CLASSES` becomes the polyrl tool that
+    does the same; any other class is imported by its dotted path, as verl does, and must be a
+    :class:`Tool` (it is built with the ``config`` entries other than ``type`` as keyword
+    arguments). Each tool takes the name, description and parameters of its ``tool_schema``,
+    so the model sees the schema the YAML gives.
+
+    Raises:
+        ValueError: an unreadable file, a malformed entry, or a class that cannot be imported
+            or is not a polyrl :class:`Tool` (the message names it).
+    """
+    import importlib
+
+    import yaml
+
+    where = f"tool config {os.fspath(path)}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"{where}: cannot read it: {exc}") from None
+    entries = data.get("tools") if isinstance(data, Mapping) else None
+    if not isinstance(entries, list):
+        raise ValueError(
+            f"{where}: expected a 'tools:' list of {{class_name, config, tool_schema}}"
+        )
+    tools: list[Tool] = []
+    for i, entry in enumerate(entries):
+        at = f"{where}, tools[{i}]"
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("class_name"), str):
+            raise ValueError(f"{at}: each tool needs a class_name")
+        class_name = entry["class_name"]
+        config = dict(entry.get("config") or {})
+        kind = config.pop("type", "native")
+        if kind != "native":
+            raise ValueError(f"{at}: {class_name}: tool type {kind!r} is not supported (native)")
+        if class_name in VERL_TOOL_CLASSES:
+            cls: Any = get_tool(VERL_TOOL_CLASSES[class_name])
+        elif class_name.startswith("verl."):
+            raise ValueError(
+                f"{at}: verl's tool class {class_name!r} has no polyrl equivalent (polyrl has "
+                f"{sorted(VERL_TOOL_CLASSES)}); write it as a polyrl.agent.tools.Tool subclass "
+                "and name that class"
+            )
+        else:
+            module, _, attr = class_name.rpartition(".")
+            try:
+                cls = getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError, ValueError) as exc:
+                raise ValueError(f"{at}: cannot import tool class {class_name!r}: {exc}") from None
+            if not (isinstance(cls, type) and issubclass(cls, Tool)):
+                raise ValueError(
+                    f"{at}: tool class {class_name!r} is not a polyrl tool: subclass "
+                    "polyrl.agent.tools.Tool (async call(arguments, **context)); polyrl ships "
+                    f"equivalents of {sorted(VERL_TOOL_CLASSES)}"
+                )
+        try:
+            tool = cls(**config)
+        except TypeError as exc:
+            raise ValueError(f"{at}: {class_name}: bad config {config}: {exc}") from None
+        schema = entry.get("tool_schema")
+        if schema is not None:
+            function = schema.get("function") if isinstance(schema, Mapping) else None
+            if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+                raise ValueError(f"{at}: tool_schema needs function.name (OpenAI format)")
+            tool.name = function["name"]
+            tool.description = str(function.get("description", tool.description))
+            tool.parameters = dict(function.get("parameters") or tool.parameters)
+        tools.append(tool)
+    return tools

@@ -43,6 +43,7 @@ __all__ = [
     "available_presets",
     "describe",
     "from_dict",
+    "inline_yaml",
     "load_config",
     "parse_override",
     "read_preset",
@@ -50,6 +51,7 @@ __all__ = [
     "save_config",
     "to_dict",
     "to_yaml",
+    "verl_config_overrides",
 ]
 
 T = TypeVar("T")
@@ -198,6 +200,83 @@ def read_preset(preset: str | os.PathLike[str]) -> tuple[dict[str, Any], str]:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read preset: {_one_line(str(exc))}", source=source) from None
     return _parse_yaml(text, source), source
+
+
+#: verl's own config names a ``defaults:`` list may hold: the trainer defaults verl layers the
+#: file on (polyrl's options already have a default each) and Hydra's marker for the file itself.
+_VERL_BASE_DEFAULTS = ("ppo_trainer", "_self_")
+
+
+def _flatten(data: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """Return ``{a: {b: 1}}`` as ``[("a.b", 1)]`` (an empty mapping stays a value)."""
+    out: list[tuple[str, Any]] = []
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, Mapping) and value:
+            out.extend(_flatten(value, f"{key}."))
+        else:
+            out.append((key, value))
+    return out
+
+
+def verl_config_overrides(
+    config_path: str | os.PathLike[str] | None, config_name: str
+) -> tuple[list[str], list[str]]:
+    """Read verl's ``--config-path DIR --config-name NAME`` file as overrides, plus notes.
+
+    The file (``DIR/NAME.yaml``) is a Hydra config in verl's keys: its ``defaults:`` list may
+    name verl's ``ppo_trainer`` (the options it leaves unset keep their defaults, as the
+    command line's do), ``_self_``, or other files of ``DIR`` (read first, in order); its
+    ``hydra:`` section only steers Hydra and is ignored with a note. Each key becomes a
+    ``key=value`` override that goes through the verl key table like a command-line one; put
+    the command line's overrides after these so they win, as in verl.
+
+    Raises:
+        ConfigError: no such file, invalid YAML, or a ``defaults:`` entry that is neither
+            verl's trainer config nor a file of ``DIR``.
+    """
+    folder = Path(config_path) if config_path is not None else Path.cwd()
+    notes: list[str] = []
+
+    def read(name: str, seen: tuple[str, ...]) -> list[str]:
+        stem = name[: -len(".yaml")] if name.endswith(".yaml") else name
+        path = folder / f"{stem}.yaml"
+        source = f"verl config '{path}'"
+        if not path.is_file():
+            raise ConfigError(f"verl config not found: '{path}' (--config-path/--config-name)")
+        if stem in seen:
+            raise ConfigError(f"'defaults:' includes {stem!r} again", source=source)
+        try:
+            data = _parse_yaml(path.read_text(encoding="utf-8"), source)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read it: {_one_line(str(exc))}", source=source) from None
+        out: list[str] = []
+        defaults = data.pop("defaults", None) or []
+        for item in defaults if isinstance(defaults, list) else [defaults]:
+            if item in _VERL_BASE_DEFAULTS:
+                continue
+            if isinstance(item, str) and (folder / f"{item}.yaml").is_file():
+                out.extend(read(item, (*seen, stem)))
+                continue
+            raise ConfigError(
+                f"'defaults:' entry {item!r} is neither verl's ppo_trainer nor a file of {folder}",
+                source=source,
+            )
+        if "hydra" in data:
+            del data["hydra"]
+            notes.append(f"{source}: its 'hydra:' section is ignored (it only steers Hydra)")
+        for key, value in _flatten(data):
+            text = value if isinstance(value, str) else inline_yaml(value)
+            out.append(f"{key}={text}")
+        return out
+
+    return read(config_name, ()), notes
+
+
+def inline_yaml(value: Any) -> str:
+    """One-line YAML of ``value`` (an override's value: :func:`parse_override` reads it back)."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=1_000_000).strip()
+    return text.removesuffix("...").strip()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -631,7 +710,9 @@ def _read_override(text: str, root: type, out: _Overrides) -> None:
         out.verl_keys.append(key)
     given = value.raw if value.yaml_error is not None else value.parsed
     if entry.kind == "ignored":
-        out.ignored.setdefault(entry.note, []).append(key)
+        keys = out.ignored.setdefault(entry.note, [])
+        if key not in keys:  # given by a verl base YAML and the line too
+            keys.append(key)
     elif entry.kind == "off":
         if not any(given == v for v in entry.off):
             raise ConfigError(
@@ -711,20 +792,23 @@ def _finish(cfg: T, read: _Overrides) -> T:
             read.notes.append(f"{key}={value} (from verl's {given}; {entry.note})")
             read.user_keys.add(key)
     # verl generates data.max_response_length tokens; polyrl caps a turn at
-    # rollout.max_new_tokens too, so the one the user set wins.
+    # rollout.max_new_tokens too, so the one the user set wins. verl's multi-turn loop caps a
+    # turn only by what is left of that budget, so a verl multi-turn line follows it too.
     rollout, data, agent = (getattr(cfg, n, None) for n in ("rollout", "data", "agent"))
+    verl_multi_turn = bool(read.verl_given.get(f"{verl_compat.MULTI_TURN}.enable"))
     if (
         rollout is not None
         and data is not None
-        and "data.max_response_length" in read.user_keys
+        and ("data.max_response_length" in read.user_keys or verl_multi_turn)
         and "rollout.max_new_tokens" not in read.user_keys
-        and not getattr(agent, "enable", False)
+        and (verl_multi_turn or not getattr(agent, "enable", False))
         and rollout.max_new_tokens != data.max_response_length
     ):
         cfg = _set(cfg, "rollout.max_new_tokens", data.max_response_length, "data")
+        why = ": a verl multi-turn turn may use all of" if verl_multi_turn else " follows the given"
         read.notes.append(
-            f"rollout.max_new_tokens={data.max_response_length} follows the given "
-            "data.max_response_length (set rollout.max_new_tokens to cap it lower)"
+            f"rollout.max_new_tokens={data.max_response_length}{why} data.max_response_length "
+            "(set rollout.max_new_tokens to cap it lower)"
         )
     trainer = getattr(cfg, "trainer", None)
     if (

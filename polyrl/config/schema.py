@@ -123,7 +123,7 @@ POLICY_LOSSES = ("ppo_clip", "gspo")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "simpo")
 PAIR_TRUNCATIONS = ("error", "filter")
 AGENT_LOOPS = ("single_turn", "tool", "env")
-TOOLS = ("calculator", "countdown_check", "python")
+TOOLS = ("calculator", "countdown_check", "gsm8k_check", "python")
 TOOL_PARSERS = ("hermes",)
 LOSS_AGG_MODES = (
     "token-mean",
@@ -938,6 +938,11 @@ class AgentConfig(ConfigGroup):
         "Tools (built-in or registered) the tool loop offers.",
         choices=TOOLS,
         registry="polyrl.agent.tools:TOOLS",
+    )
+    tool_config: str = option(
+        "",
+        "A tool YAML in verl's format (tools: [{class_name, config, tool_schema}]): the tool "
+        "loop offers its tools, named by their tool_schema, besides agent.tools.",
     )
     tool_parser: str = option(
         "hermes",

@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 __all__ = [
+    "MULTI_TURN",
     "PRESET_ALGORITHM_KEYS",
     "SKIP",
     "VERL_DEFAULTS",
@@ -262,6 +263,31 @@ def _gen_batches(v: Any) -> Any:
     return v
 
 
+MULTI_TURN = "actor_rollout_ref.rollout.multi_turn"
+"""verl's multi-turn group (its ``enable`` also lets a turn use the whole response budget)."""
+
+
+def _multi_turn(given: Mapping[str, Any], cfg: Any) -> dict[str, Any]:
+    if given.get(f"{MULTI_TURN}.enable") is not True:
+        return {}
+    # verl's multi-turn rollout is its tool agent loop; polyrl's is the tool loop.
+    return {"agent.enable": True, "agent.default_loop": "tool"}
+
+
+def _tool_config(given: Mapping[str, Any], cfg: Any) -> dict[str, Any]:
+    path = given.get(f"{MULTI_TURN}.tool_config_path")
+    if not path:
+        return {}
+    from polyrl.agent.tools import load_tool_config
+
+    try:
+        load_tool_config(path)  # a bad file or class fails here, not at the first rollout
+    except ValueError as exc:
+        raise VerlValueError(str(exc)) from None
+    # verl offers the YAML's tools only.
+    return {"agent.tool_config": str(path), "agent.tools": []}
+
+
 def _target_modules(v: Any) -> Any:
     # verl takes "all-linear" or a list; polyrl's option is always a list.
     return [v] if isinstance(v, str) else v
@@ -425,14 +451,59 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _i(f"{_AR}.rollout.val_kwargs.do_sample", "rollout.val_temperature=0 is greedy"),
     _o(f"{_AR}.rollout.val_kwargs.top_p", (1, 1.0), "validation samples with top_p 1"),
     _o(f"{_AR}.rollout.val_kwargs.top_k", (-1, 0), "validation samples without top_k"),
-    _a(f"{_AR}.rollout.multi_turn.enable", "agent.enable"),
-    _a(f"{_AR}.rollout.multi_turn.max_assistant_turns", "agent.max_turns", convert=_null_skip),
-    _a(f"{_AR}.rollout.multi_turn.max_tool_response_length", "agent.max_tool_response_tokens"),
+    _d(
+        f"{_AR}.rollout.multi_turn.enable",
+        "agent.enable",
+        "True rolls out through the tool loop, and a turn may use all of data.max_response_length "
+        "(rollout.max_new_tokens follows it), as in verl",
+        _multi_turn,
+    ),
+    _d(
+        f"{_AR}.rollout.multi_turn.tool_config_path",
+        "agent.tool_config",
+        "verl's tool YAML: its tools are offered, by their tool_schema (agent.tools=[]); "
+        "verl.tools.gsm8k_tool.Gsm8kTool is polyrl's gsm8k_check, any other class_name is "
+        "imported and must be a polyrl.agent.tools.Tool",
+        _tool_config,
+    ),
+    _a(
+        f"{_AR}.rollout.multi_turn.max_assistant_turns",
+        "agent.max_turns",
+        "null (verl: no limit but the response budget) keeps agent.max_turns",
+        _null_skip,
+    ),
+    _a(
+        f"{_AR}.rollout.multi_turn.max_tool_response_length",
+        "agent.max_tool_response_tokens",
+        "verl counts characters, polyrl tokens (a limit at least as loose)",
+    ),
     _a(f"{_AR}.rollout.multi_turn.format", "agent.tool_parser"),
     _o(
-        f"{_AR}.rollout.multi_turn.tool_config_path",
+        f"{_AR}.rollout.multi_turn.max_user_turns",
         (None,),
-        "name registered tools in agent.tools",
+        "the tool loop ends at agent.max_turns model turns",
+    ),
+    _o(
+        f"{_AR}.rollout.multi_turn.interaction_config_path",
+        (None,),
+        "no interaction agents; use an env loop (polyrl.agent.envs)",
+    ),
+    _o(f"{_AR}.rollout.multi_turn.num_repeat_rollouts", (None,), "use rollout.n"),
+    _i(
+        f"{_AR}.rollout.multi_turn.max_parallel_calls",
+        "the tool loop runs up to 4 calls of a turn concurrently",
+    ),
+    _i(
+        f"{_AR}.rollout.multi_turn.tool_response_truncate_side",
+        "a long tool response is cut at its end (agent.max_tool_response_tokens)",
+    ),
+    _i(
+        f"{_AR}.rollout.multi_turn.use_inference_chat_template",
+        "tool responses are appended as the chat template's token delta",
+    ),
+    _i(
+        f"{_AR}.rollout.multi_turn.tokenization_sanity_check_mode",
+        "turns are kept token-exact; there is nothing to check",
     ),
     _a(f"{_AR}.rollout.agent.default_agent_loop", "agent.default_loop", convert=_agent_loop),
     _i(f"{_AR}.rollout.agent.num_workers", "see agent.max_concurrency"),

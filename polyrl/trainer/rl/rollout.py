@@ -509,6 +509,7 @@ class RolloutProducer:
     ) -> tuple[Batch, dict[str, float]]:
         """Roll every item out ``n`` times through its agent loop (multi-turn, tools, envs)."""
         from polyrl.agent.base import collate_trajectories, run_agent_loops
+        from polyrl.agent.tools import load_tool_config
 
         agent = self.cfg.agent
         params = self.sampling_params(1, temperature, 0)
@@ -523,12 +524,14 @@ class RolloutProducer:
             # The dataset's template arguments, so a loop renders its prompt as the dataset did.
             "apply_chat_template_kwargs": self.cfg.data.apply_chat_template_kwargs,
         }
+        # Built once per rollout call: a tool keeps no state between trajectories.
+        tool_config_tools = load_tool_config(agent.tool_config) if agent.tool_config else []
         loop_kwargs = {
             "single_turn": common,
             "env": common,
             "tool": {
                 **common,
-                "tools": list(agent.tools),
+                "tools": [*agent.tools, *tool_config_tools],
                 "parser": agent.tool_parser,
                 "tool_timeout": agent.tool_timeout_s,
                 "max_tool_response_tokens": agent.max_tool_response_tokens,
