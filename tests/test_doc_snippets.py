@@ -97,7 +97,8 @@ def test_the_quickstarts_demo_lines_are_valid(capsys):
         assert main(["config", "show", *words[2:]]) == 0, words
 
 
-def answers_at_once(src: Path, dst: Path) -> Path:
+@pytest.fixture(scope="module")
+def answers_at_once(tiny_qwen2_dir, tmp_path_factory) -> Path:
     """A copy of the tiny model whose every response is the end-of-text token.
 
     It stands in for the reader's instruct model, which ends its answers; a random tiny model
@@ -108,8 +109,9 @@ def answers_at_once(src: Path, dst: Path) -> Path:
 
     from polyrl.models.loader import load_tokenizer
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(src)
-    tokenizer = load_tokenizer(src)
+    dst = tmp_path_factory.mktemp("model") / "answers-at-once"
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir)
+    tokenizer = load_tokenizer(tiny_qwen2_dir)
     eos = tokenizer.eos_token_id
     with torch.no_grad():
         for layer in model.model.layers:  # the residual stream is the token's embedding ...
@@ -129,13 +131,13 @@ def answers_at_once(src: Path, dst: Path) -> Path:
 
 @pytest.mark.slow
 def test_the_quickstarts_own_data_lines_train_on_gsm8k_shaped_data(
-    tmp_path, monkeypatch, capsys, tiny_qwen2_dir
+    tmp_path, monkeypatch, capsys, answers_at_once
 ):
     from polyrl.cli import main
     from polyrl.data import preprocess_gsm8k
     from polyrl.data.io import read_rows, write_rows
 
-    model = answers_at_once(tiny_qwen2_dir, tmp_path / "model")
+    model = answers_at_once
     raw = read_rows(preprocess_gsm8k.sample_gsm8k_path())  # GSM8K's question / answer rows
     (tmp_path / "gsm8k").mkdir()
     write_rows(raw * 2, tmp_path / "gsm8k" / "train.parquet")  # a batch of 32 needs 32 rows
@@ -162,10 +164,10 @@ def test_the_quickstarts_own_data_lines_train_on_gsm8k_shaped_data(
 
 
 @pytest.mark.slow
-def test_the_quickstarts_python_script_runs(tmp_path):
+def test_the_quickstarts_python_script_runs(tmp_path, answers_at_once):
     code = quickstart_block("python", 0)
     for doc, run in (
-        ('model="path/to/hf_model"', "model=None"),  # the comment's other choice
+        ('model="path/to/hf_model"', f"model={str(answers_at_once)!r}"),
         ("trainer.total_steps=20", "trainer.total_steps=1"),
         ("]  # ... more rows", "] * 32"),  # a batch of 32 needs 32 rows
     ):
