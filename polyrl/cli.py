@@ -418,6 +418,7 @@ def _train_command(parser: argparse.ArgumentParser) -> Handler:
 
     def run(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
+        from polyrl.core.prompts import PromptTooLongError
         from polyrl.data.schema import RowValidationError
         from polyrl.model_engine.checkpoint import CorruptCheckpointError
         from polyrl.reward import RewardFunctionError
@@ -432,6 +433,7 @@ def _train_command(parser: argparse.ArgumentParser) -> Handler:
             RewardFunctionError,
             RewardFailureError,
             CorruptCheckpointError,
+            PromptTooLongError,
         )
         try:
             run_rl(cfg)

@@ -136,3 +136,30 @@ def test_close_leaves_no_child_process(pool):
 def test_a_pool_needs_a_worker():
     with pytest.raises(ValueError, match="at least one worker"):
         ScoringPool(0)
+
+
+def test_a_script_that_starts_a_pool_at_its_top_level_is_told_to_guard_it(tmp_path):
+    # spawn imports the parent's script again in each worker: unguarded, every worker would run
+    # the script's training again and die starting up, so the pool refuses before it starts.
+    import subprocess
+    import sys
+
+    body = "from polyrl.reward.pool import ScoringPool\n\n"
+    unguarded = tmp_path / "unguarded.py"
+    unguarded.write_text(body + "ScoringPool(1).close()\n")
+    guarded = tmp_path / "guarded.py"
+    guarded.write_text(body + 'if __name__ == "__main__":\n    ScoringPool(1).close()\n')
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": repo}
+
+    def run(script: Path) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+        )
+
+    refused = run(unguarded)
+    assert refused.returncode != 0
+    assert f"{unguarded}:3 starts training at the script's top level" in refused.stderr
+    assert 'put it under `if __name__ == "__main__":`' in refused.stderr
+    assert "died during start-up" not in refused.stderr
+    assert run(guarded).returncode == 0

@@ -217,3 +217,25 @@ def test_a_token_budget_the_user_did_not_set_holds_the_given_lengths():
     )
     with pytest.raises(ConfigError, match="1000 is below the longest sequence"):
         check_config(cfg)
+
+
+@pytest.mark.parametrize(
+    ("line", "script"),
+    [
+        ("rollout.backend=vllm", "scripts/setup_vllm_venv.sh (or make test-vllm)"),
+        ("actor_rollout_ref.rollout.name=vllm", "scripts/setup_vllm_venv.sh (or make test-vllm)"),
+        ("rollout.backend=sglang", "scripts/setup_sglang_venv.sh"),
+    ],
+)
+def test_an_engine_without_its_venv_is_one_line_before_the_run(
+    tmp_path, monkeypatch, capsys, line, script
+):
+    from polyrl.cli import main
+
+    for name in ("POLYRL_VLLM_VENV", "POLYRL_SGLANG_VENV"):
+        monkeypatch.setenv(name, str(tmp_path / "missing-venv"))
+    out = str(tmp_path / "run")
+    assert main(["train", "grpo", line, "trainer.device=cpu", f"trainer.output_dir={out}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "rollout.backend: is " in err and script in err, err
+    assert not (tmp_path / "run").exists()  # refused before anything started

@@ -145,7 +145,8 @@ def fit_prompt(
     if truncation == "error":
         raise PromptTooLongError(
             f"{what}: prompt is {len(ids)} tokens, longer than max_prompt_length="
-            f"{max_prompt_length}; raise the limit or pick truncation='filter'/'left'/'right'"
+            f"{max_prompt_length}; raise data.max_prompt_length or set data.truncation to filter, "
+            "left or right"
         )
     if truncation == "filter":
         return None

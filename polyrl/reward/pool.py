@@ -21,15 +21,18 @@ per item, in the chunk's order.
 
 from __future__ import annotations
 
+import ast
 import collections
 import math
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 import weakref
 from collections.abc import Mapping, Sequence
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any
 
 from polyrl.reward._worker import Item, Outcome, Payload, worker_main
@@ -108,6 +111,44 @@ class _Progress:
         self.finished = 0
 
 
+def _unguarded_main_line() -> int | None:
+    """Return the running line of the ``__main__`` script if it is outside a main guard.
+
+    The guard is an ``if __name__ == "__main__":`` block; ``None`` when the line is inside
+    one, or when the pool is not being made from the script's top level.
+
+    ``spawn`` and ``forkserver`` start each worker by importing the parent's ``__main__``
+    script again; a script that trains at its top level would train again in every worker,
+    whose start then fails. ``None`` too when ``__main__`` is no file (an interactive session,
+    ``python -c``) or its source cannot be read: then nothing is re-imported, or nothing is
+    known.
+    """
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not path or main.__name__ != "__main__":
+        return None  # no script, or already the re-imported copy in a worker (``__mp_main__``)
+    frame = sys._getframe(1)
+    while frame is not None and not (
+        frame.f_code.co_name == "<module>" and frame.f_globals is vars(main)
+    ):
+        frame = frame.f_back
+    if frame is None:
+        return None  # called from a function the script defines, not from its top level
+    line = frame.f_lineno
+    try:
+        tree = ast.parse(Path(path).read_text(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.If)
+            and any(isinstance(n, ast.Name) and n.id == "__name__" for n in ast.walk(node.test))
+            and node.lineno <= line <= (node.end_lineno or node.lineno)
+        ):
+            return None
+    return line
+
+
 class ScoringPool:
     """Worker processes that score items, each within ``timeout_s`` (see the module docstring).
 
@@ -120,6 +161,10 @@ class ScoringPool:
         startup_timeout_s: Longest a new worker may take to start before :meth:`run` raises.
         mp_context: How worker processes are started: ``"spawn"`` or ``"forkserver"``.
         chunk_size: Items sent to a worker at a time (default: adaptive, at most 32).
+
+    Raises:
+        RuntimeError: when called from the top level of a ``__main__`` script outside an ``if
+            __name__ == "__main__":`` block (each worker would run the script again).
 
     One :meth:`run` at a time: callers that share a pool between threads serialise their
     calls. Call :meth:`close` to stop the workers (they are also stopped when the pool is
@@ -139,6 +184,14 @@ class ScoringPool:
     ):
         if num_workers < 1:
             raise ValueError(f"a ScoringPool needs at least one worker, got {num_workers}")
+        line = _unguarded_main_line()
+        if line is not None:
+            raise RuntimeError(
+                f"{sys.modules['__main__'].__file__}:{line} starts training at the script's "
+                'top level: put it under `if __name__ == "__main__":` (reward worker processes '
+                f"are started with {mp_context!r}, which imports the script again in each "
+                "worker), or set reward.num_workers=0 to score in this process"
+            )
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self.startup_timeout_s = startup_timeout_s

@@ -15,7 +15,7 @@ from polyrl.config.schema import validate_tree
 from polyrl.trainer.common import check_devices
 from polyrl.trainer.rl.settings import RunSettings, settings_for
 
-__all__ = ["check_config", "check_mode"]
+__all__ = ["check_config", "check_engine_installed", "check_mode"]
 
 
 def check_mode(cfg: PolyRLConfig, settings: RunSettings | None = None) -> None:
@@ -58,6 +58,31 @@ def check_mode(cfg: PolyRLConfig, settings: RunSettings | None = None) -> None:
             raise ConfigError(f"trainer.mode={mode}: {why}", key=key)
 
 
+def check_engine_installed(backend: str) -> None:
+    """Refuse ``rollout.backend=vllm|sglang`` when its virtual environment is missing.
+
+    Both engines run from a venv of their own (found the way their backends find it); without
+    this check the run would build its workers first and end in the engine server's remote
+    traceback.
+    """
+    if backend == "vllm":
+        from polyrl.rollout.vllm_backend import default_vllm_venv, vllm_available
+
+        venv, found, setup = default_vllm_venv(), vllm_available, " (or make test-vllm)"
+    elif backend == "sglang":
+        from polyrl.rollout.sglang_backend import default_sglang_venv, sglang_available
+
+        venv, found, setup = default_sglang_venv(), sglang_available, ""
+    else:
+        return
+    if not found(venv):
+        raise ConfigError(
+            f"is {backend}, but {venv} holds no {backend} installation; create it with "
+            f"scripts/setup_{backend}_venv.sh{setup}, or use rollout.backend=native",
+            key="rollout.backend",
+        )
+
+
 def check_config(
     cfg: PolyRLConfig,
     has_rows: bool = False,
@@ -74,6 +99,7 @@ def check_config(
     validate_tree(cfg)  # cross-field checks, also after options were assigned one by one
     check_devices(cfg, ("trainer.device", "rollout.device"))
     check_trackers(cfg.trainer.loggers)
+    check_engine_installed(cfg.rollout.backend)
     algo, actor = cfg.algorithm, cfg.actor
     if not has_rows and not cfg.data.task and not cfg.data.train_files:
         raise ConfigError(
