@@ -223,10 +223,10 @@ def test_a_typo_of_a_verl_key_names_the_key(typo, meant):
 
 
 def test_no_suggestion_names_an_option_of_another_meaning():
-    # Another word is another meaning: a generation batch is not the training batch, verl's
-    # micro-batch is not its mini-batch, the low clip is not the high one.
+    # Another word is another meaning: a generation batch is not the training batch (verl's
+    # data.gen_batch_size maps onto DAPO's rounds), verl's micro-batch is not its mini-batch,
+    # the low clip is not the high one.
     for bad in (
-        "data.gen_batch_size=3",
         "critic.model.tokenizer_path=x",
         "actor_rollout_ref.actor.ppo_micro_batch=2",
         "actor_rollout_ref.actor.clip_ratio_mid=0.2",
@@ -426,6 +426,7 @@ def test_apply_chat_template_kwargs_map_and_reach_the_dataset(tiny_qwen2_tokeniz
 
 # ------------------------------------------------------------------ verl's DAPO keys
 _DAPO_KEYS = [
+    "actor_rollout_ref.rollout.n=4",  # verl's default is 1: no group could vary
     "data.train_batch_size=2",
     "data.gen_batch_size=3",
     "algorithm.filter_groups.enable=True",
@@ -517,7 +518,7 @@ def test_gen_batch_rounds_that_cannot_fill_the_batch_are_refused():
 
     cfg = load_config("dapo", [*_DAPO_KEYS, "data.train_batch_size=16", "data.gen_batch_size=2"])
     with pytest.raises(ConfigError, match="algorithm.gen_batch_size"):
-        check_config(cfg)
+        check_config(cfg, has_rows=True, has_model=True)
 
 
 # ------------------------------------------------------------------- verl's launch lines
