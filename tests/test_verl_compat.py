@@ -1025,3 +1025,11 @@ def test_hydra_flow_mappings_read_for_every_mapping_option():
     # Hydra's {name:value} (no space) on any mapping option, not only the verl key.
     cfg = load_config("demo", ["data.task_options={max_digits:3,ops:'*'}"])
     assert cfg.data.task_options == {"max_digits": 3, "ops": "*"}
+
+
+def test_the_readme_counts_the_verl_keys_read():
+    import re
+
+    text = (REPO / "README.md").read_text()
+    count = re.search(r"the (\d+) keys read", text)
+    assert count and int(count.group(1)) == len(verl_compat.VERL_KEYS), "update README's count"
