@@ -131,8 +131,10 @@ def answers_at_once(tiny_qwen2_dir, tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_the_quickstarts_own_data_lines_train_on_gsm8k_shaped_data(
-    tmp_path, monkeypatch, capsys, answers_at_once
+    tmp_path, monkeypatch, capsys, answers_at_once, ray_session
 ):
+    # Ray started first, in another working directory than the run's: the engine actors then
+    # write the export under the run's output directory only if the driver made it absolute.
     from polyrl.cli import main
     from polyrl.data import preprocess_gsm8k
     from polyrl.data.io import read_rows, write_rows

@@ -336,7 +336,7 @@ def run_preference(
     trainer, data, opts = cfg.trainer, cfg.data, getattr(cfg, kind)
     max_length = opts.max_length or data.max_prompt_length + data.max_response_length
     _check_config(cfg, kind, max_length, train_rows is not None)
-    out_dir = Path(trainer.output_dir)
+    out_dir = Path(trainer.output_dir).absolute()  # workers may run in another cwd (Ray)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_run_config(cfg, with_training_autos(cfg), out_dir / f"{kind}_config.yaml")
 

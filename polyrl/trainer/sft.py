@@ -321,7 +321,7 @@ def run_sft(cfg: PolyRLConfig) -> dict[str, Any]:
     trainer, sft, data = cfg.trainer, cfg.sft, cfg.data
     max_length = sft.max_length or data.max_prompt_length + data.max_response_length
     _check_config(cfg, max_length)
-    out_dir = Path(trainer.output_dir)
+    out_dir = Path(trainer.output_dir).absolute()  # workers may run in another cwd (Ray)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_run_config(cfg, with_training_autos(cfg), out_dir / "sft_config.yaml")
 

@@ -154,7 +154,9 @@ class RLTrainer:
         self._train_rows = train_rows
         self._val_rows = val_rows
         self._model_dir = Path(model_dir) if model_dir is not None else None
-        self.out_dir = Path(cfg.trainer.output_dir)
+        # Absolute: the engine workers (Ray actors, another cwd) write exports and checkpoints
+        # under it, and a relative path would land in their working directory.
+        self.out_dir = Path(cfg.trainer.output_dir).absolute()
         self._closers: list[Callable[[], None]] = []
         self._groups: list[Any] = []
         self.servers: RolloutServers | None = None
