@@ -18,6 +18,7 @@ scraped gauges :meth:`~SubprocessBackend.stats` reports.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import dataclasses
@@ -284,7 +285,7 @@ class ServerOptions:
             raise self._bad(name, expected)
 
 
-class StreamJob:
+class StreamJob(abc.ABC):
     """One request in flight at a server: the server-independent half.
 
     A backend's job class adds ``samples`` (objects with a ``finished`` flag), ``start()``
@@ -311,13 +312,13 @@ class StreamJob:
         """How many samples have not finished."""
         return sum(not s.finished for s in self.samples)
 
+    @abc.abstractmethod
     def start(self) -> None:
         """Start the task(s) that send the request and stream its answer."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     async def cancel(self) -> None:
         """Abort: end the unfinished samples with ``abort``."""
-        raise NotImplementedError
 
     async def _admit(self) -> httpx.AsyncClient:
         """Wait out a pause, then return the client; the first call counts the prompt."""
@@ -389,7 +390,7 @@ class StreamJob:
         )
 
 
-class SubprocessBackend:
+class SubprocessBackend(abc.ABC):
     """A rollout backend whose engine is an inference server running as a child process.
 
     Implements the :class:`~polyrl.core.rollout_api.RolloutBackend` methods that do not
@@ -465,54 +466,55 @@ class SubprocessBackend:
 
     # ------------------------------------------------------------------------------ hooks
 
+    @abc.abstractmethod
     def _find_venv(self) -> Path:
         """Return the server's virtual environment (its ``bin/python`` runs the launch stub)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def command(self, port: int) -> list[str]:
         """Return the server's command line for ``port``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _launch_environment(self, tmp_dir: str) -> dict[str, str]:
         """Return the launched server's environment (``tmp_dir``: this launch's own folder)."""
-        raise NotImplementedError
 
-    def _check_loadable(self) -> None:
+    def _check_loadable(self) -> None:  # noqa: B027 - optional hook
         """Raise when the server cannot be launched (no install, a model it cannot run)."""
 
-    def _prepare(self, tmp_dir: str) -> None:
+    def _prepare(self, tmp_dir: str) -> None:  # noqa: B027 - optional hook
         """Put what the server needs into ``tmp_dir`` before it is launched."""
 
-    def _tidy_kept(self, tmp_dir: str) -> None:
+    def _tidy_kept(self, tmp_dir: str) -> None:  # noqa: B027 - optional hook
         """Remove what :meth:`_prepare` wrote from a ``tmp_dir`` kept for its log."""
 
     async def _connect(self, started: float) -> None:
         """Make the server answer ``/health`` behind ``self._client``: launch it by default."""
         await self._launch(started)
 
+    @abc.abstractmethod
     async def _model_info(self) -> ModelInfo:
         """Return the served model's info, once the server is up."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _warmup_request(self) -> tuple[str, dict[str, Any]]:
         """Return the path and JSON body of a tiny generation request."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _new_job(self, request: GenerateRequest, max_new: int, stream: bool) -> StreamJob:
-        raise NotImplementedError
+        """Return the backend's job for ``request`` (not started yet)."""
 
     def _validate(self, request: GenerateRequest) -> int:
         """Check ``request`` against the model; return its most new tokens."""
         info = self.info
         return check_request_fits(request, info.vocab_size, info.max_model_len)
 
-    def _check_answer(self, path: str, answer: Any) -> None:
+    def _check_answer(self, path: str, answer: Any) -> None:  # noqa: B027 - optional hook
         """Raise for a 200 answer of a control call that still says it failed."""
 
-    async def _pause_engine(self) -> None:
+    async def _pause_engine(self) -> None:  # noqa: B027 - optional hook
         """Freeze the server's in-flight requests (the gate already holds new ones)."""
 
-    async def _resume_engine(self) -> None:
+    async def _resume_engine(self) -> None:  # noqa: B027 - optional hook
         """Undo :meth:`_pause_engine`."""
 
     @property
@@ -520,9 +522,9 @@ class SubprocessBackend:
         """Whether the server serves ``/metrics``."""
         return True
 
+    @abc.abstractmethod
     def _read_metrics(self, text: str) -> dict[str, Any]:
         """Pick the gauges :meth:`stats` reports out of the server's Prometheus text."""
-        raise NotImplementedError
 
     def _engine_stats(self) -> dict[str, Any]:
         """Return the :class:`BackendStats` fields read from the last scrape (KV cache, ...)."""
