@@ -13,6 +13,7 @@ Nothing here initialises CUDA at import; the functions that need a GPU say so.
 from __future__ import annotations
 
 import base64
+import functools
 import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -59,9 +60,15 @@ def process_group_backend(device: str | torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
-def cuda_uuids() -> list[str]:
-    """Return the UUID of each GPU this process sees, in its own index order."""
-    return [str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())]
+@functools.cache
+def cuda_uuids() -> tuple[str, ...]:
+    """Return the UUID of each GPU this process sees, in its own index order.
+
+    Cached: a process's visible GPUs do not change, and every CUDA IPC bucket asks.
+    """
+    return tuple(
+        str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count())
+    )
 
 
 def local_cuda_index(uuid: str | None, uuids: Sequence[str], fallback: int) -> int:
@@ -118,7 +125,7 @@ def open_cuda_tensor(handle: str, device_uuid: str | None = None) -> torch.Tenso
     """
     rebuild, args = pickle.loads(base64.b64decode(handle))  # noqa: S301 - trusted senders only
     index = local_cuda_index(
-        device_uuid, cuda_uuids() if device_uuid else [], args[_IPC_DEVICE_ARG]
+        device_uuid, cuda_uuids() if device_uuid else (), args[_IPC_DEVICE_ARG]
     )
     return rebuild(*remap_ipc_device(args, index))
 

@@ -538,16 +538,16 @@ def register_weight_routes(
         loop_holder["loop"] = asyncio.get_running_loop()
         try:
             body = await body_of(request)
+            direct = _direct_of(body)
             version = await asyncio.to_thread(
                 receiver.commit,
                 str(_required(body, "transfer_id")),
                 int(body.get("version", -1)),
                 None if body.get("buckets") is None else int(body["buckets"]),
-                _direct_of(body),
+                direct,
             )
         except Exception as exc:  # noqa: BLE001 - engine validation errors name the tensors
             return fail(exc)
-        direct = _direct_of(body)
         if direct:
             # Written by the sender straight into this replica's shared arena: no buckets.
             received["shm_direct"] = received.get("shm_direct", 0) + len(direct)
