@@ -71,6 +71,22 @@ def tiny_qwen2_seed1_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_vl_dir(tmp_path_factory):
+    """A nano qwen2_vl tiny vision-language model (seed 0), built once per session; read-only."""
+    from polyrl.models.tiny import build_tiny_model
+
+    return build_tiny_model("qwen2_vl", tmp_path_factory.mktemp("tiny") / "qwen2-vl-nano")
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_processor(tiny_vl_dir):
+    """The :class:`~polyrl.models.processor.VisionProcessor` of ``tiny_vl_dir``."""
+    from polyrl.models.processor import load_vision_processor
+
+    return load_vision_processor(tiny_vl_dir)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_tokenizer(tiny_qwen2_dir):
     """The tokenizer of ``tiny_qwen2_dir``."""
     from polyrl.models.loader import load_tokenizer

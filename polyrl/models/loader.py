@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -158,7 +159,12 @@ def load_causal_lm(
             f"model directory {str(directory)!r} lacks {' and '.join(missing)}; expected a "
             "Hugging Face causal-LM directory as written by save_pretrained"
         )
-    model = AutoModelForCausalLM.from_pretrained(
+    # A vision-language model (its config has a vision tower) loads with the image-text class;
+    # it is still a causal LM over its tokens, with images placed at their placeholder tokens.
+    from polyrl.models.processor import is_vision_model
+
+    auto = AutoModelForImageTextToText if is_vision_model(directory) else AutoModelForCausalLM
+    model = auto.from_pretrained(
         str(directory),
         dtype=torch_dtype,
         local_files_only=True,

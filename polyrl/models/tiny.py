@@ -29,6 +29,7 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     GenerationConfig,
     PretrainedConfig,
     PreTrainedModel,
@@ -39,8 +40,13 @@ from polyrl.models.tokenizer import (
     BOS_TOKEN,
     EOS_TOKEN,
     GENERIC_TOKENIZER_CLASS,
+    IMAGE_PAD_TOKEN,
     PAD_TOKEN,
     TOKENIZER_VOCAB_SIZE,
+    VIDEO_PAD_TOKEN,
+    VISION_END_TOKEN,
+    VISION_START_TOKEN,
+    VISION_TOKENS,
     build_tokenizer,
     save_tokenizer,
     tokenizer_recipe_hash,
@@ -50,6 +56,7 @@ __all__ = [
     "SPEC_FILE",
     "TINY_ARCHS",
     "TINY_SIZES",
+    "VISION_ARCHS",
     "build_tiny_model",
     "count_parameters",
     "main",
@@ -58,7 +65,10 @@ __all__ = [
     "tiny_tokenizer",
 ]
 
-TINY_ARCHS: tuple[str, ...] = ("qwen2", "llama", "qwen3", "qwen3_moe")
+TINY_ARCHS: tuple[str, ...] = ("qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_vl")
+
+#: Architectures with a vision tower (built with the vision tokens and an image processor).
+VISION_ARCHS: tuple[str, ...] = ("qwen2_vl",)
 
 #: Size presets. Parameter counts (tied embeddings, 1024-token vocabulary, all experts counted):
 #: nano ~0.31M, micro ~2.56M, small ~97.5M for every architecture.
@@ -85,8 +95,15 @@ _DEFAULTS: dict[str, Any] = {
     "experts": 4,
     "experts_per_tok": 2,
     "moe_intermediate": None,
+    "vision_depth": 2,
+    "vision_dim": 64,
+    "vision_heads": 4,
+    "patch_size": 14,
+    "image_size": 56,
 }
 _MOE_KEYS = ("experts", "experts_per_tok", "moe_intermediate")
+#: The vision tower's keys (qwen2_vl only); images are resized to about image_size**2 pixels.
+_VISION_KEYS = ("vision_depth", "vision_dim", "vision_heads", "patch_size", "image_size")
 _INT_KEYS = (
     "hidden",
     "layers",
@@ -99,6 +116,7 @@ _INT_KEYS = (
     "experts",
     "experts_per_tok",
     "moe_intermediate",
+    *_VISION_KEYS,
 )
 OVERRIDE_KEYS: tuple[str, ...] = (*TINY_SIZES["nano"].keys(), *_DEFAULTS.keys())
 
@@ -135,6 +153,12 @@ def resolve_tiny_spec(
         moe_given = sorted(k for k in _MOE_KEYS if k in given)
         if moe_given:
             raise ValueError(f"{moe_given} only apply to arch 'qwen3_moe', not {arch!r}")
+    if arch not in VISION_ARCHS:
+        vision_given = sorted(k for k in _VISION_KEYS if k in given)
+        if vision_given:
+            raise ValueError(
+                f"{vision_given} only apply to vision archs {VISION_ARCHS}, not {arch!r}"
+            )
 
     dims: dict[str, Any] = {**TINY_SIZES[size], **_DEFAULTS, **given}
     for key in _INT_KEYS:
@@ -180,6 +204,23 @@ def resolve_tiny_spec(
     else:
         for key in _MOE_KEYS:
             dims.pop(key)
+    if arch in VISION_ARCHS:
+        if dims["vision_dim"] % dims["vision_heads"]:
+            raise ValueError(
+                f"vision_dim ({dims['vision_dim']}) must be divisible by vision_heads "
+                f"({dims['vision_heads']})"
+            )
+        if (dims["head_dim"] // 2) < 3:
+            raise ValueError(f"head_dim must be >= 6 for M-RoPE, got {dims['head_dim']}")
+        # Qwen2-VL merges 2x2 patches: an image side must span an even number of patches.
+        if dims["image_size"] % (2 * dims["patch_size"]):
+            raise ValueError(
+                f"image_size ({dims['image_size']}) must be a multiple of 2 * patch_size "
+                f"({2 * dims['patch_size']})"
+            )
+    else:
+        for key in _VISION_KEYS:
+            dims.pop(key)
 
     return {
         "format": _SPEC_FORMAT,
@@ -198,6 +239,7 @@ def tiny_tokenizer(spec: dict[str, Any]) -> PreTrainedTokenizerFast:
         vocab_size=TOKENIZER_VOCAB_SIZE,
         reserved_tokens=dims["vocab_extra"],
         model_max_length=dims["max_position"],
+        vision=spec["arch"] in VISION_ARCHS,
     )
 
 
@@ -227,6 +269,8 @@ def tiny_config(spec: dict[str, Any], tokenizer: PreTrainedTokenizerFast) -> Pre
         "tokenizer_class": GENERIC_TOKENIZER_CLASS,
         **ids,
     }
+    if arch == "qwen2_vl":
+        return _qwen2_vl_config(dims, kwargs, tokenizer)
     if arch != "qwen2":
         kwargs["head_dim"] = dims["head_dim"]
     if arch == "qwen3_moe":
@@ -239,6 +283,70 @@ def tiny_config(spec: dict[str, Any], tokenizer: PreTrainedTokenizerFast) -> Pre
             mlp_only_layers=[],
         )
     return AutoConfig.for_model(arch, **kwargs)
+
+
+def _mrope_section(head_dim: int) -> list[int]:
+    # Rotary frequencies split over (temporal, height, width); Qwen2-VL's 7B uses 16/24/24
+    # of 64, i.e. a quarter to time and the rest shared by the two spatial axes.
+    half = head_dim // 2
+    temporal = max(1, half // 4)
+    height = (half - temporal) // 2
+    return [temporal, height, half - temporal - height]
+
+
+def _qwen2_vl_config(
+    dims: dict[str, Any], text: dict[str, Any], tokenizer: PreTrainedTokenizerFast
+) -> PretrainedConfig:
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    text = {
+        **text,
+        "head_dim": dims["head_dim"],
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": _mrope_section(dims["head_dim"]),
+        },
+    }
+    vision = {
+        "depth": dims["vision_depth"],
+        "embed_dim": dims["vision_dim"],
+        "num_heads": dims["vision_heads"],
+        # The merger's output width: what the language model receives per image token.
+        "hidden_size": dims["hidden"],
+        "mlp_ratio": 2,
+        "patch_size": dims["patch_size"],
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "in_channels": 3,
+        "initializer_range": 0.02,
+    }
+    return AutoConfig.for_model(
+        "qwen2_vl",
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids[IMAGE_PAD_TOKEN],
+        video_token_id=ids[VIDEO_PAD_TOKEN],
+        vision_start_token_id=ids[VISION_START_TOKEN],
+        vision_end_token_id=ids[VISION_END_TOKEN],
+        tie_word_embeddings=dims["tie_embeddings"],
+        bos_token_id=text["bos_token_id"],
+        eos_token_id=text["eos_token_id"],
+        pad_token_id=text["pad_token_id"],
+        tokenizer_class=GENERIC_TOKENIZER_CLASS,
+        dtype="float32",
+    )
+
+
+def tiny_image_processor(spec: dict[str, Any]) -> Any:
+    """Build the image processor of a vision spec: every image resized to about image_size**2."""
+    from polyrl.models.processor import qwen2_vl_image_processor
+
+    dims = spec["dims"]
+    return qwen2_vl_image_processor(
+        patch_size=dims["patch_size"],
+        min_pixels=dims["image_size"] ** 2,
+        max_pixels=dims["image_size"] ** 2,
+    )
 
 
 def count_parameters(model: torch.nn.Module) -> int:
@@ -277,6 +385,8 @@ def _spec_diff(found: dict[str, Any], wanted: dict[str, Any]) -> str:
 
 def _is_complete(directory: Path) -> bool:
     names = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+    if _read_spec(directory) and (_read_spec(directory) or {}).get("arch") in VISION_ARCHS:
+        names = (*names, "preprocessor_config.json")
     has_weights = any(directory.glob("*.safetensors"))
     return has_weights and all((directory / n).is_file() for n in names)
 
@@ -293,7 +403,8 @@ def _write_model(spec: dict[str, Any], target: Path) -> int:
     # the lock stops two threads of one process from interleaving draws from that global RNG.
     with _INIT_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec["seed"])
-        model: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        auto = AutoModelForImageTextToText if spec["arch"] in VISION_ARCHS else AutoModelForCausalLM
+        model: PreTrainedModel = auto.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
@@ -302,6 +413,8 @@ def _write_model(spec: dict[str, Any], target: Path) -> int:
     num_params = count_parameters(model)
     model.save_pretrained(str(target))
     save_tokenizer(tokenizer, target)
+    if spec["arch"] in VISION_ARCHS:
+        tiny_image_processor(spec).save_pretrained(str(target))
     record = {**spec, "num_parameters": num_params}
     # Written last: its presence marks a complete directory.
     (target / SPEC_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
@@ -401,6 +514,11 @@ def _parser() -> argparse.ArgumentParser:
         ("--experts", "qwen3_moe: number of experts"),
         ("--experts-per-tok", "qwen3_moe: experts routed per token"),
         ("--moe-intermediate", "qwen3_moe: MLP width of one expert"),
+        ("--vision-depth", "qwen2_vl: vision transformer blocks"),
+        ("--vision-dim", "qwen2_vl: vision transformer width"),
+        ("--vision-heads", "qwen2_vl: vision attention heads"),
+        ("--patch-size", "qwen2_vl: patch side in pixels"),
+        ("--image-size", "qwen2_vl: side of the square images are resized to"),
     ):
         p.add_argument(flag, type=int, default=None, help=help_text)
     p.add_argument(

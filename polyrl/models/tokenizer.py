@@ -44,6 +44,8 @@ from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 __all__ = [
     "BOS_TOKEN",
     "CHAT_TEMPLATE",
+    "VISION_TOKENS",
+    "VLM_CHAT_TEMPLATE",
     "ENDOFTEXT_TOKEN",
     "EOS_TOKEN",
     "GENERIC_TOKENIZER_CLASS",
@@ -57,6 +59,19 @@ __all__ = [
     "tokenizer_recipe_hash",
     "train_backend_tokenizer",
 ]
+
+#: Qwen2-VL's vision tokens: an image or video sits between start and end as one pad token,
+#: which the processor repeats once per merged patch.
+VISION_START_TOKEN = "<|vision_start|>"
+VISION_END_TOKEN = "<|vision_end|>"
+IMAGE_PAD_TOKEN = "<|image_pad|>"
+VIDEO_PAD_TOKEN = "<|video_pad|>"
+VISION_TOKENS: tuple[str, ...] = (
+    VISION_START_TOKEN,
+    VISION_END_TOKEN,
+    IMAGE_PAD_TOKEN,
+    VIDEO_PAD_TOKEN,
+)
 
 PAD_TOKEN = "<|pad|>"
 BOS_TOKEN = "<|bos|>"
@@ -319,6 +334,7 @@ def build_tokenizer(
     vocab_size: int = TOKENIZER_VOCAB_SIZE,
     reserved_tokens: int = 0,
     model_max_length: int = 8192,
+    vision: bool = False,
 ) -> PreTrainedTokenizerFast:
     """Build the tiny-model tokenizer as a Hugging Face fast tokenizer with the chat template.
 
@@ -327,6 +343,9 @@ def build_tokenizer(
         reserved_tokens: extra special tokens ``<|reserved_0|>``... appended after the trained
             vocabulary, e.g. to give the model spare embedding rows that still decode.
         model_max_length: the longest sequence the tokenizer reports as supported.
+        vision: add the Qwen2-VL vision tokens (:data:`VISION_TOKENS`, after the reserved ones)
+            and use :data:`VLM_CHAT_TEMPLATE`, which renders ``{"type": "image"}`` and
+            ``{"type": "video"}`` content parts as one placeholder each.
 
     Returns:
         A tokenizer with ``padding_side="right"``, bos/eos/pad set and ``chat_template`` filled.
@@ -335,10 +354,9 @@ def build_tokenizer(
         raise ValueError(f"reserved_tokens must be an int >= 0, got {reserved_tokens!r}")
     backend = train_backend_tokenizer(vocab_size)
     reserved = [f"<|reserved_{i}|>" for i in range(reserved_tokens)]
-    if reserved:
-        backend.add_special_tokens(
-            [AddedToken(t, special=True, normalized=False) for t in reserved]
-        )
+    added = [*reserved, *(VISION_TOKENS if vision else ())]
+    if added:
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in added])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token=BOS_TOKEN,
@@ -348,7 +366,7 @@ def build_tokenizer(
         # here keeps the special-token map identical for every architecture. Byte-level BPE
         # never emits unk.
         unk_token=ENDOFTEXT_TOKEN,
-        extra_special_tokens=[IM_START_TOKEN, *reserved],
+        extra_special_tokens=[IM_START_TOKEN, *added],
         # Saved explicitly so it survives reload; trainers switch to left padding for prompts.
         padding_side="right",
         clean_up_tokenization_spaces=False,
@@ -356,7 +374,7 @@ def build_tokenizer(
         add_eos_token=False,
         model_max_length=model_max_length,
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = VLM_CHAT_TEMPLATE if vision else CHAT_TEMPLATE
     return tokenizer
 
 
@@ -470,3 +488,20 @@ CHAT_TEMPLATE = r"""
     {{- '<|im_start|>assistant\n' -}}
 {%- endif -%}
 """.strip()
+
+
+# The text template plus image and video parts (Qwen2-VL's layout): each part becomes
+# <|vision_start|><|image_pad|><|vision_end|>, and the processor expands the pad token.
+VLM_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    """            {%- elif part.type == 'text' -%}
+                {{- part.text -}}
+            {%- else -%}""",
+    """            {%- elif part.type == 'text' -%}
+                {{- part.text -}}
+            {%- elif part.type == 'image' or part.type == 'image_url' -%}
+                {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
+            {%- elif part.type == 'video' -%}
+                {{- '<|vision_start|><|video_pad|><|vision_end|>' -}}
+            {%- else -%}""",
+)
+assert VLM_CHAT_TEMPLATE != CHAT_TEMPLATE

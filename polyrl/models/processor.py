@@ -1,0 +1,366 @@
+"""A vision-language model's processor: images and videos in, token ids and pixel tensors out.
+
+:class:`VisionProcessor` is what polyrl uses where a text model uses its tokenizer. It holds the
+tokenizer and the model's image processor (``AutoImageProcessor``: the fast one when
+torchvision is installed, the Pillow one otherwise) and does the model-family part itself:
+which token stands for an image, how many tokens an image fills, and how video frames become
+temporal patches. transformers' ``AutoProcessor`` for Qwen2-VL also needs a video processor,
+which needs torchvision; doing the expansion here keeps a CPU-only install working and gives
+the same ids and pixels (a test compares them with the stock processor where it loads).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from polyrl.core.multimodal import (
+    DEFAULT_LIMITS,
+    MediaLimits,
+    MultiModalInputError,
+    MultiModalInputs,
+    decode_image,
+    decode_video,
+    expand_placeholders,
+    image_digest,
+    mrope_positions,
+)
+
+__all__ = [
+    "VISION_FAMILIES",
+    "VisionProcessor",
+    "is_vision_model",
+    "load_vision_processor",
+    "qwen2_vl_image_processor",
+]
+
+#: Model types whose processing this module implements (Qwen2-VL's layout and M-RoPE).
+VISION_FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
+
+
+def _has_torchvision() -> bool:
+    return importlib.util.find_spec("torchvision") is not None
+
+
+def qwen2_vl_image_processor(
+    patch_size: int = 14, min_pixels: int | None = None, max_pixels: int | None = None, **kw: Any
+) -> Any:
+    """Qwen2-VL's image processor (the Pillow backend when torchvision is missing)."""
+    from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil
+
+    if _has_torchvision():
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import (
+            Qwen2VLImageProcessor as cls,
+        )
+    else:
+        cls = pil.Qwen2VLImageProcessorPil
+    args: dict[str, Any] = {"patch_size": patch_size, **kw}
+    if min_pixels is not None:
+        args["min_pixels"] = min_pixels
+    if max_pixels is not None:
+        args["max_pixels"] = max_pixels
+    return cls(**args)
+
+
+def _read_config(model_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def is_vision_model(model_dir: str | os.PathLike[str]) -> bool:
+    """Whether the HF model in ``model_dir`` has a vision tower (its config has one)."""
+    return "vision_config" in _read_config(Path(model_dir))
+
+
+class VisionProcessor:
+    """Tokenizer plus image processor of a Qwen2-VL-family model.
+
+    Args:
+        tokenizer: the model's tokenizer (with the vision tokens).
+        image_processor: the model's image processor.
+        config: the model's ``config.json`` as a dict.
+        min_pixels / max_pixels: bounds on an image's area after resizing (verl's
+            ``data.image_min_pixels`` / ``image_max_pixels``); ``None`` keeps the processor's.
+        limits: bounds on what is decoded at all.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        image_processor: Any,
+        config: Mapping[str, Any],
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        limits: MediaLimits = DEFAULT_LIMITS,
+    ):
+        model_type = config.get("model_type")
+        if model_type not in VISION_FAMILIES:
+            raise ValueError(
+                f"vision model type {model_type!r} is not supported; polyrl processes "
+                f"{', '.join(VISION_FAMILIES)}"
+            )
+        self.model_type = model_type
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.limits = limits
+        vision = config.get("vision_config") or {}
+        self.merge_size = int(vision.get("spatial_merge_size", 2))
+        self.temporal_patch_size = int(vision.get("temporal_patch_size", 2))
+        self.token_ids: dict[str, int] = {
+            "image": int(config["image_token_id"]),
+            "video": int(config["video_token_id"]),
+        }
+        size = dict(getattr(image_processor, "size", {}) or {})
+        self.min_pixels = int(min_pixels or size.get("shortest_edge") or 56 * 56)
+        self.max_pixels = int(max_pixels or size.get("longest_edge") or 28 * 28 * 1280)
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(
+                f"image_min_pixels ({self.min_pixels}) is larger than image_max_pixels "
+                f"({self.max_pixels})"
+            )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | os.PathLike[str],
+        tokenizer: Any = None,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        limits: MediaLimits = DEFAULT_LIMITS,
+    ) -> VisionProcessor:
+        """Load the processor of the model in ``model_dir`` (local files only)."""
+        directory = Path(model_dir)
+        config = _read_config(directory)
+        if tokenizer is None:
+            from polyrl.models.loader import load_tokenizer
+
+            tokenizer = load_tokenizer(directory)
+        if (directory / "preprocessor_config.json").is_file():
+            raw = json.loads((directory / "preprocessor_config.json").read_text("utf-8"))
+            keep = ("patch_size", "merge_size", "temporal_patch_size", "image_mean", "image_std")
+            kw = {k: raw[k] for k in keep if k in raw}
+            size = raw.get("size") or {}
+            image_processor = qwen2_vl_image_processor(
+                min_pixels=size.get("shortest_edge", raw.get("min_pixels")),
+                max_pixels=size.get("longest_edge", raw.get("max_pixels")),
+                **kw,
+            )
+        else:
+            image_processor = qwen2_vl_image_processor()
+        return cls(tokenizer, image_processor, config, min_pixels, max_pixels, limits)
+
+    # -------------------------------------------------------------------------- media
+
+    def _pixels(self, images: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.image_processor(
+            images=list(images),
+            size={"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels},
+            return_tensors="pt",
+        )
+        return out["pixel_values"].float(), out["image_grid_thw"].long()
+
+    def _video_pixels(self, frames: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        # Every frame goes through the image processor (same resize for all: the first frame's
+        # size), then consecutive frames are paired into temporal patches.
+        size = frames[0].size
+        frames = [f if f.size == size else f.resize(size) for f in frames]
+        if len(frames) % self.temporal_patch_size:
+            pad = self.temporal_patch_size - len(frames) % self.temporal_patch_size
+            frames = [*frames, *([frames[-1]] * pad)]
+        pixels, grids = self._pixels(frames)
+        _, gh, gw = grids[0].tolist()
+        n = gh * gw
+        tp = self.temporal_patch_size
+        channels = 3
+        patch = int(round((pixels.shape[1] / (channels * tp)) ** 0.5))
+        # (frames, n, C, T, p, p): the image processor repeated each frame T times.
+        framed = pixels.view(len(frames), n, channels, tp, patch, patch)[:, :, :, 0]
+        groups = framed.view(len(frames) // tp, tp, n, channels, patch, patch)
+        # -> (groups, n, C, T, p, p) flattened like the image layout.
+        video = groups.permute(0, 2, 3, 1, 4, 5).reshape(len(frames) // tp * n, -1)
+        grid = torch.tensor([[len(frames) // tp, gh, gw]], dtype=torch.long)
+        return video.contiguous(), grid
+
+    def process_media(
+        self,
+        images: Sequence[Any] = (),
+        videos: Sequence[Any] = (),
+        order: Sequence[str] | None = None,
+        what: str = "prompt",
+        allowed_dir: str | os.PathLike[str] | None = None,
+    ) -> MultiModalInputs | None:
+        """Decode and process a prompt's images and videos.
+
+        Args:
+            images: images in any form :func:`~polyrl.core.multimodal.decode_image` takes.
+            videos: videos as frame lists.
+            order: the kinds in prompt order (default: all images, then all videos).
+            what: how errors name the prompt.
+            allowed_dir: directory that image paths must lie in.
+
+        Returns:
+            The processed inputs, or ``None`` when there are no images and no videos.
+        """
+        images = list(images or ())
+        videos = list(videos or ())
+        if not images and not videos:
+            return None
+        if len(images) + len(videos) > self.limits.max_items:
+            raise MultiModalInputError(
+                f"{what}: {len(images) + len(videos)} images/videos, more than the limit of "
+                f"{self.limits.max_items}"
+            )
+        decoded = [
+            decode_image(im, what=f"{what}: image {i}", allowed_dir=allowed_dir, limits=self.limits)
+            for i, im in enumerate(images)
+        ]
+        clips = [
+            decode_video(v, what=f"{what}: video {i}", allowed_dir=allowed_dir, limits=self.limits)
+            for i, v in enumerate(videos)
+        ]
+        tensors: dict[str, torch.Tensor] = {}
+        counts: dict[str, list[int]] = {"image": [], "video": []}
+        digests: dict[str, list[str]] = {"image": [], "video": []}
+        unit = self.merge_size**2
+        if decoded:
+            pixels, grids = self._pixels(decoded)
+            tensors["pixel_values"] = pixels
+            tensors["image_grid_thw"] = grids
+            counts["image"] = [int(g.prod()) // unit for g in grids]
+            digests["image"] = [image_digest(im) for im in decoded]
+        if clips:
+            parts = [self._video_pixels(c) for c in clips]
+            tensors["pixel_values_videos"] = torch.cat([p for p, _ in parts])
+            tensors["video_grid_thw"] = torch.cat([g for _, g in parts])
+            counts["video"] = [int(g.prod()) // unit for _, g in parts]
+            digests["video"] = [
+                image_digest(c[0])[:16] + str(len(c)) + "".join(image_digest(f)[:4] for f in c)
+                for c in clips
+            ]
+        kinds = (
+            list(order) if order is not None else ["image"] * len(images) + ["video"] * len(videos)
+        )
+        if sorted(kinds) != sorted(["image"] * len(images) + ["video"] * len(videos)):
+            raise MultiModalInputError(f"{what}: the media order does not match the items given")
+        taken = {"image": 0, "video": 0}
+        flat_digests, flat_counts = [], []
+        for kind in kinds:
+            flat_digests.append(digests[kind][taken[kind]])
+            flat_counts.append(counts[kind][taken[kind]])
+            taken[kind] += 1
+        return MultiModalInputs(
+            tensors=tensors,
+            kinds=tuple(kinds),
+            digests=tuple(flat_digests),
+            token_counts=tuple(flat_counts),
+        )
+
+    # -------------------------------------------------------------------------- tokens
+
+    def media_order(self, ids: Sequence[int]) -> list[str]:
+        """Return the kinds of the placeholder runs in ``ids``, in order."""
+        by_id = {v: k for k, v in self.token_ids.items()}
+        kinds: list[str] = []
+        prev = None
+        for t in ids:
+            if t in by_id and t != prev:
+                kinds.append(by_id[t])
+            prev = t
+        return kinds
+
+    def expand(self, ids: Sequence[int], inputs: MultiModalInputs | None) -> list[int]:
+        """Expand the placeholders of ``ids`` for ``inputs`` (checks their number)."""
+        if inputs is None:
+            found = self.media_order(ids)
+            if found:
+                raise MultiModalInputError(
+                    f"the prompt has {len(found)} media placeholder(s) but no images or "
+                    "videos were given"
+                )
+            return list(ids)
+        return expand_placeholders(ids, self.token_ids, inputs)
+
+    def encode(
+        self,
+        ids: Sequence[int],
+        images: Sequence[Any] = (),
+        videos: Sequence[Any] = (),
+        what: str = "prompt",
+        allowed_dir: str | os.PathLike[str] | None = None,
+    ) -> tuple[list[int], MultiModalInputs | None]:
+        """Process the media of token ids with one placeholder (or a full run) per item."""
+        order = self.media_order(ids)
+        if (order.count("image"), order.count("video")) != (len(images), len(videos)):
+            raise MultiModalInputError(
+                f"{what}: {len(order)} media placeholder(s) ({order.count('image')} image, "
+                f"{order.count('video')} video) but {len(images)} image(s) and {len(videos)} "
+                "video(s) were given; put one placeholder per image or video"
+            )
+        inputs = (
+            self.process_media(
+                images,
+                videos,
+                order=order if images or videos else None,
+                what=what,
+                allowed_dir=allowed_dir,
+            )
+            if (images or videos)
+            else None
+        )
+        if inputs is None and not order:
+            return list(ids), None
+        if inputs is not None and list(inputs.kinds) != order:
+            raise MultiModalInputError(
+                f"{what}: the prompt has {order.count('image')} image and "
+                f"{order.count('video')} video placeholder(s) but {len(images)} image(s) and "
+                f"{len(videos)} video(s) were given"
+            )
+        return self.expand(ids, inputs), inputs
+
+    def encode_messages(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        images: Sequence[Any] = (),
+        videos: Sequence[Any] = (),
+        add_generation_prompt: bool = True,
+        what: str = "prompt",
+        **template_kwargs: Any,
+    ) -> tuple[list[int], MultiModalInputs | None]:
+        """Render chat messages (with image/video content parts) and process their media."""
+        ids = self.tokenizer.apply_chat_template(
+            list(messages),
+            tokenize=True,
+            add_generation_prompt=add_generation_prompt,
+            return_dict=False,
+            **template_kwargs,
+        )
+        if isinstance(ids, Mapping):
+            ids = ids["input_ids"]
+        return self.encode(list(ids), images, videos, what=what)
+
+    def positions(
+        self, ids: Sequence[int], inputs: MultiModalInputs | None
+    ) -> tuple[torch.Tensor, int]:
+        """Return the M-RoPE positions ``(3, len)`` and delta of one expanded sequence."""
+        return mrope_positions(ids, inputs, self.token_ids, self.merge_size)
+
+    def save_pretrained(self, out_dir: str | os.PathLike[str]) -> None:
+        """Write the image processor's and tokenizer's files (what ``from_pretrained`` reads)."""
+        self.image_processor.save_pretrained(str(out_dir))
+
+
+def load_vision_processor(
+    model_dir: str | os.PathLike[str], tokenizer: Any = None, **kw: Any
+) -> VisionProcessor | None:
+    """Load the model's :class:`VisionProcessor`, or ``None`` for a text-only model."""
+    if not is_vision_model(model_dir):
+        return None
+    return VisionProcessor.from_pretrained(model_dir, tokenizer=tokenizer, **kw)
