@@ -162,3 +162,21 @@ def test_tiny_vl_model_loads_with_the_auto_classes(tiny_vl_dir):
     tok = AutoTokenizer.from_pretrained(tiny_vl_dir)
     assert tok.convert_tokens_to_ids("<|image_pad|>") == model.config.image_token_id
     assert AutoImageProcessor.from_pretrained(tiny_vl_dir).patch_size == 14
+
+
+def test_sources_round_trip_through_the_media_payload(tiny_vl_processor):
+    import pickle
+
+    img = Image.new("RGB", (56, 56), (10, 200, 30))
+    ids, mm = tiny_vl_processor.encode(
+        [tiny_vl_processor.token_ids["image"], 5],
+        images=[{"bytes": _png(size=(56, 56), color=(10, 200, 30))}],
+    )
+    payload = mm.media_payload()
+    again = tiny_vl_processor.process_media(images=payload["images"])
+    assert again.digests == mm.digests
+    torch.testing.assert_close(again.tensors["pixel_values"], mm.tensors["pixel_values"])
+    assert image_digest(img) == mm.digests[0]
+    # n copies of one prompt's inputs pickle as one.
+    one = len(pickle.dumps([mm]))
+    assert len(pickle.dumps([mm] * 8)) < one + 100

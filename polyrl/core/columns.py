@@ -19,6 +19,7 @@ __all__ = [
     "IMPLICIT_REWARDS",
     "INPUT_IDS",
     "LOSS_MASK",
+    "MULTI_MODAL",
     "OLD_LOG_PROBS",
     "POSITION_IDS",
     "PROMPT_IDS",
@@ -49,6 +50,10 @@ POSITION_IDS = "position_ids"
 LOSS_MASK = "loss_mask"
 PROMPT_LENGTH = "prompt_length"
 RESPONSE_LENGTH = "response_length"
+#: An object column: each row's :class:`~polyrl.core.multimodal.MultiModalInputs` (or
+#: ``None`` for a text row). The ``n`` samples of a prompt hold the same object, so a pickled
+#: batch carries each prompt's pixels once.
+MULTI_MODAL = "multi_modal"
 #: The rollout server's per-token log-probs, aligned like the engines'.
 ROLLOUT_LOG_PROBS = "rollout_log_probs"
 

@@ -38,6 +38,7 @@ __all__ = [
     "MultiModalInputs",
     "decode_image",
     "decode_video",
+    "encode_png",
     "expand_placeholders",
     "image_digest",
     "mrope_positions",
@@ -257,6 +258,13 @@ def decode_video(
     ]
 
 
+def encode_png(img: Any) -> bytes:
+    """Return a decoded image as PNG bytes (lossless, so the receiver sees the same pixels)."""
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def image_digest(img: Any) -> str:
     """Return a content hash of a decoded image (mode, size and pixels), stable across processes."""
     h = hashlib.sha256()
@@ -275,17 +283,39 @@ class MultiModalInputs:
         kinds: ``"image"`` or ``"video"`` per item, in prompt order.
         digests: a content hash per item (see :func:`image_digest`), in prompt order.
         token_counts: how many placeholder tokens each item fills, in prompt order.
+        sources: the items themselves, encoded, in prompt order (an image: PNG bytes; a video:
+            a list of PNG bytes), so a rollout server (or vLLM) can be sent the media and
+            process them itself; empty when the inputs were built from tensors only.
     """
 
     tensors: dict[str, torch.Tensor]
     kinds: tuple[str, ...]
     digests: tuple[str, ...]
     token_counts: tuple[int, ...]
+    sources: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.kinds)
         if len(self.digests) != n or len(self.token_counts) != n:
             raise ValueError("kinds, digests and token_counts must have one entry per item")
+        if self.sources and len(self.sources) != n:
+            raise ValueError("sources must be empty or have one entry per item")
+
+    def media_payload(self) -> dict[str, list[Any]]:
+        """Return the sources as the rollout API's ``images`` / ``videos`` fields (base64).
+
+        Raises:
+            ValueError: the inputs carry no sources.
+        """
+        if not self.sources:
+            raise ValueError("these multi-modal inputs carry no sources to send")
+        out: dict[str, list[Any]] = {"images": [], "videos": []}
+        for kind, src in zip(self.kinds, self.sources, strict=True):
+            if kind == "image":
+                out["images"].append(base64.b64encode(src).decode())
+            else:
+                out["videos"].append([base64.b64encode(f).decode() for f in src])
+        return out
 
     def __len__(self) -> int:
         return len(self.kinds)
@@ -329,6 +359,9 @@ class MultiModalInputs:
             kinds=tuple(k for p in parts for k in p.kinds),
             digests=tuple(d for p in parts for d in p.digests),
             token_counts=tuple(c for p in parts for c in p.token_counts),
+            sources=tuple(s for p in parts for s in p.sources)
+            if all(p.sources for p in parts)
+            else (),
         )
 
 

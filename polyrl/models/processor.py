@@ -27,6 +27,7 @@ from polyrl.core.multimodal import (
     MultiModalInputs,
     decode_image,
     decode_video,
+    encode_png,
     expand_placeholders,
     image_digest,
     mrope_positions,
@@ -250,17 +251,23 @@ class VisionProcessor:
         )
         if sorted(kinds) != sorted(["image"] * len(images) + ["video"] * len(videos)):
             raise MultiModalInputError(f"{what}: the media order does not match the items given")
+        sources = {
+            "image": [encode_png(im) for im in decoded],
+            "video": [[encode_png(f) for f in c] for c in clips],
+        }
         taken = {"image": 0, "video": 0}
-        flat_digests, flat_counts = [], []
+        flat_digests, flat_counts, flat_sources = [], [], []
         for kind in kinds:
             flat_digests.append(digests[kind][taken[kind]])
             flat_counts.append(counts[kind][taken[kind]])
+            flat_sources.append(sources[kind][taken[kind]])
             taken[kind] += 1
         return MultiModalInputs(
             tensors=tensors,
             kinds=tuple(kinds),
             digests=tuple(flat_digests),
             token_counts=tuple(flat_counts),
+            sources=tuple(flat_sources),
         )
 
     # -------------------------------------------------------------------------- tokens
