@@ -18,7 +18,13 @@ from typing import Any
 import numpy as np
 
 from polyrl.core.batch import Batch
-from polyrl.core.columns import PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK, ROLLOUT_LOG_PROBS
+from polyrl.core.columns import (
+    MULTI_MODAL,
+    PROMPT_IDS,
+    RESPONSE_IDS,
+    RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+)
 from polyrl.core.rollout_batch import build_rollout_batch
 
 __all__ = ["RAGGED_FIELDS", "StepLayout", "StoreClient", "StoredRows"]
@@ -43,12 +49,15 @@ class StepLayout:
         width_response: the longest response of the step (responses are right-padded to it).
         pad_id: the padding token id.
         rollout_log_probs: whether the samples carry the servers' log-probs.
+        multi_modal: whether the samples carry media (the engines then fetch
+            :data:`~polyrl.core.columns.MULTI_MODAL` with the tokens).
     """
 
     width_prompt: int
     width_response: int
     pad_id: int
     rollout_log_probs: bool = True
+    multi_modal: bool = False
 
     def rebuild(self, rows: Batch) -> Batch:
         """Pack fetched rows into the engine batch the driver would have built for them.
@@ -78,6 +87,8 @@ class StepLayout:
         base = [PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK]
         if self.rollout_log_probs:
             base.append(ROLLOUT_LOG_PROBS)
+        if self.multi_modal:
+            base.append(MULTI_MODAL)
         return base + [f for f in extra if f not in base]
 
     def load(self, queue: Any, meta: Any, extra: Sequence[str] = ()) -> Batch:

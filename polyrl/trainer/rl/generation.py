@@ -645,6 +645,7 @@ class QueueRollout(SyncGeneration):
             int(summary.pop("width_response")),
             self.pad_id,
             bool(summary.pop("rollout_log_probs")),
+            bool(summary.pop("multi_modal", 0.0)),
         )
         summary.pop("rows")
         fields = (SCORE, ACC, UID) + ((BASELINE,) if cfg.algorithm.adv_estimator == "remax" else ())

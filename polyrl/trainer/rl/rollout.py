@@ -26,6 +26,7 @@ from polyrl.core.columns import (
     BASELINE,
     FINISH_REASON,
     INPUT_IDS,
+    MULTI_MODAL,
     PROMPT_LENGTH,
     RESPONSE_LENGTH,
     SCORE,
@@ -429,6 +430,9 @@ class RolloutProducer:
                 "extra_info": per_row([item.get("extra_info") or {} for item in items]),
             }
         )
+        if any(item.get(MULTI_MODAL) is not None for item in items):
+            # One object per prompt, shared by its n rows: a pickled batch holds it once.
+            batch.non_tensors[MULTI_MODAL] = per_row([item.get(MULTI_MODAL) for item in items])
         if self.rewards.wants_rows:
             # Batched reward functions get the dataset's columns (one dict per row, shared
             # by the row's n responses: they are read, not changed).
@@ -452,7 +456,11 @@ class RolloutProducer:
         """
         params = self.sampling_params(n, temperature, derive_seed(seed, index))
         prompt = item["input_ids"].tolist()
-        result = await self.client.generate(prompt, params)
+        # A vision prompt's media go with every request for it (the server caches their
+        # encodings by content, so the continuation below does not encode them again).
+        media = item.get(MULTI_MODAL)
+        extra = {"multi_modal": media} if media is not None else {}
+        result = await self.client.generate(prompt, params, **extra)
         if not self.resume_aborted:
             return result
         budget = params["max_new_tokens"]
@@ -462,7 +470,9 @@ class RolloutProducer:
                     break
                 more = dict(params, n=1, max_new_tokens=budget - len(out.output_ids))
                 more["seed"] = derive_seed(params["seed"], j, len(out.output_ids))
-                rest = (await self.client.generate(prompt + list(out.output_ids), more)).outputs[0]
+                rest = (
+                    await self.client.generate(prompt + list(out.output_ids), more, **extra)
+                ).outputs[0]
                 self.resumed_samples += 1
                 first = out.first_weight_version
                 out.output_ids = list(out.output_ids) + list(rest.output_ids)

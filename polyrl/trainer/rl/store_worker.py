@@ -44,6 +44,7 @@ from polyrl.core.columns import (
     BASELINE,
     INPUT_IDS,
     LOSS_MASK,
+    MULTI_MODAL,
     PROMPT_IDS,
     PROMPT_LENGTH,
     RESPONSE_IDS,
@@ -68,7 +69,7 @@ __all__ = [
 #: Per-sample fields the rollout workers put (ragged 1-D token tensors and scalars).
 ROLLOUT_FIELDS = (PROMPT_IDS, RESPONSE_IDS, RESPONSE_MASK, SCORE, ACC)
 #: Per-row objects kept next to the tokens (the advantage phase needs ``uid``).
-ROW_OBJECTS = (UID, "data_source", "ground_truth", "extra_info", "response_text")
+ROW_OBJECTS = (UID, "data_source", "ground_truth", "extra_info", "response_text", MULTI_MODAL)
 
 
 def sample_rows(batch: Batch) -> Batch:
@@ -221,6 +222,7 @@ class StoreRolloutWorker:
                 "width_response": float(batch[RESPONSE_LENGTH].max()),
                 "time_reward": reward_s,
                 "rollout_log_probs": float(ROLLOUT_LOG_PROBS in batch.tensor_keys),
+                "multi_modal": float(MULTI_MODAL in batch.non_tensors),
             }
         )
         return rows, summary
