@@ -282,3 +282,161 @@ def needs_vlm_server() -> Any:
     return pytest.mark.skipif(
         not ready, reason="waits on the rollout server/client taking images (multi_modal=)"
     )
+
+
+def data_url(img) -> str:
+    return "data:image/png;base64," + base64.b64encode(encode_png(img)).decode()
+
+
+def image_message(text: str, img) -> dict[str, Any]:
+    return {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": text},
+            {"type": "image_url", "image_url": {"url": data_url(img)}},
+        ],
+    }
+
+
+def test_proxy_records_image_url_parts_with_the_session(proc, tok):
+    from polyrl.agent.proxy import RecordingProxy
+
+    client = FakeVisionClient(tok, ["a red square", "now green"])
+    proxy = RecordingProxy(client, tok, processor=proc)
+    red, green = Image.new("RGB", (56, 56), (255, 0, 0)), Image.new("RGB", (112, 56), (0, 255, 0))
+    messages = [image_message("What is this?", red)]
+
+    async def go():
+        first, sid = await proxy.chat({"messages": messages, "max_tokens": 8}, "s1")
+        messages.append(first["choices"][0]["message"])
+        messages.append(image_message("And this?", green))
+        await proxy.chat({"messages": messages, "max_tokens": 8}, sid)
+
+    asyncio.run(go())
+    # Each request is what the processor renders for the conversation so far: the proxy's
+    # ids equal the server's own, image runs expanded.
+    template = [
+        {"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image"}]}
+    ]
+    want1, mm1 = proc.encode_messages(template, images=[red])
+    assert client.calls[0]["ids"] == want1
+    assert client.calls[0]["multi_modal"].digests == mm1.digests
+    template += [
+        {"role": "assistant", "content": "a red square"},
+        {"role": "user", "content": [{"type": "text", "text": "And this?"}, {"type": "image"}]},
+    ]
+    want2, mm2 = proc.encode_messages(template, images=[red, green])
+    assert client.calls[1]["ids"] == want2  # the recorded ids were extended, not re-rendered
+    assert client.calls[1]["multi_modal"].digests == mm2.digests  # the whole context's media
+
+    (traj,) = proxy.trajectories("s1")
+    assert traj.multi_modal.digests == mm2.digests
+    answer = tok.encode("now green", add_special_tokens=False) + [tok.eos_token_id]
+    assert full_ids(traj) == want2 + answer
+    green_run = want2.index(proc.token_ids["image"], len(want1))
+    assert traj.response_mask[green_run - len(traj.prompt_ids)] == 0
+    body = proxy.trajectory("s1")
+    media = body["multi_modal"]
+    assert media["kinds"] == ["image", "image"] and media["digests"] == list(mm2.digests)
+    assert media["token_counts"] == list(mm2.token_counts)
+    assert [base64.b64decode(b) for b in media["images"]] == [encode_png(red), encode_png(green)]
+    assert body["messages"][0]["content"][1] == {"type": "image"}  # the pixels are sent once
+
+
+def test_proxy_refuses_remote_urls_and_images_without_a_processor(proc, tok):
+    from polyrl.agent.proxy import RecordingProxy
+    from polyrl.core.rollout_api import InvalidRequestError
+
+    proxy = RecordingProxy(FakeVisionClient(tok, ["x"] * 4), tok, processor=proc)
+    remote = {
+        "role": "user",
+        "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}],
+    }
+    with pytest.raises(InvalidRequestError, match="only data: URLs") as err:
+        asyncio.run(proxy.chat({"messages": [remote]}, "r"))
+    assert err.value.status == 400
+    broken = image_message("x", Image.new("RGB", (56, 56)))
+    broken["content"][1]["image_url"]["url"] = "data:image/png;base64,AAAA"
+    with pytest.raises(InvalidRequestError, match="not a readable image"):
+        asyncio.run(proxy.chat({"messages": [broken]}, "r"))
+    text_proxy = RecordingProxy(FakeVisionClient(tok, ["x"]), tok)
+    with pytest.raises(InvalidRequestError, match="without a vision processor"):
+        asyncio.run(
+            text_proxy.chat({"messages": [image_message("x", Image.new("RGB", (56, 56)))]}, "t")
+        )
+    assert not proxy.sessions  # a session whose only call failed never was
+
+
+# ---------------------------------------------------------------- with a real rollout server
+# These wait on the rollout side taking images (RolloutClient.generate(multi_modal=), the
+# /generate 'images' field, the OpenAI route's image_url parts); they skip until it lands.
+
+
+@pytest.fixture(scope="module")
+def vlm_server(tiny_vl_dir):
+    from polyrl.rollout.launcher import ServerProcess
+
+    options = {"num_threads": 1, "max_num_seqs": 8, "kv_cache_tokens": 4096, "max_model_len": 1024}
+    proc = ServerProcess(tiny_vl_dir, options=options).start(timeout=180)
+    yield proc
+    assert proc.stop() == 0, proc.log_tail()
+
+
+@needs_vlm_server()
+def test_env_loop_with_image_observations_on_a_real_server(vlm_server, proc, tok):
+    from polyrl.rollout.client import RolloutClient
+
+    loop = create_agent_loop(
+        "env",
+        tok,
+        env="visual_color",
+        env_kwargs={"color": "red", "max_tries": 2},
+        max_turns=2,
+        sampling_params={"max_new_tokens": 8, "temperature": 0.0},
+        processor=proc,
+    )
+
+    async def go():
+        async with RolloutClient([vlm_server.url], health_interval=0) as client:
+            return await loop.run({"raw_prompt": []}, client)
+
+    traj = asyncio.run(go())
+    traj.validate()
+    ids = full_ids(traj)
+    assert expand_placeholders(ids, proc.token_ids, traj.multi_modal) == ids
+    if traj.num_turns == 2:  # a random model does not name the colour: two images were sent
+        assert len(traj.multi_modal) == 2
+
+
+@needs_vlm_server()
+def test_proxy_ids_equal_the_servers_own_on_a_real_server(vlm_server, proc, tok):
+    import httpx
+
+    from polyrl.agent.proxy import RecordingProxy
+    from polyrl.rollout.client import RolloutClient
+
+    img = Image.new("RGB", (56, 56), (255, 0, 0))
+    body = {"messages": [image_message("What is this?", img)], "max_tokens": 6, "temperature": 0}
+
+    async def go():
+        async with RolloutClient([vlm_server.url], health_interval=0) as client:
+            proxy = RecordingProxy(client, tok, processor=proc)
+            answer, _ = await proxy.chat(dict(body), "real")
+            return proxy, answer
+
+    proxy, answer = asyncio.run(go())
+    (traj,) = proxy.trajectories("real")
+    own = httpx.post(f"{vlm_server.url}/v1/chat/completions", json=body, timeout=60).json()
+    # The server renders and expands the same prompt, and greedy decoding gives the same text.
+    assert own["usage"]["prompt_tokens"] == len(traj.prompt_ids)
+    assert own["choices"][0]["message"]["content"] == answer["choices"][0]["message"]["content"]
+    want, _ = proc.encode_messages(
+        [
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "What is this?"}, {"type": "image"}],
+            }
+        ],
+        images=[img],
+    )
+    assert traj.prompt_ids == want
