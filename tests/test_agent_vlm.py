@@ -254,6 +254,15 @@ def test_without_a_processor_images_are_a_clear_error(proc, tok):
     with pytest.raises(ValueError, match="tool 'snapshot' result.*no vision processor"):
         asyncio.run(tool_loop.run(text, FakeVisionClient(tok, [CALL, "done"])))
 
+    # Text-only content parts need no processor: they become the tool message's text.
+    class PartsTool(SnapshotTool):
+        async def call(self, arguments, **context):
+            return [{"type": "text", "text": "no "}, {"type": "text", "text": "picture"}]
+
+    parts_loop = create_agent_loop("tool", tok, tools=[PartsTool()])
+    traj = asyncio.run(parts_loop.run(text, FakeVisionClient(tok, [CALL, "done"])))
+    assert traj.tool_errors == 0 and traj.messages[-2]["content"] == "no picture"
+
     # A text env with a processor still works (the processor is only used for media).
     text_loop = create_agent_loop(
         "env", tok, env="guess_number", env_kwargs={"secret": 7}, processor=proc

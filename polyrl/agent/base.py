@@ -319,7 +319,7 @@ _IMAGE_PARTS = ("image", "image_url")
 
 
 def split_media(
-    content: Any, what: str = "message", *, require_data: bool = True
+    content: Any, what: str = "message", *, require_data: bool = True, join_text: bool = False
 ) -> tuple[Any, list[tuple[str, Any]]]:
     """Separate a message's media from what the chat template renders.
 
@@ -332,6 +332,8 @@ def split_media(
         require_data: refuse a media part without its data; ``False`` accepts the bare
             ``{"type": "image"}`` of a prompt whose media were processed already (its item is
             ``None``).
+        join_text: return parts that are all text as one string (what a text-only chat
+            template expects of an observation or a tool response).
 
     Returns:
         ``(template_content, items)``: the content with each media part reduced to its bare
@@ -375,11 +377,17 @@ def split_media(
                 f"{what}: content part {i} has type {kind!r}; expected text, image, image_url "
                 "or video"
             )
+    if join_text and not items:
+        return "".join(p["text"] for p in parts), items
     return parts, items
 
 
 def split_messages_media(
-    messages: Sequence[Mapping[str, Any]], what: str = "message", *, require_data: bool = True
+    messages: Sequence[Mapping[str, Any]],
+    what: str = "message",
+    *,
+    require_data: bool = True,
+    join_text: bool = False,
 ) -> tuple[list[dict[str, Any]], list[tuple[str, Any]]]:
     """:func:`split_media` over messages: template-ready copies and all items in token order.
 
@@ -391,7 +399,9 @@ def split_messages_media(
     for m in messages:
         msg = dict(m)
         if "content" in msg:
-            msg["content"], found = split_media(msg["content"], what, require_data=require_data)
+            msg["content"], found = split_media(
+                msg["content"], what, require_data=require_data, join_text=join_text
+            )
             items.extend(found)
         out.append(msg)
     return out, items
@@ -591,7 +601,7 @@ class AgentLoop(abc.ABC):
         own, own_items = split_messages_media(
             msgs, f"{_describe(sample)}: prompt", require_data=base is None
         )
-        new, new_items = split_messages_media(added, what)
+        new, new_items = split_messages_media(added, what, join_text=True)
         if not added and sample.get("input_ids") is not None and not (render and msgs):
             # The dataset's ids, as prompt_ids_of takes them: already expanded.
             ids, _ = self.prompt_ids_of(sample)

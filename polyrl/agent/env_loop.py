@@ -102,7 +102,7 @@ class EnvAgentLoop(AgentLoop):
         if not added and not sample.get("raw_prompt", sample.get("prompt")):
             raise ValueError("the environment gave no observation and the sample has no prompt")
         prompt_ids, messages, media = self.prompt_of(
-            sample, added=added, what=f"environment {env_name!r} first observation"
+            sample, render=True, added=added, what=f"environment {env_name!r} first observation"
         )
         # The dataset measured the prompt without the observation: fit the one sent.
         traj = self.start(
@@ -130,7 +130,7 @@ class EnvAgentLoop(AgentLoop):
                 break
             what = f"environment {env_name!r} observation {traj.num_turns}"
             obs_message = {"role": "user", "content": _content(obs)}
-            (message,), items = split_messages_media([obs_message], what)
+            (message,), items = split_messages_media([obs_message], what, join_text=True)
             self.check_media(items, what)  # a missing processor fails on every episode alike
             traj.messages.append(message)
             delta = self.chat_delta_ids(

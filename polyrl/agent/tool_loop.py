@@ -339,9 +339,8 @@ class ToolAgentLoop(AgentLoop):
             items: list[tuple[str, Any]] = []
             for call, content in zip(calls, texts, strict=True):
                 what = f"tool {call.name!r} result"
-                (message,), found = split_messages_media(
-                    [{"role": "tool", "content": content}], what
-                )
+                tool_message = {"role": "tool", "content": content}
+                (message,), found = split_messages_media([tool_message], what, join_text=True)
                 self.check_media(found, what)
                 traj.messages.append(message)
                 items.extend(found)
