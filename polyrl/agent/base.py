@@ -599,11 +599,17 @@ class AgentLoop(abc.ABC):
             require_chat_prompt(sample, "rendering it with the loop's tool schemas")
         msgs = _messages_of(sample)
         own, own_items = split_messages_media(
-            msgs, f"{_describe(sample)}: prompt", require_data=base is None
+            msgs, f"{_describe(sample)}: prompt", require_data=False
         )
         new, new_items = split_messages_media(added, what, join_text=True)
-        if not added and sample.get("input_ids") is not None and not (render and msgs):
-            # The dataset's ids, as prompt_ids_of takes them: already expanded.
+        if (
+            not added
+            and sample.get("input_ids") is not None
+            and not (render and msgs)
+            and (base is not None or not own_items)
+        ):
+            # The dataset's ids, as prompt_ids_of takes them: already expanded. (Images in
+            # the messages without the sample's media are rendered and processed below.)
             ids, _ = self.prompt_ids_of(sample)
             return ids, own, base
         if not own and not new:
@@ -613,8 +619,8 @@ class AgentLoop(abc.ABC):
             )
         if base is None and any(item is None for _, item in own_items):
             raise ValueError(
-                f"{_describe(sample)}: the prompt has a media part without data and the "
-                "sample has no 'multi_modal'"
+                f"{_describe(sample)}: the prompt has an image/video part without its data "
+                "and the sample has no 'multi_modal' (the processed media of its prompt)"
             )
         items = ([] if base is not None else own_items) + new_items
         ids = self.render_prompt_ids(own + new, tools=tools)

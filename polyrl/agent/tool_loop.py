@@ -337,6 +337,7 @@ class ToolAgentLoop(AgentLoop):
                 break
             texts = await self.run_calls(calls, tools, context, traj)
             items: list[tuple[str, Any]] = []
+            showing: list[str] = []  # the tools whose results hold media, for errors
             for call, content in zip(calls, texts, strict=True):
                 what = f"tool {call.name!r} result"
                 tool_message = {"role": "tool", "content": content}
@@ -344,6 +345,8 @@ class ToolAgentLoop(AgentLoop):
                 self.check_media(found, what)
                 traj.messages.append(message)
                 items.extend(found)
+                if found:
+                    showing.append(repr(call.name))
             delta = self.chat_delta_ids(
                 traj.messages,
                 len(texts),
@@ -354,7 +357,9 @@ class ToolAgentLoop(AgentLoop):
                 # No room left for another model turn: stop before the tool tokens.
                 traj.finish_reason = "length"
                 break
-            delta, media = self.encode_media(delta, items, f"turn {traj.num_turns} tool results")
+            delta, media = self.encode_media(
+                delta, items, f"turn {traj.num_turns}: result of tool {', '.join(showing)}"
+            )
             if len(traj.response_ids) + len(delta) >= self.max_response_length:
                 traj.finish_reason = "length"  # the images did not fit
                 break
