@@ -118,6 +118,43 @@ def test_single_turn_sends_sample_media_and_the_batch_keeps_them(proc, tok):
     assert MULTI_MODAL not in collate_trajectories(trajs[2:], pad_token_id=0).non_tensors
 
 
+def test_a_prompt_with_image_data_and_no_media_is_rendered_and_processed(proc, tok):
+    img = Image.new("RGB", (56, 56), (9, 9, 9))
+    sample = {
+        "raw_prompt": [
+            {"role": "user", "content": [{"type": "image", "image": img}, "what is it?"]}
+        ]
+    }
+    loop = create_agent_loop("single_turn", tok, processor=proc)
+    client = FakeVisionClient(tok, ["dark"])
+    traj = asyncio.run(loop.run(sample, client))
+    want, mm = proc.encode_messages(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}],
+        images=[img],
+    )
+    assert traj.prompt_ids == want == client.calls[0]["ids"]
+    assert traj.multi_modal.digests == mm.digests == client.calls[0]["multi_modal"].digests
+    no_proc = create_agent_loop("single_turn", tok)
+    with pytest.raises(ValueError, match="no vision processor"):
+        asyncio.run(no_proc.run(sample, FakeVisionClient(tok, ["x"])))
+    bare = {"raw_prompt": [{"role": "user", "content": [{"type": "image"}, "hi"]}]}
+    with pytest.raises(ValueError, match="no 'multi_modal'"):
+        asyncio.run(loop.run(bare, FakeVisionClient(tok, ["x"])))
+
+
+def test_env_loop_puts_the_samples_images_before_the_observations(proc, tok):
+    sample = image_sample(proc)
+    loop = create_agent_loop(
+        "env", tok, env="visual_color", env_kwargs={"color": "blue"}, processor=proc
+    )
+    traj = asyncio.run(loop.run(sample, FakeVisionClient(tok, ["blue"])))
+    square = VisualColorEnv().reset(color="blue")[1]["image"]
+    assert traj.multi_modal.digests == (sample["multi_modal"].digests[0], image_digest(square))
+    ids = full_ids(traj)
+    assert expand_placeholders(ids, proc.token_ids, traj.multi_modal) == ids
+    assert len(runs(traj.prompt_ids, proc.token_ids["image"])) == 2
+
+
 def test_env_image_observations_over_two_turns_are_token_exact(proc, tok):
     loop = create_agent_loop(
         "env",
@@ -253,6 +290,15 @@ def test_without_a_processor_images_are_a_clear_error(proc, tok):
     text = {"raw_prompt": [{"role": "user", "content": "take a picture"}]}
     with pytest.raises(ValueError, match="tool 'snapshot' result.*no vision processor"):
         asyncio.run(tool_loop.run(text, FakeVisionClient(tok, [CALL, "done"])))
+
+    # An image the processor cannot read names the tool that returned it.
+    class BrokenTool(SnapshotTool):
+        async def call(self, arguments, **context):
+            return [{"type": "image", "image": b"not a png"}]
+
+    broken = create_agent_loop("tool", tok, tools=[BrokenTool()], processor=proc)
+    with pytest.raises(ValueError, match="result of tool 'snapshot'.*not a readable image"):
+        asyncio.run(broken.run(text, FakeVisionClient(tok, [CALL, "done"])))
 
     # Text-only content parts need no processor: they become the tool message's text.
     class PartsTool(SnapshotTool):
