@@ -139,8 +139,8 @@ class EnvAgentLoop(AgentLoop):
             if len(traj.response_ids) + len(delta) >= self.max_response_length:
                 traj.finish_reason = "length"
                 break
-            # Expanded only now: the budget check above must not pay for pixels that are
-            # never sent; expansion makes the delta longer, so check again.
+            # Images are processed only once the text delta fits (no pixel work for a turn
+            # that is never sent); their full runs make the delta longer: check again.
             delta, media = self.encode_media(delta, items, what)
             if len(traj.response_ids) + len(delta) >= self.max_response_length:
                 traj.finish_reason = "length"
