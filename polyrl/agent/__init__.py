@@ -4,7 +4,7 @@
 * :mod:`polyrl.agent.single_turn`, :mod:`polyrl.agent.tool_loop`, :mod:`polyrl.agent.env_loop`:
   the shipped loops (``single_turn``, ``tool``, ``env``);
 * :mod:`polyrl.agent.tools` and :mod:`polyrl.agent.envs`: tools (calculator, Python sandbox,
-  countdown checker) and environments (guess-the-number, countdown);
+  countdown checker) and environments (guess-the-number, countdown, visual_color with images);
 * :mod:`polyrl.agent.proxy`: an OpenAI-compatible recording proxy (``polyrl agent-proxy``).
 """
 
@@ -20,6 +20,8 @@ from polyrl.agent.base import (
     get_agent_loop,
     register_agent_loop,
     run_agent_loops,
+    split_media,
+    split_messages_media,
 )
 from polyrl.agent.env_loop import EnvAgentLoop
 from polyrl.agent.envs import Env, available_envs, create_env, register_env
@@ -65,4 +67,6 @@ __all__ = [
     "register_tool",
     "register_tool_parser",
     "run_agent_loops",
+    "split_media",
+    "split_messages_media",
 ]

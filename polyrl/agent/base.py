@@ -10,6 +10,15 @@ Token-in/token-out means the conversation is never re-tokenised: model tokens ar
 the server returned them, and each tool or environment message is appended as the token delta of
 the chat template for the new messages (:func:`chat_delta_ids`).
 
+Images and videos: a sample may carry ``multi_modal`` (the
+:class:`~polyrl.core.multimodal.MultiModalInputs` of its prompt, ``input_ids`` already expanded);
+the trajectory keeps it and every turn sends the media of the whole context with
+``generate(..., multi_modal=...)``. Observations and tool results may be chat content parts
+with images (``{"type": "image", "image": ...}``); a loop built with a ``processor`` (the
+policy's :class:`~polyrl.models.processor.VisionProcessor`) renders them through the chat
+template delta, expands their placeholders and appends their media in token order
+(:meth:`AgentLoop.encode_media`).
+
 Loops are registered by name with :func:`register_agent_loop`; a sample picks its loop through
 ``sample["extra_info"]["agent_name"]`` (:func:`agent_name_of`), falling back to a configured
 default. :func:`collate_trajectories` packs trajectories into the RL batch layout of
@@ -29,6 +38,8 @@ import numpy as np
 import torch
 
 from polyrl.core.batch import Batch
+from polyrl.core.columns import MULTI_MODAL
+from polyrl.core.multimodal import MultiModalInputs
 from polyrl.core.prompts import (
     TEXT_PROMPT_KEY,
     check_template_kwargs,
@@ -56,6 +67,8 @@ __all__ = [
     "render_prompt_ids",
     "require_chat_prompt",
     "run_agent_loops",
+    "split_media",
+    "split_messages_media",
 ]
 
 
@@ -69,8 +82,14 @@ class GenerateClient(Protocol):
         *,
         session_id: str | None = None,
         request_id: str | None = None,
+        multi_modal: MultiModalInputs | None = None,
     ) -> Any:
-        """Generate from token ids; return an object with ``.outputs[i].output_ids`` etc."""
+        """Generate from token ids; return an object with ``.outputs[i].output_ids`` etc.
+
+        ``multi_modal`` is the media of every image/video placeholder run in ``input_ids``, in
+        order (the client sends its ``media_payload()``). Loops pass it only when the context
+        has media, so a text-only client need not accept it.
+        """
         ...
 
 
@@ -99,6 +118,10 @@ class Trajectory:
         agent_name: the registered loop that produced it.
         seed: the trajectory's sampling seed (from ``sample["seed"]``); turn ``k`` samples
             with ``seed + k``. ``None``: the loop's configured seed (if any) is used.
+        multi_modal: the images/videos of ``prompt_ids + response_ids``, one item per
+            placeholder run, in token order (``None``: text only). Starts as the sample's own
+            (the same object, shared by a prompt's ``n`` trajectories) and grows, as a new
+            object, when observations or tool results add media (:meth:`append_env`).
     """
 
     prompt_ids: list[int]
@@ -116,6 +139,7 @@ class Trajectory:
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     agent_name: str = ""
     seed: int | None = None
+    multi_modal: MultiModalInputs | None = None
 
     def append_model(self, ids: Sequence[int], log_probs: Sequence[float] | None) -> None:
         """Append one model turn exactly as the server returned it (mask 1)."""
@@ -133,17 +157,41 @@ class Trajectory:
         self.response_mask.extend([1] * len(ids))
         self.rollout_log_probs.extend(lps)
 
-    def append_env(self, ids: Sequence[int]) -> None:
-        """Append tool/environment tokens (mask 0, log-prob 0)."""
+    def append_env(self, ids: Sequence[int], multi_modal: MultiModalInputs | None = None) -> None:
+        """Append tool/environment tokens (mask 0, log-prob 0), with the media they hold.
+
+        ``ids`` must already be expanded (one full placeholder run per item of
+        ``multi_modal``); the items are appended after the trajectory's own, since the new
+        tokens come after every earlier one.
+        """
         ids = [int(t) for t in ids]
         self.response_ids.extend(ids)
         self.response_mask.extend([0] * len(ids))
         self.rollout_log_probs.extend([0.0] * len(ids))
+        if multi_modal is not None and len(multi_modal):
+            self.add_media(multi_modal)
+
+    def add_media(self, multi_modal: MultiModalInputs) -> None:
+        """Append media items after the trajectory's own (a new object: the old may be shared)."""
+        if self.multi_modal is None or not len(self.multi_modal):
+            self.multi_modal = multi_modal
+        else:
+            self.multi_modal = MultiModalInputs.concat([self.multi_modal, multi_modal])
 
     def truncate(self, max_response_length: int) -> bool:
-        """Cut the response to ``max_response_length`` tokens; return whether anything was cut."""
+        """Cut the response to ``max_response_length`` tokens; return whether anything was cut.
+
+        Raises:
+            ValueError: the trajectory carries media: a cut could split a placeholder run
+                and leave items without tokens (the loops never exceed the budget instead).
+        """
         if len(self.response_ids) <= max_response_length:
             return False
+        if self.multi_modal is not None and len(self.multi_modal):
+            raise ValueError(
+                "cannot truncate a trajectory with images or videos: the cut could split "
+                "a placeholder run; keep the response within the budget instead"
+            )
         del self.response_ids[max_response_length:]
         del self.response_mask[max_response_length:]
         del self.rollout_log_probs[max_response_length:]
@@ -264,6 +312,110 @@ def chat_delta_ids(
     return list(tokenizer.encode(trailer + after[len(before) :], add_special_tokens=False))
 
 
+# ----------------------------------------------------------------------------- media in messages
+
+#: Content-part types that carry an image (``image_url``: the OpenAI form, a ``data:`` URL).
+_IMAGE_PARTS = ("image", "image_url")
+
+
+def split_media(
+    content: Any, what: str = "message", *, require_data: bool = True, join_text: bool = False
+) -> tuple[Any, list[tuple[str, Any]]]:
+    """Separate a message's media from what the chat template renders.
+
+    Args:
+        content: a string, or chat content parts: ``{"type": "text", "text": ...}``,
+            ``{"type": "image", "image": <any form decode_image takes>}``,
+            ``{"type": "image_url", "image_url": {"url": "data:..."}}`` or
+            ``{"type": "video", "video": [frames]}`` (a bare string part is text).
+        what: how errors name the content.
+        require_data: refuse a media part without its data; ``False`` accepts the bare
+            ``{"type": "image"}`` of a prompt whose media were processed already (its item is
+            ``None``).
+        join_text: return parts that are all text as one string (what a text-only chat
+            template expects of an observation or a tool response).
+
+    Returns:
+        ``(template_content, items)``: the content with each media part reduced to its bare
+        ``{"type": "image"}`` / ``{"type": "video"}`` (the template renders one placeholder
+        per part; the pixels stay out of ``Trajectory.messages``), and ``(kind, item)`` per
+        media part in order. A string comes back unchanged, with no items.
+
+    Raises:
+        ValueError: content that is neither a string nor a list of parts, or a media part
+            without its data.
+    """
+    if content is None or isinstance(content, str):
+        return content, []
+    if not isinstance(content, list | tuple):
+        raise ValueError(
+            f"{what}: content must be a string or a list of content parts, got "
+            f"{type(content).__name__}"
+        )
+    parts: list[Any] = []
+    items: list[tuple[str, Any]] = []
+    for i, part in enumerate(content):
+        if isinstance(part, str):
+            parts.append({"type": "text", "text": part})
+            continue
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "text":
+            parts.append({"type": "text", "text": str(part.get("text", ""))})
+        elif kind in _IMAGE_PARTS:
+            data = part.get(kind)
+            if data is None and require_data:
+                raise ValueError(f"{what}: content part {i} ({kind}) has no {kind!r} data")
+            items.append(("image", None if data is None else part))
+            parts.append({"type": "image"})
+        elif kind == "video":
+            if part.get("video") is None and require_data:
+                raise ValueError(f"{what}: content part {i} (video) has no 'video' frames")
+            items.append(("video", part.get("video")))
+            parts.append({"type": "video"})
+        else:
+            raise ValueError(
+                f"{what}: content part {i} has type {kind!r}; expected text, image, image_url "
+                "or video"
+            )
+    if join_text and not items:
+        return "".join(p["text"] for p in parts), items
+    return parts, items
+
+
+def split_messages_media(
+    messages: Sequence[Mapping[str, Any]],
+    what: str = "message",
+    *,
+    require_data: bool = True,
+    join_text: bool = False,
+) -> tuple[list[dict[str, Any]], list[tuple[str, Any]]]:
+    """:func:`split_media` over messages: template-ready copies and all items in token order.
+
+    The chat template renders messages in order and each message's parts in order, so the
+    items come back in the order their placeholders appear in the rendered text.
+    """
+    out: list[dict[str, Any]] = []
+    items: list[tuple[str, Any]] = []
+    for m in messages:
+        msg = dict(m)
+        if "content" in msg:
+            msg["content"], found = split_media(
+                msg["content"], what, require_data=require_data, join_text=join_text
+            )
+            items.extend(found)
+        out.append(msg)
+    return out, items
+
+
+def _no_processor_error(what: str, n: int) -> ValueError:
+    """Return the error for media met by a loop that has no vision processor."""
+    return ValueError(
+        f"{what} holds {n} image(s)/video(s) but the agent loop has no vision processor; "
+        "build the loop with processor=<the policy's VisionProcessor> "
+        "(polyrl.models.processor.load_vision_processor) to render images"
+    )
+
+
 def prompt_ids_of(
     sample: Mapping[str, Any],
     tokenizer: Any,
@@ -288,10 +440,7 @@ def prompt_ids_of(
     """
     if render:
         require_chat_prompt(sample, "rendering it with the loop's tool schemas")
-    messages = sample.get("raw_prompt", sample.get(prompt_key))
-    if isinstance(messages, str):
-        messages = [{"role": "user", "content": messages}]
-    msgs = [dict(m) for m in messages] if messages is not None else []
+    msgs = _messages_of(sample, prompt_key)
     ids = sample.get("input_ids")
     if ids is not None and not (render and msgs):
         if isinstance(ids, torch.Tensor):
@@ -305,6 +454,14 @@ def prompt_ids_of(
         tokenizer, msgs, tools=tools, apply_chat_template_kwargs=apply_chat_template_kwargs
     )
     return ids, msgs
+
+
+def _messages_of(sample: Mapping[str, Any], prompt_key: str = "prompt") -> list[dict[str, Any]]:
+    """Return copies of a sample's chat messages (``raw_prompt``, else ``prompt_key``)."""
+    messages = sample.get("raw_prompt", sample.get(prompt_key))
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    return [dict(m) for m in messages] if messages is not None else []
 
 
 def require_chat_prompt(sample: Mapping[str, Any], what: str) -> None:
@@ -351,6 +508,12 @@ class AgentLoop(abc.ABC):
         apply_chat_template_kwargs: ``data.apply_chat_template_kwargs``: extra template
             arguments (e.g. ``{"enable_thinking": False}``) for every prompt and delta the loop
             renders (:meth:`prompt_ids_of`, :meth:`chat_delta_ids`), as the dataset used.
+        processor: the policy's vision processor (a
+            :class:`~polyrl.models.processor.VisionProcessor` or any object with its
+            ``process_media(images, videos, order=, what=)`` and ``expand(ids, inputs)``);
+            needed only to render images/videos the loop meets in prompts it builds,
+            observations or tool results (:meth:`encode_media`). ``None``: text only (a
+            sample's own ``multi_modal`` is still passed through).
     """
 
     name: str = ""
@@ -365,6 +528,7 @@ class AgentLoop(abc.ABC):
         max_prompt_length: int | None = None,
         truncation: str = "error",
         apply_chat_template_kwargs: Mapping[str, Any] | None = None,
+        processor: Any = None,
     ):
         if max_prompt_length is not None:
             check_truncation(max_prompt_length, truncation)
@@ -389,6 +553,7 @@ class AgentLoop(abc.ABC):
         self.truncation = truncation
         self.apply_chat_template_kwargs = check_template_kwargs(apply_chat_template_kwargs)
         self.eos_ids = set(_eos_ids(tokenizer))
+        self.processor = processor
 
     @abc.abstractmethod
     async def run(self, sample: Mapping[str, Any], client: GenerateClient) -> Trajectory:
@@ -409,6 +574,58 @@ class AgentLoop(abc.ABC):
             render=render,
             apply_chat_template_kwargs=self.apply_chat_template_kwargs,
         )
+
+    def prompt_of(
+        self,
+        sample: Mapping[str, Any],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        render: bool = False,
+        added: Sequence[Mapping[str, Any]] = (),
+        what: str = "the prompt",
+    ) -> tuple[list[int], list[dict[str, Any]], MultiModalInputs | None]:
+        """Return the prompt this loop sends: ``(ids, messages, media)``, media included.
+
+        Like :meth:`prompt_ids_of` (the dataset's ``input_ids`` when they can be used as they
+        are, else the messages rendered, with ``tools``), plus ``added`` messages the loop
+        appends (a first observation; they force rendering). The sample's ``multi_modal``
+        covers the media parts of its own messages (which may be bare ``{"type": "image"}``);
+        media parts of ``added`` messages, or of a sample without ``multi_modal``, are
+        processed here (:meth:`encode_media`, errors naming ``what``). ``messages`` come back
+        in template form (media parts reduced to their type, :func:`split_media`).
+        """
+        base = sample.get(MULTI_MODAL)
+        if render:
+            require_chat_prompt(sample, "rendering it with the loop's tool schemas")
+        msgs = _messages_of(sample)
+        own, own_items = split_messages_media(
+            msgs, f"{_describe(sample)}: prompt", require_data=False
+        )
+        new, new_items = split_messages_media(added, what, join_text=True)
+        if (
+            not added
+            and sample.get("input_ids") is not None
+            and not (render and msgs)
+            and (base is not None or not own_items)
+        ):
+            # The dataset's ids, as prompt_ids_of takes them: already expanded. (Images in
+            # the messages without the sample's media are rendered and processed below.)
+            ids, _ = self.prompt_ids_of(sample)
+            return ids, own, base
+        if not own and not new:
+            raise ValueError(
+                f"{_describe(sample)} has neither 'input_ids' nor chat messages under "
+                "'raw_prompt'/'prompt'"
+            )
+        if base is None and any(item is None for _, item in own_items):
+            raise ValueError(
+                f"{_describe(sample)}: the prompt has an image/video part without its data "
+                "and the sample has no 'multi_modal' (the processed media of its prompt)"
+            )
+        items = ([] if base is not None else own_items) + new_items
+        ids = self.render_prompt_ids(own + new, tools=tools)
+        ids, media = self.encode_media(ids, items, what, base=base)
+        return ids, own + new, media
 
     def render_prompt_ids(
         self,
@@ -442,12 +659,63 @@ class AgentLoop(abc.ABC):
             apply_chat_template_kwargs=self.apply_chat_template_kwargs,
         )
 
+    def check_media(self, items: Sequence[tuple[str, Any]], what: str) -> None:
+        """Refuse media items when the loop has no processor (the error names ``what``)."""
+        if items and self.processor is None:
+            raise _no_processor_error(what, len(items))
+
+    def encode_media(
+        self,
+        ids: Sequence[int],
+        items: Sequence[tuple[str, Any]],
+        what: str,
+        base: MultiModalInputs | None = None,
+    ) -> tuple[list[int], MultiModalInputs | None]:
+        """Process ``items`` and expand the placeholders of freshly rendered ``ids``.
+
+        Args:
+            ids: template-rendered ids with one placeholder token per media item (a prompt,
+                or a chat delta).
+            items: ``(kind, item)`` in token order (:func:`split_messages_media`).
+            what: names the source in errors (``"environment 'x' observation"``).
+            base: media already processed for the first placeholders of ``ids`` (a sample's
+                ``multi_modal`` when its prompt is re-rendered); ``items`` follow them.
+
+        Returns:
+            ``(expanded ids, media)``: ``media`` is ``base`` followed by the processed
+            ``items`` (``None`` when there is neither).
+
+        Raises:
+            ValueError: ``items`` but no processor (naming ``what``).
+            polyrl.core.multimodal.MultiModalInputError: placeholders and items disagree, or
+                an item cannot be decoded.
+        """
+        ids = [int(t) for t in ids]
+        if self.processor is None:
+            self.check_media(items, what)
+            if base is not None and len(base):
+                raise _no_processor_error(what, len(base))
+            return ids, None
+        new = None
+        if items:
+            new = self.processor.process_media(
+                images=[item for kind, item in items if kind == "image"],
+                videos=[item for kind, item in items if kind == "video"],
+                order=[kind for kind, _ in items],
+                what=what,
+            )
+        parts = [m for m in (base, new) if m is not None and len(m)]
+        media = parts[0] if len(parts) == 1 else MultiModalInputs.concat(parts) if parts else None
+        # expand() also refuses placeholders without items (e.g. a literal <|image_pad|>).
+        return list(self.processor.expand(ids, media)), media
+
     def start(
         self,
         sample: Mapping[str, Any],
         prompt_ids: Sequence[int],
         messages: list[dict[str, Any]],
         built: str,
+        multi_modal: MultiModalInputs | None = None,
     ) -> Trajectory:
         """Begin a trajectory from the prompt this loop sends, fitted to ``max_prompt_length``.
 
@@ -464,14 +732,25 @@ class AgentLoop(abc.ABC):
           rows, one group per prompt); metric ``prompt_filtered``. Callers return it as is.
 
         ``built`` says how the loop built the prompt (for the error), e.g. ``"with the tool
-        loop's 2 tool schemas"``.
+        loop's 2 tool schemas"``. ``multi_modal`` is the prompt's media (default: the
+        sample's ``multi_modal``); a prompt with media is never cut (``left`` / ``right``
+        act as ``error``): a cut could split an image's placeholder run.
         """
         ids = [int(t) for t in prompt_ids]
-        traj = Trajectory(prompt_ids=ids, messages=messages, seed=sample.get("seed"))
+        if multi_modal is None:
+            multi_modal = sample.get(MULTI_MODAL)
+        traj = Trajectory(
+            prompt_ids=ids, messages=messages, seed=sample.get("seed"), multi_modal=multi_modal
+        )
         limit = self.max_prompt_length
         if limit is None:
             return traj
-        fitted = fit_prompt(ids, limit, self.truncation, f"{_describe(sample)}, prompt {built}")
+        what = f"{_describe(sample)}, prompt {built}"
+        truncation = self.truncation
+        if multi_modal is not None and len(multi_modal) and truncation in ("left", "right"):
+            truncation = "error"
+            what += " (it has images, so it is not cut)"
+        fitted = fit_prompt(ids, limit, truncation, what)
         if self.truncation in ("left", "right"):
             traj.metrics["prompt_truncated"] = float(fitted is not None and len(fitted) < len(ids))
         if self.truncation == "filter":
@@ -481,9 +760,21 @@ class AgentLoop(abc.ABC):
             # planned width (it is never trained on: its response is empty).
             traj.prompt_ids = ids[-limit:]
             traj.finish_reason = "filtered"
+            if traj.multi_modal is not None:
+                # The cut may split a placeholder run: drop the media and blank the
+                # placeholders so the row stays consistent (nothing of it is trained on).
+                traj.multi_modal = None
+                traj.prompt_ids = self._blank_placeholders(traj.prompt_ids)
         else:
             traj.prompt_ids = fitted
         return traj
+
+    def _blank_placeholders(self, ids: list[int]) -> list[int]:
+        token_ids = getattr(self.processor, "token_ids", None) or {}
+        placeholders = {int(t) for t in token_ids.values()}
+        pad = self.tokenizer.pad_token_id
+        pad = int(pad) if pad is not None else min(self.eos_ids)
+        return [pad if t in placeholders else t for t in ids]
 
     def turn_params(self, traj: Trajectory) -> dict[str, Any]:
         """Return the next turn's sampling params, capped by the remaining length budget."""
@@ -501,10 +792,14 @@ class AgentLoop(abc.ABC):
         self, traj: Trajectory, client: GenerateClient, session_id: str | None
     ) -> tuple[list[int], str]:
         """Generate one model turn from the trajectory so far; append it; return (ids, text)."""
+        # Only a context with media sends it: text-only clients keep their old signature.
+        media = traj.multi_modal
+        extra = {"multi_modal": media} if media is not None and len(media) else {}
         result = await client.generate(
             traj.prompt_ids + traj.response_ids,
             self.turn_params(traj),
             session_id=session_id,
+            **extra,
         )
         out = result.outputs[0]
         ids = list(out.output_ids)
@@ -571,11 +866,15 @@ async def run_agent_loops(
     default_agent: str = "single_turn",
     loop_kwargs: Mapping[str, Mapping[str, Any]] | None = None,
     max_concurrency: int = 64,
+    processor: Any = None,
 ) -> list[Trajectory]:
     """Run each sample through its loop (``extra_info.agent_name`` or ``default_agent``).
 
     One loop instance per name is built with ``loop_kwargs[name]``; at most ``max_concurrency``
-    trajectories run at once. Results come back in sample order.
+    trajectories run at once. Results come back in sample order. ``processor`` (the policy's
+    vision processor, for image observations and tool results) is given to every loop whose
+    ``loop_kwargs`` do not name one; ``None`` passes nothing, so loops written before it
+    keep working.
     """
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
@@ -584,7 +883,10 @@ async def run_agent_loops(
     for sample in samples:
         name = agent_name_of(sample, default_agent)
         if name not in loops:
-            loops[name] = create_agent_loop(name, tokenizer, **dict(kwargs.get(name, {})))
+            args = dict(kwargs.get(name, {}))
+            if processor is not None:
+                args.setdefault("processor", processor)
+            loops[name] = create_agent_loop(name, tokenizer, **args)
     gate = asyncio.Semaphore(max_concurrency)
 
     async def one(sample: Mapping[str, Any]) -> Trajectory:
@@ -609,7 +911,10 @@ def collate_trajectories(trajectories: Sequence[Trajectory], pad_token_id: int) 
     mask: 0 on tool/env tokens), ``rollout_log_probs``; ``prompt_length`` and
     ``response_length`` ``(B,)``. Non-tensor columns: ``num_turns``, ``tool_calls``,
     ``tool_errors``, ``reward`` (NaN when the scorer decides), ``turn_rewards``,
-    ``finish_reason``, ``agent_name``, ``messages``. ``meta["agent_metrics"]`` holds the batch
+    ``finish_reason``, ``agent_name``, ``messages``; when any trajectory has media, also
+    ``multi_modal`` (:data:`~polyrl.core.columns.MULTI_MODAL`: each row's
+    ``Trajectory.multi_modal`` object as it is, ``None`` for text rows, so a prompt's ``n``
+    rows share one object unless their turns added media). ``meta["agent_metrics"]`` holds the batch
     means (``num_turns/mean``, ``tool_calls/mean``, ``tool_errors/mean``, ...).
 
     Raises:
@@ -653,6 +958,9 @@ def collate_trajectories(trajectories: Sequence[Trajectory], pad_token_id: int) 
         "agent_name": col([t.agent_name for t in trajectories]),
         "messages": col([list(t.messages) for t in trajectories]),
     }
+    if any(t.multi_modal is not None for t in trajectories):
+        # Only then: text batches keep their columns (and their concat with older batches).
+        non_tensors[MULTI_MODAL] = col([t.multi_modal for t in trajectories])
     metrics: dict[str, float] = {
         "num_turns/mean": float(np.mean(non_tensors["num_turns"])),
         "num_turns/max": float(np.max(non_tensors["num_turns"])),

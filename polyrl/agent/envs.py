@@ -1,11 +1,16 @@
-"""Gym-style text environments for the environment loop, with a registry.
+"""Gym-style environments for the environment loop, with a registry.
 
 An environment has ``reset(seed, **kwargs) -> observation`` and
-``step(action_text) -> (observation, reward, done, info)``; either may be ``async``. Shipped:
+``step(action_text) -> (observation, reward, done, info)``; either may be ``async``. An
+observation is a string, or chat content parts with images for a vision-language policy:
+``[{"type": "text", "text": ...}, {"type": "image", "image": <PIL image, PNG bytes, base64 or
+a data: URL>}]`` (the environment loop then needs the policy's vision processor). Shipped:
 
 * ``guess_number``: find a hidden integer; each guess gets "higher" / "lower" feedback.
 * ``countdown``: reach a target with the given numbers; each candidate expression is checked
   (with the countdown scorer's exact evaluator) and the feedback says what it evaluates to.
+* ``visual_color``: name the colour of a square shown as an image; a wrong answer is shown a
+  second image (a small multi-turn image-feedback environment for vision-language models).
 """
 
 from __future__ import annotations
@@ -23,22 +28,26 @@ __all__ = [
     "CountdownEnv",
     "Env",
     "GuessNumberEnv",
+    "Observation",
     "StepResult",
+    "VisualColorEnv",
     "available_envs",
     "create_env",
     "get_env",
     "register_env",
 ]
 
+#: What the model is shown: text, or chat content parts (text and images).
+Observation = str | list[dict[str, Any]]
 #: ``(observation, reward, done, info)``.
-StepResult = tuple[str, float, bool, dict[str, Any]]
+StepResult = tuple[Observation, float, bool, dict[str, Any]]
 
 
 class Env(abc.ABC):
-    """A text environment (one instance per trajectory)."""
+    """An environment (one instance per trajectory); observations are text or content parts."""
 
     @abc.abstractmethod
-    def reset(self, seed: int | None = None, **kwargs: Any) -> str | Awaitable[str]:
+    def reset(self, seed: int | None = None, **kwargs: Any) -> Observation | Awaitable[Observation]:
         """Start an episode; return the first observation (shown to the model as a user turn)."""
 
     @abc.abstractmethod
@@ -166,3 +175,70 @@ class CountdownEnv(Env):
         if self.tries >= self.max_tries:
             return obs + " No tries left.", 0.0, True, info
         return obs + " Try again.", 0.0, False, info
+
+
+@register_env("visual_color")
+class VisualColorEnv(Env):
+    """Name the colour of a square shown as an image; reward 1 when named, 0 otherwise.
+
+    ``reset`` shows a ``size`` x ``size`` square of one of :attr:`COLORS`; a wrong answer is
+    shown a second image, ``2 * size`` x ``size`` (the colour beside white, for contrast), so
+    the two images fill different numbers of tokens. The last colour name in the model's turn
+    is its answer. Rendered with Pillow.
+    """
+
+    #: The colours the environment draws from, by name.
+    COLORS: dict[str, tuple[int, int, int]] = {
+        "red": (220, 30, 30),
+        "green": (30, 170, 60),
+        "blue": (30, 60, 220),
+        "yellow": (235, 210, 40),
+    }
+
+    def __init__(self) -> None:
+        self.color, self.size, self.max_tries, self.tries = "red", 56, 2, 0
+
+    def _image(self, width: int) -> Any:
+        from PIL import Image
+
+        img = Image.new("RGB", (width, self.size), (255, 255, 255))
+        img.paste(self.COLORS[self.color], (0, 0, self.size, self.size))
+        return img
+
+    def reset(self, seed: int | None = None, **kwargs: Any) -> Observation:
+        """Pick the colour (``color``, ``size`` in pixels and ``max_tries`` may be given)."""
+        names = sorted(self.COLORS)
+        self.color = str(kwargs.get("color", random.Random(seed).choice(names)))
+        if self.color not in self.COLORS:
+            raise ValueError(f"visual_color: color must be one of {names}, got {self.color!r}")
+        self.size = int(kwargs.get("size", 56))
+        if not 28 <= self.size <= 1024:
+            raise ValueError(f"visual_color: size must be in [28, 1024] pixels, got {self.size}")
+        self.max_tries = int(kwargs.get("max_tries", 2))
+        if self.max_tries < 1:
+            raise ValueError(f"visual_color: max_tries must be >= 1, got {self.max_tries}")
+        self.tries = 0
+        return [
+            {"type": "text", "text": f"What colour is this square? One of {', '.join(names)}."},
+            {"type": "image", "image": self._image(self.size)},
+        ]
+
+    def step(self, action: str) -> StepResult:
+        """Check one answer; a wrong one is shown the colour again beside white."""
+        self.tries += 1
+        found = re.findall("|".join(self.COLORS), action.lower())
+        info: dict[str, Any] = {"tries": self.tries}
+        if found and found[-1] == self.color:
+            return "Correct!", 1.0, True, {**info, "solved": 1.0}
+        info["solved"] = 0.0
+        if self.tries >= self.max_tries:
+            return f"No tries left; it was {self.color}.", 0.0, True, info
+        return (
+            [
+                {"type": "text", "text": "Not quite. Here it is beside white:"},
+                {"type": "image", "image": self._image(2 * self.size)},
+            ],
+            0.0,
+            False,
+            info,
+        )

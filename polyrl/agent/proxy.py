@@ -12,6 +12,14 @@ records, per session, the exact prompt and completion token ids:
   re-tokenised (decode-then-encode is not reversible);
 * a call that rewrites the history starts a new segment (rendered afresh).
 
+Images: a message's content may hold OpenAI ``image_url`` parts with ``data:`` URLs (remote
+URLs are refused with 400: the proxy fetches nothing). With the served model's vision processor
+(``serve_proxy`` loads it for a vision model) the proxy renders their placeholders, expands
+them as the server does, forwards the images of the whole context with each ``/generate``
+(``multi_modal``) and records them with the session: the recorded trajectory's
+``multi_modal`` (JSON: kinds, digests, token counts and the base64 images) holds one item per
+placeholder run, in token order.
+
 ``GET /sessions/{id}/trajectory`` assembles the recorded ids into a training trajectory
 (``prompt_ids``, ``response_ids``, ``response_mask``: 1 on model tokens, ``rollout_log_probs``),
 ``DELETE /sessions/{id}`` ends a session. Run it with ``polyrl agent-proxy --rollout URL``;
@@ -44,7 +52,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from polyrl.agent.base import Trajectory, chat_delta_ids, render_prompt_ids
+from polyrl.agent.base import (
+    Trajectory,
+    chat_delta_ids,
+    render_prompt_ids,
+    split_messages_media,
+)
 from polyrl.agent.tool_loop import HermesToolParser
 from polyrl.core.http_guard import (
     DEFAULT_MAX_BODY_BYTES,
@@ -54,6 +67,7 @@ from polyrl.core.http_guard import (
     key_matches,
     parse_json,
 )
+from polyrl.core.multimodal import MultiModalInputError, MultiModalInputs
 from polyrl.core.prompts import check_template_kwargs
 from polyrl.core.rollout_api import InvalidRequestError, RolloutError, SamplingParams
 
@@ -116,22 +130,53 @@ class _ChatBody(BaseModel):
     top_logprobs: int | None = None
 
 
-def _text(content: Any, index: int) -> str:
+def _image_url(part: Mapping[str, Any], where: str) -> str:
+    """Return the ``data:`` URL of an ``image_url`` part (anything else is a 400)."""
+    ref = part.get("image_url")
+    url = ref.get("url") if isinstance(ref, Mapping) else ref
+    if not isinstance(url, str) or not url:
+        raise InvalidRequestError(
+            f"{where}: an image_url part needs image_url.url (a data: URL)", param="messages"
+        )
+    if not url[:5].lower() == "data:":
+        raise InvalidRequestError(
+            f"{where}: only data: URLs are accepted (data:image/png;base64,...); the proxy "
+            "does not fetch remote images",
+            param="messages",
+        )
+    return url
+
+
+def _content(content: Any, index: int) -> str | list[dict[str, Any]]:
+    """Return a message's content for the chat template.
+
+    Text (a string or text parts) becomes one string, as before images; content with
+    ``image_url`` parts becomes parts: text parts and ``{"type": "image", "image": <data URL>}``
+    (the form :func:`~polyrl.agent.base.split_media` reads).
+    """
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        out = []
-        for part in content:
-            if not isinstance(part, Mapping) or part.get("type") != "text":
+        parts: list[dict[str, Any]] = []
+        for k, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind == "text":
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+            elif kind == "image_url":
+                url = _image_url(part, f"messages[{index}].content[{k}]")
+                parts.append({"type": "image", "image": url})
+            else:
                 raise InvalidRequestError(
-                    f"messages[{index}].content: only text parts are supported", param="messages"
+                    f"messages[{index}].content[{k}]: only text and image_url parts are supported",
+                    param="messages",
                 )
-            out.append(str(part.get("text", "")))
-        return "".join(out)
+        if all(p["type"] == "text" for p in parts):
+            return "".join(p["text"] for p in parts)
+        return parts
     raise InvalidRequestError(
-        f"messages[{index}].content must be a string, null or a list of text parts",
+        f"messages[{index}].content must be a string, null or a list of text and image_url parts",
         param="messages",
     )
 
@@ -155,7 +200,7 @@ def _clean_messages(messages: Any) -> list[dict[str, Any]]:
             raise InvalidRequestError(
                 f"messages[{i}] must be an object with a string 'role'", param="messages"
             )
-        msg: dict[str, Any] = {"role": m["role"], "content": _text(m.get("content"), i)}
+        msg: dict[str, Any] = {"role": m["role"], "content": _content(m.get("content"), i)}
         calls = m.get("tool_calls")
         if calls:
             if not isinstance(calls, list):
@@ -185,7 +230,18 @@ def _key(msg: Mapping[str, Any]) -> tuple[Any, ...]:
         (c["function"]["name"], _canonical_args(c["function"]["arguments"]))
         for c in msg.get("tool_calls") or ()
     )
-    return (msg["role"], (msg.get("content") or "").strip(), calls)
+    content = msg.get("content") or ""
+    if isinstance(content, list):
+        # An image is the same when its URL is: a re-encoded image starts a new segment.
+        content = tuple(
+            ("text", p["text"].strip())
+            if p["type"] == "text"
+            else ("image", hashlib.sha256(p["image"].encode()).hexdigest())
+            for p in content
+        )
+    else:
+        content = content.strip()
+    return (msg["role"], content, calls)
 
 
 @dataclasses.dataclass
@@ -199,6 +255,15 @@ class _Segment:
 
     def to_json(self) -> dict[str, Any]:
         t = self.traj
+        media = None
+        if t.multi_modal is not None:
+            media = {
+                "kinds": list(t.multi_modal.kinds),
+                "digests": list(t.multi_modal.digests),
+                "token_counts": list(t.multi_modal.token_counts),
+                **t.multi_modal.media_payload(),
+            }
+        messages, _ = split_messages_media(self.messages, require_data=False)
         return {
             "prompt_ids": t.prompt_ids,
             "response_ids": t.response_ids,
@@ -207,7 +272,9 @@ class _Segment:
             "num_turns": t.num_turns,
             "finish_reason": t.finish_reason,
             "weight_versions": t.weight_versions,
-            "messages": self.messages,
+            # The images are in multi_modal once; the messages keep their places.
+            "messages": messages,
+            "multi_modal": media,
         }
 
 
@@ -223,6 +290,9 @@ class RecordingProxy:
         apply_chat_template_kwargs: extra chat-template arguments for every prompt and delta
             the proxy renders (e.g. ``{"enable_thinking": False}``), as the trainer's dataset
             and agent loops use (``data.apply_chat_template_kwargs``).
+        processor: the served model's vision processor (a
+            :class:`~polyrl.models.processor.VisionProcessor`, or any object with its
+            ``process_media`` and ``expand``); ``None``: ``image_url`` parts get 400.
     """
 
     def __init__(
@@ -233,9 +303,11 @@ class RecordingProxy:
         model_name: str = "polyrl",
         max_sessions: int = 10000,
         apply_chat_template_kwargs: Mapping[str, Any] | None = None,
+        processor: Any = None,
     ):
         self.client = client
         self.tokenizer = tokenizer
+        self.processor = processor
         self.apply_chat_template_kwargs = check_template_kwargs(apply_chat_template_kwargs)
         self.model_name = model_name
         self.max_sessions = max_sessions
@@ -277,39 +349,69 @@ class RecordingProxy:
                 return seg
         return None
 
+    def _media(
+        self, ids: list[int], items: list[tuple[str, Any]]
+    ) -> tuple[list[int], MultiModalInputs | None]:
+        """Process a request's new images and expand their placeholders in ``ids``."""
+        if not items:
+            return ids, None
+        if self.processor is None:
+            raise InvalidRequestError(
+                "this proxy serves a model without a vision processor; image_url parts are "
+                "not accepted",
+                param="messages",
+            )
+        images = [item for kind, item in items if kind == "image"]
+        try:
+            media = self.processor.process_media(images=images, what="messages")
+            return list(self.processor.expand(ids, media)), media
+        except MultiModalInputError as exc:
+            raise InvalidRequestError(str(exc), param="messages") from None
+
     def _render(
         self, segments: list[_Segment], messages: list[dict[str, Any]], tools: Any
-    ) -> tuple[_Segment, list[int], bool]:
-        """Find (or start) the segment ``messages`` continue: ``(segment, new ids, is new)``.
+    ) -> tuple[_Segment, list[int], MultiModalInputs | None, bool]:
+        """Find (or start) the segment ``messages`` continue.
 
-        Runs in a worker thread: chat templates and the tokenizer are CPU work.
+        Returns ``(segment, new ids, their new media, is new)``; a new segment's prompt and
+        media are in its trajectory. Runs in a worker thread: chat templates, the tokenizer
+        and image processing are CPU work.
         """
         seg = self._find_segment(segments, messages, tools)
+        # The template sees bare image parts; the data URLs are processed here, in order.
+        template, _ = split_messages_media(messages)
+        num_new = len(messages) - len(seg.messages) if seg is not None else len(messages)
+        _, items = split_messages_media(messages[len(messages) - num_new :])
         try:
             if seg is not None:
                 delta = chat_delta_ids(
                     self.tokenizer,
-                    messages,
-                    len(messages) - len(seg.messages),
+                    template,
+                    num_new,
                     tools=tools,
                     last_ended_with_eos=seg.last_eos,
                     apply_chat_template_kwargs=self.apply_chat_template_kwargs,
                 )
-                return seg, delta, False
-            prompt = render_prompt_ids(
-                self.tokenizer,
-                messages,
-                tools=tools,
-                apply_chat_template_kwargs=self.apply_chat_template_kwargs,
-            )
+            else:
+                prompt = render_prompt_ids(
+                    self.tokenizer,
+                    template,
+                    tools=tools,
+                    apply_chat_template_kwargs=self.apply_chat_template_kwargs,
+                )
         except RolloutError:
             raise
         except Exception as exc:  # template errors are the request's fault
             raise InvalidRequestError(
                 f"the chat template failed on these messages: {exc}", param="messages"
             ) from exc
+        if seg is not None:
+            delta, media = self._media(delta, items)
+            return seg, delta, media, False
+        prompt, media = self._media(prompt, items)
         # Not appended to the session yet: that waits until the rollout server answers.
-        return _Segment(tools, [], Trajectory(prompt_ids=prompt)), [], True
+        traj = Trajectory(prompt_ids=prompt, multi_modal=media)
+        return _Segment(tools, [], traj), [], None, True
 
     async def chat(
         self, body: Any, session_id: str | None, owner: str = ""
@@ -383,15 +485,21 @@ class RecordingProxy:
         Nothing is recorded unless the rollout server answers: a failed call leaves the session
         as it was (no new segment, no partial turn).
         """
-        seg, delta, new_segment = await asyncio.to_thread(self._render, segments, messages, tools)
+        seg, delta, media, new_segment = await asyncio.to_thread(
+            self._render, segments, messages, tools
+        )
         traj = seg.traj
+        # The server is sent the images of the whole context, in token order; a text-only
+        # context sends none (text-only clients need not take the keyword).
+        context = [m for m in (traj.multi_modal, media) if m is not None]
+        extra = {"multi_modal": MultiModalInputs.concat(context)} if context else {}
         result = await self.client.generate(
-            traj.prompt_ids + traj.response_ids + delta, params, session_id=sid
+            traj.prompt_ids + traj.response_ids + delta, params, session_id=sid, **extra
         )
         out = result.outputs[0]
         if new_segment:
             segments.append(seg)
-        traj.append_env(delta)
+        traj.append_env(delta, media)
         traj.append_model(out.output_ids, out.logprobs)
         traj.num_turns += 1
         traj.finish_reason = str(out.finish_reason or "")
@@ -595,6 +703,7 @@ def serve_proxy(
     """
     from polyrl.core.http import serve_app
     from polyrl.models.loader import load_tokenizer
+    from polyrl.models.processor import load_vision_processor
 
     tokenizer = load_tokenizer(tokenizer_dir)
     proxy = RecordingProxy(
@@ -602,6 +711,8 @@ def serve_proxy(
         tokenizer,
         model_name=model_name,
         apply_chat_template_kwargs=apply_chat_template_kwargs,
+        # A vision model's proxy takes image_url parts; a text model's refuses them.
+        processor=load_vision_processor(tokenizer_dir, tokenizer=tokenizer),
     )
     app = create_proxy_app(proxy, api_keys=api_keys)
     asyncio.run(serve_app(app, host, port, ready_file, log_level))

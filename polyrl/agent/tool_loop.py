@@ -4,6 +4,8 @@ Each round: the model generates a turn (kept token-exact); a parser (Hermes-styl
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` built in; more with
 :func:`register_tool_parser`) extracts the calls; they run concurrently, each with a timeout;
 their responses become ``tool`` messages appended as the chat template's token delta (mask 0).
+A response given as content parts with images is rendered through the loop's vision
+``processor`` and its images join the trajectory's ``multi_modal`` in token order.
 The loop ends when a turn has no call (``stop``), at ``max_turns`` (``max_turns``), or when the
 length budget runs out or a turn is cut short (``length``).
 
@@ -28,6 +30,7 @@ from polyrl.agent.base import (
     GenerateClient,
     Trajectory,
     register_agent_loop,
+    split_messages_media,
 )
 from polyrl.agent.tools import Tool, ToolError, ToolResult, create_tool
 from polyrl.core.registry import Registry
@@ -145,6 +148,8 @@ class ToolAgentLoop(AgentLoop):
         truncation: ``data.truncation`` (see :meth:`AgentLoop.start`).
         apply_chat_template_kwargs: ``data.apply_chat_template_kwargs`` (see
             :class:`AgentLoop`).
+        processor: the policy's vision processor, for tool results with images and image
+            prompts (see :class:`AgentLoop`).
     """
 
     def __init__(
@@ -163,6 +168,7 @@ class ToolAgentLoop(AgentLoop):
         max_prompt_length: int | None = None,
         truncation: str = "error",
         apply_chat_template_kwargs: Mapping[str, Any] | None = None,
+        processor: Any = None,
     ):
         super().__init__(
             tokenizer,
@@ -172,6 +178,7 @@ class ToolAgentLoop(AgentLoop):
             max_prompt_length=max_prompt_length,
             truncation=truncation,
             apply_chat_template_kwargs=apply_chat_template_kwargs,
+            processor=processor,
         )
         if not isinstance(max_parallel_calls, int) or max_parallel_calls < 1:
             raise ValueError(f"max_parallel_calls must be an int >= 1, got {max_parallel_calls}")
@@ -210,6 +217,18 @@ class ToolAgentLoop(AgentLoop):
         head = self.tokenizer.decode(ids[: self.max_tool_response_tokens])
         return head + f"\n[truncated: the response had {len(ids)} tokens]", True
 
+    def _cut_content(self, content: str | list[Any]) -> tuple[str | list[Any], bool]:
+        """:meth:`_cut` a response, or each text part of a content-parts response."""
+        if isinstance(content, str):
+            return self._cut(content)
+        parts, any_cut = [], False
+        for part in content:
+            if isinstance(part, Mapping) and part.get("type") == "text":
+                text, cut = self._cut(str(part.get("text", "")))
+                part, any_cut = {**part, "text": text}, any_cut or cut
+            parts.append(part)
+        return parts, any_cut
+
     async def _call_one(
         self, call: ParsedToolCall, tools: Mapping[str, Tool], context: Mapping[str, Any]
     ) -> tuple[ToolResult, str]:
@@ -236,10 +255,11 @@ class ToolAgentLoop(AgentLoop):
         except Exception as exc:  # a crashing tool must not end the rollout
             why = f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_CHARS]
             return ToolResult(f"Error: tool {tool.name!r} failed: {why}", error=True), "exception"
-        if isinstance(out, str):
+        if isinstance(out, str | list):
             out = ToolResult(out)
-        if not isinstance(out, ToolResult):
-            msg = f"Error: tool {tool.name!r} returned {type(out).__name__}, not text"
+        if not isinstance(out, ToolResult) or not isinstance(out.text, str | list):
+            got = type(out.text if isinstance(out, ToolResult) else out).__name__
+            msg = f"Error: tool {tool.name!r} returned {got}, not text or content parts"
             return ToolResult(msg, error=True), "exception"
         return out, "error" if out.error else "ok"
 
@@ -249,8 +269,11 @@ class ToolAgentLoop(AgentLoop):
         tools: Mapping[str, Tool],
         context: Mapping[str, Any],
         traj: Trajectory,
-    ) -> list[str]:
-        """Run a turn's calls concurrently; return the (cut) tool message texts in order."""
+    ) -> list[str | list[Any]]:
+        """Run a turn's calls concurrently; return the (cut) tool message contents in order.
+
+        A content is the response text, or its content parts (text parts cut alike).
+        """
         run = list(calls[: self.max_parallel_calls])
         results = list(await asyncio.gather(*(self._call_one(c, tools, context) for c in run)))
         for _ in calls[self.max_parallel_calls :]:
@@ -268,7 +291,9 @@ class ToolAgentLoop(AgentLoop):
                 traj.metrics[f"tool_{kind}"] = traj.metrics.get(f"tool_{kind}", 0.0) + 1
             reward += float(result.reward)
             # The loop's own error messages are short and must stay whole; tool output is cut.
-            text, cut = self._cut(result.text) if kind in ("ok", "error") else (result.text, False)
+            text, cut = (
+                self._cut_content(result.text) if kind in ("ok", "error") else (result.text, False)
+            )
             if cut:
                 traj.metrics["tool_truncated"] = traj.metrics.get("tool_truncated", 0.0) + 1
             texts.append(text)
@@ -282,12 +307,16 @@ class ToolAgentLoop(AgentLoop):
         extra = sample.get("extra_info") or {}
         context = extra.get("tools_kwargs") or {}
         # Rendered here (not the dataset's input_ids) so the system turn lists these tools.
-        prompt_ids, messages = self.prompt_ids_of(sample, tools=schemas, render=True)
+        prompt_ids, messages, media = self.prompt_of(sample, tools=schemas, render=True)
         if not messages:
             raise ValueError("the tool loop needs the prompt as chat messages ('raw_prompt')")
         # The dataset measured the prompt without these schemas: fit the one sent.
         traj = self.start(
-            sample, prompt_ids, messages, f"rendered with {len(schemas)} tool schema(s)"
+            sample,
+            prompt_ids,
+            messages,
+            f"rendered with {len(schemas)} tool schema(s)",
+            multi_modal=media,
         )
         if traj.finish_reason == "filtered":
             return traj
@@ -307,7 +336,17 @@ class ToolAgentLoop(AgentLoop):
                 traj.finish_reason = "max_turns"
                 break
             texts = await self.run_calls(calls, tools, context, traj)
-            traj.messages.extend({"role": "tool", "content": t} for t in texts)
+            items: list[tuple[str, Any]] = []
+            showing: list[str] = []  # the tools whose results hold media, for errors
+            for call, content in zip(calls, texts, strict=True):
+                what = f"tool {call.name!r} result"
+                tool_message = {"role": "tool", "content": content}
+                (message,), found = split_messages_media([tool_message], what, join_text=True)
+                self.check_media(found, what)
+                traj.messages.append(message)
+                items.extend(found)
+                if found:
+                    showing.append(repr(call.name))
             delta = self.chat_delta_ids(
                 traj.messages,
                 len(texts),
@@ -318,6 +357,12 @@ class ToolAgentLoop(AgentLoop):
                 # No room left for another model turn: stop before the tool tokens.
                 traj.finish_reason = "length"
                 break
-            traj.append_env(delta)
+            delta, media = self.encode_media(
+                delta, items, f"turn {traj.num_turns}: result of tool {', '.join(showing)}"
+            )
+            if len(traj.response_ids) + len(delta) >= self.max_response_length:
+                traj.finish_reason = "length"  # the images did not fit
+                break
+            traj.append_env(delta, media)
         traj.metrics["response_length"] = float(len(traj.response_ids))
         return traj

@@ -9,8 +9,11 @@
 
 A tool's ``call`` receives the parsed JSON arguments plus the sample's per-tool context
 (``extra_info["tools_kwargs"][tool_name]``) as keyword arguments; it returns a
-:class:`ToolResult` (or a plain string). Raising :class:`ToolError` (or any exception) is not a
-crash: the agent loop turns it into an error message for the model.
+:class:`ToolResult` (or a plain string, or a list of chat content parts). A result may show the
+model images: give its ``text`` as content parts, e.g. ``[{"type": "text", "text": "plot:"},
+{"type": "image", "image": <PIL image or PNG bytes>}]`` (the loop needs a vision processor).
+Raising :class:`ToolError` (or any exception) is not a crash: the agent loop turns it into an
+error message for the model.
 """
 
 from __future__ import annotations
@@ -55,12 +58,14 @@ class ToolResult:
     """What a tool call returns to the loop.
 
     Attributes:
-        text: the tool response shown to the model.
+        text: the tool response shown to the model: a string, or chat content parts
+            (``{"type": "text", "text": ...}``, ``{"type": "image", "image": ...}``) for a
+            response with images.
         reward: reward credited to this turn (0 for most tools).
         error: whether the call failed (counted in ``tool_errors``).
     """
 
-    text: str
+    text: str | list[Any]
     reward: float = 0.0
     error: bool = False
 
