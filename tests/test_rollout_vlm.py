@@ -91,6 +91,22 @@ def test_image_logprobs_equal_the_hf_forward(vl_engine, hf_vl, tiny_vl_processor
         assert outs[0].output_ids == outs[1].output_ids
 
 
+def test_video_and_image_logprobs_equal_the_hf_forward(vl_engine, hf_vl, tiny_vl_processor):
+    proc = tiny_vl_processor
+    frames = [_image((i * 60, 20, 200 - i * 40), (56, 56)) for i in range(4)]
+    msgs = [
+        {
+            "role": "user",
+            "content": [{"type": "video"}, {"type": "text", "text": "and"}, {"type": "image"}],
+        }
+    ]
+    ids, mm = proc.encode_messages(msgs, images=[_image((9, 99, 199))], videos=[frames])
+    params = SamplingParams(max_new_tokens=5, seed=4, logprobs=True, ignore_eos=True)
+    out = run(vl_engine, [GenerateRequest("vid", tuple(ids), params, multi_modal=mm)])["vid"][0]
+    ref = _hf_logprobs(hf_vl, proc, ids, mm, out.output_ids, 1.0)
+    assert (ref - torch.tensor(out.logprobs)).abs().max().item() < 1e-4
+
+
 def test_different_images_same_ids_do_not_share_kv(vl_engine, tiny_vl_processor):
     proc = tiny_vl_processor
     ids_a, mm_a = _prompt(proc, [_image((250, 0, 0))], text="same text here")
@@ -160,3 +176,205 @@ def test_weight_update_covers_the_vision_tower(vl_engine, tiny_vl_processor):
     assert after.weight_version == version
     assert after.logprobs != before.logprobs
     vl_engine.load_weights(list(orig.items()))
+
+
+# ------------------------------------------------------------------------------- the server
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("media")
+    (root / "inside").mkdir()
+    _image((30, 200, 90)).save(root / "inside" / "a.png")
+    _image((30, 200, 90)).save(root / "outside.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def vl_server(tiny_vl_dir, media_dir):
+    from polyrl.rollout.launcher import ServerProcess
+    from polyrl.rollout.options import ServerLimits
+
+    limits = ServerLimits(allowed_media_dir=str(media_dir / "inside"), max_video_frames=16)
+    options = {"num_threads": 1, **SMALL}
+    proc = ServerProcess(tiny_vl_dir, options=options, limits=limits).start(timeout=180)
+    yield proc
+    assert proc.stop() == 0, proc.log_tail()
+
+
+@pytest.fixture(scope="module")
+def vl_http(vl_server):
+    import httpx
+
+    with httpx.Client(base_url=vl_server.url, timeout=60) as client:
+        yield client
+
+
+def _one_placeholder_prompt(proc, n_images: int = 1) -> list[int]:
+    msgs = [{"role": "user", "content": [*({"type": "image"} for _ in range(n_images)), "hi"]}]
+    msgs[0]["content"][-1] = {"type": "text", "text": "hi"}
+    return proc.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_dict=False)
+
+
+def test_server_generate_with_images(vl_http, hf_vl, tiny_vl_processor):
+    proc = tiny_vl_processor
+    imgs = [_image((200, 100, 0)), _image((5, 5, 120), (84, 56))]
+    ids = _one_placeholder_prompt(proc, 2)
+    expanded, mm = proc.encode(ids, images=imgs)
+    params = {"max_new_tokens": 4, "temperature": 1.0, "seed": 2, "n": 2, "logprobs": True}
+    r = vl_http.post(
+        "/generate",
+        json={"input_ids": ids, "images": [_png_b64(i) for i in imgs], "sampling_params": params},
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["prompt_ids"] == expanded
+    for o in body["outputs"]:
+        ref = _hf_logprobs(hf_vl, proc, expanded, mm, o["output_ids"], 1.0)
+        assert (ref - torch.tensor(o["logprobs"])).abs().max().item() < 1e-4
+    # Expanded runs are accepted as they are; a path inside the allowed directory too.
+    r = vl_http.post(
+        "/generate",
+        json={
+            "input_ids": expanded,
+            "images": [{"path": "a.png"}, _png_b64(imgs[1])],
+            "sampling_params": {"max_new_tokens": 2},
+        },
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["prompt_ids"] == expanded
+
+
+def test_client_sends_multi_modal_inputs(vl_server, tiny_vl_processor):
+    import asyncio
+
+    from polyrl.rollout.client import RolloutClient
+
+    proc = tiny_vl_processor
+    ids, mm = _prompt(proc, [_image((40, 40, 40))], "client")
+
+    async def go():
+        async with RolloutClient([vl_server.url]) as client:
+            params = SamplingParams(max_new_tokens=3, temperature=0, logprobs=True)
+            a = await client.generate(ids, params, multi_modal=mm)
+            other = proc.encode(ids, images=[_image((240, 240, 10))])[1]
+            b = await client.generate(ids, params, multi_modal=other)
+            return a, b
+
+    a, b = asyncio.run(go())
+    assert a.prompt_ids == ids
+    assert a.outputs[0].logprobs != b.outputs[0].logprobs
+
+
+def test_server_chat_with_image_parts(vl_http):
+    url = "data:image/png;base64," + _png_b64(_image((100, 0, 100)))
+    msgs = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": url}},
+                {"type": "text", "text": "what is it"},
+            ],
+        }
+    ]
+    r = vl_http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] > 10
+    msgs[0]["content"][0]["image_url"]["url"] = "https://example.com/cat.png"
+    r = vl_http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 3})
+    assert r.status_code == 400, r.text
+    assert "remote" in r.json()["error"]["message"]
+
+
+def _huge_png_header() -> bytes:
+    # A PNG whose header says 20000 x 20000 (its pixel data is a stub): refusing it must not
+    # decode it.
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(kind + data) & 0xFFFFFFFF
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+    ihdr = struct.pack(">IIBBBBB", 20000, 20000, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(b"\x00" * 64))
+        + chunk(b"IEND", b"")
+    )
+
+
+def test_hostile_media_get_4xx_and_the_server_stays_up(vl_http, tiny_vl_processor, media_dir):
+    proc = tiny_vl_processor
+    one = _one_placeholder_prompt(proc, 1)
+    two = _one_placeholder_prompt(proc, 2)
+    good = _png_b64(_image((9, 9, 9)))
+    tiny_frame = _png_b64(Image.new("RGB", (28, 28)))
+    video_id = proc.token_ids["video"]
+    cases = {
+        "corrupt bytes": {"input_ids": one, "images": [base64.b64encode(b"\x89PNGnope").decode()]},
+        "not base64": {"input_ids": one, "images": ["!!!not an image!!!"]},
+        "20000x20000": {
+            "input_ids": one,
+            "images": [base64.b64encode(_huge_png_header()).decode()],
+        },
+        "more images than placeholders": {"input_ids": one, "images": [good, good]},
+        "fewer images than placeholders": {"input_ids": two, "images": [good]},
+        "placeholders, no images": {"input_ids": two},
+        "path outside the allowed dir": {
+            "input_ids": one,
+            "images": [{"path": str(media_dir / "outside.png")}],
+        },
+        "path escaping the allowed dir": {"input_ids": one, "images": [{"path": "../outside.png"}]},
+        "remote url": {"input_ids": one, "images": ["https://example.com/a.png"]},
+        "10000-frame video": {
+            "input_ids": [video_id if t == proc.token_ids["image"] else t for t in one],
+            "videos": [[tiny_frame] * 10000],
+        },
+        "images for several prompts": {"input_ids": [one, one], "images": [good]},
+        "images not a list": {"input_ids": one, "images": good},
+    }
+    expect = {
+        "corrupt bytes": "not a readable image",
+        "not base64": "not valid base64",
+        "20000x20000": "more than the limit",
+        "more images than placeholders": "but 2 image(s)",
+        "fewer images than placeholders": "2 media placeholder(s)",
+        "placeholders, no images": "no images or videos were given",
+        "path outside the allowed dir": "outside the allowed media directory",
+        "path escaping the allowed dir": "outside the allowed media directory",
+        "remote url": "remote URLs are not fetched",
+        "10000-frame video": "10000 frames, more than the limit of 16",
+        "images for several prompts": "single prompt",
+        "images not a list": "images",
+    }
+    for name, body in cases.items():
+        body = {**body, "sampling_params": {"max_new_tokens": 2}}
+        r = vl_http.post("/generate", json=body)
+        assert 400 <= r.status_code < 500, (name, r.status_code, r.text[:300])
+        assert expect[name] in r.text, (name, r.text[:300])
+        assert vl_http.get("/health").status_code == 200, name
+    r = vl_http.post(
+        "/generate",
+        json={"input_ids": one, "images": [good], "sampling_params": {"max_new_tokens": 2}},
+    )
+    assert r.status_code == 200, r.text
+
+
+def test_text_model_refuses_images(agent_server, tiny_vl_processor):
+    import httpx
+
+    good = _png_b64(_image((9, 9, 9)))
+    with httpx.Client(base_url=agent_server.url, timeout=60) as http:
+        r = http.post("/generate", json={"input_ids": [5, 6, 7], "images": [good]})
+        assert r.status_code == 400, r.text
+        assert "no images" in r.json()["error"]["message"]
+        url = "data:image/png;base64," + good
+        msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+        r = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        r = http.post(
+            "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}}
+        )
+        assert r.status_code == 200, r.text

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from polyrl.core.batch import Batch
+from polyrl.core.multimodal import MultiModalInputs
 from polyrl.core.prompts import (
     TEXT_PROMPT_KEY,
     check_template_kwargs,
@@ -69,8 +70,13 @@ class GenerateClient(Protocol):
         *,
         session_id: str | None = None,
         request_id: str | None = None,
+        multi_modal: MultiModalInputs | None = None,
     ) -> Any:
-        """Generate from token ids; return an object with ``.outputs[i].output_ids`` etc."""
+        """Generate from token ids; return an object with ``.outputs[i].output_ids`` etc.
+
+        ``multi_modal``: the prompt's images and videos (vision models); ``input_ids`` then
+        hold their placeholders.
+        """
         ...
 
 

@@ -130,6 +130,7 @@ def create_app(
     extensions: Sequence[AppExtension] = (),
     limits: ServerLimits | None = None,
     model_dir: str | None = None,
+    vision: Any = None,
 ) -> FastAPI:
     """Build the FastAPI app serving ``backend``: the routers of :mod:`polyrl.rollout.routes`.
 
@@ -144,6 +145,9 @@ def create_app(
             chat templates); default :class:`~polyrl.rollout.options.ServerLimits`.
         model_dir: the model's directory, reported as ``root`` by ``/v1/models`` (behind
             ``api_key`` like every route but ``/health``).
+        vision: the model's :class:`~polyrl.models.processor.VisionProcessor` (vision models:
+            ``/generate`` then takes ``images``/``videos`` and chat messages image parts);
+            ``None`` refuses media with 400.
 
     Raises:
         ValueError: an allow-listed chat template file cannot be read.
@@ -177,8 +181,10 @@ def create_app(
     table = RequestTable(backend, limits)
     for router in (
         admin_router(backend),
-        openai_router(backend, tokenizer, table, renderer, policy, model_dir=model_dir),
-        generation_router(backend, table),
+        openai_router(
+            backend, tokenizer, table, renderer, policy, model_dir=model_dir, vision=vision
+        ),
+        generation_router(backend, table, vision=vision, renderer=renderer, limits=limits),
     ):
         # The routes go into the app's own table: app.include_router would keep each router as
         # one more level that every request is matched through, ~10 us of event-loop time per
@@ -223,10 +229,13 @@ def serve(
         ValueError: ``host`` is beyond loopback, with no ``api_key`` and not ``insecure``.
     """
     from polyrl.models.loader import load_tokenizer
+    from polyrl.models.processor import load_vision_processor
 
     check_exposure(host, api_key, insecure)
+    limits = limits or ServerLimits()
     engine = create_backend(backend, model_dir, **options)
     tokenizer = load_tokenizer(model_dir, trust_remote_code=bool(options.get("trust_remote_code")))
+    vision = load_vision_processor(model_dir, tokenizer=tokenizer, limits=limits.media_limits())
     app = create_app(
         engine,
         tokenizer,
@@ -234,6 +243,7 @@ def serve(
         extensions=extensions,
         limits=limits,
         model_dir=os.path.abspath(model_dir),
+        vision=vision,
     )
     asyncio.run(serve_app(app, host, port, ready_file, log_level, on_ready))
 
