@@ -17,7 +17,13 @@ from tests.test_rollout_engine import run
 # A small step budget so image prompts are prefilled in several chunks that cut image runs.
 # Blocks of 4 tokens so image runs (4 tokens here) straddle block edges.
 BS = 4
-SMALL = {"max_num_seqs": 8, "max_num_batched_tokens": 8, "kv_cache_tokens": 2048, "block_size": BS}
+STEP = 6
+SMALL = {
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": STEP,
+    "kv_cache_tokens": 2048,
+    "block_size": BS,
+}
 
 
 def _image(color: tuple[int, int, int], size: tuple[int, int] = (112, 84)) -> Image.Image:
@@ -47,6 +53,14 @@ def _prompt(proc, images, text="describe"):
 
 
 @pytest.fixture(scope="module")
+def big_proc(tiny_vl_dir):
+    """The tiny model's processor letting images fill up to 16 tokens (the default: 4)."""
+    from polyrl.models.processor import VisionProcessor
+
+    return VisionProcessor.from_pretrained(tiny_vl_dir, max_pixels=112 * 112)
+
+
+@pytest.fixture(scope="module")
 def vl_engine(tiny_vl_dir):
     eng = NativeEngine(tiny_vl_dir, NativeEngineConfig(**SMALL))
     eng.start()
@@ -73,10 +87,12 @@ def _hf_logprobs(model, proc, ids, mm, out_ids, temperature):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_image_logprobs_equal_the_hf_forward(vl_engine, hf_vl, tiny_vl_processor, temperature):
-    proc = tiny_vl_processor
+def test_image_logprobs_equal_the_hf_forward(vl_engine, hf_vl, big_proc, temperature):
+    proc = big_proc
     ids, mm = _prompt(proc, [_image((200, 30, 10)), _image((0, 90, 250), (56, 112))])
-    assert len(ids) > SMALL["max_num_batched_tokens"]  # prefill is chunked
+    # Prefill is chunked, and chunk edges cut through image runs.
+    at = [i for i, t in enumerate(ids) if t == proc.token_ids["image"]]
+    assert any(i % STEP == 0 and i - 1 in at for i in at), at
     params = SamplingParams(
         max_new_tokens=6, temperature=temperature, n=2, seed=3, logprobs=True, ignore_eos=True
     )
@@ -91,8 +107,8 @@ def test_image_logprobs_equal_the_hf_forward(vl_engine, hf_vl, tiny_vl_processor
         assert outs[0].output_ids == outs[1].output_ids
 
 
-def test_video_and_image_logprobs_equal_the_hf_forward(vl_engine, hf_vl, tiny_vl_processor):
-    proc = tiny_vl_processor
+def test_video_and_image_logprobs_equal_the_hf_forward(vl_engine, hf_vl, big_proc):
+    proc = big_proc
     frames = [_image((i * 60, 20, 200 - i * 40), (56, 56)) for i in range(4)]
     msgs = [
         {
@@ -107,8 +123,8 @@ def test_video_and_image_logprobs_equal_the_hf_forward(vl_engine, hf_vl, tiny_vl
     assert (ref - torch.tensor(out.logprobs)).abs().max().item() < 1e-4
 
 
-def test_different_images_same_ids_do_not_share_kv(vl_engine, tiny_vl_processor):
-    proc = tiny_vl_processor
+def test_different_images_same_ids_do_not_share_kv(vl_engine, big_proc):
+    proc = big_proc
     ids_a, mm_a = _prompt(proc, [_image((250, 0, 0))], text="same text here")
     ids_b, mm_b = _prompt(proc, [_image((0, 0, 250))], text="same text here")
     assert ids_a == ids_b and mm_a.digests != mm_b.digests
@@ -130,8 +146,8 @@ def test_different_images_same_ids_do_not_share_kv(vl_engine, tiny_vl_processor)
     )
 
 
-def test_samples_share_the_prompt_and_images_are_encoded_once(vl_engine, tiny_vl_processor):
-    proc = tiny_vl_processor
+def test_samples_share_the_prompt_and_images_are_encoded_once(vl_engine, big_proc):
+    proc = big_proc
     ids, mm = _prompt(proc, [_image((10, 160, 40)), _image((90, 10, 200), (84, 84))], "once")
     runner = vl_engine.runner
     calls = runner.vision_calls
@@ -142,6 +158,33 @@ def test_samples_share_the_prompt_and_images_are_encoded_once(vl_engine, tiny_vl
     run(vl_engine, [GenerateRequest("twice", tuple(ids), params, multi_modal=mm)])
     assert runner.vision_calls - calls == 2  # the repeated prompt hits the embedding cache
     assert len({tuple(s.output_ids) for s in outs}) > 1
+
+
+def test_preempted_image_prompts_recompute_the_same(vl_engine, big_proc, tiny_vl_dir):
+    # A KV cache of 12 blocks cannot hold three of these prompts at once: sequences are
+    # preempted and recomputed, and must keep their images and positions.
+    proc = big_proc
+    colors = [(250, 10, 10), (10, 250, 10), (10, 10, 250)]
+    prompts = [_prompt(proc, [_image(c, (112, 112))], "p") for c in colors]
+    params = SamplingParams(max_new_tokens=8, temperature=0, logprobs=True, ignore_eos=True)
+    reqs = [
+        GenerateRequest(f"pre{i}", tuple(ids), params, multi_modal=mm)
+        for i, (ids, mm) in enumerate(prompts)
+    ]
+    want = run(vl_engine, reqs)
+    tight = NativeEngine(tiny_vl_dir, NativeEngineConfig(**{**SMALL, "kv_cache_tokens": 48}))
+    tight.start()
+    try:
+        got = run(tight, reqs)
+        assert tight.stats().preemptions_total > 0
+    finally:
+        tight.shutdown()
+    for r in reqs:
+        a, b = want[r.request_id][0], got[r.request_id][0]
+        assert a.output_ids == b.output_ids
+        torch.testing.assert_close(
+            torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0
+        )
 
 
 def test_engine_refuses_mismatched_media(vl_engine, tiny_vl_processor):

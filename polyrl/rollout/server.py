@@ -22,9 +22,15 @@ Endpoints
     "cached_prompt_tokens"}], "weight_version", "usage"}``; a list of prompts answers
     ``{"results": [...], "weight_version"}``. With ``stream`` (one prompt), server-sent events
     ``data: {"request_id", "index", "token_ids", "logprobs", "finish_reason", ...}`` end with
-    ``data: [DONE]``.
+    ``data: [DONE]``. A vision model's server also takes ``"images"`` (base64, ``data:``
+    URLs, or ``{"path": ...}`` inside ``--allowed-media-dir``) and ``"videos"`` (frame lists)
+    with one placeholder token per item in ``input_ids`` (or the expanded runs); the answer
+    then carries the expanded ``"prompt_ids"``. Media beyond ``--max-image-pixels``,
+    ``--max-video-frames`` or ``--max-media-items``, unreadable, remote, outside the directory,
+    or not matching the placeholders get 400, as do media sent to a text model.
 ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
-    OpenAI-compatible; see :mod:`polyrl.rollout.openai_compat`.
+    OpenAI-compatible; see :mod:`polyrl.rollout.openai_compat`. Chat messages to a vision
+    model may hold ``image_url`` parts with ``data:`` URLs (remote URLs get 400).
 ``GET /health``
     ``{"status": "ok", "model", "backend", "weight_version", "paused", "sleeping", "running",
     "waiting", "max_model_len", "vocab_size", "eos_token_ids"}``.

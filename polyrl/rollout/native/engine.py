@@ -121,6 +121,8 @@ class NativeEngineConfig:
             the LM head stay float32 (and keep the C kernels): faster decoding on CPUs with
             AVX512-BF16, at bf16 rounding of the projections. Ignored (with a warning) where the
             HF forward serves the model.
+        vision_cache_bytes: bound on the image/video embeddings kept (vision models), so the
+            samples of a prompt and repeated prompts run the vision tower once per item.
     """
 
     dtype: str = "float32"
@@ -138,6 +140,7 @@ class NativeEngineConfig:
     cpu_kernels: bool = True
     fast_forward: bool = True
     matmul_dtype: str | None = None
+    vision_cache_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -145,6 +148,7 @@ class NativeEngineConfig:
         _check_int("kv_cache_tokens", self.kv_cache_tokens, 1)
         _check_int("block_size", self.block_size, 1)
         _check_int("seed", self.seed, 0)
+        _check_int("vision_cache_bytes", self.vision_cache_bytes, 0)
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 2)
         if self.num_threads is not None:
@@ -205,6 +209,7 @@ class NativeEngine:
         self.model_dir = str(model_dir)
         self.tokenizer = load_tokenizer(model_dir, trust_remote_code=config.trust_remote_code)
         self.runner = ModelRunner(model_dir, config.dtype, config.device, config.trust_remote_code)
+        self.runner.embedding_cache.max_bytes = config.vision_cache_bytes
         fast = self.runner.enable_fast_forward(config.fast_forward, config.matmul_dtype)
         matmul = config.matmul_dtype
         if not fast and matmul is not None and resolve_dtype(matmul) != self.runner.dtype:
