@@ -196,6 +196,22 @@ def test_engine_refuses_mismatched_media(vl_engine, tiny_vl_processor):
     with pytest.raises(InvalidRequestError):  # one placeholder token, not the expanded run
         short = [t for i, t in enumerate(ids) if t != proc.token_ids["image"] or i == ids.index(t)]
         vl_engine.submit(GenerateRequest("bad2", tuple(short), params, multi_modal=mm), print)
+    # Pixels the vision tower cannot take fail their own request only, before any step.
+    import dataclasses
+    import threading
+
+    bad = dataclasses.replace(
+        mm, tensors={**mm.tensors, "pixel_values": mm.tensors["pixel_values"][:, :7]}
+    )
+    got = []
+    done = threading.Event()
+    vl_engine.submit(
+        GenerateRequest("bad3", tuple(ids), params, multi_modal=bad),
+        lambda p: (got.append(p), done.set()),
+    )
+    assert done.wait(60) and isinstance(got[0], BaseException)
+    ok = run(vl_engine, [GenerateRequest("ok3", tuple(ids), params, multi_modal=mm)])
+    assert ok["ok3"][0].finish_reason in ("stop", "length")
 
 
 def test_weight_update_covers_the_vision_tower(vl_engine, tiny_vl_processor):

@@ -177,7 +177,6 @@ class _Group:
     arrival: float
     unfinished: int
     first_token_time: float | None = None
-    media: SeqMedia | None = None
 
 
 class NativeEngine:
@@ -422,7 +421,12 @@ class NativeEngine:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
-        group = _Group(request, [], sink, stream, time.perf_counter(), params.n, media=media)
+        if media is not None:
+            # Encode the images now, between steps: a tower failure then fails this request
+            # only, and the forward finds every item cached.
+            for item in media.items:
+                self.runner.embedding_cache.get(item, self.runner.encode_item)
+        group = _Group(request, [], sink, stream, time.perf_counter(), params.n)
         prompt = list(request.prompt_ids)
         for i in range(params.n):
             if params.seed is None or params.greedy:

@@ -193,6 +193,7 @@ class ModelRunner:
         """The vision tower's spatial patch merge factor."""
         return int(getattr(self.config.vision_config, "spatial_merge_size", 2))
 
+    @torch.inference_mode()
     def encode_item(self, item: MediaItem) -> torch.Tensor:
         """Run the vision tower on one image or video; return its ``(tokens, hidden)`` rows."""
         inner = self.model.model
