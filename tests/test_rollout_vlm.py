@@ -437,3 +437,36 @@ def test_text_model_refuses_images(agent_server, tiny_vl_processor):
             "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}}
         )
         assert r.status_code == 200, r.text
+
+
+def test_server_weight_update_reaches_the_vision_tower(vl_http, tiny_vl_processor, tmp_path):
+    # Last in the module: it leaves the server on other weights. Only the vision tower's
+    # weights differ in the new directory, so a changed output can only come from it (and
+    # from the embedding cache having been dropped).
+    from safetensors.torch import load_file, save_file
+
+    from polyrl.models.tiny import build_tiny_model
+
+    src = build_tiny_model("qwen2_vl", tmp_path / "seed0", seed=0)
+    other = build_tiny_model("qwen2_vl", tmp_path / "seed1", seed=1)
+    (shard,) = sorted(src.glob("*.safetensors"))
+    (shard1,) = sorted(other.glob("*.safetensors"))
+    mixed = load_file(shard)
+    theirs = load_file(shard1)
+    visual = [k for k in mixed if ".visual." in k or k.startswith("visual.")]
+    assert visual
+    for k in visual:
+        mixed[k] = theirs[k]
+    save_file(mixed, shard, metadata={"format": "pt"})
+    ids = _one_placeholder_prompt(tiny_vl_processor, 1)
+    body = {
+        "input_ids": ids,
+        "images": [_png_b64(_image((80, 160, 240)))],
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0, "logprobs": True},
+    }
+    before = vl_http.post("/generate", json=body).json()["outputs"][0]["logprobs"]
+    r = vl_http.post("/update_weights", json={"path": str(src), "version": 7})
+    assert r.status_code == 200, r.text
+    after = vl_http.post("/generate", json=body).json()["outputs"][0]
+    assert after["weight_version"] == 7
+    assert after["logprobs"] != before
