@@ -419,6 +419,11 @@ def test_hostile_media_get_4xx_and_the_server_stays_up(vl_http, tiny_vl_processo
         json={"input_ids": one, "images": [good], "sampling_params": {"max_new_tokens": 2}},
     )
     assert r.status_code == 200, r.text
+    # Text alone still works on a vision model.
+    r = vl_http.post(
+        "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"n": 2, "max_new_tokens": 3}}
+    )
+    assert r.status_code == 200, r.text
 
 
 def test_text_model_refuses_images(agent_server, tiny_vl_processor):
