@@ -216,6 +216,12 @@ def test_launch_stream_count_and_stop_the_whole_group(model_dir, fake_venv, tmp_
             assert stats.finished_total == {"length": 2} and stats.ttft_count == 1
             assert (stats.kv_cache_blocks_total, stats.kv_cache_blocks_used) == (16, 8)
             assert stats.kv_cache_bytes == 1024 and stats.running == stats.waiting == 0
+            # Token ids over HTTP carry no images: refused, not generated from placeholders.
+            from polyrl.core.multimodal import MultiModalInputs
+
+            media = MultiModalInputs({}, ("image",), ("digest",), (1,))
+            with pytest.raises(InvalidRequestError, match="no images"):
+                await backend.generate(GenerateRequest("img", (5, 6, 7), multi_modal=media))
         finally:
             await backend.shutdown()
 

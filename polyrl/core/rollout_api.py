@@ -17,9 +17,12 @@ import inspect
 import math
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from polyrl.core.registry import did_you_mean
+
+if TYPE_CHECKING:  # torch-free at import: the client and the router use these types
+    from polyrl.core.multimodal import MultiModalInputs
 
 __all__ = [
     "FINISH_REASONS",
@@ -267,11 +270,14 @@ class GenerateRequest:
         request_id: unique among in-flight requests of one backend; used by ``abort``.
         prompt_ids: the prompt's token ids.
         params: sampling parameters (``n`` samples come back under one request).
+        multi_modal: the prompt's processed images and videos (vision models only); then
+            ``prompt_ids`` hold the *expanded* placeholder runs, one token per image token.
     """
 
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    multi_modal: MultiModalInputs | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

@@ -31,11 +31,14 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from polyrl.core.rollout_api import RolloutError, SampleOutput, SamplingParams
+
+if TYPE_CHECKING:  # the client imports no torch
+    from polyrl.core.multimodal import MultiModalInputs
 
 __all__ = [
     "GenerateResult",
@@ -101,6 +104,8 @@ class GenerateResult:
     weight_version: int
     usage: dict[str, int]
     replica: str
+    #: The prompt as the server ran it (placeholders expanded); set for image prompts only.
+    prompt_ids: list[int] | None = None
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any], replica: str) -> GenerateResult:
@@ -129,6 +134,7 @@ class GenerateResult:
             weight_version=body.get("weight_version", 0),
             usage=dict(body.get("usage", {})),
             replica=replica,
+            prompt_ids=list(body["prompt_ids"]) if body.get("prompt_ids") is not None else None,
         )
 
 
@@ -510,6 +516,7 @@ class RolloutClient:
         *,
         session_id: str | None = None,
         request_id: str | None = None,
+        multi_modal: MultiModalInputs | None = None,
     ) -> GenerateResult:
         """Generate from one prompt of token ids (``/generate``).
 
@@ -518,6 +525,10 @@ class RolloutClient:
             sampling_params: :class:`SamplingParams` or the same fields as a mapping.
             session_id: keeps the turns of one conversation on one replica.
             request_id: id for ``abort`` (default: random).
+            multi_modal: the prompt's images and videos (a vision model's server); their
+                sources are sent (:meth:`~polyrl.core.multimodal.MultiModalInputs.media_payload`)
+                and the server processes them again. ``input_ids`` may hold one placeholder
+                per item or the expanded runs; the result's ``prompt_ids`` are expanded.
         """
         if isinstance(sampling_params, SamplingParams):
             params: Mapping[str, Any] = sampling_params.to_dict()
@@ -530,6 +541,8 @@ class RolloutClient:
         }
         if session_id is not None:
             body["session_id"] = session_id
+        if multi_modal is not None and len(multi_modal):
+            body.update({k: v for k, v in multi_modal.media_payload().items() if v})
         answer, url = await self.post_json("/generate", body, session_id)
         return GenerateResult.from_json(answer, url)
 

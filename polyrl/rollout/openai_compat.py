@@ -101,6 +101,8 @@ class OpenAIJob:
     request_id: str
     created: int
     model: str
+    #: The prompt's processed images (vision models; one prompt), else ``None``.
+    multi_modal: Any = None
 
 
 def _fail(message: str, param: str | None = None, code: str | None = None) -> InvalidRequestError:
@@ -371,31 +373,76 @@ def parse_completion_request(
     )
 
 
-def _message_text(content: Any, index: int) -> str | None:
+def _image_part_url(part: Mapping[str, Any], index: int) -> str:
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, Mapping) else url
+    if not isinstance(url, str):
+        raise _fail(
+            f"messages[{index}].content: an image_url part needs image_url.url", param="messages"
+        )
+    if not url[:5].lower() == "data:":
+        # The server fetches nothing: a remote URL would let a client make it connect anywhere.
+        raise _fail(
+            f"messages[{index}].content: only data: image URLs are accepted (remote URLs are "
+            "not fetched); send data:image/png;base64,...",
+            param="messages",
+            code="remote_url_not_allowed",
+        )
+    return url
+
+
+def _message_content(
+    content: Any, index: int, images: list[str] | None
+) -> str | list[dict[str, Any]] | None:
+    """Return a message's content for the template: text, or text and image parts.
+
+    ``images`` collects the ``data:`` URLs of image parts (``None``: the model takes none).
+    """
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
+        parts: list[dict[str, Any]] = []
+        has_image = False
         for part in content:
-            if not isinstance(part, Mapping) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind == "image_url" and images is not None:
+                images.append(_image_part_url(part, index))
+                parts.append({"type": "image"})
+                has_image = True
+            elif kind == "text":
+                parts.append({"type": "text", "text": str(part.get("text", ""))})
+            else:
+                what = "text and image_url" if images is not None else "text"
+                if kind == "image_url":
+                    what += " (the served model takes no images)"
                 raise _fail(
-                    f"messages[{index}].content: only text parts are supported, got {part!r}",
+                    f"messages[{index}].content: only {what} parts are supported, got "
+                    f"{str(part)[:200]!r}",
                     param="messages",
+                    code="images_not_supported" if kind == "image_url" else None,
                 )
-            parts.append(str(part.get("text", "")))
-        return "".join(parts)
+        if has_image:
+            return parts
+        return "".join(p["text"] for p in parts)
     raise _fail(
         f"messages[{index}].content must be a string or a list of text parts", param="messages"
     )
 
 
 def parse_chat_request(
-    body: Any, tokenizer: Any, info: ModelInfo, policy: PromptPolicy | None = None
+    body: Any,
+    tokenizer: Any,
+    info: ModelInfo,
+    policy: PromptPolicy | None = None,
+    vision: Any = None,
 ) -> OpenAIJob:
     """Parse a ``/v1/chat/completions`` body; the prompt is rendered by the chat template.
 
     ``tools`` are handed to the template (which lists them in the system turn). ``policy``
     says which templates ``chat_template_kwargs`` may name (default: the model's only).
+    With ``vision`` (the model's :class:`~polyrl.models.processor.VisionProcessor`),
+    ``image_url`` content parts holding ``data:`` URLs are decoded and placed at the
+    template's image placeholders (no paths, no remote URLs).
 
     Raises:
         InvalidRequestError: malformed messages or fields, or a template that fails on them.
@@ -408,11 +455,12 @@ def parse_chat_request(
     if not isinstance(messages, list) or not messages:
         raise _fail("messages must be a non-empty list", param="messages")
     rendered: list[dict[str, Any]] = []
+    images: list[str] | None = [] if vision is not None else None
     for i, msg in enumerate(messages):
         if not isinstance(msg, Mapping) or not isinstance(msg.get("role"), str):
             raise _fail(f"messages[{i}] must be an object with a string 'role'", param="messages")
         item = dict(msg)
-        item["content"] = _message_text(msg.get("content"), i)
+        item["content"] = _message_content(msg.get("content"), i, images)
         rendered.append(item)
     tools = body.get("tools")
     if tools is not None and not (
@@ -449,6 +497,14 @@ def parse_chat_request(
         raise _fail("the chat template did not render to text", param="messages")
     policy.check_text(text, "messages")
     prompt_ids = tokenizer(text, add_special_tokens=False).input_ids
+    multi_modal = None
+    if images:
+        from polyrl.core.multimodal import MultiModalInputError
+
+        try:
+            prompt_ids, multi_modal = vision.encode(prompt_ids, images, what="messages")
+        except MultiModalInputError as exc:
+            raise _fail(str(exc), param="messages") from None
     logprobs = _flag(body, "logprobs", False)
     top = body.get("top_logprobs")
     if top is not None:
@@ -472,6 +528,7 @@ def parse_chat_request(
         request_id=_request_id(body, "chatcmpl"),
         created=int(time.time()),
         model=model,
+        multi_modal=multi_modal,
     )
 
 

@@ -10,7 +10,10 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from polyrl.core.multimodal import MediaLimits
 
 __all__ = [
     "API_KEY_ENV",
@@ -102,6 +105,11 @@ class ServerLimits:
             server runs; with it off a request may only *name* a template of the model or of
             ``chat_templates``.
         chat_templates: name -> template file, the templates a request may name.
+        allowed_media_dir: the directory images sent as ``{"path": ...}`` must lie in
+            (``None``: paths are refused; images come as base64 or ``data:`` URLs).
+        max_image_pixels: most pixels (width x height, read from the header) of one image.
+        max_video_frames: most frames of one video.
+        max_media_items: most images plus videos in one prompt.
     """
 
     max_body_bytes: int = 8 << 20
@@ -112,9 +120,21 @@ class ServerLimits:
     render_threads: int = 2
     allow_request_chat_template: bool = False
     chat_templates: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    allowed_media_dir: str | None = None
+    max_image_pixels: int = 4096 * 4096
+    max_video_frames: int = 256
+    max_media_items: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_json_depth", "max_sequences", "max_queued_tokens"):
+        for name in (
+            "max_body_bytes",
+            "max_json_depth",
+            "max_sequences",
+            "max_queued_tokens",
+            "max_image_pixels",
+            "max_video_frames",
+            "max_media_items",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -150,7 +170,19 @@ class ServerLimits:
             args.append("--allow-request-chat-template")
         for name, path in self.chat_templates.items():
             args += ["--chat-template", f"{name}={path}"]
+        if self.allowed_media_dir is not None:
+            args += ["--allowed-media-dir", str(self.allowed_media_dir)]
         return args
+
+    def media_limits(self) -> MediaLimits:
+        """Return the bounds on decoded media these limits set."""
+        from polyrl.core.multimodal import MediaLimits  # torch: not at import (polyrl --help)
+
+        return MediaLimits(
+            max_image_pixels=self.max_image_pixels,
+            max_items=self.max_media_items,
+            max_video_frames=self.max_video_frames,
+        )
 
 
 _LIMIT_FLAGS = (
@@ -160,6 +192,9 @@ _LIMIT_FLAGS = (
     ("--max-queued-tokens", "max_queued_tokens"),
     ("--render-timeout", "render_timeout"),
     ("--render-threads", "render_threads"),
+    ("--max-image-pixels", "max_image_pixels"),
+    ("--max-video-frames", "max_video_frames"),
+    ("--max-media-items", "max_media_items"),
 )
 
 
@@ -205,6 +240,30 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"threads rendering and tokenizing prompts (default {d.render_threads})",
     )
     group.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=d.max_image_pixels,
+        help=f"most pixels of one image (default {d.max_image_pixels})",
+    )
+    group.add_argument(
+        "--max-video-frames",
+        type=int,
+        default=d.max_video_frames,
+        help=f"most frames of one video (default {d.max_video_frames})",
+    )
+    group.add_argument(
+        "--max-media-items",
+        type=int,
+        default=d.max_media_items,
+        help=f"most images plus videos in one prompt (default {d.max_media_items})",
+    )
+    group.add_argument(
+        "--allowed-media-dir",
+        default=None,
+        metavar="DIR",
+        help="accept images sent as {'path': ...} inside DIR (default: no paths)",
+    )
+    group.add_argument(
         "--chat-template",
         action="append",
         default=[],
@@ -243,6 +302,7 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
         **{name: getattr(args, name, getattr(d, name)) for _, name in _LIMIT_FLAGS},
         allow_request_chat_template=bool(getattr(args, "allow_request_chat_template", False)),
         chat_templates=templates,
+        allowed_media_dir=getattr(args, "allowed_media_dir", None),
     )
 
 

@@ -62,6 +62,8 @@ class GenerateBody(BaseModel):
     request_id: str | None = None
     stream: bool | None = None
     session_id: str | None = None
+    images: list[Any] | None = None
+    videos: list[list[Any]] | None = None
 
 
 class AbortBody(BaseModel):

@@ -22,9 +22,15 @@ Endpoints
     "cached_prompt_tokens"}], "weight_version", "usage"}``; a list of prompts answers
     ``{"results": [...], "weight_version"}``. With ``stream`` (one prompt), server-sent events
     ``data: {"request_id", "index", "token_ids", "logprobs", "finish_reason", ...}`` end with
-    ``data: [DONE]``.
+    ``data: [DONE]``. A vision model's server also takes ``"images"`` (base64, ``data:``
+    URLs, or ``{"path": ...}`` inside ``--allowed-media-dir``) and ``"videos"`` (frame lists)
+    with one placeholder token per item in ``input_ids`` (or the expanded runs); the answer
+    then carries the expanded ``"prompt_ids"``. Media beyond ``--max-image-pixels``,
+    ``--max-video-frames`` or ``--max-media-items``, unreadable, remote, outside the directory,
+    or not matching the placeholders get 400, as do media sent to a text model.
 ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
-    OpenAI-compatible; see :mod:`polyrl.rollout.openai_compat`.
+    OpenAI-compatible; see :mod:`polyrl.rollout.openai_compat`. Chat messages to a vision
+    model may hold ``image_url`` parts with ``data:`` URLs (remote URLs get 400).
 ``GET /health``
     ``{"status": "ok", "model", "backend", "weight_version", "paused", "sleeping", "running",
     "waiting", "max_model_len", "vocab_size", "eos_token_ids"}``.
@@ -130,6 +136,7 @@ def create_app(
     extensions: Sequence[AppExtension] = (),
     limits: ServerLimits | None = None,
     model_dir: str | None = None,
+    vision: Any = None,
 ) -> FastAPI:
     """Build the FastAPI app serving ``backend``: the routers of :mod:`polyrl.rollout.routes`.
 
@@ -144,6 +151,9 @@ def create_app(
             chat templates); default :class:`~polyrl.rollout.options.ServerLimits`.
         model_dir: the model's directory, reported as ``root`` by ``/v1/models`` (behind
             ``api_key`` like every route but ``/health``).
+        vision: the model's :class:`~polyrl.models.processor.VisionProcessor` (vision models:
+            ``/generate`` then takes ``images``/``videos`` and chat messages image parts);
+            ``None`` refuses media with 400.
 
     Raises:
         ValueError: an allow-listed chat template file cannot be read.
@@ -177,8 +187,10 @@ def create_app(
     table = RequestTable(backend, limits)
     for router in (
         admin_router(backend),
-        openai_router(backend, tokenizer, table, renderer, policy, model_dir=model_dir),
-        generation_router(backend, table),
+        openai_router(
+            backend, tokenizer, table, renderer, policy, model_dir=model_dir, vision=vision
+        ),
+        generation_router(backend, table, vision=vision, renderer=renderer, limits=limits),
     ):
         # The routes go into the app's own table: app.include_router would keep each router as
         # one more level that every request is matched through, ~10 us of event-loop time per
@@ -223,10 +235,13 @@ def serve(
         ValueError: ``host`` is beyond loopback, with no ``api_key`` and not ``insecure``.
     """
     from polyrl.models.loader import load_tokenizer
+    from polyrl.models.processor import load_vision_processor
 
     check_exposure(host, api_key, insecure)
+    limits = limits or ServerLimits()
     engine = create_backend(backend, model_dir, **options)
     tokenizer = load_tokenizer(model_dir, trust_remote_code=bool(options.get("trust_remote_code")))
+    vision = load_vision_processor(model_dir, tokenizer=tokenizer, limits=limits.media_limits())
     app = create_app(
         engine,
         tokenizer,
@@ -234,6 +249,7 @@ def serve(
         extensions=extensions,
         limits=limits,
         model_dir=os.path.abspath(model_dir),
+        vision=vision,
     )
     asyncio.run(serve_app(app, host, port, ready_file, log_level, on_ready))
 

@@ -506,6 +506,15 @@ class SubprocessBackend(abc.ABC):
     def _validate(self, request: GenerateRequest) -> int:
         """Check ``request`` against the model; return its most new tokens."""
         info = self.info
+        if request.multi_modal is not None:
+            # The server's token-in completions API carries no images: sending the ids alone
+            # would generate from the placeholders' text embeddings, silently wrong.
+            raise InvalidRequestError(
+                f"the {info.backend} backend takes no images or videos with token-id prompts "
+                "over its server's HTTP API; use the native backend for vision models",
+                param="multi_modal",
+                code="images_not_supported",
+            )
         return check_request_fits(request, info.vocab_size, info.max_model_len)
 
     def _check_answer(self, path: str, answer: Any) -> None:  # noqa: B027 - optional hook

@@ -105,6 +105,7 @@ __all__ = [
     "VLLMOptions",
     "default_vllm_venv",
     "vllm_available",
+    "vllm_prompt",
 ]
 
 logger = logging.getLogger(__name__)
@@ -136,6 +137,59 @@ def default_vllm_venv() -> Path:
     ``./.venv-vllm`` that holds vLLM; else ``<repo>/.venv-vllm``.
     """
     return find_venv(VLLM_VENV_ENV, ".venv-vllm", vllm_available)
+
+
+def vllm_prompt(request: GenerateRequest, token_ids: Mapping[str, int]) -> dict[str, Any]:
+    """Return ``request``'s prompt as a vLLM ``TokensPrompt`` dict, media included.
+
+    vLLM's multi-modal processor expands each image's placeholder itself, so the expanded runs
+    of ``request.prompt_ids`` are collapsed back to one placeholder token per item, and the
+    items go as decoded PIL images under ``multi_modal_data`` (``{"image": [...], "video":
+    [[frame, ...], ...]}``), decoded from the inputs' sources (PNG bytes).
+
+    Args:
+        request: the request (with or without ``multi_modal``).
+        token_ids: placeholder token id by kind (``{"image": ..., "video": ...}``).
+
+    Raises:
+        InvalidRequestError: the inputs carry no sources, or the prompt's placeholder runs do
+            not match the items.
+    """
+    ids = list(request.prompt_ids)
+    mm = request.multi_modal
+    if mm is None or not len(mm):
+        return {"prompt_token_ids": ids}
+    if not mm.sources:
+        raise InvalidRequestError(
+            "multi_modal inputs without sources cannot be sent to vLLM (it processes the "
+            "images itself)",
+            param="multi_modal",
+        )
+    from polyrl.core.multimodal import decode_image
+
+    by_id = {v: k for k, v in token_ids.items()}
+    collapsed: list[int] = []
+    kinds: list[str] = []
+    prev = None
+    for tok in ids:
+        if tok in by_id and tok == prev:
+            continue  # the rest of a placeholder run
+        if tok in by_id:
+            kinds.append(by_id[tok])
+        collapsed.append(tok)
+        prev = tok
+    if kinds != list(mm.kinds):
+        raise InvalidRequestError(
+            f"the prompt's placeholder runs ({kinds}) do not match its media ({list(mm.kinds)})",
+            param="multi_modal",
+        )
+    data: dict[str, list[Any]] = {}
+    for kind, src in zip(mm.kinds, mm.sources, strict=True):
+        if kind == "image":
+            data.setdefault("image", []).append(decode_image(src))
+        else:
+            data.setdefault("video", []).append([decode_image(f) for f in src])
+    return {"prompt_token_ids": collapsed, "multi_modal_data": data}
 
 
 def vllm_available(venv: str | os.PathLike[str] | None = None) -> bool:

@@ -44,6 +44,7 @@ from polyrl.models.loader import load_tokenizer
 from polyrl.rollout.native import cpu_kernels
 from polyrl.rollout.native.attention import AttentionGroup, StepMetadata
 from polyrl.rollout.native.kv_cache import BlockAllocator, PagedKVCache
+from polyrl.rollout.native.media import MediaItem, SeqMedia, build_seq_media
 from polyrl.rollout.native.runner import ModelRunner, StepInputs
 from polyrl.rollout.native.sampler import Sampler, SamplingRow
 from polyrl.rollout.native.scheduler import Chunk, Scheduler, SeqStatus
@@ -120,6 +121,8 @@ class NativeEngineConfig:
             the LM head stay float32 (and keep the C kernels): faster decoding on CPUs with
             AVX512-BF16, at bf16 rounding of the projections. Ignored (with a warning) where the
             HF forward serves the model.
+        vision_cache_bytes: bound on the image/video embeddings kept (vision models), so the
+            samples of a prompt and repeated prompts run the vision tower once per item.
     """
 
     dtype: str = "float32"
@@ -137,6 +140,7 @@ class NativeEngineConfig:
     cpu_kernels: bool = True
     fast_forward: bool = True
     matmul_dtype: str | None = None
+    vision_cache_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -144,6 +148,7 @@ class NativeEngineConfig:
         _check_int("kv_cache_tokens", self.kv_cache_tokens, 1)
         _check_int("block_size", self.block_size, 1)
         _check_int("seed", self.seed, 0)
+        _check_int("vision_cache_bytes", self.vision_cache_bytes, 0)
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 2)
         if self.num_threads is not None:
@@ -203,6 +208,7 @@ class NativeEngine:
         self.model_dir = str(model_dir)
         self.tokenizer = load_tokenizer(model_dir, trust_remote_code=config.trust_remote_code)
         self.runner = ModelRunner(model_dir, config.dtype, config.device, config.trust_remote_code)
+        self.runner.embedding_cache.max_bytes = config.vision_cache_bytes
         fast = self.runner.enable_fast_forward(config.fast_forward, config.matmul_dtype)
         matmul = config.matmul_dtype
         if not fast and matmul is not None and resolve_dtype(matmul) != self.runner.dtype:
@@ -333,7 +339,31 @@ class NativeEngine:
                 "the engine is asleep (KV cache released); call /wake_up first"
             )
         self.weight_updater.check_serving()
-        return check_request_fits(request, self.vocab_size, self.max_model_len)
+        max_new = check_request_fits(request, self.vocab_size, self.max_model_len)
+        if request.multi_modal is not None and not self.runner.vision:
+            raise InvalidRequestError(
+                f"the served model ({self.info.model}) takes no images or videos",
+                param="multi_modal",
+                code="images_not_supported",
+            )
+        return max_new
+
+    def _media(self, request: GenerateRequest) -> SeqMedia | None:
+        mm = request.multi_modal
+        if mm is None or not len(mm):
+            if self.runner.vision:
+                # Placeholder tokens with no media would read the placeholder's text embedding.
+                found = set(request.prompt_ids) & set(self.runner.token_ids().values())
+                if found:
+                    raise InvalidRequestError(
+                        "the prompt has image/video placeholder tokens but no images or videos "
+                        "were given",
+                        param="multi_modal",
+                    )
+            return None
+        return build_seq_media(
+            list(request.prompt_ids), mm, self.runner.token_ids(), self.runner.merge_size
+        )
 
     def submit(self, request: GenerateRequest, sink: Sink, stream: bool = True) -> None:
         """Queue a request; its deltas go to ``sink`` until every sample has finished.
@@ -347,6 +377,7 @@ class NativeEngine:
             EngineUnavailableError: see :meth:`validate`.
         """
         max_new = self.validate(request)
+        media = self._media(request)
         with self._lock:
             if self._stopping:
                 raise EngineUnavailableError("the engine is shutting down")
@@ -357,13 +388,18 @@ class NativeEngine:
                     code="duplicate_request_id",
                 )
             self._active_ids.add(request.request_id)
-        self._command(lambda: self._add_or_fail(request, sink, stream, max_new))
+        self._command(lambda: self._add_or_fail(request, sink, stream, max_new, media))
 
     def _add_or_fail(
-        self, request: GenerateRequest, sink: Sink, stream: bool, max_new: int
+        self,
+        request: GenerateRequest,
+        sink: Sink,
+        stream: bool,
+        max_new: int,
+        media: SeqMedia | None = None,
     ) -> None:
         try:
-            self._add(request, sink, stream, max_new)
+            self._add(request, sink, stream, max_new, media)
         except Exception as exc:  # the request fails; the engine goes on
             logger.exception("could not queue request %s", request.request_id)
             group = self._groups.pop(request.request_id, None)
@@ -373,11 +409,23 @@ class NativeEngine:
                 self._active_ids.discard(request.request_id)
             self._outbox.append((sink, exc))
 
-    def _add(self, request: GenerateRequest, sink: Sink, stream: bool, max_new: int) -> None:
+    def _add(
+        self,
+        request: GenerateRequest,
+        sink: Sink,
+        stream: bool,
+        max_new: int,
+        media: SeqMedia | None = None,
+    ) -> None:
         params = request.params
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
+        if media is not None:
+            # Encode the images now, between steps: a tower failure then fails this request
+            # only, and the forward finds every item cached.
+            for item in media.items:
+                self.runner.embedding_cache.get(item, self.runner.encode_item)
         group = _Group(request, [], sink, stream, time.perf_counter(), params.n)
         prompt = list(request.prompt_ids)
         for i in range(params.n):
@@ -399,6 +447,7 @@ class NativeEngine:
             seq = Seq(self._next_seq_id, group, i, prompt, params, max_new, row)
             self._next_seq_id += 1
             seq.stop_ids = frozenset(stop_ids)
+            seq.media = media
             if params.repetition_penalty != 1.0:
                 row.seen_tokens = seq.tokens
             if i > 0:
@@ -676,9 +725,15 @@ class NativeEngine:
         pos: list[int] = []
         slots: list[int] = []
         logits_index: list[int] = []
+        vision = self.runner.vision
+        # Vision models: (t, h, w) rows of M-RoPE positions, and where image rows go.
+        mrope: list[list[int]] = [[], [], []]
+        media: list[tuple[int, MediaItem, int, int]] = []
         for c in decode:
             seq = c.seq
             p = c.start
+            if vision:
+                self._add_media(seq, len(ids), p, p + 1, mrope, media)
             ids.append(seq.tokens[p])
             pos.append(p)
             slots.append(seq.blocks[p // bs] * bs + p % bs)
@@ -690,6 +745,8 @@ class NativeEngine:
             end = c.start + c.length
             if c.start == 0:
                 fresh_spans.append((len(ids), c.length))
+            if vision:
+                self._add_media(seq, len(ids), c.start, end, mrope, media)
             ids.extend(seq.tokens[c.start : end])
             rng = range(c.start, end)
             pos.extend(rng)
@@ -740,7 +797,30 @@ class NativeEngine:
             logits_index=packed[ends[2] : ends[3]],
             meta=meta,
         )
+        if vision:
+            inputs.mrope_positions = torch.tensor(mrope, device=dev).view(3, 1, -1)
+            inputs.media = media
         return inputs, ordered
+
+    @staticmethod
+    def _add_media(
+        seq: Seq,
+        at: int,
+        start: int,
+        end: int,
+        mrope: list[list[int]],
+        media: list[tuple[int, MediaItem, int, int]],
+    ) -> None:
+        """Append positions ``start .. end-1`` of ``seq`` (packed from ``at``) to a vision step."""
+        sm: SeqMedia | None = seq.media
+        if sm is None:
+            for row in mrope:
+                row.extend(range(start, end))
+            return
+        for row, part in zip(mrope, sm.positions(start, end), strict=True):
+            row.extend(part)
+        for item, lo, hi in sm.overlapping(start, end):
+            media.append((at + item.start + lo - start, item, lo, hi))
 
     def _group(self, chunks: list[Chunk], with_index: bool, offset: int = 0) -> AttentionGroup:
         bs = self.config.block_size

@@ -16,7 +16,7 @@ in blocks of its own.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -27,10 +27,13 @@ class NoFreeBlocksError(RuntimeError):
     """The pool has no free or evictable block left."""
 
 
-# A registered block's key: (parent block id, parent generation, token ids); -1 / 0 for the
-# first block. The parent's generation changes whenever that block id is re-registered with
-# other content, so keys of stale children can never match again.
-_BlockKey = tuple[int, int, tuple[int, ...]]
+# A registered block's key: (parent block id, parent generation, token ids, salt); -1 / 0 for
+# the first block. The parent's generation changes whenever that block id is re-registered with
+# other content, so keys of stale children can never match again. The salt holds the content
+# keys of the images whose tokens lie in the block (placeholder ids are equal for all images).
+_BlockKey = tuple[int, int, tuple[int, ...], tuple[str, ...]]
+BlockSalt = Callable[[int], tuple[str, ...]]
+"""Gives the salt of block ``b`` of a sequence."""
 
 
 class BlockAllocator:
@@ -123,16 +126,24 @@ class BlockAllocator:
             self._key[block] = None
             self._generation[block] += 1
 
-    def block_key(self, parent: int, tokens: Sequence[int]) -> _BlockKey:
-        """Return the key of a block holding ``tokens`` after block ``parent`` (-1: none)."""
-        gen = self._generation[parent] if parent >= 0 else 0
-        return (parent, gen, tuple(tokens))
+    def block_key(
+        self, parent: int, tokens: Sequence[int], salt: tuple[str, ...] = ()
+    ) -> _BlockKey:
+        """Return the key of a block holding ``tokens`` after block ``parent`` (-1: none).
 
-    def match_prefix(self, tokens: Sequence[int], max_blocks: int) -> list[int]:
+        ``salt`` names content the token ids do not show (the images at image tokens).
+        """
+        gen = self._generation[parent] if parent >= 0 else 0
+        return (parent, gen, tuple(tokens), salt)
+
+    def match_prefix(
+        self, tokens: Sequence[int], max_blocks: int, salt: BlockSalt | None = None
+    ) -> list[int]:
         """Take a reference to the cached blocks holding the longest prefix of ``tokens``.
 
         At most ``max_blocks`` full blocks are matched. Matched blocks get one more reference
-        each (they leave the evictable set).
+        each (they leave the evictable set). ``salt(b)`` gives block ``b``'s salt (see
+        :meth:`block_key`).
         """
         if not self.enable_prefix_caching or max_blocks <= 0:
             return []
@@ -140,7 +151,10 @@ class BlockAllocator:
         matched: list[int] = []
         parent = -1
         for b in range(max_blocks):
-            block = self._by_key.get(self.block_key(parent, tokens[b * bs : (b + 1) * bs]))
+            key = self.block_key(
+                parent, tokens[b * bs : (b + 1) * bs], salt(b) if salt is not None else ()
+            )
+            block = self._by_key.get(key)
             if block is None:
                 break
             if self._refs[block] == 0:
@@ -151,16 +165,19 @@ class BlockAllocator:
         self.hit_tokens_total += len(matched) * bs
         return matched
 
-    def register(self, block: int, parent: int, tokens: Sequence[int]) -> None:
+    def register(
+        self, block: int, parent: int, tokens: Sequence[int], salt: tuple[str, ...] = ()
+    ) -> None:
         """Record that ``block`` now holds ``tokens`` (a full block) after block ``parent``.
 
         A block already registered, or content already cached in another block, is left alone.
+        ``salt``: see :meth:`block_key`.
         """
         if not self.enable_prefix_caching or self._key[block] is not None:
             return
         if len(tokens) != self.block_size:
             raise ValueError(f"only full blocks are cached, got {len(tokens)} tokens")
-        key = self.block_key(parent, tokens)
+        key = self.block_key(parent, tokens, salt)
         if key in self._by_key:
             return
         self._key[block] = key

@@ -24,6 +24,7 @@ from polyrl.core.rollout_api import InvalidRequestError
 from polyrl.models.loader import load_causal_lm
 from polyrl.rollout.native.attention import ATTENTION_NAME, StepMetadata
 from polyrl.rollout.native.fast_forward import FastForward, build_fast_forward
+from polyrl.rollout.native.media import EmbeddingCache, MediaItem
 
 __all__ = ["ModelRunner", "StepInputs"]
 
@@ -37,12 +38,17 @@ class StepInputs:
         position_ids: ``(1, T)`` their positions within their own sequences.
         logits_index: ``(S,)`` packed index of each token whose next-token logits are needed.
         meta: paged-attention metadata (slots, block tables, masks).
+        mrope_positions: ``(3, 1, T)`` multi-modal rotary positions (vision models only).
+        media: ``(packed start, item, first row, end row)``: rows of an item's embeddings
+            that go at packed positions from ``packed start`` on (vision models only).
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     logits_index: torch.Tensor
     meta: StepMetadata
+    mrope_positions: torch.Tensor | None = None
+    media: list[tuple[int, MediaItem, int, int]] = dataclasses.field(default_factory=list)
 
 
 def _model_geometry(config: object) -> tuple[int, int, int]:
@@ -84,6 +90,16 @@ class ModelRunner:
         model.eval()
         model.requires_grad_(False)
         model.set_attn_implementation(ATTENTION_NAME)
+        vision_config = getattr(model.config, "vision_config", None)
+        #: Whether the model has a vision tower (it then runs with inputs_embeds and M-RoPE).
+        self.vision = vision_config is not None and hasattr(model.config, "image_token_id")
+        if self.vision:
+            # The vision tower attends within each image, with no KV cache: it keeps SDPA.
+            vision_config._attn_implementation = "sdpa"
+        #: Vision-tower outputs by item, cleared by every weight change.
+        self.embedding_cache = EmbeddingCache()
+        #: How many times the vision tower ran (one item per call).
+        self.vision_calls = 0
         self.model = model
         self.device = next(model.parameters()).device
         self.config = model.config
@@ -122,7 +138,8 @@ class ModelRunner:
             Whether the fast forward is now in use.
         """
         low = None if matmul_dtype is None else resolve_dtype(matmul_dtype)
-        self.fast = build_fast_forward(self.model, low) if enabled else None
+        # The fast forward knows text decoders only; a vision model keeps the HF forward.
+        self.fast = build_fast_forward(self.model, low) if enabled and not self.vision else None
         return self.fast is not None
 
     def mark_weights_changed(self) -> None:
@@ -133,6 +150,8 @@ class ModelRunner:
         """
         if self.fast is not None:
             self.fast.invalidate()
+        # Image embeddings were computed by the old vision weights.
+        self.embedding_cache.clear()
 
     @property
     def offloaded(self) -> bool:
@@ -153,9 +172,63 @@ class ModelRunner:
             return self.fast(
                 inputs.input_ids[0], inputs.position_ids[0], inputs.logits_index, inputs.meta
             )
+        if self.vision:
+            return self._forward_vision(inputs)
         out = self.model(
             input_ids=inputs.input_ids,
             position_ids=inputs.position_ids,
+            use_cache=False,
+            logits_to_keep=inputs.logits_index,
+            polyrl_step=inputs.meta,
+        )
+        return out.logits[0]
+
+    def token_ids(self) -> dict[str, int]:
+        """Return the placeholder token id by media kind (vision models)."""
+        cfg = self.config
+        return {"image": int(cfg.image_token_id), "video": int(cfg.video_token_id)}
+
+    @property
+    def merge_size(self) -> int:
+        """The vision tower's spatial patch merge factor."""
+        return int(getattr(self.config.vision_config, "spatial_merge_size", 2))
+
+    @torch.inference_mode()
+    def encode_item(self, item: MediaItem) -> torch.Tensor:
+        """Run the vision tower on one image or video; return its ``(tokens, hidden)`` rows."""
+        inner = self.model.model
+        pixels = item.pixels.to(self.device, self.dtype)
+        grid = item.grid.to(self.device)
+        if item.kind == "image":
+            out = inner.get_image_features(pixels, grid, return_dict=True)
+        else:
+            out = inner.get_video_features(pixels, grid, return_dict=True)
+        self.vision_calls += 1
+        emb = out.pooler_output
+        emb = emb if isinstance(emb, torch.Tensor) else torch.cat(list(emb), dim=0)
+        if emb.shape[0] != item.length:
+            raise InvalidRequestError(
+                f"the {item.kind} fills {item.length} tokens but the vision tower gave "
+                f"{emb.shape[0]} embeddings",
+                param="multi_modal",
+            )
+        return emb
+
+    def _forward_vision(self, inputs: StepInputs) -> torch.Tensor:
+        ids = inputs.input_ids
+        embeds = self.model.get_input_embeddings()(ids)
+        for at, item, lo, hi in inputs.media:
+            emb = self.embedding_cache.get(item, self.encode_item)
+            # Only the rows of this chunk: a prefill chunk may cut an image's run.
+            embeds[0, at : at + hi - lo] = emb[lo:hi].to(embeds.dtype)
+        mrope = inputs.mrope_positions
+        if mrope is None:
+            mrope = inputs.position_ids.view(1, 1, -1).expand(3, 1, -1)
+        # Packed layout the HF model reads: text positions first, then (t, h, w).
+        positions = torch.cat([inputs.position_ids.view(1, 1, -1), mrope], dim=0)
+        out = self.model(
+            inputs_embeds=embeds,
+            position_ids=positions,
             use_cache=False,
             logits_to_keep=inputs.logits_index,
             polyrl_step=inputs.meta,

@@ -77,6 +77,8 @@ class Sequence:
         self.weight_version = 0
         self.first_weight_version: int | None = None
         self.stop_ids: frozenset[int] = frozenset()
+        # The request's images and videos (a SeqMedia, shared by its samples), or None.
+        self.media: Any = None
 
     @property
     def num_output(self) -> int:
@@ -91,6 +93,10 @@ class Sequence:
     def output_ids(self) -> list[int]:
         """Return the generated tokens."""
         return self.tokens[self.prompt_len :]
+
+    def block_salt(self, block: int, block_size: int) -> tuple[str, ...]:
+        """Prefix-cache salt of KV block ``block``: its images' content keys (text: none)."""
+        return () if self.media is None else self.media.block_salt(block, block_size)
 
 
 @dataclasses.dataclass
@@ -238,7 +244,10 @@ class Scheduler:
             if not seq.blocks:
                 # Leave at least one token to compute: its logits give the next token.
                 max_blocks = (len(seq.tokens) - 1) // self.block_size
-                seq.blocks = self.allocator.match_prefix(seq.tokens, max_blocks)
+                salt = None
+                if seq.media is not None:
+                    salt = lambda b, s=seq: s.block_salt(b, self.block_size)  # noqa: E731
+                seq.blocks = self.allocator.match_prefix(seq.tokens, max_blocks, salt)
                 seq.num_registered = len(seq.blocks)
                 seq.num_computed = len(seq.blocks) * self.block_size
                 if seq.num_output == 0:
@@ -317,5 +326,7 @@ class Scheduler:
         bs = self.block_size
         for b in range(seq.num_registered, full):
             parent = seq.blocks[b - 1] if b > 0 else -1
-            self.allocator.register(seq.blocks[b], parent, seq.tokens[b * bs : (b + 1) * bs])
+            self.allocator.register(
+                seq.blocks[b], parent, seq.tokens[b * bs : (b + 1) * bs], seq.block_salt(b, bs)
+            )
         seq.num_registered = max(seq.num_registered, full)

@@ -1,7 +1,15 @@
-"""Token-in/token-out generation: ``POST /generate`` (batched or streamed) and ``POST /abort``."""
+"""Token-in/token-out generation: ``POST /generate`` (batched or streamed) and ``POST /abort``.
+
+A vision model's ``/generate`` also takes ``images`` (base64, ``data:`` URLs, or
+``{"path": ...}`` inside the server's allowed media directory) and ``videos`` (lists of
+frames), as :meth:`~polyrl.core.multimodal.MultiModalInputs.media_payload` gives them. The
+prompt carries one placeholder token per item (or the fully expanded runs); the response then
+holds the expanded ``prompt_ids``.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,12 +24,90 @@ from polyrl.core.rollout_api import (
     RolloutBackend,
     SamplingParams,
 )
-from polyrl.rollout.routes.common import SSE_DONE, RequestTable, json_body, json_object, sse
+from polyrl.rollout.options import ServerLimits
+from polyrl.rollout.routes.common import (
+    SSE_DONE,
+    RenderPool,
+    RequestTable,
+    json_body,
+    json_object,
+    sse,
+)
 from polyrl.rollout.schemas import AbortBody, GenerateBody, check_body
 
 __all__ = ["generation_router", "parse_generate"]
 
-_GENERATE_FIELDS = {"input_ids", "sampling_params", "request_id", "stream", "session_id"}
+_GENERATE_FIELDS = {
+    "input_ids",
+    "sampling_params",
+    "request_id",
+    "stream",
+    "session_id",
+    "images",
+    "videos",
+}
+
+
+def _media_fields(body: dict[str, Any]) -> tuple[list[Any], list[Any]]:
+    images, videos = body.get("images") or [], body.get("videos") or []
+    if not isinstance(images, list):
+        raise InvalidRequestError("images must be a list of images", param="images")
+    if not isinstance(videos, list) or not all(isinstance(v, list) for v in videos):
+        raise InvalidRequestError("videos must be a list of frame lists", param="videos")
+    return images, videos
+
+
+async def attach_media(
+    requests: list[GenerateRequest],
+    body: dict[str, Any],
+    vision: Any,
+    renderer: RenderPool | None,
+    limits: ServerLimits,
+) -> list[GenerateRequest]:
+    """Decode and process a ``/generate`` body's ``images``/``videos`` into its request.
+
+    Returns the requests with expanded prompt ids and ``multi_modal`` set (unchanged when the
+    body has no media).
+
+    Raises:
+        InvalidRequestError: media for a text-only model, for several prompts, unreadable or
+            over a limit, or not matching the prompt's placeholders.
+    """
+    from polyrl.core.multimodal import MultiModalInputError
+
+    images, videos = _media_fields(body)
+    if not images and not videos:
+        return requests
+    if vision is None:
+        raise InvalidRequestError(
+            "the served model takes no images or videos (it has no vision tower)",
+            param="images" if images else "videos",
+            code="images_not_supported",
+        )
+    if len(requests) != 1:
+        raise InvalidRequestError(
+            "images and videos go with a single prompt; send one request per prompt",
+            param="images",
+        )
+    req = requests[0]
+
+    def encode() -> tuple[list[int], Any]:
+        return vision.encode(
+            list(req.prompt_ids),
+            images,
+            videos,
+            what="request",
+            allowed_dir=limits.allowed_media_dir,
+        )
+
+    try:
+        if renderer is not None:
+            ids, mm = await renderer.run(encode)
+        else:
+            ids, mm = encode()
+    except MultiModalInputError as exc:
+        raise InvalidRequestError(str(exc), param="images" if images else "videos") from None
+    return [dataclasses.replace(req, prompt_ids=tuple(ids), multi_modal=mm)]
 
 
 def parse_generate(body: dict[str, Any]) -> tuple[list[GenerateRequest], bool, bool, str]:
@@ -73,14 +159,24 @@ def parse_generate(body: dict[str, Any]) -> tuple[list[GenerateRequest], bool, b
     return requests, batched, stream, rid
 
 
-def generation_router(backend: RolloutBackend, table: RequestTable) -> APIRouter:
+def generation_router(
+    backend: RolloutBackend,
+    table: RequestTable,
+    vision: Any = None,
+    renderer: RenderPool | None = None,
+    limits: ServerLimits | None = None,
+) -> APIRouter:
     """Build the router of ``/generate`` and ``/abort``.
 
     Args:
         backend: the engine (``abort`` is called on it directly).
         table: runs the requests and keeps the in-flight ids that ``/abort`` resolves (shared
             with the OpenAI router, whose requests ``/abort`` ends too).
+        vision: the model's vision processor (``None``: a text model, media get 400).
+        renderer: threads that decode and process media off the event loop.
+        limits: the server's limits (the allowed media directory).
     """
+    limits = limits or ServerLimits()
     router = APIRouter()
 
     @router.post("/generate", openapi_extra=json_request_body(GenerateBody))
@@ -88,6 +184,7 @@ def generation_router(backend: RolloutBackend, table: RequestTable) -> APIRouter
         body = json_object(await json_body(request), "/generate")
         check_body(GenerateBody, body, "/generate", parse_generate)
         reqs, batched, stream, key = parse_generate(body)
+        reqs = await attach_media(reqs, body, vision, renderer, limits)
         if stream:
             streams = await table.open_streams(key, reqs, stream=True)
 
@@ -116,6 +213,9 @@ def generation_router(backend: RolloutBackend, table: RequestTable) -> APIRouter
         if outs is None:
             return Response(status_code=499)
         results = [o.to_dict() for o in outs]
+        for req, res in zip(reqs, results, strict=True):
+            if req.multi_modal is not None:
+                res["prompt_ids"] = list(req.prompt_ids)  # with the placeholders expanded
         if batched:
             return JSONResponse(
                 {"results": results, "weight_version": max(r["weight_version"] for r in results)}

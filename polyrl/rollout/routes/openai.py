@@ -34,15 +34,17 @@ __all__ = ["openai_router"]
 
 def _job_requests(job: oai.OpenAIJob) -> list[GenerateRequest]:
     return [
-        GenerateRequest(f"{job.request_id}-{i}", tuple(p), job.params)
+        GenerateRequest(f"{job.request_id}-{i}", tuple(p), job.params, multi_modal=job.multi_modal)
         for i, p in enumerate(job.prompts)
     ]
 
 
 def _checked(model: Any, what: str, parse: Any) -> Any:
-    def run(body: Any, tokenizer: Any, info: Any, policy: oai.PromptPolicy | None) -> Any:
-        check_body(model, body, what, lambda b: parse(b, tokenizer, info, policy))
-        return parse(body, tokenizer, info, policy)
+    def run(
+        body: Any, tokenizer: Any, info: Any, policy: oai.PromptPolicy | None, *extra: Any
+    ) -> Any:
+        check_body(model, body, what, lambda b: parse(b, tokenizer, info, policy, *extra))
+        return parse(body, tokenizer, info, policy, *extra)
 
     return run
 
@@ -58,6 +60,7 @@ def openai_router(
     renderer: RenderPool | None = None,
     policy: oai.PromptPolicy | None = None,
     model_dir: str | None = None,
+    vision: Any = None,
 ) -> APIRouter:
     """Build the router of the OpenAI-compatible ``/v1/...`` endpoints.
 
@@ -70,6 +73,8 @@ def openai_router(
             ``max_prompt_chars`` of its own, texts are bounded by the context length.
         model_dir: the served model's directory, reported as ``root`` by ``/v1/models`` (as
             vLLM does), so a client on the same host finds its tokenizer there.
+        vision: the model's vision processor: chat messages may then carry ``image_url``
+            parts with ``data:`` URLs (``None``: a text model, image parts get 400).
     """
     router = APIRouter()
     pool = renderer or RenderPool()
@@ -187,7 +192,7 @@ def openai_router(
     @router.post("/v1/chat/completions", openapi_extra=json_request_body(ChatCompletionBody))
     async def chat_completions(request: Request) -> Response:
         body = await json_body(request)
-        job = await pool.run(_parse_chat, body, tokenizer, backend.info, prompt_policy())
+        job = await pool.run(_parse_chat, body, tokenizer, backend.info, prompt_policy(), vision)
         if job.stream:
             return await stream_job(job)
         outs = await table.run_requests(request, job.request_id, _job_requests(job))
