@@ -232,13 +232,25 @@ def load_model(spec: ModelSpec, seed: int = 0) -> nn.Module:
     ``causal_lm`` gives the ``AutoModelForCausalLM`` of the directory; ``value`` a
     :class:`ValueModel`.
     """
+    from polyrl.models.processor import is_vision_model
+
+    vision = bool(spec.path) and os.path.isfile(os.path.join(spec.path, "config.json"))
+    vision = vision and is_vision_model(spec.path)
     if spec.kind == "value":
+        if vision:
+            raise ValueError(
+                f"ModelSpec.kind='value' is not supported for the vision-language model "
+                f"{spec.path!r}: a value head (critic) on a VLM is not implemented; use a "
+                "critic-free estimator (e.g. GRPO) or a text-only critic model"
+            )
         return ValueModel.from_pretrained(spec, seed=seed)
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     _check_model_dir(spec.path)
     config = _load_config(spec)
-    return AutoModelForCausalLM.from_pretrained(
+    # A VLM is still a causal LM over its tokens; its Auto class keeps the vision tower.
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    return auto.from_pretrained(
         spec.path,
         config=config,
         dtype=resolve_dtype(spec.dtype),
@@ -253,8 +265,13 @@ def model_forward(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor,
+    media: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Run the model: logits ``(R, W, V)`` for a causal LM, values ``(R, W)`` for a value model."""
+    """Run the model: logits ``(R, W, V)`` for a causal LM, values ``(R, W)`` for a value model.
+
+    ``media``: a vision-language model's image/video tensors by argument name
+    (``pixel_values``, ``image_grid_thw``, ...), passed through to its forward.
+    """
     if kind == "value":
         return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     out = model(
@@ -262,6 +279,7 @@ def model_forward(
         attention_mask=attention_mask,
         position_ids=position_ids,
         use_cache=False,
+        **(media or {}),
     )
     return out.logits
 
