@@ -131,9 +131,38 @@ def test_freeze_vision_tower_is_refused_for_a_text_model(engines, tiny_qwen2_dir
         engines(_vlm_spec(tiny_qwen2_dir, freeze_vision_tower=True), EngineConfig(device="cpu"))
 
 
-def test_a_value_model_on_a_vlm_is_refused_by_name(engines, tiny_vl_dir):
-    with pytest.raises(ValueError, match="kind='value' is not supported for the vision-language"):
-        engines(_vlm_spec(tiny_vl_dir, kind="value"), EngineConfig(device="cpu"))
+def test_a_value_model_on_a_vlm_sees_the_images(engines, tiny_vl_dir, tiny_vl_processor, batch):
+    from transformers import AutoModel
+
+    from polyrl.model_engine.engine import compute_values
+
+    engine = engines(
+        _vlm_spec(tiny_vl_dir, kind="value"),
+        EngineConfig(device="cpu", **LAYOUTS["packed"]),
+        OptimizerConfig(lr=1e-2),
+    )
+    values = engine.infer_batch(batch, compute_values)["values"]
+    head = dict(engine.named_tensors())
+    assert any(n.startswith("model.visual.") for n in head)
+    backbone = AutoModel.from_pretrained(tiny_vl_dir).eval()
+    ids, am = batch["input_ids"], batch["attention_mask"].bool()
+    image = tiny_vl_processor.token_ids["image"]
+    for row in range(len(batch)):
+        x = ids[row, am[row]].view(1, -1)
+        mm = batch[MULTI_MODAL][row]
+        media = {} if mm is None else {"mm_token_type_ids": (x == image).long(), **mm.tensors}
+        with torch.no_grad():
+            hidden = backbone(input_ids=x, **media).last_hidden_state[0]
+        want = hidden @ head["score.weight"].view(-1) + head["score.bias"]
+        torch.testing.assert_close(values[row, am[row]], want, atol=1e-5, rtol=0)
+    assert engine.train_batch(batch, _value_loss)["grad_norm"] > 0
+
+
+def _value_loss(output, mb):
+    from polyrl.core.numerics import agg_loss
+
+    loss = agg_loss(output.values.square(), mb["loss_mask"], "token-mean")
+    return loss, {}
 
 
 def test_lora_adapts_the_language_model_only(engines, tiny_vl_dir, hf_model, batch, reference):

@@ -135,13 +135,18 @@ class ValueModel(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        **media: torch.Tensor,
     ) -> torch.Tensor:
-        """Values ``(B, T)`` in fp32: the head applied to each token's last hidden state."""
+        """Values ``(B, T)`` in fp32: the head applied to each token's last hidden state.
+
+        ``media``: a vision-language backbone's image/video tensors (``pixel_values``, ...).
+        """
         out = self.backbone(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,
+            **media,
         )
         # A fresh tensor, not a view: FSDP hooks the root output for backward.
         return self.score(out.last_hidden_state).squeeze(-1).to(torch.float32, copy=True)
@@ -237,12 +242,7 @@ def load_model(spec: ModelSpec, seed: int = 0) -> nn.Module:
     vision = bool(spec.path) and os.path.isfile(os.path.join(spec.path, "config.json"))
     vision = vision and is_vision_model(spec.path)
     if spec.kind == "value":
-        if vision:
-            raise ValueError(
-                f"ModelSpec.kind='value' is not supported for the vision-language model "
-                f"{spec.path!r}: a value head (critic) on a VLM is not implemented; use a "
-                "critic-free estimator (e.g. GRPO) or a text-only critic model"
-            )
+        # A VLM's AutoModel is its vision tower plus language model: the head reads the latter.
         return ValueModel.from_pretrained(spec, seed=seed)
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -273,7 +273,12 @@ def model_forward(
     (``pixel_values``, ``image_grid_thw``, ...), passed through to its forward.
     """
     if kind == "value":
-        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        return model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            **(media or {}),
+        )
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,

@@ -202,7 +202,8 @@ def dummy_vision_calls(model: nn.Module, info: VisionInfo | None, calls: int) ->
             extra = extra + _vision_output(tower(pixels, grid_thw=grid)).sum().to(output.dtype)
         return output + 0.0 * extra
 
-    handle = model.get_input_embeddings().register_forward_hook(hook)
+    # The inner model's embeddings: a value model's wrapper has no get_input_embeddings.
+    handle = model.model.get_input_embeddings().register_forward_hook(hook)
     try:
         yield
     finally:
