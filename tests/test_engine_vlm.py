@@ -76,6 +76,25 @@ def test_log_probs_with_images_equal_the_hf_models_own(
     torch.testing.assert_close(out, reference, atol=1e-5, rtol=0)
 
 
+def test_the_samples_of_a_prompt_encode_its_images_once(engines, tiny_vl_dir, batch, reference):
+    engine = _engine(engines, tiny_vl_dir, **LAYOUTS["padded"])  # one micro-batch of 4 rows
+    patches = []
+    hook = engine.model.model.visual.register_forward_hook(
+        lambda module, args, out: patches.append(args[0].shape[0])
+    )
+    try:
+        out = engine.infer_batch(batch, compute_log_probs)["log_probs"]
+    finally:
+        hook.remove()
+    # Rows 0 and 3 hold one inputs object: its image goes through the tower once.
+    mm = batch[MULTI_MODAL]
+    assert mm[0] is mm[3]
+    assert patches == [
+        mm[0].tensors["pixel_values"].shape[0] + mm[1].tensors["pixel_values"].shape[0]
+    ]
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=0)
+
+
 def test_the_image_is_in_context(engines, tiny_vl_dir, tiny_vl_processor, batch, reference):
     # Another image of the same size (same tokens) changes the response's log-probs.
     _, other = tiny_vl_processor.encode(

@@ -88,9 +88,11 @@ from polyrl.model_engine.prefix import (
     supports_shared_prefix,
 )
 from polyrl.model_engine.vision import (
+    MicroBatchMedia,
     VisionInfo,
     column_vision_calls,
     dummy_vision_calls,
+    encode_once,
     freeze_vision_tower,
     media_tensors,
     mrope_position_column,
@@ -302,7 +304,7 @@ class FSDP2Engine(TrainingEngine):
         columns = [local[k] for k in ("input_ids", "attention_mask", "position_ids", "loss_mask")]
         return agree_prefix_splits(columns, plan, self.world_size)
 
-    def _media(self, mb: Batch) -> dict[str, torch.Tensor] | None:
+    def _media(self, mb: Batch) -> MicroBatchMedia | None:
         """Return the micro-batch's media tensors (a VLM with a ``multi_modal`` column), or None."""
         if self._vision is None or MULTI_MODAL not in mb.non_tensors:
             return None
@@ -353,11 +355,16 @@ class FSDP2Engine(TrainingEngine):
             pos = layout.to_compute(per_token)
             layout.check_packable(pos[..., 0])
             pos = pos.permute(2, 0, 1)
-        with dummy_vision_calls(
-            self.model, self._vision, vision_calls_needed - vision_calls(media)
-        ):
+        tensors = media.tensors if media is not None else None
+        extra = vision_calls_needed - vision_calls(tensors)
+        with dummy_vision_calls(self.model, self._vision, extra), encode_once(self.model, media):
             raw = model_forward(
-                self.model, self.model_spec.kind, ids, layout.compute_attention_mask(am), pos, media
+                self.model,
+                self.model_spec.kind,
+                ids,
+                layout.compute_attention_mask(am),
+                pos,
+                tensors,
             )
         return ModelOutput(
             kind=self.model_spec.kind,

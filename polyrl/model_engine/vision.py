@@ -29,12 +29,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from polyrl.core.multimodal import MultiModalInputs, mrope_positions
+from polyrl.core.multimodal import MEDIA_KINDS, MultiModalInputs, mrope_positions
 
 __all__ = [
+    "MicroBatchMedia",
     "VisionInfo",
     "column_vision_calls",
     "dummy_vision_calls",
+    "encode_once",
     "freeze_vision_tower",
     "media_tensors",
     "mrope_position_column",
@@ -113,18 +115,94 @@ def _row_inputs(column: Any, rows: int) -> list[MultiModalInputs | None]:
     return items
 
 
-def media_tensors(column: Any, rows: int, device: torch.device) -> dict[str, torch.Tensor] | None:
-    """Return the media tensors of a micro-batch's rows, joined in row order, on ``device``.
+@dataclass(frozen=True)
+class MicroBatchMedia:
+    """The media of a micro-batch, each distinct inputs object once.
 
-    ``column`` holds each row's inputs (``None`` for text rows); ``None`` when no row has media.
-    Rows that share one inputs object (the samples of a prompt) each get their own copy: every
-    row has its own placeholder tokens to fill.
+    Attributes:
+        tensors: the distinct inputs' tensors joined in order of first appearance, on the
+            compute device (what the model's forward gets).
+        expand: per media kind, the index (into that kind's encoded items) of every item in
+            row order, when rows share inputs (the samples of a prompt); ``None`` when every
+            row's media is its own, so the encoded items are already in row order.
+    """
+
+    tensors: dict[str, torch.Tensor]
+    expand: dict[str, list[int]] | None
+
+
+def media_tensors(column: Any, rows: int, device: torch.device) -> MicroBatchMedia | None:
+    """Return the media of a micro-batch's rows (``None`` when no row has any).
+
+    ``column`` holds each row's inputs (``None`` for text rows).  Rows holding the same inputs
+    object are encoded once: the model fills placeholder tokens in row order through
+    :attr:`MicroBatchMedia.expand` (see :func:`encode_once`).
     """
     parts = [m for m in _row_inputs(column, rows) if m is not None and len(m)]
     if not parts:
         return None
-    joined = parts[0] if len(parts) == 1 else MultiModalInputs.concat(parts)
-    return {k: v.to(device) for k, v in joined.tensors.items()}
+    unique: list[MultiModalInputs] = []
+    slot: dict[int, int] = {}
+    for m in parts:
+        if id(m) not in slot:
+            slot[id(m)] = len(unique)
+            unique.append(m)
+    joined = unique[0] if len(unique) == 1 else MultiModalInputs.concat(unique)
+    tensors = {k: v.to(device) for k, v in joined.tensors.items()}
+    if len(unique) == len(parts):
+        return MicroBatchMedia(tensors, None)
+    # Item numbers of each distinct inputs object, per kind, in the encoded order.
+    owned: list[dict[str, list[int]]] = []
+    seen = dict.fromkeys(MEDIA_KINDS, 0)
+    for m in unique:
+        own: dict[str, list[int]] = {kind: [] for kind in MEDIA_KINDS}
+        for kind in m.kinds:
+            own[kind].append(seen[kind])
+            seen[kind] += 1
+        owned.append(own)
+    expand: dict[str, list[int]] = {kind: [] for kind in MEDIA_KINDS}
+    for m in parts:
+        for kind, items in owned[slot[id(m)]].items():
+            expand[kind].extend(items)
+    return MicroBatchMedia(tensors, expand)
+
+
+_FEATURE_METHODS = {"image": "get_image_features", "video": "get_video_features"}
+
+
+@contextlib.contextmanager
+def encode_once(model: nn.Module, media: MicroBatchMedia | None) -> Iterator[None]:
+    """Context in which the model's forward repeats encoded items as ``media.expand`` says.
+
+    Hugging Face's Qwen2-VL encodes ``pixel_values`` with ``get_image_features`` (videos:
+    ``get_video_features``) inside its forward, where FSDP has gathered the root's parameters,
+    and needs one feature run per placeholder run.  The inner model's methods are wrapped for
+    the duration to index the per-item features, so a prompt's images go through the vision
+    tower once however many of its samples the micro-batch holds (the copies' gradients add).
+    """
+    if media is None or media.expand is None:
+        yield
+        return
+    inner = model.model
+    wrapped_methods = []
+    for kind, method in _FEATURE_METHODS.items():
+        original = getattr(inner, method)
+        index = media.expand[kind]
+
+        def wrapped(*args: Any, _original: Any = original, _index: list[int] = index, **kw: Any):
+            out = _original(*args, **kw)
+            items = out.pooler_output
+            out.pooler_output = tuple(items[i] for i in _index)
+            return out
+
+        setattr(inner, method, wrapped)
+        wrapped_methods.append(method)
+    try:
+        yield
+    finally:
+        for method in wrapped_methods:
+            # The wrappers are instance attributes: removing them uncovers the class methods.
+            delattr(inner, method)
 
 
 def vision_calls(media: dict[str, torch.Tensor] | None) -> int:

@@ -2,9 +2,10 @@
 
 Usage: ``vlm_rank.py MODEL_DIR OUT_JSON`` with RANK/WORLD_SIZE/MASTER_* in the environment.
 
-Rank 0 gets rows 0 and 2 (an image prompt and the text prompt), rank 1 rows 1 and 3 (two image
-prompts): with one row per micro-batch, rank 0's text-only micro-batch meets rank 1's image one,
-so the dummy vision runs must keep FSDP's collectives matched.  For each engine configuration the
+Rank 0 gets rows 0 and 3 (two samples of one image prompt: packed, its image is encoded once),
+rank 1 rows 1 and 2 (an image prompt and the text prompt): with one row per micro-batch, rank
+1's text-only micro-batch meets rank 0's image one, so the dummy vision runs must keep FSDP's
+collectives matched.  For each engine configuration the
 ranks infer log-probs and take one training step; rank 0 writes the largest difference from the
 HF model's own log-probs and whether the training step gave finite, equal-on-all-ranks results.
 """
@@ -40,7 +41,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     proc = load_vision_processor(model_dir)
     batch = vlm_batch(proc)
-    rows = [[0, 2], [1, 3]][rank]
+    rows = [[0, 3], [1, 2]][rank]
     results = {}
     for name, kwargs in CASES.items():
         engine = build_engine(
