@@ -122,6 +122,10 @@ def test_fsdp_world_size_2_matches_the_hf_model_and_one_rank(engines, tiny_vl_di
         # Summed gradients over ranks: the same step as one process on the whole batch.
         assert got["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-5), name
         assert got["loss"] == pytest.approx(single["loss"], rel=1e-5), name
+        assert got["moved"] == ["language_model", "visual"], got  # lm_head is tied
+    frozen = results["frozen_rows"]
+    assert frozen["logp_diff"] <= 1e-5 and "visual" not in frozen["moved"], frozen
+    assert "language_model" in frozen["moved"], frozen
 
 
 def _full(engine):

@@ -20,17 +20,18 @@ import torch.distributed as dist
 from engine_common import exit_rank
 from vlm_common import reference_log_probs, vlm_batch
 
-from polyrl.model_engine import EngineConfig, OptimizerConfig, build_engine, sft_loss
+from polyrl.model_engine import EngineConfig, ModelSpec, OptimizerConfig, build_engine, sft_loss
 from polyrl.model_engine.engine import compute_log_probs
 from polyrl.models.processor import load_vision_processor
 
+PACKED = {"dynamic_batching": True, "pack_sequences": True, "max_tokens_per_micro_batch": 64}
+ROWS = {"dynamic_batching": False, "micro_batch_size": 1}
+#: name: (ModelSpec options, EngineConfig options)
 CASES = {
-    "rows": {"dynamic_batching": False, "micro_batch_size": 1},
-    "packed": {
-        "dynamic_batching": True,
-        "pack_sequences": True,
-        "max_tokens_per_micro_batch": 64,
-    },
+    "rows": ({}, ROWS),
+    "packed": ({}, PACKED),
+    # A frozen tower: no vision gradients on either rank, text-only micro-batches included.
+    "frozen_rows": ({"freeze_vision_tower": True}, ROWS),
 }
 
 
@@ -43,13 +44,23 @@ def main() -> None:
     batch = vlm_batch(proc)
     rows = [[0, 3], [1, 2]][rank]
     results = {}
-    for name, kwargs in CASES.items():
+    for name, (spec, kwargs) in CASES.items():
         engine = build_engine(
-            model_dir, EngineConfig(device="cpu", grad_clip=1e9, **kwargs), OptimizerConfig(lr=1e-3)
+            ModelSpec(path=model_dir, **spec),
+            EngineConfig(device="cpu", grad_clip=1e9, **kwargs),
+            OptimizerConfig(lr=1e-3),
         )
         local = batch[rows]
         logp = engine.infer_batch(local, compute_log_probs)["log_probs"]
+        before = {k: v.clone() for k, v in engine.named_tensors()}
         metrics = engine.train_batch(local, sft_loss)
+        moved = sorted(
+            {
+                k.split(".")[1] if k.startswith("model.") else k
+                for k, v in engine.named_tensors()
+                if not torch.equal(v, before[k])
+            }
+        )
         gathered: list = [None] * world
         dist.all_gather_object(gathered, (rows, logp))
         if rank == 0:
@@ -64,6 +75,7 @@ def main() -> None:
                 "logp_diff": float((got - ref).abs().max()),
                 "grad_norm": float(metrics["grad_norm"]),
                 "loss": float(metrics["loss"]),
+                "moved": moved,
             }
         engine.close()
     if rank == 0:
