@@ -138,6 +138,12 @@ def test_freeze_vision_tower_trains_the_language_model_only(engines, tiny_vl_dir
         EngineConfig(device="cpu", **LAYOUTS["packed"]),
         OptimizerConfig(lr=1e-2),
     )
+    from torch.distributed.fsdp import FSDPModule
+
+    # The vision tower is sharded unit by unit, like the decoder layers.
+    tower = engine.model.model.visual
+    assert all(isinstance(b, FSDPModule) for b in tower.blocks)
+    assert isinstance(tower.merger, FSDPModule)
     optimised = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
     visual = [p for n, p in engine.model.named_parameters() if n.startswith("model.visual.")]
     assert visual and not any(id(p) in optimised or p.requires_grad for p in visual)

@@ -44,6 +44,11 @@ def main() -> None:
     batch = vlm_batch(proc)
     rows = [[0, 3], [1, 2]][rank]
     results = {}
+    if rank == 0:
+        from transformers import AutoModelForImageTextToText
+
+        ref_model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+        ref = reference_log_probs(ref_model, proc, batch)
     for name, (spec, kwargs) in CASES.items():
         engine = build_engine(
             ModelSpec(path=model_dir, **spec),
@@ -64,10 +69,6 @@ def main() -> None:
         gathered: list = [None] * world
         dist.all_gather_object(gathered, (rows, logp))
         if rank == 0:
-            from transformers import AutoModelForImageTextToText
-
-            ref_model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
-            ref = reference_log_probs(ref_model, proc, batch)
             got = torch.zeros_like(ref)
             for share, values in gathered:
                 got[share] = values
