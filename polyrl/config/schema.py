@@ -266,6 +266,12 @@ class ModelConfig(ConfigGroup):
         "With LoRA, the exported model directory also holds the adapter alone (peft format) "
         "in its 'adapter' folder.",
     )
+    freeze_vision_tower: bool = option(
+        False,
+        "Vision-language models: keep the vision tower (model.visual.*) fixed while training; "
+        "its weights get no gradient and are left out of the optimizer. Refused for a text "
+        "model.",
+    )
 
     def validate(self) -> None:
         """Check target_modules names layers (all-linear alone)."""

@@ -122,6 +122,13 @@ class ModelSpec:
         },
     )
 
+    freeze_vision_tower: bool = field(
+        default=False,
+        metadata={
+            "help": "Vision-language models: keep the vision tower (model.visual.*) fixed; its "
+            "weights get no gradient and are left out of the optimizer."
+        },
+    )
     value_head_bias: bool = field(
         default=True,
         metadata={

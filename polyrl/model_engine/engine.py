@@ -22,6 +22,15 @@ Engine inputs are :class:`polyrl.core.batch.Batch` objects with these tensor col
   prediction can be learned, so the engine zeroes it on padding and on each row's first real
   token before counting; loss functions see that cleaned mask.
 
+A vision-language model (a Hugging Face image-text-to-text model such as Qwen2-VL) also reads the
+object column ``multi_modal`` (:data:`polyrl.core.columns.MULTI_MODAL`): each row's
+:class:`~polyrl.core.multimodal.MultiModalInputs`, or ``None`` for a text row; rows without the
+column are text rows.  ``input_ids`` must hold each item's *expanded* placeholder run
+(:func:`~polyrl.core.multimodal.expand_placeholders`) inside the row's real tokens, and
+``position_ids`` stay the ordinary text positions: the engine computes the M-RoPE positions
+itself (:mod:`polyrl.model_engine.vision`).  Rows holding the same inputs object (the samples of
+a prompt) have its images encoded once per micro-batch.
+
 Any other tensor / non-tensor columns (advantages, old log-probs, rewards, ...) travel with their
 rows into the micro-batches.  ``batch.meta[ROW_GROUP_KEY]`` (default 1) keeps each run of that many
 consecutive rows together, in order, in one micro-batch: a loss that reads several rows at once (a

@@ -26,11 +26,13 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from polyrl.core.batch import Batch
+from polyrl.core.columns import MULTI_MODAL
 from polyrl.core.cpu import retain_freed_memory
 from polyrl.core.dtypes import resolve_dtype
 from polyrl.model_engine.attention import use_cpu_sdpa
@@ -85,6 +87,18 @@ from polyrl.model_engine.prefix import (
     shared_prefix_forward,
     supports_shared_prefix,
 )
+from polyrl.model_engine.vision import (
+    MicroBatchMedia,
+    VisionInfo,
+    column_vision_calls,
+    dummy_vision_calls,
+    encode_once,
+    freeze_vision_tower,
+    media_tensors,
+    mrope_position_column,
+    vision_calls,
+    vision_info,
+)
 
 __all__ = ["FSDP2Engine"]
 
@@ -118,6 +132,8 @@ class FSDP2Engine(TrainingEngine):
         self._peft: Any = None
         self._lora: LoraLayout | None = None
         self._checkpointer: FSDP2Checkpointer | None = None
+        # A vision-language model's placeholder ids and merge size (None: a text model).
+        self._vision: VisionInfo | None = None
 
     # ------------------------------------------------------------------------------ lifecycle
     def initialize(self) -> None:
@@ -152,6 +168,10 @@ class FSDP2Engine(TrainingEngine):
         self._mesh = build_mesh(device, world, fsdp_size)
         seed_all(cfg.seed)
         model = load_model(self.model_spec, seed=cfg.seed)
+        self._vision = vision_info(model)
+        if self.model_spec.freeze_vision_tower:
+            # Before LoRA and sharding: frozen parameters stay out of the optimizer.
+            freeze_vision_tower(model)
         if self.model_spec.lora_rank:
             # Before sharding: peft swaps the targeted linear layers for LoRA layers in place.
             self._peft = apply_lora(model, self.model_spec)
@@ -183,6 +203,7 @@ class FSDP2Engine(TrainingEngine):
         self._model = None
         self._peft = None
         self._lora = None
+        self._vision = None
         self._optimizer = None
         self._scheduler = None
         self._checkpointer = None
@@ -274,6 +295,8 @@ class FSDP2Engine(TrainingEngine):
             and self.model_spec.kind == "causal_lm"
             # Hugging Face turns the KV cache off under activation checkpointing in training.
             and not cfg.gradient_checkpointing
+            # The prefix forward knows no media inputs or M-RoPE positions.
+            and self._vision is None
             and supports_shared_prefix(self.model)
         )
         if not usable:  # the same on every rank: nothing to agree on
@@ -281,7 +304,33 @@ class FSDP2Engine(TrainingEngine):
         columns = [local[k] for k in ("input_ids", "attention_mask", "position_ids", "loss_mask")]
         return agree_prefix_splits(columns, plan, self.world_size)
 
-    def _forward(self, mb: Batch, plan: PrefixSplit | None = None) -> ModelOutput:
+    def _media(self, mb: Batch) -> MicroBatchMedia | None:
+        """Return the micro-batch's media tensors (a VLM with a ``multi_modal`` column), or None."""
+        if self._vision is None or MULTI_MODAL not in mb.non_tensors:
+            return None
+        return media_tensors(mb.non_tensors[MULTI_MODAL], len(mb), self._device)
+
+    def _vision_calls(self, local: Batch, plan: list[list[int]]) -> list[int]:
+        """Per micro-batch of ``plan``: the most vision-tower runs any rank makes in it.
+
+        FSDP gathers each vision block on every run, so ranks must run the tower equally often;
+        a rank below the maximum makes up the difference on dummy inputs (collective).
+        """
+        if self._vision is None:
+            return [0] * len(plan)
+        column = local.non_tensors.get(MULTI_MODAL)
+        counts = [
+            column_vision_calls(column[rows]) if column is not None and rows else 0 for rows in plan
+        ]
+        if self.world_size > 1 and counts:
+            agreed = torch.tensor(counts, dtype=torch.long, device=self._device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            counts = [int(x) for x in agreed.tolist()]
+        return counts
+
+    def _forward(
+        self, mb: Batch, plan: PrefixSplit | None = None, vision_calls_needed: int = 0
+    ) -> ModelOutput:
         am = mb["attention_mask"]
         temperature = mb.meta.get("temperature", 1.0)
         chunk_size = self.engine_config.logprob_chunk_size
@@ -291,11 +340,32 @@ class FSDP2Engine(TrainingEngine):
             )
         layout = MicroBatchLayout.build(am, self._layout_mode)
         ids = layout.to_compute(mb["input_ids"])
-        pos = layout.to_compute(mb["position_ids"])
-        layout.check_packable(pos)
-        raw = model_forward(
-            self.model, self.model_spec.kind, ids, layout.compute_attention_mask(am), pos
-        )
+        media = None
+        if self._vision is None:
+            pos = layout.to_compute(mb["position_ids"])
+            layout.check_packable(pos)
+        else:
+            # A VLM always gets (4, R, W) positions, text rows too: with 3-D (or 2-D) positions
+            # Hugging Face's Qwen2-VL finds no packed-sequence boundaries.
+            column = mb.non_tensors.get(MULTI_MODAL)
+            media = self._media(mb)
+            per_token = mrope_position_column(
+                mb["input_ids"], am, mb["position_ids"], column, self._vision
+            )
+            pos = layout.to_compute(per_token)
+            layout.check_packable(pos[..., 0])
+            pos = pos.permute(2, 0, 1)
+        tensors = media.tensors if media is not None else None
+        extra = vision_calls_needed - vision_calls(tensors)
+        with dummy_vision_calls(self.model, self._vision, extra), encode_once(self.model, media):
+            raw = model_forward(
+                self.model,
+                self.model_spec.kind,
+                ids,
+                layout.compute_attention_mask(am),
+                pos,
+                tensors,
+            )
         return ModelOutput(
             kind=self.model_spec.kind,
             raw=raw,
@@ -306,16 +376,19 @@ class FSDP2Engine(TrainingEngine):
             chunk_size=chunk_size,
         )
 
-    def _dummy_pass(self, backward: bool, calls: int = 1) -> None:
+    def _dummy_pass(self, backward: bool, calls: int = 1, vision_calls_needed: int = 0) -> None:
         """Run one-token forwards (+ zero backward) to keep FSDP collectives matched.
 
         ``calls`` is the number of model calls the other ranks make for this micro-batch (two
-        under the shared-prefix forward).
+        under the shared-prefix forward); ``vision_calls_needed`` the most vision-tower runs
+        another rank makes in it (a VLM).
         """
         ids = torch.zeros(1, 1, dtype=torch.long, device=self._device)
         total = None
         for _ in range(calls):
-            raw = model_forward(self.model, self.model_spec.kind, ids, None, ids).float().sum()
+            with dummy_vision_calls(self.model, self._vision, vision_calls_needed):
+                raw = model_forward(self.model, self.model_spec.kind, ids, None, ids)
+            raw = raw.float().sum()
             total = raw if total is None else total + raw
         if backward and total is not None:
             (total * 0.0).backward()
@@ -332,6 +405,7 @@ class FSDP2Engine(TrainingEngine):
         global_tokens, global_seqs = global_loss_counts(local["loss_mask"], self.world_size)
         plan = self._plan(lengths, row_group_size(batch))
         splits, shared = self._prefix_splits(local, plan, enabled=True)
+        needed = self._vision_calls(local, plan)
         meta = {
             GLOBAL_TOKENS_KEY: global_tokens,
             GLOBAL_SEQS_KEY: global_seqs,
@@ -349,12 +423,16 @@ class FSDP2Engine(TrainingEngine):
                     self.model.set_requires_gradient_sync(index == len(plan) - 1)
                 if not rows:
                     with grad_ctx:
-                        self._dummy_pass(backward=not forward_only, calls=1 + shared[index])
+                        self._dummy_pass(
+                            backward=not forward_only,
+                            calls=1 + shared[index],
+                            vision_calls_needed=needed[index],
+                        )
                     continue
                 mb = local[rows]
                 mb.meta.update(meta)
                 with grad_ctx:
-                    output = self._forward(mb, splits[index])
+                    output = self._forward(mb, splits[index], needed[index])
                     loss, mb_metrics = check_loss_result(loss_fn(output, mb), forward_only)
                     if not forward_only:
                         loss.backward()
@@ -417,15 +495,18 @@ class FSDP2Engine(TrainingEngine):
         local, lengths = prepare_batch(batch, self._device, need_loss_mask=share)
         plan = self._plan(lengths, row_group_size(batch))
         splits, shared = self._prefix_splits(local, plan, enabled=share)
+        needed = self._vision_calls(local, plan)
         pieces: list[dict[str, torch.Tensor]] = []
         order: list[int] = []
         with self.eval_mode(), torch.no_grad():
             for index, rows in enumerate(plan):
                 if not rows:
-                    self._dummy_pass(backward=False, calls=1 + shared[index])
+                    self._dummy_pass(
+                        backward=False, calls=1 + shared[index], vision_calls_needed=needed[index]
+                    )
                     continue
                 mb = local[rows]
-                result = fn(self._forward(mb, splits[index]), mb)
+                result = fn(self._forward(mb, splits[index], needed[index]), mb)
                 pieces.append(check_infer_result(result, len(rows), pieces[0] if pieces else None))
                 order.extend(rows)
         return gather_rows(pieces, order, len(local), self._device, out_device)

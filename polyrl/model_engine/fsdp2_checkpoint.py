@@ -70,6 +70,13 @@ _TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+#: A vision-language model's processor files (image/video preprocessing), copied from the model
+#: directory so the export loads with AutoProcessor / AutoImageProcessor like the original.
+_PROCESSOR_FILES = (
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
+)
 _MAX_SHARD_BYTES = 2 * 1024**3
 #: Folder of an exported LoRA model directory holding the adapter alone (peft format).  Not the
 #: directory itself: an adapter_config.json there would make transformers load it as an adapter.
@@ -417,6 +424,9 @@ class FSDP2Checkpointer:
             from transformers import GenerationConfig
 
             GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        for name in _PROCESSOR_FILES:
+            if os.path.isfile(os.path.join(src, name)):
+                shutil.copy2(os.path.join(src, name), tmp)
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(tmp)
             return

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from polyrl.model_engine.heads import no_split_module_classes
 from polyrl.model_engine.lora import LoraLayout, merge_lora_weight
+from polyrl.model_engine.vision import vision_tower
 
 __all__ = [
     "adapter_full_tensors",
@@ -53,11 +54,19 @@ def build_mesh(device: torch.device, world: int, fsdp_size: int) -> DeviceMesh:
 def shard_model(
     model: torch.nn.Module, mesh: DeviceMesh, reshard: bool, policy: MixedPrecisionPolicy
 ) -> None:
-    """Shard ``model`` in place: each decoder layer one FSDP unit, then the root module."""
+    """Shard ``model`` in place: each decoder layer one FSDP unit, then the root module.
+
+    A vision-language model's vision blocks are units too (they are among its no-split module
+    classes), and so is the vision tower's patch merger, so the tower is never gathered whole.
+    """
     layer_classes = no_split_module_classes(model)
     for module in list(model.modules()):
         if layer_classes and isinstance(module, layer_classes):
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    tower = vision_tower(model)
+    merger = getattr(tower, "merger", None) if tower is not None else None
+    if isinstance(merger, torch.nn.Module):
+        fully_shard(merger, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):

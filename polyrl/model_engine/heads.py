@@ -135,13 +135,18 @@ class ValueModel(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        **media: torch.Tensor,
     ) -> torch.Tensor:
-        """Values ``(B, T)`` in fp32: the head applied to each token's last hidden state."""
+        """Values ``(B, T)`` in fp32: the head applied to each token's last hidden state.
+
+        ``media``: a vision-language backbone's image/video tensors (``pixel_values``, ...).
+        """
         out = self.backbone(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,
+            **media,
         )
         # A fresh tensor, not a view: FSDP hooks the root output for backward.
         return self.score(out.last_hidden_state).squeeze(-1).to(torch.float32, copy=True)
@@ -232,13 +237,20 @@ def load_model(spec: ModelSpec, seed: int = 0) -> nn.Module:
     ``causal_lm`` gives the ``AutoModelForCausalLM`` of the directory; ``value`` a
     :class:`ValueModel`.
     """
+    from polyrl.models.processor import is_vision_model
+
+    vision = bool(spec.path) and os.path.isfile(os.path.join(spec.path, "config.json"))
+    vision = vision and is_vision_model(spec.path)
     if spec.kind == "value":
+        # A VLM's AutoModel is its vision tower plus language model: the head reads the latter.
         return ValueModel.from_pretrained(spec, seed=seed)
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     _check_model_dir(spec.path)
     config = _load_config(spec)
-    return AutoModelForCausalLM.from_pretrained(
+    # A VLM is still a causal LM over its tokens; its Auto class keeps the vision tower.
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    return auto.from_pretrained(
         spec.path,
         config=config,
         dtype=resolve_dtype(spec.dtype),
@@ -253,15 +265,26 @@ def model_forward(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor,
+    media: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Run the model: logits ``(R, W, V)`` for a causal LM, values ``(R, W)`` for a value model."""
+    """Run the model: logits ``(R, W, V)`` for a causal LM, values ``(R, W)`` for a value model.
+
+    ``media``: a vision-language model's image/video tensors by argument name
+    (``pixel_values``, ``image_grid_thw``, ...), passed through to its forward.
+    """
     if kind == "value":
-        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        return model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            **(media or {}),
+        )
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
         use_cache=False,
+        **(media or {}),
     )
     return out.logits
 
