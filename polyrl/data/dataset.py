@@ -194,7 +194,9 @@ class RLDataset(Dataset):
                 except MultiModalInputError as err:
                     if truncation != "filter":
                         raise
-                    logger.warning("dropping row %d: %s", i, err)
+                    # The first few are named; the count below covers the rest.
+                    if len(self.bad_media_indices) < 5:
+                        logger.warning("dropping row %d: %s", i, err)
                     self.bad_media_indices.append(i)
                     continue
             else:
