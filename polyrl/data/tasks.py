@@ -543,6 +543,9 @@ def visual_count(
     max_distractors: int = 2,
     colors: Sequence[str] = ("red",),
     distractor_colors: Sequence[str] = ("blue",),
+    shapes: Sequence[str] = VISUAL_SHAPES,
+    min_scale: float = 0.55,
+    max_scale: float = 0.9,
     style: str = "short",
 ) -> list[dict]:
     """Count the shapes of one colour in a rendered image; the answer is the count.
@@ -569,6 +572,9 @@ def visual_count(
         max_distractors: Most shapes in distractor colours.
         colors: Colours the question may ask about (one drawn per row).
         distractor_colors: Colours of the distractor shapes (a row's asked colour is never one).
+        shapes: Shapes to draw, from ``"square"`` and ``"circle"``.
+        min_scale: Smallest shape side as a fraction of the cell side.
+        max_scale: Largest shape side as a fraction of the cell side (1: a square fills it).
         style: ``"short"`` or ``"instruct"`` (asks for the answer after ``####``).
     """
     _check_common(num, seed, split, style)
@@ -591,6 +597,13 @@ def visual_count(
             )
     if not colors:
         raise ValueError("colors must name at least one colour")
+    if isinstance(shapes, str) or not shapes or not set(shapes) <= set(VISUAL_SHAPES):
+        raise ValueError(f"shapes must be a list from {VISUAL_SHAPES}, got {shapes!r}")
+    if not 0 < min_scale <= max_scale <= 1:
+        raise ValueError(
+            f"need 0 < min_scale <= max_scale <= 1, got min_scale={min_scale!r}, "
+            f"max_scale={max_scale!r}"
+        )
     from PIL import Image, ImageDraw  # deferred: the text tasks do not need Pillow
 
     rng = _rng("visual_count", seed, split)
@@ -607,11 +620,11 @@ def visual_count(
         for k, c in enumerate(cells):
             fill = VISUAL_COLORS[color if k < count else rng.choice(others)]
             # A random size and offset inside the cell, so no two images of one count match.
-            side = cell * rng.uniform(0.55, 0.9)
+            side = cell * rng.uniform(min_scale, max_scale)
             x0 = (c % grid) * cell + rng.uniform(0, cell - side)
             y0 = (c // grid) * cell + rng.uniform(0, cell - side)
             box = (round(x0), round(y0), round(x0 + side) - 1, round(y0 + side) - 1)
-            if rng.choice(VISUAL_SHAPES) == "square":
+            if rng.choice(list(shapes)) == "square":
                 draw.rectangle(box, fill=fill)
             else:
                 draw.ellipse(box, fill=fill)
