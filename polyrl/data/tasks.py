@@ -543,9 +543,9 @@ def visual_count(
     max_distractors: int = 2,
     colors: Sequence[str] = ("red",),
     distractor_colors: Sequence[str] = ("blue",),
-    shapes: Sequence[str] = VISUAL_SHAPES,
-    min_scale: float = 0.55,
-    max_scale: float = 0.9,
+    shapes: Sequence[str] = ("square",),
+    min_scale: float = 1.0,
+    max_scale: float = 1.0,
     style: str = "short",
 ) -> list[dict]:
     """Count the shapes of one colour in a rendered image; the answer is the count.
@@ -555,7 +555,11 @@ def visual_count(
     circle, of a random size) in the asked colour and up to ``max_distractors`` cells holding
     one in a distractor colour. Cells line up with the vision tower's patches when
     ``image_size / grid`` is the patch size (56 / 4 = 14 for the tiny VLM), which is what makes
-    the task learnable by a tiny model in a minute.
+    the task learnable by a tiny model in a minute. The defaults (whole-cell squares) are what
+    the nano tiny VLM learns reliably (SFT, batch 16, lr 1e-3: about 0.5-0.7 held-out accuracy
+    after 75-100 steps, above 0.9 after 200, on every seed tried); shapes of random size
+    (``min_scale=0.55, max_scale=0.9``, circles too) make it much harder: some seeds stay at
+    chance for 800 steps.
 
     Rows follow verl's multi-modal layout: ``images`` is ``[{"bytes": <png>}]`` and the user
     message holds an ``<image>`` placeholder, e.g. ``"<image>How many red shapes?"``; the
