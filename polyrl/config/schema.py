@@ -96,6 +96,7 @@ TASKS = (
     "string_reverse",
     "string_sort",
     "code_simple",
+    "visual_count",
 )
 TRUNCATIONS = TRUNCATION_POLICIES  # the rule's own list (polyrl.core.prompts)
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
@@ -334,10 +335,41 @@ class DataConfig(ConfigGroup):
         "of the same name. May not set tokenize, add_generation_prompt, tools, conversation, "
         "return_dict or return_tensors (polyrl sets them).",
     )
+    image_key: str = option(
+        "images",
+        "Column holding a row's images (a list of {bytes}/{path} dicts, bytes or base64), used "
+        "when the model is a vision-language model; a row without it may have TRL's one-image "
+        "'image' column. Prompt strings mark each image's place with <image>. verl's key.",
+    )
+    video_key: str = option(
+        "videos",
+        "Column holding a row's videos, each a list of frames (images); prompt strings mark "
+        "each video's place with <video>. verl's key.",
+    )
+    image_min_pixels: int = option(
+        0,
+        "Smallest image area (width x height) after the processor's resize; more pixels mean "
+        "more image tokens. 0 keeps the model's preprocessor setting.",
+        ge=0,
+    )
+    image_max_pixels: int = option(
+        0,
+        "Largest image area (width x height) after the processor's resize, bounding an "
+        "image's tokens (about pixels / (patch x merge)^2). 0 keeps the model's setting.",
+        ge=0,
+    )
 
     def validate(self) -> None:
         """Check the prompt column name is set and the template arguments are not reserved."""
         _require_nonempty(self.prompt_key, "prompt_key")
+        _require_nonempty(self.image_key, "image_key")
+        _require_nonempty(self.video_key, "video_key")
+        if 0 < self.image_max_pixels < self.image_min_pixels:
+            raise ConfigError(
+                f"image_min_pixels ({self.image_min_pixels}) is larger than image_max_pixels "
+                f"({self.image_max_pixels})",
+                key="image_min_pixels",
+            )
         try:
             check_template_kwargs(self.apply_chat_template_kwargs)
         except (TypeError, ValueError) as exc:

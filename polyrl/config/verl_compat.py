@@ -634,6 +634,8 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         note="also sets rollout.max_new_tokens unless that is given (verl generates this long)",
     ),
     _a("data.prompt_key"),
+    _a("data.image_key", note="read when the model is a vision-language model"),
+    _a("data.video_key", note="videos as frame lists"),
     _a("data.truncation", note="verl's middle has no polyrl equivalent"),
     _a("data.shuffle"),
     _a("data.seed", convert=_null_skip),

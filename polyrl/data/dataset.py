@@ -13,6 +13,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from polyrl.core.columns import MULTI_MODAL
+from polyrl.core.multimodal import MultiModalInputError
+
 # TRUNCATION_POLICIES and PromptTooLongError stay importable from here (polyrl.data's names).
 from polyrl.core.prompts import (  # noqa: F401
     TEXT_PROMPT_KEY,
@@ -24,6 +27,7 @@ from polyrl.core.prompts import (  # noqa: F401
     render_chat,
 )
 from polyrl.data.io import read_rows
+from polyrl.data.media import media_messages, resolve_media_paths, row_media
 from polyrl.data.schema import (
     RowValidationError,
     complete_row,
@@ -41,8 +45,14 @@ TruncationPolicy = Literal["error", "filter", "left", "right"]
 
 
 def _load(rows_or_paths: Any) -> list[dict[str, Any]]:
+    return [row for row, _ in _load_with_dirs(rows_or_paths)]
+
+
+def _load_with_dirs(rows_or_paths: Any) -> list[tuple[dict[str, Any], Path]]:
+    """Rows, each with the folder relative image paths are read from (its file's, or cwd)."""
     if isinstance(rows_or_paths, str | os.PathLike):
-        return read_rows(rows_or_paths)
+        base = Path(rows_or_paths).resolve().parent
+        return [(row, base) for row in read_rows(rows_or_paths)]
     if isinstance(rows_or_paths, Mapping) or not isinstance(rows_or_paths, Sequence):
         raise TypeError(
             "rows_or_paths must be a path, a list of paths or a list of row dicts, got "
@@ -50,11 +60,12 @@ def _load(rows_or_paths: Any) -> list[dict[str, Any]]:
         )
     items = list(rows_or_paths)
     if all(isinstance(x, Mapping) for x in items):
-        return [dict(x) for x in items]
+        cwd = Path.cwd()
+        return [(dict(x), cwd) for x in items]
     if all(isinstance(x, str | os.PathLike) for x in items):
-        rows: list[dict[str, Any]] = []
+        rows: list[tuple[dict[str, Any], Path]] = []
         for p in items:
-            rows.extend(read_rows(p))
+            rows.extend(_load_with_dirs(p))
         return rows
     kinds = sorted({type(x).__name__ for x in items})
     raise TypeError(f"rows_or_paths must be all row dicts or all file paths, got a mix of {kinds}")
@@ -87,6 +98,19 @@ class RLDataset(Dataset):
     tokenized without the template also has :data:`~polyrl.core.prompts.TEXT_PROMPT_KEY`
     (``"text_prompt"``): that string (``raw_prompt`` still wraps it as one user message).
 
+    Images and videos (see :mod:`polyrl.data.media` for the verl and TRL row layouts): with a
+    ``processor`` (the model's :class:`~polyrl.models.processor.VisionProcessor`, from
+    :func:`~polyrl.models.processor.load_vision_processor`), a row's media are decoded and
+    processed **eagerly, here**, so an unusable image fails at load time with a
+    :class:`~polyrl.core.multimodal.MultiModalInputError` naming the row and the field (``"row 3:
+    field 'images': image 0: not a readable image ..."``) -- or, under ``truncation="filter"``,
+    the row is dropped and counted in :attr:`num_bad_media` (with a log line), never mid-step.
+    The processed inputs are kept in memory (one per prompt), which suits datasets of small
+    images; the prompt's ``input_ids`` hold each item's full run of placeholder tokens, so the
+    length policy counts them, and truncation that would cut into the image or video tokens is
+    refused like ``"error"`` (or the row dropped under ``"filter"``). Without a processor a row
+    with media is an error (the model cannot see them).
+
     Args:
         rows_or_paths: Row dicts, or one or more ``.parquet`` / ``.jsonl`` / ``.json`` files.
         tokenizer: A Hugging Face tokenizer with a chat template.
@@ -103,6 +127,10 @@ class RLDataset(Dataset):
         template_string_prompts: When true (polyrl's default), a plain-string prompt becomes one
             user message rendered through the chat template; when false (the TRL-style
             trainers), it is tokenized as it is.
+        processor: The vision model's processor; ``None`` for a text model.
+        image_key: Row column holding the images (``data.image_key``; TRL's one-image ``image``
+            column is read when a row lacks it).
+        video_key: Row column holding the videos as frame lists (``data.video_key``).
     """
 
     def __init__(
@@ -115,6 +143,9 @@ class RLDataset(Dataset):
         apply_chat_template_kwargs: Mapping[str, Any] | None = None,
         require_reward_fields: bool = True,
         template_string_prompts: bool = True,
+        processor: Any = None,
+        image_key: str = "images",
+        video_key: str = "videos",
     ) -> None:
         check_truncation(max_prompt_length, truncation)
         kwargs = check_template_kwargs(apply_chat_template_kwargs)
@@ -129,12 +160,16 @@ class RLDataset(Dataset):
         self.apply_chat_template_kwargs = kwargs
         self.require_reward_fields = require_reward_fields
         self.template_string_prompts = template_string_prompts
+        self.processor = processor
+        self.image_key = image_key
+        self.video_key = video_key
         pad = getattr(tokenizer, "pad_token_id", None)
         if pad is None:
             pad = getattr(tokenizer, "eos_token_id", None)
         self.pad_token_id: int | None = pad
 
-        raw_rows = _load(rows_or_paths)
+        loaded = _load_with_dirs(rows_or_paths)
+        raw_rows = [row for row, _ in loaded]
         self.num_rows_total = len(raw_rows)
         self.rows: list[dict[str, Any]] = []
         self.source_rows: list[dict[str, Any]] = []  # each kept row as it was given
@@ -143,15 +178,30 @@ class RLDataset(Dataset):
         self.text_prompts: list[str | None] = []
         self.source_indices: list[int] = []  # position of each kept row in the input
         self.filtered_indices: list[int] = []
+        # Each kept row's processed images/videos (None for a text row); see the class docs.
+        self.multi_modal: list[Any] = []
+        self.bad_media_indices: list[int] = []  # rows dropped for unusable media ("filter")
         self.num_truncated = 0
         for i, row in enumerate(raw_rows):
             row = self._prepare(row, i)
             given = raw_rows[i].get(self.prompt_key)
             text = given if isinstance(given, str) and not template_string_prompts else None
-            full = self._tokenize(row, i) if text is None else self._encode(text, i)
-            ids = fit_prompt(
-                full, max_prompt_length, truncation, f"row {i} (data_source={row['data_source']!r})"
-            )
+            images, videos = row_media(raw_rows[i], image_key, video_key)
+            mm = None
+            if images or videos:
+                try:
+                    full, mm = self._tokenize_media(row, i, images, videos, loaded[i][1])
+                except MultiModalInputError as err:
+                    if truncation != "filter":
+                        raise
+                    # The first few are named; the count below covers the rest.
+                    if len(self.bad_media_indices) < 5:
+                        logger.warning("dropping row %d: %s", i, err)
+                    self.bad_media_indices.append(i)
+                    continue
+            else:
+                full = self._tokenize(row, i) if text is None else self._encode(text, i)
+            ids = self._fit(full, mm, i, row)
             if ids is None:
                 self.filtered_indices.append(i)
                 continue
@@ -160,9 +210,17 @@ class RLDataset(Dataset):
             self.rows.append(row)
             self.source_rows.append(dict(raw_rows[i]))
             self.input_ids.append(ids)
-            self.text_prompts.append(text)
+            self.text_prompts.append(text if mm is None else None)
             self.source_indices.append(i)
+            self.multi_modal.append(mm)
         self.num_filtered = len(self.filtered_indices)
+        self.num_bad_media = len(self.bad_media_indices)
+        if self.num_bad_media:
+            logger.warning(
+                "dropped %d of %d rows whose images or videos are unusable",
+                self.num_bad_media,
+                self.num_rows_total,
+            )
         if truncation == "filter":
             log = logger.warning if self.num_filtered else logger.info
             log(
@@ -178,6 +236,13 @@ class RLDataset(Dataset):
             raise RowValidationError(f"row {index} must be a dict, got {type(row).__name__}")
         if not self.require_reward_fields:
             row = complete_row(row, prompt_key=self.prompt_key)
+            extra = row.get("extra_info")
+            if isinstance(extra, dict):
+                # complete_row copies extra columns into extra_info; image bytes do not belong
+                # in what reward functions receive.
+                for key in (self.image_key, self.video_key, "image"):
+                    if key in extra and key in row and extra[key] is row[key]:
+                        row["extra_info"] = extra = {k: v for k, v in extra.items() if k != key}
         elif self.prompt_key in row and ("data_source" not in row or "reward_model" not in row):
             missing = [f for f in ("data_source", "reward_model") if f not in row]
             raise RowValidationError(
@@ -193,6 +258,55 @@ class RLDataset(Dataset):
         if row.get("extra_info") is None:
             row["extra_info"] = {}
         return row
+
+    def _tokenize_media(
+        self,
+        row: dict[str, Any],
+        index: int,
+        images: list[Any],
+        videos: list[Any],
+        base_dir: Path,
+    ) -> tuple[list[int], Any]:
+        if self.processor is None:
+            raise RowValidationError(
+                f"row {index} has {len(images)} image(s) and {len(videos)} video(s) but the "
+                "model is not a vision-language model (its config has no vision_config); "
+                "train a VLM or drop the image columns"
+            )
+        # The row's prompt becomes content parts, so raw_prompt shows the rollout where each
+        # image goes; the row as given stays in source_row.
+        row[self.prompt_key] = media_messages(row[self.prompt_key], len(images), len(videos))
+        ids = self._tokenize(row, index)
+        field = self.image_key if images else self.video_key
+        # Training data is the user's own: image paths may point anywhere on this machine
+        # (the rollout server, which serves requests, keeps its allowed_dir).
+        return self.processor.encode(
+            ids,
+            resolve_media_paths(images, base_dir),
+            resolve_media_paths(videos, base_dir),
+            what=f"row {index}: field {field!r}",
+            allowed_dir="/",
+        )
+
+    def _fit(
+        self, full: list[int], mm: Any, index: int, row: Mapping[str, Any]
+    ) -> list[int] | None:
+        what = f"row {index} (data_source={row['data_source']!r})"
+        ids = fit_prompt(full, self.max_prompt_length, self.truncation, what)
+        if ids is None or mm is None or len(ids) == len(full):
+            return ids
+        media = set(self.processor.token_ids.values())
+        kept = sum(t in media for t in ids)
+        total = sum(t in media for t in full)
+        if kept == total:
+            return ids
+        # A cut image run no longer matches its pixels; refuse as "error" would.
+        raise PromptTooLongError(
+            f"{what}: prompt is {len(full)} tokens ({total} of them image/video tokens), longer "
+            f"than max_prompt_length={self.max_prompt_length}, and truncating it would cut its "
+            "image/video tokens; raise data.max_prompt_length, lower data.image_max_pixels or "
+            "set data.truncation to filter"
+        )
 
     def _tokenize(self, row: Mapping[str, Any], index: int) -> list[int]:
         try:
@@ -250,6 +364,9 @@ class RLDataset(Dataset):
         item["source_row"] = copy.deepcopy(self.source_rows[index])
         if self.text_prompts[index] is not None:
             item[TEXT_PROMPT_KEY] = self.text_prompts[index]
+        if self.processor is not None:
+            # Not copied: every sample of the prompt shares the one processed object.
+            item[MULTI_MODAL] = self.multi_modal[index]
         return item
 
     def collate(self, items: Sequence[Mapping[str, Any]]) -> Batch:
@@ -276,7 +393,9 @@ def collate_prompts(items: Sequence[Mapping[str, Any]], pad_token_id: int) -> Ba
     ``input_ids`` left-padded with ``pad_token_id``; ``attention_mask`` 1 on real tokens, 0 on
     padding; ``position_ids`` counting 0, 1, ... from each prompt's first real token (0 on
     padding).  Non-tensor columns: ``data_source``, ``ground_truth`` (from ``reward_model``),
-    ``extra_info``, ``raw_prompt``, ``uid``, ``ability``.
+    ``extra_info``, ``raw_prompt``, ``uid``, ``ability``, and ``multi_modal``
+    (:data:`~polyrl.core.columns.MULTI_MODAL`: each row's
+    :class:`~polyrl.core.multimodal.MultiModalInputs` or ``None``) when any item has it.
 
     Args:
         items: Items from :class:`RLDataset` (or dicts with the same fields).
@@ -320,6 +439,8 @@ def collate_prompts(items: Sequence[Mapping[str, Any]], pad_token_id: int) -> Ba
         "uid": _object_array([str(it["uid"]) for it in items]),
         "ability": _object_array([it.get("ability", "unknown") for it in items]),
     }
+    if any(MULTI_MODAL in it for it in items):
+        non_tensors[MULTI_MODAL] = _object_array([it.get(MULTI_MODAL) for it in items])
     tensors = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,

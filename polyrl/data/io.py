@@ -7,6 +7,14 @@ uniformly typed scalar column as JSON text, and lists those columns in the file'
 metadata (key ``polyrl.json_columns``); :func:`read_rows` decodes them, so
 ``read_rows(p) == rows`` after ``write_rows(rows, p)``.
 
+Image bytes survive too. A column whose values are lists of images -- ``{"bytes": ...,
+"path": ...}`` dicts (verl's and HF ``datasets``' layout), raw ``bytes`` or PIL images -- or
+lists of such lists (videos as frame lists) is stored natively as parquet
+``list<struct<bytes: binary, path: string>>`` (one more list level for videos), as verl's
+preprocess scripts write it, and listed under ``polyrl.media_columns``; it reads back as
+``[{"bytes": ...}]`` (a PIL image comes back as its PNG bytes). JSON has no bytes: there, image
+bytes are written as base64 text, which :func:`polyrl.core.multimodal.decode_image` reads.
+
 Parquet files written by other tools (pandas / pyarrow / verl's preprocess scripts, with
 struct, list and map columns) are read too.  For those, keys whose value is ``None`` inside
 struct-typed values are dropped, because that is how parquet pads the keys a row did not
@@ -15,6 +23,8 @@ have; a pandas index column is dropped as well.
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import math
 import os
@@ -30,6 +40,7 @@ import pyarrow.parquet as pq
 JSON_COLUMNS_KEY = b"polyrl.json_columns"
 FORMAT_KEY = b"polyrl.format"
 FORMAT_VERSION = b"1"
+MEDIA_COLUMNS_KEY = b"polyrl.media_columns"
 NUM_ROWS_KEY = b"polyrl.num_rows"  # a table without columns (rows of {}) keeps no row count
 SUFFIXES: tuple[str, ...] = (".parquet", ".jsonl", ".json")
 """File suffixes understood by :func:`read_rows` / :func:`write_rows`."""
@@ -48,10 +59,28 @@ def _suffix(path: Path) -> str:
     return suffix
 
 
+def _is_pil(value: Any) -> bool:
+    # By module name, so that rows without images never import Pillow.
+    return type(value).__module__.startswith("PIL.") and hasattr(value, "save")
+
+
+def _png_bytes(image: Any) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def _to_jsonable(value: Any, where: str) -> Any:
-    """Convert numpy scalars/arrays and tuples to JSON types; reject what JSON would mangle."""
+    """Convert numpy scalars/arrays and tuples to JSON types; reject what JSON would mangle.
+
+    Bytes (image bytes) and PIL images become base64 text (PNG for an image).
+    """
     if value is None or isinstance(value, bool | str):
         return value
+    if isinstance(value, bytes | bytearray | memoryview):
+        return base64.b64encode(bytes(value)).decode("ascii")
+    if _is_pil(value):
+        return base64.b64encode(_png_bytes(value)).decode("ascii")
     if isinstance(value, int | float):
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{where}: non-finite float {value!r} cannot be stored as JSON")
@@ -124,11 +153,89 @@ def _native_type(values: list[Any]) -> type | None:
     return kind if kind in _PRIMITIVES else None
 
 
+_MEDIA_STRUCT = pa.struct([pa.field("bytes", pa.binary()), pa.field("path", pa.string())])
+
+
+def _media_item(value: Any) -> dict[str, Any] | None:
+    """One image as ``{"bytes", "path"}``, or ``None`` when ``value`` is not an image."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return {"bytes": bytes(value), "path": None}
+    if _is_pil(value):
+        return {"bytes": _png_bytes(value), "path": None}
+    if isinstance(value, Mapping) and value and set(value) <= {"bytes", "path"}:
+        data, path = value.get("bytes"), value.get("path")
+        if (data is None or isinstance(data, bytes | bytearray)) and (
+            path is None or isinstance(path, str)
+        ):
+            return {"bytes": None if data is None else bytes(data), "path": path}
+    return None
+
+
+def _image_list(value: Any) -> list[dict[str, Any]] | None:
+    if not isinstance(value, list | tuple):
+        return None
+    items = [_media_item(v) for v in value]
+    return None if any(item is None for item in items) else items  # type: ignore[return-value]
+
+
+def _media_cells(values: list[Any], depth: int) -> list[Any] | None:
+    """Return a column's cells as image lists (``depth`` 1) or frame-list lists (2), or None."""
+    out: list[Any] = []
+    for value in values:
+        if value is None:
+            out.append(None)
+            continue
+        if depth == 1:
+            cell = _image_list(value)
+        elif isinstance(value, list | tuple):
+            cell = [_image_list(clip) for clip in value]
+            cell = None if any(clip is None for clip in cell) else cell
+        else:
+            cell = None
+        if cell is None:
+            return None
+        out.append(cell)
+    return out
+
+
+def _has_binary(value: Any) -> bool:
+    if isinstance(value, bytes | bytearray | memoryview) or _is_pil(value):
+        return True
+    if isinstance(value, Mapping):
+        return any(_has_binary(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_has_binary(v) for v in value)
+    return False
+
+
+def _media_column(values: list[Any]) -> tuple[int, list[Any]] | None:
+    """``(depth, cells)`` when a column holds images (with bytes) as verl stores them."""
+    if not any(_has_binary(v) for v in values):
+        return None  # image paths alone stay JSON, as files written before
+    for depth in (1, 2):
+        cells = _media_cells(values, depth)
+        if cells is not None:
+            return depth, cells
+    return None
+
+
 def _rows_to_table(rows: list[Mapping[str, Any]]) -> pa.Table:
     names = _column_names(rows)
     arrays: dict[str, pa.Array] = {}
     json_columns: list[str] = []
+    media_columns: dict[str, dict[str, Any]] = {}
     for name in names:
+        media = _media_column([row.get(name) for row in rows])
+        if media is not None:
+            depth, cells = media
+            arrow_type = pa.list_(_MEDIA_STRUCT)
+            if depth == 2:
+                arrow_type = pa.list_(arrow_type)
+            arrays[name] = pa.array(cells, type=arrow_type)
+            # A null cell is a None value or a missing key: the rows lacking it are listed.
+            missing = [i for i, row in enumerate(rows) if name not in row]
+            media_columns[name] = {"depth": depth, "missing": missing}
+            continue
         present = all(name in row for row in rows)
         values = [row.get(name) for row in rows]
         kind = _native_type(values) if present and rows else None
@@ -150,6 +257,7 @@ def _rows_to_table(rows: list[Mapping[str, Any]]) -> pa.Table:
     metadata = {
         FORMAT_KEY: FORMAT_VERSION,
         JSON_COLUMNS_KEY: json.dumps(json_columns).encode(),
+        MEDIA_COLUMNS_KEY: json.dumps(media_columns).encode(),
         NUM_ROWS_KEY: str(len(rows)).encode(),
     }
     schema = pa.schema([pa.field(n, arrays[n].type) for n in names], metadata=metadata)
@@ -183,7 +291,12 @@ def _table_to_rows(table: pa.Table, path: Path) -> list[dict[str, Any]]:
     metadata = table.schema.metadata or {}
     if JSON_COLUMNS_KEY in metadata:
         json_columns = set(json.loads(metadata[JSON_COLUMNS_KEY]))
+        media_columns = json.loads(metadata.get(MEDIA_COLUMNS_KEY, b"{}"))
         columns = {name: table.column(name).to_pylist() for name in table.column_names}
+        for name in media_columns:
+            col_type = table.schema.field(name).type
+            columns[name] = [_strip_struct_nulls(v, col_type) for v in columns[name]]
+        missing = {name: set(m.get("missing", ())) for name, m in media_columns.items()}
         num_rows = int(metadata.get(NUM_ROWS_KEY, table.num_rows))
         if table.num_columns and num_rows != table.num_rows:
             raise ValueError(
@@ -203,6 +316,8 @@ def _table_to_rows(table: pa.Table, path: Path) -> list[dict[str, Any]]:
                         raise ValueError(
                             f"{path}: row {i} column {name!r} is not valid JSON: {err}"
                         ) from err
+                elif name in missing and i in missing[name]:
+                    continue  # the row did not have this media column
                 else:
                     row[name] = cell
             rows.append(row)

@@ -44,6 +44,9 @@ def _where(index: int | None, field: str) -> str:
 def validate_messages(messages: Any, *, index: int | None = None, field: str = "prompt") -> None:
     """Check that ``messages`` is a non-empty list of ``{"role", "content"}`` chat messages.
 
+    ``content`` is a string or a list of content parts (``{"type": "text", "text": ...}``,
+    ``{"type": "image"}``, ``{"type": "video"}``), the layout of multi-modal chats.
+
     Args:
         messages: The value to check.
         index: Row index used in the error message.
@@ -73,10 +76,33 @@ def validate_messages(messages: Any, *, index: int | None = None, field: str = "
         # Assistant messages that only carry tool calls may have empty/None content.
         if content is None and role == "assistant" and msg.get("tool_calls"):
             continue
-        if not isinstance(content, str):
+        if isinstance(content, str):
+            continue
+        if isinstance(content, Sequence) and not isinstance(content, bytes):
+            _validate_parts(content, f"{where}[{i}]['content']")
+            continue
+        raise RowValidationError(
+            f"{where}[{i}]['content'] must be a string or a list of content parts, got "
+            f"{type(content).__name__}"
+        )
+
+
+CONTENT_PART_TYPES: frozenset[str] = frozenset({"text", "image", "video"})
+"""``type`` values of the content parts a message may hold (multi-modal chats)."""
+
+
+def _validate_parts(parts: Sequence[Any], where: str) -> None:
+    # The chat templates of vision models render {"type": "image"} parts as the image
+    # placeholder; the images themselves travel in the row's image column, in order.
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind not in CONTENT_PART_TYPES:
             raise RowValidationError(
-                f"{where}[{i}]['content'] must be a string, got {type(content).__name__}"
+                f"{where}[{j}] must be a content part dict with 'type' one of "
+                f"{sorted(CONTENT_PART_TYPES)}, got {part!r:.80}"
             )
+        if kind == "text" and not isinstance(part.get("text"), str):
+            raise RowValidationError(f"{where}[{j}]: a text part needs a string 'text'")
 
 
 def validate_row(row: Any, index: int | None = None, *, prompt_key: str = "prompt") -> None:

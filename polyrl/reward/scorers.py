@@ -32,6 +32,7 @@ __all__ = [
     "set_math_verify_timeout",
     "string_reverse_score",
     "string_sort_score",
+    "visual_count_score",
 ]
 
 
@@ -85,6 +86,26 @@ def arithmetic_score(
         ValueError: If ``ground_truth`` is not an integer or an integer string.
     """
     expected = _parse_int_ground_truth(ground_truth, "arithmetic")
+    answer = extract_answer(response)
+    if answer is None:
+        return 0.0
+    got = _last_integer(answer)
+    return 1.0 if got is not None and got == expected else 0.0
+
+
+@register_scorer("visual_count")
+def visual_count_score(
+    response: str,
+    ground_truth: Any,
+    extra_info: dict | None = None,
+    prompt: str | None = None,
+) -> float:
+    """Exact match of the count of the ``visual_count`` task (its last integer, as arithmetic).
+
+    Raises:
+        ValueError: If ``ground_truth`` is not an integer or an integer string.
+    """
+    expected = _parse_int_ground_truth(ground_truth, "visual_count")
     answer = extract_answer(response)
     if answer is None:
         return 0.0

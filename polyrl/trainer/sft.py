@@ -79,24 +79,38 @@ def _read_chats(files: list[str], cfg: PolyRLConfig) -> list[dict[str, Any]]:
     chats: list[dict[str, Any]] = []
     for name in files:
         rows = read_rows(name)
-        chats += chats_from_rows(rows, cfg.sft.messages_key, cfg.data.prompt_key, source=name)
+        chats += chats_from_rows(
+            rows,
+            cfg.sft.messages_key,
+            cfg.data.prompt_key,
+            source=name,
+            image_key=cfg.data.image_key,
+            video_key=cfg.data.video_key,
+            base_dir=Path(name).resolve().parent,
+        )
     return chats
 
 
 def load_sft_datasets(
-    cfg: PolyRLConfig, tokenizer: Any, max_length: int, out_dir: Path
+    cfg: PolyRLConfig,
+    tokenizer: Any,
+    max_length: int,
+    out_dir: Path,
+    processor: Any = None,
 ) -> tuple[SFTDataset, SFTDataset | None]:
     """Train and (when there is validation data) validation datasets for ``cfg``.
 
     With ``data.task`` the task's train/test splits are generated under ``data.data_dir``
     (default ``<out_dir>/data``) and each row becomes a chat ending in its ground truth;
-    ``data.val_files``, when given, replace the generated test split.
+    ``data.val_files``, when given, replace the generated test split. ``processor`` (a vision
+    model's :class:`~polyrl.models.processor.VisionProcessor`) processes rows' images.
     """
     train_files, val_files = data_files(cfg, out_dir)
     kwargs = {
         "max_length": max_length,
         "truncation": cfg.sft.truncation,
         "apply_chat_template_kwargs": cfg.data.apply_chat_template_kwargs,
+        "processor": processor,
     }
     train = SFTDataset(_read_chats(train_files, cfg), tokenizer, source="train data", **kwargs)
     val = None
@@ -316,6 +330,7 @@ def run_sft(cfg: PolyRLConfig) -> dict[str, Any]:
     from polyrl.data.sampler import StatefulSampler
     from polyrl.model_engine import CheckpointConfig, ModelSpec
     from polyrl.models.loader import load_tokenizer
+    from polyrl.models.processor import load_vision_processor
 
     started = time.perf_counter()
     trainer, sft, data = cfg.trainer, cfg.sft, cfg.data
@@ -327,7 +342,13 @@ def run_sft(cfg: PolyRLConfig) -> dict[str, Any]:
 
     model_dir = resolve_model_dir(cfg, out_dir)
     tokenizer = load_tokenizer(model_dir, trust_remote_code=cfg.model.trust_remote_code)
-    train_ds, val_ds = load_sft_datasets(cfg, tokenizer, max_length, out_dir)
+    processor = load_vision_processor(
+        model_dir,
+        tokenizer=tokenizer,
+        min_pixels=data.image_min_pixels or None,
+        max_pixels=data.image_max_pixels or None,
+    )
+    train_ds, val_ds = load_sft_datasets(cfg, tokenizer, max_length, out_dir, processor)
     if len(train_ds) < data.train_batch_size:
         raise ConfigError(
             f"{data.train_batch_size} exceeds the {len(train_ds)} training conversations",

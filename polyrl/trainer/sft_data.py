@@ -12,6 +12,13 @@ generated tokens.
 Rows come either as chats (a ``messages`` column) or as RL rows (``prompt`` + ground truth),
 which become chats by appending the ground truth as the assistant turn
 (:func:`chat_from_rl_row`).
+
+Rows may carry images and videos in the layouts :mod:`polyrl.data.media` reads (verl's
+``images`` column with ``<image>`` in the text, TRL's ``image`` column and content parts). With
+a vision model's processor, :class:`SFTDataset` processes them at load time like the RL dataset:
+the placeholders are expanded to each item's run of tokens (never learned, never cut by
+truncation) and each item carries its :class:`~polyrl.core.multimodal.MultiModalInputs`, which
+:func:`collate_chats` puts in the batch's ``multi_modal`` column.
 """
 
 from __future__ import annotations
@@ -21,10 +28,14 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from polyrl.core.batch import Batch
+from polyrl.core.columns import MULTI_MODAL
+from polyrl.core.multimodal import MultiModalInputError
 from polyrl.core.prompts import check_template_kwargs, render_chat
+from polyrl.data.media import expand_mask, media_messages, resolve_media_paths, row_media
 from polyrl.data.schema import RowValidationError, ground_truth_of, validate_messages
 
 __all__ = [
@@ -47,12 +58,16 @@ class TokenizedChat:
     """One tokenised conversation.
 
     Attributes:
-        input_ids: token ids of the whole rendered conversation.
+        input_ids: token ids of the whole rendered conversation (image and video placeholders
+            expanded when it has media).
         loss_mask: 1 on tokens the model learns (assistant turns), else 0.
+        multi_modal: its processed images and videos
+            (:class:`~polyrl.core.multimodal.MultiModalInputs`), or ``None``.
     """
 
     input_ids: list[int]
     loss_mask: list[int]
+    multi_modal: Any = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -171,12 +186,17 @@ def chats_from_rows(
     messages_key: str = "messages",
     prompt_key: str = "prompt",
     source: str = "rows",
+    image_key: str = "images",
+    video_key: str = "videos",
+    base_dir: Any = None,
 ) -> list[dict[str, Any]]:
     """Normalise rows to ``{"messages": [...], "tools": [...] | None}``.
 
     A row with ``messages_key`` is a chat; otherwise a row with ``prompt_key`` and
     ``reward_model.ground_truth`` becomes one (:func:`chat_from_rl_row`).  Tools come from a
-    ``tools`` column or ``extra_info.tools``.
+    ``tools`` column or ``extra_info.tools``. A row with images or videos (``image_key``, TRL's
+    ``image``, ``video_key``) also gets ``"images"`` / ``"videos"`` lists, relative image paths
+    made absolute from ``base_dir`` when given (the data file's folder).
     """
     chats = []
     for i, row in enumerate(rows):
@@ -202,7 +222,14 @@ def chats_from_rows(
         if tools is None:
             extra = row.get("extra_info") or {}
             tools = extra.get("tools") if isinstance(extra, Mapping) else None
-        chats.append({"messages": messages, "tools": tools or None})
+        chat: dict[str, Any] = {"messages": messages, "tools": tools or None}
+        images, videos = row_media(row, image_key, video_key)
+        if images or videos:
+            if base_dir is not None:
+                images = resolve_media_paths(images, base_dir)
+                videos = resolve_media_paths(videos, base_dir)
+            chat["images"], chat["videos"] = images, videos
+        chats.append(chat)
     return chats
 
 
@@ -217,6 +244,10 @@ class SFTDataset:
             (cut the end off).
         source: name used in error messages.
         apply_chat_template_kwargs: extra chat-template arguments (see :func:`tokenize_chat`).
+        processor: the vision model's :class:`~polyrl.models.processor.VisionProcessor`
+            (needed when chats have images or videos; they are processed here, at load time).
+            An unusable image is an error naming the row, or, under ``"filter"``, the chat is
+            dropped and counted in :attr:`num_bad_media`.
     """
 
     def __init__(
@@ -227,6 +258,7 @@ class SFTDataset:
         truncation: str = "error",
         source: str = "data",
         apply_chat_template_kwargs: Mapping[str, Any] | None = None,
+        processor: Any = None,
     ) -> None:
         template_kwargs = check_template_kwargs(apply_chat_template_kwargs)
         if truncation not in ("error", "filter", "right"):
@@ -237,13 +269,25 @@ class SFTDataset:
         self.items: list[TokenizedChat] = []
         self.num_filtered = 0
         self.num_truncated = 0
+        self.num_bad_media = 0
+        self.processor = processor
         for i, chat in enumerate(chats):
+            images, videos = list(chat.get("images") or ()), list(chat.get("videos") or ())
+            messages = chat["messages"]
+            if images or videos:
+                messages = media_messages(messages, len(images), len(videos))
             try:
-                item = tokenize_chat(
-                    tokenizer, chat["messages"], chat.get("tools"), template_kwargs
-                )
+                item = tokenize_chat(tokenizer, messages, chat.get("tools"), template_kwargs)
             except SFTDataError as exc:
                 raise SFTDataError(f"{source}: row {i}: {exc}") from None
+            if images or videos:
+                try:
+                    item = self._with_media(item, images, videos, f"{source}: row {i}")
+                except MultiModalInputError as exc:
+                    if truncation != "filter":
+                        raise SFTDataError(str(exc)) from None
+                    self.num_bad_media += 1
+                    continue
             if len(item) > max_length:
                 if truncation == "error":
                     raise SFTDataError(
@@ -254,7 +298,18 @@ class SFTDataset:
                 if truncation == "filter":
                     self.num_filtered += 1
                     continue
-                item = TokenizedChat(item.input_ids[:max_length], item.loss_mask[:max_length])
+                if item.multi_modal is not None and self._cuts_media(item, max_length):
+                    # A cut image run no longer matches its pixels.
+                    raise SFTDataError(
+                        f"{source}: row {i} has {len(item)} tokens, more than max_length="
+                        f"{max_length}, and cutting it would cut its image/video tokens; raise "
+                        "sft.max_length or set sft.truncation to 'filter'"
+                    )
+                item = dataclasses.replace(
+                    item,
+                    input_ids=item.input_ids[:max_length],
+                    loss_mask=item.loss_mask[:max_length],
+                )
                 self.num_truncated += 1
             self.items.append(item)
         if not self.items:
@@ -262,6 +317,28 @@ class SFTDataset:
                 f"{source}: no conversation left ({self.num_filtered} filtered as longer than "
                 f"max_length={max_length})"
             )
+
+    def _with_media(
+        self, item: TokenizedChat, images: list[Any], videos: list[Any], where: str
+    ) -> TokenizedChat:
+        if self.processor is None:
+            raise SFTDataError(
+                f"{where} has images or videos but the model is not a vision-language model "
+                "(its config has no vision_config)"
+            )
+        field = "images" if images else "videos"
+        # Training data is the user's own: image paths may point anywhere on this machine.
+        ids, mm = self.processor.encode(
+            item.input_ids, images, videos, what=f"{where}: field {field!r}", allowed_dir="/"
+        )
+        mask = expand_mask(
+            item.input_ids, item.loss_mask, self.processor.token_ids, mm.token_counts
+        )
+        return TokenizedChat(ids, mask, mm)
+
+    def _cuts_media(self, item: TokenizedChat, max_length: int) -> bool:
+        media = set(self.processor.token_ids.values())
+        return any(t in media for t in item.input_ids[max_length:])
 
     def __len__(self) -> int:
         return len(self.items)
@@ -275,7 +352,11 @@ class SFTDataset:
 
 
 def collate_chats(items: Sequence[TokenizedChat], pad_token_id: int) -> Batch:
-    """Right-padded engine batch: ``input_ids``, ``attention_mask`` and float ``loss_mask``."""
+    """Right-padded engine batch: ``input_ids``, ``attention_mask`` and float ``loss_mask``.
+
+    When any conversation has images or videos, the object column ``multi_modal``
+    (:data:`~polyrl.core.columns.MULTI_MODAL`) holds each row's inputs (``None`` for text rows).
+    """
     if not items:
         raise ValueError("collate_chats needs at least one conversation")
     width = max(len(item) for item in items)
@@ -287,4 +368,10 @@ def collate_chats(items: Sequence[TokenizedChat], pad_token_id: int) -> Batch:
         ids[row, :n] = torch.tensor(item.input_ids, dtype=torch.long)
         attn[row, :n] = 1
         loss[row, :n] = torch.tensor(item.loss_mask, dtype=torch.float32)
-    return Batch(tensors={"input_ids": ids, "attention_mask": attn, "loss_mask": loss})
+    tensors = {"input_ids": ids, "attention_mask": attn, "loss_mask": loss}
+    if any(item.multi_modal is not None for item in items):
+        column = np.empty(len(items), dtype=object)
+        for row, item in enumerate(items):
+            column[row] = item.multi_modal
+        return Batch(tensors=tensors, non_tensors={MULTI_MODAL: column})
+    return Batch(tensors=tensors)

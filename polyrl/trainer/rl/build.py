@@ -104,6 +104,22 @@ def rollout_matmul_dtype(cfg: PolyRLConfig) -> str:
     return resolve_settings(cfg).matmul_dtype
 
 
+def vision_processor(cfg: PolyRLConfig, model_dir: Any, tokenizer: Any = None) -> Any:
+    """Return the model's :class:`~polyrl.models.processor.VisionProcessor` (``None``: text).
+
+    ``data.image_min_pixels`` / ``data.image_max_pixels`` (0: the model's own) bound the
+    resized image area, so the number of image tokens.
+    """
+    from polyrl.models.processor import load_vision_processor
+
+    return load_vision_processor(
+        model_dir,
+        tokenizer=tokenizer,
+        min_pixels=cfg.data.image_min_pixels or None,
+        max_pixels=cfg.data.image_max_pixels or None,
+    )
+
+
 def load_datasets(
     cfg: PolyRLConfig,
     tokenizer: Any,
@@ -111,17 +127,22 @@ def load_datasets(
     train_rows: Sequence[Mapping[str, Any]] | None = None,
     val_rows: Sequence[Mapping[str, Any]] | None = None,
     custom_reward: bool = False,
+    processor: Any = None,
 ) -> tuple[Any, Any]:
     """Return the training and validation prompt datasets (validation may be ``None``).
 
     Rows given directly win; otherwise ``data.task`` is generated into ``data.data_dir`` (or
     ``out_dir/data``), else ``data.train_files`` / ``data.val_files`` are read. With
-    ``custom_reward`` (a user function scores every row) a row needs only its prompt.
+    ``custom_reward`` (a user function scores every row) a row needs only its prompt. With a
+    vision model's ``processor`` (:func:`vision_processor`) rows' images are processed at load.
     """
     from polyrl.data.dataset import RLDataset
 
     data = cfg.data
     kwargs = {
+        "processor": processor,
+        "image_key": data.image_key,
+        "video_key": data.video_key,
         "max_prompt_length": data.max_prompt_length,
         "prompt_key": data.prompt_key,
         "truncation": data.truncation,

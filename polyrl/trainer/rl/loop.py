@@ -66,6 +66,7 @@ from polyrl.trainer.rl.build import (
     start_engines,
     start_replicas,
     start_transfer_queue,
+    vision_processor,
     weight_transport,
 )
 from polyrl.trainer.rl.checks import check_config
@@ -208,6 +209,7 @@ class RLTrainer:
             self._train_rows,
             self._val_rows,
             custom_reward=has_custom_reward(cfg, self.reward_fn),
+            processor=vision_processor(cfg, self.model_dir, self.tokenizer),
         )
         per_round = prompts_per_round(cfg)
         for key, size in (
