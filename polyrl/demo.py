@@ -29,13 +29,26 @@ from polyrl.config import PolyRLConfig, load_config
 
 
 async def _sample(
-    url: str, prompt_ids: list[list[int]], params: dict[str, Any]
+    url: str, items: list[dict[str, Any]], params: dict[str, Any]
 ) -> tuple[list[list[int]], int]:
-    """Sample through the rollout server; return responses (prompt-major) and weight version."""
+    """Sample through the rollout server; return responses (prompt-major) and weight version.
+
+    A vision prompt's images go with it (``multi_modal``); text prompts go as one batch.
+    """
+    from polyrl.core.columns import MULTI_MODAL
     from polyrl.rollout.client import RolloutClient
 
+    prompt_ids = [item["input_ids"].tolist() for item in items]
     async with RolloutClient([url]) as client:
-        results = await client.generate_many(prompt_ids, params)
+        if any(item.get(MULTI_MODAL) is not None for item in items):
+            results = await asyncio.gather(
+                *(
+                    client.generate(ids, params, multi_modal=item.get(MULTI_MODAL))
+                    for ids, item in zip(prompt_ids, items, strict=True)
+                )
+            )
+        else:
+            results = await client.generate_many(prompt_ids, params)
     responses = [list(o.output_ids) for r in results for o in r.outputs]
     return responses, results[0].weight_version
 
@@ -66,9 +79,7 @@ def evaluate(
         "max_new_tokens": min(cfg.rollout.max_new_tokens, cfg.data.max_response_length),
         "seed": cfg.seed_for("rollout"),
     }
-    responses, version = asyncio.run(
-        _sample(url, [item["input_ids"].tolist() for item in items], params)
-    )
+    responses, version = asyncio.run(_sample(url, items, params))
     texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
     batch = Batch(
         non_tensors={
@@ -152,6 +163,7 @@ def run(cfg: PolyRLConfig) -> dict[str, Any]:
     from polyrl.reward.manager import RewardManager
     from polyrl.rollout.launcher import ServerProcess
     from polyrl.trainer.rl import run_rl
+    from polyrl.trainer.rl.build import vision_processor
     from polyrl.trainer.sft import run_sft
 
     start = time.perf_counter()
@@ -216,6 +228,9 @@ def run(cfg: PolyRLConfig) -> dict[str, Any]:
         cfg.data.max_prompt_length,
         truncation=cfg.data.truncation,
         apply_chat_template_kwargs=cfg.data.apply_chat_template_kwargs,
+        processor=vision_processor(cfg, model_dir, tokenizer),
+        image_key=cfg.data.image_key,
+        video_key=cfg.data.video_key,
     )
     k = max(cfg.rollout.n, 2)
     manager = RewardManager(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
@@ -239,7 +254,8 @@ def run(cfg: PolyRLConfig) -> dict[str, Any]:
     seconds = round(time.perf_counter() - start, 1)
     plot = rl_summary.get("plot")
     summary = {
-        "name": "demo",
+        # "demo" for the text demo; the VLM demo's preset names its own (demo_vlm).
+        "name": cfg.trainer.experiment_name or "demo",
         "seconds": seconds,
         "sft_accuracy": round(rows[0][1]["mean"], 4),
         "rl_accuracy": round(rows[1][1]["mean"], 4),

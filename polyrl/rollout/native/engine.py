@@ -234,7 +234,12 @@ class NativeEngine:
             self.runner.dtype,
             self.runner.device,
         )
-        self.sampler = Sampler(self.runner.device, config.seed, use_kernels=config.cpu_kernels)
+        self.sampler = Sampler(
+            self.runner.device,
+            config.seed,
+            use_kernels=config.cpu_kernels,
+            suppressed_ids=self.runner.media_token_ids,
+        )
         self._use_kernel = (
             config.cpu_kernels
             and self.runner.device.type == "cpu"

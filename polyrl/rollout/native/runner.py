@@ -96,6 +96,17 @@ class ModelRunner:
         if self.vision:
             # The vision tower attends within each image, with no KV cache: it keeps SDPA.
             vision_config._attn_implementation = "sdpa"
+        #: Token ids a vision model must never sample: its media placeholders and markers.
+        self.media_token_ids: tuple[int, ...] = ()
+        if self.vision:
+            names = (
+                "image_token_id",
+                "video_token_id",
+                "vision_start_token_id",
+                "vision_end_token_id",
+            )
+            found = (getattr(model.config, n, None) for n in names)
+            self.media_token_ids = tuple(sorted({int(t) for t in found if t is not None}))
         #: Vision-tower outputs by item, cleared by every weight change.
         self.embedding_cache = EmbeddingCache()
         #: How many times the vision tower ran (one item per call).

@@ -115,11 +115,25 @@ class Sampler:
             available.
     """
 
-    def __init__(self, device: torch.device, seed: int = 0, use_kernels: bool = True):
+    def __init__(
+        self,
+        device: torch.device,
+        seed: int = 0,
+        use_kernels: bool = True,
+        suppressed_ids: tuple[int, ...] = (),
+    ):
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.use_kernels = use_kernels
+        # Never drawn (a vision model's media placeholders: a sampled one would claim an image
+        # the sequence does not have). Only the draw is masked: reported log-probs stay the
+        # model's own, as the engines compute them.
+        self.suppressed = (
+            torch.tensor(suppressed_ids, dtype=torch.long, device=device)
+            if suppressed_ids
+            else None
+        )
 
     def _penalise(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         penalties = [r.repetition_penalty for r in rows]
@@ -225,6 +239,10 @@ class Sampler:
             if penalised is logits
             else (penalised * inv_t if inv_t is not None else penalised)
         )
+
+        if self.suppressed is not None:
+            z = z.clone() if z is scaled else z
+            z[:, self.suppressed] = float("-inf")
 
         sampled = [i for i, t in enumerate(temps) if t > 0]
         # Greedy rows take the argmax; with none, skip it (the usual all-sampled batch).

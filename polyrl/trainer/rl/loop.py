@@ -202,6 +202,8 @@ class RLTrainer:
             self.model_dir, trust_remote_code=cfg.model.trust_remote_code
         )
         self.pad_id = pad_id_of(self.tokenizer)
+        # A vision model's processor: the datasets and the agent loops render media with it.
+        self.processor = vision_processor(cfg, self.model_dir, self.tokenizer)
         self.train_ds, self.val_ds = load_datasets(
             cfg,
             self.tokenizer,
@@ -209,7 +211,7 @@ class RLTrainer:
             self._train_rows,
             self._val_rows,
             custom_reward=has_custom_reward(cfg, self.reward_fn),
-            processor=vision_processor(cfg, self.model_dir, self.tokenizer),
+            processor=self.processor,
         )
         per_round = prompts_per_round(cfg)
         for key, size in (
@@ -260,6 +262,7 @@ class RLTrainer:
         self.producer = RolloutProducer.connect(
             cfg, urls, self.tokenizer, rewards, api_key=self.servers.api_key
         )
+        self.producer.processor = self.processor
         self._closers.append(self.producer.close)
         self.producer.run(self.producer.client.wait_ready(timeout=300.0))
         _log(

@@ -270,6 +270,9 @@ class RolloutProducer:
         self.rewards = rewards
         self._loop = loop
         self.watch: Callable[[], Awaitable[None]] | None = None
+        #: A vision model's :class:`~polyrl.models.processor.VisionProcessor`: agent loops
+        #: render the media of observations and tool results with it.
+        self.processor: Any = None
         #: Continue samples aborted by a weight update from their partial tokens.
         self.resume_aborted = False
         #: Set when the run ends: aborted samples are then not continued.
@@ -559,6 +562,7 @@ class RolloutProducer:
             default_agent=agent.default_loop,
             loop_kwargs=loop_kwargs,
             max_concurrency=agent.max_concurrency,
+            processor=self.processor,
         )
         batch = collate_trajectories(trajectories, self.pad_id)
         texts = [t.response_text(self.tokenizer) for t in trajectories]

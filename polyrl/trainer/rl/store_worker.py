@@ -168,6 +168,7 @@ class StoreRolloutWorker:
     ) -> None:
         from polyrl.core.plugins import import_plugins
         from polyrl.models.loader import load_tokenizer
+        from polyrl.trainer.rl.build import vision_processor
 
         import_plugins(cfg.trainer.imports)  # a Ray actor: the user's agent loops, tools, ...
         self.cfg = cfg
@@ -178,6 +179,7 @@ class StoreRolloutWorker:
         self.producer = RolloutProducer.connect(
             cfg, urls, tokenizer, reward_manager(cfg, reward_fn), api_key=api_key
         )
+        self.producer.processor = vision_processor(cfg, model_dir, tokenizer)
         # One scoring thread: the reward manager serves one call at a time.
         self._scorer = ThreadPoolExecutor(1, thread_name_prefix="polyrl-score")
 
