@@ -299,7 +299,7 @@ def kl_cov(
     response_mask: torch.Tensor,
     *,
     kl_cov_ratio: float = 2e-4,
-    kl_cov_coef: float = 1.0,
+    kl_cov_coef: float = 0.1,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float | None = None,

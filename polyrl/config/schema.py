@@ -119,7 +119,8 @@ ADV_ESTIMATORS = (
 PRIME_UPDATES = ("before", "after", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3", "kl", "mse", "low_var_kl", "abs", "full")
 KL_CONTROLLERS = ("fixed", "adaptive")
-POLICY_LOSSES = ("ppo_clip", "gspo")
+POLICY_LOSSES = ("ppo_clip", "gspo", "cispo", "sapo", "gmpo", "gpg", "clip_cov", "kl_cov")
+ROLLOUT_RS_MODES = ("none", "token", "icepop", "sequence", "geometric")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "simpo")
 PAIR_TRUNCATIONS = ("error", "filter")
 AGENT_LOOPS = ("single_turn", "tool", "env")
@@ -834,6 +835,28 @@ class AlgorithmConfig(ConfigGroup):
     rollout_is_threshold: float = option(
         2.0, "Rollout importance weights are truncated at this value.", ge=1.0
     )
+    rollout_rs: str = option(
+        "none",
+        "Rollout masks on the rollout/trainer ratio rho = pi_old / pi_rollout out of the band "
+        "[rollout_rs_threshold_lower, rollout_rs_threshold]: token masks those tokens (MIS), "
+        "icepop masks them and weights the rest by rho (IcePop), sequence rejects responses "
+        "whose product of rho leaves it, geometric those whose geometric mean of rho does; "
+        "metrics actor/rollout_rs_*.",
+        choices=ROLLOUT_RS_MODES,
+    )
+    rollout_rs_threshold: float = option(
+        2.0, "Upper end of the rollout mask's band (geometric: near 1, e.g. 1.001).", ge=1.0
+    )
+    rollout_rs_threshold_lower: float = option(
+        0.0, "Lower end of the rollout mask's band; 0 is 1 / rollout_rs_threshold.", ge=0.0, le=1.0
+    )
+    rollout_token_veto_threshold: float = option(
+        0.0,
+        "Reject every response with a token whose rollout/trainer ratio is below this "
+        "(counted in actor/rollout_rs_seq_rejected_frac); 0 turns it off.",
+        ge=0.0,
+        le=1.0,
+    )
     overlong_filter: bool = option(
         False,
         "DAPO overlong filtering: responses cut at the length cap (finish reason 'length') "
@@ -849,7 +872,10 @@ class ActorConfig(ConfigGroup):
 
     policy_loss: str = option(
         "ppo_clip",
-        "Policy loss, built-in or registered (register_policy_loss).",
+        "Policy loss, built-in or registered (register_policy_loss): ppo_clip (PPO clip), gspo "
+        "(sequence ratio), cispo (clipped stop-gradient IS weight), sapo (soft sigmoid gate), "
+        "gmpo (geometric mean of token ratios), gpg (plain policy gradient), clip_cov / kl_cov "
+        "(covariance-selected tokens detached / KL-penalised).",
         choices=POLICY_LOSSES,
         registry="polyrl.algo.losses:POLICY_LOSSES",
     )
@@ -862,6 +888,25 @@ class ActorConfig(ConfigGroup):
     )
     clip_ratio_c: float = option(
         3.0, "Dual-clip bound on the loss for negative advantages; 0 turns it off.", ge=0.0
+    )
+    tau_pos: float = option(
+        1.0, "sapo: gate temperature of tokens with positive advantages.", gt=0.0
+    )
+    tau_neg: float = option(
+        1.05, "sapo: gate temperature of the others (larger damps them more).", gt=0.0
+    )
+    clip_cov_ratio: float = option(
+        2e-4, "clip_cov: share of tokens detached, drawn from the candidates.", ge=0.0, le=1.0
+    )
+    clip_cov_lb: float = option(
+        1.0, "clip_cov: candidates have a log-prob/advantage covariance at least this."
+    )
+    clip_cov_ub: float = option(5.0, "clip_cov: and at most this.")
+    kl_cov_ratio: float = option(
+        2e-4, "kl_cov: share of tokens, of largest covariance, penalised.", ge=0.0, le=1.0
+    )
+    kl_cov_coef: float = option(
+        0.1, "kl_cov: weight of the |log-ratio| penalty (verl: ppo_kl_coef).", ge=0.0
     )
     entropy_coeff: float = option(0.0, "Weight of the entropy bonus.", ge=0.0)
     use_kl_loss: bool = option(False, "Add a KL-to-reference term to the policy loss.")
@@ -898,7 +943,12 @@ class ActorConfig(ConfigGroup):
     )
 
     def validate(self) -> None:
-        """Reject a dual-clip bound that would not be above 1."""
+        """Reject a dual-clip bound that would not be above 1, and an empty Clip-Cov range."""
+        if self.clip_cov_lb > self.clip_cov_ub:
+            raise ConfigError(
+                f"invalid value {self.clip_cov_lb}; above clip_cov_ub ({self.clip_cov_ub})",
+                key="clip_cov_lb",
+            )
         if 0.0 < self.clip_ratio_c <= 1.0:
             raise ConfigError(
                 f"invalid value {self.clip_ratio_c}; dual clip needs > 1 (or 0 to turn it off)",

@@ -411,6 +411,20 @@ class RLTrainer:
             "kl_loss_type": actor.kl_loss_type,
             "rollout_is": self._rollout_is(),
             "rollout_is_threshold": self.cfg.algorithm.rollout_is_threshold,
+            "rollout_rs": self.cfg.algorithm.rollout_rs,
+            "rollout_rs_threshold": self.cfg.algorithm.rollout_rs_threshold,
+            "rollout_rs_threshold_lower": self.cfg.algorithm.rollout_rs_threshold_lower or None,
+            "rollout_token_veto_threshold": self.cfg.algorithm.rollout_token_veto_threshold or None,
+            # Every objective's options; the actor's loss gives each loss those it names.
+            "policy_loss_options": {
+                "tau_pos": actor.tau_pos,
+                "tau_neg": actor.tau_neg,
+                "clip_cov_ratio": actor.clip_cov_ratio,
+                "clip_cov_lb": actor.clip_cov_lb,
+                "clip_cov_ub": actor.clip_cov_ub,
+                "kl_cov_ratio": actor.kl_cov_ratio,
+                "kl_cov_coef": actor.kl_cov_coef,
+            },
         }
 
     def _rollout_is(self) -> str:
