@@ -40,9 +40,11 @@ logger = logging.getLogger(__name__)
 TruncationPolicy = Literal["error", "filter", "left", "right"]
 
 
-def _load(rows_or_paths: Any) -> list[dict[str, Any]]:
+def _load(rows_or_paths: Any) -> tuple[list[dict[str, Any]], list[int]]:
+    """Return the rows and how many came from each file (one count for rows given)."""
     if isinstance(rows_or_paths, str | os.PathLike):
-        return read_rows(rows_or_paths)
+        rows = read_rows(rows_or_paths)
+        return rows, [len(rows)]
     if isinstance(rows_or_paths, Mapping) or not isinstance(rows_or_paths, Sequence):
         raise TypeError(
             "rows_or_paths must be a path, a list of paths or a list of row dicts, got "
@@ -50,12 +52,15 @@ def _load(rows_or_paths: Any) -> list[dict[str, Any]]:
         )
     items = list(rows_or_paths)
     if all(isinstance(x, Mapping) for x in items):
-        return [dict(x) for x in items]
+        return [dict(x) for x in items], [len(items)]
     if all(isinstance(x, str | os.PathLike) for x in items):
         rows: list[dict[str, Any]] = []
+        sizes = []
         for p in items:
-            rows.extend(read_rows(p))
-        return rows
+            part = read_rows(p)
+            rows.extend(part)
+            sizes.append(len(part))
+        return rows, sizes
     kinds = sorted({type(x).__name__ for x in items})
     raise TypeError(f"rows_or_paths must be all row dicts or all file paths, got a mix of {kinds}")
 
@@ -134,8 +139,10 @@ class RLDataset(Dataset):
             pad = getattr(tokenizer, "eos_token_id", None)
         self.pad_token_id: int | None = pad
 
-        raw_rows = _load(rows_or_paths)
+        raw_rows, sizes = _load(rows_or_paths)
         self.num_rows_total = len(raw_rows)
+        # Which input file each input row came from (data.train_file_weights mixes by it).
+        file_of_row = [f for f, size in enumerate(sizes) for _ in range(size)]
         self.rows: list[dict[str, Any]] = []
         self.source_rows: list[dict[str, Any]] = []  # each kept row as it was given
         self.input_ids: list[list[int]] = []
@@ -163,6 +170,8 @@ class RLDataset(Dataset):
             self.text_prompts.append(text)
             self.source_indices.append(i)
         self.num_filtered = len(self.filtered_indices)
+        #: The input file (0 for rows given) of each kept row.
+        self.file_indices: list[int] = [file_of_row[i] for i in self.source_indices]
         if truncation == "filter":
             log = logger.warning if self.num_filtered else logger.info
             log(
