@@ -120,6 +120,7 @@ PRIME_UPDATES = ("before", "after", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3", "kl", "mse", "low_var_kl", "abs", "full")
 KL_CONTROLLERS = ("fixed", "adaptive")
 POLICY_LOSSES = ("ppo_clip", "gspo", "cispo", "sapo", "gmpo", "gpg", "clip_cov", "kl_cov")
+CURRICULA = ("none", "pass_rate")
 ROLLOUT_RS_MODES = ("none", "token", "icepop", "sequence", "geometric")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "simpo")
 PAIR_TRUNCATIONS = ("error", "filter")
@@ -311,6 +312,23 @@ class DataConfig(ConfigGroup):
         choices=TRUNCATIONS,
     )
     shuffle: bool = option(True, "Shuffle training prompts every epoch.")
+    train_file_weights: list[float] = option(
+        [],
+        "One weight per data.train_files entry: each file's share of the prompts drawn, "
+        "whatever its size (OpenRLHF's prompt_probs); prompts are then drawn by weight, not "
+        "epoch by epoch. Empty: every prompt alike.",
+    )
+    curriculum: str = option(
+        "none",
+        "Online difficulty curriculum: pass_rate draws a prompt always or never solved in its "
+        "last data.curriculum_window steps data.curriculum_min_weight times as often as one "
+        "solved half the time (weight max(min_weight, 4p(1-p)) of its pass rate p).",
+        choices=CURRICULA,
+    )
+    curriculum_window: int = option(8, "Curriculum: outcomes kept per prompt.", ge=1)
+    curriculum_min_weight: float = option(
+        0.1, "Curriculum: weight of a prompt always or never solved.", gt=0.0, le=1.0
+    )
     seed: int = option(
         -1, "Seed for data shuffling and generation; -1 uses the top-level seed.", ge=-1
     )
@@ -331,8 +349,19 @@ class DataConfig(ConfigGroup):
     )
 
     def validate(self) -> None:
-        """Check the prompt column name is set and the template arguments are not reserved."""
+        """Check the prompt column, the template arguments and the file weights."""
         _require_nonempty(self.prompt_key, "prompt_key")
+        weights = self.train_file_weights
+        if weights and (any(w < 0 for w in weights) or sum(weights) <= 0):
+            raise ConfigError(
+                f"invalid value {weights}; weights must be >= 0 and not all 0",
+                key="train_file_weights",
+            )
+        if weights and self.train_files and len(weights) != len(self.train_files):
+            raise ConfigError(
+                f"{len(weights)} weight(s) for {len(self.train_files)} train_files; give one each",
+                key="train_file_weights",
+            )
         try:
             check_template_kwargs(self.apply_chat_template_kwargs)
         except (TypeError, ValueError) as exc:

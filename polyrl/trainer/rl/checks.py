@@ -163,6 +163,12 @@ def check_config(
             "expected a *ForSequenceClassification checkpoint with num_labels=1",
             key="reward.model_path",
         )
+    if cfg.data.curriculum != "none" and cfg.transfer.enable:
+        raise ConfigError(
+            "data.curriculum records each prompt's outcome in the driver; it is not supported "
+            "with transfer.enable (the rollout workers score the prompts); turn one of them off",
+            key="data.curriculum",
+        )
     if algo.overlong_filter and cfg.transfer.enable:
         raise ConfigError(
             "algorithm.overlong_filter masks rows in the driver's batch; it is not supported with "
