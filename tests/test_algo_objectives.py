@@ -236,3 +236,28 @@ def test_actor_loss_rejects_by_the_band_and_passes_each_loss_its_options():
             Batch(tensors={"advantages": adv, "loss_mask": mask}),
             rollout_rs="token",
         )
+
+
+def test_icepop_weights_once_with_or_without_tis():
+    from polyrl.core.batch import Batch
+    from polyrl.trainer.rl_losses import actor_loss
+
+    old = torch.log(torch.tensor([[0.5, 0.5]]))
+    rollout = torch.log(torch.tensor([[0.4, 0.1]]))  # rho = 1.25 (kept), 5 (masked)
+    batch = Batch(
+        tensors={
+            "advantages": torch.tensor([[1.0, 1.0]]),
+            "loss_mask": torch.ones(1, 2),
+            "old_log_probs": old,
+            "rollout_log_probs": rollout,
+        }
+    )
+    logp = old.clone().requires_grad_(True)
+    alone, m = actor_loss(_Output(logp), batch, clip_ratio_c=None, rollout_rs="icepop")
+    with_tis, _ = actor_loss(
+        _Output(logp), batch, clip_ratio_c=None, rollout_rs="icepop", rollout_is="token"
+    )
+    # Token 0 weighs 1.25 either way (not 1.25 ** 2); token 1 is masked: -(1.25 * 1) / 2.
+    assert alone.item() == pytest.approx(-1.25 / 2)
+    assert with_tis.item() == pytest.approx(-1.25 / 2)
+    assert m["rollout_rs_masked_frac"] == pytest.approx(0.5)

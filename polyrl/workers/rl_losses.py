@@ -145,7 +145,8 @@ def actor_loss(
     leave the policy, entropy and KL terms (they still count in the mini-batch's token and
     sequence counts, as zero-weight tokens, so the loss is not rescaled by the rejection).
     Adds ``rollout_rs_masked_frac`` and ``rollout_rs_seq_rejected_frac`` (token-weighted over
-    micro-batches by the engine, like every metric here).
+    micro-batches by the engine, like every metric here). IcePop's weight by the ratio is
+    applied only without ``rollout_is``, whose (truncated) weight is the same ratio.
 
     ``policy_loss_options``: the objectives' own options; each loss gets those it names.
     """
@@ -183,7 +184,10 @@ def actor_loss(
         rs_metrics.pop("rollout_rs_seq_rejected")
         is_metrics.update(rs_metrics)
         loss_mask = mask * keep.to(mask.dtype)
-        advantages = advantages * rs_weights
+        if rollout_is == "none":
+            # IcePop's ratio weight; with TIS on (off-policy modes turn it on), its weight is
+            # already there: the mask alone then completes IcePop, never a weight squared.
+            advantages = advantages * rs_weights
         counts = _counts_of(mask, counts, loss_agg_mode)
     loss_fn = get_policy_loss(policy_loss)
     loss, pg_metrics = loss_fn(
