@@ -261,3 +261,23 @@ def test_icepop_weights_once_with_or_without_tis():
     assert alone.item() == pytest.approx(-1.25 / 2)
     assert with_tis.item() == pytest.approx(-1.25 / 2)
     assert m["rollout_rs_masked_frac"] == pytest.approx(0.5)
+
+
+def test_distillation_subtracts_the_per_token_reverse_kl():
+    from polyrl.algo.distill import distill_advantages
+
+    adv = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    student = torch.log(torch.tensor([[0.5, 0.2, 0.9], [0.25, 0.5, 0.5]]))
+    teacher = torch.log(torch.tensor([[0.25, 0.4, 0.1], [0.25, 0.5, 0.5]]))
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    out, m = distill_advantages(adv, student, teacher, mask, coef=0.5)
+    # k = log(0.5/0.25) = log 2 and log(0.2/0.4) = -log 2 on row 0, 0 on row 1.
+    ln2 = math.log(2.0)
+    assert out[0].tolist() == pytest.approx([1.0 - 0.5 * ln2, 1.0 + 0.5 * ln2, 0.0])
+    assert out[1].tolist() == pytest.approx([0.0, 0.0, 0.0])
+    assert m["opd/reverse_kl"] == pytest.approx(0.0, abs=1e-7)
+    assert m["opd/reverse_kl_seq"] == pytest.approx(0.0, abs=1e-7)
+    _, m = distill_advantages(adv, student, teacher, torch.tensor([[1.0, 0, 0], [0, 0, 0]]))
+    assert m["opd/reverse_kl"] == pytest.approx(ln2)
+    with pytest.raises(ValueError, match=">= 0"):
+        distill_advantages(adv, student, teacher, mask, coef=-1.0)

@@ -886,6 +886,18 @@ class AlgorithmConfig(ConfigGroup):
         ge=0.0,
         le=1.0,
     )
+    distill_coef: float = option(
+        0.0,
+        "On-policy distillation: weight c of the teacher's per-token reverse KL in the "
+        "advantage, A_t - c (logp_student - logp_teacher) on each sampled token; 0 is off. "
+        "Needs algorithm.teacher_model_path.",
+        ge=0.0,
+    )
+    teacher_model_path: str = option(
+        "",
+        "On-policy distillation: the teacher's model directory (same tokenizer as the policy); "
+        "the reference role loads it, so KL terms to the reference are to the teacher too.",
+    )
     overlong_filter: bool = option(
         False,
         "DAPO overlong filtering: responses cut at the length cap (finish reason 'length') "
