@@ -716,6 +716,39 @@ def test_every_new_objective_and_rollout_mask_runs_a_grpo_step(tmp_path, mode):
 
 
 @pytest.mark.slow
+def test_on_policy_distillation_scores_the_students_tokens_with_the_teacher(tmp_path):
+    from polyrl.models.tiny import build_tiny_model
+
+    base = load_config("demo", ["model.tiny_size=nano"])
+    reverse_kl = {}
+    for name, seed in (("same", base.seed), ("other", base.seed + 1)):
+        # The same seed builds the student's own weights: a teacher identical to the student.
+        teacher = build_tiny_model(base.model.tiny_arch, tmp_path / name, size="nano", seed=seed)
+        overrides = _e2e_overrides(
+            tmp_path,
+            f"opd_{name}",
+            "trainer.worker_backend=local",
+            "trainer.total_steps=1",
+            "model.tiny_size=nano",
+            "data.train_batch_size=4",
+            "rollout.n=2",
+            "algorithm.distill_coef=1.0",
+            f"algorithm.teacher_model_path={teacher}",
+        )
+        trainer = RLTrainer(load_config("demo", overrides))
+        try:
+            trainer.setup()
+            metrics = trainer.step(1)
+        finally:
+            trainer.close()
+        assert math.isfinite(metrics["actor/pg_loss"])
+        reverse_kl[name] = metrics["opd/reverse_kl"]
+    # The student against itself: 0 up to rounding; against another model: clearly not.
+    assert abs(reverse_kl["same"]) < 1e-4, reverse_kl
+    assert abs(reverse_kl["other"]) > 1e-2, reverse_kl
+
+
+@pytest.mark.slow
 def test_async_grpo_with_the_tool_loop_runs_multi_turn_steps(tmp_path):
     import dataclasses
 

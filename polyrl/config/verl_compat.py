@@ -881,6 +881,7 @@ PRESET_ALGORITHM_KEYS = (
     "algorithm.filter_groups_metric",
     "agent.enable",
     "agent.default_loop",
+    "algorithm.distill_coef",
     "prime",
 )
 
