@@ -652,6 +652,103 @@ def test_every_estimator_and_policy_loss_runs_a_step(tmp_path, mode):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_every_new_objective_and_rollout_mask_runs_a_grpo_step(tmp_path, mode):
+    import dataclasses
+
+    cfg = load_config(
+        "demo",
+        _e2e_overrides(
+            tmp_path,
+            "objectives",
+            "trainer.worker_backend=local",
+            "trainer.total_steps=8",
+            "model.tiny_size=nano",
+            f"trainer.mode={mode}",
+            "async.max_staleness=0",
+            # Wide covariance ranges and shares, so that Clip-Cov and KL-Cov act on this batch.
+            "actor.clip_cov_ratio=0.5",
+            "actor.clip_cov_lb=-100",
+            "actor.clip_cov_ub=100",
+            "actor.kl_cov_ratio=0.5",
+            # The curriculum records every group's outcome, in both modes.
+            "data.curriculum=pass_rate",
+            "data.train_batch_size=4",
+            "rollout.n=2",
+        ),
+    )
+    trainer = RLTrainer(cfg)
+    # One step per objective, each with one of the rollout masks (a veto with clip_cov).
+    variants = [
+        ("cispo", "token", 0.0),
+        ("sapo", "icepop", 0.0),
+        ("gmpo", "sequence", 0.0),
+        ("gpg", "geometric", 0.0),
+        ("clip_cov", "none", 1e-4),
+        ("kl_cov", "token", 0.0),
+    ]
+    try:
+        trainer.setup()
+        for step, (loss, rs, veto) in enumerate(variants, start=1):
+            _switch_config(
+                trainer,
+                dataclasses.replace(
+                    cfg,
+                    algorithm=dataclasses.replace(
+                        cfg.algorithm, rollout_rs=rs, rollout_token_veto_threshold=veto
+                    ),
+                    actor=dataclasses.replace(cfg.actor, policy_loss=loss),
+                ),
+            )
+            metrics = trainer.step(step)
+            assert math.isfinite(metrics["actor/pg_loss"]), loss
+            assert math.isfinite(metrics["actor/grad_norm"]), loss
+            # fp32 rollouts against an fp32 trainer: the ratios are 1 up to rounding, inside
+            # every band, so nothing is masked; the metrics say so.
+            assert metrics["actor/rollout_rs_masked_frac"] == 0.0, (loss, rs)
+            assert metrics["actor/rollout_rs_seq_rejected_frac"] == 0.0, (loss, rs)
+            if loss in ("clip_cov", "kl_cov"):
+                assert metrics[f"actor/{loss}_frac"] > 0.0
+        # Every trained prompt's outcome reached the curriculum.
+        assert len(trainer.sampler.history) >= 4
+    finally:
+        trainer.close()
+
+
+@pytest.mark.slow
+def test_on_policy_distillation_scores_the_students_tokens_with_the_teacher(tmp_path):
+    from polyrl.models.tiny import build_tiny_model
+
+    base = load_config("demo", ["model.tiny_size=nano"])
+    reverse_kl = {}
+    for name, seed in (("same", base.seed), ("other", base.seed + 1)):
+        # The same seed builds the student's own weights: a teacher identical to the student.
+        teacher = build_tiny_model(base.model.tiny_arch, tmp_path / name, size="nano", seed=seed)
+        overrides = _e2e_overrides(
+            tmp_path,
+            f"opd_{name}",
+            "trainer.worker_backend=local",
+            "trainer.total_steps=1",
+            "model.tiny_size=nano",
+            "data.train_batch_size=4",
+            "rollout.n=2",
+            "algorithm.distill_coef=1.0",
+            f"algorithm.teacher_model_path={teacher}",
+        )
+        trainer = RLTrainer(load_config("demo", overrides))
+        try:
+            trainer.setup()
+            metrics = trainer.step(1)
+        finally:
+            trainer.close()
+        assert math.isfinite(metrics["actor/pg_loss"])
+        reverse_kl[name] = metrics["opd/reverse_kl"]
+    # The student against itself: 0 up to rounding; against another model: clearly not.
+    assert abs(reverse_kl["same"]) < 1e-4, reverse_kl
+    assert abs(reverse_kl["other"]) > 1e-2, reverse_kl
+
+
+@pytest.mark.slow
 def test_async_grpo_with_the_tool_loop_runs_multi_turn_steps(tmp_path):
     import dataclasses
 

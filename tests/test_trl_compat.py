@@ -505,7 +505,7 @@ def test_trl_fields_polyrl_cannot_honour_are_named_in_one_note():
     assert cfg.trainer.loggers == ["console", "wandb"] and cfg.trainer.total_steps == 3
     # Values that would train another objective are errors, not notes.
     for bad in (
-        GRPOConfig(loss_type="cispo"),
+        GRPOConfig(loss_type="sapo"),
         GRPOConfig(scale_rewards="batch"),
         GRPOConfig(delta=2.0),
         DPOConfig(loss_type="hinge"),
@@ -517,6 +517,29 @@ def test_trl_fields_polyrl_cannot_honour_are_named_in_one_note():
         GRPOConfig(per_device_train_batch_size=6).to_polyrl()
     with pytest.raises(TypeError, match="unexpected keyword argument 'num_generation'"):
         GRPOConfig(num_generation=4)
+
+
+def test_trl_cispo_and_vllm_importance_sampling_map():
+    cfg = GRPOConfig(loss_type="cispo", epsilon_high=5.0).to_polyrl()
+    actor = cfg.actor
+    assert (actor.policy_loss, actor.loss_agg_mode) == ("cispo", "token-mean")
+    # TRL caps the weight at epsilon_high with no floor: clip(r, 1 - 1, 1 + 4).
+    assert (actor.clip_ratio_low, actor.clip_ratio_high) == (1.0, 4.0)
+    with pytest.raises(ConfigError, match="epsilon_high"):
+        GRPOConfig(loss_type="cispo").to_polyrl()  # epsilon 0.2 would cap every weight below 1
+    # The correction applies with use_vllm only, as in TRL.
+    assert GRPOConfig().to_polyrl().algorithm.rollout_is == "none"
+    cfg = GRPOConfig(
+        use_vllm=True,
+        vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_cap=3.0,
+    ).to_polyrl()
+    assert (cfg.algorithm.rollout_is, cfg.algorithm.rollout_is_threshold) == ("token", 3.0)
+    assert GRPOConfig(use_vllm=True).to_polyrl().algorithm.rollout_is == "sequence"
+    off = GRPOConfig(use_vllm=True, vllm_importance_sampling_correction=False)
+    assert off.to_polyrl().algorithm.rollout_is == "none"
+    masked = GRPOConfig(use_vllm=True, vllm_importance_sampling_mode="token_mask")
+    assert masked.unhonoured() == ["vllm_importance_sampling_mode='token_mask'"]
 
 
 def test_peft_lora_config_maps_onto_the_lora_options(tiny_qwen2_dir):

@@ -145,6 +145,43 @@ def test_verl_keys_set_the_polyrl_options_they_mean():
     assert any("actor.max_tokens_per_micro_batch=256" in n for n in notes)
 
 
+def test_verl_objective_and_rollout_correction_keys_map():
+    cfg, _ = _load(
+        "grpo",
+        [
+            "actor_rollout_ref.actor.policy_loss.loss_mode=clip-cov",
+            "actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.01",
+            "actor_rollout_ref.actor.policy_loss.clip_cov_lb=0.5",
+            "actor_rollout_ref.actor.policy_loss.clip_cov_ub=4.0",
+            "actor_rollout_ref.actor.policy_loss.kl_cov_ratio=0.02",
+            "actor_rollout_ref.actor.policy_loss.ppo_kl_coef=0.5",
+            "actor_rollout_ref.actor.tau_pos=1.5",
+            "actor_rollout_ref.actor.tau_neg=2.0",
+            "algorithm.rollout_correction.rollout_rs=geometric",
+            "algorithm.rollout_correction.rollout_is_threshold=3.0",
+            "algorithm.rollout_correction.rollout_rs_threshold=null",
+            "algorithm.rollout_correction.rollout_rs_threshold_lower=null",
+            "algorithm.rollout_correction.rollout_token_veto_threshold=1e-4",
+        ],
+    )
+    actor, algo = cfg.actor, cfg.algorithm
+    assert actor.policy_loss == "clip_cov"
+    assert (actor.clip_cov_ratio, actor.clip_cov_lb, actor.clip_cov_ub) == (0.01, 0.5, 4.0)
+    assert (actor.kl_cov_ratio, actor.kl_cov_coef) == (0.02, 0.5)
+    assert (actor.tau_pos, actor.tau_neg) == (1.5, 2.0)
+    # verl: a null upper end of the band is rollout_is_threshold; a null lower end 1 / upper.
+    assert (algo.rollout_rs, algo.rollout_rs_threshold) == ("geometric", 3.0)
+    assert algo.rollout_rs_threshold_lower == 0.0
+    assert algo.rollout_token_veto_threshold == 1e-4
+    for mode, name in [("geo_mean", "gmpo"), ("cispo", "cispo"), ("sapo", "sapo"), ("gpg", "gpg")]:
+        cfg, _ = _load("grpo", [f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}"])
+        assert cfg.actor.policy_loss == name
+    cfg, _ = _load("grpo", ["algorithm.rollout_correction.rollout_rs=null"])
+    assert cfg.algorithm.rollout_rs == "none"
+    with pytest.raises(ConfigError, match="rollout_rs 'tokens'"):
+        load_config("grpo", ["algorithm.rollout_correction.rollout_rs=tokens"])
+
+
 def test_explicit_polyrl_option_wins_over_a_derived_one():
     cfg, notes = _load(
         "grpo",

@@ -1,7 +1,9 @@
 """RL algorithm building blocks: advantage estimators, policy/value losses, KL utilities.
 
 All functions are pure torch on ``(B, T)`` tensors with a response mask; estimators and policy
-losses are looked up by name through registries so configs can select them.
+losses are looked up by name through registries so configs can select them (the newer
+objectives, CISPO, SAPO, GMPO, GPG, Clip-Cov and KL-Cov, live in :mod:`polyrl.algo.objectives`
+and are imported the first time one is named).
 """
 
 from polyrl.algo.advantages import (
@@ -22,6 +24,7 @@ from polyrl.algo.losses import (
     list_policy_losses,
     register_policy_loss,
     rollout_importance_weights,
+    rollout_rejection_mask,
     value_loss,
 )
 from polyrl.core.numerics import AGG_MODES, agg_loss, masked_mean, masked_whiten
@@ -40,6 +43,7 @@ __all__ = [
     "list_advantage_estimators",
     "list_policy_losses",
     "rollout_importance_weights",
+    "rollout_rejection_mask",
     "masked_mean",
     "masked_whiten",
     "register_advantage",

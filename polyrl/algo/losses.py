@@ -13,7 +13,10 @@ per-token terms with :func:`polyrl.core.numerics.agg_loss` (modes ``token-mean``
 ``r_{i,t} = sg[s_i] * exp(logp - sg[logp])`` (value ``s_i``, gradient of the token), then the
 same clipped surrogate, aggregated by default with ``seq-mean-token-mean``.
 Value loss: ``0.5 * agg(max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2))``.
-Rollout correction (TIS): :func:`rollout_importance_weights`.
+Rollout correction: truncated importance sampling (TIS), :func:`rollout_importance_weights`;
+masks and rejections (MIS, IcePop, sequence and geometric-mean rejection, veto),
+:func:`rollout_rejection_mask`. The newer objectives (CISPO, SAPO, GMPO, GPG, Clip-Cov,
+KL-Cov) are in :mod:`polyrl.algo.objectives`, registered here by name.
 """
 
 from __future__ import annotations
@@ -27,8 +30,13 @@ from polyrl.core.registry import Registry
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 
+#: The objectives of :mod:`polyrl.algo.objectives`, imported when one is first asked for.
+NEWER_OBJECTIVES = ("cispo", "sapo", "gmpo", "gpg", "clip_cov", "kl_cov")
+
 #: Policy losses by name.
-POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry(
+    "policy loss", lazy={name: "polyrl.algo.objectives" for name in NEWER_OBJECTIVES}
+)
 register_policy_loss = POLICY_LOSSES.register
 get_policy_loss = POLICY_LOSSES.get
 list_policy_losses = POLICY_LOSSES.names
@@ -257,3 +265,90 @@ def rollout_importance_weights(
     }
     weights = torch.where(on, raw.clamp(max=threshold), 1.0)
     return weights.to(old_log_prob.dtype), metrics
+
+
+#: Modes of the rollout rejection mask (``algorithm.rollout_rs``).
+ROLLOUT_RS_MODES = ("token", "icepop", "sequence", "geometric")
+
+
+def rollout_rejection_mask(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str | None = "token",
+    threshold: float = 2.0,
+    threshold_lower: float | None = None,
+    veto_threshold: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Mask tokens or reject whole responses whose rollout/trainer ratio leaves a band.
+
+    With ``rho_t = exp(logp_old_t - logp_rollout_t)`` (the trainer's old policy over the
+    rollout engine's), ``high = threshold`` and ``low = threshold_lower`` (default
+    ``1 / high``):
+
+    * ``token`` (masked importance sampling, MIS): a token with ``rho_t`` outside
+      ``[low, high]`` gets mask 0; the others keep weight 1;
+    * ``icepop`` (IcePop, two-sided masking): the same mask, and each kept token is weighted by
+      its ratio ``rho_t`` (an untruncated importance weight, bounded by the band);
+    * ``sequence``: a response whose sequence ratio ``prod_t rho_t = exp(sum_t log rho_t)``
+      leaves ``[low, high]`` is rejected (all its tokens masked);
+    * ``geometric``: a response whose geometric-mean ratio ``exp(mean_t log rho_t)`` leaves
+      ``[low, high]`` is rejected (thresholds near 1 then, e.g. 1.001);
+    * ``None``: no band (only the veto, if given).
+
+    ``veto_threshold``: besides, a response with any token ratio below it is rejected (a
+    catastrophic token: the rollout engine sampled what the trainer finds near impossible).
+
+    Returns ``(keep, weights, metrics)``: ``keep`` ``(B, T)`` bool, false on masked and rejected
+    tokens (and off ``mask``); ``weights`` ``(B, T)`` detached, the IcePop ratios on kept tokens,
+    1 elsewhere; metrics ``rollout_rs_masked_frac`` (share of the masked tokens of ``mask`` that
+    lost their mask), ``rollout_rs_seq_rejected_frac`` (share of the responses rejected whole:
+    by ``sequence``, ``geometric`` or the veto) and ``rollout_rs_seq_rejected`` (their number).
+
+    Raises:
+        ValueError: an unknown ``mode``, a band that is empty or does not hold 1, a negative
+            veto, or mismatched shapes.
+    """
+    _same_shape(mask, old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob)
+    if mode is not None and mode not in ROLLOUT_RS_MODES:
+        raise ValueError(f"rollout_rs must be one of {ROLLOUT_RS_MODES}, got {mode!r}")
+    low = 1.0 / threshold if threshold_lower is None else threshold_lower
+    if not (0.0 <= low <= 1.0 <= threshold):
+        raise ValueError(
+            f"rollout_rs band must hold 1 (low <= 1 <= high), got [{low}, {threshold}]"
+        )
+    if veto_threshold is not None and veto_threshold < 0:
+        raise ValueError(f"rollout_token_veto_threshold must be >= 0, got {veto_threshold}")
+    on = mask != 0
+    rows = on.any(dim=-1)
+    log_rho = torch.where(on, (old_log_prob - rollout_log_prob).detach().float(), 0.0)
+    log_low = torch.log(torch.tensor(low)) if low > 0 else torch.tensor(-torch.inf)
+    log_high = torch.log(torch.tensor(float(threshold)))
+
+    def outside(x: torch.Tensor) -> torch.Tensor:
+        return (x < log_low) | (x > log_high)
+
+    keep = on.clone()
+    weights = torch.ones_like(log_rho)
+    rejected = torch.zeros_like(rows)
+    if mode in ("token", "icepop"):
+        keep &= ~outside(log_rho)
+        if mode == "icepop":
+            weights = torch.where(keep, torch.exp(log_rho), 1.0)
+    elif mode == "sequence":
+        rejected |= outside(log_rho.sum(dim=-1))
+    elif mode == "geometric":
+        counts = on.sum(dim=-1).clamp(min=1)
+        rejected |= outside(log_rho.sum(dim=-1) / counts)
+    if veto_threshold is not None and veto_threshold > 0:
+        rejected |= (on & (log_rho < torch.log(torch.tensor(veto_threshold)))).any(dim=-1)
+    rejected &= rows
+    keep &= ~rejected.unsqueeze(-1)
+    n_tokens = int(on.sum())
+    n_rows = int(rows.sum())
+    metrics = {
+        "rollout_rs_masked_frac": float((on & ~keep).sum()) / n_tokens if n_tokens else 0.0,
+        "rollout_rs_seq_rejected_frac": float(rejected.sum()) / n_rows if n_rows else 0.0,
+        "rollout_rs_seq_rejected": float(rejected.sum()),
+    }
+    return keep, weights.to(old_log_prob.dtype), metrics

@@ -120,7 +120,9 @@ ADV_ESTIMATORS = (
 PRIME_UPDATES = ("before", "after", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3", "kl", "mse", "low_var_kl", "abs", "full")
 KL_CONTROLLERS = ("fixed", "adaptive")
-POLICY_LOSSES = ("ppo_clip", "gspo")
+POLICY_LOSSES = ("ppo_clip", "gspo", "cispo", "sapo", "gmpo", "gpg", "clip_cov", "kl_cov")
+CURRICULA = ("none", "pass_rate")
+ROLLOUT_RS_MODES = ("none", "token", "icepop", "sequence", "geometric")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "simpo")
 PAIR_TRUNCATIONS = ("error", "filter")
 AGENT_LOOPS = ("single_turn", "tool", "env")
@@ -317,6 +319,23 @@ class DataConfig(ConfigGroup):
         choices=TRUNCATIONS,
     )
     shuffle: bool = option(True, "Shuffle training prompts every epoch.")
+    train_file_weights: list[float] = option(
+        [],
+        "One weight per data.train_files entry: each file's share of the prompts drawn, "
+        "whatever its size (OpenRLHF's prompt_probs); prompts are then drawn by weight, not "
+        "epoch by epoch. Empty: every prompt alike.",
+    )
+    curriculum: str = option(
+        "none",
+        "Online difficulty curriculum: pass_rate draws a prompt always or never solved in its "
+        "last data.curriculum_window steps data.curriculum_min_weight times as often as one "
+        "solved half the time (weight max(min_weight, 4p(1-p)) of its pass rate p).",
+        choices=CURRICULA,
+    )
+    curriculum_window: int = option(8, "Curriculum: outcomes kept per prompt.", ge=1)
+    curriculum_min_weight: float = option(
+        0.1, "Curriculum: weight of a prompt always or never solved.", gt=0.0, le=1.0
+    )
     seed: int = option(
         -1, "Seed for data shuffling and generation; -1 uses the top-level seed.", ge=-1
     )
@@ -360,7 +379,7 @@ class DataConfig(ConfigGroup):
     )
 
     def validate(self) -> None:
-        """Check the prompt column name is set and the template arguments are not reserved."""
+        """Check the prompt column, the template arguments and the file weights."""
         _require_nonempty(self.prompt_key, "prompt_key")
         _require_nonempty(self.image_key, "image_key")
         _require_nonempty(self.video_key, "video_key")
@@ -369,6 +388,17 @@ class DataConfig(ConfigGroup):
                 f"image_min_pixels ({self.image_min_pixels}) is larger than image_max_pixels "
                 f"({self.image_max_pixels})",
                 key="image_min_pixels",
+            )
+        weights = self.train_file_weights
+        if weights and (any(w < 0 for w in weights) or sum(weights) <= 0):
+            raise ConfigError(
+                f"invalid value {weights}; weights must be >= 0 and not all 0",
+                key="train_file_weights",
+            )
+        if weights and self.train_files and len(weights) != len(self.train_files):
+            raise ConfigError(
+                f"{len(weights)} weight(s) for {len(self.train_files)} train_files; give one each",
+                key="train_file_weights",
             )
         try:
             check_template_kwargs(self.apply_chat_template_kwargs)
@@ -872,6 +902,40 @@ class AlgorithmConfig(ConfigGroup):
     rollout_is_threshold: float = option(
         2.0, "Rollout importance weights are truncated at this value.", ge=1.0
     )
+    rollout_rs: str = option(
+        "none",
+        "Rollout masks on the rollout/trainer ratio rho = pi_old / pi_rollout out of the band "
+        "[rollout_rs_threshold_lower, rollout_rs_threshold]: token masks those tokens (MIS), "
+        "icepop masks them and weights the rest by rho (IcePop), sequence rejects responses "
+        "whose product of rho leaves it, geometric those whose geometric mean of rho does; "
+        "metrics actor/rollout_rs_*.",
+        choices=ROLLOUT_RS_MODES,
+    )
+    rollout_rs_threshold: float = option(
+        2.0, "Upper end of the rollout mask's band (geometric: near 1, e.g. 1.001).", ge=1.0
+    )
+    rollout_rs_threshold_lower: float = option(
+        0.0, "Lower end of the rollout mask's band; 0 is 1 / rollout_rs_threshold.", ge=0.0, le=1.0
+    )
+    rollout_token_veto_threshold: float = option(
+        0.0,
+        "Reject every response with a token whose rollout/trainer ratio is below this "
+        "(counted in actor/rollout_rs_seq_rejected_frac); 0 turns it off.",
+        ge=0.0,
+        le=1.0,
+    )
+    distill_coef: float = option(
+        0.0,
+        "On-policy distillation: weight c of the teacher's per-token reverse KL in the "
+        "advantage, A_t - c (logp_student - logp_teacher) on each sampled token; 0 is off. "
+        "Needs algorithm.teacher_model_path.",
+        ge=0.0,
+    )
+    teacher_model_path: str = option(
+        "",
+        "On-policy distillation: the teacher's model directory (same tokenizer as the policy); "
+        "the reference role loads it, so KL terms to the reference are to the teacher too.",
+    )
     overlong_filter: bool = option(
         False,
         "DAPO overlong filtering: responses cut at the length cap (finish reason 'length') "
@@ -887,7 +951,10 @@ class ActorConfig(ConfigGroup):
 
     policy_loss: str = option(
         "ppo_clip",
-        "Policy loss, built-in or registered (register_policy_loss).",
+        "Policy loss, built-in or registered (register_policy_loss): ppo_clip (PPO clip), gspo "
+        "(sequence ratio), cispo (clipped stop-gradient IS weight), sapo (soft sigmoid gate), "
+        "gmpo (geometric mean of token ratios), gpg (plain policy gradient), clip_cov / kl_cov "
+        "(covariance-selected tokens detached / KL-penalised).",
         choices=POLICY_LOSSES,
         registry="polyrl.algo.losses:POLICY_LOSSES",
     )
@@ -900,6 +967,25 @@ class ActorConfig(ConfigGroup):
     )
     clip_ratio_c: float = option(
         3.0, "Dual-clip bound on the loss for negative advantages; 0 turns it off.", ge=0.0
+    )
+    tau_pos: float = option(
+        1.0, "sapo: gate temperature of tokens with positive advantages.", gt=0.0
+    )
+    tau_neg: float = option(
+        1.05, "sapo: gate temperature of the others (larger damps them more).", gt=0.0
+    )
+    clip_cov_ratio: float = option(
+        2e-4, "clip_cov: share of tokens detached, drawn from the candidates.", ge=0.0, le=1.0
+    )
+    clip_cov_lb: float = option(
+        1.0, "clip_cov: candidates have a log-prob/advantage covariance at least this."
+    )
+    clip_cov_ub: float = option(5.0, "clip_cov: and at most this.")
+    kl_cov_ratio: float = option(
+        2e-4, "kl_cov: share of tokens, of largest covariance, penalised.", ge=0.0, le=1.0
+    )
+    kl_cov_coef: float = option(
+        0.1, "kl_cov: weight of the |log-ratio| penalty (verl: ppo_kl_coef).", ge=0.0
     )
     entropy_coeff: float = option(0.0, "Weight of the entropy bonus.", ge=0.0)
     use_kl_loss: bool = option(False, "Add a KL-to-reference term to the policy loss.")
@@ -936,7 +1022,12 @@ class ActorConfig(ConfigGroup):
     )
 
     def validate(self) -> None:
-        """Reject a dual-clip bound that would not be above 1."""
+        """Reject a dual-clip bound that would not be above 1, and an empty Clip-Cov range."""
+        if self.clip_cov_lb > self.clip_cov_ub:
+            raise ConfigError(
+                f"invalid value {self.clip_cov_lb}; above clip_cov_ub ({self.clip_cov_ub})",
+                key="clip_cov_lb",
+            )
         if 0.0 < self.clip_ratio_c <= 1.0:
             raise ConfigError(
                 f"invalid value {self.clip_ratio_c}; dual clip needs > 1 (or 0 to turn it off)",

@@ -497,6 +497,9 @@ class GRPOConfig(_OnlineConfig):
     delta: float | None = None
     importance_sampling_level: str = "token"
     loss_type: str = "dapo"
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: str = "sequence_truncate"
+    vllm_importance_sampling_cap: float = 2.0
     scale_rewards: str | bool = "group"
     entropy_coef: float = 0.0
 
@@ -519,18 +522,23 @@ class GRPOConfig(_OnlineConfig):
             Row(
                 "loss_type",
                 "`actor.loss_agg_mode`: grpo: seq-mean-token-mean, dapo and bnpo: "
-                "token-mean, dr_grpo: seq-mean-token-sum-norm (over max_completion_length)",
-                _choice(
-                    "actor.loss_agg_mode",
-                    {
-                        "grpo": "seq-mean-token-mean",
-                        "dapo": "token-mean",
-                        "bnpo": "token-mean",
-                        "dr_grpo": "seq-mean-token-sum-norm",
-                    },
-                    True,
-                ),
+                "token-mean, dr_grpo: seq-mean-token-sum-norm (over max_completion_length); "
+                "cispo: `actor.policy_loss=cispo`, token-mean, the weight capped at epsilon_high "
+                "(`actor.clip_ratio_high` = epsilon_high - 1, no lower bound)",
+                _loss_type,
             ),
+            Row(
+                "vllm_importance_sampling_correction",
+                "read with `vllm_importance_sampling_mode` (with use_vllm only, as in TRL)",
+                lambda value, args: {},
+            ),
+            Row(
+                "vllm_importance_sampling_mode",
+                "with use_vllm: token_truncate / sequence_truncate: `algorithm.rollout_is` "
+                "token / sequence; the mask modes are not honoured",
+                _vllm_is,
+            ),
+            _read_with("vllm_importance_sampling_cap", "vllm_importance_sampling_mode"),
             Row(
                 "scale_rewards",
                 "`algorithm.norm_adv_by_std`: group, true: true; none, false: "
@@ -543,6 +551,45 @@ class GRPOConfig(_OnlineConfig):
             ),
             Row("entropy_coef", "`actor.entropy_coeff`", _set("actor.entropy_coeff")),
         )
+
+
+_AGG_OF_LOSS_TYPE = {
+    "grpo": "seq-mean-token-mean",
+    "dapo": "token-mean",
+    "bnpo": "token-mean",
+    "dr_grpo": "seq-mean-token-sum-norm",
+}
+
+
+def _loss_type(value: Any, args: Any) -> Mapping[str, Any] | None:
+    if value != "cispo":
+        return _choice("actor.loss_agg_mode", _AGG_OF_LOSS_TYPE | {"cispo": ""}, True)(value, args)
+    # TRL's CISPO: -sg(min(r, epsilon_high)) A logp, normalised over the batch's tokens.
+    cap = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    if cap < 1.0:
+        raise ConfigError(
+            f"GRPOConfig: loss_type='cispo' caps the importance weight at epsilon_high, which "
+            f"must be >= 1 (got {cap}); TRL's examples use 5.0",
+            key="actor.clip_ratio_high",
+        )
+    return {
+        "actor.policy_loss": "cispo",
+        "actor.loss_agg_mode": "token-mean",
+        "actor.clip_ratio_low": 1.0,
+        "actor.clip_ratio_high": cap - 1.0,
+    }
+
+
+def _vllm_is(value: Any, args: Any) -> Mapping[str, Any] | None:
+    if not (args.use_vllm and args.vllm_importance_sampling_correction):
+        return {}
+    level = {"token_truncate": "token", "sequence_truncate": "sequence"}.get(value)
+    if level is None:
+        return None  # token_mask / sequence_mask: one-sided masks polyrl does not have
+    return {
+        "algorithm.rollout_is": level,
+        "algorithm.rollout_is_threshold": args.vllm_importance_sampling_cap,
+    }
 
 
 def _kl_in_reward(value: Any, args: Any) -> Mapping[str, Any]:

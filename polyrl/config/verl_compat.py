@@ -133,12 +133,25 @@ def _loggers(v: Any) -> Any:
     return [_LOGGERS.get(x, x) for x in items]
 
 
-_LOSS_MODES = {"vanilla": "ppo_clip", "gspo": "gspo"}
+_LOSS_MODES = {
+    "vanilla": "ppo_clip",
+    "gspo": "gspo",
+    "cispo": "cispo",
+    "sapo": "sapo",
+    "gmpo": "gmpo",
+    "geo_mean": "gmpo",
+    "gpg": "gpg",
+    "clip_cov": "clip_cov",
+    "clip-cov": "clip_cov",
+    "kl_cov": "kl_cov",
+    "kl-cov": "kl_cov",
+}
 
 
 def _loss_mode(v: Any) -> Any:
     if v not in _LOSS_MODES:
-        raise VerlValueError(f"policy loss {v!r} has no polyrl equivalent (vanilla, gspo)")
+        known = ", ".join(_LOSS_MODES)
+        raise VerlValueError(f"policy loss {v!r} has no polyrl equivalent ({known})")
     return _LOSS_MODES[v]
 
 
@@ -159,6 +172,19 @@ def _resume_mode(v: Any) -> Any:
 
 def _rollout_is(v: Any) -> Any:
     return "none" if v is None else v
+
+
+_RS_MODES = ("token", "sequence", "geometric")
+
+
+def _rollout_rs(v: Any) -> Any:
+    if v is None:
+        return "none"
+    if v not in _RS_MODES:
+        raise VerlValueError(
+            f"rollout_rs {v!r} has no polyrl equivalent (token, sequence, geometric or null)"
+        )
+    return v
 
 
 # ----------------------------------------------------------------------------- derivations
@@ -187,6 +213,17 @@ def _reward_function(given: Mapping[str, Any], cfg: Any) -> dict[str, Any]:
         return {}
     name = given.get("custom_reward_function.name") or "compute_score"
     return {"reward.custom_function": f"{path}:{name}"}
+
+
+def _rs_threshold(given: Mapping[str, Any], cfg: Any) -> dict[str, Any]:
+    # verl: a null upper end of the rejection band is rollout_is_threshold.
+    prefix = "algorithm.rollout_correction."
+    if f"{prefix}rollout_rs_threshold" not in given:
+        return {}
+    value = given[f"{prefix}rollout_rs_threshold"]
+    if value is None:
+        value = cfg.algorithm.rollout_is_threshold
+    return {"algorithm.rollout_rs_threshold": value}
 
 
 def _clip_ratio(given: Mapping[str, Any], cfg: Any) -> dict[str, Any]:
@@ -392,9 +429,16 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _a(
         f"{_AR}.actor.policy_loss.loss_mode",
         "actor.policy_loss",
-        "vanilla is ppo_clip",
+        "vanilla is ppo_clip, geo_mean is gmpo, clip-cov and kl-cov are clip_cov and kl_cov",
         _loss_mode,
     ),
+    _a(f"{_AR}.actor.policy_loss.clip_cov_ratio", "actor.clip_cov_ratio"),
+    _a(f"{_AR}.actor.policy_loss.clip_cov_lb", "actor.clip_cov_lb"),
+    _a(f"{_AR}.actor.policy_loss.clip_cov_ub", "actor.clip_cov_ub"),
+    _a(f"{_AR}.actor.policy_loss.kl_cov_ratio", "actor.kl_cov_ratio"),
+    _a(f"{_AR}.actor.policy_loss.ppo_kl_coef", "actor.kl_cov_coef"),
+    _a(f"{_AR}.actor.tau_pos", "actor.tau_pos"),
+    _a(f"{_AR}.actor.tau_neg", "actor.tau_neg"),
     # ---- actor engine
     _i(f"{_AR}.actor.strategy", "polyrl's engine shards the model itself"),
     _a(f"{_AR}.actor.fsdp_config.param_offload", "actor.offload_params"),
@@ -552,7 +596,35 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _o("algorithm.use_pf_ppo", (False,), "no prioritized-replay PPO"),
     _a("algorithm.rollout_correction.rollout_is", "algorithm.rollout_is", convert=_rollout_is),
     _a("algorithm.rollout_correction.rollout_is_threshold", "algorithm.rollout_is_threshold"),
-    _o("algorithm.rollout_correction.rollout_rs", (None,), "no rejection sampling"),
+    _a(
+        "algorithm.rollout_correction.rollout_rs",
+        "algorithm.rollout_rs",
+        "token, sequence, geometric; null is none",
+        _rollout_rs,
+    ),
+    _d(
+        "algorithm.rollout_correction.rollout_rs_threshold",
+        "algorithm.rollout_rs_threshold",
+        "null is rollout_is_threshold, as in verl",
+        _rs_threshold,
+    ),
+    _a(
+        "algorithm.rollout_correction.rollout_rs_threshold_lower",
+        "algorithm.rollout_rs_threshold_lower",
+        "null (1 / upper) is 0",
+        _null_to(0.0),
+    ),
+    _a(
+        "algorithm.rollout_correction.rollout_token_veto_threshold",
+        "algorithm.rollout_token_veto_threshold",
+        "null (off) is 0",
+        _null_to(0.0),
+    ),
+    _o(
+        "algorithm.rollout_correction.rollout_is_batch_normalize",
+        (False, None),
+        "importance weights are not normalised over the batch",
+    ),
     _o("algorithm.rollout_correction.bypass_mode", (False,), "old log-probs are recomputed"),
     _a("algorithm.filter_groups.enable", "algorithm.filter_groups"),
     _d(
@@ -811,6 +883,7 @@ PRESET_ALGORITHM_KEYS = (
     "algorithm.filter_groups_metric",
     "agent.enable",
     "agent.default_loop",
+    "algorithm.distill_coef",
     "prime",
 )
 

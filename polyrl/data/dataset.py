@@ -44,15 +44,16 @@ logger = logging.getLogger(__name__)
 TruncationPolicy = Literal["error", "filter", "left", "right"]
 
 
-def _load(rows_or_paths: Any) -> list[dict[str, Any]]:
-    return [row for row, _ in _load_with_dirs(rows_or_paths)]
+def _load_with_dirs(rows_or_paths: Any) -> tuple[list[tuple[dict[str, Any], Path]], list[int]]:
+    """Return the rows with the folder their relative image paths are read from, and counts.
 
-
-def _load_with_dirs(rows_or_paths: Any) -> list[tuple[dict[str, Any], Path]]:
-    """Rows, each with the folder relative image paths are read from (its file's, or cwd)."""
+    The folder is the row's file's (the working directory for rows given); the counts say how
+    many rows came from each file.
+    """
     if isinstance(rows_or_paths, str | os.PathLike):
         base = Path(rows_or_paths).resolve().parent
-        return [(row, base) for row in read_rows(rows_or_paths)]
+        rows = [(row, base) for row in read_rows(rows_or_paths)]
+        return rows, [len(rows)]
     if isinstance(rows_or_paths, Mapping) or not isinstance(rows_or_paths, Sequence):
         raise TypeError(
             "rows_or_paths must be a path, a list of paths or a list of row dicts, got "
@@ -61,12 +62,15 @@ def _load_with_dirs(rows_or_paths: Any) -> list[tuple[dict[str, Any], Path]]:
     items = list(rows_or_paths)
     if all(isinstance(x, Mapping) for x in items):
         cwd = Path.cwd()
-        return [(dict(x), cwd) for x in items]
+        return [(dict(x), cwd) for x in items], [len(items)]
     if all(isinstance(x, str | os.PathLike) for x in items):
         rows: list[tuple[dict[str, Any], Path]] = []
+        sizes = []
         for p in items:
-            rows.extend(_load_with_dirs(p))
-        return rows
+            part, _ = _load_with_dirs(p)
+            rows.extend(part)
+            sizes.append(len(part))
+        return rows, sizes
     kinds = sorted({type(x).__name__ for x in items})
     raise TypeError(f"rows_or_paths must be all row dicts or all file paths, got a mix of {kinds}")
 
@@ -168,9 +172,11 @@ class RLDataset(Dataset):
             pad = getattr(tokenizer, "eos_token_id", None)
         self.pad_token_id: int | None = pad
 
-        loaded = _load_with_dirs(rows_or_paths)
+        loaded, sizes = _load_with_dirs(rows_or_paths)
         raw_rows = [row for row, _ in loaded]
         self.num_rows_total = len(raw_rows)
+        # Which input file each input row came from (data.train_file_weights mixes by it).
+        file_of_row = [f for f, size in enumerate(sizes) for _ in range(size)]
         self.rows: list[dict[str, Any]] = []
         self.source_rows: list[dict[str, Any]] = []  # each kept row as it was given
         self.input_ids: list[list[int]] = []
@@ -221,6 +227,8 @@ class RLDataset(Dataset):
                 self.num_bad_media,
                 self.num_rows_total,
             )
+        #: The input file (0 for rows given) of each kept row.
+        self.file_indices: list[int] = [file_of_row[i] for i in self.source_indices]
         if truncation == "filter":
             log = logger.warning if self.num_filtered else logger.info
             log(

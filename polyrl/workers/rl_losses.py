@@ -20,12 +20,19 @@ PRM's loss reads ``ref_log_probs`` and the per-row outcome label ``acc`` ``(B,)`
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from polyrl.algo.kl import kl_loss as _kl_loss
-from polyrl.algo.losses import get_policy_loss, rollout_importance_weights, value_loss
+from polyrl.algo.losses import (
+    get_policy_loss,
+    rollout_importance_weights,
+    rollout_rejection_mask,
+    value_loss,
+)
 from polyrl.algo.prime import implicit_prm_loss
 from polyrl.core.numerics import agg_loss, masked_mean
 from polyrl.model_engine.engine import global_counts
@@ -61,10 +68,40 @@ def _local_scale(mode: str, mask: torch.Tensor, counts: dict[str, Any]) -> float
     return 1.0 if seqs is None or local == 0 else max(seqs, 1.0) / local
 
 
+def _counts_of(mask: torch.Tensor, counts: dict[str, Any], mode: str) -> dict[str, Any]:
+    """Return ``counts``, those missing (a whole mini-batch) taken from ``mask``.
+
+    A rejection narrows the loss's mask; the normalisation must still be that of the mask
+    before it, as the engine's mini-batch-wide counts are, so that the rejected tokens weigh 0
+    rather than raise the others' weight.
+    """
+    on = mask != 0
+    seqs = mask.shape[0] if mode == "seq-mean-token-sum-norm" else on.any(dim=1).sum()
+    return {
+        "num_tokens": float(on.sum()) if counts["num_tokens"] is None else counts["num_tokens"],
+        "num_seqs": float(seqs) if counts["num_seqs"] is None else counts["num_seqs"],
+    }
+
+
 def _require(batch: Batch, *keys: str, loss: str) -> None:
     missing = [k for k in keys if k not in batch.tensor_keys]
     if missing:
         raise KeyError(f"{loss} needs batch columns {missing}; got {sorted(batch.tensor_keys)}")
+
+
+def _options_for(fn: Callable[..., Any], options: Mapping[str, Any]) -> dict[str, Any]:
+    """Return the ``options`` that ``fn`` names as parameters (all if it takes ``**kwargs``).
+
+    The trainer sends every objective's options (``tau_pos``, ``clip_cov_ratio``, ...); each
+    policy loss, a user's registered one included, gets only those it declares.
+    """
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no introspectable signature: pass nothing extra
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(options)
+    return {k: v for k, v in options.items() if k in params}
 
 
 def actor_loss(
@@ -83,8 +120,13 @@ def actor_loss(
     kl_loss_type: str = "k3",
     rollout_is: str = "none",
     rollout_is_threshold: float = 2.0,
+    rollout_rs: str = "none",
+    rollout_rs_threshold: float = 2.0,
+    rollout_rs_threshold_lower: float | None = None,
+    rollout_token_veto_threshold: float | None = None,
+    policy_loss_options: Mapping[str, Any] | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Policy-gradient loss of one micro-batch (PPO clip or GSPO, plus entropy and KL terms).
+    """Policy-gradient loss of one micro-batch (a registered policy loss, entropy and KL terms).
 
     Metrics (the engine averages them over micro-batches): ``pg_loss``, ``pg_clipfrac``,
     ``pg_clipfrac_lower``, ``ppo_kl``, ``entropy`` (token mean of the current policy's entropy),
@@ -95,6 +137,18 @@ def actor_loss(
     the old policy's (:func:`~polyrl.algo.losses.rollout_importance_weights`); every policy
     loss here is linear in the advantage, so this weights each token's policy-gradient term.
     Adds ``rollout_is_mean``, ``rollout_is_max`` and ``rollout_is_clipfrac``.
+
+    ``rollout_rs`` (``token``, ``icepop``, ``sequence``, ``geometric``; ``none`` is off) and
+    ``rollout_token_veto_threshold`` (``None`` or 0 is off) mask tokens or reject responses
+    whose rollout/trainer ratio leaves the band ``[rollout_rs_threshold_lower,
+    rollout_rs_threshold]`` (:func:`~polyrl.algo.losses.rollout_rejection_mask`): those tokens
+    leave the policy, entropy and KL terms (they still count in the mini-batch's token and
+    sequence counts, as zero-weight tokens, so the loss is not rescaled by the rejection).
+    Adds ``rollout_rs_masked_frac`` and ``rollout_rs_seq_rejected_frac`` (token-weighted over
+    micro-batches by the engine, like every metric here). IcePop's weight by the ratio is
+    applied only without ``rollout_is``, whose (truncated) weight is the same ratio.
+
+    ``policy_loss_options``: the objectives' own options; each loss gets those it names.
     """
     _require(batch, "loss_mask", "advantages", loss="actor_loss")
     mask = batch["loss_mask"]
@@ -113,24 +167,48 @@ def actor_loss(
             old_log_prob, batch["rollout_log_probs"], mask, rollout_is, rollout_is_threshold
         )
         advantages = advantages * weights
-    loss, pg_metrics = get_policy_loss(policy_loss)(
+    loss_mask = mask
+    veto = rollout_token_veto_threshold or None
+    if rollout_rs != "none" or veto is not None:
+        _require(batch, "rollout_log_probs", loss=f"actor_loss with rollout_rs={rollout_rs}")
+        keep, rs_weights, rs_metrics = rollout_rejection_mask(
+            old_log_prob,
+            batch["rollout_log_probs"],
+            mask,
+            None if rollout_rs == "none" else rollout_rs,
+            rollout_rs_threshold,
+            rollout_rs_threshold_lower or None,
+            veto,
+        )
+        # The count adds up per micro-batch, but the engine averages metrics by tokens.
+        rs_metrics.pop("rollout_rs_seq_rejected")
+        is_metrics.update(rs_metrics)
+        loss_mask = mask * keep.to(mask.dtype)
+        if rollout_is == "none":
+            # IcePop's ratio weight; with TIS on (off-policy modes turn it on), its weight is
+            # already there: the mask alone then completes IcePop, never a weight squared.
+            advantages = advantages * rs_weights
+        counts = _counts_of(mask, counts, loss_agg_mode)
+    loss_fn = get_policy_loss(policy_loss)
+    loss, pg_metrics = loss_fn(
         log_prob,
         old_log_prob,
         advantages,
-        mask,
+        loss_mask,
         clip_ratio_low=clip_ratio_low,
         clip_ratio_high=clip_ratio_high,
         clip_ratio_c=clip_ratio_c,
         loss_agg_mode=loss_agg_mode,
         horizon=horizon,
         **counts,
+        **_options_for(loss_fn, policy_loss_options or {}),
     )
     metrics: dict[str, Any] = {**pg_metrics, **is_metrics}
     metrics["pg_loss"] = pg_metrics["pg_loss"] * _local_scale(loss_agg_mode, mask, counts)
     if entropy is not None:
         metrics["entropy"] = float(masked_mean(entropy.detach(), mask))
     if entropy is not None and entropy_coeff > 0:
-        ent = agg_loss(entropy, mask, loss_agg_mode, horizon, **counts)
+        ent = agg_loss(entropy, loss_mask, loss_agg_mode, horizon, **counts)
         loss = loss - entropy_coeff * ent
         metrics["entropy_loss"] = float(ent.detach()) * _local_scale(loss_agg_mode, mask, counts)
     if use_kl_loss:
@@ -138,7 +216,7 @@ def actor_loss(
         kl = _kl_loss(
             log_prob,
             batch["ref_log_probs"].to(log_prob.dtype),
-            mask,
+            loss_mask,
             kl_loss_type,
             loss_agg_mode,
             **counts,

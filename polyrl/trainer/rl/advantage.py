@@ -89,7 +89,10 @@ def compute_advantages(
     Reads ``token_level_scores``, ``loss_mask``, the ``uid`` groups and, as the estimator needs,
     ``values``, ``old_log_probs``/``ref_log_probs`` (KL in the reward, which also updates
     ``kl_ctrl``), ``baseline`` (ReMax: the greedy response's score per row) and
-    ``implicit_rewards`` (PRIME: the PRM's token rewards, see :func:`advantage_phase`).
+    ``implicit_rewards`` (PRIME: the PRM's token rewards, see :func:`advantage_phase`). With
+    ``algorithm.distill_coef`` the teacher's per-token reverse KL (``old_log_probs`` against the
+    teacher's ``ref_log_probs``) is subtracted from the advantages
+    (:func:`polyrl.algo.distill.distill_advantages`).
     """
     from polyrl.algo import apply_kl_penalty, get_advantage_estimator
 
@@ -132,6 +135,14 @@ def compute_advantages(
         baseline_rewards=baseline,
         **kwargs,
     )
+    if algo.distill_coef > 0:
+        from polyrl.algo.distill import distill_advantages
+
+        # The reference role holds the teacher: its log-probs of the student's own samples.
+        advantages, opd_metrics = distill_advantages(
+            advantages, batch[OLD_LOG_PROBS], batch[REF_LOG_PROBS], mask, algo.distill_coef
+        )
+        metrics.update(opd_metrics)
     batch[TOKEN_LEVEL_REWARDS] = rewards
     batch[ADVANTAGES] = advantages.float()
     batch[RETURNS] = returns.float()

@@ -46,7 +46,7 @@ import numpy as np
 
 from polyrl.config import ConfigError, PolyRLConfig
 from polyrl.core.batch import Batch
-from polyrl.core.columns import SCORE, UID, WEIGHT_VERSION_FIRST, WEIGHT_VERSION_LAST
+from polyrl.core.columns import ACC, SCORE, UID, WEIGHT_VERSION_FIRST, WEIGHT_VERSION_LAST
 from polyrl.core.rollout_batch import rollout_widths, widen_rollout_batch
 from polyrl.reward.base import ReplicaEndpoints, Scorer
 from polyrl.reward.manager import RewardResult
@@ -265,6 +265,9 @@ class AheadRollout:
                 ro.n
             )
         metrics.update(attach_scores(batch, scored, baseline))
+        if getattr(self.sampler, "curriculum", False):
+            # The curriculum weighs the next draws by this group's outcome.
+            self.sampler.record([payload["index"]], [float(batch[ACC].float().mean())])
         # Groups of one prompt drawn twice (epochs) stay apart in group-relative estimators.
         batch.non_tensors[UID] = np.array(
             [f"{uid}#{serial}" for uid in batch.non_tensors[UID]], dtype=object

@@ -552,7 +552,9 @@ def engine_specs(
     the actor's engine options (micro-batching, precision) but its own gradient clip.
 
     With LoRA (``model.lora_rank > 0``) there is no reference spec: the reference is the actor's
-    frozen base model, which the actor computes with its adapter disabled.  The critic and the
+    frozen base model, which the actor computes with its adapter disabled. With on-policy
+    distillation (``algorithm.distill_coef > 0``) the reference is the teacher,
+    ``algorithm.teacher_model_path``, LoRA or not.  The critic and the
     PRM train every weight of their own models (LoRA applies to the policy only).
     """
     from polyrl.controller import WorkerSpec
@@ -596,9 +598,13 @@ def engine_specs(
         return WorkerSpec(EngineWorker, kwargs={**kwargs, "checkpoint": ckpt})
 
     specs: dict[str, Any] = {"actor": trained("actor", model, engine, actor)}
-    if use_ref and not model.lora_rank:
+    teacher = cfg.algorithm.teacher_model_path if cfg.algorithm.distill_coef > 0 else ""
+    if use_ref and (teacher or not model.lora_rank):
+        # On-policy distillation: the reference role is the teacher, a model of its own (with
+        # LoRA too, where the reference is otherwise the actor's base).
+        ref_model = dataclasses.replace(model, path=teacher, lora_rank=0) if teacher else model
         specs["ref"] = WorkerSpec(
-            EngineWorker, kwargs={"role": "reference", "model": model, "engine": engine}
+            EngineWorker, kwargs={"role": "reference", "model": ref_model, "engine": engine}
         )
     if use_critic:
         critic_model = dataclasses.replace(

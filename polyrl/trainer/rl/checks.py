@@ -163,6 +163,23 @@ def check_config(
             "expected a *ForSequenceClassification checkpoint with num_labels=1",
             key="reward.model_path",
         )
+    if algo.distill_coef > 0 and not algo.teacher_model_path:
+        raise ConfigError(
+            "on-policy distillation (algorithm.distill_coef > 0) needs the teacher's model "
+            "directory: set algorithm.teacher_model_path",
+            key="algorithm.teacher_model_path",
+        )
+    if algo.teacher_model_path and not (Path(algo.teacher_model_path) / "config.json").is_file():
+        raise ConfigError(
+            f"{algo.teacher_model_path!r} is not a Hugging Face model directory (no config.json)",
+            key="algorithm.teacher_model_path",
+        )
+    if cfg.data.curriculum != "none" and cfg.transfer.enable:
+        raise ConfigError(
+            "data.curriculum records each prompt's outcome in the driver; it is not supported "
+            "with transfer.enable (the rollout workers score the prompts); turn one of them off",
+            key="data.curriculum",
+        )
     if algo.overlong_filter and cfg.transfer.enable:
         raise ConfigError(
             "algorithm.overlong_filter masks rows in the driver's batch; it is not supported with "

@@ -488,6 +488,8 @@ class DriverRollout(SyncGeneration):
         replicas: put to sleep once the step's samples are in.
         dataset: the training prompts, by index.
         next_indices: the sampler's next prompt batch (DAPO asks for more).
+        record: given each prompt's index and its group's mean accuracy after the step's first
+            round is scored (the curriculum's :meth:`~polyrl.data.mixing.WeightedSampler.record`).
     """
 
     def __init__(
@@ -497,12 +499,14 @@ class DriverRollout(SyncGeneration):
         replicas: Replicas,
         dataset: Any,
         next_indices: Callable[[], Sequence[int]],
+        record: Callable[[Sequence[int], Sequence[float]], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.producer = producer
         self.replicas = replicas
         self.dataset = dataset
         self.next_indices = next_indices
+        self.record = record
 
     def _sample(
         self, items: Sequence[Any], seed: int, timing: dict[str, float]
@@ -512,9 +516,14 @@ class DriverRollout(SyncGeneration):
 
     def generate(self, step: int, timing: dict[str, float]) -> tuple[Batch, dict[str, float]]:
         """Sample and score the step's prompts; the replicas sleep afterwards if configured."""
-        items = [self.dataset[int(i)] for i in self.next_indices()]
+        indices = [int(i) for i in self.next_indices()]
+        items = [self.dataset[i] for i in indices]
         seed = derive_seed(self.cfg.seed_for("rollout"), step)
         batch, metrics = self._sample(items, seed, timing)
+        if self.record is not None:
+            # Rows come prompt by prompt, rollout.n each.
+            per_prompt = batch[ACC].float().view(len(indices), -1).mean(dim=1)
+            self.record(indices, per_prompt.tolist())
         if self.cfg.algorithm.filter_groups:
             needed = self.cfg.data.train_batch_size
             batch = self._keep_informative_groups(needed, batch, seed, timing, metrics)

@@ -190,7 +190,6 @@ class RLTrainer:
     # ------------------------------------------------------------------ set-up
     def setup(self) -> None:
         """Build the model (if tiny), data, rollout replicas, engine groups and data plane."""
-        from polyrl.data.sampler import StatefulSampler
         from polyrl.models.loader import load_tokenizer
         from polyrl.trainer.common import resolve_model_dir
 
@@ -222,12 +221,7 @@ class RLTrainer:
                 raise ConfigError(
                     f"{size} exceeds the {len(self.train_ds)} training prompts", key=key
                 )
-        self.sampler = StatefulSampler(
-            len(self.train_ds),
-            per_round,
-            shuffle=cfg.data.shuffle,
-            seed=cfg.seed_for("data"),
-        )
+        self.sampler = self._sampler(per_round)
         self.total_steps = (
             cfg.trainer.total_steps or cfg.trainer.total_epochs * self.sampler.batches_per_epoch
         )
@@ -304,8 +298,47 @@ class RLTrainer:
             self._setup_ahead(rewards)
         else:
             self.rollout = DriverRollout(
-                cfg, self.producer, self.replicas, self.train_ds, self.sampler.next_batch
+                cfg,
+                self.producer,
+                self.replicas,
+                self.train_ds,
+                self.sampler.next_batch,
+                record=self._record_outcomes(),
             )
+
+    def _sampler(self, per_round: int) -> Any:
+        """Return the prompt sampler: epoch by epoch, or by file weight and curriculum."""
+        from polyrl.data.mixing import WeightedSampler
+        from polyrl.data.sampler import StatefulSampler
+
+        data = self.cfg.data
+        if not data.train_file_weights and data.curriculum == "none":
+            return StatefulSampler(
+                len(self.train_ds), per_round, shuffle=data.shuffle, seed=self.cfg.seed_for("data")
+            )
+        files = list(getattr(self.train_ds, "file_indices", [0] * len(self.train_ds)))
+        weights = data.train_file_weights or None
+        if weights is not None and len(weights) != max(files) + 1:
+            raise ConfigError(
+                f"{len(weights)} weight(s) for {max(files) + 1} training file(s); give one each",
+                key="data.train_file_weights",
+            )
+        try:
+            return WeightedSampler(
+                files,
+                per_round,
+                weights,
+                seed=self.cfg.seed_for("data"),
+                curriculum=data.curriculum == "pass_rate",
+                window=data.curriculum_window,
+                min_weight=data.curriculum_min_weight,
+            )
+        except ValueError as exc:
+            raise ConfigError(str(exc), key="data.train_file_weights") from None
+
+    def _record_outcomes(self) -> Callable[[Sequence[int], Sequence[float]], None] | None:
+        """Return the curriculum's outcome recorder (``None`` without a curriculum)."""
+        return self.sampler.record if getattr(self.sampler, "curriculum", False) else None
 
     def _setup_ahead(self, rewards: Scorer) -> None:
         """Set up generation ahead of training: a rollout thread with a producer of its own."""
@@ -416,6 +449,20 @@ class RLTrainer:
             "kl_loss_type": actor.kl_loss_type,
             "rollout_is": self._rollout_is(),
             "rollout_is_threshold": self.cfg.algorithm.rollout_is_threshold,
+            "rollout_rs": self.cfg.algorithm.rollout_rs,
+            "rollout_rs_threshold": self.cfg.algorithm.rollout_rs_threshold,
+            "rollout_rs_threshold_lower": self.cfg.algorithm.rollout_rs_threshold_lower or None,
+            "rollout_token_veto_threshold": self.cfg.algorithm.rollout_token_veto_threshold or None,
+            # Every objective's options; the actor's loss gives each loss those it names.
+            "policy_loss_options": {
+                "tau_pos": actor.tau_pos,
+                "tau_neg": actor.tau_neg,
+                "clip_cov_ratio": actor.clip_cov_ratio,
+                "clip_cov_lb": actor.clip_cov_lb,
+                "clip_cov_ub": actor.clip_cov_ub,
+                "kl_cov_ratio": actor.kl_cov_ratio,
+                "kl_cov_coef": actor.kl_cov_coef,
+            },
         }
 
     def _rollout_is(self) -> str:

@@ -54,7 +54,7 @@ class RunSettings:
             when available).
         use_critic: the estimator trains a critic (``gae``).
         use_prm: PRIME's implicit process reward model is trained.
-        use_ref: a reference model is needed (a KL term, or PRIME).
+        use_ref: a reference model is needed (a KL term, PRIME, or a distillation teacher).
         num_mini_batches: actor updates per pass over a step's batch
             (``data.train_batch_size / actor.ppo_mini_batch_size``).
         prm_mini_batches: PRM updates per pass (``prime.mini_batch_size``).
@@ -126,6 +126,7 @@ def resolve_settings(cfg: PolyRLConfig) -> RunSettings:
     )
     minis = batch // mini if mini else 1
     use_prm = algo.adv_estimator == "prime"
+    distill = algo.distill_coef > 0  # the teacher is the reference role; KL to it needs old
     return RunSettings(
         training_device=training,
         compute_dtype=compute,
@@ -140,13 +141,16 @@ def resolve_settings(cfg: PolyRLConfig) -> RunSettings:
         reward_model_device=reward_device,
         use_critic=algo.adv_estimator == "gae",
         use_prm=use_prm,
-        use_ref=algo.use_kl_in_reward or cfg.actor.use_kl_loss or use_prm,
+        use_ref=algo.use_kl_in_reward or cfg.actor.use_kl_loss or use_prm or distill,
         num_mini_batches=minis,
         prm_mini_batches=batch // prm_mini if prm_mini else 1,
         # Old log-probs equal the current ones when each step makes exactly one optimizer
         # update; they are only computed when the update is off-policy or the KL penalty needs
         # them (the loss then takes the detached current log-probs, ratio 1).
-        need_old_log_probs=cfg.actor.ppo_epochs > 1 or minis > 1 or algo.use_kl_in_reward,
+        need_old_log_probs=cfg.actor.ppo_epochs > 1
+        or minis > 1
+        or algo.use_kl_in_reward
+        or distill,
         # Off the sync mode the rollout's weights lag the actor's: the rollout's log-probs weigh
         # the tokens towards the proximal policy, the actor before this step's update. With one
         # update per step its log-probs are the update's own detached forward, so decoupled PPO
