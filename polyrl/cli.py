@@ -347,6 +347,7 @@ def _sft_command(parser: argparse.ArgumentParser) -> Handler:
 
     def run(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
+        from polyrl.core.multimodal import MultiModalInputError
         from polyrl.model_engine.checkpoint import CorruptCheckpointError
         from polyrl.trainer.sft import run_sft
         from polyrl.trainer.sft_data import SFTDataError
@@ -354,6 +355,7 @@ def _sft_command(parser: argparse.ArgumentParser) -> Handler:
 
         user_errors = (
             SFTDataError,
+            MultiModalInputError,
             TrackerUnavailableError,
             FileNotFoundError,
             CorruptCheckpointError,
@@ -418,6 +420,7 @@ def _train_command(parser: argparse.ArgumentParser) -> Handler:
 
     def run(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
+        from polyrl.core.multimodal import MultiModalInputError
         from polyrl.core.prompts import PromptTooLongError
         from polyrl.data.schema import RowValidationError
         from polyrl.model_engine.checkpoint import CorruptCheckpointError
@@ -430,6 +433,7 @@ def _train_command(parser: argparse.ArgumentParser) -> Handler:
             TrackerUnavailableError,
             FileNotFoundError,
             RowValidationError,
+            MultiModalInputError,
             RewardFunctionError,
             RewardFailureError,
             CorruptCheckpointError,
