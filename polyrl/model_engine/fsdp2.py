@@ -79,6 +79,8 @@ from polyrl.model_engine.heads import (
 from polyrl.model_engine.lora import LoraLayout, apply_lora
 from polyrl.model_engine.metrics import MetricsAccumulator
 from polyrl.model_engine.optim import build_optimizer, build_scheduler
+from polyrl.model_engine.parallel.mesh import ParallelDims, ParallelMesh, build_parallel_mesh
+from polyrl.model_engine.parallel.runtime import ParallelRuntime, clip_grad_norm, dp_group
 from polyrl.model_engine.prefix import (
     PrefixSplit,
     agree_prefix_splits,
@@ -114,6 +116,9 @@ class FSDP2Engine(TrainingEngine):
         self._optim_offloaded: list[tuple[dict[str, Any], str]] | None = None
         self._optimizer_steps = 0
         self._shard_group_size = 1
+        # Tensor/sequence parallelism (None: data parallelism only).
+        self._pmesh: ParallelMesh | None = None
+        self._parallel: ParallelRuntime | None = None
         # LoRA: peft's wrapper (for disable_adapter) and where the adapters sit.
         self._peft: Any = None
         self._lora: LoraLayout | None = None
@@ -148,10 +153,32 @@ class FSDP2Engine(TrainingEngine):
         assert self._dist is not None
         cfg = self.engine_config
         world = self._dist.world_size
-        fsdp_size = world if cfg.parallelism.fsdp_size == -1 else cfg.parallelism.fsdp_size
-        self._mesh = build_mesh(device, world, fsdp_size)
+        par = cfg.parallelism
+        dims = ParallelDims.from_config(
+            world,
+            par.tensor_parallel_size,
+            par.ulysses_sequence_parallel_size,
+            par.expert_parallel_size,
+        )
+        if dims.trivial:
+            fsdp_size = world if par.fsdp_size == -1 else par.fsdp_size
+            self._mesh = build_mesh(device, world, fsdp_size)
+        else:
+            if par.fsdp_size not in (-1, dims.dp_shard * dims.sp):
+                raise ValueError(
+                    "ParallelismConfig.fsdp_size (HSDP) cannot be combined with "
+                    "tensor_parallel_size / ulysses_sequence_parallel_size > 1; leave it -1"
+                )
+            self._pmesh = build_parallel_mesh(device, dims)
+            self._mesh = self._pmesh.fsdp_mesh
+            fsdp_size = self._mesh.size()
         seed_all(cfg.seed)
         model = load_model(self.model_spec, seed=cfg.seed)
+        if self._pmesh is not None:
+            if self.model_spec.lora_rank:
+                raise ValueError("LoRA is not supported with tensor/sequence parallelism yet")
+            # Before FSDP: the TP plan turns weights into DTensors FSDP then shards over dp.
+            self._parallel = ParallelRuntime(self._pmesh, model, self.model_spec.kind)
         if self.model_spec.lora_rank:
             # Before sharding: peft swaps the targeted linear layers for LoRA layers in place.
             self._peft = apply_lora(model, self.model_spec)
@@ -181,6 +208,8 @@ class FSDP2Engine(TrainingEngine):
     def close(self) -> None:
         """Drop the model/optimizer; the last engine on a polyrl-created group destroys it."""
         self._model = None
+        self._parallel = None
+        self._pmesh = None
         self._peft = None
         self._lora = None
         self._optimizer = None
@@ -192,13 +221,32 @@ class FSDP2Engine(TrainingEngine):
 
     @property
     def rank(self) -> int:
-        """Data-parallel rank of this process."""
-        return self._require_init().rank
+        """Data-parallel rank of this process (tensor/sequence-parallel peers share it)."""
+        info = self._require_init()
+        return info.rank if self._pmesh is None else self._pmesh.dp_rank
 
     @property
     def world_size(self) -> int:
-        """Number of data-parallel ranks."""
+        """Number of data-parallel ranks (world size / (tensor x sequence parallel sizes))."""
+        info = self._require_init()
+        return info.world_size if self._pmesh is None else self._pmesh.dims.dp_shard
+
+    @property
+    def process_rank(self) -> int:
+        """Rank of this process among all of them (files, barriers)."""
+        return self._require_init().rank
+
+    @property
+    def process_world_size(self) -> int:
+        """Number of processes."""
         return self._require_init().world_size
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """Sizes of the mesh axes (what a checkpoint must be resumed on)."""
+        if self._pmesh is None:
+            return {"dp_shard": self.process_world_size, "sp": 1, "tp": 1}
+        return dict(zip(("dp_shard", "sp", "tp"), self._pmesh.dims.shape, strict=True))
 
     @property
     def device(self) -> torch.device:
@@ -243,6 +291,8 @@ class FSDP2Engine(TrainingEngine):
     @property
     def _layout_mode(self) -> str:
         cfg = self.engine_config
+        if self._parallel is not None and self._parallel.layout_mode is not None:
+            return self._parallel.layout_mode
         if not cfg.dynamic_batching:
             return "identity"
         return "pack" if cfg.pack_sequences else "trim"
@@ -274,6 +324,8 @@ class FSDP2Engine(TrainingEngine):
             and self.model_spec.kind == "causal_lm"
             # Hugging Face turns the KV cache off under activation checkpointing in training.
             and not cfg.gradient_checkpointing
+            # The prefix forward's KV cache is not split over tensor/sequence ranks.
+            and self._parallel is None
             and supports_shared_prefix(self.model)
         )
         if not usable:  # the same on every rank: nothing to agree on
@@ -293,6 +345,8 @@ class FSDP2Engine(TrainingEngine):
         ids = layout.to_compute(mb["input_ids"])
         pos = layout.to_compute(mb["position_ids"])
         layout.check_packable(pos)
+        if self._parallel is not None:
+            return self._parallel.output(self.model, layout, ids, am, pos, temperature, chunk_size)
         raw = model_forward(
             self.model, self.model_spec.kind, ids, layout.compute_attention_mask(am), pos
         )
@@ -315,7 +369,10 @@ class FSDP2Engine(TrainingEngine):
         ids = torch.zeros(1, 1, dtype=torch.long, device=self._device)
         total = None
         for _ in range(calls):
-            raw = model_forward(self.model, self.model_spec.kind, ids, None, ids).float().sum()
+            if self._parallel is not None:
+                raw = self._parallel.dummy_forward(self.model, self._device)
+            else:
+                raw = model_forward(self.model, self.model_spec.kind, ids, None, ids).float().sum()
             total = raw if total is None else total + raw
         if backward and total is not None:
             (total * 0.0).backward()
@@ -329,7 +386,8 @@ class FSDP2Engine(TrainingEngine):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         local, lengths = prepare_batch(batch, self._device, need_loss_mask=True)
-        global_tokens, global_seqs = global_loss_counts(local["loss_mask"], self.world_size)
+        group = dp_group(self._pmesh)
+        global_tokens, global_seqs = global_loss_counts(local["loss_mask"], self.world_size, group)
         plan = self._plan(lengths, row_group_size(batch))
         splits, shared = self._prefix_splits(local, plan, enabled=True)
         meta = {
@@ -369,7 +427,7 @@ class FSDP2Engine(TrainingEngine):
             "num_seqs": global_seqs,
             "num_micro_batches": float(len(plan)),
         }
-        return metrics.reduce(self.world_size, counts)
+        return metrics.reduce(self.world_size, counts, group)
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients."""
@@ -384,6 +442,15 @@ class FSDP2Engine(TrainingEngine):
         if not params:
             raise RuntimeError("optimizer_step: no gradients; run forward_backward first")
         clip = float(self.engine_config.grad_clip)
+        if self._pmesh is not None:
+            # Gradients live on different meshes (dp only / dp x tp).
+            grad_norm = clip_grad_norm(params, clip)
+            if not np.isfinite(grad_norm):
+                self.zero_grad()
+                return grad_norm
+            self.optimizer.step()
+            self._optimizer_steps += 1
+            return grad_norm
         if clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, clip)
         else:
