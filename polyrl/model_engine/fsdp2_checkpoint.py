@@ -201,7 +201,8 @@ class FSDP2Checkpointer:
         with_optim = engine.checkpoint_config.save_optimizer
         state = self._checkpoint_state(with_optim)
         dcp.save(state, storage_writer=FileSystemWriter(os.path.join(tmp, "dcp"), sync_files=True))
-        torch.save(rng_state(engine.device), os.path.join(tmp, "rng", f"rank_{engine.process_rank}.pt"))
+        rng_file = os.path.join(tmp, "rng", f"rank_{engine.process_rank}.pt")
+        torch.save(rng_state(engine.device), rng_file)
         if is_main:
             engine_state = {
                 "format": _STATE_FORMAT,

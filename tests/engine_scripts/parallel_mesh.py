@@ -1,11 +1,13 @@
 """One rank of a tensor/sequence-parallel parity run (launched by tests/test_parallel_mesh.py).
 
-Usage: ``parallel_mesh.py MODEL_DIR OUT_JSON TP SP [CKPT_DIR]`` with RANK/WORLD_SIZE/MASTER_* in
-the environment.  Three optimizer steps of SFT on fixed batches (each data-parallel rank trains
-its share of the rows); before each step and after the last, log-probs and entropy of the whole
-batch.  Rank 0 writes losses, gradient norms, log-probs, entropies and a checksum of every
-whole tensor ``named_tensors`` yields.  With CKPT_DIR a checkpoint is saved after the last step
-and loaded into a fresh engine, whose log-probs are recorded too.
+Usage: ``parallel_mesh.py MODEL_DIR OUT_JSON TP SP [CKPT_DIR [load]]`` with
+RANK/WORLD_SIZE/MASTER_* in the environment.  Three optimizer steps of SFT on fixed batches
+(each data-parallel rank trains its share of the rows); before each step and after the last,
+log-probs and entropy of the whole batch.  Rank 0 writes losses, gradient norms, log-probs,
+entropies and a checksum of every whole tensor ``named_tensors`` yields.  With CKPT_DIR a
+checkpoint is saved after the last step and loaded into a fresh engine, whose log-probs are
+recorded too; with ``load`` the run only tries to load CKPT_DIR and records the error (a
+checkpoint of another mesh shape).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def make_engine(model_dir: str, tp: int, sp: int):
                 tensor_parallel_size=tp, ulysses_sequence_parallel_size=sp
             ),
         ),
-        OptimizerConfig(lr=1e-2),
+        OptimizerConfig(lr=1e-3),
     )
 
 
@@ -53,6 +55,16 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     engine = make_engine(model_dir, tp, sp)
+    if len(sys.argv) > 6 and sys.argv[6] == "load":
+        try:
+            engine.load_checkpoint(ckpt_dir)
+            error = None
+        except ValueError as exc:
+            error = str(exc)
+        if dist.get_rank() == 0:
+            with open(out_path, "w") as f:
+                json.dump({"error": error}, f)
+        exit_rank(0)
     result: dict = {"steps": [], "mesh": engine.mesh_shape}
     for step in range(STEPS):
         batch = make_batch(8, 20, VOCAB, seed=100 + step)
