@@ -106,9 +106,12 @@ def test_ulysses_needs_heads_divisible_by_sp(tmp_path):
     ids=["dp2xtp2", "dp2xsp2", "sp4"],
 )
 def test_parity_with_one_rank(llama_dir, reference, tmp_path, tp, sp, mesh):
-    extra = [str(tmp_path / "ckpt")] if sp == 4 else []
+    # Checkpoints round-trip on the tensor-parallel and the pure sequence-parallel mesh.
+    extra = [str(tmp_path / "ckpt")] if sp == 4 or tp == 2 else []
     got = _run(llama_dir, tmp_path / "out.json", 4, tp, sp, *extra)
     assert got["mesh"] == mesh
+    dp_sp = mesh["dp_shard"] * mesh["sp"]
+    assert got["expert_mesh"] == [["ep_replicate", "ep", "tp"], [dp_sp, 1, mesh["tp"]]]
     for ref, step in zip(reference["steps"], got["steps"], strict=True):
         assert _max_abs(step["logp"], ref["logp"]) <= LOGP_ATOL
         assert _max_abs(step["entropy"], ref["entropy"]) <= LOGP_ATOL
@@ -125,6 +128,7 @@ def test_parity_with_one_rank(llama_dir, reference, tmp_path, tp, sp, mesh):
     if extra:
         # Save then resume on the same mesh: the same model.
         assert got["resumed"]["logp"] == got["final"]["logp"]
+    if sp == 4:
         # Another mesh shape is refused, naming both.
         err = _run(llama_dir, tmp_path / "err.json", 4, 2, 2, extra[0], "load")["error"]
         assert err is not None

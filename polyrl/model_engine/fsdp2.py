@@ -242,6 +242,12 @@ class FSDP2Engine(TrainingEngine):
         return self._require_init().world_size
 
     @property
+    def parallel_mesh(self) -> ParallelMesh | None:
+        """The ``(dp_shard, sp, tp)`` mesh under tensor/sequence parallelism, else ``None``."""
+        self._require_init()
+        return self._pmesh
+
+    @property
     def mesh_shape(self) -> dict[str, int]:
         """Sizes of the mesh axes (what a checkpoint must be resumed on)."""
         if self._pmesh is None:

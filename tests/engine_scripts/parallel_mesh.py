@@ -13,6 +13,7 @@ checkpoint of another mesh shape).
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -20,11 +21,13 @@ import torch.distributed as dist
 from engine_common import exit_rank, make_batch
 
 from polyrl.model_engine import EngineConfig, OptimizerConfig, build_engine, sft_loss
-from polyrl.model_engine.config import ParallelismConfig
+from polyrl.model_engine.config import MixedPrecisionConfig, ParallelismConfig
 from polyrl.model_engine.engine import compute_log_probs_and_entropy
 
 VOCAB = 1024
 STEPS = 3
+#: ``cuda`` for tests_gpu (one GPU per rank, NCCL); fp32 compute either way.
+DEVICE = os.environ.get("PARALLEL_MESH_DEVICE", "cpu")
 
 
 def make_engine(model_dir: str, tp: int, sp: int):
@@ -32,6 +35,8 @@ def make_engine(model_dir: str, tp: int, sp: int):
     return build_engine(
         model_dir,
         EngineConfig(
+            device=DEVICE,
+            mixed_precision=MixedPrecisionConfig(param_dtype="float32"),
             grad_clip=1.0,
             pack_sequences=True,
             max_tokens_per_micro_batch=48,
@@ -52,7 +57,7 @@ def stats(engine, batch) -> dict:
 def main() -> None:
     model_dir, out_path, tp, sp = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     ckpt_dir = sys.argv[5] if len(sys.argv) > 5 else None
-    dist.init_process_group("gloo")
+    dist.init_process_group("cpu:gloo,cuda:nccl" if DEVICE == "cuda" else "gloo")
     torch.manual_seed(0)
     engine = make_engine(model_dir, tp, sp)
     if len(sys.argv) > 6 and sys.argv[6] == "load":
@@ -66,6 +71,9 @@ def main() -> None:
                 json.dump({"error": error}, f)
         exit_rank(0)
     result: dict = {"steps": [], "mesh": engine.mesh_shape}
+    if engine.parallel_mesh is not None:
+        expert = engine.parallel_mesh.expert_mesh()
+        result["expert_mesh"] = [list(expert.mesh_dim_names), list(expert.shape)]
     for step in range(STEPS):
         batch = make_batch(8, 20, VOCAB, seed=100 + step)
         record = stats(engine, batch)

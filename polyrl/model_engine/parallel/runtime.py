@@ -137,14 +137,15 @@ class ParallelRuntime:
             raise ValueError(
                 f"ulysses sequence parallelism runs one packed row, got {ids.shape[0]} rows"
             )
-        pad = -ids.shape[1] % self.sp
+        real = ids.shape[1]
+        pad = -real % self.sp
         if pad:
             ids = F.pad(ids, (0, pad))
             tail = torch.arange(pad, dtype=position_ids.dtype, device=position_ids.device)
             position_ids = torch.cat([position_ids, tail[None]], dim=1)
         width = ids.shape[1] // self.sp
         part = slice(self.sp_rank * width, (self.sp_rank + 1) * width)
-        with ulysses_context(self.sp_group, position_ids, self.inner):
+        with ulysses_context(self.sp_group, position_ids, self.inner, real):
             raw = model_forward(model, self.kind, ids[:, part], None, position_ids[:, part])
         return raw, ids
 

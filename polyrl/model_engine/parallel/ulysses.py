@@ -159,7 +159,7 @@ def _ulysses_attention(
         mask = None
     else:
         kwargs.pop("position_ids", None)
-        mask = _STATE.mask
+        mask = _STATE.mask  # None: causal (HF's SDPA sets is_causal without a mask)
     kwargs.pop("is_causal", None)
     out, _ = _inner_attention(inner)(module, q, k, v, mask, **kwargs)
     return head_to_seq(out, group), None
@@ -204,15 +204,23 @@ def enable_ulysses(model: nn.Module, sp: int, tp: int = 1) -> str:
 
 @contextlib.contextmanager
 def ulysses_context(
-    group: dist.ProcessGroup, position_ids: torch.Tensor, inner: str
+    group: dist.ProcessGroup,
+    position_ids: torch.Tensor,
+    inner: str,
+    real_length: int | None = None,
 ) -> Iterator[None]:
     """Within it, Ulysses attention uses ``group`` and the full sequence's ``position_ids``.
 
     The block-causal mask is built once here (not per layer) unless ``inner`` is a
-    flash-attention implementation.
+    flash-attention implementation, or the first ``real_length`` positions (the rest being
+    padding) hold one sequence: then plain causal attention is exact for every real token (none
+    attends to the padding after it) and SDPA needs no ``T x T`` mask.
     """
     _STATE.group, _STATE.position_ids, _STATE.inner = group, position_ids, inner
-    _STATE.mask = None if "flash" in inner else _block_causal_mask(position_ids)
+    real = position_ids[:, :real_length] if real_length is not None else position_ids
+    single = position_ids.shape[0] == 1 and int((real[0, 1:] == 0).sum()) == 0
+    flash = "flash" in inner
+    _STATE.mask = None if flash or single else _block_causal_mask(position_ids)
     # Left set on exit: activation checkpointing re-runs attention in the backward pass, after
     # the forward returned; the next forward replaces it.
     yield
