@@ -1,9 +1,10 @@
 """Tensor and Ulysses sequence parallelism in the FSDP2 engine (polyrl.model_engine.parallel).
 
 Parity runs use real gloo process groups: tests/engine_scripts/parallel_mesh.py trains a tiny
-fp32 llama for three optimizer steps as 1 rank, then on dp2 x tp2, dp2 x sp2 and sp4 meshes (4
-ranks each); per-token log-probs, entropy, losses, gradient norms and the whole tensors
-``named_tensors`` yields must match the single rank's.
+fp32 llama for three optimizer steps (SFT plus an entropy bonus) as 1 rank, then on dp2 x tp2,
+dp2 x sp2 and sp4 meshes (4 ranks each); per-token log-probs, entropy, losses, gradient norms,
+the whole tensors ``named_tensors`` yields and a value model's values and update must match the
+single rank's.
 """
 
 from __future__ import annotations
@@ -118,6 +119,11 @@ def test_parity_with_one_rank(llama_dir, reference, tmp_path, tp, sp, mesh):
         assert _rel(step["loss"], ref["loss"]) <= RTOL
         assert _rel(step["grad_norm"], ref["grad_norm"]) <= RTOL
     assert _max_abs(got["final"]["logp"], reference["final"]["logp"]) <= LOGP_ATOL
+    # The value model (critic): values gathered along the sequence, one step of updates.
+    assert _max_abs(got["values"], reference["values"]) <= LOGP_ATOL
+    assert _max_abs(got["values_after"], reference["values_after"]) <= LOGP_ATOL
+    assert _rel(got["value_loss"], reference["value_loss"]) <= RTOL
+    assert _rel(got["value_grad_norm"], reference["value_grad_norm"]) <= RTOL
     # named_tensors: the same Hugging Face names and whole shapes, the same values.
     assert sorted(got["tensors"]) == sorted(reference["tensors"])
     for name, (shape, total, abs_total) in reference["tensors"].items():

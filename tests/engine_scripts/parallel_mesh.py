@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 from engine_common import exit_rank, make_batch
 
-from polyrl.model_engine import EngineConfig, OptimizerConfig, build_engine, sft_loss
+from polyrl.core.numerics import agg_loss
+from polyrl.model_engine import EngineConfig, ModelSpec, OptimizerConfig, build_engine, sft_loss
 from polyrl.model_engine.config import MixedPrecisionConfig, ParallelismConfig
-from polyrl.model_engine.engine import compute_log_probs_and_entropy
+from polyrl.model_engine.engine import compute_log_probs_and_entropy, compute_values, global_counts
 
 VOCAB = 1024
 STEPS = 3
@@ -30,10 +31,23 @@ STEPS = 3
 DEVICE = os.environ.get("PARALLEL_MESH_DEVICE", "cpu")
 
 
-def make_engine(model_dir: str, tp: int, sp: int):
+def sft_with_entropy(output, batch):
+    """SFT loss plus an entropy bonus: gradients flow through log-probs and entropy."""
+    loss, metrics = sft_loss(output, batch)
+    ent = agg_loss(output.entropy, batch["loss_mask"], "token-mean", **global_counts(batch))
+    return loss - 0.1 * ent, metrics
+
+
+def value_loss(output, batch):
+    """Squared error of the values against 1 on the loss tokens (token mean, whole batch)."""
+    err = (output.values - 1.0) ** 2
+    return agg_loss(err, batch["loss_mask"], "token-mean", **global_counts(batch)), {}
+
+
+def make_engine(model_dir: str, tp: int, sp: int, kind: str = "causal_lm"):
     """An fp32 engine packing micro-batches of at most 48 tokens (several per step)."""
     return build_engine(
-        model_dir,
+        ModelSpec(path=model_dir, kind=kind),
         EngineConfig(
             device=DEVICE,
             mixed_precision=MixedPrecisionConfig(param_dtype="float32"),
@@ -77,7 +91,7 @@ def main() -> None:
     for step in range(STEPS):
         batch = make_batch(8, 20, VOCAB, seed=100 + step)
         record = stats(engine, batch)
-        metrics = engine.train_batch(engine.shard_batch(batch), sft_loss)
+        metrics = engine.train_batch(engine.shard_batch(batch), sft_with_entropy)
         record.update(loss=metrics["loss"], grad_norm=metrics["grad_norm"])
         result["steps"].append(record)
     final_batch = make_batch(8, 20, VOCAB, seed=999)
@@ -93,6 +107,13 @@ def main() -> None:
         result["resumed"] = stats(fresh, final_batch)
         fresh.close()
     engine.close()
+    # A value model (critic): values before and after one step.
+    critic = make_engine(model_dir, tp, sp, kind="value")
+    result["values"] = critic.infer_batch(final_batch, compute_values)["values"].tolist()
+    vmetrics = critic.train_batch(critic.shard_batch(final_batch), value_loss)
+    result["value_loss"], result["value_grad_norm"] = vmetrics["loss"], vmetrics["grad_norm"]
+    result["values_after"] = critic.infer_batch(final_batch, compute_values)["values"].tolist()
+    critic.close()
     if dist.get_rank() == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)
