@@ -17,7 +17,7 @@ longest length over sp=1's (higher is better).  On CPU, SDPA with a block-causal
 The last stdout line is the JSON result, also appended to
 ``benchmarks/history/long_context.jsonl`` (see ``benchmarks/_report.py``).
 
-Usage: ``python benchmarks/long_context.py [--length 2048] [--cap-mib 256] [--max-length 16384]``
+Usage: ``python benchmarks/long_context.py [--length 2048] [--cap-mib 256] [--max-length 65536]``
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--length", type=int, default=2048, help="tokens of the peak figure")
     parser.add_argument("--cap-mib", type=float, default=256.0, help="per-rank step memory cap")
-    parser.add_argument("--max-length", type=int, default=16384, help="longest length tried")
+    parser.add_argument("--max-length", type=int, default=65536, help="longest length tried")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--sp", type=int, default=1, help=argparse.SUPPRESS)
