@@ -139,3 +139,27 @@ def test_parity_with_one_rank(llama_dir, reference, tmp_path, tp, sp, mesh):
         err = _run(llama_dir, tmp_path / "err.json", 4, 2, 2, extra[0], "load")["error"]
         assert err is not None
         assert "'sp': 4" in err and "'sp': 2, 'tp': 2" in err
+
+
+def test_ulysses_masks_follow_packing_and_sliding_windows():
+    from polyrl.model_engine.parallel import ulysses
+
+    def expected(pos: torch.Tensor, window: int | None) -> torch.Tensor:
+        seq = (pos == 0).cumsum(-1)[0]
+        n = pos.shape[-1]
+        out = torch.zeros(n, n, dtype=torch.bool)
+        for q in range(n):
+            for k in range(q + 1):
+                out[q, k] = seq[q] == seq[k] and (window is None or q - k < window)
+        return out
+
+    packed = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0]])
+    with ulysses.ulysses_context(None, packed, "sdpa", real_length=7):
+        assert torch.equal(ulysses._STATE.mask_for(None)[0, 0], expected(packed, None))
+        assert torch.equal(ulysses._STATE.mask_for(2)[0, 0], expected(packed, 2))
+    # One real sequence (the tail is padding): causal attention, no T x T mask...
+    single = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1]])
+    with ulysses.ulysses_context(None, single, "sdpa", real_length=6):
+        assert ulysses._STATE.mask_for(None) is None
+        # ...but a window shorter than the row still needs one.
+        assert torch.equal(ulysses._STATE.mask_for(3)[0, 0], expected(single, 3))

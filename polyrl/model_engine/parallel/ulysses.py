@@ -44,6 +44,20 @@ class _State:
     position_ids: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     inner: str = "sdpa"
+    windowed: dict[int, torch.Tensor] = {}
+
+    def mask_for(self, window: int | None) -> torch.Tensor | None:
+        """Return the SDPA mask, with a sliding window (Mistral) shorter than the row."""
+        assert self.position_ids is not None
+        length = self.position_ids.shape[-1]
+        if not window or window >= length:
+            return self.mask
+        if window not in self.windowed:
+            mask = self.mask if self.mask is not None else _block_causal_mask(self.position_ids)
+            idx = torch.arange(length, device=mask.device)
+            near = (idx[:, None] - idx[None, :]) < window  # HF: kv > q - window
+            self.windowed[window] = mask & near
+        return self.windowed[window]
 
 
 _STATE = _State()
@@ -159,7 +173,8 @@ def _ulysses_attention(
         mask = None
     else:
         kwargs.pop("position_ids", None)
-        mask = _STATE.mask  # None: causal (HF's SDPA sets is_causal without a mask)
+        # None: causal (HF's SDPA sets is_causal without a mask).
+        mask = _STATE.mask_for(kwargs.pop("sliding_window", None))
     kwargs.pop("is_causal", None)
     out, _ = _inner_attention(inner)(module, q, k, v, mask, **kwargs)
     return head_to_seq(out, group), None
@@ -221,6 +236,7 @@ def ulysses_context(
     single = position_ids.shape[0] == 1 and int((real[0, 1:] == 0).sum()) == 0
     flash = "flash" in inner
     _STATE.mask = None if flash or single else _block_causal_mask(position_ids)
+    _STATE.windowed = {}
     # Left set on exit: activation checkpointing re-runs attention in the backward pass, after
     # the forward returned; the next forward replaces it.
     yield
