@@ -167,14 +167,16 @@ class FSDP2Engine(TrainingEngine):
             if par.fsdp_size not in (-1, dims.dp_shard * dims.sp):
                 raise ValueError(
                     "ParallelismConfig.fsdp_size (HSDP) cannot be combined with "
-                    "tensor_parallel_size / ulysses_sequence_parallel_size > 1; leave it -1"
+                    "tensor_parallel_size / ulysses_sequence_parallel_size / "
+                    "expert_parallel_size > 1; leave it -1"
                 )
+            # The expert-parallel code takes its sub-mesh from parallel_mesh.expert_mesh().
             self._pmesh = build_parallel_mesh(device, dims)
             self._mesh = self._pmesh.fsdp_mesh
             fsdp_size = self._mesh.size()
         seed_all(cfg.seed)
         model = load_model(self.model_spec, seed=cfg.seed)
-        if self._pmesh is not None:
+        if dims.tp > 1 or dims.sp > 1:
             if self.model_spec.lora_rank:
                 raise ValueError("LoRA is not supported with tensor/sequence parallelism yet")
             # Before FSDP: the TP plan turns weights into DTensors FSDP then shards over dp.

@@ -83,7 +83,7 @@ class ParallelDims:
     @property
     def trivial(self) -> bool:
         """True when only data parallelism is used (the engine's plain FSDP/HSDP path)."""
-        return self.sp == 1 and self.tp == 1
+        return self.sp == 1 and self.tp == 1 and self.ep == 1
 
 
 class ParallelMesh:
