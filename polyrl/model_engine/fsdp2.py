@@ -8,6 +8,13 @@ divide factor to 1 (plain sums) and has loss functions divide by mini-batch-wide
 counts summed over all ranks before the micro-batch loop.  The gradient is then exactly that of
 the whole mini-batch's loss, whatever the micro-batch split or number of ranks.
 
+Tensor, Ulysses sequence and expert parallelism (``ParallelismConfig.tensor_parallel_size``,
+``ulysses_sequence_parallel_size``, ``expert_parallel_size``) put all ranks on one
+``(dp_shard, sp, tp)`` mesh (:mod:`polyrl.model_engine.parallel`): :attr:`FSDP2Engine.rank` and
+:attr:`FSDP2Engine.world_size` are then the data-parallel ones (peers of one sp x tp group see
+the same rows), FSDP shards over ``dp_shard x sp``, and row-level collectives (loss counts,
+metrics) run over the data-parallel group.
+
 The engine holds an :class:`~polyrl.model_engine.fsdp2_checkpoint.FSDP2Checkpointer` for
 checkpoints and Hugging Face export, and reduces metrics with a
 :class:`~polyrl.model_engine.metrics.MetricsAccumulator`; sharding and gathering whole tensors
