@@ -9,6 +9,7 @@ single rank's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -163,3 +164,22 @@ def test_ulysses_masks_follow_packing_and_sliding_windows():
         assert ulysses._STATE.mask_for(None) is None
         # ...but a window shorter than the row still needs one.
         assert torch.equal(ulysses._STATE.mask_for(3)[0, 0], expected(single, 3))
+
+
+def test_engine_worker_gives_sp_and_tp_peers_the_same_rows():
+    from polyrl.controller import worker as worker_mod
+    from polyrl.model_engine import EngineConfig
+    from polyrl.workers.engine import ENGINE_MESH, EngineWorker
+
+    engine = EngineConfig(device="cpu", parallelism=ParallelismConfig(tensor_parallel_size=2))
+    infos = []
+    for rank in range(4):
+        ctx = worker_mod._standalone_context("EngineWorker")
+        worker_mod._construction.ctx = dataclasses.replace(ctx, rank=rank, world_size=4)
+        try:
+            w = EngineWorker(role="actor", model="/unused", engine=engine)
+        finally:
+            worker_mod._construction.ctx = None
+        infos.append(w.dispatch_info(ENGINE_MESH))
+    # (dp_rank, dp_size, is_collect): ranks 0, 1 share shard 0; 2, 3 shard 1.
+    assert infos == [(0, 2, True), (0, 2, False), (1, 2, True), (1, 2, False)]
