@@ -183,3 +183,15 @@ def test_engine_worker_gives_sp_and_tp_peers_the_same_rows():
         infos.append(w.dispatch_info(ENGINE_MESH))
     # (dp_rank, dp_size, is_collect): ranks 0, 1 share shard 0; 2, 3 shard 1.
     assert infos == [(0, 2, True), (0, 2, False), (1, 2, True), (1, 2, False)]
+
+
+def test_run_config_checks_tp_times_sp_against_the_world_size():
+    from polyrl.config import ConfigError, load_config
+    from polyrl.trainer.rl.checks import check_config
+
+    cfg = load_config(
+        "grpo",
+        ["trainer.n_gpus_per_node=4", "actor.tensor_parallel_size=3", "model.path=/models/x"],
+    )
+    with pytest.raises(ConfigError, match=r"actor.tensor_parallel_size.*trainer.world_size \(4\)"):
+        check_config(cfg, has_model=True)
