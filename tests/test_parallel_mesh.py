@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -38,6 +39,7 @@ def llama_dir(tmp_path_factory) -> str:
 
 def _run(model_dir: str, out: Path, world: int, tp: int, sp: int, *extra: str) -> dict:
     codes = launch("parallel_mesh.py", [model_dir, str(out), str(tp), str(sp), *extra], world)
+    os.environ.pop("PARALLEL_MESH_CHECKPOINTING", None)
     assert codes == [0] * world, "\n".join(launch.last_logs)  # type: ignore[attr-defined]
     return json.loads(out.read_text())
 
@@ -104,10 +106,14 @@ def test_ulysses_needs_heads_divisible_by_sp(tmp_path):
         (2, 1, {"dp_shard": 2, "sp": 1, "tp": 2}),
         (1, 2, {"dp_shard": 2, "sp": 2, "tp": 1}),
         (1, 4, {"dp_shard": 1, "sp": 4, "tp": 1}),
+        (2, 2, {"dp_shard": 1, "sp": 2, "tp": 2}),
     ],
-    ids=["dp2xtp2", "dp2xsp2", "sp4"],
+    ids=["dp2xtp2", "dp2xsp2", "sp4", "tp2xsp2_checkpointing"],
 )
 def test_parity_with_one_rank(llama_dir, reference, tmp_path, tp, sp, mesh):
+    if tp == sp == 2:
+        # Both axes at once, with activation checkpointing (the reference runs without).
+        os.environ["PARALLEL_MESH_CHECKPOINTING"] = "1"
     # Checkpoints round-trip on the tensor-parallel and the pure sequence-parallel mesh.
     extra = [str(tmp_path / "ckpt")] if sp == 4 or tp == 2 else []
     got = _run(llama_dir, tmp_path / "out.json", 4, tp, sp, *extra)

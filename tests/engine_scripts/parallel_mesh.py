@@ -29,6 +29,8 @@ VOCAB = 1024
 STEPS = 3
 #: ``cuda`` for tests_gpu (one GPU per rank, NCCL); fp32 compute either way.
 DEVICE = os.environ.get("PARALLEL_MESH_DEVICE", "cpu")
+#: ``1``: activation checkpointing (attention re-runs in backward, after the forward returned).
+CHECKPOINTING = os.environ.get("PARALLEL_MESH_CHECKPOINTING", "0") == "1"
 
 
 def sft_with_entropy(output, batch):
@@ -52,6 +54,7 @@ def make_engine(model_dir: str, tp: int, sp: int, kind: str = "causal_lm"):
             device=DEVICE,
             mixed_precision=MixedPrecisionConfig(param_dtype="float32"),
             grad_clip=1.0,
+            gradient_checkpointing=CHECKPOINTING,
             pack_sequences=True,
             max_tokens_per_micro_batch=48,
             parallelism=ParallelismConfig(
