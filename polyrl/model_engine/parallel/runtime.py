@@ -71,7 +71,7 @@ class ParallelModelOutput(ModelOutput):
         labels = labels[:, start : start + width]
         if rt.vocab is not None:
             logp, ent = vocab_parallel_log_probs(
-                self._raw, labels, rt.vocab, self.temperature, with_entropy
+                self._raw, labels, rt.vocab, self.temperature, with_entropy, self._chunk
             )
         else:
             logp, ent = token_log_probs_and_entropy(

@@ -124,54 +124,69 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, causal_lm: bool
 class _VocabParallelLogProb(torch.autograd.Function):
     """Log-prob of each label and entropy from vocabulary-sharded logits ``(N, V/tp)``.
 
-    Forward: the max and the sum of exponentials are all-reduced (MAX, SUM), the target logit
-    comes from the owning rank (SUM of a masked gather).  Every rank then holds the same
-    log-prob and entropy and computes the same loss, so the gradient with respect to its own
-    logit slice needs no communication: ``g * (onehot - p) - h * p * (z - E_p[z])``.
+    Forward (``z = logits / T``): the row max and the sums of exponentials are all-reduced
+    (MAX, then one SUM), the target logit comes from the owning rank (a masked gather in the same
+    SUM).  Every rank then holds the same log-prob and entropy and computes the same loss, so the
+    gradient with respect to its own logit slice needs no communication:
+    ``(g * (onehot - p) - h * p * (z - E_p[z])) / T``.  Rows are processed ``chunk`` at a time
+    in fp32, so the working set is ``chunk x V/tp`` floats whatever the logits' dtype; the
+    backward recomputes the probabilities from the saved logits (already kept by autograd).
     """
 
     @staticmethod
     def forward(
         ctx: Any,
-        z: torch.Tensor,
+        logits: torch.Tensor,
         labels: torch.Tensor,
         shard: VocabShard,
+        temperature: float,
+        chunk: int,
         with_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        group = shard.group
-        zmax = z.max(dim=-1).values
-        dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
-        exp = torch.exp(z - zmax[:, None])
-        total = exp.sum(dim=-1)
+        group, n, width = shard.group, logits.shape[0], logits.shape[-1]
         local = labels - shard.offset
-        owned = (local >= 0) & (local < z.shape[-1])
+        owned = (local >= 0) & (local < width)
         index = torch.where(owned, local, torch.zeros_like(local))
-        target = torch.where(owned, z.gather(-1, index[:, None]).squeeze(-1), z.new_zeros(()))
-        sums = [total, target]
-        if with_entropy:
-            sums.append((exp * z).sum(dim=-1))
-        stacked = torch.stack(sums)
-        dist.all_reduce(stacked, group=group)
-        total, target = stacked[0], stacked[1]
-        lse = zmax + torch.log(total)
-        logp = target - lse
+        zmax = torch.empty(n, dtype=torch.float32, device=logits.device)
+        for s in range(0, n, chunk):
+            zmax[s : s + chunk] = logits[s : s + chunk].float().amax(dim=-1) / temperature
+        dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
+        stats = torch.zeros(3 if with_entropy else 2, n, dtype=torch.float32, device=logits.device)
+        for s in range(0, n, chunk):
+            z = logits[s : s + chunk].float() / temperature
+            exp = torch.exp(z - zmax[s : s + chunk, None])
+            stats[0, s : s + chunk] = exp.sum(dim=-1)
+            picked = z.gather(-1, index[s : s + chunk, None]).squeeze(-1)
+            stats[1, s : s + chunk] = torch.where(owned[s : s + chunk], picked, z.new_zeros(()))
+            if with_entropy:
+                stats[2, s : s + chunk] = (exp * z).sum(dim=-1)
+        dist.all_reduce(stats, group=group)
+        lse = zmax + torch.log(stats[0])
+        logp = stats[1] - lse
         # E_p[z]; the entropy is lse - E_p[z].
-        mean_z = stacked[2] / total if with_entropy else lse
+        mean_z = stats[2] / stats[0] if with_entropy else lse
         ent = lse - mean_z
-        ctx.save_for_backward(z, lse, index, owned, mean_z)
-        ctx.with_entropy = with_entropy
+        ctx.save_for_backward(logits, lse, index, owned, mean_z)
+        ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
         return logp, ent
 
     @staticmethod
     def backward(ctx: Any, grad_logp: torch.Tensor, grad_ent: torch.Tensor | None) -> Any:
-        z, lse, index, owned, mean_z = ctx.saved_tensors
-        probs = torch.exp(z - lse[:, None])
-        grad = -probs * grad_logp[:, None]
-        onehot = grad_logp * owned.to(grad_logp.dtype)
-        grad.scatter_add_(-1, index[:, None], onehot[:, None])
-        if ctx.with_entropy and grad_ent is not None:
-            grad -= grad_ent[:, None] * probs * (z - mean_z[:, None])
-        return grad, None, None, None
+        logits, lse, index, owned, mean_z = ctx.saved_tensors
+        t, chunk = ctx.temperature, ctx.chunk
+        use_ent = ctx.with_entropy and grad_ent is not None
+        grad = torch.empty_like(logits)
+        for s in range(0, logits.shape[0], chunk):
+            rows = slice(s, s + chunk)
+            z = logits[rows].float() / t
+            probs = torch.exp(z - lse[rows, None])
+            g = -probs * grad_logp[rows, None]
+            onehot = grad_logp[rows] * owned[rows].to(g.dtype)
+            g.scatter_add_(-1, index[rows, None], onehot[:, None])
+            if use_ent:
+                g -= grad_ent[rows, None] * probs * (z - mean_z[rows, None])
+            grad[rows] = (g / t).to(grad.dtype)
+        return grad, None, None, None, None, None
 
 
 def vocab_parallel_log_probs(
@@ -180,19 +195,28 @@ def vocab_parallel_log_probs(
     shard: VocabShard,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    chunk_size: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log softmax(logits / T)[label]`` (and entropy) from this rank's vocabulary slice.
 
     Args:
-        logits: ``(..., V/tp)`` local logits (any float dtype; computed in fp32).
+        logits: ``(..., V/tp)`` local logits (any float dtype; computed in fp32 by chunks).
         labels: ``(...)`` global token ids.
         shard: this rank's vocabulary slice and the tensor-parallel group.
-        temperature: sampling temperature.
+        temperature: sampling temperature (> 0).
         with_entropy: also return the entropy (else ``None``).
+        chunk_size: rows per fp32 chunk.
 
-    Collective over ``shard.group``; every rank returns the same values.
+    Collective over ``shard.group``; every rank returns the same fp32 values.
     """
     shape = labels.shape
-    z = logits.reshape(-1, logits.shape[-1]).float() / float(temperature)
-    logp, ent = _VocabParallelLogProb.apply(z, labels.reshape(-1), shard, bool(with_entropy))
+    flat = logits.reshape(-1, logits.shape[-1])
+    logp, ent = _VocabParallelLogProb.apply(
+        flat,
+        labels.reshape(-1),
+        shard,
+        float(temperature),
+        max(1, int(chunk_size)),
+        bool(with_entropy),
+    )
     return logp.view(shape), (ent.view(shape) if with_entropy else None)
