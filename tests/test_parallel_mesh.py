@@ -98,6 +98,16 @@ def test_ulysses_needs_heads_divisible_by_sp(tmp_path):
         enable_ulysses(model, 4)
 
 
+def test_vocab_parallel_log_probs_entropy_and_gradient(tmp_path):
+    out = tmp_path / "vp.json"
+    assert launch("vocab_parallel.py", [str(out)], 2) == [0, 0], "\n".join(launch.last_logs)
+    for rank, offset in ((0, 0), (1, 4)):
+        got = json.loads(Path(f"{out}.{rank}").read_text())
+        assert got["offset"] == offset
+        # fp32 arithmetic against an fp64 reference.
+        assert max(got["logp"], got["entropy"], got["grad"]) < 1e-6, got
+
+
 # --------------------------------------------------------------------------- parity (4 ranks)
 @pytest.mark.slow
 @pytest.mark.parametrize(
