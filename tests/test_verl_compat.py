@@ -1070,3 +1070,17 @@ def test_the_readme_counts_the_verl_keys_read():
     text = (REPO / "README.md").read_text()
     count = re.search(r"the (\d+) keys read", text)
     assert count and int(count.group(1)) == len(verl_compat.VERL_KEYS), "update README's count"
+
+
+def test_verl_ulysses_sizes_map_onto_the_actor_and_critic_engines():
+    cfg, _ = _load(
+        "grpo",
+        [
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+            "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2",
+            "critic.ulysses_sequence_parallel_size=4",
+        ],
+    )
+    assert cfg.actor.ulysses_sequence_parallel_size == 2
+    assert cfg.critic.ulysses_sequence_parallel_size == 4
+    assert cfg.actor.tensor_parallel_size == cfg.actor.expert_parallel_size == 1

@@ -217,6 +217,30 @@ def _engine_option(name: str, default: Any, detail: str = "") -> Any:
     return option(default, f"{what}{detail} (EngineConfig.{name}).", **bounds)
 
 
+#: Model-parallel sizes a trained role's engine takes (``ParallelismConfig`` fields): name ->
+#: what it does.  The product with the data-parallel size must equal the role's rank count.
+_PARALLEL_OPTIONS: dict[str, str] = {
+    "tensor_parallel_size": (
+        "Ranks splitting each layer's heads and MLP width and the LM head's vocabulary (llama, "
+        "mistral, qwen2, qwen3); they train the same rows"
+    ),
+    "ulysses_sequence_parallel_size": (
+        "Ranks splitting each packed micro-batch's tokens, attention heads exchanged by "
+        "all-to-all (Ulysses); must divide the key/value heads; they train the same rows"
+    ),
+    "expert_parallel_size": (
+        "Ranks splitting a mixture-of-experts layer's experts, taken from the data x "
+        "sequence-parallel ranks"
+    ),
+}
+
+
+def _parallel_option(name: str, detail: str = "") -> Any:
+    """Return the field of model-parallel option ``name`` (default 1) for one role."""
+    detail = f"; {detail}" if detail else ""
+    return option(1, f"{_PARALLEL_OPTIONS[name]}{detail} (ParallelismConfig.{name}).", ge=1)
+
+
 def _optim(help: str, **defaults: Any) -> Any:
     """Return the ``optim`` option of a group that trains a model, with its own ``defaults``."""
     return option(OptimConfig(**defaults), help)
@@ -1020,6 +1044,15 @@ class ActorConfig(ConfigGroup):
         "Hybrid placement on GPUs: move the actor's optimizer state to host memory from the "
         "end of each update until the next (before the replicas wake).",
     )
+    tensor_parallel_size: int = _parallel_option(
+        "tensor_parallel_size", "the reference uses the actor's"
+    )
+    ulysses_sequence_parallel_size: int = _parallel_option(
+        "ulysses_sequence_parallel_size", "the reference uses the actor's"
+    )
+    expert_parallel_size: int = _parallel_option(
+        "expert_parallel_size", "the reference uses the actor's"
+    )
 
     def validate(self) -> None:
         """Reject a dual-clip bound that would not be above 1, and an empty Clip-Cov range."""
@@ -1048,6 +1081,9 @@ class CriticConfig(ConfigGroup):
     )
     ppo_epochs: int = option(1, "Passes over each step's batch.", ge=1)
     optim: OptimConfig = _optim("Value-model optimizer, schedule and gradient clipping.", lr=1e-5)
+    tensor_parallel_size: int = _parallel_option("tensor_parallel_size")
+    ulysses_sequence_parallel_size: int = _parallel_option("ulysses_sequence_parallel_size")
+    expert_parallel_size: int = _parallel_option("expert_parallel_size")
 
 
 @dataclasses.dataclass

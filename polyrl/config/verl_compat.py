@@ -449,7 +449,11 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _i(f"{_AR}.actor.entropy_from_logits_with_chunking", _PERF),
     _i(f"{_AR}.actor.entropy_checkpointing", _PERF),
     _i(f"{_AR}.actor.profiler.*", _PERF),
-    _o(f"{_AR}.actor.ulysses_sequence_parallel_size", (1,), "no sequence parallelism"),
+    _a(
+        f"{_AR}.actor.ulysses_sequence_parallel_size",
+        "actor.ulysses_sequence_parallel_size",
+        "Ulysses sequence parallelism in polyrl's engine; the reference uses it too",
+    ),
     # ---- rollout
     _a(f"{_AR}.rollout.name", "rollout.backend", "hf is polyrl's native engine", _rollout_name),
     _i(f"{_AR}.rollout.mode", "rollout servers are always asynchronous"),
@@ -559,6 +563,10 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _i(f"{_AR}.ref.fsdp_config.*", _PERF),
     _i(f"{_AR}.ref.strategy", "polyrl's engine shards the model itself"),
     _i(f"{_AR}.ref.use_torch_compile", _PERF),
+    _i(
+        f"{_AR}.ref.ulysses_sequence_parallel_size",
+        "the reference uses actor.ulysses_sequence_parallel_size",
+    ),
     # ---- critic
     _a("critic.model.path", "critic.model_path"),
     _a("critic.optim.lr"),
@@ -585,7 +593,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _i("critic.ppo_max_token_len_per_gpu", _CRITIC_MB),
     _i("critic.forward_max_token_len_per_gpu", _CRITIC_MB),
     _o("critic.ppo_mini_batch_size", (None,), "the critic updates on actor.ppo_mini_batch_size"),
-    _o("critic.ulysses_sequence_parallel_size", (1,), "no sequence parallelism"),
+    _a("critic.ulysses_sequence_parallel_size", "critic.ulysses_sequence_parallel_size"),
     _o("critic.enable", (None,), "a critic runs exactly when algorithm.adv_estimator=gae"),
     # ---- algorithm
     _a("algorithm.kl_ctrl.kl_coef", "algorithm.kl_coef"),

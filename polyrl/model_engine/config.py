@@ -196,12 +196,41 @@ class ParallelismConfig:
         default=True,
         metadata={"help": "Free gathered parameters after each layer's forward (saves memory)."},
     )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "Ranks splitting each layer's attention heads and MLP width (and the LM "
+            "head's vocabulary); they see the same rows. Families: llama, mistral, qwen2, qwen3."
+        },
+    )
+    ulysses_sequence_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "Ranks splitting each packed micro-batch's tokens (Ulysses: attention heads "
+            "exchanged by all-to-all); they see the same rows. Must divide the (key/value) heads."
+        },
+    )
+    expert_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "Ranks splitting a mixture-of-experts layer's experts, taken from the "
+            "data x sequence-parallel ranks."
+        },
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.fsdp_size, int) or (self.fsdp_size < 1 and self.fsdp_size != -1):
             raise ValueError(
                 f"ParallelismConfig.fsdp_size must be -1 or an int >= 1, got {self.fsdp_size!r}"
             )
+        for key in (
+            "tensor_parallel_size",
+            "ulysses_sequence_parallel_size",
+            "expert_parallel_size",
+        ):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ParallelismConfig.{key} must be an int >= 1, got {value!r}")
 
 
 @dataclass

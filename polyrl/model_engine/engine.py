@@ -616,16 +616,19 @@ def prepare_batch(
     return local, lengths.tolist()
 
 
-def global_loss_counts(loss_mask: torch.Tensor, world_size: int) -> tuple[float, float]:
+def global_loss_counts(
+    loss_mask: torch.Tensor, world_size: int, group: dist.ProcessGroup | None = None
+) -> tuple[float, float]:
     """Loss tokens and rows with any, summed over all ranks (collective when ``world_size > 1``).
 
     What :data:`GLOBAL_TOKENS_KEY` / :data:`GLOBAL_SEQS_KEY` hold; ``loss_mask`` is this rank's
-    cleaned mask (:func:`prepare_batch`).
+    cleaned mask (:func:`prepare_batch`).  ``group`` is the data-parallel group when ranks of
+    one tensor/sequence-parallel group share rows (default: all ranks).
     """
     nonzero = loss_mask != 0
     counts = torch.tensor([int(nonzero.sum()), int(nonzero.any(dim=1).sum())], dtype=torch.float64)
     if world_size > 1:
-        dist.all_reduce(counts)
+        dist.all_reduce(counts, group=group)
     tokens, seqs = (float(x) for x in counts.tolist())
     return tokens, seqs
 

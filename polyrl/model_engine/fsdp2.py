@@ -8,6 +8,13 @@ divide factor to 1 (plain sums) and has loss functions divide by mini-batch-wide
 counts summed over all ranks before the micro-batch loop.  The gradient is then exactly that of
 the whole mini-batch's loss, whatever the micro-batch split or number of ranks.
 
+Tensor, Ulysses sequence and expert parallelism (``ParallelismConfig.tensor_parallel_size``,
+``ulysses_sequence_parallel_size``, ``expert_parallel_size``) put all ranks on one
+``(dp_shard, sp, tp)`` mesh (:mod:`polyrl.model_engine.parallel`): :attr:`FSDP2Engine.rank` and
+:attr:`FSDP2Engine.world_size` are then the data-parallel ones (peers of one sp x tp group see
+the same rows), FSDP shards over ``dp_shard x sp``, and row-level collectives (loss counts,
+metrics) run over the data-parallel group.
+
 The engine holds an :class:`~polyrl.model_engine.fsdp2_checkpoint.FSDP2Checkpointer` for
 checkpoints and Hugging Face export, and reduces metrics with a
 :class:`~polyrl.model_engine.metrics.MetricsAccumulator`; sharding and gathering whole tensors
@@ -81,6 +88,8 @@ from polyrl.model_engine.heads import (
 from polyrl.model_engine.lora import LoraLayout, apply_lora
 from polyrl.model_engine.metrics import MetricsAccumulator
 from polyrl.model_engine.optim import build_optimizer, build_scheduler
+from polyrl.model_engine.parallel.mesh import ParallelDims, ParallelMesh, build_parallel_mesh
+from polyrl.model_engine.parallel.runtime import ParallelRuntime, clip_grad_norm, dp_group
 from polyrl.model_engine.prefix import (
     PrefixSplit,
     agree_prefix_splits,
@@ -128,6 +137,9 @@ class FSDP2Engine(TrainingEngine):
         self._optim_offloaded: list[tuple[dict[str, Any], str]] | None = None
         self._optimizer_steps = 0
         self._shard_group_size = 1
+        # Tensor/sequence parallelism (None: data parallelism only).
+        self._pmesh: ParallelMesh | None = None
+        self._parallel: ParallelRuntime | None = None
         # LoRA: peft's wrapper (for disable_adapter) and where the adapters sit.
         self._peft: Any = None
         self._lora: LoraLayout | None = None
@@ -164,14 +176,43 @@ class FSDP2Engine(TrainingEngine):
         assert self._dist is not None
         cfg = self.engine_config
         world = self._dist.world_size
-        fsdp_size = world if cfg.parallelism.fsdp_size == -1 else cfg.parallelism.fsdp_size
-        self._mesh = build_mesh(device, world, fsdp_size)
+        par = cfg.parallelism
+        dims = ParallelDims.from_config(
+            world,
+            par.tensor_parallel_size,
+            par.ulysses_sequence_parallel_size,
+            par.expert_parallel_size,
+        )
+        if dims.trivial:
+            fsdp_size = world if par.fsdp_size == -1 else par.fsdp_size
+            self._mesh = build_mesh(device, world, fsdp_size)
+        else:
+            if par.fsdp_size not in (-1, dims.dp_shard * dims.sp):
+                raise ValueError(
+                    "ParallelismConfig.fsdp_size (HSDP) cannot be combined with "
+                    "tensor_parallel_size / ulysses_sequence_parallel_size / "
+                    "expert_parallel_size > 1; leave it -1"
+                )
+            # The expert-parallel code takes its sub-mesh from parallel_mesh.expert_mesh().
+            self._pmesh = build_parallel_mesh(device, dims)
+            self._mesh = self._pmesh.fsdp_mesh
+            fsdp_size = self._mesh.size()
         seed_all(cfg.seed)
         model = load_model(self.model_spec, seed=cfg.seed)
         self._vision = vision_info(model)
         if self.model_spec.freeze_vision_tower:
             # Before LoRA and sharding: frozen parameters stay out of the optimizer.
             freeze_vision_tower(model)
+        if dims.tp > 1 or dims.sp > 1:
+            if self.model_spec.lora_rank:
+                raise ValueError("LoRA is not supported with tensor/sequence parallelism yet")
+            if self._vision is not None:
+                raise ValueError(
+                    "tensor/sequence parallelism of vision-language models is not supported "
+                    "yet; use tensor_parallel_size=1 and ulysses_sequence_parallel_size=1"
+                )
+            # Before FSDP: the TP plan turns weights into DTensors FSDP then shards over dp.
+            self._parallel = ParallelRuntime(self._pmesh, model, self.model_spec.kind)
         if self.model_spec.lora_rank:
             # Before sharding: peft swaps the targeted linear layers for LoRA layers in place.
             self._peft = apply_lora(model, self.model_spec)
@@ -201,6 +242,8 @@ class FSDP2Engine(TrainingEngine):
     def close(self) -> None:
         """Drop the model/optimizer; the last engine on a polyrl-created group destroys it."""
         self._model = None
+        self._parallel = None
+        self._pmesh = None
         self._peft = None
         self._lora = None
         self._vision = None
@@ -213,13 +256,38 @@ class FSDP2Engine(TrainingEngine):
 
     @property
     def rank(self) -> int:
-        """Data-parallel rank of this process."""
-        return self._require_init().rank
+        """Data-parallel rank of this process (tensor/sequence-parallel peers share it)."""
+        info = self._require_init()
+        return info.rank if self._pmesh is None else self._pmesh.dp_rank
 
     @property
     def world_size(self) -> int:
-        """Number of data-parallel ranks."""
+        """Number of data-parallel ranks (world size / (tensor x sequence parallel sizes))."""
+        info = self._require_init()
+        return info.world_size if self._pmesh is None else self._pmesh.dims.dp_shard
+
+    @property
+    def process_rank(self) -> int:
+        """Rank of this process among all of them (files, barriers)."""
+        return self._require_init().rank
+
+    @property
+    def process_world_size(self) -> int:
+        """Number of processes."""
         return self._require_init().world_size
+
+    @property
+    def parallel_mesh(self) -> ParallelMesh | None:
+        """The ``(dp_shard, sp, tp)`` mesh under tensor/sequence parallelism, else ``None``."""
+        self._require_init()
+        return self._pmesh
+
+    @property
+    def mesh_shape(self) -> dict[str, int]:
+        """Sizes of the mesh axes (what a checkpoint must be resumed on)."""
+        if self._pmesh is None:
+            return {"dp_shard": self.process_world_size, "sp": 1, "tp": 1}
+        return dict(zip(("dp_shard", "sp", "tp"), self._pmesh.dims.shape, strict=True))
 
     @property
     def device(self) -> torch.device:
@@ -264,6 +332,8 @@ class FSDP2Engine(TrainingEngine):
     @property
     def _layout_mode(self) -> str:
         cfg = self.engine_config
+        if self._parallel is not None and self._parallel.layout_mode is not None:
+            return self._parallel.layout_mode
         if not cfg.dynamic_batching:
             return "identity"
         return "pack" if cfg.pack_sequences else "trim"
@@ -297,6 +367,8 @@ class FSDP2Engine(TrainingEngine):
             and not cfg.gradient_checkpointing
             # The prefix forward knows no media inputs or M-RoPE positions.
             and self._vision is None
+            # The prefix forward's KV cache is not split over tensor/sequence ranks.
+            and self._parallel is None
             and supports_shared_prefix(self.model)
         )
         if not usable:  # the same on every rank: nothing to agree on
@@ -340,6 +412,10 @@ class FSDP2Engine(TrainingEngine):
             )
         layout = MicroBatchLayout.build(am, self._layout_mode)
         ids = layout.to_compute(mb["input_ids"])
+        if self._parallel is not None:
+            pos = layout.to_compute(mb["position_ids"])
+            layout.check_packable(pos)
+            return self._parallel.output(self.model, layout, ids, am, pos, temperature, chunk_size)
         media = None
         if self._vision is None:
             pos = layout.to_compute(mb["position_ids"])
@@ -386,9 +462,12 @@ class FSDP2Engine(TrainingEngine):
         ids = torch.zeros(1, 1, dtype=torch.long, device=self._device)
         total = None
         for _ in range(calls):
-            with dummy_vision_calls(self.model, self._vision, vision_calls_needed):
-                raw = model_forward(self.model, self.model_spec.kind, ids, None, ids)
-            raw = raw.float().sum()
+            if self._parallel is not None:
+                raw = self._parallel.dummy_forward(self.model, self._device)
+            else:
+                with dummy_vision_calls(self.model, self._vision, vision_calls_needed):
+                    raw = model_forward(self.model, self.model_spec.kind, ids, None, ids)
+                raw = raw.float().sum()
             total = raw if total is None else total + raw
         if backward and total is not None:
             (total * 0.0).backward()
@@ -402,7 +481,8 @@ class FSDP2Engine(TrainingEngine):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
         local, lengths = prepare_batch(batch, self._device, need_loss_mask=True)
-        global_tokens, global_seqs = global_loss_counts(local["loss_mask"], self.world_size)
+        group = dp_group(self._pmesh)
+        global_tokens, global_seqs = global_loss_counts(local["loss_mask"], self.world_size, group)
         plan = self._plan(lengths, row_group_size(batch))
         splits, shared = self._prefix_splits(local, plan, enabled=True)
         needed = self._vision_calls(local, plan)
@@ -447,7 +527,7 @@ class FSDP2Engine(TrainingEngine):
             "num_seqs": global_seqs,
             "num_micro_batches": float(len(plan)),
         }
-        return metrics.reduce(self.world_size, counts)
+        return metrics.reduce(self.world_size, counts, group)
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients."""
@@ -462,6 +542,15 @@ class FSDP2Engine(TrainingEngine):
         if not params:
             raise RuntimeError("optimizer_step: no gradients; run forward_backward first")
         clip = float(self.engine_config.grad_clip)
+        if self._pmesh is not None:
+            # Gradients live on different meshes (dp only / dp x tp).
+            grad_norm = clip_grad_norm(params, clip)
+            if not np.isfinite(grad_norm):
+                self.zero_grad()
+                return grad_norm
+            self.optimizer.step()
+            self._optimizer_steps += 1
+            return grad_norm
         if clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, clip)
         else:

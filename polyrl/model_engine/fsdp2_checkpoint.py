@@ -179,12 +179,13 @@ class FSDP2Checkpointer:
 
     def _broadcast_token(self) -> str:
         token = [uuid.uuid4().hex[:12]]
-        if self._engine.world_size > 1:
+        # Process-level (not data-parallel) rank/size: tensor/sequence peers write files too.
+        if self._engine.process_world_size > 1:
             dist.broadcast_object_list(token, src=0)
         return str(token[0])
 
     def _barrier(self) -> None:
-        if self._engine.world_size > 1:
+        if self._engine.process_world_size > 1:
             dist.barrier()
 
     # ------------------------------------------------------------------------------ checkpoints
@@ -198,7 +199,7 @@ class FSDP2Checkpointer:
         final = os.path.join(root, name)
         token = self._broadcast_token()
         tmp = ckpt.new_tmp_dir(root, name, token)
-        is_main = engine.rank == 0
+        is_main = engine.process_rank == 0
         if is_main:
             os.makedirs(root, exist_ok=True)
             ckpt.remove_stale_tmp_dirs(root)
@@ -207,7 +208,8 @@ class FSDP2Checkpointer:
         with_optim = engine.checkpoint_config.save_optimizer
         state = self._checkpoint_state(with_optim)
         dcp.save(state, storage_writer=FileSystemWriter(os.path.join(tmp, "dcp"), sync_files=True))
-        torch.save(rng_state(engine.device), os.path.join(tmp, "rng", f"rank_{engine.rank}.pt"))
+        rng_file = os.path.join(tmp, "rng", f"rank_{engine.process_rank}.pt")
+        torch.save(rng_state(engine.device), rng_file)
         if is_main:
             engine_state = {
                 "format": _STATE_FORMAT,
@@ -217,6 +219,7 @@ class FSDP2Checkpointer:
                 "scheduler": self._scheduler.state_dict(),
                 "extra_state": dict(extra_state or {}),
                 "world_size": engine.world_size,
+                "mesh_shape": engine.mesh_shape,
                 "has_optimizer": with_optim,
                 "model_kind": engine.model_spec.kind,
                 "lora": _lora_signature(engine.model_spec, self._lora),
@@ -263,6 +266,17 @@ class FSDP2Checkpointer:
         _check_lora_signature(
             engine_state.get("lora"), _lora_signature(spec, self._lora), spec, resolved
         )
+        saved_shape = engine_state.get("mesh_shape")
+        shape = engine.mesh_shape
+        # Only tensor/sequence-parallel layouts are pinned; plain FSDP reshards on load.
+        pinned = {k: v for k, v in shape.items() if k != "dp_shard"}
+        saved_pinned = {k: v for k, v in (saved_shape or {}).items() if k != "dp_shard"}
+        if saved_pinned.get("sp", 1) != pinned["sp"] or saved_pinned.get("tp", 1) != pinned["tp"]:
+            raise ValueError(
+                f"checkpoint {resolved!r} was saved on mesh {saved_shape or 'dp only'}, this "
+                f"engine runs on mesh {shape}; resume with the same tensor_parallel_size and "
+                "ulysses_sequence_parallel_size"
+            )
         with_optim = bool(engine_state["has_optimizer"]) and engine.checkpoint_config.load_optimizer
         reader = FileSystemReader(os.path.join(resolved, "dcp"))
         state = self._checkpoint_state(with_optim)
@@ -282,13 +296,13 @@ class FSDP2Checkpointer:
             set_model_state_dict(engine.model, state["model"], options=options)
         self._scheduler.load_state_dict(engine_state["scheduler"])
         changed = apply_configured_schedule(self._scheduler, engine.optimizer_config)
-        if changed and engine.rank == 0:
+        if changed and engine.process_rank == 0:
             warnings.warn(
                 f"resuming from {resolved}: the LR schedule follows this run's optimizer "
                 f"settings, not the checkpoint's ({'; '.join(changed)})",
                 stacklevel=3,
             )
-        rng_file = os.path.join("rng", f"rank_{engine.rank}.pt")
+        rng_file = os.path.join("rng", f"rank_{engine.process_rank}.pt")
         if os.path.isfile(os.path.join(resolved, rng_file)):
             rng = ckpt.load_checkpoint_file(resolved, rng_file, "the RNG state")
             try:
@@ -335,7 +349,7 @@ class FSDP2Checkpointer:
         """See :meth:`FSDP2Engine.export_hf <polyrl.model_engine.fsdp2.FSDP2Engine.export_hf>`."""
         engine = self._engine
         directory = os.path.abspath(directory)
-        is_main = engine.rank == 0
+        is_main = engine.process_rank == 0
         token = self._broadcast_token()
         parent = os.path.dirname(directory)
         tmp = os.path.join(parent, f".{os.path.basename(directory)}.tmp-{token}")

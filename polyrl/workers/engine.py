@@ -70,6 +70,7 @@ from polyrl.workers.store import StoreClient, StoredRows
 from polyrl.workers.weight_sync import WeightSync
 
 __all__ = [
+    "ENGINE_MESH",
     "ENTROPY_KEY",
     "LOSSES",
     "LOG_PROBS_KEY",
@@ -83,6 +84,9 @@ __all__ = [
     "register_loss",
     "resolve_loss",
 ]
+
+#: Name of the worker mesh (``dp x sp x tp``) the data-parallel methods dispatch over.
+ENGINE_MESH = "engine"
 
 # The columns each inference method adds; the names live in :mod:`polyrl.core.columns`.
 #: Column added by :meth:`EngineWorker.compute_log_prob` (the behaviour policy's log-probs).
@@ -208,6 +212,17 @@ class EngineWorker(Worker):
             # The controller decided whether this rank owns a GPU; the process group matches it.
             eng = dataclasses.replace(eng, device=self.device.type)
         self._engine_config = eng
+        # Peers of one sequence/tensor-parallel group must get the same rows: the engine's mesh
+        # is (dp_shard, sp, tp) row-major, as the controller lays ranks out.
+        par = eng.parallelism
+        model_parallel = par.tensor_parallel_size * par.ulysses_sequence_parallel_size
+        if self.world_size % model_parallel == 0:  # else init_model names the keys
+            shape = {
+                "dp": self.world_size // model_parallel,
+                "sp": par.ulysses_sequence_parallel_size,
+                "tp": par.tensor_parallel_size,
+            }
+            self.register_mesh(ENGINE_MESH, shape)
         self._optimizer_config = optimizer
         self._checkpoint_config = checkpoint
         self._engine: TrainingEngine | None = None
@@ -311,7 +326,7 @@ class EngineWorker(Worker):
         return out
 
     # ------------------------------------------------------------------ inference
-    @register(dispatch=Dispatch.DP_COMPUTE)
+    @register(dispatch=Dispatch.DP_COMPUTE, mesh=ENGINE_MESH)
     def compute_log_prob(
         self, batch: Batch | StoredRows, with_entropy: bool = False, share_prefix: bool = False
     ) -> Batch | None:
@@ -333,7 +348,7 @@ class EngineWorker(Worker):
 
         return self._infer(batch, compute)
 
-    @register(dispatch=Dispatch.DP_COMPUTE)
+    @register(dispatch=Dispatch.DP_COMPUTE, mesh=ENGINE_MESH)
     def compute_ref_log_prob(
         self, batch: Batch | StoredRows, share_prefix: bool = False
     ) -> Batch | None:
@@ -354,7 +369,7 @@ class EngineWorker(Worker):
 
         return self._infer(batch, compute)
 
-    @register(dispatch=Dispatch.DP_COMPUTE)
+    @register(dispatch=Dispatch.DP_COMPUTE, mesh=ENGINE_MESH)
     def compute_prm_log_prob(
         self, batch: Batch | StoredRows, share_prefix: bool = False
     ) -> Batch | None:
@@ -367,7 +382,7 @@ class EngineWorker(Worker):
 
         return self._infer(batch, compute)
 
-    @register(dispatch=Dispatch.DP_COMPUTE)
+    @register(dispatch=Dispatch.DP_COMPUTE, mesh=ENGINE_MESH)
     def compute_values(self, batch: Batch | StoredRows) -> Batch | None:
         """Per-token values of the critic (``values``)."""
         self._require_role("compute_values", "critic")
@@ -420,7 +435,7 @@ class EngineWorker(Worker):
             out[f"{prefix}lr_next"] = engine.lr_scheduler_step()
         return out
 
-    @register(dispatch=Dispatch.DP_COMPUTE_METRIC)
+    @register(dispatch=Dispatch.DP_COMPUTE_METRIC, mesh=ENGINE_MESH)
     def update_actor(
         self,
         batch: Batch | StoredRows,
@@ -440,7 +455,7 @@ class EngineWorker(Worker):
         self._require_role("update_actor", "actor")
         return self._update(batch, loss, loss_kwargs, num_mini_batches, epochs, step_scheduler)
 
-    @register(dispatch=Dispatch.DP_COMPUTE_METRIC)
+    @register(dispatch=Dispatch.DP_COMPUTE_METRIC, mesh=ENGINE_MESH)
     def update_critic(
         self,
         batch: Batch | StoredRows,
@@ -454,7 +469,7 @@ class EngineWorker(Worker):
         self._require_role("update_critic", "critic")
         return self._update(batch, loss, loss_kwargs, num_mini_batches, epochs, step_scheduler)
 
-    @register(dispatch=Dispatch.DP_COMPUTE_METRIC)
+    @register(dispatch=Dispatch.DP_COMPUTE_METRIC, mesh=ENGINE_MESH)
     def update_prm(
         self,
         batch: Batch | StoredRows,
@@ -468,7 +483,7 @@ class EngineWorker(Worker):
         self._require_role("update_prm", "prm")
         return self._update(batch, loss, loss_kwargs, num_mini_batches, epochs, step_scheduler)
 
-    @register(dispatch=Dispatch.DP_COMPUTE_METRIC)
+    @register(dispatch=Dispatch.DP_COMPUTE_METRIC, mesh=ENGINE_MESH)
     def evaluate_loss(
         self, batch: Batch, loss: str = "sft", loss_kwargs: Mapping[str, Any] | None = None
     ) -> dict[str, Any]:

@@ -564,6 +564,7 @@ def engine_specs(
         MixedPrecisionConfig,
         ModelSpec,
         OptimizerConfig,
+        ParallelismConfig,
     )
     from polyrl.workers.engine import EngineWorker
 
@@ -579,6 +580,8 @@ def engine_specs(
             device=run.training_device,
             dynamic_batching=True,
             mixed_precision=MixedPrecisionConfig(param_dtype=run.compute_dtype),
+            # The reference shares the actor's engine config, so its mesh too.
+            parallelism=ParallelismConfig(**constructor_kwargs(ParallelismConfig, actor)),
             seed=cfg.seed,
         )
     )
@@ -611,7 +614,12 @@ def engine_specs(
             model, path=critic.model_path or str(model_dir), kind="value", lora_rank=0
         )
         critic_engine = dataclasses.replace(
-            engine, **constructor_kwargs(EngineConfig, critic.optim)
+            engine,
+            **constructor_kwargs(
+                EngineConfig,
+                critic.optim,
+                parallelism=ParallelismConfig(**constructor_kwargs(ParallelismConfig, critic)),
+            ),
         )
         specs["critic"] = trained("critic", critic_model, critic_engine, critic)
     if use_prm:

@@ -214,6 +214,16 @@ def check_config(
             key="actor.ppo_mini_batch_size",
         )
     world = cfg.trainer.world_size
+    for role in ("actor", "critic"):
+        section = getattr(cfg, role)
+        tp, sp = section.tensor_parallel_size, section.ulysses_sequence_parallel_size
+        if world % (tp * sp):
+            raise ConfigError(
+                f"{role}.tensor_parallel_size ({tp}) x {role}.ulysses_sequence_parallel_size "
+                f"({sp}) must divide trainer.world_size ({world}): the data-parallel size is "
+                "world / (tp * sp)",
+                key=f"{role}.tensor_parallel_size",
+            )
     minis = run.num_mini_batches
     if (batch * cfg.rollout.n) // world < minis:
         raise ConfigError(
