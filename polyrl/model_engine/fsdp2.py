@@ -31,6 +31,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from polyrl.core.batch import Batch
+from polyrl.core.columns import ROUTED_EXPERTS
 from polyrl.core.cpu import retain_freed_memory
 from polyrl.core.dtypes import resolve_dtype
 from polyrl.model_engine.attention import use_cpu_sdpa
@@ -78,6 +79,7 @@ from polyrl.model_engine.heads import (
 )
 from polyrl.model_engine.lora import LoraLayout, apply_lora
 from polyrl.model_engine.metrics import MetricsAccumulator
+from polyrl.model_engine.moe import RouterHooks
 from polyrl.model_engine.optim import build_optimizer, build_scheduler
 from polyrl.model_engine.prefix import (
     PrefixSplit,
@@ -85,6 +87,7 @@ from polyrl.model_engine.prefix import (
     shared_prefix_forward,
     supports_shared_prefix,
 )
+from polyrl.models.moe import moe_routers
 
 __all__ = ["FSDP2Engine"]
 
@@ -118,6 +121,8 @@ class FSDP2Engine(TrainingEngine):
         self._peft: Any = None
         self._lora: LoraLayout | None = None
         self._checkpointer: FSDP2Checkpointer | None = None
+        # MoE models: routing replay, router statistics and the load-balancing loss.
+        self._moe: RouterHooks | None = None
 
     # ------------------------------------------------------------------------------ lifecycle
     def initialize(self) -> None:
@@ -152,6 +157,7 @@ class FSDP2Engine(TrainingEngine):
         self._mesh = build_mesh(device, world, fsdp_size)
         seed_all(cfg.seed)
         model = load_model(self.model_spec, seed=cfg.seed)
+        self._moe = RouterHooks(model) if moe_routers(model) else None
         if self.model_spec.lora_rank:
             # Before sharding: peft swaps the targeted linear layers for LoRA layers in place.
             self._peft = apply_lora(model, self.model_spec)
@@ -181,6 +187,7 @@ class FSDP2Engine(TrainingEngine):
     def close(self) -> None:
         """Drop the model/optimizer; the last engine on a polyrl-created group destroys it."""
         self._model = None
+        self._moe = None
         self._peft = None
         self._lora = None
         self._optimizer = None
@@ -275,6 +282,8 @@ class FSDP2Engine(TrainingEngine):
             # Hugging Face turns the KV cache off under activation checkpointing in training.
             and not cfg.gradient_checkpointing
             and supports_shared_prefix(self.model)
+            # Replayed routes are laid out per token of the whole rows.
+            and ROUTED_EXPERTS not in local.tensor_keys
         )
         if not usable:  # the same on every rank: nothing to agree on
             return [None] * len(plan), [False] * len(plan)
@@ -285,6 +294,8 @@ class FSDP2Engine(TrainingEngine):
         am = mb["attention_mask"]
         temperature = mb.meta.get("temperature", 1.0)
         chunk_size = self.engine_config.logprob_chunk_size
+        if self._moe is not None:
+            self._moe.begin()
         if plan is not None:
             return shared_prefix_forward(
                 self.model, plan, mb["input_ids"], am, mb["position_ids"], temperature, chunk_size
@@ -293,10 +304,16 @@ class FSDP2Engine(TrainingEngine):
         ids = layout.to_compute(mb["input_ids"])
         pos = layout.to_compute(mb["position_ids"])
         layout.check_packable(pos)
+        if self._moe is not None:
+            routes = mb[ROUTED_EXPERTS] if ROUTED_EXPERTS in mb.tensor_keys else None
+            self._moe.begin(
+                None if routes is None else layout.to_compute(routes, fill=-1),
+                layout.to_compute(am, fill=0),
+            )
         raw = model_forward(
             self.model, self.model_spec.kind, ids, layout.compute_attention_mask(am), pos
         )
-        return ModelOutput(
+        output = ModelOutput(
             kind=self.model_spec.kind,
             raw=raw,
             layout=layout,
@@ -305,6 +322,9 @@ class FSDP2Engine(TrainingEngine):
             temperature=temperature,
             chunk_size=chunk_size,
         )
+        if self._moe is not None:
+            output.router_aux_loss = self._moe.aux_loss
+        return output
 
     def _dummy_pass(self, backward: bool, calls: int = 1) -> None:
         """Run one-token forwards (+ zero backward) to keep FSDP collectives matched.
@@ -313,6 +333,8 @@ class FSDP2Engine(TrainingEngine):
         under the shared-prefix forward).
         """
         ids = torch.zeros(1, 1, dtype=torch.long, device=self._device)
+        if self._moe is not None:  # the dummy token is no routing statistic
+            self._moe.begin(valid=torch.zeros(1, dtype=torch.bool))
         total = None
         for _ in range(calls):
             raw = model_forward(self.model, self.model_spec.kind, ids, None, ids).float().sum()
@@ -358,6 +380,8 @@ class FSDP2Engine(TrainingEngine):
                     loss, mb_metrics = check_loss_result(loss_fn(output, mb), forward_only)
                     if not forward_only:
                         loss.backward()
+                if self._moe is not None:
+                    self._moe.end()
                 weight = float((mb["loss_mask"] != 0).sum())
                 metrics.add(loss, output.compute_tokens, weight, mb_metrics)
         finally:
@@ -369,7 +393,10 @@ class FSDP2Engine(TrainingEngine):
             "num_seqs": global_seqs,
             "num_micro_batches": float(len(plan)),
         }
-        return metrics.reduce(self.world_size, counts)
+        reduced = metrics.reduce(self.world_size, counts)
+        if self._moe is not None:
+            reduced.update(self._moe.take_metrics(self.world_size))
+        return reduced
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients."""
@@ -428,6 +455,9 @@ class FSDP2Engine(TrainingEngine):
                 result = fn(self._forward(mb, splits[index]), mb)
                 pieces.append(check_infer_result(result, len(rows), pieces[0] if pieces else None))
                 order.extend(rows)
+        if self._moe is not None:
+            self._moe.end()
+            self._moe.take_metrics()  # inference passes are no training statistic
         return gather_rows(pieces, order, len(local), self._device, out_device)
 
     def train_batch(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:

@@ -77,6 +77,8 @@ class Sequence:
         self.weight_version = 0
         self.first_weight_version: int | None = None
         self.stop_ids: frozenset[int] = frozenset()
+        # The experts each position was routed to (a RouteLog), when the request asks.
+        self.routes: Any = None
 
     @property
     def num_output(self) -> int:
