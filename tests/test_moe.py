@@ -1,0 +1,250 @@
+"""Mixture-of-experts: routing replay (R3), router metrics and the load-balancing loss."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import pytest
+import torch
+
+from polyrl.core.batch import Batch
+from polyrl.core.columns import ROUTED_EXPERTS
+from polyrl.core.rollout_api import GenerateRequest, SampleOutput, SamplingParams
+from polyrl.core.rollout_batch import build_rollout_batch
+from polyrl.model_engine import build_engine
+from polyrl.model_engine.moe import RouterHooks
+from polyrl.models.loader import load_causal_lm
+from polyrl.models.moe import moe_geometry, moe_routers
+from polyrl.models.tiny import build_tiny_model
+from polyrl.rollout.native.engine import NativeEngine, NativeEngineConfig
+from polyrl.rollout.native.routes import RouteRecorder
+
+SMALL = {"max_num_seqs": 16, "max_num_batched_tokens": 256, "kv_cache_tokens": 4096}
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> str:
+    """A tiny Qwen3-MoE (8 experts, top-2) whose experts matter.
+
+    Random-init experts add almost nothing to the residual stream, so which ones a token goes
+    to barely moves its log-prob; in a trained MoE it moves it a lot. Scaling the experts' weights
+    gives the tiny model that property, which is what routing replay is about.
+    """
+    root = tmp_path_factory.mktemp("moe")
+    base = build_tiny_model("qwen3_moe", root / "base", size="nano", experts=8, experts_per_tok=2)
+    model = load_causal_lm(base)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".experts." in name:
+                param.mul_(4.0)
+    out = root / "scaled"
+    shutil.copytree(base, out)
+    model.save_pretrained(out)
+    return str(out)
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(4, 30, (n,), generator=g).tolist()
+    return [torch.randint(16, 1000, (k,), generator=g).tolist() for k in lens]
+
+
+def _generate(engine: NativeEngine, requests: list[GenerateRequest]) -> dict[str, list]:
+    outs = {r.request_id: [SampleOutput(i) for i in range(r.params.n)] for r in requests}
+    left = [sum(r.params.n for r in requests)]
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def sink_for(rid: str):
+        def sink(payload):
+            if isinstance(payload, BaseException):
+                errors.append(payload)
+                done.set()
+                return
+            for d in payload:
+                outs[rid][d.index].add(d)
+                if d.finish_reason is not None:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        done.set()
+
+        return sink
+
+    for r in requests:
+        engine.submit(r, sink_for(r.request_id), stream=False)
+    assert done.wait(120), "engine did not finish in time"
+    assert not errors, errors
+    return outs
+
+
+def _routes_column(prompts, samples, width: int, geometry) -> torch.Tensor:
+    """The ROUTED_EXPERTS column of a rollout batch (prompts left-padded to a common width)."""
+    wp = max(len(p) for p in prompts)
+    col = torch.full((len(prompts), width, geometry.layers, geometry.top_k), -1, dtype=torch.long)
+    for i, (p, s) in enumerate(zip(prompts, samples, strict=True)):
+        rows = torch.tensor(s.routed_experts)
+        col[i, wp - len(p) : wp - len(p) + rows.shape[0]] = rows
+    return col
+
+
+def test_forced_own_routes_reproduce_logits_and_reach_the_router(moe_dir):
+    model = load_causal_lm(moe_dir)
+    geometry = moe_geometry(model)
+    assert geometry is not None and (geometry.layers, geometry.top_k) == (4, 2)
+    ids = torch.tensor(_prompts(2, seed=5)[0]).unsqueeze(0)
+
+    recorder = RouteRecorder(model)
+    recorder.start()
+    with torch.no_grad():
+        plain = model(input_ids=ids, use_cache=False).logits
+    routes = torch.from_numpy(recorder.collect()).long()  # (T, layers, k)
+    recorder.remove()
+    assert routes.shape == (ids.shape[1], 4, 2)
+
+    hooks = RouterHooks(model)
+    hooks.begin(routes)
+    forced = model(input_ids=ids, use_cache=False).logits
+    assert torch.equal(forced, plain)  # bit for bit
+    # The router still gets a gradient through the forced experts' weights.
+    forced.float().logsumexp(-1).sum().backward()
+    router = moe_routers(model)[0]
+    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+    hooks.end()
+
+    # Other routes change the output; rows of -1 keep the router's own choice.
+    other = (routes + 1) % geometry.experts
+    with torch.no_grad():
+        hooks.begin(other)
+        moved = model(input_ids=ids, use_cache=False).logits
+        hooks.begin(torch.full_like(routes, -1))
+        kept = model(input_ids=ids, use_cache=False).logits
+    hooks.end()
+    assert (moved - plain).abs().max() > 1e-3
+    assert torch.equal(kept, plain)
+
+
+def test_native_engine_returns_routed_experts(moe_dir):
+    eng = NativeEngine(moe_dir, NativeEngineConfig(**SMALL))
+    eng.start()
+    try:
+        ps = _prompts(3, seed=2)
+        asked = SamplingParams(
+            max_new_tokens=6, temperature=0, ignore_eos=True, n=2, return_routed_experts=True
+        )
+        plain = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+        reqs = [GenerateRequest(f"r{i}", tuple(p), asked) for i, p in enumerate(ps)]
+        reqs.append(GenerateRequest("plain", tuple(ps[0]), plain))
+        outs = _generate(eng, reqs)
+    finally:
+        eng.shutdown()
+    assert outs["plain"][0].routed_experts is None
+    assert "routed_experts" not in outs["plain"][0].to_dict()
+    assert "return_routed_experts" not in plain.to_dict()
+
+    model = load_causal_lm(moe_dir)
+    recorder = RouteRecorder(model)
+    for i, p in enumerate(ps):
+        for sample in outs[f"r{i}"]:  # the leader and its forked follower
+            rows = torch.tensor(sample.routed_experts)
+            full = p + sample.output_ids
+            assert rows.shape == (len(full), 4, 2)
+            assert (rows[-1] == -1).all()  # the last token is never fed back
+            recorder.start()
+            with torch.no_grad():
+                model(input_ids=torch.tensor([full]), use_cache=False)
+            ref = torch.from_numpy(recorder.collect()).long()[:-1]
+            # The same float32 model: the same experts (as sets: ties may swap order).
+            same = rows[:-1].sort(-1).values == ref.sort(-1).values
+            assert same.float().mean() > 0.99, f"prompt {i}: {same.float().mean():.3f}"
+    assert "routed_experts" in outs["r0"][0].to_dict()
+
+
+def test_engine_replay_of_own_routes_is_exact(moe_dir):
+    engine = build_engine(moe_dir)
+    try:
+        model = load_causal_lm(moe_dir)
+        ps = _prompts(4, seed=7)
+        responses = [p[:5] for p in _prompts(4, seed=8)]
+        batch = build_rollout_batch(ps, responses, 0)
+        # Routes of each row recorded one row at a time (no padding around it).
+        recorder = RouteRecorder(model)
+        samples = []
+        for p, r in zip(ps, responses, strict=True):
+            recorder.start()
+            with torch.no_grad():
+                model(input_ids=torch.tensor([p + r]), use_cache=False)
+            samples.append(SampleOutput(0, routed_experts=recorder.collect().tolist()))
+        width = batch["input_ids"].shape[1]
+        col = _routes_column(ps, samples, width, moe_geometry(model))
+        base = engine.infer_batch(batch)["log_probs"]
+        replay = engine.infer_batch(Batch(tensors={**batch.tensors, ROUTED_EXPERTS: col}))[
+            "log_probs"
+        ]
+        mask = batch["attention_mask"].bool()
+        assert (replay - base)[mask].abs().max() < 1e-5
+        # A training step with replay gives the router gradients and reports router metrics.
+        batch.tensors[ROUTED_EXPERTS] = col
+
+        def loss_fn(output, mb):
+            lp = output.log_probs
+            return -(lp * mb["loss_mask"]).sum() / mb.meta["global_token_count"], {}
+
+        metrics = engine.forward_backward(batch, loss_fn)
+        assert metrics["moe/drop_rate"] == 0.0
+        assert 0 < metrics["moe/load_min"] <= 1 / 8 <= metrics["moe/load_max"] <= 1
+        assert metrics["moe/load_mean"] == pytest.approx(1 / 8)
+        grads = [p.grad for n, p in engine.model.named_parameters() if n.endswith("gate.weight")]
+        assert grads and all(g is not None for g in grads)
+    finally:
+        engine.close()
+
+
+def test_r3_halves_rollout_trainer_log_prob_gap(moe_dir):
+    """The acceptance measurement: a bf16 rollout against a float32 trainer.
+
+    Inference commonly runs another numeric path than training; here the rollout serves the
+    model in bfloat16 and the trainer computes in float32. Near-tied router scores then pick
+    other experts in one than in the other, and replaying the rollout's routes in the trainer
+    removes that part of the log-prob mismatch.
+    """
+    eng = NativeEngine(moe_dir, NativeEngineConfig(dtype="bfloat16", **SMALL))
+    eng.start()
+    try:
+        ps = _prompts(8)
+        params = SamplingParams(
+            max_new_tokens=24,
+            temperature=1.0,
+            seed=3,
+            logprobs=True,
+            ignore_eos=True,
+            return_routed_experts=True,
+        )
+        reqs = [GenerateRequest(f"r{i}", tuple(p), params) for i, p in enumerate(ps)]
+        outs = _generate(eng, reqs)
+    finally:
+        eng.shutdown()
+    samples = [outs[f"r{i}"][0] for i in range(len(ps))]
+    batch = build_rollout_batch(
+        ps, [s.output_ids for s in samples], 0, [s.logprobs for s in samples]
+    )
+    engine = build_engine(moe_dir)
+    try:
+        geometry = moe_geometry(engine.model)
+        col = _routes_column(ps, samples, batch["input_ids"].shape[1], geometry)
+        base = engine.infer_batch(batch)["log_probs"]
+        replay = engine.infer_batch(Batch(tensors={**batch.tensors, ROUTED_EXPERTS: col}))[
+            "log_probs"
+        ]
+    finally:
+        engine.close()
+    mask = batch["loss_mask"].bool()
+    rollout = batch["rollout_log_probs"]
+    gap_plain = float((base - rollout)[mask].abs().mean())
+    gap_replay = float((replay - rollout)[mask].abs().mean())
+    print(
+        f"\nR3: mean |rollout - trainer| log-prob over {int(mask.sum())} response tokens: "
+        f"{gap_plain:.6f} without replay, {gap_replay:.6f} with replay "
+        f"({gap_replay / gap_plain:.2f}x)"
+    )
+    assert gap_replay <= 0.5 * gap_plain
