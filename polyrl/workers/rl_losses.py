@@ -83,6 +83,7 @@ def actor_loss(
     kl_loss_type: str = "k3",
     rollout_is: str = "none",
     rollout_is_threshold: float = 2.0,
+    router_aux_loss_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """Policy-gradient loss of one micro-batch (PPO clip or GSPO, plus entropy and KL terms).
 
@@ -95,6 +96,10 @@ def actor_loss(
     the old policy's (:func:`~polyrl.algo.losses.rollout_importance_weights`); every policy
     loss here is linear in the advantage, so this weights each token's policy-gradient term.
     Adds ``rollout_is_mean``, ``rollout_is_max`` and ``rollout_is_clipfrac``.
+
+    ``router_aux_loss_coef`` > 0 (MoE models) adds that weight times the routers' load-balancing
+    loss (:attr:`ModelOutput.router_aux_loss`), weighted by the micro-batch's share of the
+    mini-batch's tokens so the micro-batches sum to its token mean; metric ``router_aux_loss``.
     """
     _require(batch, "loss_mask", "advantages", loss="actor_loss")
     mask = batch["loss_mask"]
@@ -146,6 +151,13 @@ def actor_loss(
         loss = loss + kl_loss_coef * kl
         metrics["kl_loss"] = float(kl.detach()) * _local_scale(loss_agg_mode, mask, counts)
         metrics["kl_coef"] = kl_loss_coef
+    aux = output.router_aux_loss
+    if router_aux_loss_coef > 0 and aux is not None:
+        local = float((mask != 0).sum())
+        tokens = counts["num_tokens"]
+        share = 1.0 if tokens is None else local / max(tokens, 1.0)
+        loss = loss + router_aux_loss_coef * share * aux.to(loss.dtype)
+        metrics["router_aux_loss"] = float(aux.detach())
     return loss, metrics
 
 

@@ -411,6 +411,7 @@ class RLTrainer:
             "kl_loss_type": actor.kl_loss_type,
             "rollout_is": self._rollout_is(),
             "rollout_is_threshold": self.cfg.algorithm.rollout_is_threshold,
+            "router_aux_loss_coef": actor.router_aux_loss_coef,
         }
 
     def _rollout_is(self) -> str:
