@@ -248,3 +248,61 @@ def test_r3_halves_rollout_trainer_log_prob_gap(moe_dir):
         f"({gap_replay / gap_plain:.2f}x)"
     )
     assert gap_replay <= 0.5 * gap_plain
+
+
+def test_aux_loss_is_added_to_the_policy_loss(moe_dir):
+    from polyrl.workers.rl_losses import actor_loss
+
+    engine = build_engine(moe_dir)
+    try:
+        batch = build_rollout_batch(_prompts(4, seed=3), [p[:6] for p in _prompts(4, seed=4)], 0)
+        batch.tensors["advantages"] = torch.ones_like(batch["loss_mask"])
+
+        def router_grad(coef: float) -> tuple[dict, torch.Tensor]:
+            engine.zero_grad()
+            metrics = engine.forward_backward(
+                batch, lambda o, mb: actor_loss(o, mb, router_aux_loss_coef=coef)
+            )
+            router = next(
+                p for n, p in engine.model.named_parameters() if n.endswith("gate.weight")
+            )
+            return metrics, router.grad.full_tensor().clone()
+
+        plain, g0 = router_grad(0.0)
+        with_aux, g1 = router_grad(0.5)
+    finally:
+        engine.close()
+    assert "router_aux_loss" not in plain
+    # 1 at uniform load; random routers are close to it, never below.
+    assert 1.0 <= with_aux["router_aux_loss"] < 2.0
+    assert with_aux["loss"] == pytest.approx(
+        plain["loss"] + 0.5 * with_aux["router_aux_loss"], rel=1e-4
+    )
+    assert (g1 - g0).abs().max() > 0
+
+
+@pytest.mark.filterwarnings("ignore::polyrl.config.ConfigNote")
+def test_rollout_batch_lays_out_routes_and_config_maps_verl_keys():
+    from polyrl.config import ConfigError, load_config
+    from polyrl.core.rollout_batch import widen_rollout_batch
+    from polyrl.trainer.rl.checks import check_config
+
+    r0 = [[[1, 2]], [[3, 4]], [[5, 6]], [[-1, -1]]]  # prompt of 2 + response of 2, 1 layer
+    r1 = [[[7, 0]], [[1, 1]], [[-1, -1]]]  # prompt of 1 + response of 2 (last never fed)
+    batch = build_rollout_batch([[5, 6], [7]], [[8, 9], [10, 11]], 0, routed_experts=[r0, r1])
+    col = batch[ROUTED_EXPERTS]
+    assert col.shape == (2, 4, 1, 2)
+    assert col[0].tolist() == r0
+    assert col[1].tolist() == [[[-1, -1]], *r1]
+    wide = widen_rollout_batch(batch, 3, 3, 0)
+    assert wide[ROUTED_EXPERTS][0, 1:5].tolist() == r0
+
+    cfg = load_config(None, ["actor_rollout_ref.actor.router_replay.mode=R3"])
+    assert cfg.actor.router_replay is True
+    cfg = load_config(None, ["actor_rollout_ref.rollout.enable_rollout_routing_replay=true"])
+    assert cfg.actor.router_replay is True
+    with pytest.raises(ValueError, match="R2"):
+        load_config(None, ["actor_rollout_ref.actor.router_replay.mode=R2"])
+    cfg = load_config(None, ["actor.router_replay=true", "agent.enable=true", "rollout.n=4"])
+    with pytest.raises(ConfigError, match="agent.enable"):
+        check_config(cfg, has_rows=True)
