@@ -189,11 +189,23 @@ class ParallelismConfig:
         default=True,
         metadata={"help": "Free gathered parameters after each layer's forward (saves memory)."},
     )
+    expert_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "MoE models: ranks that split each layer's experts (tokens reach them by "
+            "all-to-all); a divisor of the world size; 1 keeps every expert on every rank."
+        },
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.fsdp_size, int) or (self.fsdp_size < 1 and self.fsdp_size != -1):
             raise ValueError(
                 f"ParallelismConfig.fsdp_size must be -1 or an int >= 1, got {self.fsdp_size!r}"
+            )
+        ep = self.expert_parallel_size
+        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+            raise ValueError(
+                f"ParallelismConfig.expert_parallel_size must be an int >= 1, got {ep!r}"
             )
 
 

@@ -81,6 +81,11 @@ from polyrl.model_engine.lora import LoraLayout, apply_lora
 from polyrl.model_engine.metrics import MetricsAccumulator
 from polyrl.model_engine.moe import RouterHooks
 from polyrl.model_engine.optim import build_optimizer, build_scheduler
+from polyrl.model_engine.parallel.expert import (
+    ExpertParallel,
+    apply_expert_parallel,
+    expert_meshes,
+)
 from polyrl.model_engine.prefix import (
     PrefixSplit,
     agree_prefix_splits,
@@ -123,6 +128,7 @@ class FSDP2Engine(TrainingEngine):
         self._checkpointer: FSDP2Checkpointer | None = None
         # MoE models: routing replay, router statistics and the load-balancing loss.
         self._moe: RouterHooks | None = None
+        self._ep: ExpertParallel | None = None
 
     # ------------------------------------------------------------------------------ lifecycle
     def initialize(self) -> None:
@@ -158,6 +164,9 @@ class FSDP2Engine(TrainingEngine):
         seed_all(cfg.seed)
         model = load_model(self.model_spec, seed=cfg.seed)
         self._moe = RouterHooks(model) if moe_routers(model) else None
+        ep = cfg.parallelism.expert_parallel_size
+        if ep > 1:
+            self._ep = apply_expert_parallel(model, *expert_meshes(device.type, world, ep))
         if self.model_spec.lora_rank:
             # Before sharding: peft swaps the targeted linear layers for LoRA layers in place.
             self._peft = apply_lora(model, self.model_spec)
@@ -177,10 +186,17 @@ class FSDP2Engine(TrainingEngine):
         # With one rank per shard group "resharding" frees only a duplicate of parameters that
         # stay whole anyway, and costs a second gather in backward.
         reshard = cfg.parallelism.reshard_after_forward and fsdp_size > 1
-        shard_model(model, self._mesh, reshard, policy)
+        experts = set(self._ep.params) if self._ep is not None else set()
+        shard_model(model, self._mesh, reshard, policy, ignored=experts)
         self._model = model
         # Frozen (base) weights are left out: with LoRA only the adapters are optimised.
-        self._optimizer = build_optimizer(model.parameters(), self.optimizer_config)
+        self._optimizer = build_optimizer(
+            (p for p in model.parameters() if p not in experts), self.optimizer_config
+        )
+        if experts:
+            # Plain (not FSDP) tensors: their own group, so fused/foreach steps never mix them
+            # with DTensors.
+            self._optimizer.add_param_group({"params": list(experts)})
         self._scheduler = build_scheduler(self._optimizer, self.optimizer_config)
         self._checkpointer = FSDP2Checkpointer(self, self._scheduler, self._lora, self._peft)
 
@@ -188,6 +204,7 @@ class FSDP2Engine(TrainingEngine):
         """Drop the model/optimizer; the last engine on a polyrl-created group destroys it."""
         self._model = None
         self._moe = None
+        self._ep = None
         self._peft = None
         self._lora = None
         self._optimizer = None
@@ -411,7 +428,15 @@ class FSDP2Engine(TrainingEngine):
         if not params:
             raise RuntimeError("optimizer_step: no gradients; run forward_backward first")
         clip = float(self.engine_config.grad_clip)
-        if clip > 0:
+        if self._ep is not None:
+            self._ep.reduce_grads()
+            experts = set(self._ep.params)
+            norm = self._ep.grad_norm(p.grad for p in params if p not in experts)
+            if clip > 0 and float(norm) > clip:
+                scale = clip / (float(norm) + 1e-6)
+                for p in set(params) | experts:
+                    p.grad.mul_(scale)
+        elif clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, clip)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params])
@@ -510,7 +535,8 @@ class FSDP2Engine(TrainingEngine):
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """See :meth:`TrainingEngine.named_tensors`."""
         self._require_params("named_tensors")
-        yield from named_full_tensors(self.model, self._lora, dtype, device, merge_adapter)
+        named = named_full_tensors(self.model, self._lora, dtype, device, merge_adapter)
+        yield from named if self._ep is None else self._ep.full_tensors(named)
 
     def adapter_tensors(
         self, dtype: torch.dtype | None = None, device: torch.device | str | None = None
@@ -526,6 +552,8 @@ class FSDP2Engine(TrainingEngine):
     def _checkpointer_ready(self, what: str) -> FSDP2Checkpointer:
         """Return the checkpointer once parameters (and, but to export, optimizer) are here."""
         self._require_params(what)
+        if self._ep is not None:
+            raise NotImplementedError(f"{what} is not supported with expert parallelism yet")
         if what != "export_hf" and self._optim_offloaded is not None:
             raise RuntimeError(f"{what}: optimizer state is offloaded; call reload() first")
         assert self._checkpointer is not None

@@ -1,0 +1,1 @@
+"""Model parallelism of the training engine beyond FSDP (expert parallelism: :mod:`.expert`)."""
