@@ -306,3 +306,37 @@ def test_rollout_batch_lays_out_routes_and_config_maps_verl_keys():
     cfg = load_config(None, ["actor.router_replay=true", "agent.enable=true", "rollout.n=4"])
     with pytest.raises(ConfigError, match="agent.enable"):
         check_config(cfg, has_rows=True)
+
+
+def _launch_ep(model_dir: str, out, world: int, ep: int) -> dict:
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent / "engine_scripts"))
+    from engine_common import launch
+
+    codes = launch("moe_ep.py", [model_dir, str(out), str(ep)], world=world, timeout=300)
+    assert codes == [0] * world, "\n".join(launch.last_logs)
+    result = json.loads((out / "result.json").read_text())
+    result["tensors"] = torch.load(out / "tensors.pt")
+    return result
+
+
+@pytest.mark.slow
+def test_expert_parallel_matches_one_rank(moe_dir, tmp_path):
+    """ep2 and ep2 x dp2 (gloo) against one rank: 3 optimizer steps with clipping."""
+    ref = _launch_ep(moe_dir, tmp_path / "w1", world=1, ep=1)
+    for world, ep in ((2, 2), (4, 2)):
+        got = _launch_ep(moe_dir, tmp_path / f"w{world}", world=world, ep=ep)
+        for step in range(3):
+            diff = (torch.tensor(got["logps"][step]) - torch.tensor(ref["logps"][step])).abs()
+            assert diff.max() <= 1e-5, (world, ep, step, float(diff.max()))
+            assert got["losses"][step] == pytest.approx(ref["losses"][step], rel=1e-4)
+            assert got["norms"][step] == pytest.approx(ref["norms"][step], rel=1e-4)
+        # named_tensors yields whole HF tensors, experts gathered from their ranks.
+        assert set(got["tensors"]) == set(ref["tensors"])
+        for name, tensor in ref["tensors"].items():
+            assert got["tensors"][name].shape == tensor.shape, name
+            assert (got["tensors"][name] - tensor).abs().max() < 1e-4, name
+    assert ref["tensors"]["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 8
