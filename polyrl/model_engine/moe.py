@@ -76,8 +76,9 @@ class RouterHooks:
         self._routes: torch.Tensor | None = None
         self._valid: torch.Tensor | None = None
         self._aux: list[torch.Tensor] = []
-        # (layers, experts) routing slots counted since the last take_metrics.
-        self._counts = torch.zeros(geometry.layers, geometry.experts, dtype=torch.float64)
+        # (layers, experts) routing slots counted since the last take_metrics, on the routers'
+        # device (copied to the host once per take_metrics, not once per layer).
+        self._counts: torch.Tensor | None = None
         self._handles = [
             r.register_forward_hook(functools.partial(self._hook, i))
             for i, r in enumerate(self.routers)
@@ -144,7 +145,10 @@ class RouterHooks:
             logits, index = logits[valid], index[valid]
         with torch.no_grad():
             counts = torch.bincount(index.reshape(-1), minlength=self.geometry.experts)
-            self._counts[layer] += counts.to("cpu", torch.float64)
+            if self._counts is None or self._counts.device != counts.device:
+                shape = (self.geometry.layers, self.geometry.experts)
+                self._counts = torch.zeros(shape, dtype=torch.float64, device=counts.device)
+            self._counts[layer] += counts
         if torch.is_grad_enabled():
             probs = torch.softmax(logits, dim=-1, dtype=torch.float)
             self._aux.append(load_balancing_loss(probs, index, self.geometry.experts))
@@ -158,8 +162,11 @@ class RouterHooks:
         ``1 / experts``); ``moe/load_imbalance``: ``load_max * experts``; ``moe/drop_rate``: the
         share of slots dropped for capacity (0: these MoE layers are dropless).
         """
-        counts = self._counts
-        self._counts = torch.zeros_like(counts)
+        shape = (self.geometry.layers, self.geometry.experts)
+        counts = torch.zeros(shape, dtype=torch.float64)
+        if self._counts is not None:
+            counts = self._counts.to("cpu")
+            self._counts = None
         if world_size > 1:
             dist.all_reduce(counts)
         totals = counts.sum(dim=1, keepdim=True)
