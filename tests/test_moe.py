@@ -340,3 +340,74 @@ def test_expert_parallel_matches_one_rank(moe_dir, tmp_path):
             assert got["tensors"][name].shape == tensor.shape, name
             assert (got["tensors"][name] - tensor).abs().max() < 1e-4, name
     assert ref["tensors"]["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 8
+
+
+def test_routes_cross_the_http_schema_and_the_trainer_packs_them():
+    from types import SimpleNamespace
+
+    from polyrl.config import load_config
+    from polyrl.rollout.client import GenerateResult
+    from polyrl.rollout.routes.generation import parse_generate
+    from polyrl.rollout.schemas import GenerateBody, check_body
+    from polyrl.trainer.rl.rollout import RolloutProducer
+
+    body = {"input_ids": [5, 6], "sampling_params": {"return_routed_experts": True}}
+    check_body(GenerateBody, body, "/generate", parse_generate)
+    (request,), *_ = parse_generate(body)
+    assert request.params.return_routed_experts
+    sample = SampleOutput(0, output_ids=[7], routed_experts=[[[1, 2]], [[3, 0]], [[-1, -1]]])
+    wire = {"request_id": "r", "outputs": [sample.to_dict()]}
+    parsed = GenerateResult.from_json(wire, "replica").outputs[0]
+    assert parsed.routed_experts == sample.routed_experts
+
+    cfg = load_config(None, ["actor.router_replay=true"])
+    producer = SimpleNamespace(
+        cfg=cfg, pad_id=0, tokenizer=SimpleNamespace(batch_decode=lambda rows, **_: [""] * 2)
+    )
+    assert RolloutProducer.sampling_params(producer, 2, 1.0, 0)["return_routed_experts"]
+    result = SimpleNamespace(outputs=[sample, sample])
+    item = {"input_ids": torch.tensor([5, 6])}
+    batch, _ = RolloutProducer.pack_single_turn(producer, [item], [result])
+    assert batch[ROUTED_EXPERTS][:, :3].tolist() == [sample.routed_experts] * 2
+    sample.routed_experts = None
+    with pytest.raises(RuntimeError, match="router_replay"):
+        RolloutProducer.pack_single_turn(producer, [item], [result])
+    producer.cfg = load_config(None, [])
+    assert "return_routed_experts" not in RolloutProducer.sampling_params(producer, 2, 1.0, 0)
+
+
+def test_replay_and_aux_loss_under_activation_checkpointing(moe_dir):
+    """The routers run again in backward: they must replay the same routes, count once."""
+    from polyrl.model_engine import EngineConfig, OptimizerConfig
+    from polyrl.workers.rl_losses import actor_loss
+
+    ps = _prompts(4, seed=11)
+    batch = build_rollout_batch(ps, [p[:5] for p in _prompts(4, seed=12)], 0)
+    batch.tensors["advantages"] = torch.ones_like(batch["loss_mask"])
+    geometry = moe_geometry(load_causal_lm(moe_dir))
+    g = torch.Generator().manual_seed(0)
+    shape = (*batch["input_ids"].shape, geometry.layers, geometry.top_k)
+    # Arbitrary routes (not the model's own): any difference in recompute would show.
+    batch.tensors[ROUTED_EXPERTS] = torch.randint(0, geometry.experts, shape, generator=g)
+    results = []
+    for checkpointing in (False, True):
+        engine = build_engine(
+            moe_dir, EngineConfig(gradient_checkpointing=checkpointing), OptimizerConfig()
+        )
+        try:
+            metrics = engine.forward_backward(
+                batch, lambda o, mb: actor_loss(o, mb, router_aux_loss_coef=0.1)
+            )
+            grads = {
+                n: p.grad.full_tensor().clone()
+                for n, p in engine.model.named_parameters()
+                if p.grad is not None
+            }
+        finally:
+            engine.close()
+        results.append((metrics, grads))
+    (m0, g0), (m1, g1) = results
+    for key in ("loss", "router_aux_loss", "moe/load_max", "moe/load_min"):
+        assert m1[key] == pytest.approx(m0[key], rel=1e-6), key
+    assert set(g0) == set(g1)
+    assert max((g0[n] - g1[n]).abs().max() for n in g0) < 1e-6
