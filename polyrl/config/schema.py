@@ -1015,6 +1015,18 @@ class ActorConfig(ConfigGroup):
     use_kl_loss: bool = option(False, "Add a KL-to-reference term to the policy loss.")
     kl_loss_coef: float = option(0.001, "Weight of the KL loss term.", ge=0.0)
     kl_loss_type: str = option("k3", "KL estimator of the loss term.", choices=KL_ESTIMATORS)
+    router_replay: bool = option(
+        False,
+        "MoE models: the rollout returns the experts each token was routed to and the actor's "
+        "forwards (old log-probs and updates) force the same experts (R3, rollout routing "
+        "replay); needs the native rollout backend.",
+    )
+    router_aux_loss_coef: float = option(
+        0.0,
+        "MoE models: weight of the routers' load-balancing loss added to the policy loss "
+        "(Switch-Transformer form, 1 at uniform load; reported as router_aux_loss).",
+        ge=0.0,
+    )
     ppo_mini_batch_size: int = option(
         0, "Prompts per optimizer step (times rollout.n rows); 0 is the whole batch.", ge=0
     )

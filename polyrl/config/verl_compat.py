@@ -187,6 +187,14 @@ def _rollout_rs(v: Any) -> Any:
     return v
 
 
+def _router_replay_mode(v: Any) -> Any:
+    if v in (None, "disabled"):
+        return False
+    if v == "R3":
+        return True
+    raise VerlValueError(f"router replay mode {v!r} has no polyrl equivalent (R3, disabled)")
+
+
 # ----------------------------------------------------------------------------- derivations
 def _micro_batch_budget(per_gpu: bool) -> Derive:
     key = "ppo_micro_batch_size_per_gpu" if per_gpu else "ppo_micro_batch_size"
@@ -426,6 +434,14 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _a(f"{_AR}.actor.kl_loss_coef", "actor.kl_loss_coef"),
     _a(f"{_AR}.actor.kl_loss_type", "actor.kl_loss_type"),
     _a(f"{_AR}.actor.loss_agg_mode", "actor.loss_agg_mode"),
+    _a(f"{_AR}.actor.router_replay.mode", "actor.router_replay", "R3 is true", _router_replay_mode),
+    _a(
+        f"{_AR}.actor.megatron.router_replay.mode",
+        "actor.router_replay",
+        "R3 is true",
+        _router_replay_mode,
+    ),
+    _a(f"{_AR}.rollout.enable_rollout_routing_replay", "actor.router_replay"),
     _a(
         f"{_AR}.actor.policy_loss.loss_mode",
         "actor.policy_loss",

@@ -31,6 +31,7 @@ __all__ = [
     "RESPONSE_MASK",
     "RETURNS",
     "ROLLOUT_LOG_PROBS",
+    "ROUTED_EXPERTS",
     "SCORE",
     "TOKEN_LEVEL_REWARDS",
     "TOKEN_LEVEL_SCORES",
@@ -56,6 +57,10 @@ RESPONSE_LENGTH = "response_length"
 MULTI_MODAL = "multi_modal"
 #: The rollout server's per-token log-probs, aligned like the engines'.
 ROLLOUT_LOG_PROBS = "rollout_log_probs"
+#: MoE routing replay: ``(B, P + R, layers, k)`` int expert ids the rollout chose for each
+#: token (aligned with ``input_ids``); -1 where nothing was recorded (e.g. prompt tokens from
+#: the prefix cache), which route normally in the engines.
+ROUTED_EXPERTS = "routed_experts"
 
 # ---------------------------------------------------------------- the transfer queue's fields
 # A stored sample is ragged: its own prompt and response tokens, rebuilt into the layout above.

@@ -148,6 +148,8 @@ class SamplingParams:
         seed: per-request seed; the same seed gives the same tokens whatever else is batched.
         logprobs: return the log-probability of every sampled token.
         top_logprobs: also return the ``k`` most likely alternatives per position (0..20).
+        return_routed_experts: MoE models: also return the experts each token was routed to
+            (``SampleOutput.routed_experts``), for routing replay in the trainer.
     """
 
     max_new_tokens: int | None = None
@@ -163,6 +165,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, expected: str) -> InvalidRequestError:
@@ -205,6 +208,8 @@ class SamplingParams:
             raise bad("logprobs", "true or false")
         if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise bad("top_logprobs", f"an int in [0, {MAX_TOP_LOGPROBS}]")
+        if not isinstance(self.return_routed_experts, bool):
+            raise bad("return_routed_experts", "true or false")
 
     @property
     def greedy(self) -> bool:
@@ -259,6 +264,8 @@ class SamplingParams:
         out = dataclasses.asdict(self)
         out["stop_token_ids"] = list(self.stop_token_ids)
         out["stop"] = list(self.stop)
+        if not self.return_routed_experts:  # the default stays out of the wire format
+            del out["return_routed_experts"]
         return out
 
 
@@ -348,6 +355,8 @@ class SampleDelta:
 
     ``finish_reason`` is set on the last delta of the sample, which may carry no tokens.
     ``top_logprobs`` holds, per new token, a list of ``(token_id, logprob)`` alternatives.
+    ``routed_experts`` (on the last delta, when asked) is the whole sample's, as in
+    :class:`SampleOutput`.
     """
 
     index: int
@@ -359,6 +368,7 @@ class SampleDelta:
     weight_version: int = 0
     first_weight_version: int | None = None
     cached_prompt_tokens: int = 0
+    routed_experts: list[list[list[int]]] | None = None
 
 
 class DeltaStream:
@@ -440,6 +450,11 @@ class SampleOutput:
         first_weight_version: weight version that produced the first token (differs from
             ``weight_version`` when an update landed mid-sample).
         cached_prompt_tokens: prompt tokens served from the prefix cache.
+        routed_experts: MoE models, when asked (``return_routed_experts``): per token of prompt
+            plus output, per MoE layer, the ``k`` expert ids the token was routed to as the
+            model's input; ``-1`` rows for tokens not computed (prompt tokens from the prefix
+            cache, the last output token). ``None`` otherwise (and left out of
+            :meth:`to_dict`).
     """
 
     index: int
@@ -451,6 +466,7 @@ class SampleOutput:
     weight_version: int = 0
     first_weight_version: int | None = None
     cached_prompt_tokens: int = 0
+    routed_experts: list[list[list[int]]] | None = None
 
     def add(self, delta: SampleDelta) -> None:
         """Append a delta of the same sample."""
@@ -467,6 +483,8 @@ class SampleOutput:
             self.top_logprobs.extend(delta.top_logprobs)
         self.weight_version = delta.weight_version
         self.cached_prompt_tokens = max(self.cached_prompt_tokens, delta.cached_prompt_tokens)
+        if delta.routed_experts is not None:
+            self.routed_experts = delta.routed_experts
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             self.stop_reason = delta.stop_reason
@@ -476,6 +494,8 @@ class SampleOutput:
         out = dataclasses.asdict(self)
         if self.top_logprobs is not None:
             out["top_logprobs"] = [[list(p) for p in pos] for pos in self.top_logprobs]
+        if self.routed_experts is None:
+            del out["routed_experts"]
         return out
 
 

@@ -20,6 +20,7 @@ from polyrl.core.columns import (
     PROMPT_LENGTH,
     RESPONSE_LENGTH,
     ROLLOUT_LOG_PROBS,
+    ROUTED_EXPERTS,
 )
 
 __all__ = ["build_rollout_batch", "rollout_widths", "widen_rollout_batch"]
@@ -33,6 +34,7 @@ def build_rollout_batch(
     response_masks: Sequence[Sequence[int]] | None = None,
     width_prompt: int = 0,
     width_response: int = 0,
+    routed_experts: Sequence[Sequence[Sequence[Sequence[int]]]] | None = None,
 ) -> Batch:
     """Pack prompt/response pairs into one engine batch (prompts left-, responses right-padded).
 
@@ -42,6 +44,9 @@ def build_rollout_batch(
     ``rollout_log_probs`` (the server's per-token log-probs, aligned like the engine's) when given.
     ``width_prompt`` / ``width_response`` widen the two parts beyond the longest prompt and
     response (the transfer queue's consumers rebuild their shard in the whole step's layout).
+    ``routed_experts`` (MoE routing replay): per row, the rollout's ``(prompt + response,
+    layers, k)`` expert ids (:attr:`~polyrl.core.rollout_api.SampleOutput.routed_experts`),
+    laid out as ``routed_experts`` ``(B, P + R, layers, k)`` with -1 elsewhere.
     """
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
@@ -79,7 +84,30 @@ def build_rollout_batch(
     }
     if rollout_log_probs is not None:
         tensors[ROLLOUT_LOG_PROBS] = old
+    if routed_experts is not None:
+        tensors[ROUTED_EXPERTS] = _routes_column(prompts, routed_experts, width_p, width_r)
     return Batch(tensors=tensors)
+
+
+def _routes_column(
+    prompts: Sequence[Sequence[int]],
+    routes: Sequence[Sequence[Sequence[Sequence[int]]]],
+    width_p: int,
+    width_r: int,
+) -> torch.Tensor:
+    rows = [torch.as_tensor(r, dtype=torch.int16) for r in routes]
+    shapes = {tuple(r.shape[1:]) for r in rows if r.numel()}
+    if len(shapes) > 1 or any(r.dim() != 3 for r in rows if r.numel()):
+        raise ValueError(f"routed experts must be (tokens, layers, k) alike, got {shapes}")
+    layers, k = shapes.pop() if shapes else (0, 0)
+    col = torch.full((len(rows), width_p + width_r, layers, k), -1, dtype=torch.int16)
+    for i, (p, r) in enumerate(zip(prompts, rows, strict=True)):
+        if r.numel():
+            start = width_p - len(p)  # the routes start at the row's first prompt token
+            col[i, start : start + min(r.shape[0], width_p + width_r - start)] = r[
+                : width_p + width_r - start
+            ]
+    return col
 
 
 def rollout_widths(batch: Batch) -> tuple[int, int]:

@@ -166,6 +166,9 @@ class ModelOutput:
         self._valid = valid
         self._predicted = valid & ~layout.first_token_mask()
         self._cache: dict[str, torch.Tensor] = {}
+        #: MoE models under grad: the mean over layers of the routers' load-balancing loss
+        #: (:mod:`polyrl.model_engine.moe`), for losses that add it; ``None`` otherwise.
+        self.router_aux_loss: torch.Tensor | None = None
 
     def _need(self, kind: str, what: str) -> None:
         if self.kind != kind:

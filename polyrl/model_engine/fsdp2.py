@@ -39,7 +39,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from polyrl.core.batch import Batch
-from polyrl.core.columns import MULTI_MODAL
+from polyrl.core.columns import MULTI_MODAL, ROUTED_EXPERTS
 from polyrl.core.cpu import retain_freed_memory
 from polyrl.core.dtypes import resolve_dtype
 from polyrl.model_engine.attention import use_cpu_sdpa
@@ -87,7 +87,13 @@ from polyrl.model_engine.heads import (
 )
 from polyrl.model_engine.lora import LoraLayout, apply_lora
 from polyrl.model_engine.metrics import MetricsAccumulator
+from polyrl.model_engine.moe import RouterHooks
 from polyrl.model_engine.optim import build_optimizer, build_scheduler
+from polyrl.model_engine.parallel.expert import (
+    ExpertParallel,
+    apply_expert_parallel,
+    expert_meshes,
+)
 from polyrl.model_engine.parallel.mesh import ParallelDims, ParallelMesh, build_parallel_mesh
 from polyrl.model_engine.parallel.runtime import ParallelRuntime, clip_grad_norm, dp_group
 from polyrl.model_engine.prefix import (
@@ -108,6 +114,7 @@ from polyrl.model_engine.vision import (
     vision_calls,
     vision_info,
 )
+from polyrl.models.moe import moe_routers
 
 __all__ = ["FSDP2Engine"]
 
@@ -146,6 +153,9 @@ class FSDP2Engine(TrainingEngine):
         self._checkpointer: FSDP2Checkpointer | None = None
         # A vision-language model's placeholder ids and merge size (None: a text model).
         self._vision: VisionInfo | None = None
+        # MoE models: routing replay, router statistics and the load-balancing loss.
+        self._moe: RouterHooks | None = None
+        self._ep: ExpertParallel | None = None
 
     # ------------------------------------------------------------------------------ lifecycle
     def initialize(self) -> None:
@@ -213,6 +223,15 @@ class FSDP2Engine(TrainingEngine):
                 )
             # Before FSDP: the TP plan turns weights into DTensors FSDP then shards over dp.
             self._parallel = ParallelRuntime(self._pmesh, model, self.model_spec.kind)
+        self._moe = RouterHooks(model) if moe_routers(model) else None
+        ep = cfg.parallelism.expert_parallel_size
+        if ep > 1:
+            if dims.tp > 1 or dims.sp > 1:
+                raise ValueError(
+                    "expert_parallel_size > 1 with tensor or sequence parallelism is not "
+                    "supported yet; use expert parallelism with data parallelism only"
+                )
+            self._ep = apply_expert_parallel(model, *expert_meshes(device.type, world, ep))
         if self.model_spec.lora_rank:
             # Before sharding: peft swaps the targeted linear layers for LoRA layers in place.
             self._peft = apply_lora(model, self.model_spec)
@@ -232,10 +251,17 @@ class FSDP2Engine(TrainingEngine):
         # With one rank per shard group "resharding" frees only a duplicate of parameters that
         # stay whole anyway, and costs a second gather in backward.
         reshard = cfg.parallelism.reshard_after_forward and fsdp_size > 1
-        shard_model(model, self._mesh, reshard, policy)
+        experts = set(self._ep.params) if self._ep is not None else set()
+        shard_model(model, self._mesh, reshard, policy, ignored=experts)
         self._model = model
         # Frozen (base) weights are left out: with LoRA only the adapters are optimised.
-        self._optimizer = build_optimizer(model.parameters(), self.optimizer_config)
+        self._optimizer = build_optimizer(
+            (p for p in model.parameters() if p not in experts), self.optimizer_config
+        )
+        if experts:
+            # Plain (not FSDP) tensors: their own group, so fused/foreach steps never mix them
+            # with DTensors.
+            self._optimizer.add_param_group({"params": list(experts)})
         self._scheduler = build_scheduler(self._optimizer, self.optimizer_config)
         self._checkpointer = FSDP2Checkpointer(self, self._scheduler, self._lora, self._peft)
 
@@ -244,6 +270,8 @@ class FSDP2Engine(TrainingEngine):
         self._model = None
         self._parallel = None
         self._pmesh = None
+        self._moe = None
+        self._ep = None
         self._peft = None
         self._lora = None
         self._vision = None
@@ -370,6 +398,8 @@ class FSDP2Engine(TrainingEngine):
             # The prefix forward's KV cache is not split over tensor/sequence ranks.
             and self._parallel is None
             and supports_shared_prefix(self.model)
+            # Replayed routes are laid out per token of the whole rows.
+            and ROUTED_EXPERTS not in local.tensor_keys
         )
         if not usable:  # the same on every rank: nothing to agree on
             return [None] * len(plan), [False] * len(plan)
@@ -406,6 +436,8 @@ class FSDP2Engine(TrainingEngine):
         am = mb["attention_mask"]
         temperature = mb.meta.get("temperature", 1.0)
         chunk_size = self.engine_config.logprob_chunk_size
+        if self._moe is not None:
+            self._moe.begin()
         if plan is not None:
             return shared_prefix_forward(
                 self.model, plan, mb["input_ids"], am, mb["position_ids"], temperature, chunk_size
@@ -431,6 +463,12 @@ class FSDP2Engine(TrainingEngine):
             pos = layout.to_compute(per_token)
             layout.check_packable(pos[..., 0])
             pos = pos.permute(2, 0, 1)
+        if self._moe is not None:
+            routes = mb[ROUTED_EXPERTS] if ROUTED_EXPERTS in mb.tensor_keys else None
+            self._moe.begin(
+                None if routes is None else layout.to_compute(routes, fill=-1),
+                layout.to_compute(am, fill=0),
+            )
         tensors = media.tensors if media is not None else None
         extra = vision_calls_needed - vision_calls(tensors)
         with dummy_vision_calls(self.model, self._vision, extra), encode_once(self.model, media):
@@ -442,7 +480,7 @@ class FSDP2Engine(TrainingEngine):
                 pos,
                 tensors,
             )
-        return ModelOutput(
+        output = ModelOutput(
             kind=self.model_spec.kind,
             raw=raw,
             layout=layout,
@@ -451,6 +489,9 @@ class FSDP2Engine(TrainingEngine):
             temperature=temperature,
             chunk_size=chunk_size,
         )
+        if self._moe is not None:
+            output.router_aux_loss = self._moe.aux_loss
+        return output
 
     def _dummy_pass(self, backward: bool, calls: int = 1, vision_calls_needed: int = 0) -> None:
         """Run one-token forwards (+ zero backward) to keep FSDP collectives matched.
@@ -460,6 +501,8 @@ class FSDP2Engine(TrainingEngine):
         another rank makes in it (a VLM).
         """
         ids = torch.zeros(1, 1, dtype=torch.long, device=self._device)
+        if self._moe is not None:  # the dummy token is no routing statistic
+            self._moe.begin(valid=torch.zeros(1, dtype=torch.bool))
         total = None
         for _ in range(calls):
             if self._parallel is not None:
@@ -516,6 +559,8 @@ class FSDP2Engine(TrainingEngine):
                     loss, mb_metrics = check_loss_result(loss_fn(output, mb), forward_only)
                     if not forward_only:
                         loss.backward()
+                if self._moe is not None:
+                    self._moe.end()
                 weight = float((mb["loss_mask"] != 0).sum())
                 metrics.add(loss, output.compute_tokens, weight, mb_metrics)
         finally:
@@ -527,7 +572,10 @@ class FSDP2Engine(TrainingEngine):
             "num_seqs": global_seqs,
             "num_micro_batches": float(len(plan)),
         }
-        return metrics.reduce(self.world_size, counts, group)
+        reduced = metrics.reduce(self.world_size, counts, group)
+        if self._moe is not None:
+            reduced.update(self._moe.take_metrics(self.world_size))
+        return reduced
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients."""
@@ -542,7 +590,15 @@ class FSDP2Engine(TrainingEngine):
         if not params:
             raise RuntimeError("optimizer_step: no gradients; run forward_backward first")
         clip = float(self.engine_config.grad_clip)
-        if self._pmesh is not None:
+        if self._ep is not None:
+            self._ep.reduce_grads()
+            experts = set(self._ep.params)
+            norm = self._ep.grad_norm(p.grad for p in params if p not in experts)
+            if clip > 0 and float(norm) > clip:
+                scale = clip / (float(norm) + 1e-6)
+                for p in set(params) | experts:
+                    p.grad.mul_(scale)
+        elif self._parallel is not None:
             # Gradients live on different meshes (dp only / dp x tp).
             grad_norm = clip_grad_norm(params, clip)
             if not np.isfinite(grad_norm):
@@ -551,7 +607,7 @@ class FSDP2Engine(TrainingEngine):
             self.optimizer.step()
             self._optimizer_steps += 1
             return grad_norm
-        if clip > 0:
+        elif clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, clip)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params])
@@ -598,6 +654,9 @@ class FSDP2Engine(TrainingEngine):
                 result = fn(self._forward(mb, splits[index], needed[index]), mb)
                 pieces.append(check_infer_result(result, len(rows), pieces[0] if pieces else None))
                 order.extend(rows)
+        if self._moe is not None:
+            self._moe.end()
+            self._moe.take_metrics()  # inference passes are no training statistic
         return gather_rows(pieces, order, len(local), self._device, out_device)
 
     def train_batch(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
@@ -650,7 +709,8 @@ class FSDP2Engine(TrainingEngine):
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """See :meth:`TrainingEngine.named_tensors`."""
         self._require_params("named_tensors")
-        yield from named_full_tensors(self.model, self._lora, dtype, device, merge_adapter)
+        named = named_full_tensors(self.model, self._lora, dtype, device, merge_adapter)
+        yield from named if self._ep is None else self._ep.full_tensors(named)
 
     def adapter_tensors(
         self, dtype: torch.dtype | None = None, device: torch.device | str | None = None
@@ -666,6 +726,8 @@ class FSDP2Engine(TrainingEngine):
     def _checkpointer_ready(self, what: str) -> FSDP2Checkpointer:
         """Return the checkpointer once parameters (and, but to export, optimizer) are here."""
         self._require_params(what)
+        if self._ep is not None:
+            raise NotImplementedError(f"{what} is not supported with expert parallelism yet")
         if what != "export_hf" and self._optim_offloaded is not None:
             raise RuntimeError(f"{what}: optimizer state is offloaded; call reload() first")
         assert self._checkpointer is not None

@@ -52,22 +52,31 @@ def build_mesh(device: torch.device, world: int, fsdp_size: int) -> DeviceMesh:
 
 
 def shard_model(
-    model: torch.nn.Module, mesh: DeviceMesh, reshard: bool, policy: MixedPrecisionPolicy
+    model: torch.nn.Module,
+    mesh: DeviceMesh,
+    reshard: bool,
+    policy: MixedPrecisionPolicy,
+    ignored: set[torch.nn.Parameter] | None = None,
 ) -> None:
     """Shard ``model`` in place: each decoder layer one FSDP unit, then the root module.
 
     A vision-language model's vision blocks are units too (they are among its no-split module
     classes), and so is the vision tower's patch merger, so the tower is never gathered whole.
+
+    ``ignored`` parameters stay as they are (expert-parallel shards, which FSDP must not split).
     """
     layer_classes = no_split_module_classes(model)
+    kwargs = {"reshard_after_forward": reshard, "mp_policy": policy}
+    if ignored:
+        kwargs["ignored_params"] = ignored
     for module in list(model.modules()):
         if layer_classes and isinstance(module, layer_classes):
-            fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+            fully_shard(module, mesh=mesh, **kwargs)
     tower = vision_tower(model)
     merger = getattr(tower, "merger", None) if tower is not None else None
     if isinstance(merger, torch.nn.Module):
-        fully_shard(merger, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(merger, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # Sum (not average) gradients over ranks: losses are already normalised by

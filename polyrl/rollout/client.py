@@ -126,6 +126,7 @@ class GenerateResult:
                     weight_version=o.get("weight_version", 0),
                     first_weight_version=o.get("first_weight_version"),
                     cached_prompt_tokens=o.get("cached_prompt_tokens", 0),
+                    routed_experts=o.get("routed_experts"),
                 )
             )
         return cls(

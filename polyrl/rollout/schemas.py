@@ -50,6 +50,7 @@ class SamplingParamsBody(BaseModel):
     seed: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    return_routed_experts: bool | None = None
 
 
 class GenerateBody(BaseModel):

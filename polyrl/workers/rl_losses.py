@@ -125,6 +125,7 @@ def actor_loss(
     rollout_rs_threshold_lower: float | None = None,
     rollout_token_veto_threshold: float | None = None,
     policy_loss_options: Mapping[str, Any] | None = None,
+    router_aux_loss_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """Policy-gradient loss of one micro-batch (a registered policy loss, entropy and KL terms).
 
@@ -149,6 +150,10 @@ def actor_loss(
     applied only without ``rollout_is``, whose (truncated) weight is the same ratio.
 
     ``policy_loss_options``: the objectives' own options; each loss gets those it names.
+
+    ``router_aux_loss_coef`` > 0 (MoE models) adds that weight times the routers' load-balancing
+    loss (:attr:`ModelOutput.router_aux_loss`), weighted by the micro-batch's share of the
+    mini-batch's tokens so the micro-batches sum to its token mean; metric ``router_aux_loss``.
     """
     _require(batch, "loss_mask", "advantages", loss="actor_loss")
     mask = batch["loss_mask"]
@@ -224,6 +229,13 @@ def actor_loss(
         loss = loss + kl_loss_coef * kl
         metrics["kl_loss"] = float(kl.detach()) * _local_scale(loss_agg_mode, mask, counts)
         metrics["kl_coef"] = kl_loss_coef
+    aux = output.router_aux_loss
+    if router_aux_loss_coef > 0 and aux is not None:
+        local = float((mask != 0).sum())
+        tokens = counts["num_tokens"]
+        share = 1.0 if tokens is None else local / max(tokens, 1.0)
+        loss = loss + router_aux_loss_coef * share * aux.to(loss.dtype)
+        metrics["router_aux_loss"] = float(aux.detach())
     return loss, metrics
 
 

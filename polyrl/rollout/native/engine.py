@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from polyrl.core.dtypes import resolve_dtype
@@ -453,6 +454,8 @@ class NativeEngine:
             self._next_seq_id += 1
             seq.stop_ids = frozenset(stop_ids)
             seq.media = media
+            if params.return_routed_experts and self.runner.routes is not None:
+                seq.routes = self.runner.routes.new_log(len(prompt) + max_new)
             if params.repetition_penalty != 1.0:
                 row.seen_tokens = seq.tokens
             if i > 0:
@@ -862,7 +865,13 @@ class NativeEngine:
         decode = [c for c in plan if c.length == 1]
         prefill = [c for c in plan if c.length > 1]
         inputs, ordered = self._build_inputs(decode, prefill)
+        recorder = self.runner.routes
+        record = recorder is not None and any(c.seq.routes is not None for c in plan)
+        if record:
+            recorder.start()
         logits = self.runner.forward(inputs)
+        if record:
+            self._store_routes(ordered, recorder.collect())
         sampling = [c for c in ordered if c.samples]
         for c in plan:
             self.scheduler.commit(c)
@@ -888,6 +897,14 @@ class NativeEngine:
             while self._tps_window and now - self._tps_window[0][0] > _TPS_WINDOW_S:
                 self._tps_window.popleft()
 
+    def _store_routes(self, ordered: list[Chunk], rows: np.ndarray) -> None:
+        """Give each chunk's sequence the routes of the positions it computed this step."""
+        offset = 0
+        for c in ordered:  # packed order: each chunk's tokens are consecutive
+            if c.seq.routes is not None:
+                c.seq.routes.write(c.start, rows[offset : offset + c.length])
+            offset += c.length
+
     def _fork_followers(self, sampling: list[Seq]) -> list[tuple[int, Seq]]:
         """Start the waiting samples of each leader that just computed its prompt.
 
@@ -912,6 +929,9 @@ class NativeEngine:
                     continue
                 if copy[0] >= 0:
                     self.cache.copy_block(*copy)
+                if seq.routes is not None and leader.routes is not None:
+                    # The follower's prompt was computed by its leader, routes included.
+                    seq.routes.copy_prefix(leader.routes, seq.prompt_len)
                 forked.append((row, seq))
         return forked
 
@@ -971,6 +991,8 @@ class NativeEngine:
             first_weight_version=seq.first_weight_version,
             cached_prompt_tokens=seq.cached_prompt_tokens,
         )
+        if finish_reason is not None and seq.routes is not None:
+            delta.routed_experts = seq.routes.take(len(seq.tokens)).tolist()
         self._outbox.append((seq.group.sink, [delta]))
 
     def _finish(self, seq: Seq, reason: str, stop_reason: int | str | None) -> None:

@@ -22,9 +22,11 @@ from polyrl.core.dtypes import dtype_name, resolve_dtype
 from polyrl.core.errors import WeightTransferError
 from polyrl.core.rollout_api import InvalidRequestError
 from polyrl.models.loader import load_causal_lm
+from polyrl.models.moe import moe_routers
 from polyrl.rollout.native.attention import ATTENTION_NAME, StepMetadata
 from polyrl.rollout.native.fast_forward import FastForward, build_fast_forward
 from polyrl.rollout.native.media import EmbeddingCache, MediaItem
+from polyrl.rollout.native.routes import RouteRecorder
 
 __all__ = ["ModelRunner", "StepInputs"]
 
@@ -131,6 +133,8 @@ class ModelRunner:
         self.weights_discarded = False
         # The engine's own packed forward (set by enable_fast_forward), else the HF forward.
         self.fast: FastForward | None = None
+        # MoE models: records the experts chosen in a step, for requests that ask for them.
+        self.routes: RouteRecorder | None = RouteRecorder(model) if moe_routers(model) else None
         # Shared arenas holding shadows (or, after a swap, live weights) that same-host senders
         # write into directly; pruned once no parameter or shadow lies in them.
         self._arenas: list[SharedArena] = []

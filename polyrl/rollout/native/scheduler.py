@@ -79,6 +79,8 @@ class Sequence:
         self.stop_ids: frozenset[int] = frozenset()
         # The request's images and videos (a SeqMedia, shared by its samples), or None.
         self.media: Any = None
+        # The experts each position was routed to (a RouteLog), when the request asks.
+        self.routes: Any = None
 
     @property
     def num_output(self) -> int:

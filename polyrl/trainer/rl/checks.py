@@ -259,6 +259,20 @@ def check_config(
                 "prime.model_path to a trained PRM or use before/after",
                 key="prime.update",
             )
+    if actor.router_replay:
+        # The routes travel only in the single-turn batch of the native rollout backend.
+        blocked = [
+            (cfg.rollout.backend != "native", f"rollout.backend={cfg.rollout.backend}"),
+            (cfg.agent.enable, "agent.enable=true"),
+            (cfg.transfer.enable, "transfer.enable=true"),
+        ]
+        reasons = [why for bad, why in blocked if bad]
+        if reasons:
+            raise ConfigError(
+                f"routing replay needs the native rollout backend's single-turn batches; "
+                f"unsupported with {', '.join(reasons)}",
+                key="actor.router_replay",
+            )
     if actor.max_tokens_per_micro_batch < cfg.data.max_prompt_length + response:
         raise ConfigError(
             f"{actor.max_tokens_per_micro_batch} is below the longest sequence "

@@ -463,6 +463,7 @@ class RLTrainer:
                 "kl_cov_ratio": actor.kl_cov_ratio,
                 "kl_cov_coef": actor.kl_cov_coef,
             },
+            "router_aux_loss_coef": actor.router_aux_loss_coef,
         }
 
     def _rollout_is(self) -> str:

@@ -369,6 +369,7 @@ class RolloutProducer:
             "max_new_tokens": min(ro.max_new_tokens, self.cfg.data.max_response_length),
             "seed": seed,
             "logprobs": True,
+            **({"return_routed_experts": True} if self.cfg.actor.router_replay else {}),
             **({"stop_token_ids": list(ro.stop_token_ids)} if ro.stop_token_ids else {}),
         }
 
@@ -481,6 +482,9 @@ class RolloutProducer:
                 out.output_ids = list(out.output_ids) + list(rest.output_ids)
                 if out.logprobs is not None and rest.logprobs is not None:
                     out.logprobs = list(out.logprobs) + list(rest.logprobs)
+                # The continuation's routes cover the whole sequence (its prompt holds the
+                # partial output), recomputed where it had to prefill.
+                out.routed_experts = rest.routed_experts
                 out.finish_reason, out.stop_reason = rest.finish_reason, rest.stop_reason
                 out.weight_version = rest.weight_version
                 if first is None and out.output_ids:
@@ -493,19 +497,31 @@ class RolloutProducer:
     ) -> tuple[Batch, dict[str, float]]:
         """Pack the items' :meth:`sample_prompt` results into an engine batch (no row info)."""
         rows_p, rows_r, rows_lp, rows_finish, firsts, lasts = [], [], [], [], [], []
+        rows_routes = []
         for item, result in zip(items, results, strict=True):
             prompt = item["input_ids"].tolist()
             for out in result.outputs:
                 rows_p.append(prompt)
                 rows_r.append(list(out.output_ids))
                 rows_lp.append(out.logprobs)
+                rows_routes.append(out.routed_experts)
                 rows_finish.append(out.finish_reason)
                 last = int(out.weight_version)
                 first = out.first_weight_version
                 firsts.append(last if first is None else int(first))
                 lasts.append(last)
         have_lp = all(lp is not None for lp in rows_lp)
-        batch = build_rollout_batch(rows_p, rows_r, self.pad_id, rows_lp if have_lp else None)
+        routes = None
+        if self.cfg.actor.router_replay:
+            if any(r is None for r in rows_routes):
+                raise RuntimeError(
+                    "actor.router_replay is on but the rollout returned no routed experts; it "
+                    "needs a MoE model served by the native rollout backend"
+                )
+            routes = rows_routes
+        batch = build_rollout_batch(
+            rows_p, rows_r, self.pad_id, rows_lp if have_lp else None, routed_experts=routes
+        )
         texts = self.tokenizer.batch_decode(rows_r, skip_special_tokens=True)
         batch.non_tensors["response_text"] = np.array(texts, dtype=object)
         batch.non_tensors[FINISH_REASON] = np.array(rows_finish, dtype=object)
