@@ -2,7 +2,7 @@
 
 An engine owns one model (a causal LM or a value model), its optimizer and LR schedule, sharded
 over the data-parallel ranks of ``torch.distributed``.  Trainers differ only in the data and the
-loss function they hand to :meth:`TrainingEngine.train_batch`.  A backend (FSDP2 now) implements
+loss function they hand to :meth:`TrainingEngine.train_batch`.  A backend (FSDP2, Megatron-Core) implements
 the :class:`TrainingEngine` Protocol, registers with ``@register_engine(name)`` and is built with
 :func:`build_engine`; the logic every backend shares (the batch contract, loss normalisation
 counts, the loss and infer-function contracts, ``train_batch`` itself) is in free functions here.
@@ -607,16 +607,19 @@ def prepare_batch(
     return local, lengths.tolist()
 
 
-def global_loss_counts(loss_mask: torch.Tensor, world_size: int) -> tuple[float, float]:
+def global_loss_counts(
+    loss_mask: torch.Tensor, world_size: int, group: Any = None
+) -> tuple[float, float]:
     """Loss tokens and rows with any, summed over all ranks (collective when ``world_size > 1``).
 
     What :data:`GLOBAL_TOKENS_KEY` / :data:`GLOBAL_SEQS_KEY` hold; ``loss_mask`` is this rank's
-    cleaned mask (:func:`prepare_batch`).
+    cleaned mask (:func:`prepare_batch`).  ``group``: the data-parallel group of ``world_size``
+    ranks (default: all ranks).
     """
     nonzero = loss_mask != 0
     counts = torch.tensor([int(nonzero.sum()), int(nonzero.any(dim=1).sum())], dtype=torch.float64)
     if world_size > 1:
-        dist.all_reduce(counts)
+        dist.all_reduce(counts, group=group)
     tokens, seqs = (float(x) for x in counts.tolist())
     return tokens, seqs
 
@@ -649,7 +652,7 @@ def check_loss_result(result: object, forward_only: bool) -> tuple[torch.Tensor,
 #: the interface stays light.
 ENGINES: Registry[type[TrainingEngine]] = Registry(
     "engine backend",
-    lazy={"fsdp2": "polyrl.model_engine.fsdp2"},
+    lazy={"fsdp2": "polyrl.model_engine.fsdp2", "megatron": "polyrl.model_engine.megatron.engine"},
     base=TrainingEngine,
     name_attr="backend_name",
 )

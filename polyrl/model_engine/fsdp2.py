@@ -147,6 +147,15 @@ class FSDP2Engine(TrainingEngine):
     def _build(self, device: torch.device) -> None:
         assert self._dist is not None
         cfg = self.engine_config
+        split = {
+            name: getattr(cfg.parallelism, name)
+            for name in cfg.parallelism.MODEL_PARALLEL_FIELDS
+            if getattr(cfg.parallelism, name) != 1
+        }
+        if split:
+            raise ValueError(
+                f"the fsdp2 backend shards data-parallel only; {split} need backend='megatron'"
+            )
         world = self._dist.world_size
         fsdp_size = world if cfg.parallelism.fsdp_size == -1 else cfg.parallelism.fsdp_size
         self._mesh = build_mesh(device, world, fsdp_size)

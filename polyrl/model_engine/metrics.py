@@ -31,12 +31,12 @@ def metric_to_float(value: Any, what: str) -> float:
     raise TypeError(f"{what} must be a number or a 0-d tensor, got {type(value).__name__}")
 
 
-def _union_keys(keys: set[str], world_size: int) -> list[str]:
+def _union_keys(keys: set[str], world_size: int, group: Any = None) -> list[str]:
     """Sorted union of every rank's metric names (collective when ``world_size > 1``)."""
     if world_size == 1:
         return sorted(keys)
     gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, sorted(keys))
+    dist.all_gather_object(gathered, sorted(keys), group=group)
     return sorted(set().union(*gathered))
 
 
@@ -63,19 +63,25 @@ class MetricsAccumulator:
             slot[2] += v
             slot[3] += 1.0
 
-    def reduce(self, world_size: int, counts: Mapping[str, float]) -> dict[str, float]:
+    def reduce(
+        self, world_size: int, counts: Mapping[str, float], group: Any = None
+    ) -> dict[str, float]:
         """Sum over all ranks (collective when ``world_size > 1``); return the metrics.
+
+        ``group``: the data-parallel process group of ``world_size`` ranks (default: all ranks;
+        a backend whose ranks also split the model, e.g. Megatron's tensor parallelism, passes
+        its data-parallel group so each replica's loss counts once).
 
         In order: ``loss`` (the summed contributions), ``counts`` as given, ``compute_tokens``,
         then each metric by name (a name already taken is reported as ``loss_fn/<name>``).
         """
-        names = _union_keys(set(self._acc), world_size)
+        names = _union_keys(set(self._acc), world_size, group)
         flat = [self.loss_sum, float(self.compute_tokens)]
         for name in names:
             flat.extend(self._acc.get(name, [0.0, 0.0, 0.0, 0.0]))
         reduced = torch.tensor(flat, dtype=torch.float64)
         if world_size > 1:
-            dist.all_reduce(reduced)
+            dist.all_reduce(reduced, group=group)
         values = reduced.tolist()
         out: dict[str, float] = {"loss": values[0], **counts, "compute_tokens": values[1]}
         for i, name in enumerate(names):

@@ -62,6 +62,7 @@ __all__ = [
     "SUPPORTED_ARCHS",
     "GPTLayout",
     "HFTensorPlan",
+    "expert_index",
     "fuse_hf_experts",
     "gather",
     "hf_plans",
@@ -444,7 +445,8 @@ def partition_kind(name: str) -> str:
     return "replicated"
 
 
-def _expert_index(name: str) -> tuple[str, int, str] | None:
+def expert_index(name: str) -> tuple[str, int, str] | None:
+    """``(prefix, expert index, linear_fc1|linear_fc2)`` of an expert tensor's name, else None."""
     m = _EXPERT.match(name)
     if m is None:
         return None
@@ -456,7 +458,7 @@ def _expert_index(name: str) -> tuple[str, int, str] | None:
 
 def local_name(name: str, layout: GPTLayout, ep_rank: int) -> str | None:
     """Return the name EP rank ``ep_rank`` gives a full Megatron tensor (None: not held there)."""
-    found = _expert_index(name)
+    found = expert_index(name)
     if found is None:
         return name
     prefix, expert, fc = found
@@ -480,7 +482,7 @@ def shard(
     local = local_name(name, layout, ep_rank)
     if local is None:
         return None
-    size = layout.etp if _expert_index(name) is not None else layout.tp
+    size = layout.etp if expert_index(name) is not None else layout.tp
     rank = tp_rank % size
     kind = partition_kind(name)
     if size == 1 or kind == "replicated":
