@@ -36,8 +36,8 @@ test-fast: $(STAMP)
 # a service imports only the core and the model definitions, never another service) and
 # tests/test_layers.py (seconds): what import-linter cannot see, module names in strings.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check polyrl tests tests_gpu benchmarks examples scripts
-	$(VENV)/bin/ruff format --check polyrl tests tests_gpu benchmarks examples scripts
+	$(VENV)/bin/ruff check polyrl tests tests_gpu tests_megatron benchmarks examples scripts
+	$(VENV)/bin/ruff format --check polyrl tests tests_gpu tests_megatron benchmarks examples scripts
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py
 

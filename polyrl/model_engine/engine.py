@@ -2,10 +2,11 @@
 
 An engine owns one model (a causal LM or a value model), its optimizer and LR schedule, sharded
 over the data-parallel ranks of ``torch.distributed``.  Trainers differ only in the data and the
-loss function they hand to :meth:`TrainingEngine.train_batch`.  A backend (FSDP2, Megatron-Core) implements
-the :class:`TrainingEngine` Protocol, registers with ``@register_engine(name)`` and is built with
-:func:`build_engine`; the logic every backend shares (the batch contract, loss normalisation
-counts, the loss and infer-function contracts, ``train_batch`` itself) is in free functions here.
+loss function they hand to :meth:`TrainingEngine.train_batch`.  A backend (FSDP2, Megatron-Core)
+implements the :class:`TrainingEngine` Protocol, registers with ``@register_engine(name)`` and is
+built with :func:`build_engine`; the logic every backend shares (the batch contract, loss
+normalisation counts, the loss and infer-function contracts, ``train_batch`` itself) is in free
+functions here.
 
 Batch column contract
 ---------------------

@@ -399,7 +399,7 @@ class MegatronEngine(TrainingEngine):
 
     @property
     def model(self) -> torch.nn.Module:
-        """This rank's Megatron ``GPTModel`` (TP/EP shards)."""
+        """The local Megatron ``GPTModel`` (this rank's TP/EP shards)."""
         self._require_init()
         assert self._model is not None
         return self._model
@@ -512,7 +512,7 @@ class MegatronEngine(TrainingEngine):
         )
 
     def _dummy_pass(self, backward: bool) -> None:
-        """A one-token forward (+ zero backward) to match the other ranks' collectives."""
+        """Run a one-token forward (+ zero backward) to match the other ranks' collectives."""
         ids = torch.zeros(1, 1, dtype=torch.long, device=self._device)
         total = self._logits(ids).float().sum()
         if backward:
@@ -561,18 +561,18 @@ class MegatronEngine(TrainingEngine):
     def _sync_grads(self) -> None:
         """Sum gradients over the replicas that hold the same parameter shard.
 
-        Megatron marks expert parameters ``allreduce=False``: they are replicated over the
-        expert-data-parallel group, the others over the data-parallel group.
+        Expert parameters are replicated over the expert-data-parallel group, the others over
+        the data-parallel group.
         """
         ps = self._ps()
         dense_group = ps.get_data_parallel_group()
         expert_group = ps.get_expert_data_parallel_group()
         dense_size = dist.get_world_size(dense_group)
         expert_size = dist.get_world_size(expert_group)
-        for param in self._params.values():
+        for name, param in self._params.items():
             if param.grad is None:
                 continue
-            expert = not getattr(param, "allreduce", True)
+            expert = cv.expert_index(name) is not None
             group, size = (expert_group, expert_size) if expert else (dense_group, dense_size)
             if size > 1:
                 dist.all_reduce(param.grad, group=group)
@@ -580,7 +580,7 @@ class MegatronEngine(TrainingEngine):
     def _grad_norm(self) -> float:
         """Global L2 norm of the (synced) gradients, each model element counted once.
 
-        A TP-split parameter (``tensor_model_parallel``) counts on every TP rank, a replicated
+        A TP-split parameter counts on every TP rank, a replicated
         one on TP rank 0 only; expert parameters likewise within their expert-TP group.  The
         squares are summed over the model-parallel ranks of one replica: the TP group for dense
         parameters, the expert-TP x EP group for expert ones.
@@ -590,11 +590,13 @@ class MegatronEngine(TrainingEngine):
         etp_rank = ps.get_expert_tensor_parallel_rank()
         dense = torch.zeros((), dtype=torch.float64, device=self._device)
         expert = torch.zeros((), dtype=torch.float64, device=self._device)
-        for param in self._params.values():
+        for name, param in self._params.items():
             if param.grad is None:
                 continue
-            is_expert = not getattr(param, "allreduce", True)
-            split = bool(getattr(param, "tensor_model_parallel", False))
+            # The converter's table, not Megatron's ``tensor_model_parallel`` attribute: that is
+            # only set by the weight initialisers, which perform_initialization=False skips.
+            is_expert = cv.expert_index(name) is not None
+            split = cv.partition_kind(name) != "replicated"
             if not split and (etp_rank if is_expert else tp_rank) != 0:
                 continue
             square = param.grad.detach().double().pow(2).sum()
@@ -707,20 +709,12 @@ class MegatronEngine(TrainingEngine):
         owner = found[1] // (layout.num_experts // layout.ep)
         local_name = cv.local_name(name, layout, owner)
         assert local_name is not None
-        mine = ps.get_expert_model_parallel_rank() == owner
         if layout.ep == 1:
             return self._params[local_name].detach()
         group = ps.get_expert_model_parallel_group()
-        # Every EP rank holds tensors of the same shape under its own local names.
-        any_local = next(n for n in self._params if cv.expert_index(n) is not None)
-        shape_ref = self._params[local_name if mine else any_local]
-        buf = (
-            self._params[local_name].detach().clone()
-            if mine
-            else torch.empty_like(shape_ref, memory_format=torch.contiguous_format)
-        )
-        if buf.shape != shape_ref.shape:
-            raise RuntimeError(f"{name}: expert shard shapes differ across EP ranks")
+        # Local names are rank-local indices: every EP rank holds a tensor of this name and
+        # shape (its own expert of that index), which receives the owner's.
+        buf = self._params[local_name].detach().clone()
         dist.broadcast(buf, src=dist.get_global_rank(group, owner), group=group)
         return buf
 
