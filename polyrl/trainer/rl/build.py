@@ -541,6 +541,7 @@ def engine_specs(
         MixedPrecisionConfig,
         ModelSpec,
         OptimizerConfig,
+        ParallelismConfig,
     )
     from polyrl.workers.engine import EngineWorker
 
@@ -553,6 +554,7 @@ def engine_specs(
             EngineConfig,
             actor,
             actor.optim,
+            parallelism=ParallelismConfig(**constructor_kwargs(ParallelismConfig, actor.megatron)),
             device=run.training_device,
             dynamic_batching=True,
             mixed_precision=MixedPrecisionConfig(param_dtype=run.compute_dtype),
