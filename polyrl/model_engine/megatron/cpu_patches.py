@@ -140,14 +140,14 @@ def check_version() -> str:
 
 
 def _set_rng_state_cpu(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
-    # tensor_parallel.random._set_cuda_rng_state (0.16.1 line 76-110) sets the state through
+    # tensor_parallel.random._set_cuda_rng_state (0.16.1 lines 72-110) sets the state through
     # torch.cuda.default_generators via torch.cuda._lazy_call, which fails without CUDA; the
     # tracker's fork() calls it to switch RNG states, here the CPU generator's.
     torch.set_rng_state(new_state)
 
 
 def _get_rng_state_cpu(device: Any = None, clone: bool = False, graph_safe: bool = False):
-    # tensor_parallel.random._get_cuda_rng_state (0.16.1 line 43-70): the CPU generator's state.
+    # tensor_parallel.random._get_cuda_rng_state (0.16.1 lines 41-70): the CPU generator's state.
     return torch.get_rng_state()
 
 
