@@ -36,8 +36,8 @@ test-fast: $(STAMP)
 # a service imports only the core and the model definitions, never another service) and
 # tests/test_layers.py (seconds): what import-linter cannot see, module names in strings.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check polyrl tests tests_gpu benchmarks examples scripts
-	$(VENV)/bin/ruff format --check polyrl tests tests_gpu benchmarks examples scripts
+	$(VENV)/bin/ruff check polyrl tests tests_gpu tests_megatron benchmarks examples scripts
+	$(VENV)/bin/ruff format --check polyrl tests tests_gpu tests_megatron benchmarks examples scripts
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -p no:cacheprovider tests/test_layers.py
 
@@ -58,6 +58,23 @@ $(VLLM_STAMP): scripts/setup_vllm_venv.sh
 test-vllm: $(STAMP) $(VLLM_STAMP)
 	@POLYRL_VLLM_VENV=$(CURDIR)/$(VLLM_VENV) $(PY) -m pytest tests_vllm $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test-vllm: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# Optional: the Megatron-Core engine backend (engine.backend=megatron) on CPU over gloo, in its
+# own .venv-megatron (polyrl[test,megatron]: megatron-core 0.16.1, the newest release for Python
+# 3.11). Not part of `make test`, which runs the converter tests only; takes a few minutes.
+MEGATRON_VENV := .venv-megatron
+MEGATRON_STAMP := $(MEGATRON_VENV)/.polyrl-megatron-installed
+
+.PHONY: test-megatron
+
+$(MEGATRON_STAMP): scripts/setup_megatron_venv.sh pyproject.toml
+	bash scripts/setup_megatron_venv.sh $(MEGATRON_VENV)
+	touch $(MEGATRON_STAMP)
+
+test-megatron: $(MEGATRON_STAMP)
+	@TORCH_COMPILE_DISABLE=1 $(MEGATRON_VENV)/bin/python -m pytest tests_megatron \
+		tests/test_megatron_convert.py $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test-megatron: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 # GRPO step of polyrl vs TRL's GRPOTrainer; TRL lives in its own .venv-trl (benchmarks/rl_step.py).
 .PHONY: bench-rl-step

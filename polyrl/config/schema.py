@@ -967,6 +967,49 @@ class AlgorithmConfig(ConfigGroup):
     )
 
 
+#: Model-engine backends a run can pick (``actor.engine_backend``).
+ENGINE_BACKENDS = ("fsdp2", "megatron")
+
+
+@dataclasses.dataclass
+class MegatronParallelConfig(ConfigGroup):
+    """Model-parallel layout of the Megatron-Core engine backend (actor.engine_backend=megatron).
+
+    The names are verl's (``actor_rollout_ref.actor.megatron.*``); the ranks left over are
+    data-parallel replicas.
+    """
+
+    tensor_model_parallel_size: int = option(
+        1,
+        "Tensor-parallel ranks per model replica (ParallelismConfig.tensor_parallel_size); the "
+        "RL trainer dispatches rows per rank, so it takes 1 until its dispatch is TP-aware.",
+        ge=1,
+        maps_to="tensor_parallel_size",
+    )
+    pipeline_model_parallel_size: int = option(
+        1, "Pipeline stages; only 1 is supported yet.", ge=1, le=1, maps_to="pipeline_parallel_size"
+    )
+    expert_model_parallel_size: int = option(
+        1,
+        "Ranks the MoE experts are split over (ParallelismConfig.expert_parallel_size).",
+        ge=1,
+        maps_to="expert_parallel_size",
+    )
+    expert_tensor_parallel_size: int = option(
+        1,
+        "Tensor-parallel ranks of each expert (ParallelismConfig.expert_tensor_parallel_size).",
+        ge=1,
+        maps_to="expert_tensor_parallel_size",
+    )
+    context_parallel_size: int = option(
+        1,
+        "Context-parallel ranks; only 1 is supported yet.",
+        ge=1,
+        le=1,
+        maps_to="context_parallel_size",
+    )
+
+
 @dataclasses.dataclass
 class ActorConfig(ConfigGroup):
     """Policy (actor) optimisation in RL: loss, clipping, mini-batches and optimizer."""
@@ -1045,6 +1088,20 @@ class ActorConfig(ConfigGroup):
         "on, in the actor and the reference; opt-in: it changes rounding, and the demo lands "
         "lower with it",
     )
+    engine_backend: str = option(
+        "fsdp2",
+        "Model-engine backend of the actor and the reference: fsdp2, or megatron (Megatron-Core, "
+        "needs pip install 'polyrl[megatron]'; causal LMs without LoRA) (EngineConfig.backend).",
+        choices=ENGINE_BACKENDS,
+        maps_to="backend",
+    )
+    # maps_to: no constructor field of that name; the RL build turns it into the engine's
+    # ParallelismConfig (EngineConfig.megatron holds other, backend-internal options).
+    megatron: MegatronParallelConfig = option(
+        MegatronParallelConfig,
+        "Megatron-Core model-parallel layout (engine_backend=megatron).",
+        maps_to="megatron_parallelism",
+    )
     offload_params: bool = option(
         False,
         "Hybrid placement on GPUs: move the actor's parameters to host memory after each weight "
@@ -1067,7 +1124,7 @@ class ActorConfig(ConfigGroup):
     )
 
     def validate(self) -> None:
-        """Reject a dual-clip bound that would not be above 1, and an empty Clip-Cov range."""
+        """Reject a bad dual-clip bound or Clip-Cov range, and parallel sizes the run cannot use."""
         if self.clip_cov_lb > self.clip_cov_ub:
             raise ConfigError(
                 f"invalid value {self.clip_cov_lb}; above clip_cov_ub ({self.clip_cov_ub})",
@@ -1077,6 +1134,38 @@ class ActorConfig(ConfigGroup):
             raise ConfigError(
                 f"invalid value {self.clip_ratio_c}; dual clip needs > 1 (or 0 to turn it off)",
                 key="clip_ratio_c",
+            )
+        split = {
+            f.name: getattr(self.megatron, f.name)
+            for f in dataclasses.fields(self.megatron)
+            if getattr(self.megatron, f.name) != 1
+        }
+        if split and self.engine_backend != "megatron":
+            raise ConfigError(
+                f"{split} need engine_backend=megatron (fsdp2 shards data-parallel only)",
+                key="megatron",
+            )
+        fsdp2_sizes = {
+            key: getattr(self, key)
+            for key in (
+                "tensor_parallel_size",
+                "ulysses_sequence_parallel_size",
+                "expert_parallel_size",
+            )
+            if getattr(self, key, 1) != 1
+        }
+        if fsdp2_sizes and self.engine_backend == "megatron":
+            raise ConfigError(
+                f"{fsdp2_sizes} are the fsdp2 engine's sizes; with engine_backend=megatron set "
+                "megatron.tensor_model_parallel_size / megatron.expert_model_parallel_size",
+                key="engine_backend",
+            )
+        if self.megatron.tensor_model_parallel_size > 1:
+            raise ConfigError(
+                "the RL trainer hands each rank its own rows; tensor parallelism needs the ranks "
+                "of one replica to share them, which its dispatch does not do yet (use 1; the "
+                "engine itself runs TP > 1: polyrl.model_engine.build_engine)",
+                key="megatron.tensor_model_parallel_size",
             )
 
 

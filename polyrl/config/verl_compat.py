@@ -125,6 +125,15 @@ def _rollout_name(v: Any) -> Any:
     return _ROLLOUT_NAMES[v]
 
 
+_STRATEGIES = {"fsdp": "fsdp2", "fsdp2": "fsdp2", "megatron": "megatron"}
+
+
+def _strategy(v: Any) -> Any:
+    if v not in _STRATEGIES:
+        raise VerlValueError(f"actor strategy {v!r} has no polyrl backend; use fsdp2 or megatron")
+    return _STRATEGIES[v]
+
+
 _LOGGERS = {"file": "jsonl"}
 
 
@@ -456,7 +465,30 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _a(f"{_AR}.actor.tau_pos", "actor.tau_pos"),
     _a(f"{_AR}.actor.tau_neg", "actor.tau_neg"),
     # ---- actor engine
-    _i(f"{_AR}.actor.strategy", "polyrl's engine shards the model itself"),
+    _a(
+        f"{_AR}.actor.strategy",
+        "actor.engine_backend",
+        "fsdp and fsdp2 are the fsdp2 backend; megatron is Megatron-Core",
+        _strategy,
+    ),
+    _a(
+        f"{_AR}.actor.megatron.tensor_model_parallel_size",
+        "actor.megatron.tensor_model_parallel_size",
+    ),
+    _a(
+        f"{_AR}.actor.megatron.pipeline_model_parallel_size",
+        "actor.megatron.pipeline_model_parallel_size",
+    ),
+    _a(
+        f"{_AR}.actor.megatron.expert_model_parallel_size",
+        "actor.megatron.expert_model_parallel_size",
+    ),
+    _a(
+        f"{_AR}.actor.megatron.expert_tensor_parallel_size",
+        "actor.megatron.expert_tensor_parallel_size",
+    ),
+    _a(f"{_AR}.actor.megatron.context_parallel_size", "actor.megatron.context_parallel_size"),
+    _i(f"{_AR}.actor.megatron.*", _PERF),
     _a(f"{_AR}.actor.fsdp_config.param_offload", "actor.offload_params"),
     _a(f"{_AR}.actor.fsdp_config.optimizer_offload", "actor.offload_optimizer"),
     _i(f"{_AR}.actor.fsdp_config.*", _PERF),

@@ -7,6 +7,7 @@ plug-in signature, and :mod:`polyrl.model_engine.fsdp2` for the FSDP2 backend.
 from polyrl.model_engine.config import (
     CheckpointConfig,
     EngineConfig,
+    MegatronConfig,
     MixedPrecisionConfig,
     ModelSpec,
     OptimizerConfig,
@@ -29,6 +30,7 @@ from polyrl.model_engine.engine import (
 __all__ = [
     "CheckpointConfig",
     "EngineConfig",
+    "MegatronConfig",
     "MixedPrecisionConfig",
     "ModelOutput",
     "ModelSpec",

@@ -18,6 +18,7 @@ from polyrl.core.dtypes import resolve_dtype
 __all__ = [
     "CheckpointConfig",
     "EngineConfig",
+    "MegatronConfig",
     "MixedPrecisionConfig",
     "ModelSpec",
     "OptimizerConfig",
@@ -200,22 +201,51 @@ class ParallelismConfig:
         default=1,
         metadata={
             "help": "Ranks splitting each layer's attention heads and MLP width (and the LM "
-            "head's vocabulary); they see the same rows. Families: llama, mistral, qwen2, qwen3."
+            "head's vocabulary); they see the same rows. fsdp2: DTensor plans for llama, "
+            "mistral, qwen2, qwen3; megatron: Megatron's tensor_model_parallel_size."
         },
     )
     ulysses_sequence_parallel_size: int = field(
         default=1,
         metadata={
-            "help": "Ranks splitting each packed micro-batch's tokens (Ulysses: attention heads "
-            "exchanged by all-to-all); they see the same rows. Must divide the (key/value) heads."
+            "help": "fsdp2: ranks splitting each packed micro-batch's tokens (Ulysses: attention "
+            "heads exchanged by all-to-all); they see the same rows. Must divide the (key/value) "
+            "heads. megatron needs 1 (see context_parallel_size)."
         },
+    )
+    pipeline_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Megatron backend: pipeline stages (only 1 is supported yet)."},
     )
     expert_parallel_size: int = field(
         default=1,
         metadata={
-            "help": "Ranks splitting a mixture-of-experts layer's experts, taken from the "
-            "data x sequence-parallel ranks."
+            "help": "MoE models: ranks that split each layer's experts (tokens reach them by "
+            "all-to-all); taken from the data x sequence-parallel ranks."
         },
+    )
+    expert_tensor_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Megatron backend: tensor-parallel ranks of each expert."},
+    )
+    context_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Megatron backend: context-parallel ranks (only 1 is supported yet)."},
+    )
+
+    #: The sizes only the Megatron backend has (fsdp2 refuses them above 1).
+    MEGATRON_ONLY_FIELDS = (
+        "pipeline_parallel_size",
+        "expert_tensor_parallel_size",
+        "context_parallel_size",
+    )
+    #: The Megatron model-parallel sizes.
+    MODEL_PARALLEL_FIELDS = (
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "expert_parallel_size",
+        "expert_tensor_parallel_size",
+        "context_parallel_size",
     )
 
     def __post_init__(self) -> None:
@@ -223,14 +253,42 @@ class ParallelismConfig:
             raise ValueError(
                 f"ParallelismConfig.fsdp_size must be -1 or an int >= 1, got {self.fsdp_size!r}"
             )
-        for key in (
-            "tensor_parallel_size",
-            "ulysses_sequence_parallel_size",
-            "expert_parallel_size",
-        ):
-            value = getattr(self, key)
+        for name in (*self.MODEL_PARALLEL_FIELDS, "ulysses_sequence_parallel_size"):
+            value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"ParallelismConfig.{key} must be an int >= 1, got {value!r}")
+                raise ValueError(f"ParallelismConfig.{name} must be an int >= 1, got {value!r}")
+
+
+@dataclass
+class MegatronConfig:
+    """Options of the Megatron-Core backend (``EngineConfig.backend='megatron'``)."""
+
+    transformer_impl: str = field(
+        default="auto",
+        metadata={
+            "help": "Megatron layer spec: 'local' (plain torch), 'transformer_engine', or 'auto' "
+            "(TransformerEngine on CUDA when it imports, else local; always local on CPU)."
+        },
+    )
+    make_vocab_size_divisible_by: int = field(
+        default=128,
+        metadata={
+            "help": "Pad the vocabulary to a multiple of this times the tensor-parallel size "
+            "(Megatron-LM's default 128); padded logits are dropped before any softmax."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        _check_choice(
+            self.transformer_impl,
+            ("auto", "local", "transformer_engine"),
+            "MegatronConfig.transformer_impl",
+        )
+        value = self.make_vocab_size_divisible_by
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(
+                f"MegatronConfig.make_vocab_size_divisible_by must be an int >= 1, got {value!r}"
+            )
 
 
 @dataclass
@@ -275,6 +333,10 @@ class EngineConfig:
     )
     mixed_precision: MixedPrecisionConfig = field(
         default_factory=MixedPrecisionConfig, metadata={"help": "Mixed-precision policy."}
+    )
+    megatron: MegatronConfig = field(
+        default_factory=MegatronConfig,
+        metadata={"help": "Megatron-Core backend options (backend='megatron')."},
     )
     dynamic_batching: bool = field(
         default=True,
@@ -339,6 +401,10 @@ class EngineConfig:
             self.parallelism = ParallelismConfig(**self.parallelism)
         if isinstance(self.mixed_precision, dict):
             self.mixed_precision = MixedPrecisionConfig(**self.mixed_precision)
+        if isinstance(self.megatron, dict):
+            self.megatron = MegatronConfig(**self.megatron)
+        if not isinstance(self.megatron, MegatronConfig):
+            raise ValueError("EngineConfig.megatron must be a MegatronConfig or dict")
         if not isinstance(self.parallelism, ParallelismConfig):
             raise ValueError("EngineConfig.parallelism must be a ParallelismConfig or dict")
         if not isinstance(self.mixed_precision, MixedPrecisionConfig):

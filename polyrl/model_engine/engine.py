@@ -2,10 +2,11 @@
 
 An engine owns one model (a causal LM or a value model), its optimizer and LR schedule, sharded
 over the data-parallel ranks of ``torch.distributed``.  Trainers differ only in the data and the
-loss function they hand to :meth:`TrainingEngine.train_batch`.  A backend (FSDP2 now) implements
-the :class:`TrainingEngine` Protocol, registers with ``@register_engine(name)`` and is built with
-:func:`build_engine`; the logic every backend shares (the batch contract, loss normalisation
-counts, the loss and infer-function contracts, ``train_batch`` itself) is in free functions here.
+loss function they hand to :meth:`TrainingEngine.train_batch`.  A backend (FSDP2, Megatron-Core)
+implements the :class:`TrainingEngine` Protocol, registers with ``@register_engine(name)`` and is
+built with :func:`build_engine`; the logic every backend shares (the batch contract, loss
+normalisation counts, the loss and infer-function contracts, ``train_batch`` itself) is in free
+functions here.
 
 Batch column contract
 ---------------------
@@ -620,13 +621,13 @@ def prepare_batch(
 
 
 def global_loss_counts(
-    loss_mask: torch.Tensor, world_size: int, group: dist.ProcessGroup | None = None
+    loss_mask: torch.Tensor, world_size: int, group: Any = None
 ) -> tuple[float, float]:
     """Loss tokens and rows with any, summed over all ranks (collective when ``world_size > 1``).
 
     What :data:`GLOBAL_TOKENS_KEY` / :data:`GLOBAL_SEQS_KEY` hold; ``loss_mask`` is this rank's
-    cleaned mask (:func:`prepare_batch`).  ``group`` is the data-parallel group when ranks of
-    one tensor/sequence-parallel group share rows (default: all ranks).
+    cleaned mask (:func:`prepare_batch`).  ``group``: the data-parallel group of ``world_size``
+    ranks (default: all ranks).
     """
     nonzero = loss_mask != 0
     counts = torch.tensor([int(nonzero.sum()), int(nonzero.any(dim=1).sum())], dtype=torch.float64)
@@ -664,7 +665,7 @@ def check_loss_result(result: object, forward_only: bool) -> tuple[torch.Tensor,
 #: the interface stays light.
 ENGINES: Registry[type[TrainingEngine]] = Registry(
     "engine backend",
-    lazy={"fsdp2": "polyrl.model_engine.fsdp2"},
+    lazy={"fsdp2": "polyrl.model_engine.fsdp2", "megatron": "polyrl.model_engine.megatron.engine"},
     base=TrainingEngine,
     name_attr="backend_name",
 )

@@ -185,6 +185,13 @@ class FSDP2Engine(TrainingEngine):
     def _build(self, device: torch.device) -> None:
         assert self._dist is not None
         cfg = self.engine_config
+        split = {
+            name: getattr(cfg.parallelism, name)
+            for name in cfg.parallelism.MEGATRON_ONLY_FIELDS
+            if getattr(cfg.parallelism, name) != 1
+        }
+        if split:
+            raise ValueError(f"the fsdp2 backend has no {split}; they need backend='megatron'")
         world = self._dist.world_size
         par = cfg.parallelism
         dims = ParallelDims.from_config(

@@ -31,9 +31,7 @@ def metric_to_float(value: Any, what: str) -> float:
     raise TypeError(f"{what} must be a number or a 0-d tensor, got {type(value).__name__}")
 
 
-def _union_keys(
-    keys: set[str], world_size: int, group: dist.ProcessGroup | None = None
-) -> list[str]:
+def _union_keys(keys: set[str], world_size: int, group: Any = None) -> list[str]:
     """Sorted union of every rank's metric names (collective when ``world_size > 1``)."""
     if world_size == 1:
         return sorted(keys)
@@ -66,14 +64,13 @@ class MetricsAccumulator:
             slot[3] += 1.0
 
     def reduce(
-        self,
-        world_size: int,
-        counts: Mapping[str, float],
-        group: dist.ProcessGroup | None = None,
+        self, world_size: int, counts: Mapping[str, float], group: Any = None
     ) -> dict[str, float]:
         """Sum over all ranks (collective when ``world_size > 1``); return the metrics.
 
-        ``group``: the data-parallel group (``world_size`` ranks) when it is not all ranks.
+        ``group``: the data-parallel process group of ``world_size`` ranks (default: all ranks;
+        a backend whose ranks also split the model, e.g. Megatron's tensor parallelism, passes
+        its data-parallel group so each replica's loss counts once).
 
         In order: ``loss`` (the summed contributions), ``counts`` as given, ``compute_tokens``,
         then each metric by name (a name already taken is reported as ``loss_fn/<name>``).

@@ -580,8 +580,14 @@ def engine_specs(
             device=run.training_device,
             dynamic_batching=True,
             mixed_precision=MixedPrecisionConfig(param_dtype=run.compute_dtype),
-            # The reference shares the actor's engine config, so its mesh too.
-            parallelism=ParallelismConfig(**constructor_kwargs(ParallelismConfig, actor)),
+            # The reference shares the actor's engine config, so its mesh too: the fsdp2 sizes
+            # (actor.tensor_parallel_size ...) or Megatron's (actor.megatron.*, verl's names).
+            parallelism=ParallelismConfig(
+                **constructor_kwargs(
+                    ParallelismConfig,
+                    actor.megatron if actor.engine_backend == "megatron" else actor,
+                )
+            ),
             seed=cfg.seed,
         )
     )
