@@ -607,6 +607,15 @@ class TrainerConfig(ConfigGroup):
     max_ckpt_to_keep: int = option(
         0, "Keep only the newest N checkpoints in output_dir; 0 keeps all.", ge=0
     )
+    max_restarts: int = option(
+        2,
+        "Times a run rebuilds its workers and continues from its last checkpoint (from the "
+        "start without one) after a worker dies; 0 stops at the first death.",
+        ge=0,
+    )
+    restart_backoff_s: float = option(
+        10.0, "Seconds to wait before the k-th rebuild after a worker death, times k.", ge=0.0
+    )
     val_before_train: bool = option(
         True, "Validate once before the first step (when validation is on and not resuming)."
     )

@@ -18,7 +18,13 @@ from typing import Any, Protocol
 
 import httpx
 
-__all__ = ["LocalReplica", "RayReplica", "ReplicaLostError", "ReplicaSupervisor"]
+__all__ = [
+    "LocalReplica",
+    "RayReplica",
+    "ReplicaLostError",
+    "ReplicaSupervisor",
+    "describe_failure",
+]
 
 
 class ReplicaLostError(RuntimeError):
@@ -36,6 +42,25 @@ class ReplicaLostError(RuntimeError):
         super().__init__(message)
         self.url = url
         self.log_tail = log_tail
+
+
+def describe_failure(error: BaseException) -> str:
+    """Put a worker's death into one line: which worker, during which call, what was seen.
+
+    For a :class:`~polyrl.controller.WorkerDiedError` (an engine or reward rank: its call label
+    names the role) or a :class:`ReplicaLostError` (the replica's URL and the end of its log,
+    folded into the line); anything else by its type and first line.
+    """
+    from polyrl.controller import WorkerDiedError
+
+    if isinstance(error, WorkerDiedError):
+        during = f" during {error.method}" if error.method else ""
+        reason = " ".join(str(error.reason).split())
+        return f"worker rank {error.rank} died{during} ({reason})"
+    text = " ".join(str(error).split())
+    if isinstance(error, ReplicaLostError):
+        return text
+    return f"{type(error).__name__}: {text}"
 
 
 class ReplicaHandle(Protocol):
