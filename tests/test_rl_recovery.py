@@ -116,9 +116,7 @@ def test_a_killed_engine_worker_is_rebuilt_and_the_run_matches_an_uninterrupted_
     assert [r["recovery/restarts"] for r in records if "critic/score/mean" in r] == [0, 0, 1, 1]
 
 
-def test_without_restarts_a_killed_engine_worker_stops_the_run_in_one_line(
-    tmp_path, ray_session
-):
+def test_without_restarts_a_killed_engine_worker_stops_the_run_in_one_line(tmp_path, ray_session):
     trainer = EngineKillingTrainer(_config(tmp_path, "run", "trainer.max_restarts=0"))
     with pytest.raises(RunAbortedError) as caught:
         trainer.fit()

@@ -174,7 +174,9 @@ def test_a_lone_replica_killed_during_the_sync(tmp_path):
 
 
 def test_a_replica_that_keeps_dying_fails_the_run_naming_it(tmp_path):
-    cfg = _config(tmp_path, "rollout.replicas=1", "rollout.max_replica_restarts=1")
+    cfg = _config(
+        tmp_path, "rollout.replicas=1", "rollout.max_replica_restarts=1", "trainer.max_restarts=0"
+    )
     trainer = KillingTrainer(cfg, "sync", after=1, kills=5)
     with pytest.raises(RuntimeError, match="max_replica_restarts") as caught:
         trainer.fit()

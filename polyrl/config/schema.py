@@ -609,8 +609,9 @@ class TrainerConfig(ConfigGroup):
     )
     max_restarts: int = option(
         2,
-        "Times a run rebuilds its workers and continues from its last checkpoint (from the "
-        "start without one) after a worker dies; 0 stops at the first death.",
+        "RL runs: times the run rebuilds its workers and continues from its last checkpoint "
+        "(from the start without one; see trainer.save_freq) after a worker dies; 0 stops at "
+        "the first death.",
         ge=0,
     )
     restart_backoff_s: float = option(
