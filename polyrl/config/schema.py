@@ -598,7 +598,11 @@ class TrainerConfig(ConfigGroup):
     device: str = option(
         "auto", "Device to train on; auto picks cuda when available.", choices=DEVICES
     )
-    resume: bool = option(False, "Resume from the latest checkpoint in output_dir.")
+    resume: bool = option(
+        True,
+        "Resume from the latest checkpoint in output_dir when there is one (a relaunch "
+        "continues the run; a fresh output_dir starts fresh); false always starts over.",
+    )
     resume_mode: str = option(
         "",
         "'auto' (latest checkpoint in output_dir, if any), 'never', or a checkpoint path; "
