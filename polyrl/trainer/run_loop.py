@@ -297,17 +297,19 @@ class RunLoop:
                 step = trainer.load(resume_from)
                 self.log(f"resumed from {resume_from} at step {step}")
             total = trainer.total_steps
-            tracker = Tracker.for_run(
-                self.cfg,
-                self.out_dir,
-                resume_step=step if resume_from is not None else None,
-                total_steps=total,
-            )
-            console = tracker.backends.get("console")
-            if console is not None and self.console_keys is not None:
-                # One readable line per step; every metric still goes to the other loggers.
-                console.keys = self.console_keys
-                console.prefixes = ("val/",)
+
+            def open_tracker(resume_step: int | None) -> Tracker:
+                opened = Tracker.for_run(
+                    self.cfg, self.out_dir, resume_step=resume_step, total_steps=total
+                )
+                console = opened.backends.get("console")
+                if console is not None and self.console_keys is not None:
+                    # One readable line per step; every metric still goes to the other loggers.
+                    console.keys = self.console_keys
+                    console.prefixes = ("val/",)
+                return opened
+
+            tracker = open_tracker(step if resume_from is not None else None)
 
             def record(metrics: dict[str, float], at: int) -> None:
                 history.append({"step": at, **tracker.log(metrics, at)})
@@ -331,7 +333,20 @@ class RunLoop:
                         metrics = trainer.step(step)
                         if validate and (step % cfg.test_freq == 0 or step == total):
                             metrics.update(trainer.validate())
+                        if kinds:
+                            metrics["recovery/restarts"] = float(self.restarts)
+                        if self.step_key is not None:
+                            metrics[self.step_key] = float(step)
+                        # Log before saving: a crash in between re-runs the step from the
+                        # previous checkpoint, and resuming drops the records logged after it.
+                        record(metrics, step)
+                        bar.update(1)
+                        bar.set_postfix(trainer.progress(metrics))
+                        if cfg.save_freq and (step % cfg.save_freq == 0 or step == total):
+                            last_ckpt = trainer.save(step)
                     except Exception as exc:
+                        # A death while saving too: the save is incomplete, so the newest
+                        # complete checkpoint is the one before.
                         failure = recoverable_cause(exc, kinds)
                         if failure is None:
                             raise
@@ -339,27 +354,9 @@ class RunLoop:
                         # What was logged after the checkpoint is logged again as it reruns.
                         history[:] = [h for h in history if h["step"] <= step]
                         tracker.finish()
-                        tracker = Tracker.for_run(
-                            self.cfg, self.out_dir, resume_step=step, total_steps=total
-                        )
-                        console = tracker.backends.get("console")
-                        if console is not None and self.console_keys is not None:
-                            console.keys = self.console_keys
-                            console.prefixes = ("val/",)
+                        tracker = open_tracker(step)
                         bar.n = step
                         bar.refresh()
-                        continue
-                    if kinds:
-                        metrics["recovery/restarts"] = float(self.restarts)
-                    if self.step_key is not None:
-                        metrics[self.step_key] = float(step)
-                    # Log before saving: a crash in between re-runs the step from the previous
-                    # checkpoint, and resuming drops the records logged after that checkpoint.
-                    record(metrics, step)
-                    bar.update(1)
-                    bar.set_postfix(trainer.progress(metrics))
-                    if cfg.save_freq and (step % cfg.save_freq == 0 or step == total):
-                        last_ckpt = trainer.save(step)
             hf_dir = trainer.finish()
         finally:
             if tracker is not None:
