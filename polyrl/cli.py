@@ -134,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="polyrl: composable RL post-training for large language models.",
     )
     parser.add_argument("--version", action="version", version=f"polyrl {_version()}")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the traceback of a run that stopped on a failure (see RunAbortedError)",
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for _, cmd in _COMMANDS.items():
         sub = commands.add_parser(cmd.name, help=cmd.help, description=cmd.help)
@@ -612,7 +617,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     Args:
         argv: Arguments without the program name; ``None`` reads ``sys.argv[1:]``.
     """
+    from polyrl.core.errors import RunAbortedError
+
     parser = build_parser()
+    args = None
     try:
         args = parser.parse_args(argv)
         code = args.handler(args)
@@ -623,6 +631,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"polyrl: error: {len(exc.problems)} problems:{problems}", file=sys.stderr)
         return USAGE_ERROR
     except (CLIError, ConfigError) as exc:
+        print(f"polyrl: error: {_one_line(exc)}", file=sys.stderr)
+        return USAGE_ERROR
+    except RunAbortedError as exc:
+        # A worker death the run could not recover from: the message says what and how to
+        # resume; the traceback (driver-side frames of a remote failure) only helps debugging.
+        if args is not None and getattr(args, "debug", False):
+            raise
         print(f"polyrl: error: {_one_line(exc)}", file=sys.stderr)
         return USAGE_ERROR
     except SystemExit as exc:  # --help and --version exit through argparse

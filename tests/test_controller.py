@@ -553,6 +553,40 @@ def test_infeasible_pool_fails_with_a_clear_error(ray_session):
     assert not pool.is_reserved
 
 
+class PidWorker(Worker):
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@pytest.mark.slow
+def test_a_dead_rank_is_replaced_in_its_bundle_and_called_alone(ray_session):
+    pool = ResourcePool("replace", 2, cpus_per_worker=0.5)
+    group = WorkerGroup(PidWorker, pool=pool, init_distributed=False)
+    try:
+        first, second = group.pid()
+        os.kill(first, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while group.rank_alive(0, timeout=2.0):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert group.call_rank(1, "pid") == second  # the other rank answers on its own
+        with pytest.raises(WorkerDiedError):
+            group.call_rank(0, "pid", timeout=30)
+        info = group.replace_rank(0, 60)
+        assert group.rank_alive(0) and info.pid not in (first, second)
+        assert group.pid() == [info.pid, second]
+    finally:
+        group.shutdown()
+        pool.release()
+    distributed = WorkerGroup(PidWorker, world_size=1)
+    try:
+        with pytest.raises(ControllerError, match="cannot be replaced alone"):
+            distributed.replace_rank(0, 10)
+    finally:
+        distributed.shutdown()
+
+
 def test_resource_pool_validation():
     with pytest.raises(ValueError, match="strategy"):
         ResourcePool("p", 2, strategy="RANDOM")

@@ -174,7 +174,9 @@ def test_a_lone_replica_killed_during_the_sync(tmp_path):
 
 
 def test_a_replica_that_keeps_dying_fails_the_run_naming_it(tmp_path):
-    cfg = _config(tmp_path, "rollout.replicas=1", "rollout.max_replica_restarts=1")
+    cfg = _config(
+        tmp_path, "rollout.replicas=1", "rollout.max_replica_restarts=1", "trainer.max_restarts=0"
+    )
     trainer = KillingTrainer(cfg, "sync", after=1, kills=5)
     with pytest.raises(RuntimeError, match="max_replica_restarts") as caught:
         trainer.fit()
@@ -299,3 +301,58 @@ def test_a_hung_replica_counts_as_dead_and_its_restart_replaces_it(tiny_qwen2_di
         assert supervisor.dead() == []
     finally:
         process.stop()
+
+
+class ActorKillingTrainer(RLTrainer):
+    """Kills the Ray actor of rollout rank 0 (SIGKILL, as the OOM killer or a lost node would)
+    just before step 2: its server, a child kept alive by a lifeline, goes with it.
+
+    Records the killed pid, and before closing rank 0's pid and each replica's weight version.
+    """
+
+    killed_pid: int | None = None
+    new_pid: int | None = None
+    versions: list[int] | None = None
+
+    def step(self, step: int) -> dict[str, float]:
+        if step == 2:
+            pid = self.killed_pid = self.servers.group.worker_info[0].pid
+            os.kill(pid, signal.SIGKILL)
+            wait_until(lambda: not _alive(pid), "the replica actor to die", timeout=30)
+        return super().step(step)
+
+    def close(self) -> None:
+        if self.versions is None and self.servers is not None and self.servers.group:
+            self.new_pid = self.servers.group.worker_info[0].pid
+            self.versions = []
+            for url in self.replicas.urls:
+                try:
+                    self.versions.append(httpx.get(f"{url}/health").json()["weight_version"])
+                except httpx.HTTPError:
+                    self.versions.append(-1)  # unreachable
+        super().close()
+
+
+def _alive(pid: int) -> bool:
+    from polyrl.controller.worker_group import pid_alive
+
+    return pid_alive(pid)
+
+
+def test_on_ray_a_killed_replica_actor_is_recreated(tmp_path, ray_session):
+    cfg = _config(
+        tmp_path,
+        "trainer.worker_backend=ray",
+        "trainer.device=cpu",
+        "rollout.replicas=2",
+        "rollout.num_threads=1",
+    )
+    trainer = ActorKillingTrainer(cfg)
+    summary = trainer.fit()
+    records = _records(tmp_path)
+    assert summary["steps"] == 3 and trainer.killed_pid is not None
+    assert trainer.new_pid not in (None, trainer.killed_pid)  # a new actor serves rank 0
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[-1]["rollout/replica_restarts"] == 1
+    assert records[-1]["recovery/replica_actors_recreated"] == 1
+    assert trainer.versions == [3, 3]  # the new replica got every later push

@@ -232,3 +232,123 @@ def test_a_run_killed_while_saving_resumes_from_the_newest_complete_checkpoint(t
 def test_a_bad_resume_path_fails_when_the_loop_is_built(tmp_path):
     with pytest.raises(ConfigError, match="trainer.resume_mode"):
         _loop(_cfg(tmp_path, resume_mode=str(tmp_path / "nowhere")))
+
+
+class Died(RuntimeError):
+    """The simulated worker death (what a trainer names as recoverable)."""
+
+
+class Flaky(Counter):
+    """A :class:`~polyrl.trainer.run_loop.RecoverableTrainer`: step ``die_at`` raises
+    :class:`Died` (wrapped, as a remote call's error is) the first ``deaths`` times."""
+
+    recoverable = (Died,)
+
+    def __init__(self, root: Path, die_at: int, deaths: int = 1, **kwargs: Any) -> None:
+        super().__init__(root, **kwargs)
+        self.die_at, self.deaths = die_at, deaths
+
+    def step(self, step: int) -> dict[str, float]:
+        if step == self.die_at and self.deaths:
+            self.deaths -= 1
+            try:
+                raise Died("rank 0 gone")
+            except Died as exc:
+                raise RuntimeError("the call failed") from exc
+        return super().step(step)
+
+    def rebuild(self) -> None:
+        self.calls.append(("rebuild", self.x))
+        self.x = 0  # what setup builds afresh; load restores the rest
+
+    def describe_failure(self, error: BaseException) -> str:
+        return f"worker rank 0 died ({error})"
+
+
+def test_a_recoverable_failure_reruns_the_steps_since_the_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    toy = Flaky(checkpoint_root(out), die_at=3)
+    summary = _loop(_cfg(out, max_restarts=1, restart_backoff_s=0.0)).run(toy)
+    assert summary["steps"] == 5 and toy.x == 15  # each step counted once
+    at = toy.calls.index(("rebuild", 3))
+    assert toy.calls[at - 1 : at + 4] == [
+        ("save", 2),
+        ("rebuild", 3),
+        ("load", 2),
+        ("step", 3),
+        ("step", 4),
+    ]
+    records = [r for r in read_metrics(out / "metrics.jsonl") if "train/x" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert [r["recovery/restarts"] for r in records] == [0, 0, 1, 1, 1]
+
+
+def test_a_failure_before_any_checkpoint_reruns_from_the_start(tmp_path):
+    out = tmp_path / "run"
+    toy = Flaky(checkpoint_root(out), die_at=1)
+    _loop(_cfg(out, max_restarts=1, restart_backoff_s=0.0)).run(toy)
+    assert toy.x == 15 and ("load", 0) not in toy.calls
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "train/x" in r] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]
+
+
+def test_restarts_spent_stop_the_run_in_one_line_that_says_how_to_resume(tmp_path):
+    from polyrl.core.errors import RunAbortedError
+
+    out = tmp_path / "run"
+    toy = Flaky(checkpoint_root(out), die_at=3, deaths=5)
+    with pytest.raises(RunAbortedError) as caught:
+        _loop(_cfg(out, max_restarts=2, restart_backoff_s=0.0)).run(toy)
+    message = str(caught.value)
+    assert "\n" not in message and "worker rank 0 died (rank 0 gone)" in message
+    assert "after 2 restart(s)" in message and "trainer.resume_mode=auto" in message
+    assert "global_step_2" in message and toy.closed
+    # The relaunch of the same command (resume defaults to auto) continues from step 2.
+    again = Counter(checkpoint_root(out))
+    assert _loop(_cfg(out)).run(again)["resumed_from"].endswith("global_step_2")
+
+
+def test_unrecoverable_failures_and_max_restarts_0_are_not_retried(tmp_path):
+    from polyrl.core.errors import RunAbortedError
+
+    out = tmp_path / "run"
+    toy = Flaky(checkpoint_root(out), die_at=3)
+    with pytest.raises(RunAbortedError, match="trainer.max_restarts=0"):
+        _loop(_cfg(out, max_restarts=0)).run(toy)
+    assert ("rebuild", 3) not in toy.calls
+    plain = Counter(checkpoint_root(tmp_path / "other"), crash_saving=2)
+    with pytest.raises(Crash):  # not a recoverable error: as before
+        _loop(_cfg(tmp_path / "other", max_restarts=3)).run(plain)
+
+
+def test_the_command_line_prints_an_aborted_run_as_one_line_exit_2(monkeypatch, capsys):
+    import polyrl.cli as cli
+    from polyrl.core.errors import RunAbortedError
+
+    def build() -> Any:
+        parser = real()
+        sub = parser._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
+
+        def fail(args: Any) -> None:
+            try:
+                raise KeyError("remote")
+            except KeyError as exc:
+                raise RunAbortedError(
+                    "worker rank 0 died during actor.update_actor; resume"
+                ) from exc
+
+        sub.set_defaults(handler=fail)
+        return parser
+
+    real = cli.build_parser
+    monkeypatch.setattr(cli, "build_parser", build)
+    assert cli.main(["train", "demo"]) == 2
+    err = capsys.readouterr().err
+    assert err == "polyrl: error: worker rank 0 died during actor.update_actor; resume\n"
+    with pytest.raises(RunAbortedError):  # --debug: the traceback
+        cli.main(["--debug", "train", "demo"])

@@ -684,7 +684,11 @@ class TrainerConfig(ConfigGroup):
     device: str = option(
         "auto", "Device to train on; auto picks cuda when available.", choices=DEVICES
     )
-    resume: bool = option(False, "Resume from the latest checkpoint in output_dir.")
+    resume: bool = option(
+        True,
+        "Resume from the latest checkpoint in output_dir when there is one (a relaunch "
+        "continues the run; a fresh output_dir starts fresh); false always starts over.",
+    )
     resume_mode: str = option(
         "",
         "'auto' (latest checkpoint in output_dir, if any), 'never', or a checkpoint path; "
@@ -692,6 +696,16 @@ class TrainerConfig(ConfigGroup):
     )
     max_ckpt_to_keep: int = option(
         0, "Keep only the newest N checkpoints in output_dir; 0 keeps all.", ge=0
+    )
+    max_restarts: int = option(
+        2,
+        "RL runs: times the run rebuilds its workers and continues from its last checkpoint "
+        "(from the start without one; see trainer.save_freq) after a worker dies; 0 stops at "
+        "the first death.",
+        ge=0,
+    )
+    restart_backoff_s: float = option(
+        10.0, "Seconds to wait before the k-th rebuild after a worker death, times k.", ge=0.0
     )
     val_before_train: bool = option(
         True, "Validate once before the first step (when validation is on and not resuming)."

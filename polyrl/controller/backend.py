@@ -123,3 +123,17 @@ class Backend(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stop every rank process (idempotent)."""
+
+    def replace_rank(self, rank: int, start_timeout_s: float) -> WorkerInfo:
+        """Start a fresh process for ``rank`` in its place, built as at the start; return it.
+
+        Only the ``ray`` backend can (a rank of its own in the same bundle).
+
+        Raises:
+            ControllerError: the backend cannot replace ranks.
+        """
+        from polyrl.controller.errors import ControllerError
+
+        raise ControllerError(
+            f"group {self.group_name!r}: the {self.kind} backend cannot replace a rank"
+        )

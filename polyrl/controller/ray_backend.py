@@ -108,6 +108,11 @@ class RayBackend(Backend):
         super().__init__(group_name, **kwargs)
         self.actors: list[Any] = []
         self._pool: ResourcePool | None = None
+        # What each rank was started with, so that one can be started again (replace_rank).
+        self._setups: list[HostSetup] = []
+        self._bundles: list[int] = []
+        self._options: dict[str, Any] = {}
+        self._init_distributed = False
 
     def start(
         self,
@@ -133,8 +138,12 @@ class RayBackend(Backend):
         options = pool.actor_resources()
         roles_blob = cloudpickle.dumps(roles)
         sys_path = driver_import_path()
+        self._options = options
+        self._init_distributed = init_distributed
+        self._bundles = [bundle for bundle, _ in order]
+        self._setups = []
         try:
-            for rank, (bundle, node) in enumerate(order):
+            for rank, (_, node) in enumerate(order):
                 setup = HostSetup(
                     group_name=self.group_name,
                     rank=rank,
@@ -149,17 +158,8 @@ class RayBackend(Backend):
                     backend_kind="ray",
                     plugins=plugin_modules(),
                 )
-                actor = _RayHostActor.options(
-                    **options,
-                    max_restarts=0,
-                    max_task_retries=0,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=pool.placement_group(),
-                        placement_group_bundle_index=bundle,
-                        placement_group_capture_child_tasks=False,
-                    ),
-                ).remote(setup)
-                self.actors.append(actor)
+                self._setups.append(setup)
+                self.actors.append(self._place(rank))
             deadline = time.monotonic() + start_timeout_s
             self.infos = self._get_all([a.info.remote() for a in self.actors], "<start>", deadline)
             self.alive = True
@@ -180,6 +180,63 @@ class RayBackend(Backend):
             self.shutdown()
             raise
         return self.infos
+
+    def _place(self, rank: int) -> Any:
+        """Create the actor of ``rank`` in its bundle (not waited for)."""
+        assert self._pool is not None
+        return _RayHostActor.options(
+            **self._options,
+            max_restarts=0,
+            max_task_retries=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self._pool.placement_group(),
+                placement_group_bundle_index=self._bundles[rank],
+                placement_group_capture_child_tasks=False,
+            ),
+        ).remote(self._setups[rank])
+
+    def replace_rank(self, rank: int, start_timeout_s: float) -> WorkerInfo:
+        """Kill ``rank``'s actor (if it still runs) and start a new one in the same bundle.
+
+        The bundle stays reserved when its actor dies, so the new actor lands on the same node
+        (or wherever Ray rescheduled the bundle of a lost node) without asking the cluster for
+        anything new. Groups without ``torch.distributed`` only: a new process could not join
+        the others' process group.
+
+        Raises:
+            ControllerError: the group initialised ``torch.distributed``, or the new actor did
+                not start within ``start_timeout_s``.
+            WorkerDiedError: the new actor died while starting.
+        """
+        if not self.alive:
+            raise ControllerError(f"group {self.group_name!r} is shut down")
+        if self._init_distributed:
+            raise ControllerError(
+                f"group {self.group_name!r}: a rank of a torch.distributed group cannot be "
+                "replaced alone; recreate the whole group"
+            )
+        try:
+            ray.kill(self.actors[rank], no_restart=True)
+        except Exception:  # noqa: BLE001 - already dead: the usual case
+            pass
+        actor = self._place(rank)
+        self.actors[rank] = actor
+        deadline = time.monotonic() + start_timeout_s
+        info = self._get_one(rank, actor.info.remote(), "<start>", deadline)
+        self._get_one(rank, actor.construct.remote(), "<construct>", deadline)
+        self.infos[rank] = info
+        return info
+
+    def _get_one(self, rank: int, ref: Any, label: str, deadline: float) -> Any:
+        """Wait for one start-up call of ``rank`` until ``deadline``."""
+        ready, _ = ray.wait([ref], timeout=max(0.1, deadline - time.monotonic()))
+        if not ready:
+            raise ControllerError(
+                f"group {self.group_name!r}: {label} of the new rank {rank} did not finish "
+                "within the start-up timeout (its bundle's resources are still held, or it is "
+                "stuck)"
+            )
+        return self.fetch(ref, rank, label)
 
     def _get_all(self, refs: list[Any], label: str, deadline: float | None) -> list[Any]:
         """Start-up waits: fail fast on the first error, bounded by ``deadline``."""

@@ -445,6 +445,62 @@ class WorkerGroup:
                 late[0] if late else -1, None, f"no answer to a health check within {limit:.1f}s"
             ) from None
 
+    def rank_alive(self, rank: int, timeout: float | None = None) -> bool:
+        """Whether ``rank``'s process answers a health check within ``timeout`` seconds.
+
+        ``timeout`` defaults to ``dead_worker_timeout_s``. Answered by the rank's health
+        channel, so a rank busy in a long call still counts as alive.
+        """
+        if not self._backend.alive:
+            return False
+        limit = self._backend.dead_worker_timeout_s if timeout is None else timeout
+        handle = self._backend.ping(rank)
+        if not self._backend.wait([handle], limit):
+            return False
+        try:
+            self._backend.fetch(handle, rank, "<health check>")
+        except ControllerError:
+            return False
+        return True
+
+    def call_rank(
+        self,
+        rank: int,
+        method: str,
+        *args: Any,
+        role: str | None = None,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Call ``method`` on ``rank`` alone and return its result.
+
+        For calls about one rank (a replica's server) that must not depend on the other ranks
+        being alive, as a call dispatched to all of them would.
+
+        Raises:
+            WorkerDiedError: the rank is dead.
+            TimeoutError: no result within ``timeout`` seconds (the call keeps running).
+        """
+        role = role or next(iter(self._roles))
+        if not self._backend.alive:
+            raise ControllerError(f"group {self.name!r} is shut down; cannot call {method}")
+        label = f"{role}.{method}" if self._prefixed else method
+        handle = self._backend.submit(rank, role, method, label, False, args, kwargs)
+        watch = Watch(self._backend, rank, label, handle)
+        return await_handles([watch], timeout)[0]
+
+    def replace_rank(self, rank: int, start_timeout_s: float | None = None) -> WorkerInfo:
+        """Start a new process for ``rank`` (dead or not) in the same bundle; return its info.
+
+        The new process builds its workers with the group's arguments, as at the start. Only
+        for ``ray`` groups without ``torch.distributed``: the rollout replicas' ranks.
+
+        Raises:
+            ControllerError: the group cannot replace a rank, or the new one did not start.
+        """
+        limit = 180.0 if start_timeout_s is None else start_timeout_s
+        return self._backend.replace_rank(rank, limit)
+
     # ---------------------------------------------------------------------------- shutdown
     def shutdown(self, wait_s: float = 10.0) -> None:
         """Stop every rank process and release an owned pool; idempotent.

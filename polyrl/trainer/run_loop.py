@@ -16,6 +16,15 @@ as a :class:`LoopTrainer`; :class:`RunLoop` owns the rest of a run:
   steps and at the last step;
 * **display**: the tqdm progress bar (its postfix from the trainer) and the console tracker's
   one line per step;
+* **recovery**: a trainer that names the failures it can recover from
+  (:attr:`RecoverableTrainer.recoverable`: a dead worker) is rebuilt when one ends a step, up
+  to ``trainer.max_restarts`` times, ``trainer.restart_backoff_s`` apart (times the restart's
+  number): closed, set up again and loaded from the newest complete checkpoint (from step 0
+  without one) -- the resume path of a relaunch, in the same process -- and the steps since
+  that checkpoint run again as they first would have (their records are replaced). Past the
+  limit, or for a failure the trainer cannot recover from, the run ends with a
+  :class:`~polyrl.core.errors.RunAbortedError` that names the worker and the call and says how
+  to resume;
 * **the end**: ``learning_curves.png`` from the run's metric records (the whole run, across
   resumes) and ``<kind>_summary.json``.
 """
@@ -29,9 +38,18 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from polyrl.core.errors import RunAbortedError
 from polyrl.trainer.checkpointing import resolve_resume_path
 
-__all__ = ["PLOT_FILE", "LoopTrainer", "RunLoop", "first_and_last", "plot_run", "series"]
+__all__ = [
+    "PLOT_FILE",
+    "LoopTrainer",
+    "RecoverableTrainer",
+    "RunLoop",
+    "first_and_last",
+    "plot_run",
+    "series",
+]
 
 PLOT_FILE = "learning_curves.png"
 
@@ -89,6 +107,43 @@ class LoopTrainer(Protocol):
     def summarize(self, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """Return the trainer's own summary fields, from the whole run's metric records."""
         ...
+
+
+class RecoverableTrainer(LoopTrainer, Protocol):
+    """A :class:`LoopTrainer` that :class:`RunLoop` may rebuild after a worker dies.
+
+    :attr:`recoverable` names the errors (anywhere in a failure's chain of causes) after which
+    :meth:`rebuild` followed by :meth:`load` of the last checkpoint continues the run as an
+    uninterrupted one would have; :meth:`describe_failure` puts one of them into words.
+    """
+
+    recoverable: tuple[type[BaseException], ...]
+
+    def rebuild(self) -> None:
+        """Close everything, return to the state after construction, and set up again."""
+        ...
+
+    def describe_failure(self, error: BaseException) -> str:
+        """Return one line naming the failed worker, where it ran and the call it was in."""
+        ...
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0]
+
+
+def recoverable_cause(
+    error: BaseException, kinds: tuple[type[BaseException], ...]
+) -> BaseException | None:
+    """Return the first error of one of ``kinds`` in ``error``'s chain of causes, or ``None``."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if kinds and isinstance(current, kinds):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def series(records: Sequence[Mapping[str, Any]], key: str) -> list[Any]:
@@ -175,6 +230,9 @@ class RunLoop:
         self.step_key = step_key
         self.summary_metrics = summary_metrics
         self.started = time.perf_counter() if started is None else started
+        self.checkpoint_root = Path(checkpoint_root)
+        #: Rebuilds after a worker death so far (``recovery/restarts``).
+        self.restarts = 0
         trainer = cfg.trainer
         # Now, before the trainer builds anything: a bad resume path fails fast.
         self.resume_from = resolve_resume_path(trainer.resume_mode, trainer.resume, checkpoint_root)
@@ -185,6 +243,41 @@ class RunLoop:
 
         tqdm.write(f"[{self.kind}] {message}", file=sys.stdout)
         sys.stdout.flush()
+
+    def _recover(
+        self, trainer: RecoverableTrainer, error: BaseException, failure: BaseException
+    ) -> int:
+        """Rebuild ``trainer`` after ``failure`` and load its last checkpoint; return its step.
+
+        Raises:
+            RunAbortedError: ``trainer.max_restarts`` rebuilds were spent (or it is 0), or the
+                rebuild failed; the message names the worker and says how to resume.
+        """
+        cfg = self.cfg.trainer
+        what = trainer.describe_failure(failure)
+        latest = resolve_resume_path("auto", True, self.checkpoint_root)
+        if self.restarts >= cfg.max_restarts:
+            spent = f" after {self.restarts} restart(s)" if self.restarts else ""
+            where = f" (newest checkpoint {latest})" if latest else ""
+            raise RunAbortedError(
+                f"{what}{spent}; trainer.max_restarts={cfg.max_restarts}. Run the same command "
+                f"with trainer.resume_mode=auto to continue from the newest checkpoint{where}"
+            ) from error
+        self.restarts += 1
+        delay = cfg.restart_backoff_s * self.restarts
+        source = latest or "step 0 (no checkpoint yet)"
+        self.log(f"{what}; restart {self.restarts}/{cfg.max_restarts} from {source} in {delay:g}s")
+        time.sleep(delay)
+        try:
+            trainer.rebuild()
+            step = trainer.load(latest) if latest is not None else 0
+        except Exception as exc:
+            raise RunAbortedError(
+                f"{what}; the restart failed ({type(exc).__name__}: {_first_line(exc)})."
+                " Run the same command with trainer.resume_mode=auto to continue"
+            ) from exc
+        self.log(f"restarted at step {step}")
+        return step
 
     def run(self, trainer: LoopTrainer) -> dict[str, Any]:
         """Run ``trainer`` to its last step; write and return the summary."""
@@ -204,17 +297,19 @@ class RunLoop:
                 step = trainer.load(resume_from)
                 self.log(f"resumed from {resume_from} at step {step}")
             total = trainer.total_steps
-            tracker = Tracker.for_run(
-                self.cfg,
-                self.out_dir,
-                resume_step=step if resume_from is not None else None,
-                total_steps=total,
-            )
-            console = tracker.backends.get("console")
-            if console is not None and self.console_keys is not None:
-                # One readable line per step; every metric still goes to the other loggers.
-                console.keys = self.console_keys
-                console.prefixes = ("val/",)
+
+            def open_tracker(resume_step: int | None) -> Tracker:
+                opened = Tracker.for_run(
+                    self.cfg, self.out_dir, resume_step=resume_step, total_steps=total
+                )
+                console = opened.backends.get("console")
+                if console is not None and self.console_keys is not None:
+                    # One readable line per step; every metric still goes to the other loggers.
+                    console.keys = self.console_keys
+                    console.prefixes = ("val/",)
+                return opened
+
+            tracker = open_tracker(step if resume_from is not None else None)
 
             def record(metrics: dict[str, float], at: int) -> None:
                 history.append({"step": at, **tracker.log(metrics, at)})
@@ -230,21 +325,38 @@ class RunLoop:
                 dynamic_ncols=True,
                 file=sys.stderr,
             )
+            kinds = tuple(getattr(trainer, "recoverable", ()))
             with bar:
                 while step < total:
-                    step += 1
-                    metrics = trainer.step(step)
-                    if validate and (step % cfg.test_freq == 0 or step == total):
-                        metrics.update(trainer.validate())
-                    if self.step_key is not None:
-                        metrics[self.step_key] = float(step)
-                    # Log before saving: a crash in between re-runs the step from the previous
-                    # checkpoint, and resuming drops the records logged after that checkpoint.
-                    record(metrics, step)
-                    bar.update(1)
-                    bar.set_postfix(trainer.progress(metrics))
-                    if cfg.save_freq and (step % cfg.save_freq == 0 or step == total):
-                        last_ckpt = trainer.save(step)
+                    try:
+                        step += 1
+                        metrics = trainer.step(step)
+                        if validate and (step % cfg.test_freq == 0 or step == total):
+                            metrics.update(trainer.validate())
+                        if kinds:
+                            metrics["recovery/restarts"] = float(self.restarts)
+                        if self.step_key is not None:
+                            metrics[self.step_key] = float(step)
+                        # Log before saving: a crash in between re-runs the step from the
+                        # previous checkpoint, and resuming drops the records logged after it.
+                        record(metrics, step)
+                        bar.update(1)
+                        bar.set_postfix(trainer.progress(metrics))
+                        if cfg.save_freq and (step % cfg.save_freq == 0 or step == total):
+                            last_ckpt = trainer.save(step)
+                    except Exception as exc:
+                        # A death while saving too: the save is incomplete, so the newest
+                        # complete checkpoint is the one before.
+                        failure = recoverable_cause(exc, kinds)
+                        if failure is None:
+                            raise
+                        step = self._recover(trainer, exc, failure)  # type: ignore[arg-type]
+                        # What was logged after the checkpoint is logged again as it reruns.
+                        history[:] = [h for h in history if h["step"] <= step]
+                        tracker.finish()
+                        tracker = open_tracker(step)
+                        bar.n = step
+                        bar.refresh()
             hf_dir = trainer.finish()
         finally:
             if tracker is not None:

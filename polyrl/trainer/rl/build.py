@@ -234,6 +234,8 @@ class RolloutServers:
         leaders: the ranks of ``group`` that run each server (in ``urls`` order).
         senders: hybrid placement: the engine rank that shares each server's GPU, which sends
             it the weights (in ``urls`` order; empty: rank 0 sends to every server).
+        plans: the :class:`~polyrl.workers.rollout_replica.ReplicaPlan` of each server of
+            ``group`` (in ``urls`` order), with which a dead rank's server starts again.
     """
 
     urls: list[str]
@@ -244,6 +246,7 @@ class RolloutServers:
     processes: list[Any] = dataclasses.field(default_factory=list)
     leaders: list[int] = dataclasses.field(default_factory=list)
     senders: list[int] = dataclasses.field(default_factory=list)
+    plans: list[Any] = dataclasses.field(default_factory=list)
 
     def close(self) -> None:
         """Stop the servers of the Ray group and the group (before the engines' pools go)."""
@@ -454,9 +457,10 @@ def replica_supervisor(cfg: PolyRLConfig, servers: RolloutServers) -> Any:
     if servers.processes:
         handles: list[Any] = [LocalReplica(p) for p in servers.processes]
     elif servers.group is not None and servers.leaders:
+        plans = servers.plans or [None] * len(servers.leaders)
         handles = [
-            RayReplica(servers.group, rank, url)
-            for rank, url in zip(servers.leaders, servers.urls, strict=True)
+            RayReplica(servers.group, rank, url, plan)
+            for rank, url, plan in zip(servers.leaders, servers.urls, plans, strict=True)
         ]
     else:
         return None
@@ -530,6 +534,8 @@ def start_ray_replicas(
     started = group.start_server(plans)
     servers.leaders = [rank for rank, url in enumerate(started) if url is not None]
     servers.urls = [started[rank] for rank in servers.leaders]
+    by_leader = {p.leader: p for p in plans}
+    servers.plans = [by_leader[rank] for rank in servers.leaders]
     if placement == "hybrid" and per:
         # Rollout rank r runs in the bundle of engine rank r (the pool is shared), on its GPU.
         servers.senders = list(servers.leaders)

@@ -294,10 +294,17 @@ class Replicas:
             return None
 
     def metrics(self) -> dict[str, float]:
-        """``rollout/replica_restarts`` and ``rollout/request_retries`` (both since the start)."""
+        """Return the replicas' recovery counters, each since the start.
+
+        ``rollout/replica_restarts``, ``rollout/request_retries`` and
+        ``recovery/replica_actors_recreated``.
+        """
         restarts = self.supervisor.restarts if self.supervisor is not None else 0
+        recreated = self.supervisor.recreated if self.supervisor is not None else 0
         metrics = {
             "rollout/replica_restarts": float(restarts),
+            # Restarts whose Ray actor had died too, so that a new one had to be placed.
+            "recovery/replica_actors_recreated": float(recreated),
             "rollout/request_retries": float(sum(c.retries for c in self._clients)),
         }
         if self._sleep_freed is not None:

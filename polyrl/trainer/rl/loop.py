@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from polyrl.config import ConfigError, PolyRLConfig
+from polyrl.controller import WorkerDiedError
 from polyrl.core.batch import Batch
 from polyrl.core.columns import OLD_LOG_PROBS, PRM_LOG_PROBS, REF_LOG_PROBS, VALUES
 from polyrl.model_engine.checkpoint import prune_checkpoints
@@ -93,6 +94,7 @@ from polyrl.trainer.rl.rollout import (
     timer,
 )
 from polyrl.trainer.rl.settings import RunSettings, resolve_settings, save_rl_config
+from polyrl.trainer.rl.supervisor import ReplicaLostError, describe_failure
 from polyrl.workers.handles import (
     ActorHandle,
     CriticHandle,
@@ -167,7 +169,6 @@ class RLTrainer:
         self.ref: ReferenceHandle | ActorHandle | None = None
         self.critic: CriticHandle | None = None
         self.prm: PRMHandle | None = None
-        algo = cfg.algorithm
         self.use_critic = run.use_critic
         # PRIME's implicit process reward model; its rewards are measured against the reference.
         self.use_prm = run.use_prm
@@ -178,6 +179,15 @@ class RLTrainer:
         #: The generation phase (set up by :meth:`setup`): the same calls in every mode.
         self.rollout: GenerationPhase | None = None
         self.off_policy = run.off_policy
+        self._reset()
+
+    def _reset(self) -> None:
+        """Set what a run changes as it goes to its state before the first step.
+
+        At construction, and before a rebuild after a worker death (whose checkpoint, if any,
+        then restores it as a relaunch's would).
+        """
+        algo = self.cfg.algorithm
         #: Actor updates so far: the weight version the replicas serve once it is pushed.
         self.updates = 0
         from polyrl.algo.kl import AdaptiveKLController, FixedKLController
@@ -678,6 +688,19 @@ class RLTrainer:
         """Write the actor as a Hugging Face model directory (call before the run closes)."""
         return self.actor.export_hf(str(directory))[0]
 
+    def rebuild(self) -> None:
+        """Close everything and set the run up again, as a relaunch of it would.
+
+        After a worker died: the engine groups (whose ``torch.distributed`` group cannot take
+        a new rank), the replicas and the reward workers all start anew, on what the cluster
+        still has. The caller then loads the last checkpoint (:meth:`load`).
+        """
+        self.close()
+        self.servers = self.producer = self.rollout = None
+        self.actor = self.ref = self.critic = self.prm = None
+        self._reset()
+        self.setup()
+
     def close(self) -> None:
         """Stop the worker groups, the rollout client and replicas, and the reward workers."""
         if self.rollout is not None:
@@ -705,10 +728,22 @@ class RLTrainer:
 
 
 class _RLRun:
-    """:class:`RLTrainer` as the run loop's :class:`~polyrl.trainer.run_loop.LoopTrainer`."""
+    """:class:`RLTrainer` as the run loop's :class:`~polyrl.trainer.run_loop.RecoverableTrainer`.
+
+    Recoverable: a worker of any group that died or stopped answering, and a rollout replica
+    that could not be restarted in place.
+    """
+
+    recoverable: tuple[type[BaseException], ...] = (WorkerDiedError, ReplicaLostError)
 
     def __init__(self, trainer: RLTrainer) -> None:
         self.trainer = trainer
+
+    def rebuild(self) -> None:
+        self.trainer.rebuild()
+
+    def describe_failure(self, error: BaseException) -> str:
+        return describe_failure(error)
 
     @property
     def total_steps(self) -> int:

@@ -18,7 +18,13 @@ from typing import Any, Protocol
 
 import httpx
 
-__all__ = ["LocalReplica", "RayReplica", "ReplicaLostError", "ReplicaSupervisor"]
+__all__ = [
+    "LocalReplica",
+    "RayReplica",
+    "ReplicaLostError",
+    "ReplicaSupervisor",
+    "describe_failure",
+]
 
 
 class ReplicaLostError(RuntimeError):
@@ -36,6 +42,25 @@ class ReplicaLostError(RuntimeError):
         super().__init__(message)
         self.url = url
         self.log_tail = log_tail
+
+
+def describe_failure(error: BaseException) -> str:
+    """Put a worker's death into one line: which worker, during which call, what was seen.
+
+    For a :class:`~polyrl.controller.WorkerDiedError` (an engine or reward rank: its call label
+    names the role) or a :class:`ReplicaLostError` (the replica's URL and the end of its log,
+    folded into the line); anything else by its type and first line.
+    """
+    from polyrl.controller import WorkerDiedError
+
+    if isinstance(error, WorkerDiedError):
+        during = f" during {error.method}" if error.method else ""
+        reason = " ".join(str(error.reason).split())
+        return f"worker rank {error.rank} died{during} ({reason})"
+    text = " ".join(str(error).split())
+    if isinstance(error, ReplicaLostError):
+        return text
+    return f"{type(error).__name__}: {text}"
 
 
 class ReplicaHandle(Protocol):
@@ -75,30 +100,73 @@ class LocalReplica:
 
 
 class RayReplica:
-    """A replica whose server runs under rank ``rank`` of a Ray rollout worker group."""
+    """A replica whose server runs under rank ``rank`` of a Ray rollout worker group.
 
-    def __init__(self, group: Any, rank: int, url: str) -> None:
+    Every call goes to that rank alone, so one dead rank leaves the other replicas' handles
+    working. A restart of a rank whose actor died (killed, out of memory, its node lost)
+    first starts a new actor in the rank's bundle (:meth:`WorkerGroup.replace_rank
+    <polyrl.controller.WorkerGroup.replace_rank>`), then its server there.
+
+    Args:
+        group: the rollout worker group.
+        rank: the rank that runs the server.
+        url: the server's URL.
+        plan: the :class:`~polyrl.workers.rollout_replica.ReplicaPlan` the server was started
+            with (``None``: the rank's actor cannot be recreated).
+        ping_s: seconds the rank's actor may take to answer a health check.
+    """
+
+    def __init__(
+        self, group: Any, rank: int, url: str, plan: Any = None, ping_s: float = 10.0
+    ) -> None:
         self.group = group
         self.rank = rank
         self.url = url
+        self.plan = plan
+        self.ping_s = ping_s
+        #: Times the rank's actor was recreated (a subset of the supervisor's restarts).
+        self.recreated = 0
 
     def _state(self) -> dict[str, Any]:
-        return self.group.server_state()[self.rank] or {}
+        state = self.group.call_rank(self.rank, "server_state", timeout=self.ping_s)
+        return state or {}
 
     def alive(self) -> bool:
         """Whether the rank's server runs (a rank that is gone counts as dead too)."""
         try:
             return bool(self._state().get("alive"))
-        except Exception:  # noqa: BLE001 - the actor itself is gone
+        except Exception:  # noqa: BLE001 - the actor itself is gone, or hangs
             return False
 
     def restart(self, timeout: float) -> str:
-        """Have the rank start its server again; return the new URL."""
-        url = self.group.restart_server([self.rank], timeout)[self.rank]
+        """Start the rank's server again (in a new actor if the old one died); return its URL."""
+        if self.plan is not None and not self.group.rank_alive(self.rank, self.ping_s):
+            url = self._recreate(timeout)
+        else:
+            url = self.group.call_rank(
+                self.rank, "restart_server", [self.rank], timeout, timeout=timeout + 30.0
+            )
         if not url:
             raise RuntimeError(f"rank {self.rank} of the rollout group has no server to restart")
         self.url = str(url)
         return self.url
+
+    def _recreate(self, timeout: float) -> str:
+        """Replace the rank's dead actor and start the server in the new one; return its URL."""
+        import dataclasses
+
+        self.group.replace_rank(self.rank, timeout)
+        self.recreated += 1
+        # The bundle's node may have changed (Ray moves the bundles of a lost node): bind the
+        # new actor's address. A replica of one rank serves on that rank's GPUs, which Ray may
+        # have renumbered; one of several ranks keeps its plan's (the other ranks still hold
+        # them).
+        where = self.group.call_rank(self.rank, "placement", timeout=timeout)
+        plan = dataclasses.replace(self.plan, node_id=where["node_id"], host=where["node_ip"])
+        if len(self.plan.gpus) == len(where["gpus"]):
+            plan = dataclasses.replace(plan, gpus=tuple(where["gpus"]))
+        self.plan = plan
+        return self.group.call_rank(self.rank, "start_server", [plan], timeout=timeout)
 
     def log_tail(self) -> str:
         """Return the end of the rank's server log."""
@@ -136,6 +204,11 @@ class ReplicaSupervisor:
         self.restarts = 0
         self._counts = [0] * len(self.handles)
         self._silent_since: dict[int, float] = {}  # handle index -> first failed /health
+
+    @property
+    def recreated(self) -> int:
+        """Replica actors recreated since the start (restarts whose actor had died)."""
+        return sum(int(getattr(h, "recreated", 0)) for h in self.handles)
 
     @property
     def urls(self) -> list[str]:
