@@ -122,7 +122,7 @@ KL_CONTROLLERS = ("fixed", "adaptive")
 POLICY_LOSSES = ("ppo_clip", "gspo")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "simpo")
 PAIR_TRUNCATIONS = ("error", "filter")
-AGENT_LOOPS = ("single_turn", "tool", "env")
+AGENT_LOOPS = ("single_turn", "tool", "env", "openai_agent")
 TOOLS = ("calculator", "countdown_check", "gsm8k_check", "python")
 TOOL_PARSERS = ("hermes",)
 LOSS_AGG_MODES = (
@@ -961,6 +961,34 @@ class AgentConfig(ConfigGroup):
         128, "Tool responses longer than this are cut (and say so).", ge=1
     )
     max_concurrency: int = option(256, "Trajectories rolled out at once.", ge=1)
+    entrypoint: str = option(
+        "",
+        "An agent written against the openai client, as module:function or file.py:function "
+        "(async def agent(client: openai.AsyncOpenAI, task: dict) -> reward); set, it is the "
+        "rollout: agent.enable and agent.default_loop=openai_agent follow unless given.",
+    )
+    timeout_s: float = option(
+        300.0,
+        "Seconds one openai_agent episode may take; a slower one is cancelled, counted "
+        "(agent/timed_out) and not trained on.",
+        gt=0.0,
+    )
+
+    def __post_init__(self) -> None:
+        # `polyrl train grpo agent.entrypoint=m:f` alone makes the agent the rollout.
+        if self.entrypoint and self.default_loop == "single_turn":
+            object.__setattr__(self, "default_loop", "openai_agent")
+        if self.entrypoint:
+            object.__setattr__(self, "enable", True)
+        super().__post_init__()
+
+    def validate(self) -> None:
+        """``openai_agent`` needs an entry point."""
+        if self.default_loop == "openai_agent" and not self.entrypoint:
+            raise ConfigError(
+                "agent.default_loop=openai_agent needs agent.entrypoint=module:function",
+                key="entrypoint",
+            )
 
 
 @dataclasses.dataclass
