@@ -16,8 +16,9 @@ How an episode is recorded:
   (on the trainer's event loop, so weight versions, pauses and failover are the trainer's) and
   records the server's token ids and log-probs as they came back.
 * The sampling that training assumes wins over the agent's: ``temperature``, ``top_p``,
-  ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids`` and the seed are the run's; the agent's ``max_tokens`` only lowers the per-call cap,
-  which is also held to the episode's remaining ``data.max_response_length`` budget.
+  ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids`` and the seed are the run's;
+  the agent's ``max_tokens`` only lowers the per-call cap (``rollout.max_new_tokens``), which
+  is also held to the episode's remaining ``data.max_response_length`` budget.
 
 Which calls become what (the choice, and why): when every call's prompt extends the previous
 call's prompt and completion (the usual chat agent that appends the reply and a tool/user
@@ -59,7 +60,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from polyrl.agent.base import AgentLoop, GenerateClient, Trajectory, prompt_ids_of, register_agent_loop
+from polyrl.agent.base import (
+    AgentLoop,
+    GenerateClient,
+    Trajectory,
+    prompt_ids_of,
+    register_agent_loop,
+)
 
 __all__ = ["OpenAIAgentLoop", "ProxyHost", "load_entrypoint", "proxy_host"]
 
