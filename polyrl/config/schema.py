@@ -115,6 +115,7 @@ ADV_ESTIMATORS = (
     "reinforce_plus_plus_baseline",
     "remax",
     "prime",
+    "turn_grpo",
 )
 PRIME_UPDATES = ("before", "after", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3", "kl", "mse", "low_var_kl", "abs", "full")
@@ -806,7 +807,9 @@ class AlgorithmConfig(ConfigGroup):
     norm_adv_by_std: bool = option(
         True, "GRPO: divide by the group std (false with seq-mean-token-sum-norm is Dr. GRPO)."
     )
-    gamma: float = option(1.0, "Discount factor (gae, reinforce_plus_plus).", ge=0.0, le=1.0)
+    gamma: float = option(
+        1.0, "Discount factor (gae, reinforce_plus_plus, turn_grpo's turns).", ge=0.0, le=1.0
+    )
     lam: float = option(1.0, "GAE lambda.", ge=0.0, le=1.0)
     use_kl_in_reward: bool = option(False, "Subtract a KL penalty to the reference from rewards.")
     kl_penalty: str = option("k1", "KL estimator of the reward penalty.", choices=KL_ESTIMATORS)
