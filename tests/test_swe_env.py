@@ -168,3 +168,23 @@ def test_the_env_loop_runs_an_swe_episode(split, agent_server, tiny_qwen2_tokeni
     assert traj.num_turns == 2 and len(traj.turn_rewards) == 2, traj.finish_reason
     assert traj.turn_rewards[0] == 0.0 and 0.0 < traj.turn_rewards[1] < 1.0
     assert traj.reward == traj.turn_rewards[1] and traj.metrics["env/solved"] == 0.0
+
+
+def test_time_memory_and_disk_limits_hold():
+    async def main():
+        env = SWEEnv(timeout=4.0, memory_mb=256, disk_mb=8, max_steps=9)
+        env.reset(index=0)
+        slow = await env.call("bash", {"command": "sleep 30; echo woke"})
+        big = await env.call(
+            "bash", {"command": "python3 -c \"open('big', 'wb').write(bytes(64 << 20))\""}
+        )
+        hungry = await env.call(
+            "bash", {"command": 'python3 -c "x = bytearray(1 << 30); print(len(x))"'}
+        )
+        return slow[0], big[0], hungry[0], env.files
+
+    slow, big, hungry, files = asyncio.run(main())
+    assert "timed out" in slow and "woke" not in slow
+    assert "No space left" in big or "File too large" in big, big
+    assert "MemoryError" in hungry, hungry
+    assert "big" not in files  # nothing over the limit reached the episode's copy
