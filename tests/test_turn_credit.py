@@ -82,3 +82,71 @@ def test_compute_advantages_with_turn_grpo_from_the_config():
     s = 1 / math.sqrt(2)
     assert batch[ADVANTAGES][0].tolist() == pytest.approx([0, 0, 0, s, s, 0, 0], abs=1e-5)
     assert batch[RETURNS][0].tolist() == [1, 1, 0, 2, 2, 0, 2]
+
+
+@pytest.mark.slow
+def test_grpo_with_turn_credit_trains_on_an_environments_step_rewards(tmp_path, monkeypatch):
+    """The env loop's step rewards reach turn_grpo per turn in a real GRPO run."""
+    import dataclasses
+    import json
+
+    from polyrl.agent.envs import Env, register_env
+    from polyrl.config import load_config
+    from polyrl.trainer.rl import RLTrainer
+
+    @register_env("test_short_turns")
+    class ShortTurns(Env):
+        """Three turns; each step rewards a short turn (a dense per-turn signal)."""
+
+        def reset(self, seed=None, **kwargs):
+            self.turns = 0
+            return "Say something short."
+
+        def step(self, action):
+            self.turns += 1
+            return "Again.", -len(action) / 20.0, self.turns >= 3, {}
+
+    out = tmp_path / "run"
+    cfg = load_config(
+        "demo",
+        [
+            f"trainer.output_dir={out}",
+            "agent.enable=true",
+            "agent.default_loop=env",
+            "algorithm.adv_estimator=turn_grpo",
+            "algorithm.gamma=0.9",
+            "agent.max_turns=3",
+            "model.tiny_size=nano",
+            "data.train_batch_size=2",
+            "actor.ppo_mini_batch_size=2",
+            "rollout.n=4",
+            "rollout.max_new_tokens=6",
+            "data.max_response_length=96",
+            "data.max_prompt_length=256",
+            "trainer.total_steps=1",
+            "trainer.loggers=[jsonl]",
+            "trainer.test_freq=0",
+            "trainer.val_before_train=false",
+            "trainer.worker_backend=local",
+            "reward.num_workers=1",
+        ],
+    )
+    stops = list(range(20, 1024, 3))  # the random model's turns end early: all 3 are played
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, stop_token_ids=stops))
+    from polyrl.agent import env_loop
+
+    original = env_loop.EnvAgentLoop.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **{**kwargs, "env": "test_short_turns"})
+
+    # The demo rows name no environment: the loop's default becomes this one.
+    monkeypatch.setattr(env_loop.EnvAgentLoop, "__init__", init)
+    RLTrainer(cfg).fit()
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "critic/score/mean" in r]
+    assert len(steps) == 1
+    for r in steps:
+        # A turn cut by max_new_tokens ends its episode early, still with one reward per turn.
+        assert r["num_turns/mean"] > 2.0 and r["turn_credit/rows_per_turn"] == 1.0
+        assert r["critic/score/mean"] < 0 and r["actor/grad_norm"] > 0
