@@ -188,3 +188,91 @@ def test_time_memory_and_disk_limits_hold():
     assert "No space left" in big or "File too large" in big, big
     assert "MemoryError" in hungry, hungry
     assert "big" not in files  # nothing over the limit reached the episode's copy
+
+
+def test_the_swe_agent_runs_through_the_openai_proxy_path(agent_server, tiny_qwen2_tokenizer):
+    """The random model calls no tool: one call, then the tests score the buggy code."""
+    from polyrl.agent import run_agent_loops
+    from polyrl.rollout.client import RolloutClient
+
+    (row,) = swe_rows("heldout", 1)
+    # Without agent_name (which picks the env loop), the default openai_agent loop plays it.
+    extra = {k: v for k, v in row["extra_info"].items() if k != "agent_name"}
+    row = {**row, "extra_info": extra}
+
+    async def main():
+        async with RolloutClient([agent_server.url], health_interval=0) as client:
+            return await run_agent_loops(
+                [{**row, "seed": 3}],
+                client,
+                tiny_qwen2_tokenizer,
+                default_agent="openai_agent",
+                loop_kwargs={
+                    "openai_agent": {
+                        "entrypoint": "polyrl.agent.swe_env:openai_swe_agent",
+                        "max_response_length": 64,
+                        "sampling_params": {"max_new_tokens": 8},
+                    }
+                },
+            )
+
+    (traj,) = asyncio.run(main())
+    assert traj.agent_name == "openai_agent" and traj.metrics["agent/failed"] == 0.0, traj
+    assert traj.num_turns >= 1 and 0.0 < traj.reward < 1.0
+    assert traj.metrics["agent_info/solved"] == 0.0
+
+
+def test_a_scripted_fix_through_the_openai_proxy_path_scores_one(
+    agent_server, tiny_qwen2_tokenizer
+):
+    """The model's turns are scripted (each sent to the real server first): a write_file
+    call with the fix, then submit; the proxy turns them into OpenAI tool calls, the agent
+    echoes them back, and the episode is one trajectory with reward 1.0."""
+    from polyrl.agent import run_agent_loops
+    from polyrl.rollout.client import RolloutClient
+
+    tok = tiny_qwen2_tokenizer
+    task = make_repo("train", 4)
+    ((path, fixed),) = task.fix.items()
+    script = [
+        call("write_file", path=path, content=fixed),
+        call("submit"),
+    ]
+
+    class Scripted:
+        def __init__(self, client):
+            self.client = client
+
+        async def generate(self, input_ids, sampling_params=None, *, session_id=None, **kw):
+            params = {**dict(sampling_params or {}), "max_new_tokens": 1}
+            result = await self.client.generate(input_ids, params, session_id=session_id)
+            ids = tok.encode(script.pop(0), add_special_tokens=False) + [tok.eos_token_id]
+            out = result.outputs[0]
+            out.output_ids, out.logprobs, out.finish_reason = ids, [-0.5] * len(ids), "stop"
+            return result
+
+    row = {
+        "prompt": [{"role": "user", "content": "fix it"}],
+        "extra_info": {"env_kwargs": {"split": "train", "index": 4, **FAST}},
+    }
+
+    async def main():
+        async with RolloutClient([agent_server.url], health_interval=0) as client:
+            return await run_agent_loops(
+                [row],
+                Scripted(client),
+                tok,
+                default_agent="openai_agent",
+                loop_kwargs={
+                    "openai_agent": {
+                        "entrypoint": "polyrl.agent.swe_env:openai_swe_agent",
+                        "max_response_length": 2048,
+                    }
+                },
+            )
+
+    (traj,) = asyncio.run(main())
+    assert traj.metrics["agent/failed"] == 0.0, traj.finish_reason
+    assert traj.num_turns == 2 and traj.reward == 1.0
+    assert traj.metrics["agent_info/solved"] == 1.0
+    assert 0 in traj.response_mask  # the tool message's tokens, not trained on

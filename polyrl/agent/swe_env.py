@@ -20,6 +20,9 @@ held in memory by the environment. Each model turn is one tool call in the Herme
   process it started are gone when the call returns);
 * ``submit {}``: ends the episode.
 
+The same environment through the proxy path: :func:`openai_swe_agent` is an agent on the
+stock ``openai`` client (``agent.entrypoint=polyrl.agent.swe_env:openai_swe_agent``).
+
 Reward (at the end only: on ``submit`` or after ``max_steps`` turns): the fraction of the
 repository's tests that pass, run from the pristine test files against the episode's code, and
 1.0 only when all pass. A test file that the agent deleted or changed makes the reward 0 (its
@@ -41,7 +44,7 @@ from typing import Any
 from polyrl.agent.envs import Env, StepResult, register_env
 from polyrl.core.sandbox import SandboxConfig, arun_in_sandbox
 
-__all__ = ["SWEEnv", "SWETask", "make_repo", "swe_rows"]
+__all__ = ["OPENAI_TOOLS", "SWEEnv", "SWETask", "make_repo", "openai_swe_agent", "swe_rows"]
 
 SPLITS = ("train", "heldout")
 
@@ -472,3 +475,75 @@ class SWEEnv(Env):
         results = await self.run_tests({**self.files, **pristine})
         passed = sum(r == "passed" for r in results.values())
         return passed / len(results), results
+
+
+#: The environment's tools in the OpenAI ``tools`` format (for agents using the openai client).
+OPENAI_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": description,
+            "parameters": {
+                "type": "object",
+                "properties": {p: {"type": "string"} for p in params},
+                "required": list(params),
+            },
+        },
+    }
+    for name, description, params in (
+        ("list_files", "List the repository's files.", ()),
+        ("read_file", "Read a file.", ("path",)),
+        ("write_file", "Replace a file's content.", ("path", "content")),
+        ("apply_patch", "Replace one exact occurrence of old by new.", ("path", "old", "new")),
+        ("run_tests", "Run the tests.", ()),
+        ("bash", "Run a shell command in the repository.", ("command",)),
+        ("submit", "End the episode.", ()),
+    )
+]
+
+
+async def openai_swe_agent(client: Any, task: Mapping[str, Any]) -> tuple[float, dict[str, float]]:
+    """Play the ``swe`` environment as an agent on the openai client (``agent.entrypoint``).
+
+    ``polyrl train grpo agent.entrypoint=polyrl.agent.swe_env:openai_swe_agent`` on rows of
+    :func:`swe_rows` (without their ``agent_name``, which picks the ``env`` loop): the tools
+    are offered as OpenAI ``tools``, each tool call the model makes (the proxy parses them)
+    runs on the episode's copy, its result goes back as a ``tool`` message, and the
+    conversation only ever grows, so the episode is one trajectory. It ends on ``submit``, a
+    reply without a tool call, or ``max_steps``; the reward is the tests'.
+    """
+    extra = task.get("extra_info") or {}
+    env = SWEEnv()
+    kwargs = dict(extra.get("env_kwargs") or {})
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": env.reset(seed=extra.get("seed"), **kwargs)},
+    ]
+    for _ in range(env.max_steps):
+        reply = await client.chat.completions.create(
+            model="policy", messages=messages, tools=OPENAI_TOOLS
+        )
+        message = reply.choices[0].message
+        calls = list(message.tool_calls or [])
+        # Echoed back as received, so the next call extends this one (one trajectory).
+        echoed: dict[str, Any] = {"role": "assistant", "content": message.content}
+        if calls:
+            echoed["tool_calls"] = [c.model_dump() for c in calls]
+        messages.append(echoed)
+        if not calls:
+            break
+        done = False
+        for c in calls:
+            try:
+                args = json.loads(c.function.arguments or "{}")
+            except ValueError:
+                args = {}
+            obs, done = await env.call(c.function.name, args if isinstance(args, dict) else {})
+            messages.append({"role": "tool", "tool_call_id": c.id, "content": obs})
+            if done:
+                break
+        if done:
+            break
+    reward, info = await env.finish()
+    return reward, info
