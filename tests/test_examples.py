@@ -19,6 +19,7 @@ SMOKE = {
     "grpo_custom_reward.py": "remax {'steps': 2",
     "ppo_critic.py": "'steps': 2",
     "tool_agent.py": "turns=2 tool_calls=1 tool_errors=0",
+    "openai_agent.py": "step 2: score",
     "custom_env.py": "'steps': 1",
     "rollout_server.py": "httpx chat:",
     "transfer_queue.py": "actor takes the last 4 samples",

@@ -831,6 +831,7 @@ AGENT_LOOPS: Registry[type[AgentLoop]] = Registry(
     "agent loop",
     lazy={
         "env": "polyrl.agent.env_loop",
+        "openai_agent": "polyrl.agent.openai_agent",
         "single_turn": "polyrl.agent.single_turn",
         "tool": "polyrl.agent.tool_loop",
     },

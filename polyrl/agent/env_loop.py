@@ -3,7 +3,10 @@
 The environment's first observation is appended to the sample's prompt messages as a user turn
 (part of the prompt); then each model turn is passed to ``env.step`` and, unless the episode is
 done, the next observation is appended as a user message through the chat template's token delta
-(mask 0). Per-step rewards go to ``turn_rewards``; the final reward is their sum.
+(mask 0). Per-step rewards go to ``turn_rewards``; the final reward is their sum. An
+environment with a ``finish() -> (reward, info)`` method is asked for it when the loop ends an
+episode the environment did not end (turn or length limit); that reward is added to the last
+turn's.
 
 An observation is a string or chat content parts (``{"type": "text", "text": ...}``,
 ``{"type": "image", "image": <PIL image, PNG bytes, base64, data: URL...>}``); images need the
@@ -146,6 +149,12 @@ class EnvAgentLoop(AgentLoop):
                 traj.finish_reason = "length"
                 break
             traj.append_env(delta, media)
+        finish = getattr(env, "finish", None)
+        if traj.finish_reason != "done" and callable(finish):
+            # The loop ended the episode (turns, length): an environment that rewards only at
+            # the end (e.g. swe's tests) scores it now; the reward belongs to the last turn.
+            reward, info = await _maybe_await(finish())
+            traj.turn_rewards[-1] += float(reward)
         traj.reward = float(sum(traj.turn_rewards))
         for key, value in dict(info or {}).items():
             if isinstance(value, int | float) and not isinstance(value, bool):

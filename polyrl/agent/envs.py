@@ -9,6 +9,8 @@ a data: URL>}]`` (the environment loop then needs the policy's vision processor)
 * ``guess_number``: find a hidden integer; each guess gets "higher" / "lower" feedback.
 * ``countdown``: reach a target with the given numbers; each candidate expression is checked
   (with the countdown scorer's exact evaluator) and the feedback says what it evaluates to.
+* ``swe``: fix the planted bug of a generated Python repository with file, test and shell tools
+  run in the sandbox (:mod:`polyrl.agent.swe_env`).
 * ``visual_color``: name the colour of a square shown as an image; a wrong answer is shown a
   second image (a small multi-turn image-feedback environment for vision-language models).
 """
@@ -56,7 +58,12 @@ class Env(abc.ABC):
 
 
 #: Environment classes by name.
-ENVS: Registry[type[Env]] = Registry("environment", base=Env)
+ENVS: Registry[type[Env]] = Registry(
+    "environment",
+    base=Env,
+    # Imported on first use: it brings the sandbox and the tool-call parser.
+    lazy={"swe": "polyrl.agent.swe_env"},
+)
 register_env = ENVS.register
 available_envs = ENVS.names
 get_env = ENVS.get

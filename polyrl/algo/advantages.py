@@ -13,6 +13,8 @@ Let ``s_i = sum_t r_{i,t}`` be the sequence score.
 - ``reinforce_plus_plus``: ``G_t = r_t + gamma * G_{t+1}``, ``A = whiten(G)`` over the batch.
 - ``reinforce_plus_plus_baseline``: ``A = whiten(s_i - mean_g(s))`` broadcast over tokens.
 - ``remax``: ``G_t = sum_{k>=t} r_k``, ``A_t = G_t - b_i`` with ``b_i`` the greedy rollout's score.
+- ``turn_grpo``: per-turn discounted returns ``G_{i,t}`` of the turns' rewards (contiguous
+  mask runs), each turn's tokens get ``(G_{i,t} - mean) / std`` over the same turn of the group.
 - ``prime``: PRIME's leave-one-out combination of implicit process rewards ``p_{i,t}`` (from
   :mod:`polyrl.algo.prime`) and outcome scores: ``A_{i,t} = c_p * sum_{k>=t} (p_{i,k} -
   mean_{j != i} pbar_j) + c_o * (s_i - mean_{j != i} s_j)`` with ``pbar_j`` the mean token
@@ -273,3 +275,78 @@ def prime(
         returns = torch.where((count > 1).unsqueeze(-1), combined, torch.zeros_like(combined))
         adv = masked_whiten(returns, mask) if whiten else returns.clone()
     return adv, returns
+
+
+def turn_spans(mask_row: torch.Tensor) -> list[tuple[int, int]]:
+    """Return the ``[start, end)`` spans of the contiguous nonzero runs of one mask row.
+
+    In an agent trajectory each run is one model turn: turns are separated by the tool or
+    environment tokens (mask 0) between them.
+    """
+    on = (mask_row != 0).to(torch.int8)
+    edges = torch.diff(on, prepend=on.new_zeros(1), append=on.new_zeros(1))
+    starts = torch.nonzero(edges == 1).flatten().tolist()
+    ends = torch.nonzero(edges == -1).flatten().tolist()
+    return list(zip(starts, ends, strict=True))
+
+
+@register_advantage("turn_grpo")
+def turn_grpo(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: Any = None,
+    values: torch.Tensor | None = None,
+    baseline_rewards: torch.Tensor | None = None,
+    *,
+    gamma: float = 1.0,
+    norm_adv_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-turn discounted returns with per-turn group baselines (multi-turn credit).
+
+    Turns are the contiguous runs of the mask (:func:`turn_spans`); turn ``t``'s reward
+    ``r_{i,t}`` is the sum of the token rewards in its run (the trainer puts each environment
+    step's reward on the last token of the turn it answered). Then
+
+    ``G_{i,t} = sum_{k>=t} gamma^(k-t) r_{i,k}``, and every token of turn ``t`` of row ``i``
+    gets ``A = (G_{i,t} - mean_{j in g, t}(G)) / (std_{j in g, t}(G) + eps)``: the mean and
+    Bessel std over the rows of ``i``'s group that have a turn ``t`` (``norm_adv_by_std=False``:
+    no division). A (group, turn) with a single row gives 0, as GRPO's singleton groups do.
+    ``returns`` holds ``G`` on the turn's tokens.
+
+    With one turn per row and ``gamma=1`` this is ``grpo``. With several, an early turn is
+    judged by what followed it (its return) against the same turn of the other attempts of the
+    prompt, instead of every token sharing the trajectory's total.
+    """
+    mask = _check(token_level_rewards, response_mask)
+    with torch.no_grad():
+        B = token_level_rewards.shape[0]
+        gid = _group_ids(index, B).tolist()
+        spans = [turn_spans(mask[i]) for i in range(B)]
+        returns_of: list[list[float]] = []
+        for i in range(B):
+            rewards = [float(token_level_rewards[i, a:b].sum()) for a, b in spans[i]]
+            g, out = 0.0, []
+            for r in reversed(rewards):
+                g = r + gamma * g
+                out.append(g)
+            returns_of.append(out[::-1])
+        pooled: dict[tuple[int, int], list[float]] = {}
+        for i in range(B):
+            for t, g in enumerate(returns_of[i]):
+                pooled.setdefault((gid[i], t), []).append(g)
+        adv = torch.zeros_like(token_level_rewards)
+        ret = torch.zeros_like(token_level_rewards)
+        for i in range(B):
+            for t, ((a, b), g) in enumerate(zip(spans[i], returns_of[i], strict=True)):
+                peers = torch.tensor(pooled[(gid[i], t)], dtype=torch.float64)
+                ret[i, a:b] = g
+                if peers.numel() < 2:
+                    continue
+                value = g - float(peers.mean())
+                if norm_adv_by_std:
+                    value /= float(peers.std(unbiased=True)) + eps
+                adv[i, a:b] = value
+        adv = adv * mask
+        ret = ret * mask
+    return adv, ret

@@ -116,6 +116,7 @@ ADV_ESTIMATORS = (
     "reinforce_plus_plus_baseline",
     "remax",
     "prime",
+    "turn_grpo",
 )
 PRIME_UPDATES = ("before", "after", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3", "kl", "mse", "low_var_kl", "abs", "full")
@@ -125,7 +126,7 @@ CURRICULA = ("none", "pass_rate")
 ROLLOUT_RS_MODES = ("none", "token", "icepop", "sequence", "geometric")
 DPO_LOSS_TYPES = ("sigmoid", "ipo", "simpo")
 PAIR_TRUNCATIONS = ("error", "filter")
-AGENT_LOOPS = ("single_turn", "tool", "env")
+AGENT_LOOPS = ("single_turn", "tool", "env", "openai_agent")
 TOOLS = ("calculator", "countdown_check", "gsm8k_check", "python")
 TOOL_PARSERS = ("hermes",)
 LOSS_AGG_MODES = (
@@ -906,7 +907,9 @@ class AlgorithmConfig(ConfigGroup):
     norm_adv_by_std: bool = option(
         True, "GRPO: divide by the group std (false with seq-mean-token-sum-norm is Dr. GRPO)."
     )
-    gamma: float = option(1.0, "Discount factor (gae, reinforce_plus_plus).", ge=0.0, le=1.0)
+    gamma: float = option(
+        1.0, "Discount factor (gae, reinforce_plus_plus, turn_grpo's turns).", ge=0.0, le=1.0
+    )
     lam: float = option(1.0, "GAE lambda.", ge=0.0, le=1.0)
     use_kl_in_reward: bool = option(False, "Subtract a KL penalty to the reference from rewards.")
     kl_penalty: str = option("k1", "KL estimator of the reward penalty.", choices=KL_ESTIMATORS)
@@ -1235,6 +1238,34 @@ class AgentConfig(ConfigGroup):
         128, "Tool responses longer than this are cut (and say so).", ge=1
     )
     max_concurrency: int = option(256, "Trajectories rolled out at once.", ge=1)
+    entrypoint: str = option(
+        "",
+        "An agent written against the openai client, as module:function or file.py:function "
+        "(async def agent(client: openai.AsyncOpenAI, task: dict) -> reward); set, it is the "
+        "rollout: agent.enable and agent.default_loop=openai_agent follow unless given.",
+    )
+    timeout_s: float = option(
+        300.0,
+        "Seconds one openai_agent episode may take; a slower one is cancelled, counted "
+        "(agent/timed_out) and not trained on.",
+        gt=0.0,
+    )
+
+    def __post_init__(self) -> None:
+        # `polyrl train grpo agent.entrypoint=m:f` alone makes the agent the rollout.
+        if self.entrypoint and self.default_loop == "single_turn":
+            object.__setattr__(self, "default_loop", "openai_agent")
+        if self.entrypoint:
+            object.__setattr__(self, "enable", True)
+        super().__post_init__()
+
+    def validate(self) -> None:
+        """``openai_agent`` needs an entry point."""
+        if self.default_loop == "openai_agent" and not self.entrypoint:
+            raise ConfigError(
+                "agent.default_loop=openai_agent needs agent.entrypoint=module:function",
+                key="entrypoint",
+            )
 
 
 @dataclasses.dataclass

@@ -43,6 +43,7 @@ __all__ = [
     "compute_advantages",
     "filter_overlong",
     "place_on_last_token",
+    "place_turn_rewards",
 ]
 
 #: The columns the advantage phase adds to a step's rows.
@@ -57,6 +58,36 @@ def place_on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
     rows = torch.nonzero(last >= 0).flatten()
     out[rows, last[rows]] = scores[rows].float()
     return out
+
+
+def place_turn_rewards(
+    scores: torch.Tensor, mask: torch.Tensor, turn_rewards: Any
+) -> tuple[torch.Tensor, int]:
+    """Token scores with each agent turn's reward on that turn's last token.
+
+    ``turn_rewards[i]`` holds row ``i``'s per-turn rewards (the env loop's step rewards, one
+    per model turn); the model turns are the contiguous runs of ``mask``. Where they match in
+    number, reward ``k`` goes on the last token of run ``k`` and what ``scores[i]`` adds to
+    their sum (a scorer's score, the overlong penalty) on the last token, so every row's token
+    scores still sum to its score. Other rows (no turn rewards, a truncated trajectory whose
+    runs and rewards disagree) get :func:`place_on_last_token`'s layout. Returns the token
+    scores and how many rows got per-turn placement.
+    """
+    from polyrl.algo.advantages import turn_spans
+
+    out = place_on_last_token(scores, mask)
+    placed = 0
+    for i in range(mask.shape[0]):
+        rewards = [] if turn_rewards is None else list(turn_rewards[i] or [])
+        spans = turn_spans(mask[i])
+        if not rewards or len(rewards) != len(spans):
+            continue
+        placed += 1
+        out[i].zero_()
+        for (_, end), r in zip(spans, rewards, strict=True):
+            out[i, end - 1] += float(r)
+        out[i, spans[-1][1] - 1] += float(scores[i]) - float(sum(rewards))
+    return out, placed
 
 
 def filter_overlong(batch: Batch, max_response_length: int) -> int:
@@ -115,6 +146,8 @@ def compute_advantages(
         kwargs = {"gamma": algo.gamma, "lam": algo.lam}
     elif algo.adv_estimator == "grpo":
         kwargs = {"norm_adv_by_std": algo.norm_adv_by_std}
+    elif algo.adv_estimator == "turn_grpo":
+        kwargs = {"gamma": algo.gamma, "norm_adv_by_std": algo.norm_adv_by_std}
     elif algo.adv_estimator == "reinforce_plus_plus":
         kwargs = {"gamma": algo.gamma}
     elif algo.adv_estimator == "prime":
@@ -161,7 +194,16 @@ def advantage_phase(
     the columns it wrote and the step's data metrics.
     """
     mask = batch[LOSS_MASK]
-    batch[TOKEN_LEVEL_SCORES] = place_on_last_token(batch[SCORE], mask)
+    if cfg.algorithm.adv_estimator == "turn_grpo":
+        # Per-turn credit: each environment step's reward stays on the turn it answered.
+        scores, placed = place_turn_rewards(
+            batch[SCORE], mask, batch.non_tensors.get("turn_rewards")
+        )
+        batch[TOKEN_LEVEL_SCORES] = scores
+        per_turn = {"turn_credit/rows_per_turn": placed / max(len(batch), 1)}
+    else:
+        batch[TOKEN_LEVEL_SCORES] = place_on_last_token(batch[SCORE], mask)
+        per_turn = {}
     written = list(ADVANTAGE_OUTPUTS)
     prime_metrics: dict[str, float] = {}
     if PRM_LOG_PROBS in batch.tensor_keys:
@@ -175,6 +217,7 @@ def advantage_phase(
     baseline = batch[BASELINE] if BASELINE in batch.tensor_keys else None
     metrics = compute_advantages(batch, cfg, kl_ctrl, baseline)
     metrics.update(prime_metrics)
+    metrics.update(per_turn)
     metrics.update(batch_metrics(batch, max_response_length))
     if cfg.algorithm.overlong_filter:
         # After the advantages and the data metrics: the truncated responses still count in

@@ -565,6 +565,11 @@ class RolloutProducer:
                 "tool_timeout": agent.tool_timeout_s,
                 "max_tool_response_tokens": agent.max_tool_response_tokens,
             },
+            "openai_agent": {
+                **common,
+                "entrypoint": agent.entrypoint,
+                "timeout_s": agent.timeout_s,
+            },
         }
         samples = []
         for i, item in enumerate(items):
