@@ -734,7 +734,7 @@ class FSDP2Engine(TrainingEngine):
         """Return the checkpointer once parameters (and, but to export, optimizer) are here."""
         self._require_params(what)
         if self._ep is not None:
-            raise NotImplementedError(f"{what} is not supported with expert parallelism yet")
+            raise ValueError(f"{what} is not supported with expert parallelism yet")
         if what != "export_hf" and self._optim_offloaded is not None:
             raise RuntimeError(f"{what}: optimizer state is offloaded; call reload() first")
         assert self._checkpointer is not None

@@ -114,7 +114,7 @@ def _rope_theta(config: Any) -> float:
     if isinstance(params, Mapping):
         kind = params.get("rope_type", params.get("type", "default"))
         if kind not in ("default", None):
-            raise NotImplementedError(
+            raise ValueError(
                 f"RoPE type {kind!r} is not supported by the Megatron backend yet (only default)"
             )
         if "rope_theta" in params:
@@ -208,17 +208,17 @@ class MegatronEngine(TrainingEngine):
     def _check_supported(self) -> None:
         spec, cfg = self.model_spec, self.engine_config
         if spec.kind != "causal_lm":
-            raise NotImplementedError("the Megatron backend trains causal LMs only (no value head)")
+            raise ValueError("the Megatron backend trains causal LMs only (no value head)")
         if spec.lora_rank:
-            raise NotImplementedError("the Megatron backend has no LoRA support yet (lora_rank=0)")
+            raise ValueError("the Megatron backend has no LoRA support yet (lora_rank=0)")
         par = cfg.parallelism
         if par.pipeline_parallel_size != 1 or par.context_parallel_size != 1:
-            raise NotImplementedError(
+            raise ValueError(
                 "the Megatron backend runs tensor and expert parallelism only: pipeline_parallel_"
                 "size and context_parallel_size must be 1"
             )
         if cfg.gradient_checkpointing:
-            raise NotImplementedError("gradient_checkpointing is not wired to Megatron's recompute")
+            raise ValueError("gradient_checkpointing is not wired to Megatron's recompute")
 
     def _build(self, device: torch.device) -> None:
         from megatron.core import parallel_state as ps
@@ -731,7 +731,7 @@ class MegatronEngine(TrainingEngine):
             dist.all_gather(shards, local.contiguous(), group=group)
             return cv.gather(name, shards)
         if layout.etp != 1:
-            raise NotImplementedError("named_tensors with expert_tensor_parallel_size > 1")
+            raise ValueError("named_tensors with expert_tensor_parallel_size > 1")
         owner = found[1] // (layout.num_experts // layout.ep)
         local_name = cv.local_name(name, layout, owner)
         assert local_name is not None

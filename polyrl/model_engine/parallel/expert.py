@@ -82,7 +82,7 @@ class ShardedExperts(nn.Module):
         super().__init__()
         names = {n for n, _ in experts.named_parameters(recurse=False)}
         if names != set(_EXPERT_PARAMS):
-            raise NotImplementedError(
+            raise ValueError(
                 f"expert parallelism shards fused experts with {_EXPERT_PARAMS}; "
                 f"{type(experts).__name__} has {sorted(names)}"
             )
@@ -196,7 +196,7 @@ class ExpertParallel:
         replicate ranks hold the same ones after :meth:`reduce_grads`).
         """
         if norm_type != 2.0:
-            raise NotImplementedError("expert parallelism computes the 2-norm of gradients")
+            raise ValueError("expert parallelism computes the 2-norm of gradients")
         from torch.distributed.tensor import DTensor
 
         grads = [g for g in other if g is not None]

@@ -48,7 +48,7 @@ class ParallelModelOutput(ModelOutput):
     @property
     def logits(self) -> torch.Tensor:
         """Refused: under tensor/sequence parallelism each rank holds a shard of the logits."""
-        raise NotImplementedError(
+        raise ValueError(
             "ModelOutput.logits is not available under tensor_parallel_size > 1 or "
             "ulysses_sequence_parallel_size > 1 (each rank holds a shard of them); use "
             "log_probs / entropy"
