@@ -1084,3 +1084,74 @@ def test_verl_ulysses_sizes_map_onto_the_actor_and_critic_engines():
     assert cfg.actor.ulysses_sequence_parallel_size == 2
     assert cfg.critic.ulysses_sequence_parallel_size == 4
     assert cfg.actor.tensor_parallel_size == cfg.actor.expert_parallel_size == 1
+
+
+# verl's examples/grpo_trainer/run_qwen2_5_vl-7b.sh (Geometry3K with Qwen2.5-VL), as its shell
+# expands it with ENGINE=vllm; the test swaps the model and the parquet files for local ones.
+VERL_GEO3K = """
+    algorithm.adv_estimator=grpo
+    data.train_files=$HOME/data/geo3k/train.parquet
+    data.val_files=$HOME/data/geo3k/test.parquet
+    data.train_batch_size=512
+    data.max_prompt_length=1024
+    data.max_response_length=2048
+    data.filter_overlong_prompts=True
+    data.truncation='error'
+    data.image_key=images
+    actor_rollout_ref.model.path=Qwen/Qwen2.5-VL-7B-Instruct
+    actor_rollout_ref.actor.optim.lr=1e-6
+    actor_rollout_ref.model.use_remove_padding=True
+    actor_rollout_ref.actor.ppo_mini_batch_size=128
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=10
+    actor_rollout_ref.actor.use_kl_loss=True
+    actor_rollout_ref.actor.kl_loss_coef=0.01
+    actor_rollout_ref.actor.kl_loss_type=low_var_kl
+    actor_rollout_ref.actor.entropy_coeff=0
+    actor_rollout_ref.model.enable_gradient_checkpointing=True
+    actor_rollout_ref.actor.fsdp_config.param_offload=False
+    actor_rollout_ref.actor.fsdp_config.optimizer_offload=False
+    actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=20
+    actor_rollout_ref.rollout.tensor_model_parallel_size=2
+    actor_rollout_ref.rollout.name=vllm
+    actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache=True
+    actor_rollout_ref.rollout.gpu_memory_utilization=0.6
+    actor_rollout_ref.rollout.enable_chunked_prefill=False
+    actor_rollout_ref.rollout.enforce_eager=False
+    actor_rollout_ref.rollout.free_cache_engine=False
+    actor_rollout_ref.rollout.n=5
+    actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=20
+    actor_rollout_ref.ref.fsdp_config.param_offload=True
+    algorithm.use_kl_in_reward=False
+    trainer.critic_warmup=0
+    trainer.logger=['console','wandb']
+    trainer.project_name='verl_grpo_example_geo3k'
+    trainer.experiment_name='qwen2_5_vl_7b_function_rm'
+    trainer.n_gpus_per_node=8
+    trainer.nnodes=1
+    trainer.save_freq=20
+    trainer.test_freq=5
+    trainer.total_epochs=15
+"""
+
+
+@pytest.mark.slow
+def test_verls_geometry3k_vlm_line_trains(tmp_path, tiny_vl_dir):
+    from polyrl.data.tasks import write_task_splits
+
+    # The visual task's parquet has verl's multi-modal layout: images: [{bytes}], "<image>"
+    # in the prompt text, as geo3k's preprocessing writes it.
+    files = write_task_splits("visual_count", tmp_path / "geo3k", 16, 8, seed=0)
+    out = _run_verl_line(
+        tmp_path,
+        tiny_vl_dir,
+        "grpo",
+        VERL_GEO3K,
+        files=files,
+        shrink={"trainer.logger": "['console']", "data.max_prompt_length": "32"},
+    )
+    assert "dropped" not in out
+    summary = _summary(tmp_path)
+    assert summary["steps"] == 2
+    cfg = load_config(tmp_path / "out" / "rl_config.yaml")
+    assert cfg.data.image_key == "images" and cfg.model.path == str(tiny_vl_dir)
+    assert cfg.actor.kl_loss_type == "low_var_kl" and cfg.rollout.n == 4
