@@ -18,6 +18,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m polyrl.demo
 
+# The vision-language demo: a tiny Qwen2-VL-style model counts shapes drawn with Pillow.
+.PHONY: demo-vlm
+demo-vlm: $(STAMP)
+	$(PY) -m polyrl.demo demo_vlm
+
 # pytest exits 5 when it collected no test: that is a broken suite, not a pass.
 # Lint first: it takes seconds, and a broken layer contract should fail before the suite runs.
 # Two pytest workers (one per core of the CI machine), a test file per worker at a time so

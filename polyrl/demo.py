@@ -259,6 +259,9 @@ def run(cfg: PolyRLConfig) -> dict[str, Any]:
         "seconds": seconds,
         "sft_accuracy": round(rows[0][1]["mean"], 4),
         "rl_accuracy": round(rows[1][1]["mean"], 4),
+        # The policy's own answers (temperature 1, mean over k samples per prompt).
+        "sft_sampled_accuracy": round(rows[0][2]["mean"], 4),
+        "rl_sampled_accuracy": round(rows[1][2]["mean"], 4),
         "plot": plot,
     }
     detail = {

@@ -31,7 +31,15 @@ def test_demo_job_runs_sft_then_grpo_and_evaluates_both(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(last) == {"name", "seconds", "sft_accuracy", "rl_accuracy", "plot"}
+    assert set(last) == {
+        "name",
+        "seconds",
+        "sft_accuracy",
+        "rl_accuracy",
+        "sft_sampled_accuracy",
+        "rl_sampled_accuracy",
+        "plot",
+    }
     assert last["name"] == "demo" and last["seconds"] > 0
     for key in ("sft_accuracy", "rl_accuracy"):
         assert 0.0 <= last[key] <= 1.0
@@ -56,3 +64,31 @@ def test_demo_job_runs_sft_then_grpo_and_evaluates_both(tmp_path):
         "demo", [f"trainer.output_dir={out}", "data.num_val=16", "sft.total_steps=11"]
     )
     assert finished_sft(out / "sft", sft_key(other)) is None
+
+
+@pytest.mark.slow
+def test_vlm_demo_runs_with_images_end_to_end(tmp_path):
+    out = tmp_path / "demo_vlm"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "polyrl.demo",
+            "demo_vlm",
+            f"trainer.output_dir={out}",
+            "data.num_train=64",
+            "data.num_val=8",
+            *SMALL,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert last["name"] == "demo_vlm"
+    for key in ("sft_accuracy", "rl_accuracy", "sft_sampled_accuracy", "rl_sampled_accuracy"):
+        assert 0.0 <= last[key] <= 1.0
+    assert "visual_count" in proc.stdout
+    records = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/weight_version"] for r in records if "actor/pg_loss" in r] == [0, 1]
