@@ -27,6 +27,7 @@ SMOKE = {
     "rm_pairs.py": "score of '194'",
     "prime_arithmetic.py": "step 2: score",
     "sft_chat.py": "'steps': 2",
+    "vlm_grpo.py": "vlm grpo {'steps': 2",
 }
 #: script -> arguments its smoke run adds to --smoke.
 ARGS = {"grpo_custom_reward.py": ["--trainer", "remax"]}
