@@ -199,7 +199,9 @@ def run(cfg: PolyRLConfig) -> dict[str, Any]:
         print(f"[demo] 1/3 SFT warm-up: {key['steps']} steps on {train_path}", flush=True)
         sft_cfg = dataclasses.replace(
             cfg,
-            model=dataclasses.replace(cfg.model, path=str(model_dir)),
+            # The warm-up is where a vision tower learns to see: a freeze the preset asks for
+            # (model.freeze_vision_tower) is for the RL phase.
+            model=dataclasses.replace(cfg.model, path=str(model_dir), freeze_vision_tower=False),
             data=files,
             trainer=dataclasses.replace(
                 cfg.trainer, output_dir=str(out_dir / "sft"), save_freq=0, loggers=["jsonl"]
