@@ -90,18 +90,22 @@ def _require(batch: Batch, *keys: str, loss: str) -> None:
 
 
 def _options_for(fn: Callable[..., Any], options: Mapping[str, Any]) -> dict[str, Any]:
-    """Return the ``options`` that ``fn`` names as parameters (all if it takes ``**kwargs``).
+    """Return the ``options`` that ``fn`` names as parameters.
 
     The trainer sends every objective's options (``tau_pos``, ``clip_cov_ratio``, ...); each
-    policy loss, a user's registered one included, gets only those it declares.
+    policy loss, a user's registered one included, gets only those it declares by name. A loss
+    that takes ``**kwargs`` gets none of them: such a loss usually forwards its keywords to a
+    built-in one (``ppo_clip(..., **kwargs)``), which would refuse options it does not take.
     """
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # no introspectable signature: pass nothing extra
         return {}
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return dict(options)
-    return {k: v for k, v in options.items() if k in params}
+    return {
+        k: v
+        for k, v in options.items()
+        if k in params and params[k].kind is not inspect.Parameter.VAR_KEYWORD
+    }
 
 
 def actor_loss(
@@ -229,8 +233,9 @@ def actor_loss(
         loss = loss + kl_loss_coef * kl
         metrics["kl_loss"] = float(kl.detach()) * _local_scale(loss_agg_mode, mask, counts)
         metrics["kl_coef"] = kl_loss_coef
-    aux = output.router_aux_loss
-    if router_aux_loss_coef > 0 and aux is not None:
+    # Only MoE engines' outputs carry it (a user's or a test's output object need not).
+    aux = getattr(output, "router_aux_loss", None) if router_aux_loss_coef > 0 else None
+    if aux is not None:
         local = float((mask != 0).sum())
         tokens = counts["num_tokens"]
         share = 1.0 if tokens is None else local / max(tokens, 1.0)
