@@ -187,3 +187,13 @@ def test_a_corrupt_image_in_a_training_row_fails_at_load_naming_the_row(tmp_path
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("polyrl: error:") and "row 3" in last and "image" in last, last
     assert "Traceback" not in proc.stderr
+
+
+def test_a_text_critic_of_a_frozen_vlm_policy_is_not_asked_to_freeze(tiny_vl_dir, tiny_qwen2_dir):
+    from polyrl.model_engine import ModelSpec
+    from polyrl.trainer.rl.build import _vision_freeze
+
+    policy = ModelSpec(path=str(tiny_vl_dir), freeze_vision_tower=True)
+    assert _vision_freeze(policy, str(tiny_vl_dir)) == {"freeze_vision_tower": True}
+    # A text-only critic, reward model or teacher has no vision tower: its engine would refuse.
+    assert _vision_freeze(policy, str(tiny_qwen2_dir)) == {"freeze_vision_tower": False}

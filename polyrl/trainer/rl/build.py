@@ -104,6 +104,17 @@ def rollout_matmul_dtype(cfg: PolyRLConfig) -> str:
     return resolve_settings(cfg).matmul_dtype
 
 
+def _vision_freeze(model: Any, path: str) -> dict[str, bool]:
+    """Return ``freeze_vision_tower`` for another role's model at ``path``.
+
+    The policy's setting when that model has a vision tower too, else off: a text-only critic,
+    reward model or teacher has none to freeze (and its engine would refuse the option).
+    """
+    from polyrl.models.processor import is_vision_model
+
+    return {"freeze_vision_tower": bool(model.freeze_vision_tower) and is_vision_model(path)}
+
+
 def vision_processor(cfg: PolyRLConfig, model_dir: Any, tokenizer: Any = None) -> Any:
     """Return the model's :class:`~polyrl.models.processor.VisionProcessor` (``None``: text).
 
@@ -617,13 +628,22 @@ def engine_specs(
     if use_ref and (teacher or not model.lora_rank):
         # On-policy distillation: the reference role is the teacher, a model of its own (with
         # LoRA too, where the reference is otherwise the actor's base).
-        ref_model = dataclasses.replace(model, path=teacher, lora_rank=0) if teacher else model
+        ref_model = (
+            dataclasses.replace(model, path=teacher, lora_rank=0, **_vision_freeze(model, teacher))
+            if teacher
+            else model
+        )
         specs["ref"] = WorkerSpec(
             EngineWorker, kwargs={"role": "reference", "model": ref_model, "engine": engine}
         )
     if use_critic:
+        critic_path = critic.model_path or str(model_dir)
         critic_model = dataclasses.replace(
-            model, path=critic.model_path or str(model_dir), kind="value", lora_rank=0
+            model,
+            path=critic_path,
+            kind="value",
+            lora_rank=0,
+            **_vision_freeze(model, critic_path),
         )
         critic_engine = dataclasses.replace(
             engine,
@@ -636,7 +656,10 @@ def engine_specs(
         specs["critic"] = trained("critic", critic_model, critic_engine, critic)
     if use_prm:
         prime = cfg.prime
-        prm_model = dataclasses.replace(model, path=prime.model_path or str(model_dir), lora_rank=0)
+        prm_path = prime.model_path or str(model_dir)
+        prm_model = dataclasses.replace(
+            model, path=prm_path, lora_rank=0, **_vision_freeze(model, prm_path)
+        )
         prm_engine = dataclasses.replace(engine, **constructor_kwargs(EngineConfig, prime.optim))
         specs["prm"] = trained("prm", prm_model, prm_engine, prime)
     return specs
