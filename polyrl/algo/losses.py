@@ -75,6 +75,34 @@ def _clipped_surrogate(
     return loss, clip_hit, lower_hit
 
 
+# Log-ratios are clamped before exp() so that policies far apart give finite ratios.
+LOG_RATIO_LIMIT = 20.0
+
+
+def clamped_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor) -> torch.Tensor:
+    """``log_prob - old_log_prob`` clamped to +-:data:`LOG_RATIO_LIMIT` (finite ``exp``)."""
+    return torch.clamp(log_prob - old_log_prob, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+
+
+def pg_metrics(
+    loss: torch.Tensor,
+    mask: torch.Tensor,
+    log_ratio: torch.Tensor,
+    clipped: torch.Tensor | None = None,
+    clipped_lower: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """Return the policy losses' shared metrics: ``pg_loss``, clip fractions, ``ppo_kl``."""
+    zero = torch.zeros_like(mask, dtype=log_ratio.dtype)
+    hit = zero if clipped is None else clipped.to(log_ratio.dtype)
+    low = zero if clipped_lower is None else clipped_lower.to(log_ratio.dtype)
+    return {
+        "pg_loss": float(loss.detach()),
+        "pg_clipfrac": float(agg_loss(hit, mask)),
+        "pg_clipfrac_lower": float(agg_loss(low, mask)),
+        "ppo_kl": float(agg_loss(-log_ratio.detach(), mask)),
+    }
+
+
 def _policy_loss_and_metrics(
     ratio: torch.Tensor,
     log_ratio: torch.Tensor,
@@ -90,13 +118,7 @@ def _policy_loss_and_metrics(
     loss = agg_loss(
         loss_mat, response_mask, loss_agg_mode, horizon, num_tokens=counts[0], num_seqs=counts[1]
     )
-    metrics = {
-        "pg_loss": float(loss.detach()),
-        "pg_clipfrac": float(agg_loss(hit, response_mask)),
-        "pg_clipfrac_lower": float(agg_loss(lower, response_mask)),
-        "ppo_kl": float(agg_loss(-log_ratio.detach(), response_mask)),
-    }
-    return loss, metrics
+    return loss, pg_metrics(loss, response_mask, log_ratio, hit, lower)
 
 
 @register_policy_loss("ppo_clip")
@@ -123,7 +145,7 @@ def ppo_clip(
     """
     _same_shape(response_mask, log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages)
     # Clamping the log-ratio keeps exp() finite when policies drift far apart.
-    log_ratio = torch.clamp(log_prob - old_log_prob, -20.0, 20.0)
+    log_ratio = clamped_log_ratio(log_prob, old_log_prob)
     ratio = torch.exp(log_ratio)
     return _policy_loss_and_metrics(
         ratio,

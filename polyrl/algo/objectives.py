@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import torch
 
-from polyrl.algo.losses import _clipped_surrogate, _same_shape, register_policy_loss
+from polyrl.algo.losses import (
+    _clipped_surrogate,
+    _same_shape,
+    clamped_log_ratio,
+    pg_metrics,
+    register_policy_loss,
+)
 from polyrl.core.numerics import agg_loss, masked_mean
 
 __all__ = ["cispo", "clip_cov", "gmpo", "gpg", "kl_cov", "sapo", "token_covariance"]
-
-# Log-ratios are clamped before exp() so that policies far apart give finite ratios.
-_LOG_RATIO_LIMIT = 20.0
-
-
-def _log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor) -> torch.Tensor:
-    return torch.clamp(log_prob - old_log_prob, -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
 
 
 def _reduce(
@@ -40,24 +39,6 @@ def _reduce(
     num_seqs: float | None,
 ) -> torch.Tensor:
     return agg_loss(loss_mat, mask, mode, horizon, num_tokens=num_tokens, num_seqs=num_seqs)
-
-
-def _metrics(
-    loss: torch.Tensor,
-    mask: torch.Tensor,
-    log_ratio: torch.Tensor,
-    clipped: torch.Tensor | None = None,
-    clipped_lower: torch.Tensor | None = None,
-) -> dict[str, float]:
-    zero = torch.zeros_like(mask, dtype=log_ratio.dtype)
-    hit = zero if clipped is None else clipped.to(log_ratio.dtype)
-    low = zero if clipped_lower is None else clipped_lower.to(log_ratio.dtype)
-    return {
-        "pg_loss": float(loss.detach()),
-        "pg_clipfrac": float(agg_loss(hit, mask)),
-        "pg_clipfrac_lower": float(agg_loss(low, mask)),
-        "ppo_kl": float(agg_loss(-log_ratio.detach(), mask)),
-    }
 
 
 @register_policy_loss("cispo")
@@ -84,12 +65,12 @@ def cispo(
     shares of tokens whose weight was clipped from above / below.
     """
     _same_shape(response_mask, log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages)
-    log_ratio = _log_ratio(log_prob, old_log_prob).detach()
+    log_ratio = clamped_log_ratio(log_prob, old_log_prob).detach()
     ratio = torch.exp(log_ratio)
     weight = torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss_mat = -weight * advantages * log_prob
     loss = _reduce(loss_mat, response_mask, loss_agg_mode, horizon, num_tokens, num_seqs)
-    return loss, _metrics(
+    return loss, pg_metrics(
         loss,
         response_mask,
         log_ratio,
@@ -129,13 +110,13 @@ def sapo(
     _same_shape(response_mask, log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages)
     if not (tau_pos > 0 and tau_neg > 0):
         raise ValueError(f"sapo needs tau_pos > 0 and tau_neg > 0, got {tau_pos}, {tau_neg}")
-    log_ratio = _log_ratio(log_prob, old_log_prob)
+    log_ratio = clamped_log_ratio(log_prob, old_log_prob)
     ratio = torch.exp(log_ratio)
     tau = torch.where(advantages > 0, tau_pos, tau_neg).to(ratio.dtype)
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     loss_mat = -gate * advantages
     loss = _reduce(loss_mat, response_mask, loss_agg_mode, horizon, num_tokens, num_seqs)
-    return loss, _metrics(
+    return loss, pg_metrics(
         loss,
         response_mask,
         log_ratio,
@@ -176,7 +157,7 @@ def gmpo(
     """
     _same_shape(response_mask, log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages)
     on = response_mask != 0
-    log_ratio = _log_ratio(log_prob, old_log_prob)
+    log_ratio = clamped_log_ratio(log_prob, old_log_prob)
     sign = torch.sign(advantages)
     clamped = torch.clamp(log_ratio, -clip_ratio_low, clip_ratio_high)
     pessimistic = sign * torch.minimum(sign * log_ratio, sign * clamped)
@@ -185,7 +166,7 @@ def gmpo(
     loss_mat = (-seq_adv * seq_ratio).unsqueeze(-1).expand_as(log_prob)
     loss = _reduce(loss_mat, response_mask, loss_agg_mode, horizon, num_tokens, num_seqs)
     clipped = (log_ratio.detach() != clamped.detach()) & on
-    return loss, _metrics(
+    return loss, pg_metrics(
         loss, response_mask, log_ratio, clipped & (advantages > 0), clipped & (advantages < 0)
     )
 
@@ -213,7 +194,7 @@ def gpg(
     _same_shape(response_mask, log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages)
     loss_mat = -advantages * log_prob
     loss = _reduce(loss_mat, response_mask, loss_agg_mode, horizon, num_tokens, num_seqs)
-    return loss, _metrics(loss, response_mask, _log_ratio(log_prob, old_log_prob))
+    return loss, pg_metrics(loss, response_mask, clamped_log_ratio(log_prob, old_log_prob))
 
 
 def token_covariance(
@@ -268,7 +249,7 @@ def clip_cov(
     if not 0.0 <= clip_cov_ratio <= 1.0:
         raise ValueError(f"clip_cov_ratio must be in [0, 1], got {clip_cov_ratio}")
     on = response_mask != 0
-    log_ratio = _log_ratio(log_prob, old_log_prob)
+    log_ratio = clamped_log_ratio(log_prob, old_log_prob)
     loss_mat, hit, lower = _clipped_surrogate(
         torch.exp(log_ratio),
         advantages,
@@ -286,7 +267,7 @@ def clip_cov(
         keep[candidates.flatten()[order.to(candidates.device)]] = 0.0
     keep = keep.view_as(loss_mat)
     loss = _reduce(loss_mat * keep, response_mask, loss_agg_mode, horizon, num_tokens, num_seqs)
-    metrics = _metrics(loss, response_mask, log_ratio, hit, lower)
+    metrics = pg_metrics(loss, response_mask, log_ratio, hit, lower)
     metrics["clip_cov_frac"] = float(agg_loss(1.0 - keep, response_mask))
     return loss, metrics
 
@@ -324,7 +305,7 @@ def kl_cov(
     if not 0.0 <= kl_cov_ratio <= 1.0:
         raise ValueError(f"kl_cov_ratio must be in [0, 1], got {kl_cov_ratio}")
     on = response_mask != 0
-    log_ratio = _log_ratio(log_prob, old_log_prob)
+    log_ratio = clamped_log_ratio(log_prob, old_log_prob)
     loss_mat = -advantages * torch.exp(log_ratio)
     cov = token_covariance(log_prob, advantages, on)
     k = int(kl_cov_ratio * int(on.sum()))
@@ -336,6 +317,6 @@ def kl_cov(
     chosen = chosen.view_as(loss_mat)
     loss_mat = loss_mat + chosen * kl_cov_coef * log_ratio.abs()
     loss = _reduce(loss_mat, response_mask, loss_agg_mode, horizon, num_tokens, num_seqs)
-    metrics = _metrics(loss, response_mask, log_ratio)
+    metrics = pg_metrics(loss, response_mask, log_ratio)
     metrics["kl_cov_frac"] = float(agg_loss(chosen, response_mask))
     return loss, metrics
