@@ -331,22 +331,26 @@ def turn_grpo(
                 g = r + gamma * g
                 out.append(g)
             returns_of.append(out[::-1])
-        pooled: dict[tuple[int, int], list[float]] = {}
-        for i in range(B):
-            for t, g in enumerate(returns_of[i]):
-                pooled.setdefault((gid[i], t), []).append(g)
+        # Every (row, turn) return, grouped by (prompt group, turn index): _group_stats then
+        # gives each its peers' count, mean and Bessel std.
+        keys: dict[tuple[int, int], int] = {}
+        entries = [(i, t, g) for i in range(B) for t, g in enumerate(returns_of[i])]
+        flat = torch.tensor([g for _, _, g in entries], dtype=torch.float64)
+        key_ids = torch.tensor(
+            [keys.setdefault((gid[i], t), len(keys)) for i, t, _ in entries], dtype=torch.long
+        )
+        count, mean, std = _group_stats(flat, key_ids)
         adv = torch.zeros_like(token_level_rewards)
         ret = torch.zeros_like(token_level_rewards)
-        for i in range(B):
-            for t, ((a, b), g) in enumerate(zip(spans[i], returns_of[i], strict=True)):
-                peers = torch.tensor(pooled[(gid[i], t)], dtype=torch.float64)
-                ret[i, a:b] = g
-                if peers.numel() < 2:
-                    continue
-                value = g - float(peers.mean())
-                if norm_adv_by_std:
-                    value /= float(peers.std(unbiased=True)) + eps
-                adv[i, a:b] = value
+        for k, (i, t, g) in enumerate(entries):
+            a, b = spans[i][t]
+            ret[i, a:b] = g
+            if count[k] < 2:
+                continue
+            value = g - float(mean[k])
+            if norm_adv_by_std:
+                value /= float(std[k]) + eps
+            adv[i, a:b] = value
         adv = adv * mask
         ret = ret * mask
     return adv, ret
