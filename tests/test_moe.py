@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import shutil
-import threading
 
 import pytest
 import torch
+from test_rollout_native_fast import run
 
 from polyrl.core.batch import Batch
 from polyrl.core.columns import ROUTED_EXPERTS
@@ -48,34 +48,6 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(4, 30, (n,), generator=g).tolist()
     return [torch.randint(16, 1000, (k,), generator=g).tolist() for k in lens]
-
-
-def _generate(engine: NativeEngine, requests: list[GenerateRequest]) -> dict[str, list]:
-    outs = {r.request_id: [SampleOutput(i) for i in range(r.params.n)] for r in requests}
-    left = [sum(r.params.n for r in requests)]
-    done = threading.Event()
-    errors: list[BaseException] = []
-
-    def sink_for(rid: str):
-        def sink(payload):
-            if isinstance(payload, BaseException):
-                errors.append(payload)
-                done.set()
-                return
-            for d in payload:
-                outs[rid][d.index].add(d)
-                if d.finish_reason is not None:
-                    left[0] -= 1
-                    if left[0] == 0:
-                        done.set()
-
-        return sink
-
-    for r in requests:
-        engine.submit(r, sink_for(r.request_id), stream=False)
-    assert done.wait(120), "engine did not finish in time"
-    assert not errors, errors
-    return outs
 
 
 def _routes_column(prompts, samples, width: int, geometry) -> torch.Tensor:
@@ -135,7 +107,7 @@ def test_native_engine_returns_routed_experts(moe_dir):
         plain = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
         reqs = [GenerateRequest(f"r{i}", tuple(p), asked) for i, p in enumerate(ps)]
         reqs.append(GenerateRequest("plain", tuple(ps[0]), plain))
-        outs = _generate(eng, reqs)
+        outs = run(eng, reqs)
     finally:
         eng.shutdown()
     assert outs["plain"][0].routed_experts is None
@@ -221,7 +193,7 @@ def test_r3_halves_rollout_trainer_log_prob_gap(moe_dir):
             return_routed_experts=True,
         )
         reqs = [GenerateRequest(f"r{i}", tuple(p), params) for i, p in enumerate(ps)]
-        outs = _generate(eng, reqs)
+        outs = run(eng, reqs)
     finally:
         eng.shutdown()
     samples = [outs[f"r{i}"][0] for i in range(len(ps))]
