@@ -145,14 +145,12 @@ class VisionProcessor:
 
             tokenizer = load_tokenizer(directory)
         if (directory / "preprocessor_config.json").is_file():
-            raw = json.loads((directory / "preprocessor_config.json").read_text("utf-8"))
-            keep = ("patch_size", "merge_size", "temporal_patch_size", "image_mean", "image_std")
-            kw = {k: raw[k] for k in keep if k in raw}
-            size = raw.get("size") or {}
-            image_processor = qwen2_vl_image_processor(
-                min_pixels=size.get("shortest_edge", raw.get("min_pixels")),
-                max_pixels=size.get("longest_edge", raw.get("max_pixels")),
-                **kw,
+            # The model's own settings, all of them (resample, rescale, mean/std, pixel bounds);
+            # transformers picks the Pillow backend itself when torchvision is missing.
+            from transformers import AutoImageProcessor
+
+            image_processor = AutoImageProcessor.from_pretrained(
+                str(directory), local_files_only=True
             )
         else:
             image_processor = qwen2_vl_image_processor()
