@@ -13,6 +13,8 @@ import torch
 from waiting import wait_until
 
 from polyrl.core.batch import Batch
+from polyrl.core.columns import MULTI_MODAL
+from polyrl.core.multimodal import MultiModalInputs, encode_png, image_digest
 from polyrl.transfer import (
     BatchMeta,
     LocalTransferQueue,
@@ -21,6 +23,7 @@ from polyrl.transfer import (
     get_sampler,
     make_transfer_queue,
 )
+from polyrl.transfer._core import value_nbytes
 
 
 def _batch(n: int, seed: int = 0, start: int = 0, group_size: int = 1, seq: int = 6) -> Batch:
@@ -150,6 +153,82 @@ def test_local_clear_frees_storage_and_metadata():
         q.get_data(BatchMeta("a", (0,), ("input_ids",), (0,), (None,), (0,)))
     # A cleared partition starts again from id 0.
     assert q.put(_batch(2), "a").sample_ids == (0, 1)
+
+
+def _prompt_media(seed: int) -> MultiModalInputs:
+    """One prompt's processed image, as a vision processor leaves it (tensors plus the PNG)."""
+    from PIL import Image
+
+    image = Image.new("RGB", (28, 28), (seed * 40 % 256, 90, 200))
+    g = torch.Generator().manual_seed(seed)
+    return MultiModalInputs(
+        tensors={
+            "pixel_values": torch.randn(16, 1176, generator=g),
+            "image_grid_thw": torch.tensor([[1, 4, 4]]),
+        },
+        kinds=("image",),
+        digests=(image_digest(image),),
+        token_counts=(4,),
+        sources=(encode_png(image),),
+    )
+
+
+def _vl_rows(media: list[MultiModalInputs], n: int, copies: bool) -> Batch:
+    """``n`` sample rows per prompt; ``copies``: each row holds its own equal copy of the media
+    (as rows do that crossed processes separately), else the prompt's one object."""
+    column = [pickle.loads(pickle.dumps(m)) if copies else m for m in media for _ in range(n)]
+    rows = len(column)
+    return Batch({"input_ids": torch.arange(rows * 5).view(rows, 5)}, {MULTI_MODAL: column})
+
+
+def _same_media(a: MultiModalInputs, b: MultiModalInputs) -> bool:
+    return (
+        a.kinds == b.kinds
+        and a.digests == b.digests
+        and a.token_counts == b.token_counts
+        and a.sources == b.sources
+        and a.tensors.keys() == b.tensors.keys()
+        and all(torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
+    )
+
+
+def _check_media_rows(got: Batch, media: list[MultiModalInputs], n: int) -> None:
+    """Every sample reads back its prompt's media, and a prompt's samples share one object."""
+    column = got[MULTI_MODAL]
+    for p, m in enumerate(media):
+        rows = list(column[p * n : (p + 1) * n])
+        assert all(_same_media(r, m) for r in rows)
+        assert all(r is rows[0] for r in rows)
+
+
+def test_local_queue_stores_a_prompts_media_once_for_its_n_samples():
+    """n sample copies of a prompt hold its media once: in one put or one put per sample,
+    with one shared object or equal copies; the bytes go with the last row holding them."""
+    n, media = 4, [_prompt_media(0), _prompt_media(1)]
+    once = sum(value_nbytes(m) for m in media)
+    assert once > 2 * 16 * 1176 * 4  # the pixels are counted, not a shallow object size
+    q = LocalTransferQueue()
+    q.put(_vl_rows(media, n, copies=False).select("input_ids"), "text")
+    text = q.storage_bytes()
+    q.clear("text")
+    for name, copies in (("shared", False), ("copies", True)):
+        rows = _vl_rows(media, n, copies)
+        if copies:  # one put per sample, as streamed rollouts put them
+            for i in range(len(rows)):
+                q.put(rows[i : i + 1], name, sample_ids=[i])
+        else:
+            q.put(rows, name)
+        assert q.storage_bytes() - text == once, name
+        _check_media_rows(q.get_data(q.get_meta([MULTI_MODAL], None, name, "c")), media, n)
+        q.clear(name)
+    # Overwriting some samples keeps the media held; overwriting the last one releases it.
+    q.put(_vl_rows(media, n, copies=True), "o")
+    q.put(Batch({}, {MULTI_MODAL: [None] * 3}), "o", sample_ids=[0, 1, 2])
+    assert q.storage_bytes() - text == once + 3 * value_nbytes(None)
+    q.put(Batch({}, {MULTI_MODAL: [None] * 5}), "o", sample_ids=range(3, 8))
+    assert q.storage_bytes() - text == 8 * value_nbytes(None)
+    q.clear("o")
+    assert q.storage_bytes() == 0
 
 
 def test_local_bad_input_errors():
@@ -520,6 +599,26 @@ def test_ray_round_trip_clear_and_errors(ray_queue):
     assert q.storage_bytes() == 0
     with pytest.raises(TransferError, match="unknown partition 'rt'"):
         q.get_data(m)
+
+
+def test_ray_units_store_a_prompts_media_once_and_readers_get_it_once(ray_queue):
+    """Rows put per sample with equal copies: each unit holds a prompt's media once, and a
+    reader gets one object per prompt (its pickled reply carries the pixels once)."""
+    n, media = 4, [_prompt_media(2), _prompt_media(3)]
+    q = ray_queue
+    rows = _vl_rows(media, n, copies=True)
+    for i in range(len(rows)):
+        q.put(rows[i : i + 1], "vl", sample_ids=[i])
+    meta = q.get_meta([MULTI_MODAL, "input_ids"], None, "vl", "c")
+    # block_size 64: samples 0..7 live on one unit.
+    assert len(set(meta.units)) == 1
+    text = sum(value_nbytes(v) for v in (rows["input_ids"][i].numpy() for i in range(8)))
+    assert q.storage_bytes() == text + sum(value_nbytes(m) for m in media)
+    got = q.get_data(meta)
+    _check_media_rows(got, media, n)
+    assert torch.equal(got["input_ids"], rows["input_ids"])
+    q.clear("vl")
+    assert q.storage_bytes() == 0
 
 
 def test_two_ray_queues_coexist_and_async_client(ray_queue):

@@ -5,6 +5,13 @@
 * :class:`ColumnStore` -- what a storage unit holds: per-put column chunks as numpy arrays plus
   an index ``(field, sample_id) -> (chunk, row)``.
 * helpers turning a :class:`Batch` into per-row columns and fetched columns back into a Batch.
+
+Images and videos (:class:`~polyrl.core.multimodal.MultiModalInputs` in an object column, e.g.
+:data:`~polyrl.core.columns.MULTI_MODAL`) are held once per prompt, not once per sample copy:
+:func:`batch_to_columns` makes the rows of a put that hold equal media hold one object (so a
+pickled put carries it once), and a :class:`ColumnStore` keeps one object per distinct media
+content in a partition (:func:`media_key`), shared by every row that holds it, counted once in
+its bytes and dropped with the last row.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import numpy as np
 import torch
 
 from polyrl.core.batch import Batch, _tensor_from_numpy, _tensor_to_numpy
+from polyrl.core.multimodal import MultiModalInputs
 from polyrl.transfer.base import BatchMeta, MetaRequest, SampleInfo, Sampler, TransferError
 from polyrl.transfer.samplers import get_sampler
 
@@ -84,8 +92,48 @@ def check_sample_ids(sample_ids: Any, n: int) -> list[int] | None:
 # ----------------------------------------------------------------------------------------------
 # Batch <-> columns
 # ----------------------------------------------------------------------------------------------
+MediaKey = tuple[Any, ...]
+
+
+def media_key(value: Any) -> MediaKey | None:
+    """Content key of a :class:`MultiModalInputs` value (``None`` for any other value).
+
+    Equal keys mean equal media as the model sees them: the items' kinds and content digests
+    in order, the placeholder counts they fill, and the names, dtypes and shapes of the
+    processed tensors (the same images under other pixel bounds give other tensors, and
+    another key).
+    """
+    if not isinstance(value, MultiModalInputs):
+        return None
+    shapes = tuple((k, str(t.dtype), tuple(t.shape)) for k, t in sorted(value.tensors.items()))
+    return (value.kinds, value.digests, value.token_counts, shapes)
+
+
+def share_media(values: np.ndarray) -> np.ndarray:
+    """Return ``values`` with rows of equal media holding one object (the first row's).
+
+    The ``n`` sample copies of a prompt then pickle as one object plus ``n`` references. The
+    array is copied only when a row is replaced; other values are left as they are.
+    """
+    first: dict[MediaKey, Any] = {}
+    out = values
+    for i, value in enumerate(values):
+        key = media_key(value)
+        if key is None:
+            continue
+        kept = first.setdefault(key, value)
+        if kept is not value:
+            if out is values:
+                out = values.copy()
+            out[i] = kept
+    return out
+
+
 def batch_to_columns(batch: Batch) -> dict[str, Column]:
-    """Columns of ``batch`` as numpy (tensor columns are CPU views, no copy when contiguous)."""
+    """Columns of ``batch`` as numpy (tensor columns are CPU views, no copy when contiguous).
+
+    Object columns holding equal media share one object per content (:func:`share_media`).
+    """
     if not isinstance(batch, Batch):
         raise TypeError(f"put: expected a polyrl Batch, got {type(batch).__name__}")
     cols: dict[str, Column] = {}
@@ -93,7 +141,7 @@ def batch_to_columns(batch: Batch) -> dict[str, Column]:
         arr, dtype_name = _tensor_to_numpy(key, value)
         cols[key] = ("t", arr, dtype_name)
     for key, value in batch.non_tensors.items():
-        cols[key] = ("o", value, None)
+        cols[key] = ("o", share_media(value), None)
     return cols
 
 
@@ -177,7 +225,12 @@ def columns_to_batch(
 
 
 def value_nbytes(value: Any) -> int:
-    """Measured bytes of one stored object (array buffers, strings; shallow size otherwise)."""
+    """Measured bytes of one stored object (array buffers, strings; shallow size otherwise).
+
+    Media inputs count their processed tensors and their encoded sources.
+    """
+    if isinstance(value, MultiModalInputs):
+        return value.nbytes + value_nbytes(value.sources)
     if isinstance(value, np.ndarray):
         if value.dtype == object:
             return sum(value_nbytes(v) for v in value.ravel())
@@ -206,6 +259,17 @@ class _Chunk:
     # Opaque handle of the object all columns of this put came in (the Ray backend keeps the
     # producer's ObjectRef here, to hand readers the original object instead of a copy).
     source: Any = None
+    # The distinct media contents the rows refer to (held in _PartitionData.media).
+    media: tuple[MediaKey, ...] = ()
+
+
+@dataclass
+class _Media:
+    """One media content of a partition: the object every row holding it gets."""
+
+    value: MultiModalInputs
+    nbytes: int
+    chunks: int = 0  # chunks referring to it; dropped at 0
 
 
 @dataclass
@@ -214,10 +278,14 @@ class _PartitionData:
     # field -> sample_id -> (chunk id, row)
     index: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)
     next_chunk: int = 0
+    media: dict[MediaKey, _Media] = field(default_factory=dict)
 
 
 class ColumnStore:
     """Per-put column chunks (numpy arrays) of many partitions, indexed by (field, sample).
+
+    Media values of object columns are held once per content and partition (see the module
+    docstring): rows that came with equal copies, in one put or several, get one object back.
 
     Not thread-safe: the local backend calls it under its lock, a storage unit actor runs one
     call at a time.
@@ -246,10 +314,14 @@ class ColumnStore:
                 raise ValueError(f"column {name!r} has {arr.shape[0]} rows for {n} sample ids")
             if n == 0:
                 continue
-            nbytes = value_nbytes(arr)
+            media: tuple[MediaKey, ...] = ()
+            if kind == "o":
+                arr, media, nbytes = self._hold_media(part, arr)
+            else:
+                nbytes = value_nbytes(arr)
             cid = part.next_chunk
             part.next_chunk += 1
-            part.chunks[cid] = _Chunk(kind, arr, dt, nbytes, n, source)
+            part.chunks[cid] = _Chunk(kind, arr, dt, nbytes, n, source, media)
             self._bytes += nbytes
             idx = part.index.setdefault(name, {})
             replaced = [idx[sid][0] for sid in sample_ids if sid in idx]
@@ -257,12 +329,48 @@ class ColumnStore:
             for old in replaced:
                 self._release(part, old)
 
+    def _hold_media(
+        self, part: _PartitionData, values: np.ndarray
+    ) -> tuple[np.ndarray, tuple[MediaKey, ...], int]:
+        """Point the rows of an object column at the partition's one object per media content.
+
+        Returns the column (copied if a row was replaced), the media contents it refers to
+        and the bytes of its other values. A content new to the partition is counted in the
+        store's bytes here, once, however many rows and puts hold it.
+        """
+        out = values
+        keys: dict[MediaKey, None] = {}
+        rest = 0
+        for i, value in enumerate(values):
+            key = media_key(value)
+            if key is None:
+                rest += value_nbytes(value)
+                continue
+            held = part.media.get(key)
+            if held is None:
+                held = part.media[key] = _Media(value, value_nbytes(value))
+                self._bytes += held.nbytes
+            if key not in keys:
+                keys[key] = None
+                held.chunks += 1
+            if held.value is not value:
+                if out is values:
+                    out = values.copy()
+                out[i] = held.value
+        return out, tuple(keys), rest
+
     def _release(self, part: _PartitionData, cid: int) -> None:
         chunk = part.chunks[cid]
         chunk.live -= 1
         if chunk.live == 0:
             del part.chunks[cid]
             self._bytes -= chunk.nbytes
+            for key in chunk.media:
+                held = part.media[key]
+                held.chunks -= 1
+                if held.chunks == 0:
+                    del part.media[key]
+                    self._bytes -= held.nbytes
 
     def get(
         self, partition: str, sample_ids: Sequence[int], fields: Sequence[str]
@@ -380,9 +488,10 @@ class ColumnStore:
         part = self._parts.pop(partition, None)
         if part is not None:
             self._bytes -= sum(ch.nbytes for ch in part.chunks.values())
+            self._bytes -= sum(m.nbytes for m in part.media.values())
 
     def nbytes(self) -> int:
-        """Bytes of the chunks held (measured from their arrays when stored)."""
+        """Bytes of the chunks held (measured from their arrays when stored), media once."""
         return self._bytes
 
     def partitions(self) -> list[str]:
