@@ -9,12 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 from test_rl_trainer import _e2e_overrides
+from test_transfer_queue import _prompt_media
 
 from polyrl.config import ConfigError, load_config
+from polyrl.core.batch import Batch
+from polyrl.core.columns import MULTI_MODAL
 from polyrl.core.rollout_batch import build_rollout_batch
 from polyrl.trainer.rl import RLTrainer
 from polyrl.trainer.rl.store_worker import merge_rollout_summaries, sample_rows
 from polyrl.transfer import make_transfer_queue
+from polyrl.transfer._core import value_nbytes
 from polyrl.workers.store import StepLayout
 
 
@@ -55,6 +59,38 @@ def test_rows_through_the_queue_rebuild_the_driver_batch_exactly(with_masks):
             assert torch.equal(got[key], whole[key][lo:hi]), key
         assert got["score"].tolist() == list(range(lo, hi))
         assert list(got.non_tensors["uid"]) == list(whole.non_tensors["uid"][lo:hi])
+
+
+def test_image_rows_through_the_queue_keep_each_prompts_media_once():
+    """Streamed puts (one per prompt group) of image rows: every shard rebuilds the driver
+    batch's rows with their prompt's media, and the queue holds each prompt's media once."""
+    n, media = 3, [_prompt_media(4), _prompt_media(5)]
+    rng = random.Random(5)
+    prompts, responses, logps, _ = _random_rollout(rng, 2 * n, False)
+    whole = build_rollout_batch(prompts, responses, 0, logps, None)
+    queue = make_transfer_queue("local")
+    for p, m in enumerate(media):
+        lo, hi = p * n, (p + 1) * n
+        part = build_rollout_batch(prompts[lo:hi], responses[lo:hi], 0, logps[lo:hi], None)
+        part.non_tensors["uid"] = [f"u{p}"] * n
+        part.non_tensors[MULTI_MODAL] = [m] * n  # the producer's rows share the prompt's object
+        part["score"] = torch.zeros(n)
+        part["acc"] = torch.zeros(n)
+        queue.put(sample_rows(part), "step-1", sample_ids=list(range(lo, hi)))
+    held = queue.storage_bytes()
+    queue.put(Batch({}, {MULTI_MODAL: [None] * 2 * n}), "probe", sample_ids=range(2 * n))
+    none_bytes = queue.storage_bytes() - held
+    queue.clear("probe")
+    meta = queue.get_meta(["prompt_ids", MULTI_MODAL], 2 * n, "step-1", consumer="trainer")
+    layout = StepLayout(max(map(len, prompts)), max(map(len, responses)), pad_id=0)
+    for shard, (lo, hi) in zip(meta.chunk(2), ((0, 3), (3, 6)), strict=True):
+        got = layout.load(queue, shard, [MULTI_MODAL])
+        for key in whole.tensor_keys:
+            assert torch.equal(got[key], whole[key][lo:hi]), key
+        assert all(row is media[lo // n] for row in got.non_tensors[MULTI_MODAL])
+    # Dropping the media column of every row frees exactly one copy per prompt.
+    queue.put(Batch({}, {MULTI_MODAL: [None] * 2 * n}), "step-1", sample_ids=range(2 * n))
+    assert held - queue.storage_bytes() == sum(value_nbytes(m) for m in media) - none_bytes
 
 
 def test_merge_rollout_summaries_adds_counts_and_weights_means():
