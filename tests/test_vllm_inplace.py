@@ -130,6 +130,7 @@ def test_cpu_gets_no_gpu_flags_and_a_sized_kv_cache(model_dir, monkeypatch):
     assert flag(cmd, "--kv-cache-memory-bytes") == str(2 * 1 * 1 * 8 * 4 * (1 << 16))
     assert flag(cmd, "--dtype") == "float32"
     assert "--enforce-eager" in cmd and "--no-enable-chunked-prefill" in cmd
+    assert "--enable-scale-out" in cmd  # serves the token-in route that carries images
     env = b._environment("/ext")
     assert "VLLM_CPU_KVCACHE_SPACE" not in env
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"

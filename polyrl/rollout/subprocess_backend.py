@@ -124,8 +124,9 @@ def is_pos_int(value: Any) -> bool:
 def model_shapes(model_dir: Path) -> dict[str, Any]:
     """Read what a backend needs from ``config.json`` and ``generation_config.json``.
 
-    Returns ``vocab_size``, ``layers``, ``kv_heads``, ``head_dim``, ``dtype``, ``eos`` (sorted
-    tuple of ids) and ``max_position``; the text model's values for a multimodal config.
+    Returns ``vocab_size``, ``media_tokens`` (placeholder token id by media kind, empty for a
+    text model), ``layers``, ``kv_heads``, ``head_dim``, ``dtype``, ``eos`` (sorted tuple of
+    ids) and ``max_position``; the text model's values for a multimodal config.
 
     Raises:
         FileNotFoundError: no ``config.json``.
@@ -157,6 +158,12 @@ def model_shapes(model_dir: Path) -> dict[str, Any]:
         raise ValueError(f"{config_path} has no usable vocab_size (got {vocab!r})")
     return {
         "vocab_size": vocab,
+        # Placeholder token id by media kind, for a vision-language model's config.
+        "media_tokens": {
+            kind: config[f"{kind}_token_id"]
+            for kind in ("image", "video")
+            if is_pos_int(config.get(f"{kind}_token_id"))
+        },
         "layers": text.get("num_hidden_layers"),
         "kv_heads": text.get("num_key_value_heads") or heads,
         "head_dim": head_dim,
@@ -507,15 +514,21 @@ class SubprocessBackend(abc.ABC):
         """Check ``request`` against the model; return its most new tokens."""
         info = self.info
         if request.multi_modal is not None:
-            # The server's token-in completions API carries no images: sending the ids alone
-            # would generate from the placeholders' text embeddings, silently wrong.
-            raise InvalidRequestError(
-                f"the {info.backend} backend takes no images or videos with token-id prompts "
-                "over its server's HTTP API; use the native backend for vision models",
-                param="multi_modal",
-                code="images_not_supported",
-            )
+            self._check_media(request)
         return check_request_fits(request, info.vocab_size, info.max_model_len)
+
+    def _check_media(self, request: GenerateRequest) -> None:
+        """Raise unless the server can be sent ``request``'s images and videos.
+
+        By default it cannot: sending the token ids alone would generate from the
+        placeholders' text embeddings, silently wrong.
+        """
+        raise InvalidRequestError(
+            f"the {self.info.backend} backend takes no images or videos with token-id prompts "
+            "over its server's HTTP API; use the native backend for vision models",
+            param="multi_modal",
+            code="images_not_supported",
+        )
 
     def _check_answer(self, path: str, answer: Any) -> None:  # noqa: B027 - optional hook
         """Raise for a 200 answer of a control call that still says it failed."""

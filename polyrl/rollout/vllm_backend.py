@@ -23,6 +23,16 @@ How each :class:`~polyrl.core.rollout_api.RolloutBackend` method maps onto the v
   stream: that is what makes partial tokens of an aborted request obtainable. A caller that
   does not stream gets each sample in one piece when it finishes (vLLM then sends chunks of
   ``buffered_stream_interval`` tokens, to keep the per-token overhead down).
+* ``generate`` with images (a vision-language model: its config names an image token) --
+  ``/v1/completions`` carries no images, so such a request goes to vLLM's token-in route
+  ``POST /inference/v1/generate`` (served with ``--enable-scale-out``, which ``start``
+  passes): the prompt ids with each image's placeholder run collapsed to one token,
+  the images as ``data:`` URLs in ``content_parts`` (from the inputs' PNG sources; vLLM runs
+  its own processor on them and expands the placeholders), vLLM's ``sampling_params``, and
+  ``return_token_ids``: the expanded prompt vLLM sends back must equal the request's, or the
+  request fails (the two processors sized the images differently). Same stream, same abort
+  by closing it; every chunk holds the tokens vLLM has (no ``buffered_stream_interval``).
+  Videos are refused with 400 (that route takes a video as an encoded file, not as frames).
 * ``abort`` -- client-side: the request's HTTP stream is closed, which makes vLLM abort it, and
   the unfinished samples end with ``finish_reason="abort"``. Their partial tokens are exactly
   the tokens that had arrived (for a non-streaming caller: up to the last chunk of
@@ -74,7 +84,7 @@ import shutil
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from polyrl.core.dtypes import DTYPE_SIZES, FLOAT_DTYPES
 from polyrl.core.rollout_api import (
@@ -83,6 +93,7 @@ from polyrl.core.rollout_api import (
     ModelInfo,
     RolloutError,
     SampleDelta,
+    SamplingParams,
     WeightReceive,
 )
 from polyrl.rollout.base import register_backend
@@ -97,6 +108,9 @@ from polyrl.rollout.subprocess_backend import (
     venv_has,
 )
 
+if TYPE_CHECKING:  # torch is imported only where media are handled
+    from polyrl.core.multimodal import MultiModalInputs
+
 __all__ = [
     "CPU_ATTENTION_HEAD_SIZES",
     "VLLM_ARGS_ENV",
@@ -105,6 +119,7 @@ __all__ = [
     "VLLMOptions",
     "default_vllm_venv",
     "vllm_available",
+    "vllm_generate_body",
     "vllm_prompt",
 ]
 
@@ -139,34 +154,23 @@ def default_vllm_venv() -> Path:
     return find_venv(VLLM_VENV_ENV, ".venv-vllm", vllm_available)
 
 
-def vllm_prompt(request: GenerateRequest, token_ids: Mapping[str, int]) -> dict[str, Any]:
-    """Return ``request``'s prompt as a vLLM ``TokensPrompt`` dict, media included.
+def _collapsed_prompt(
+    ids: Sequence[int], mm: MultiModalInputs, token_ids: Mapping[str, int]
+) -> list[int]:
+    """Return ``ids`` with each placeholder run of ``mm``'s items collapsed to one token.
 
-    vLLM's multi-modal processor expands each image's placeholder itself, so the expanded runs
-    of ``request.prompt_ids`` are collapsed back to one placeholder token per item, and the
-    items go as decoded PIL images under ``multi_modal_data`` (``{"image": [...], "video":
-    [[frame, ...], ...]}``), decoded from the inputs' sources (PNG bytes).
-
-    Args:
-        request: the request (with or without ``multi_modal``).
-        token_ids: placeholder token id by kind (``{"image": ..., "video": ...}``).
+    vLLM's multi-modal processor expands each item's placeholder itself.
 
     Raises:
         InvalidRequestError: the inputs carry no sources, or the prompt's placeholder runs do
             not match the items.
     """
-    ids = list(request.prompt_ids)
-    mm = request.multi_modal
-    if mm is None or not len(mm):
-        return {"prompt_token_ids": ids}
     if not mm.sources:
         raise InvalidRequestError(
             "multi_modal inputs without sources cannot be sent to vLLM (it processes the "
             "images itself)",
             param="multi_modal",
         )
-    from polyrl.core.multimodal import decode_image
-
     by_id = {v: k for k, v in token_ids.items()}
     collapsed: list[int] = []
     kinds: list[str] = []
@@ -183,6 +187,33 @@ def vllm_prompt(request: GenerateRequest, token_ids: Mapping[str, int]) -> dict[
             f"the prompt's placeholder runs ({kinds}) do not match its media ({list(mm.kinds)})",
             param="multi_modal",
         )
+    return collapsed
+
+
+def vllm_prompt(request: GenerateRequest, token_ids: Mapping[str, int]) -> dict[str, Any]:
+    """Return ``request``'s prompt as a vLLM ``TokensPrompt`` dict, media included.
+
+    vLLM's multi-modal processor expands each image's placeholder itself, so the expanded runs
+    of ``request.prompt_ids`` are collapsed back to one placeholder token per item, and the
+    items go as decoded PIL images under ``multi_modal_data`` (``{"image": [...], "video":
+    [[frame, ...], ...]}``), decoded from the inputs' sources (PNG bytes). This is what vLLM's
+    own engine (``LLM.generate``, ``EngineClient.generate``) takes; over HTTP the backend
+    sends the same prompt as :func:`vllm_generate_body` builds it.
+
+    Args:
+        request: the request (with or without ``multi_modal``).
+        token_ids: placeholder token id by kind (``{"image": ..., "video": ...}``).
+
+    Raises:
+        InvalidRequestError: the inputs carry no sources, or the prompt's placeholder runs do
+            not match the items.
+    """
+    mm = request.multi_modal
+    if mm is None or not len(mm):
+        return {"prompt_token_ids": list(request.prompt_ids)}
+    collapsed = _collapsed_prompt(request.prompt_ids, mm, token_ids)
+    from polyrl.core.multimodal import decode_image
+
     data: dict[str, list[Any]] = {}
     for kind, src in zip(mm.kinds, mm.sources, strict=True):
         if kind == "image":
@@ -190,6 +221,70 @@ def vllm_prompt(request: GenerateRequest, token_ids: Mapping[str, int]) -> dict[
         else:
             data.setdefault("video", []).append([decode_image(f) for f in src])
     return {"prompt_token_ids": collapsed, "multi_modal_data": data}
+
+
+def _sampling_fields(p: SamplingParams, max_tokens: int) -> dict[str, Any]:
+    """Return ``p`` in vLLM's sampling field names (both request routes take them)."""
+    return {
+        "max_tokens": max_tokens,
+        "temperature": p.temperature,
+        "top_p": p.top_p,
+        "top_k": p.top_k if p.top_k > 0 else 0,
+        "min_p": p.min_p,
+        "repetition_penalty": p.repetition_penalty,
+        "n": p.n,
+        "seed": p.seed,
+        "stop": list(p.stop),
+        "stop_token_ids": list(p.stop_token_ids),
+        "ignore_eos": p.ignore_eos,
+    }
+
+
+def vllm_generate_body(
+    request: GenerateRequest, token_ids: Mapping[str, int], model: str, max_tokens: int
+) -> dict[str, Any]:
+    """Return the JSON body of vLLM's token-in ``POST /inference/v1/generate`` for ``request``.
+
+    That route (served with ``--enable-scale-out``) takes ``token_ids`` with one placeholder
+    token per image (collapsed as in :func:`vllm_prompt`), the images as ``content_parts``
+    ``{"type": "image_url", "url": "data:image/png;base64,..."}`` (vLLM decodes and processes
+    them, and expands the placeholders), and vLLM's own ``sampling_params``. The body asks
+    for a stream and for the expanded prompt back (``return_token_ids``), which the backend
+    checks against the prompt it was given.
+
+    Raises:
+        InvalidRequestError: a video (vLLM's ``video_url`` takes an encoded video file, not
+            frames), inputs without sources, or placeholder runs that do not match the items.
+    """
+    mm = request.multi_modal
+    if mm is not None and "video" in mm.kinds:
+        raise InvalidRequestError(
+            "the vllm backend sends images only: vLLM's token-in generate route takes a video "
+            "as an encoded file, not as frames; use the native backend for video prompts",
+            param="multi_modal",
+            code="videos_not_supported",
+        )
+    if mm is not None and len(mm):
+        ids = _collapsed_prompt(request.prompt_ids, mm, token_ids)
+        parts = [
+            {"type": "image_url", "url": "data:image/png;base64," + b64}
+            for b64 in mm.media_payload()["images"]
+        ]
+    else:
+        ids, parts = list(request.prompt_ids), []
+    p = request.params
+    sampling = _sampling_fields(p, max_tokens)
+    if p.logprobs or p.top_logprobs:
+        sampling["logprobs"] = p.top_logprobs
+    return {
+        "model": model,
+        "token_ids": ids,
+        "content_parts": parts,
+        "sampling_params": sampling,
+        "stream": True,
+        "return_token_ids": True,
+        "request_id": f"{request.request_id}-{uuid.uuid4().hex[:8]}",
+    }
 
 
 def vllm_available(venv: str | os.PathLike[str] | None = None) -> bool:
@@ -383,23 +478,28 @@ class _Job(StreamJob):
         if self.backend._jobs.get(self.request.request_id) is self:
             del self.backend._jobs[self.request.request_id]
 
+    @property
+    def has_media(self) -> bool:
+        """Whether the request carries images (they go by ``/inference/v1/generate``)."""
+        mm = self.request.multi_modal
+        return mm is not None and len(mm) > 0
+
+    def route(self) -> tuple[str, dict[str, Any]]:
+        """Return the path and JSON body of the request to vLLM."""
+        if self.has_media:
+            b = self.backend
+            body = vllm_generate_body(self.request, b.media_tokens, b.info.model, self.max_new)
+            return "/inference/v1/generate", body
+        return "/v1/completions", self.body()
+
     def body(self) -> dict[str, Any]:
+        """Return the ``/v1/completions`` body of a text request."""
         b = self.backend
         p = self.request.params
         body: dict[str, Any] = {
             "model": b.info.model,
             "prompt": list(self.request.prompt_ids),
-            "max_tokens": self.max_new,
-            "temperature": p.temperature,
-            "top_p": p.top_p,
-            "top_k": p.top_k if p.top_k > 0 else 0,
-            "min_p": p.min_p,
-            "repetition_penalty": p.repetition_penalty,
-            "n": p.n,
-            "seed": p.seed,
-            "stop": list(p.stop),
-            "stop_token_ids": list(p.stop_token_ids),
-            "ignore_eos": p.ignore_eos,
+            **_sampling_fields(p, self.max_new),
             "stream": True,
             "return_token_ids": True,
             # vLLM may still know an aborted id for a moment; a suffix keeps ids unique there.
@@ -415,7 +515,10 @@ class _Job(StreamJob):
     async def run(self) -> None:
         try:
             client = await self._admit()
-            async for chunk in self._chunks(client, "/v1/completions", self.body()):
+            path, body = self.route()
+            async for chunk in self._chunks(client, path, body):
+                if "prompt_token_ids" in chunk:
+                    self._check_expanded(chunk["prompt_token_ids"])
                 deltas = [d for c in chunk.get("choices", ()) if (d := self._take(c))]
                 if deltas:
                     self.inbox.put_nowait(deltas)
@@ -432,6 +535,41 @@ class _Job(StreamJob):
         finally:
             self.backend._jobs.pop(self.request.request_id, None)
 
+    def _check_expanded(self, ids: Sequence[int]) -> None:
+        """Fail when vLLM expanded the image placeholders to another prompt than polyrl's.
+
+        The trainer scores the response after the prompt it built; if vLLM's processor sized
+        the images otherwise (other pixel bounds), the model saw another prompt.
+        """
+        mine = list(self.request.prompt_ids)
+        if list(ids) != mine:
+            image = self.backend.media_tokens.get("image")
+            raise RolloutError(
+                f"vLLM expanded the prompt of request {self.request.request_id!r} to "
+                f"{len(ids)} tokens ({list(ids).count(image)} image tokens) where polyrl's "
+                f"processor gave {len(mine)} ({mine.count(image)} image tokens): the server's "
+                "image processor sizes the images otherwise (pixel bounds?); give vLLM the "
+                "same settings (--mm-processor-kwargs) or use the native backend"
+            )
+
+    @staticmethod
+    def _logprobs_of(choice: Mapping[str, Any]) -> tuple[list[Any], list[dict[str, float]]]:
+        """Sampled-token log-probs and top alternatives (``{"token_id:N": lp}``) of a choice.
+
+        ``/v1/completions`` sends ``token_logprobs`` and ``top_logprobs`` dicts; the generate
+        route sends ``content``: one ``{token_id, logprob, top_logprobs: [...]}`` per token.
+        """
+        lp = choice.get("logprobs") or {}
+        if "content" in lp:
+            content = lp.get("content") or []
+            values = [c.get("logprob") for c in content]
+            tops = [
+                {f"token_id:{t['token_id']}": t["logprob"] for t in c.get("top_logprobs") or ()}
+                for c in content
+            ]
+            return values, tops
+        return list(lp.get("token_logprobs") or []), list(lp.get("top_logprobs") or [])
+
     def _take(self, choice: Mapping[str, Any]) -> SampleDelta | None:
         """Record one streamed choice; return the delta to deliver now, if any."""
         b = self.backend
@@ -446,16 +584,13 @@ class _Job(StreamJob):
         version = b._weight_version
         ids = [int(t) for t in (choice.get("token_ids") or ())]
         params = self.request.params
-        lp = choice.get("logprobs") or {}
+        values, tops = self._logprobs_of(choice)
         logprobs: list[float] | None = None
         top: list[list[tuple[int, float]]] | None = None
         if params.logprobs:
-            values = lp.get("token_logprobs") or []
             logprobs = [float("nan") if v is None else float(v) for v in values]
         if params.top_logprobs:
-            top = [
-                self._top_k(entry, params.top_logprobs) for entry in (lp.get("top_logprobs") or [])
-            ]
+            top = [self._top_k(entry, params.top_logprobs) for entry in tops]
         if ids:
             s.last = ids[-1]
             if s.first_version is None:
@@ -552,6 +687,23 @@ class VLLMBackend(SubprocessBackend):
         self._expected_shapes: dict[str, tuple[int, ...]] | None = None
         self._weight_bytes_cache: int | None = None
 
+    @property
+    def media_tokens(self) -> dict[str, int]:
+        """Placeholder token id by media kind of the served model (empty for a text model)."""
+        return dict(self._shapes.get("media_tokens") or {})
+
+    def _check_media(self, request: GenerateRequest) -> None:
+        """Images go to vLLM's generate route; refuse what that route cannot take."""
+        if not self.media_tokens:
+            raise InvalidRequestError(
+                f"{self.model_dir.name} is not a vision-language model (its config names no "
+                "image token): it takes no images",
+                param="multi_modal",
+                code="images_not_supported",
+            )
+        # Checked here so that a bad request gets its 400 before anything is sent.
+        vllm_generate_body(request, self.media_tokens, self.info.model, 1)
+
     # --------------------------------------------------------------------------- lifecycle
 
     def _find_venv(self) -> Path:
@@ -583,6 +735,8 @@ class VLLMBackend(SubprocessBackend):
             "--worker-extension-cls",
             _EXT_CLASS,
             "--disable-uvicorn-access-log",
+            # Serves /inference/v1/generate: token ids plus images (see vllm_generate_body).
+            "--enable-scale-out",
         ]
         kv_bytes = self._kv_cache_bytes()
         if kv_bytes is not None:
