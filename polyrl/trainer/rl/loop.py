@@ -366,7 +366,7 @@ class RLTrainer:
         )
         self._closers.append(producer.close)
         self.replicas.inflight = ahead.inflight_policy
-        self.replicas.attach(producer)
+        self.replicas.attach(producer.client)
         ahead.recover = self.replicas.recover
         opts = cfg.async_rl
         _log(
