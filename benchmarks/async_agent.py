@@ -2,9 +2,11 @@
 
 A multi-turn task whose environment takes wall time without CPU, as a remote sandbox or a web
 call does: ``reset`` and each ``step`` sleep 0.2-0.5 s (``asyncio.sleep``), two model turns per
-episode, reward ``-len(turn) / 20`` per step (dense: a tiny model moves it). The demo's nano
-model runs the same number of GRPO steps (so the same number of trained samples) in each
-``trainer.mode``, each in a fresh child process (``async.max_staleness=2`` for ``async``).
+episode, reward ``-len(turn) / 20`` per step (dense: a tiny model moves it); it lives in
+``_waiting_env.py``, a ``trainer.imports`` plugin, so a producer process rolls it out too. The
+demo's nano model runs the same number of GRPO steps (so the same number of trained samples) in
+each ``trainer.mode``, each in a fresh child process (``async.max_staleness=2`` for ``async``;
+the two asynchronous modes with ``async.producer=process`` unless ``--producer thread``).
 
 Throughput is trained samples over the summed ``timing_s/step`` of the run (set-up excluded,
 the first step included: it holds the asynchronous modes' pipeline fill), as in
@@ -16,7 +18,7 @@ batches can overlap one another too, so ``ratio`` may beat it. ``reward_async`` 
 standard error of sync's per-step scores over those steps (two runs whose rewards differ by
 less than about twice that are within noise). The last stdout line is the JSON result.
 
-    python benchmarks/async_agent.py [--steps 12] [--workdir DIR]
+    python benchmarks/async_agent.py [--steps 12] [--producer process|thread] [--workdir DIR]
 """
 
 from __future__ import annotations
@@ -37,46 +39,23 @@ sys.path.insert(0, str(HERE))
 from _report import report  # noqa: E402
 
 MODES = ("sync", "one_step_off", "async")
-SLEEP_S = (0.2, 0.5)
 
 
-def child(mode: str, workdir: Path, steps: int, prompts: int, n: int) -> None:
+def child(mode: str, workdir: Path, steps: int, prompts: int, n: int, producer: str) -> None:
     """Train ``steps`` GRPO steps in ``mode`` on the waiting environment (a child process)."""
-    import asyncio
     import dataclasses
-    import random
 
-    from polyrl.agent import env_loop
-    from polyrl.agent.envs import Env, register_env
     from polyrl.config import load_config
     from polyrl.trainer.rl import RLTrainer
 
-    @register_env("bench_waiting_tool")
-    class WaitingTool(Env):
-        """Two turns; reset and every step wait 0.2-0.5 s without using the CPU."""
-
-        async def reset(self, seed=None, **kwargs):
-            self.rng, self.turns = random.Random(seed), 0
-            await asyncio.sleep(self.rng.uniform(*SLEEP_S))
-            return "Say something short."
-
-        async def step(self, action):
-            self.turns += 1
-            await asyncio.sleep(self.rng.uniform(*SLEEP_S))
-            return "The tool answered. Again.", -len(action) / 20.0, self.turns >= 2, {}
-
-    original = env_loop.EnvAgentLoop.__init__
-
-    def init(self, *args, **kwargs):
-        original(self, *args, **{**kwargs, "env": "bench_waiting_tool"})
-
-    env_loop.EnvAgentLoop.__init__ = init  # the demo rows name no environment
     cfg = load_config(
         "demo",
         [
             f"trainer.output_dir={workdir / mode}",
             f"trainer.mode={mode}",
             "async.max_staleness=2",
+            f"async.producer={producer}",
+            f"trainer.imports=[{HERE / '_waiting_env.py'}]",
             "agent.enable=true",
             "agent.default_loop=env",
             "agent.max_turns=2",
@@ -110,19 +89,26 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--workdir", default="")
+    parser.add_argument(
+        "--producer",
+        default="process",
+        choices=("thread", "process"),
+        help="async.producer of the one_step_off and async runs",
+    )
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="polyrl-async-agent-"))
     if args.child:
-        child(args.child, workdir, args.steps, args.prompts, args.n)
+        child(args.child, workdir, args.steps, args.prompts, args.n, args.producer)
         return
     if args.steps < 2:
         parser.error("--steps must be >= 2")
-    result: dict = {"name": "async_agent", "steps": args.steps}
+    result: dict = {"name": "async_agent", "steps": args.steps, "producer": args.producer}
     scores = {}
     for mode in MODES:
         cmd = [sys.executable, __file__, "--child", mode, "--workdir", str(workdir)]
         cmd += ["--steps", str(args.steps), "--prompts", str(args.prompts), "--n", str(args.n)]
+        cmd += ["--producer", args.producer]
         subprocess.run(cmd, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         records = _records(workdir / mode)
         seconds = sum(r["timing_s/step"] for r in records)

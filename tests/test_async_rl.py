@@ -202,6 +202,8 @@ def _check_once_and_fresh(out: Path, steps: int, batch: int, bound: int) -> list
 
 @pytest.mark.slow
 def test_async_grpo_raises_the_reward_within_the_staleness_bound(tmp_path):
+    # With the producer in a process of its own (async.producer=process): the groups it
+    # streams back are trained each once, fresh enough, and the reward rises.
     from polyrl.trainer.rl.loop import RLTrainer
 
     cfg = load_config(
@@ -210,6 +212,7 @@ def test_async_grpo_raises_the_reward_within_the_staleness_bound(tmp_path):
             tmp_path,
             "async",
             "trainer.mode=async",
+            "async.producer=process",
             "async.max_staleness=2",
             "trainer.total_steps=10",
             "actor.lr=0.01",
@@ -344,3 +347,51 @@ def test_an_aborted_sample_resumes_from_its_tokens(agent_server, tiny_qwen2_toke
         assert out.finish_reason in ("length", "stop"), out.finish_reason
         assert 0 < len(out.output_ids) <= 384
         assert len(out.logprobs) == len(out.output_ids)
+
+
+def test_the_producer_process_samples_and_scores_what_the_thread_producer_does(
+    agent_server, tiny_qwen2_dir, tiny_qwen2_tokenizer
+):
+    # async.producer=process: the same group (prompt row, n, seed) comes back from the child
+    # token for token and score for score; the trainer's routing calls reach the child's client.
+    import asyncio
+
+    import torch
+
+    from polyrl.core.columns import INPUT_IDS, SCORE
+    from polyrl.trainer.rl.producer_process import ProducerProcess
+    from polyrl.trainer.rl.rollout import RolloutProducer, reward_manager
+
+    cfg = load_config("demo", ["reward.num_workers=0", "rollout.max_new_tokens=8"])
+    url = str(agent_server.url)
+    item = {
+        "input_ids": torch.tensor(tiny_qwen2_tokenizer.encode("12+34=")),
+        "uid": "p0",
+        "data_source": "arithmetic",
+        "reward_model": {"ground_truth": "46"},
+    }
+    here = RolloutProducer.connect(cfg, [url], tiny_qwen2_tokenizer, reward_manager(cfg))
+    try:
+        want, want_metrics = here.run(here.produce_group(item, 3, 1.0, 7))
+    finally:
+        here.close()
+    child = ProducerProcess(cfg, [url], tiny_qwen2_dir)
+    try:
+        got, got_metrics = child._loop.run_until_complete(child.produce_group(item, 3, 1.0, 7))
+        assert torch.equal(got[INPUT_IDS], want[INPUT_IDS])
+        assert torch.equal(got[SCORE], want[SCORE])
+        assert list(got.non_tensors["response_text"]) == list(want.non_tensors["response_text"])
+        assert got_metrics == want_metrics
+        assert child.pad_id == here.pad_id
+        # Held out of rotation with no wait for a replica: the child's request fails, named.
+        child.client.enable_replica(url, enabled=False)
+        with pytest.raises(RuntimeError, match="NoReplicaAvailableError"):
+            child._loop.run_until_complete(child.produce_group(item, 1, 1.0, 7))
+        with pytest.raises(KeyError):
+            child.client.enable_replica("http://127.0.0.1:9")
+        assert child.client.retries == 0 and child.resumed_samples == 0
+    finally:
+        child.close()
+    assert child.process.exitcode == 0
+    with pytest.raises(RuntimeError, match="stopped"):
+        asyncio.run(child.produce_group(item, 1, 1.0, 7))

@@ -240,13 +240,31 @@ def test_transfer_queue_workers_wait_for_a_lone_replica_restarted_mid_step(tmp_p
     assert trainer.versions == [3]
 
 
-def test_on_ray_the_rank_restarts_its_server(tmp_path, ray_session):
+def _server_child(group: Any, rank: int) -> int:
+    """The pid of the rollout server that rank ``rank``'s Ray actor runs as its child."""
+    actor_pid = group.worker_info[rank].pid
+    children = [
+        int(p.name)
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit()
+        and _parent_of(p) == actor_pid
+        and "rollout_server" in (p / "cmdline").read_text(errors="replace")
+    ]
+    assert len(children) == 1, children
+    return children[0]
+
+
+def test_on_ray_the_rank_restarts_a_lone_server_while_queue_workers_wait(tmp_path, ray_session):
+    # The in-process case of the test above on Ray: the rank's actor restarts its server, and
+    # the transfer queue's rollout workers, Ray actors with clients of their own, are routed
+    # like the driver's (the restarted replica held out of their rotation until its push).
     cfg = _config(
         tmp_path,
         "trainer.worker_backend=ray",
         "trainer.device=cpu",
-        "rollout.replicas=2",
+        "rollout.replicas=1",
         "rollout.num_threads=1",
+        "transfer.enable=true",
     )
     trainer = RLTrainer(cfg)
     try:
@@ -254,23 +272,13 @@ def test_on_ray_the_rank_restarts_its_server(tmp_path, ray_session):
         group = trainer.servers.group
         trainer.step(1)
         # The server of rank 0 is a child process of that Ray actor: kill it as a crash would.
-        actor_pid = group.worker_info[0].pid
-        children = [
-            int(p.name)
-            for p in Path("/proc").iterdir()
-            if p.name.isdigit()
-            and _parent_of(p) == actor_pid
-            and "rollout_server" in (p / "cmdline").read_text(errors="replace")
-        ]
-        assert len(children) == 1, children
-        os.kill(children[0], signal.SIGKILL)
+        os.kill(_server_child(group, 0), signal.SIGKILL)
         metrics = trainer.step(2)
         assert metrics["rollout/replica_restarts"] == 1
-        versions = [
-            httpx.get(f"{u}/health", timeout=10).json()["weight_version"]
-            for u in trainer.replicas.urls
-        ]
-        assert versions == [2, 2]
+        assert metrics["rollout/request_retries"] >= 1  # the workers' lost requests
+        assert metrics["rollout/weight_version"] == 1  # step 2 sampled the pushed weights
+        [url] = trainer.replicas.urls
+        assert httpx.get(f"{url}/health", timeout=10).json()["weight_version"] == 2
         assert all(state["alive"] for state in group.server_state())
     finally:
         trainer.close()

@@ -1323,6 +1323,14 @@ class AsyncRLConfig(ConfigGroup):
     capacity: int = option(
         0, "Most groups reserved or waiting in the buffer; 0 is bounded by the gate only.", ge=0
     )
+    producer: str = option(
+        "thread",
+        "Where the rollout producer of one_step_off and async runs: a thread of the trainer's "
+        "process, or a process of its own that streams each scored group back (its HTTP "
+        "client, agent loops and reward scoring then take none of the trainer's CPU time or "
+        "GIL; it starts reward workers of its own).",
+        choices=("thread", "process"),
+    )
 
 
 @dataclasses.dataclass

@@ -51,7 +51,8 @@ from polyrl.core.rollout_batch import rollout_widths, widen_rollout_batch
 from polyrl.reward.base import ReplicaEndpoints, Scorer
 from polyrl.reward.manager import RewardResult
 from polyrl.trainer.rl.generation import wait_recovering
-from polyrl.trainer.rl.rollout import RolloutProducer, attach_scores, derive_seed
+from polyrl.trainer.rl.producer_process import ProducerProcess
+from polyrl.trainer.rl.rollout import RolloutProducer, derive_seed
 from polyrl.transfer.replay import ReplayBuffer, ReplayEntry
 
 __all__ = ["AheadRollout", "SerialRewards", "gate_limit", "staleness_metrics"]
@@ -124,7 +125,9 @@ class AheadRollout:
 
     Args:
         cfg: the run's configuration (``trainer.mode``, ``async_rl``, ``rollout``, ``data``).
-        producer: a producer of its own (its client and event loop run in the rollout thread).
+        producer: a producer of its own (its client and event loop run in the rollout thread),
+            or a :class:`~polyrl.trainer.rl.producer_process.ProducerProcess`
+            (``async.producer=process``: the requests run in a process of its own).
         dataset: the training prompts, by index.
         sampler: the resumable prompt sampler (drawn from the rollout thread).
         total_steps: the run's steps (no group is reserved beyond them).
@@ -134,7 +137,7 @@ class AheadRollout:
     def __init__(
         self,
         cfg: PolyRLConfig,
-        producer: RolloutProducer,
+        producer: RolloutProducer | ProducerProcess,
         dataset: Any,
         sampler: Any,
         total_steps: int,
@@ -254,17 +257,9 @@ class AheadRollout:
         payload = self.buffer.payload(serial)
         ro = self.cfg.rollout
         item = self.dataset[payload["index"]]
-        batch, metrics = await self.producer.generate_async(
-            [item], ro.n, ro.temperature, payload["seed"]
+        batch, metrics = await self.producer.produce_group(
+            item, ro.n, ro.temperature, payload["seed"], bool(payload.get("greedy_baseline"))
         )
-        scored = await asyncio.to_thread(self.producer.score, batch)
-        baseline = None
-        if payload.get("greedy_baseline"):
-            greedy, _ = await self.producer.generate_async([item], 1, 0.0, payload["seed"])
-            baseline = (await asyncio.to_thread(self.producer.score, greedy))[0].repeat_interleave(
-                ro.n
-            )
-        metrics.update(attach_scores(batch, scored, baseline))
         if getattr(self.sampler, "curriculum", False):
             # The curriculum weighs the next draws by this group's outcome.
             self.sampler.record([payload["index"]], [float(batch[ACC].float().mean())])

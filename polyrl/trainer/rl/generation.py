@@ -233,20 +233,22 @@ class Replicas:
         #: sync skips them, a server refuses a version it already serves.
         self._early: dict[str, int] = {}
         self._early_stats: dict[str, Any] = {}
-        self.attach(producer)
+        self.attach(producer.client)
         if supervisor is not None:
             producer.watch = self.watch
 
-    def attach(self, producer: RolloutProducer) -> None:
-        """Route ``producer``'s client like the driver's (the async modes' rollout thread).
+    def attach(self, client: Any) -> None:
+        """Route ``client`` like the driver's.
 
-        Its requests wait for a restarted replica when none is left, and a restart takes the
-        replica out of its rotation and puts it back with the weights, as for the driver's.
+        The async modes' rollout thread's, the queue's rollout workers' (in this process or,
+        through a proxy, Ray actors), a producer process's (through a proxy). Its requests
+        wait for a restarted replica when none is left, and a restart takes the replica out of
+        its rotation and puts it back with the weights, as for the driver's.
         """
-        self._clients.append(producer.client)
+        self._clients.append(client)
         if self.supervisor is not None:
             # With no replica left, requests wait for a restarted one.
-            producer.client.replica_wait = self.cfg.rollout.restart_timeout_s
+            client.replica_wait = self.cfg.rollout.restart_timeout_s
 
     def sleep(self) -> None:
         """Free the replicas' memory for training (when ``RunSettings.sleeps_during_training``).
@@ -611,13 +613,13 @@ class QueueRollout(SyncGeneration):
         self.replicas = replicas
         self.pad_id = pad_id
         self.next_indices = next_indices
-        #: Restart lost replicas while the workers generate: only where every worker's client
-        #: is routed by ``replicas`` (in-process workers, see :meth:`Replicas.attach`); a Ray
-        #: worker's client would not know a restarted replica is not ready before its push.
-        self.watched = replicas.supervisor is not None and workers.backend == "local"
+        #: Restart lost replicas while the workers generate. Every worker's client is routed
+        #: by ``replicas`` (see :meth:`Replicas.attach`; a Ray worker's through its routing
+        #: calls), so it holds a restarted replica out until the push of the weights.
+        self.watched = replicas.supervisor is not None
         if self.watched:
-            for worker in workers.workers:
-                replicas.attach(worker.producer)
+            for client in workers.clients():
+                replicas.attach(client)
 
     def _rollout(self, calls: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
         """Run the workers' ``rollout`` calls; restart lost replicas meanwhile when watched."""

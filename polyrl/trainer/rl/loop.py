@@ -85,6 +85,7 @@ from polyrl.trainer.rl.metrics import (
     step_metrics,
     summary_fields,
 )
+from polyrl.trainer.rl.producer_process import ProducerProcess
 from polyrl.trainer.rl.rollout import (
     RolloutProducer,
     has_custom_reward,
@@ -354,19 +355,32 @@ class RLTrainer:
         """Set up generation ahead of training: a rollout thread with a producer of its own."""
         cfg = self.cfg
         assert self.servers is not None and self.producer is not None
-        shared = SerialRewards(rewards)
-        # The trainer's thread validates while the rollout thread scores: one batch at a time.
-        self.producer.rewards = shared
-        producer = RolloutProducer.connect(
-            cfg, self.servers.urls, self.tokenizer, shared, api_key=self.servers.api_key
-        )
+        producer: RolloutProducer | ProducerProcess
+        if cfg.async_rl.producer == "process":
+            # Its client, agent loops and scoring off this process's CPU time and GIL; it
+            # scores with reward workers of its own.
+            producer = ProducerProcess(
+                cfg,
+                self.servers.urls,
+                self.model_dir,
+                api_key=self.servers.api_key,
+                reward_fn=self.reward_fn,
+            )
+        else:
+            shared = SerialRewards(rewards)
+            # The trainer's thread validates while the rollout thread scores: one at a time.
+            self.producer.rewards = shared
+            producer = RolloutProducer.connect(
+                cfg, self.servers.urls, self.tokenizer, shared, api_key=self.servers.api_key
+            )
+            producer.processor = self.processor
         # close() stops it before the servers; the producer is closed after it.
         self.rollout = ahead = AheadRollout(
             cfg, producer, self.train_ds, self.sampler, self.total_steps, self.out_dir
         )
         self._closers.append(producer.close)
         self.replicas.inflight = ahead.inflight_policy
-        self.replicas.attach(producer)
+        self.replicas.attach(producer.client)
         ahead.recover = self.replicas.recover
         opts = cfg.async_rl
         _log(

@@ -621,6 +621,29 @@ class RolloutProducer:
         metrics.update(attach_scores(batch, scored, baseline))
         return batch, metrics
 
+    async def produce_group(
+        self,
+        item: Mapping[str, Any],
+        n: int,
+        temperature: float,
+        seed: int,
+        greedy_baseline: bool = False,
+    ) -> tuple[Batch, dict[str, float]]:
+        """Generate and score one prompt group, as the asynchronous modes' rollout thread does.
+
+        Returns the scored batch of ``item``'s ``n`` responses and its generation and reward
+        metrics; with ``greedy_baseline`` (ReMax) the greedy response's score is the rows'
+        ``baseline``. Scoring runs in a helper thread, so other groups keep generating.
+        """
+        batch, metrics = await self.generate_async([item], n, temperature, seed)
+        scored = await asyncio.to_thread(self.score, batch)
+        baseline = None
+        if greedy_baseline:
+            greedy, _ = await self.generate_async([item], 1, 0.0, seed)
+            baseline = (await asyncio.to_thread(self.score, greedy))[0].repeat_interleave(n)
+        metrics.update(attach_scores(batch, scored, baseline))
+        return batch, metrics
+
     def evaluate(self, dataset: Any) -> dict[str, float]:
         """mean@k and pass@k (``k = rollout.val_n``) of ``dataset``'s prompts, per data source.
 

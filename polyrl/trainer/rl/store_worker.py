@@ -248,6 +248,28 @@ class StoreRolloutWorker:
         self.queue.put(rows, partition, sample_ids=list(range(start, start + len(rows))))
         return summary
 
+    # ------------------------------------------------------------------ routing
+    # The trainer restarts a lost replica while ``rollout`` runs and routes this worker's
+    # client as its own (see Replicas.attach): on Ray these calls run in a concurrency group
+    # of their own, beside ``rollout``. Each changes one list item or flag, which the client's
+    # event loop, in the other thread, reads atomically.
+
+    def replace_replica(self, old_url: str, new_url: str, enabled: bool = True) -> None:
+        """Put a restarted replica ``new_url`` in the place of ``old_url`` in the client."""
+        self.producer.client.replace_replica(old_url, new_url, enabled=enabled)
+
+    def enable_replica(self, url: str, enabled: bool = True) -> None:
+        """Let the client send requests to ``url`` (``enabled=False``: hold it out)."""
+        self.producer.client.enable_replica(url, enabled=enabled)
+
+    def set_replica_wait(self, seconds: float) -> None:
+        """Make the client's requests wait ``seconds`` for a replica when none is left."""
+        self.producer.client.replica_wait = seconds
+
+    def request_retries(self) -> int:
+        """Return the requests the client re-sent after a failure, since the start."""
+        return int(self.producer.client.retries)
+
     def advantages(
         self, rows: StoredRows, kl_ctrl: Any, max_response_length: int
     ) -> tuple[StoredRows, dict[str, float], Any]:
@@ -312,6 +334,53 @@ async def _rollout_streamed(
     return list(await asyncio.gather(*(one(i, item) for i, item in enumerate(items))))
 
 
+#: The Ray concurrency group of a rollout worker's routing calls, which run beside ``rollout``.
+_ROUTING = "routing"
+
+
+class _RayWorkerClient:
+    """The routing side of a Ray rollout worker's client, as the trainer's replicas drive it.
+
+    :class:`~polyrl.trainer.rl.generation.Replicas` takes a replica out of every client's
+    rotation while it restarts and lets it back in once it has the weights; this forwards
+    those calls (and the retry count, and the wait for a replica) to the actor.
+    """
+
+    def __init__(self, actor: Any, timeout_s: float = 60.0) -> None:
+        self._actor = actor
+        self._timeout_s = timeout_s
+        self._replica_wait = 0.0
+
+    def _call(self, method: str, *args: Any) -> Any:
+        import ray
+
+        call = getattr(self._actor, method).options(concurrency_group=_ROUTING)
+        return ray.get(call.remote(*args), timeout=self._timeout_s)
+
+    def replace_replica(self, old_url: str, new_url: str, *, enabled: bool = True) -> None:
+        """Replace ``old_url`` by ``new_url`` in the worker's client."""
+        self._call("replace_replica", old_url, new_url, enabled)
+
+    def enable_replica(self, url: str, enabled: bool = True) -> None:
+        """Let ``url`` take the worker's requests (``enabled=False``: hold it out)."""
+        self._call("enable_replica", url, enabled)
+
+    @property
+    def retries(self) -> int:
+        """Requests the worker's client re-sent after a failure."""
+        return int(self._call("request_retries"))
+
+    @property
+    def replica_wait(self) -> float:
+        """Seconds the worker's requests wait for a replica when none is left."""
+        return self._replica_wait
+
+    @replica_wait.setter
+    def replica_wait(self, seconds: float) -> None:
+        self._call("set_replica_wait", float(seconds))
+        self._replica_wait = float(seconds)
+
+
 class StoreWorkers:
     """The transfer queue's rollout workers: Ray actors or, with a local queue, in-process.
 
@@ -327,13 +396,24 @@ class StoreWorkers:
         if backend == "ray":
             import ray
 
-            remote = ray.remote(StoreRolloutWorker).options(num_cpus=0)
+            # Routing calls (a replica restarted meanwhile) run in a thread of their own.
+            remote = ray.remote(num_cpus=0, concurrency_groups={_ROUTING: 1})(StoreRolloutWorker)
             self.workers: list[Any] = [remote.remote(*args) for _ in range(count)]
         else:
             self.workers = [StoreRolloutWorker(*args) for _ in range(count)]
 
     def __len__(self) -> int:
         return len(self.workers)
+
+    def clients(self) -> list[Any]:
+        """Each worker's rollout client, or for a Ray worker a proxy of its routing calls.
+
+        What :meth:`~polyrl.trainer.rl.generation.Replicas.attach` needs to route the
+        workers' requests like the driver's when a replica is restarted.
+        """
+        if self.backend == "ray":
+            return [_RayWorkerClient(w) for w in self.workers]
+        return [w.producer.client for w in self.workers]
 
     def call(self, index: int, method: str, **kwargs: Any) -> Any:
         """Call ``method`` on worker ``index`` with named arguments; wait for its result."""
