@@ -352,3 +352,24 @@ def test_the_command_line_prints_an_aborted_run_as_one_line_exit_2(monkeypatch, 
     assert err == "polyrl: error: worker rank 0 died during actor.update_actor; resume\n"
     with pytest.raises(RunAbortedError):  # --debug: the traceback
         cli.main(["--debug", "train", "demo"])
+
+
+def test_a_worker_death_is_one_line_with_where_and_a_plain_log_tail():
+    from polyrl.controller import WorkerDiedError
+    from polyrl.trainer.rl.supervisor import ReplicaLostError, describe_failure
+
+    log = ":actor_name:_RayHost\n\x1b[36mloading\x1b[0m\r\nstep 1\r 50%\r100%\n\nlast words\n"
+    died = WorkerDiedError(
+        0, "actor.update_actor", "killed", pid=42, node_id="f" * 40, node_ip="10.0.0.7"
+    )
+    died.log_tail = log
+    assert describe_failure(died) == (
+        "worker rank 0 (pid 42 on node 10.0.0.7 (id ffffffffffff)) died during "
+        "actor.update_actor (killed); its log ends: loading | 100% | last words"
+    )
+    lost = describe_failure(ReplicaLostError("http://127.0.0.1:1", "restarts spent", log))
+    assert lost == (
+        "rollout replica http://127.0.0.1:1 lost: restarts spent; its log ends: loading | "
+        "100% | last words"
+    )
+    assert describe_failure(WorkerDiedError(1, None, "gone")).endswith("; its log is empty")
