@@ -58,7 +58,7 @@ __all__ = ["RewardFailureError", "RewardManager", "RewardResult"]
 
 logger = logging.getLogger(__name__)
 
-#: The metric counting reward workers that died while scoring (since the manager started).
+#: The metric counting reward workers that died (since the manager started).
 WORKER_DEATHS = "recovery/reward_worker_deaths"
 
 #: Per-sample statuses reported in :attr:`RewardResult.statuses`.
@@ -132,8 +132,8 @@ class RewardResult:
             (NaN where a sample did not report that key).
         metrics: Aggregates: ``reward/score/{mean,std,min,max}``, counters
             ``reward/errors``, ``reward/timeouts``, ``reward/garbage``,
-            ``recovery/reward_worker_deaths`` (workers that died while scoring, since the
-            manager started; with worker processes), per data source
+            ``recovery/reward_worker_deaths`` (worker processes that died, since the manager
+            started; with worker processes), per data source
             ``reward/<data_source>/mean``, per extra ``reward/extra/<key>/mean`` and
             ``reward/time_s``.
         statuses: Per-sample status: ``"ok"``, ``"error"``, ``"timeout"`` or ``"garbage"``.

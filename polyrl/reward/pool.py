@@ -13,7 +13,7 @@ out-of-memory killer, an operator, a chaos test). So the item a worker died on i
 once, by its replacement; only when that one dies on it too is the outcome ``"error"`` (the
 scorer takes its process down). After such a double death the batch's later deaths are not
 retried, so a scorer that kills every process it runs in costs one extra start per batch.
-:attr:`ScoringPool.deaths` counts the workers that died while scoring.
+:attr:`ScoringPool.deaths` counts the workers that died.
 
 A scorer that hangs on every item would still cost one timeout per item. When the first items
 tried in a batch (one per worker, at least two) all time out and none has finished, the scorer
@@ -212,7 +212,8 @@ class ScoringPool:
         self._ctx = mp.get_context(mp_context)
         self._workers: list[_Worker | None] = []
         self._boot_failures = 0
-        #: Workers that died while scoring since the pool started (``recovery/...`` metric).
+        #: Workers that died (while scoring or starting; not those it killed for a timeout)
+        #: since the pool started (the ``recovery/reward_worker_deaths`` metric).
         self.deaths = 0
         self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
         for _ in range(num_workers):
@@ -417,10 +418,9 @@ class ScoringPool:
             assert worker is not None
             self._drain(run, slot)  # results sent just before dying still count
             worker.proc.join(timeout=5)
-            if worker.chunk is not None:
-                self.deaths += 1
-                if self._retry_current(run, slot):
-                    continue
+            self.deaths += 1
+            if worker.chunk is not None and self._retry_current(run, slot):
+                continue
             self._fail_current(
                 run,
                 slot,
