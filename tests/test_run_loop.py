@@ -197,6 +197,19 @@ def test_no_validation_and_no_saves(tmp_path):
     assert "validate" not in [c for c, _ in toy.calls]
 
 
+def test_save_interval_s_saves_after_a_step_that_ends_that_long_after_the_last_save(tmp_path):
+    out = tmp_path / "run"
+    # Any time at all has passed since the last save: every step saves.
+    toy = Counter(checkpoint_root(out), total=3, val=False)
+    summary = _loop(_cfg(out, save_freq=0, save_interval_s=1e-9)).run(toy)
+    assert [s for c, s in toy.calls if c == "save"] == [1, 2, 3]
+    assert summary["checkpoint"].endswith("global_step_3")
+    # Never that long: only save_freq's steps.
+    toy = Counter(checkpoint_root(tmp_path / "other"), total=3, val=False)
+    _loop(_cfg(tmp_path / "other", save_freq=2, save_interval_s=1e9)).run(toy)
+    assert [s for c, s in toy.calls if c == "save"] == [2, 3]
+
+
 def test_a_run_killed_while_saving_resumes_from_the_newest_complete_checkpoint(tmp_path):
     full = tmp_path / "full"
     _loop(_cfg(full)).run(Counter(checkpoint_root(full)))
