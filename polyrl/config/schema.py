@@ -715,6 +715,13 @@ class TrainerConfig(ConfigGroup):
     restart_backoff_s: float = option(
         10.0, "Seconds to wait before the k-th rebuild after a worker death, times k.", ge=0.0
     )
+    call_timeout_s: float = option(
+        3600.0,
+        "RL runs: an engine call (update, log-probs, save) with no result after this many "
+        "seconds counts as a dead worker although it still answers health checks (hung); "
+        "the run is rebuilt as after a death (trainer.max_restarts). 0: no limit.",
+        ge=0.0,
+    )
     val_before_train: bool = option(
         True, "Validate once before the first step (when validation is on and not resuming)."
     )
