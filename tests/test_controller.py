@@ -451,7 +451,12 @@ def test_layout_validation():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_dead_and_stopped_workers_are_reported_and_shutdown_cleans_up(request, backend):
     group = make_group(
-        request, backend, MathWorker, dead_worker_timeout_s=2.0, health_check_interval_s=0.25
+        request,
+        backend,
+        MathWorker,
+        dead_worker_timeout_s=2.0,
+        health_check_interval_s=0.25,
+        call_timeout_s=4.0,
     )
     pids = [w.pid for w in group.worker_info]
     assert all(pid_alive(p) for p in pids)
@@ -462,6 +467,13 @@ def test_dead_and_stopped_workers_are_reported_and_shutdown_cleans_up(request, b
         with pytest.raises(WorkerError, match="skips the all_reduce") as err:
             group.fail_before_collective(1)
         assert err.value.rank == 1 and time.monotonic() - start < 5.0
+        # A rank stuck in a call but answering pings: dead once call_timeout_s has passed.
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError) as info:
+            group.sleep(5.0).get()
+        assert 4.0 <= time.monotonic() - start < 4.0 + 3.0
+        assert "call_timeout_s=4" in info.value.reason and "hung" in info.value.reason
+        assert info.value.method == "sleep" and info.value.pid == pids[info.value.rank]
         # A stopped (hung) rank: alive as a process but answering nothing.
         busy = group.sleep(60)
         os.kill(pids[1], signal.SIGSTOP)

@@ -2,13 +2,16 @@
 
 The scorer is ``behave`` from ``tests/fixtures/reward_fns.py``: each response says what it does
 (``"good"`` scores 1, ``"hang"`` sleeps forever, ``"spin"`` burns CPU forever, ``"exit"`` ends
-its process with ``os._exit(1)``, ``"pid"`` returns the worker's pid).
+its process with ``os._exit(1)``, ``"pid"`` returns the worker's pid, ``"sleep:S"`` sleeps S
+seconds and scores 1).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -84,6 +87,20 @@ def test_a_worker_that_dies_mid_item_is_replaced_and_the_rest_are_scored(pool):
     assert [o[1] for o in outcomes] == [1.0, 0.0, 1.0, 1.0]
     assert scoring.pids != [before]
     assert_gone(before)
+
+
+def test_a_worker_killed_from_outside_loses_nothing(pool):
+    scoring = pool(1, chunk_size=3, timeout_s=30.0)
+    assert statuses(scoring.run(items("good"))) == ["ok"]  # booted
+    (before,) = scoring.pids
+    killer = threading.Timer(0.5, os.kill, (before, signal.SIGKILL))
+    killer.start()
+    outcomes = scoring.run(items("good", "sleep:2", "good"))
+    killer.join()
+    # The item it died on is scored again by its replacement, and the rest of its chunk.
+    assert statuses(outcomes) == ["ok", "ok", "ok"]
+    assert [o[1] for o in outcomes] == [1.0, 1.0, 1.0]
+    assert scoring.deaths == 1 and scoring.pids != [before]
 
 
 def test_a_batch_that_hangs_everywhere_is_cut_short(pool):

@@ -197,6 +197,19 @@ def test_no_validation_and_no_saves(tmp_path):
     assert "validate" not in [c for c, _ in toy.calls]
 
 
+def test_save_interval_s_saves_after_a_step_that_ends_that_long_after_the_last_save(tmp_path):
+    out = tmp_path / "run"
+    # Any time at all has passed since the last save: every step saves.
+    toy = Counter(checkpoint_root(out), total=3, val=False)
+    summary = _loop(_cfg(out, save_freq=0, save_interval_s=1e-9)).run(toy)
+    assert [s for c, s in toy.calls if c == "save"] == [1, 2, 3]
+    assert summary["checkpoint"].endswith("global_step_3")
+    # Never that long: only save_freq's steps.
+    toy = Counter(checkpoint_root(tmp_path / "other"), total=3, val=False)
+    _loop(_cfg(tmp_path / "other", save_freq=2, save_interval_s=1e9)).run(toy)
+    assert [s for c, s in toy.calls if c == "save"] == [2, 3]
+
+
 def test_a_run_killed_while_saving_resumes_from_the_newest_complete_checkpoint(tmp_path):
     full = tmp_path / "full"
     _loop(_cfg(full)).run(Counter(checkpoint_root(full)))
@@ -352,3 +365,24 @@ def test_the_command_line_prints_an_aborted_run_as_one_line_exit_2(monkeypatch, 
     assert err == "polyrl: error: worker rank 0 died during actor.update_actor; resume\n"
     with pytest.raises(RunAbortedError):  # --debug: the traceback
         cli.main(["--debug", "train", "demo"])
+
+
+def test_a_worker_death_is_one_line_with_where_and_a_plain_log_tail():
+    from polyrl.controller import WorkerDiedError
+    from polyrl.trainer.rl.supervisor import ReplicaLostError, describe_failure
+
+    log = ":actor_name:_RayHost\n\x1b[36mloading\x1b[0m\r\nstep 1\r 50%\r100%\n\nlast words\n"
+    died = WorkerDiedError(
+        0, "actor.update_actor", "killed", pid=42, node_id="f" * 40, node_ip="10.0.0.7"
+    )
+    died.log_tail = log
+    assert describe_failure(died) == (
+        "worker rank 0 (pid 42 on node 10.0.0.7 (id ffffffffffff)) died during "
+        "actor.update_actor (killed); its log ends: loading | 100% | last words"
+    )
+    lost = describe_failure(ReplicaLostError("http://127.0.0.1:1", "restarts spent", log))
+    assert lost == (
+        "rollout replica http://127.0.0.1:1 lost: restarts spent; its log ends: loading | "
+        "100% | last words"
+    )
+    assert describe_failure(WorkerDiedError(1, None, "gone")).endswith("; its log is empty")

@@ -680,7 +680,14 @@ class TrainerConfig(ConfigGroup):
     total_steps: int = option(0, "Training steps; 0 runs total_epochs over the data.", ge=0)
     total_epochs: int = option(1, "Passes over the training data when total_steps is 0.", ge=1)
     loggers: list[str] = option(["console"], "Metric sinks to write to.", choices=LOGGERS)
-    save_freq: int = option(0, "Save a checkpoint every N steps; 0 never saves.", ge=0)
+    save_freq: int = option(0, "Save a checkpoint every N steps (and at the last); 0: none.", ge=0)
+    save_interval_s: float = option(
+        1800.0,
+        "Also save a checkpoint after a step that ends this many seconds after the last save "
+        "(or the start), so that a restart (trainer.max_restarts) or a relaunch redoes at most "
+        "that much work; 0: steps only (trainer.save_freq).",
+        ge=0.0,
+    )
     test_freq: int = option(0, "Validate every N steps; 0 never validates.", ge=0)
     device: str = option(
         "auto", "Device to train on; auto picks cuda when available.", choices=DEVICES
@@ -707,6 +714,13 @@ class TrainerConfig(ConfigGroup):
     )
     restart_backoff_s: float = option(
         10.0, "Seconds to wait before the k-th rebuild after a worker death, times k.", ge=0.0
+    )
+    call_timeout_s: float = option(
+        3600.0,
+        "RL runs: an engine call (update, log-probs, save) with no result after this many "
+        "seconds counts as a dead worker although it still answers health checks (hung); "
+        "the run is rebuilt as after a death (trainer.max_restarts). 0: no limit.",
+        ge=0.0,
     )
     val_before_train: bool = option(
         True, "Validate once before the first step (when validation is on and not resuming)."

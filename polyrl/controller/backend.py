@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
+from polyrl.controller.errors import WorkerDiedError
 from polyrl.controller.resource_pool import ResourcePool
 from polyrl.controller.worker import WorkerInfo, WorkerSpec
 
@@ -28,15 +29,21 @@ class Backend(ABC):
         *,
         dead_worker_timeout_s: float,
         health_check_interval_s: float,
+        call_timeout_s: float | None = None,
     ) -> None:
         if dead_worker_timeout_s <= 0 or health_check_interval_s <= 0:
             raise ValueError(
                 "dead_worker_timeout_s and health_check_interval_s must be > 0, got "
                 f"{dead_worker_timeout_s} and {health_check_interval_s}"
             )
+        if call_timeout_s is not None and call_timeout_s < 0:
+            raise ValueError(f"call_timeout_s must be >= 0 or None, got {call_timeout_s}")
         self.group_name = group_name
         self.dead_worker_timeout_s = float(dead_worker_timeout_s)
         self.health_check_interval_s = float(health_check_interval_s)
+        #: A call whose result is not in this long after the driver started waiting for it is
+        #: taken to be hung (``None``: no limit).
+        self.call_timeout_s = float(call_timeout_s) if call_timeout_s else None
         self.infos: list[WorkerInfo] = []
         self.alive = False
 
@@ -123,6 +130,25 @@ class Backend(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Stop every rank process (idempotent)."""
+
+    def log_tail(self, rank: int, max_lines: int = 5) -> str:
+        """Return the last lines ``rank``'s process wrote to its own log (``""``: none known).
+
+        Only the ``ray`` backend keeps one per rank; local ranks write to the driver's streams.
+        """
+        return ""
+
+    def locate(self, error: WorkerDiedError) -> WorkerDiedError:
+        """Add where ``error``'s rank ran (pid, node) and its log's last lines, if not known."""
+        if error.pid is None and 0 <= error.rank < len(self.infos):
+            info = self.infos[error.rank]
+            error.pid, error.node_id, error.node_ip = info.pid, info.node_id, info.node_ip
+            if not error.log_tail:
+                try:
+                    error.log_tail = self.log_tail(error.rank)
+                except Exception:  # noqa: BLE001 - the message goes out without the tail
+                    error.log_tail = ""
+        return error
 
     def replace_rank(self, rank: int, start_timeout_s: float) -> WorkerInfo:
         """Start a fresh process for ``rank`` in its place, built as at the start; return it.

@@ -7,6 +7,8 @@ in any rank of any group reads like a local one.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "ControllerError",
     "DispatchError",
@@ -87,14 +89,61 @@ class WorkerDiedError(ControllerError):
         rank: global rank of the dead or unresponsive worker.
         method: the call that was waiting on it (``None`` for a health check outside a call).
         reason: what was observed (process exit, no answer within the timeout, ...).
+        pid: its process id, ``None`` when unknown.
+        node_id: the cluster node it ran on (Ray's node id), ``None`` when unknown.
+        node_ip: that node's address, ``None`` when unknown.
+        log_tail: the last lines of its own log (``""`` when none could be read).
     """
 
-    def __init__(self, rank: int, method: str | None, reason: str) -> None:
+    def __init__(
+        self,
+        rank: int,
+        method: str | None,
+        reason: str,
+        *,
+        pid: int | None = None,
+        node_id: str | None = None,
+        node_ip: str | None = None,
+        log_tail: str = "",
+    ) -> None:
         self.rank = rank
         self.method = method
         self.reason = reason
+        self.pid = pid
+        self.node_id = node_id
+        self.node_ip = node_ip
+        self.log_tail = log_tail
         during = f" during {method}" if method else ""
         super().__init__(f"worker rank {rank} is dead or unresponsive{during}: {reason}")
 
-    def __reduce__(self) -> tuple[type[WorkerDiedError], tuple[object, ...]]:
-        return (type(self), (self.rank, self.method, self.reason))
+    @property
+    def where(self) -> str:
+        """``pid P on node IP (id ...)``, as much of it as is known (``""`` for nothing)."""
+        parts = [f"pid {self.pid}"] if self.pid is not None else []
+        if self.node_ip or self.node_id:
+            node = self.node_ip or ""
+            if self.node_id:
+                node += f" (id {self.node_id[:12]})" if node else f"id {self.node_id[:12]}"
+            parts.append(f"node {node}")
+        return " on ".join(parts)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            _rebuild_died,
+            (
+                type(self),
+                (self.rank, self.method, self.reason),
+                {
+                    "pid": self.pid,
+                    "node_id": self.node_id,
+                    "node_ip": self.node_ip,
+                    "log_tail": self.log_tail,
+                },
+            ),
+        )
+
+
+def _rebuild_died(
+    cls: type[WorkerDiedError], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> WorkerDiedError:
+    return cls(*args, **kwargs)

@@ -44,7 +44,11 @@ class Watch:
 
 
 def await_handles(
-    watches: Sequence[Watch], timeout: float | None = None, *, health: bool = True
+    watches: Sequence[Watch],
+    timeout: float | None = None,
+    *,
+    health: bool = True,
+    hung_after: float | None = None,
 ) -> list[Any]:
     """Wait for every handle and return their values (in order), failing fast and loudly.
 
@@ -53,10 +57,26 @@ def await_handles(
     result is pinged each ``health_check_interval_s``; a ping that errors (process gone) or stays
     unanswered for ``dead_worker_timeout_s`` raises ``WorkerDiedError``. ``timeout`` bounds the
     whole wait with ``TimeoutError`` (the calls keep running). ``health=False`` skips the pings
-    (for processes still starting, which cannot answer yet).
+    (for processes still starting, which cannot answer yet). A rank's own result still
+    missing ``hung_after`` seconds into the wait raises ``WorkerDiedError`` too: the rank
+    answers pings but is stuck in the call.
     """
     if not watches:
         return []
+    try:
+        return _await_handles(watches, timeout, health, hung_after)
+    except WorkerDiedError as exc:
+        # Say where the dead rank ran: the backend of the call it was in knows.
+        owner = next(
+            (w.backend for w in watches if w.rank == exc.rank and w.label == exc.method),
+            watches[0].backend,
+        )
+        raise owner.locate(exc) from exc.__cause__
+
+
+def _await_handles(
+    watches: Sequence[Watch], timeout: float | None, health: bool, hung_after: float | None
+) -> list[Any]:
     backend0 = watches[0].backend
     for w in watches:
         if w.backend.kind != backend0.kind:
@@ -99,6 +119,23 @@ def await_handles(
                 pw, ph, _ = pings.pop(pkey)
                 pw.backend.check_ping(ph, pw.rank if pw.rank is not None else -1, pw.label)
         now = time.monotonic()
+        if hung_after is not None and now - start > hung_after:
+            stuck = next(
+                (
+                    watches[i]
+                    for idxs in pending.values()
+                    for i in idxs
+                    if watches[i].rank is not None
+                ),
+                None,
+            )
+            if stuck is not None:
+                raise WorkerDiedError(
+                    stuck.rank if stuck.rank is not None else -1,
+                    stuck.label,
+                    f"no result within call_timeout_s={hung_after:g}s although it answers "
+                    "health checks (hung in the call)",
+                )
         for pw, _, sent in pings.values():
             if now - sent > pw.backend.dead_worker_timeout_s:
                 raise WorkerDiedError(
@@ -229,7 +266,7 @@ class ControllerFuture:
         if self._value is not _MISSING:
             return self._value
         watches, n_own = self._watches()
-        values = await_handles(watches, timeout)
+        values = await_handles(watches, timeout, hung_after=self._backend.call_timeout_s)
         own_ranks = [rank for rank, h in enumerate(self._handles) if h is not None]
         results = [values[i] for i, rank in enumerate(own_ranks) if self._keep[rank]]
         state = self._resolved_state(values[n_own:])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -30,6 +31,7 @@ from polyrl.controller.worker import (
     extend_import_path,
 )
 from polyrl.core.plugins import plugin_modules
+from polyrl.core.process import plain_log_lines
 
 __all__ = ["RayBackend"]
 
@@ -92,6 +94,15 @@ def _convert(exc: BaseException, rank: int | None, label: str) -> BaseException:
     if isinstance(exc, RayActorError):
         return WorkerDiedError(rank if rank is not None else -1, label, _first_line(str(exc)))
     return exc
+
+
+def _logs_dir() -> Path | None:
+    """Return this node's Ray session log folder (``None`` when Ray does not run here)."""
+    try:
+        node = ray._private.worker._global_node  # no public accessor for the folder
+        return Path(node.get_logs_dir_path()) if node is not None else None
+    except Exception:  # noqa: BLE001 - a message without a log tail, not a failure
+        return None
 
 
 def _first_line(text: str) -> str:
@@ -306,6 +317,27 @@ class RayBackend(Backend):
 
     def pids(self) -> list[int]:  # noqa: D102
         return [info.pid for info in self.infos]
+
+    def log_tail(self, rank: int, max_lines: int = 5) -> str:
+        """Return the last lines of ``rank``'s actor log (stderr, else stdout) in Ray's session.
+
+        Read from this machine's Ray log folder, so only for an actor that ran on the driver's
+        node (``""`` otherwise). Ray's own marker lines (``:actor_name:...``) and colour codes
+        are dropped.
+        """
+        if not 0 <= rank < len(self.infos):
+            return ""
+        logs = _logs_dir()
+        if logs is None:
+            return ""
+        pid = self.infos[rank].pid
+        for suffix in ("err", "out"):
+            lines: list[str] = []
+            for path in sorted(logs.glob(f"worker-*-{pid}.{suffix}")):
+                lines += plain_log_lines(path.read_text(errors="replace"))
+            if lines:
+                return "\n".join(lines[-max_lines:])
+        return ""
 
     def shutdown(self) -> None:
         """Kill every actor (a rank stuck in a collective cannot exit gracefully)."""

@@ -149,6 +149,11 @@ class WorkerGroup:
         dead_worker_timeout_s: a rank that stops answering health checks for this long while a
             call waits on it is reported as dead (:class:`~polyrl.controller.WorkerDiedError`).
         health_check_interval_s: how often waiting calls ping the ranks they wait on.
+        call_timeout_s: a call whose result is not in this many seconds after the driver
+            started waiting for it is reported as a dead rank (``WorkerDiedError``, "hung"),
+            even though the rank still answers health checks: a rank stuck in a call. ``None``
+            or 0: no limit. The rank is not stopped here: :meth:`shutdown` (which the
+            trainer's rebuild does) kills it.
         start_timeout_s: bound on placing and starting the ranks.
         local_mode: for ``backend="local"``: ``"auto"``, ``"inline"`` or ``"process"``.
     """
@@ -165,6 +170,7 @@ class WorkerGroup:
         dist_timeout_s: float = 600.0,
         dead_worker_timeout_s: float = 30.0,
         health_check_interval_s: float = 1.0,
+        call_timeout_s: float | None = None,
         start_timeout_s: float = 180.0,
         local_mode: str = "auto",
     ) -> None:
@@ -206,6 +212,7 @@ class WorkerGroup:
         common = {
             "dead_worker_timeout_s": dead_worker_timeout_s,
             "health_check_interval_s": health_check_interval_s,
+            "call_timeout_s": call_timeout_s,
         }
         if backend == "ray":
             from polyrl.controller.ray_backend import RayBackend

@@ -3,20 +3,27 @@
 :func:`free_port` finds a TCP port to hand a child, :func:`kill_group` signals a child's whole
 process group, and :func:`spawn_group` launches a server in a process group of its own that
 the kernel ends when this process dies. The subprocess rollout backends, the weight transports
-and the training engine's rendezvous use them.
+and the training engine's rendezvous use them. :func:`plain_log_lines` reads a child's log for
+a message: without colour codes and Ray's bookkeeping lines.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shlex
 import socket
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-__all__ = ["free_port", "kill_group", "spawn_group"]
+__all__ = ["free_port", "kill_group", "plain_log_lines", "spawn_group"]
+
+#: An ANSI escape sequence (colours, cursor moves) as Ray, tqdm and servers write them.
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+#: Lines Ray writes into actor logs for its own bookkeeping (``:actor_name:_RayHost``).
+_RAY_MARKERS = (":actor_name:", ":task_name:", ":job_id:")
 
 # Run first in the child: ask the kernel for SIGTERM when the parent dies (PR_SET_PDEATHSIG), so
 # that a crashed or SIGKILLed polyrl process leaves no server behind; then exec the real command.
@@ -28,6 +35,20 @@ _PDEATHSIG_STUB = (
     "    sys.exit('polyrl parent exited before the server started')\n"
     "os.execv(sys.argv[2], sys.argv[2:])\n"
 )
+
+
+def plain_log_lines(text: str) -> list[str]:
+    """``text``'s non-empty lines as a person reads them: no colour codes, no redrawn bars.
+
+    Of a line redrawn with carriage returns (a progress bar) only the last state stays; Ray's
+    marker lines (``:actor_name:...``) go.
+    """
+    out = []
+    for raw in text.split("\n"):  # not splitlines(): a lone "\r" redraws the same line
+        line = _ANSI.sub("", raw.rstrip("\r").rsplit("\r", 1)[-1]).rstrip()
+        if line and not line.startswith(_RAY_MARKERS):
+            out.append(line)
+    return out
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -360,7 +360,7 @@ class RewardFunctionsManager:
         import numpy as np
         import torch
 
-        from polyrl.reward.manager import RewardResult
+        from polyrl.reward.manager import WORKER_DEATHS, RewardResult
 
         start = time.perf_counter()
         n = len(batch)
@@ -393,6 +393,9 @@ class RewardFunctionsManager:
                 values[:, k] = result.scores.numpy().astype(np.float64)
                 for key in ("reward/errors", "reward/timeouts", "reward/garbage"):
                     metrics[key] += result.metrics.get(key, 0.0)
+                if WORKER_DEATHS in result.metrics:
+                    deaths = metrics.get(WORKER_DEATHS, 0.0) + result.metrics[WORKER_DEATHS]
+                    metrics[WORKER_DEATHS] = deaths
                 for p, status in enumerate(result.statuses):
                     if status != "ok" and statuses[p] == "ok":
                         statuses[p] = status

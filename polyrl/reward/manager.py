@@ -4,7 +4,9 @@ Each sample is scored by the user's custom function or by the scorer registered 
 ``data_source``. Scoring runs in ``num_workers`` long-lived processes with a per-sample
 timeout (a :class:`~polyrl.reward.pool.ScoringPool`): a scorer that hangs, raises, returns
 garbage or kills its process yields ``error_reward`` for that sample and bumps a counter in
-the metrics; the worker is replaced when needed and the run goes on.
+the metrics; the worker is replaced when needed and the run goes on. A worker killed from
+outside costs nothing: the sample it was scoring is scored again by its replacement (only a
+second death on it makes it an error); ``recovery/reward_worker_deaths`` counts the deaths.
 
 ``num_workers=0`` scores in the calling process instead. That is meant for debugging
 (breakpoints, tracebacks, profilers): exceptions and garbage are still caught, but no
@@ -55,6 +57,9 @@ if TYPE_CHECKING:
 __all__ = ["RewardFailureError", "RewardManager", "RewardResult"]
 
 logger = logging.getLogger(__name__)
+
+#: The metric counting reward workers that died (since the manager started).
+WORKER_DEATHS = "recovery/reward_worker_deaths"
 
 #: Per-sample statuses reported in :attr:`RewardResult.statuses`.
 STATUSES = ("ok", "error", "timeout", "garbage")
@@ -126,7 +131,9 @@ class RewardResult:
         extras: Per-sample extra metrics from dict results, as float arrays of length B
             (NaN where a sample did not report that key).
         metrics: Aggregates: ``reward/score/{mean,std,min,max}``, counters
-            ``reward/errors``, ``reward/timeouts``, ``reward/garbage``, per data source
+            ``reward/errors``, ``reward/timeouts``, ``reward/garbage``,
+            ``recovery/reward_worker_deaths`` (worker processes that died, since the manager
+            started; with worker processes), per data source
             ``reward/<data_source>/mean``, per extra ``reward/extra/<key>/mean`` and
             ``reward/time_s``.
         statuses: Per-sample status: ``"ok"``, ``"error"``, ``"timeout"`` or ``"garbage"``.
@@ -560,6 +567,10 @@ class RewardManager:
             "reward/garbage": float(statuses.count("garbage")),
             "reward/time_s": float(elapsed),
         }
+        if self._pool is not None:
+            # Since the manager started: a killed worker's item was scored again, so the run
+            # lost nothing, but it happened.
+            metrics[WORKER_DEATHS] = float(self._pool.deaths)
         if n:
             metrics.update(
                 {

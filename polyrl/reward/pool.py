@@ -8,6 +8,13 @@ the processes its scorer started) and replaced; a worker that dies gives its cur
 ``"error"`` outcome and is replaced; the rest of its chunk goes back to the queue. A hang
 therefore costs one item, not the batch or the run.
 
+A worker can also die of something that is not its item's fault: killed from outside (the
+out-of-memory killer, an operator, a chaos test). So the item a worker died on is scored again,
+once, by its replacement; only when that one dies on it too is the outcome ``"error"`` (the
+scorer takes its process down). After such a double death the batch's later deaths are not
+retried, so a scorer that kills every process it runs in costs one extra start per batch.
+:attr:`ScoringPool.deaths` counts the workers that died.
+
 A scorer that hangs on every item would still cost one timeout per item. When the first items
 tried in a batch (one per worker, at least two) all time out and none has finished, the scorer
 is taken to be hung: the batch's other items are marked as timeouts without being tried, so
@@ -109,6 +116,10 @@ class _Progress:
         #: Items that timed out, and items that ended any other way, so far.
         self.timed_out = 0
         self.finished = 0
+        #: Indices of the items whose worker died on them once and that are being tried again.
+        self.retried: set[Any] = set()
+        #: A retried item's worker died too: this run's later deaths are the scorer's doing.
+        self.scorer_kills = False
 
 
 def _unguarded_main_line() -> int | None:
@@ -201,6 +212,9 @@ class ScoringPool:
         self._ctx = mp.get_context(mp_context)
         self._workers: list[_Worker | None] = []
         self._boot_failures = 0
+        #: Workers that died (while scoring or starting; not those it killed for a timeout)
+        #: since the pool started (the ``recovery/reward_worker_deaths`` metric).
+        self.deaths = 0
         self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
         for _ in range(num_workers):
             self._workers.append(self._start_worker())
@@ -233,7 +247,8 @@ class ScoringPool:
         """Score ``items``; return one outcome per item, in the order of ``items``.
 
         A scorer's failure is an outcome, not an exception: ``"timeout"`` for an item over
-        ``timeout_s``, ``"error"`` for one whose worker died.
+        ``timeout_s``, ``"error"`` for one whose worker died on it twice (the first death
+        retries it on a new worker).
 
         Raises:
             RuntimeError: If a worker cannot start (its start-up failed, it took longer than
@@ -403,13 +418,36 @@ class ScoringPool:
             assert worker is not None
             self._drain(run, slot)  # results sent just before dying still count
             worker.proc.join(timeout=5)
+            self.deaths += 1
+            if worker.chunk is not None and self._retry_current(run, slot):
+                continue
             self._fail_current(
                 run,
                 slot,
                 "error",
-                f"reward worker process died (exit code {worker.proc.exitcode}) while scoring",
+                f"reward worker process died (exit code {worker.proc.exitcode}) while scoring"
+                + (" (on a new worker too)" if run.scorer_kills else ""),
                 booted=worker.ready,
             )
+
+    def _retry_current(self, run: _Progress, slot: int) -> bool:
+        """Requeue a dead worker's current item and the rest of its chunk; replace it.
+
+        False (nothing done) when the item was retried already or the batch's scorer is known
+        to kill its processes; then the item's outcome is an error.
+        """
+        worker = self._workers[slot]
+        assert worker is not None and worker.chunk is not None
+        index = worker.chunk[worker.pos][0]
+        if index in run.retried:
+            run.scorer_kills = True
+        if run.scorer_kills:
+            return False
+        run.retried.add(index)
+        run.pending.appendleft(worker.chunk[worker.pos :])
+        worker.chunk = None
+        self._replace(slot, booted=True)
+        return True
 
     def _expire(self, run: _Progress) -> None:
         """Fail the items whose time is up; raise if a worker has not started in time."""

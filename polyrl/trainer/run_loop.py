@@ -13,7 +13,9 @@ as a :class:`LoopTrainer`; :class:`RunLoop` owns the rest of a run:
   the resumed run logs what an uninterrupted one would have;
 * **cadence**: validation before training (``trainer.val_before_train``, fresh runs only), every
   ``trainer.test_freq`` steps and at the last step; a checkpoint every ``trainer.save_freq``
-  steps and at the last step;
+  steps and at the last step, and after any step that ends ``trainer.save_interval_s`` after
+  the previous save (or the start): a long run without ``save_freq`` still has a checkpoint
+  to recover from;
 * **display**: the tqdm progress bar (its postfix from the trainer) and the console tracker's
   one line per step;
 * **recovery**: a trainer that names the failures it can recover from
@@ -265,11 +267,14 @@ class RunLoop:
             ) from error
         self.restarts += 1
         delay = cfg.restart_backoff_s * self.restarts
-        source = latest or "step 0 (no checkpoint yet)"
-        self.log(f"{what}; restart {self.restarts}/{cfg.max_restarts} from {source} in {delay:g}s")
+        self.log(f"{what}; restart {self.restarts}/{cfg.max_restarts} in {delay:g}s")
         time.sleep(delay)
         try:
             trainer.rebuild()
+            # Looked up again: a checkpoint still being written at the failure may have been
+            # completed while the trainer closed.
+            latest = resolve_resume_path("auto", True, self.checkpoint_root)
+            self.log(f"restarting from {latest or 'step 0 (no checkpoint yet)'}")
             step = trainer.load(latest) if latest is not None else 0
         except Exception as exc:
             raise RunAbortedError(
@@ -278,6 +283,14 @@ class RunLoop:
             ) from exc
         self.log(f"restarted at step {step}")
         return step
+
+    def _save_due(self, step: int, total: int, last_save: float) -> bool:
+        """Whether to checkpoint after ``step``: by ``save_freq``, or ``save_interval_s`` on."""
+        cfg = self.cfg.trainer
+        if cfg.save_freq and (step % cfg.save_freq == 0 or step == total):
+            return True
+        interval = cfg.save_interval_s
+        return bool(interval) and time.monotonic() - last_save >= interval
 
     def run(self, trainer: LoopTrainer) -> dict[str, Any]:
         """Run ``trainer`` to its last step; write and return the summary."""
@@ -326,6 +339,7 @@ class RunLoop:
                 file=sys.stderr,
             )
             kinds = tuple(getattr(trainer, "recoverable", ()))
+            last_save = time.monotonic()
             with bar:
                 while step < total:
                     try:
@@ -342,8 +356,9 @@ class RunLoop:
                         record(metrics, step)
                         bar.update(1)
                         bar.set_postfix(trainer.progress(metrics))
-                        if cfg.save_freq and (step % cfg.save_freq == 0 or step == total):
+                        if self._save_due(step, total, last_save):
                             last_ckpt = trainer.save(step)
+                            last_save = time.monotonic()
                     except Exception as exc:
                         # A death while saving too: the save is incomplete, so the newest
                         # complete checkpoint is the one before.
@@ -357,6 +372,7 @@ class RunLoop:
                         tracker = open_tracker(step)
                         bar.n = step
                         bar.refresh()
+                        last_save = time.monotonic()
             hf_dir = trainer.finish()
         finally:
             if tracker is not None:

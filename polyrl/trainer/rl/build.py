@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -723,6 +724,9 @@ def start_engines(
                 # On one CPU host the engines and the replica servers share the cores as they
                 # do without Ray; give Ray a CPU slot for each replica besides the engines'.
                 options["num_cpus"] = max(os.cpu_count() or 1, world + run.replicas)
+            if not sys.stdout.isatty():
+                # The workers' lines Ray echoes here land in a file: without colour codes.
+                os.environ.setdefault("RAY_COLOR_PREFIX", "0")
             ray.init(**options)
             closers.append(ray.shutdown)
     layouts = (
@@ -733,7 +737,13 @@ def start_engines(
     for layout in layouts:
         name = "+".join(layout)
         pool = engine_pool(cfg, f"rl-{name}", len(layouts), first=not groups, settings=run)
-        group = WorkerGroup(layout, pool=pool, backend=backend, name=f"rl-{name}")
+        group = WorkerGroup(
+            layout,
+            pool=pool,
+            backend=backend,
+            name=f"rl-{name}",
+            call_timeout_s=cfg.trainer.call_timeout_s or None,
+        )
         groups.append(group)
         for role in layout:
             views[role] = group.role(role)

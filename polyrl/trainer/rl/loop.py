@@ -56,7 +56,7 @@ from polyrl.config import ConfigError, PolyRLConfig
 from polyrl.controller import WorkerDiedError
 from polyrl.core.batch import Batch
 from polyrl.core.columns import OLD_LOG_PROBS, PRM_LOG_PROBS, REF_LOG_PROBS, VALUES
-from polyrl.model_engine.checkpoint import prune_checkpoints
+from polyrl.model_engine.checkpoint import prune_checkpoints, step_dir_name
 from polyrl.reward.base import Scorer
 from polyrl.trainer.rl.asynchronous import AheadRollout, SerialRewards
 from polyrl.trainer.rl.build import (
@@ -179,6 +179,8 @@ class RLTrainer:
         self.need_old_log_probs = run.need_old_log_probs
         #: The generation phase (set up by :meth:`setup`): the same calls in every mode.
         self.rollout: GenerationPhase | None = None
+        #: The calls writing a checkpoint while the run goes on (see :meth:`save`).
+        self._saving: list[Any] = []
         self.off_policy = run.off_policy
         self._reset()
 
@@ -542,6 +544,10 @@ class RLTrainer:
             # the sync mode, take a batch the rollout thread generated ahead
             rows, generated = rollout.generate(step, timing)
             metrics.update(generated)
+            # The previous step's checkpoint was written while this one generated; the engines
+            # are needed now (their calls queue behind the save anyway): surface its errors.
+            with timer(timing, "save_wait"):
+                self.finish_save()
             # 3. old log-probs, reference log-probs, values
             if self.need_old_log_probs:
                 with timer(timing, "old_log_prob"):
@@ -628,10 +634,25 @@ class RLTrainer:
         return [(name, view, root) for name, view, root in pairs if view is not None]
 
     def save(self, step: int) -> str:
-        """Checkpoint the actor (with the trainer state), the critic and the PRM at ``step``."""
+        """Start checkpointing the actor (with the trainer state), critic and PRM at ``step``.
+
+        Asynchronous where the engines run in processes of their own (Ray, local
+        subprocesses): the calls are sent and the run goes on -- the next step generates on
+        the replicas while the engines write; their later calls run after the save, in order.
+        :meth:`finish_save` waits for it (the next step does, before its engine work; so do
+        :meth:`load`, :meth:`finish` and the next save). The checkpoint is atomic (written to
+        a hidden folder, published by one rename; the actor's last), so a run that dies
+        mid-save resumes from the one before. Returns the actor checkpoint's path.
+        """
+        self.finish_save()
         actor_root = self._roots()[0]
+        colocated = self.cfg.trainer.placement == "colocated"
         for _, view, root in self._side_engines():
-            view.save_checkpoint(str(root), step, {})
+            save = view.view.save_checkpoint
+            if colocated:  # the actor's process: its save runs after this one
+                self._saving.append(save.submit(str(root), step, {}))
+            else:  # a group of its own: written before the actor's marks the step complete
+                save(str(root), step, {})
         state: dict[str, Any] = {
             "sampler": self.sampler.state_dict(),
             "kl_coef": float(self.kl_ctrl.value),
@@ -643,15 +664,28 @@ class RLTrainer:
         assert self.rollout is not None, "call setup() first"
         state.update(self.rollout.state_dict())
         # The actor goes last: its checkpoint marks the step as complete for resume.
-        path = self.actor.save_checkpoint(str(actor_root), step, state)[0]
+        self._saving.append(self.actor.view.save_checkpoint.submit(str(actor_root), step, state))
+        return str(actor_root / step_dir_name(step))
+
+    def finish_save(self) -> None:
+        """Wait for the checkpoint :meth:`save` started, if any, and prune the old ones.
+
+        Raises:
+            WorkerDiedError: a worker died while writing (the checkpoint is not published).
+        """
+        saving, self._saving = self._saving, []
+        if not saving:
+            return
+        for future in saving:
+            future.get()
         # The side engines are pruned only now (they do not prune themselves, see
         # build.engine_specs): before, their oldest kept step may be the one to resume from.
         for _, _, root in self._side_engines():
             prune_checkpoints(str(root), self.cfg.trainer.max_ckpt_to_keep)
-        return path
 
     def load(self, path: str) -> int:
         """Restore the engines (actor, critic, PRM) and trainer state from the actor checkpoint."""
+        self.finish_save()
         info = self.actor.load_checkpoint(path)[0]
         step = int(info["step"])
         state = info["extra_state"]
@@ -717,6 +751,10 @@ class RLTrainer:
 
     def close(self) -> None:
         """Stop the worker groups, the rollout client and replicas, and the reward workers."""
+        # A checkpoint still being written is finished first (after a failure too: it is the
+        # one a relaunch resumes from); one whose writer died stays unpublished.
+        with contextlib.suppress(Exception):
+            self.finish_save()
         if self.rollout is not None:
             # The generation phase first: a rollout thread generating ahead of training would
             # take the servers' shutdown for a failure.
@@ -801,6 +839,7 @@ class _RLRun:
 
     def finish(self) -> str | None:
         trainer = self.trainer
+        trainer.finish_save()
         if not trainer.cfg.trainer.export_hf:
             return None
         tick = time.perf_counter()

@@ -80,6 +80,7 @@ REWARD_METRICS = (
     "reward/judge/mean",
     "reward/judge_parse_failures",
     "reward/judge_errors",
+    "recovery/reward_worker_deaths",
 )
 
 

@@ -18,6 +18,8 @@ from typing import Any, Protocol
 
 import httpx
 
+from polyrl.core.process import plain_log_lines
+
 __all__ = [
     "LocalReplica",
     "RayReplica",
@@ -47,20 +49,31 @@ class ReplicaLostError(RuntimeError):
 def describe_failure(error: BaseException) -> str:
     """Put a worker's death into one line: which worker, during which call, what was seen.
 
-    For a :class:`~polyrl.controller.WorkerDiedError` (an engine or reward rank: its call label
-    names the role) or a :class:`ReplicaLostError` (the replica's URL and the end of its log,
-    folded into the line); anything else by its type and first line.
+    For a :class:`~polyrl.controller.WorkerDiedError` (an engine or reward-model rank: its
+    call label names the role; its pid, node and last log lines when known) or a
+    :class:`ReplicaLostError` (the replica's URL and the last lines of its log, folded into
+    the line, colour codes dropped); anything else by its type and first line.
     """
     from polyrl.controller import WorkerDiedError
 
     if isinstance(error, WorkerDiedError):
+        where = f" ({error.where})" if error.where else ""
         during = f" during {error.method}" if error.method else ""
         reason = " ".join(str(error.reason).split())
-        return f"worker rank {error.rank} died{during} ({reason})"
-    text = " ".join(str(error).split())
+        return f"worker rank {error.rank}{where} died{during} ({reason})" + _log_clause(
+            error.log_tail
+        )
     if isinstance(error, ReplicaLostError):
-        return text
+        reason = " ".join(str(error).split("; its log ends with:")[0].split())
+        return reason + _log_clause(error.log_tail)
+    text = " ".join(str(error).split())
     return f"{type(error).__name__}: {text}"
+
+
+def _log_clause(log_tail: str) -> str:
+    """``; its log ends: a | b | c``: a log's last three lines, on the message's one line."""
+    lines = [line.strip()[:200] for line in plain_log_lines(log_tail)[-3:]]
+    return f"; its log ends: {' | '.join(lines)}" if lines else "; its log is empty"
 
 
 class ReplicaHandle(Protocol):
