@@ -1,0 +1,130 @@
+"""GRPO on the demo's task with a tensor- or sequence-parallel actor, against world size 1.
+
+The demo's job (``polyrl/demo.py``, preset ``demo``): a nano Qwen2 warmed up on 2-digit addition
+by the demo's SFT phase (run once, shared), then GRPO through the real trainer (native rollout
+server, reward workers, the actor and reference engines, weights pushed every step) three
+times from that same checkpoint:
+
+* ``ws1``: one rank (the baseline);
+* ``tp2``: two gloo ranks, ``actor.tensor_parallel_size=2`` (one tensor-parallel group);
+* ``sp2``: two gloo ranks, ``actor.ulysses_sequence_parallel_size=2``.
+
+The reference engine takes the actor's mesh.  Per run: the mean training reward
+(``critic/score/mean``) of the first and the last ``--window`` steps and its gain, and the greedy
+accuracy on the 128 held-out prompts before the first and after the last step (the trainer's
+validation).  ``ratio`` is the smaller of the tp2 and sp2 reward gains over the ws1 gain: 1
+means the parallel runs learn as the single-rank one does (they differ from it only by the
+order of floating-point reductions); the goal is every gain > 0 and ``ratio >= 0.8``.
+
+The last stdout line is the JSON result, also appended to
+``benchmarks/history/parallel_grpo.jsonl`` (see ``benchmarks/_report.py``).
+
+Usage: ``python benchmarks/parallel_grpo.py [--rl-steps 100] [--window 10] [--out DIR]``
+(``--out`` keeps the runs and reuses a finished warm-up there.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+#: name -> (ranks, overrides of the actor's mesh)
+MODES: dict[str, tuple[int, list[str]]] = {
+    "ws1": (1, []),
+    "tp2": (2, ["actor.tensor_parallel_size=2"]),
+    "sp2": (2, ["actor.ulysses_sequence_parallel_size=2"]),
+}
+
+
+def _scores(metrics_file: Path) -> list[float]:
+    records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    return [r["critic/score/mean"] for r in records if "critic/score/mean" in r]
+
+
+def run_mode(name: str, args: argparse.Namespace, out: Path, sft_dir: str, data) -> dict:
+    """GRPO from the warm-up with mode ``name``; return its figures."""
+    from polyrl.config import load_config
+    from polyrl.trainer.rl import run_rl
+
+    ranks, mesh = MODES[name]
+    cfg = load_config(
+        "demo",
+        [
+            f"trainer.output_dir={out / name}",
+            f"model.path={sft_dir}",
+            f"trainer.total_steps={args.rl_steps}",
+            f"trainer.test_freq={args.rl_steps}",
+            "trainer.val_before_train=true",
+            "trainer.loggers=[jsonl]",
+            "trainer.export_hf=false",
+            f"trainer.n_gpus_per_node={ranks}",
+            *mesh,
+        ],
+    )
+    cfg = dataclasses.replace(cfg, data=data)
+    start = time.perf_counter()
+    summary = run_rl(cfg)
+    seconds = time.perf_counter() - start
+    scores = _scores(Path(summary["metrics"]))
+    first = sum(scores[: args.window]) / args.window
+    last = sum(scores[-args.window :]) / args.window
+    return {
+        f"reward_first_{name}": round(first, 4),
+        f"reward_last_{name}": round(last, 4),
+        f"reward_gain_{name}": round(last - first, 4),
+        f"val_acc_before_{name}": summary["first_val_acc"],
+        f"val_acc_after_{name}": summary["last_val_acc"],
+        f"seconds_{name}": round(seconds, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rl-steps", type=int, default=100, help="GRPO steps per run")
+    parser.add_argument("--window", type=int, default=10, help="steps averaged at each end")
+    parser.add_argument(
+        "--sft-steps", type=int, default=0, help="SFT warm-up steps (default: the demo's 1000)"
+    )
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--out", default="", help="output directory (default: a temporary one)")
+    args = parser.parse_args()
+    if "ws1" not in args.modes:
+        parser.error("--modes needs ws1: it is the baseline")
+    if args.rl_steps < 2 * args.window:
+        parser.error("--rl-steps must be at least twice --window")
+
+    try:  # run as a script: its own directory is on sys.path
+        from _report import report
+    except ImportError:  # imported as benchmarks.parallel_grpo
+        from benchmarks._report import report
+    from polyrl.config import load_config
+    from polyrl.demo import warm_up
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(args.out or tmp).resolve()
+        # The demo's warm-up (SFT, 1000 steps on one rank), shared by every mode.
+        sft = [f"sft.total_steps={args.sft_steps}"] if args.sft_steps else []
+        prepared = warm_up(load_config("demo", [f"trainer.output_dir={out}", *sft]))
+        sft_dir = str(prepared.sft["hf_model"])
+        result: dict = {"name": "parallel_grpo", "rl_steps": args.rl_steps, "window": args.window}
+        for name in args.modes:
+            print(f"[parallel_grpo] {name}: {args.rl_steps} GRPO steps", flush=True)
+            result.update(run_mode(name, args, out, sft_dir, prepared.data))
+    base = result["reward_gain_ws1"]
+    others = [result[f"reward_gain_{m}"] for m in args.modes if m != "ws1"]
+    result["ratio"] = round(min(others) / base, 4) if others and base > 0 else None
+    head = ("name", "ratio")
+    report({**{k: result[k] for k in head}, **{k: v for k, v in result.items() if k not in head}})
+
+
+if __name__ == "__main__":
+    main()
