@@ -20,7 +20,8 @@ The last stdout line is the JSON result, also appended to
 ``benchmarks/history/parallel_grpo.jsonl`` (see ``benchmarks/_report.py``).
 
 Usage: ``python benchmarks/parallel_grpo.py [--rl-steps 100] [--window 10] [--out DIR]``
-(``--out`` keeps the runs and reuses a finished warm-up there.)
+(``--out`` keeps the runs and reuses a finished warm-up there; ``--sft-model`` starts from an
+earlier ``python -m polyrl.demo`` run's ``sft/hf_model`` instead of training the warm-up.)
 """
 
 from __future__ import annotations
@@ -95,6 +96,11 @@ def main() -> None:
         "--sft-steps", type=int, default=0, help="SFT warm-up steps (default: the demo's 1000)"
     )
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument(
+        "--sft-model",
+        default=None,
+        help="a finished demo warm-up's hf_model directory to start from (skips the SFT)",
+    )
     parser.add_argument("--out", default="", help="output directory (default: a temporary one)")
     args = parser.parse_args()
     if "ws1" not in args.modes:
@@ -113,7 +119,9 @@ def main() -> None:
         out = Path(args.out or tmp).resolve()
         # The demo's warm-up (SFT, 1000 steps on one rank), shared by every mode.
         sft = [f"sft.total_steps={args.sft_steps}"] if args.sft_steps else []
-        prepared = warm_up(load_config("demo", [f"trainer.output_dir={out}", *sft]))
+        prepared = warm_up(
+            load_config("demo", [f"trainer.output_dir={out}", *sft]), sft_model=args.sft_model
+        )
         sft_dir = str(prepared.sft["hf_model"])
         result: dict = {"name": "parallel_grpo", "rl_steps": args.rl_steps, "window": args.window}
         for name in args.modes:

@@ -173,10 +173,11 @@ class WarmUp:
     sft: dict[str, Any]
 
 
-def warm_up(cfg: PolyRLConfig) -> WarmUp:
+def warm_up(cfg: PolyRLConfig, sft_model: str | None = None) -> WarmUp:
     """Run steps 1-2 of the demo: build the model and task splits, then the SFT warm-up.
 
-    A finished warm-up trained as ``cfg`` says (see :func:`finished_sft`) is reused.
+    A finished warm-up trained as ``cfg`` says (see :func:`finished_sft`) is reused; with
+    ``sft_model`` (a Hugging Face directory of an earlier warm-up) none is trained.
     """
     from polyrl.data.tasks import write_task_splits
     from polyrl.models.tiny import build_tiny_model
@@ -205,7 +206,12 @@ def warm_up(cfg: PolyRLConfig) -> WarmUp:
     )
     key = sft_key(cfg)
     sft_summary = finished_sft(out_dir / "sft", key)
-    if sft_summary is not None:
+    if sft_model is not None:
+        if not (Path(sft_model) / "config.json").is_file():
+            raise FileNotFoundError(f"sft_model {sft_model!r} is no Hugging Face model directory")
+        print(f"[demo] 1/3 SFT warm-up: using the warmed-up model {sft_model}", flush=True)
+        sft_summary = {"hf_model": str(sft_model)}
+    elif sft_summary is not None:
         # A finished warm-up of the same length (an earlier run into this directory, or one
         # copied there): the GPU check's GRPO runs share one this way.
         print(f"[demo] 1/3 SFT warm-up: reusing the finished one in {out_dir / 'sft'}", flush=True)
