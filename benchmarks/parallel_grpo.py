@@ -19,7 +19,9 @@ order of floating-point reductions); the goal is every gain > 0 and ``ratio >= 0
 The last stdout line is the JSON result, also appended to
 ``benchmarks/history/parallel_grpo.jsonl`` (see ``benchmarks/_report.py``).
 
-Usage: ``python benchmarks/parallel_grpo.py [--rl-steps 100] [--window 10] [--out DIR]``
+Usage: ``python benchmarks/parallel_grpo.py [--rl-steps 100] [--window 10] [--out DIR]
+[--concurrent]`` (``--concurrent``: the three runs at once, one process each, for a machine
+whose cores other jobs share; their seconds are then not comparable).
 (``--out`` keeps the runs and reuses a finished warm-up there; ``--sft-model`` starts from an
 earlier ``python -m polyrl.demo`` run's ``sft/hf_model`` instead of training the warm-up.)
 """
@@ -30,6 +32,8 @@ import argparse
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -51,8 +55,10 @@ def _scores(metrics_file: Path) -> list[float]:
     return [r["critic/score/mean"] for r in records if "critic/score/mean" in r]
 
 
-def run_mode(name: str, args: argparse.Namespace, out: Path, sft_dir: str, data) -> dict:
-    """GRPO from the warm-up with mode ``name``; return its figures."""
+def run_mode(
+    name: str, args: argparse.Namespace, out: Path, sft_dir: str, files: list[str]
+) -> dict:
+    """GRPO from the warm-up with mode ``name`` on ``files`` (train, held-out); its figures."""
     from polyrl.config import load_config
     from polyrl.trainer.rl import run_rl
 
@@ -71,6 +77,7 @@ def run_mode(name: str, args: argparse.Namespace, out: Path, sft_dir: str, data)
             *mesh,
         ],
     )
+    data = dataclasses.replace(cfg.data, task="", train_files=files[:1], val_files=files[1:])
     cfg = dataclasses.replace(cfg, data=data)
     start = time.perf_counter()
     summary = run_rl(cfg)
@@ -88,6 +95,28 @@ def run_mode(name: str, args: argparse.Namespace, out: Path, sft_dir: str, data)
     }
 
 
+def _run_concurrently(args: argparse.Namespace, out: Path, sft_dir: str, files: list[str]) -> dict:
+    """Run every mode in its own process at once; return their figures merged."""
+    procs = {}
+    for name in args.modes:
+        print(f"[parallel_grpo] {name}: {args.rl_steps} GRPO steps (own process)", flush=True)
+        cmd = [
+            sys.executable,
+            __file__,
+            *("--only", name, "--result", str(out / f"{name}.json"), "--out", str(out)),
+            *("--rl-steps", str(args.rl_steps), "--window", str(args.window)),
+            *("--sft-model", sft_dir, "--files", *files),
+        ]
+        log = (out / f"{name}.log").open("w")
+        procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    figures: dict = {}
+    for name, proc in procs.items():
+        if proc.wait() != 0:
+            raise RuntimeError(f"mode {name} failed: see {out / f'{name}.log'}")
+        figures.update(json.loads((out / f"{name}.json").read_text()))
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rl-steps", type=int, default=100, help="GRPO steps per run")
@@ -102,7 +131,19 @@ def main() -> None:
         help="a finished demo warm-up's hf_model directory to start from (skips the SFT)",
     )
     parser.add_argument("--out", default="", help="output directory (default: a temporary one)")
+    parser.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="run the modes at the same time, one process each (on a crowded machine)",
+    )
+    parser.add_argument("--only", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--files", nargs=2, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--result", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.only:  # one mode, in a child process of --concurrent
+        figures = run_mode(args.only, args, Path(args.out), args.sft_model, args.files)
+        Path(args.result).write_text(json.dumps(figures))
+        return
     if "ws1" not in args.modes:
         parser.error("--modes needs ws1: it is the baseline")
     if args.rl_steps < 2 * args.window:
@@ -123,10 +164,14 @@ def main() -> None:
             load_config("demo", [f"trainer.output_dir={out}", *sft]), sft_model=args.sft_model
         )
         sft_dir = str(prepared.sft["hf_model"])
+        files = [*prepared.data.train_files, *prepared.data.val_files]
         result: dict = {"name": "parallel_grpo", "rl_steps": args.rl_steps, "window": args.window}
-        for name in args.modes:
+        if args.concurrent:
+            result["concurrent"] = True
+            result.update(_run_concurrently(args, out, sft_dir, files))
+        for name in [] if args.concurrent else args.modes:
             print(f"[parallel_grpo] {name}: {args.rl_steps} GRPO steps", flush=True)
-            result.update(run_mode(name, args, out, sft_dir, prepared.data))
+            result.update(run_mode(name, args, out, sft_dir, files))
     base = result["reward_gain_ws1"]
     others = [result[f"reward_gain_{m}"] for m in args.modes if m != "ws1"]
     result["ratio"] = round(min(others) / base, 4) if others and base > 0 else None
