@@ -154,19 +154,35 @@ def finished_sft(sft_dir: Path, key: dict[str, Any]) -> dict[str, Any] | None:
     return {**summary, "hf_model": str(hf_dir)}
 
 
-def run(cfg: PolyRLConfig) -> dict[str, Any]:
-    """Run the demo job for ``cfg`` and return its summary (also written as JSON)."""
-    from polyrl.data.dataset import RLDataset
+@dataclasses.dataclass(frozen=True)
+class WarmUp:
+    """What :func:`warm_up` leaves behind for the GRPO phase.
+
+    Attributes:
+        out_dir: the run's output directory (``trainer.output_dir``, resolved).
+        model_dir: the initial model (``model.path``, or the tiny model built there).
+        test_path: the held-out split.
+        data: ``cfg.data`` pointing at the generated train / held-out files.
+        sft: the warm-up's summary; ``sft["hf_model"]`` is the warmed-up model directory.
+    """
+
+    out_dir: Path
+    model_dir: Path
+    test_path: Path
+    data: Any
+    sft: dict[str, Any]
+
+
+def warm_up(cfg: PolyRLConfig, sft_model: str | None = None) -> WarmUp:
+    """Run steps 1-2 of the demo: build the model and task splits, then the SFT warm-up.
+
+    A finished warm-up trained as ``cfg`` says (see :func:`finished_sft`) is reused; with
+    ``sft_model`` (a Hugging Face directory of an earlier warm-up) none is trained.
+    """
     from polyrl.data.tasks import write_task_splits
-    from polyrl.models.loader import load_tokenizer
     from polyrl.models.tiny import build_tiny_model
-    from polyrl.reward.manager import RewardManager
-    from polyrl.rollout.launcher import ServerProcess
-    from polyrl.trainer.rl import run_rl
-    from polyrl.trainer.rl.build import vision_processor
     from polyrl.trainer.sft import run_sft
 
-    start = time.perf_counter()
     out_dir = Path(cfg.trainer.output_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     model_dir = (
@@ -188,10 +204,14 @@ def run(cfg: PolyRLConfig) -> dict[str, Any]:
     files = dataclasses.replace(
         cfg.data, task="", train_files=[str(train_path)], val_files=[str(test_path)]
     )
-
     key = sft_key(cfg)
     sft_summary = finished_sft(out_dir / "sft", key)
-    if sft_summary is not None:
+    if sft_model is not None:
+        if not (Path(sft_model) / "config.json").is_file():
+            raise FileNotFoundError(f"sft_model {sft_model!r} is no Hugging Face model directory")
+        print(f"[demo] 1/3 SFT warm-up: using the warmed-up model {sft_model}", flush=True)
+        sft_summary = {"hf_model": str(sft_model)}
+    elif sft_summary is not None:
         # A finished warm-up of the same length (an earlier run into this directory, or one
         # copied there): the GPU check's GRPO runs share one this way.
         print(f"[demo] 1/3 SFT warm-up: reusing the finished one in {out_dir / 'sft'}", flush=True)
@@ -210,6 +230,22 @@ def run(cfg: PolyRLConfig) -> dict[str, Any]:
         )
         sft_summary = run_sft(sft_cfg)
         (out_dir / "sft" / SFT_KEY_FILE).write_text(json.dumps(key, indent=2) + "\n")
+    return WarmUp(out_dir, Path(model_dir), Path(test_path), files, sft_summary)
+
+
+def run(cfg: PolyRLConfig) -> dict[str, Any]:
+    """Run the demo job for ``cfg`` and return its summary (also written as JSON)."""
+    from polyrl.data.dataset import RLDataset
+    from polyrl.models.loader import load_tokenizer
+    from polyrl.reward.manager import RewardManager
+    from polyrl.rollout.launcher import ServerProcess
+    from polyrl.trainer.rl import run_rl
+    from polyrl.trainer.rl.build import vision_processor
+
+    start = time.perf_counter()
+    prepared = warm_up(cfg)
+    out_dir, model_dir, test_path = prepared.out_dir, prepared.model_dir, prepared.test_path
+    files, sft_summary = prepared.data, prepared.sft
     sft_dir = str(sft_summary["hf_model"])
 
     print(f"[demo] 2/3 GRPO: {cfg.trainer.total_steps} steps from the SFT checkpoint", flush=True)

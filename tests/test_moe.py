@@ -280,7 +280,7 @@ def test_rollout_batch_lays_out_routes_and_config_maps_verl_keys():
         check_config(cfg, has_rows=True)
 
 
-def _launch_ep(model_dir: str, out, world: int, ep: int) -> dict:
+def _launch_ep(model_dir: str, out, world: int, ep: int, foreign: str = "") -> dict:
     import json
     import sys
     from pathlib import Path
@@ -288,7 +288,8 @@ def _launch_ep(model_dir: str, out, world: int, ep: int) -> dict:
     sys.path.insert(0, str(Path(__file__).parent / "engine_scripts"))
     from engine_common import launch
 
-    codes = launch("moe_ep.py", [model_dir, str(out), str(ep)], world=world, timeout=300)
+    args = [model_dir, str(out), str(ep), *([foreign] if foreign else [])]
+    codes = launch("moe_ep.py", args, world=world, timeout=300)
     assert codes == [0] * world, "\n".join(launch.last_logs)
     result = json.loads((out / "result.json").read_text())
     result["tensors"] = torch.load(out / "tensors.pt")
@@ -297,21 +298,45 @@ def _launch_ep(model_dir: str, out, world: int, ep: int) -> dict:
 
 @pytest.mark.slow
 def test_expert_parallel_matches_one_rank(moe_dir, tmp_path):
-    """ep2 and ep2 x dp2 (gloo) against one rank: 3 optimizer steps with clipping."""
+    """ep2 and ep2 x dp2 (gloo) against one rank: 3 optimizer steps with clipping.
+
+    Each run also resumes its step-1 checkpoint in a fresh engine and exports a Hugging Face
+    directory; the ep2 x dp2 run is refused the ep2 run's checkpoint (another mesh).
+    """
+    from safetensors.torch import load_file
+
     ref = _launch_ep(moe_dir, tmp_path / "w1", world=1, ep=1)
     for world, ep in ((2, 2), (4, 2)):
-        got = _launch_ep(moe_dir, tmp_path / f"w{world}", world=world, ep=ep)
+        foreign = str(tmp_path / "w2" / "ckpt") if world == 4 else ""
+        got = _launch_ep(moe_dir, tmp_path / f"w{world}", world=world, ep=ep, foreign=foreign)
         for step in range(3):
             diff = (torch.tensor(got["logps"][step]) - torch.tensor(ref["logps"][step])).abs()
             assert diff.max() <= 1e-5, (world, ep, step, float(diff.max()))
             assert got["losses"][step] == pytest.approx(ref["losses"][step], rel=1e-4)
             assert got["norms"][step] == pytest.approx(ref["norms"][step], rel=1e-4)
-        # named_tensors yields whole HF tensors, experts gathered from their ranks.
+        # The checkpoint (experts sharded over ep, with their Adam state) resumes exactly.
+        for key in ("logps", "losses", "norms"):
+            assert got[f"resumed_{key}"] == got[key][1:], (world, key)
+        # named_tensors yields whole HF tensors, experts gathered from their ranks...
         assert set(got["tensors"]) == set(ref["tensors"])
         for name, tensor in ref["tensors"].items():
             assert got["tensors"][name].shape == tensor.shape, name
             assert (got["tensors"][name] - tensor).abs().max() < 1e-4, name
+        # ...and so does the export, which transformers loads as the model it trained.
+        exported = load_file(tmp_path / f"w{world}" / "hf" / "model.safetensors")
+        assert set(exported) == set(got["tensors"])
+        assert all(torch.equal(exported[k], got["tensors"][k]) for k in exported)
+        assert torch.equal(
+            dict(load_causal_lm(tmp_path / f"w{world}" / "hf").named_parameters())[
+                "model.layers.0.mlp.experts.gate_up_proj"
+            ].detach(),
+            got["tensors"]["model.layers.0.mlp.experts.gate_up_proj"],
+        )
     assert ref["tensors"]["model.layers.0.mlp.experts.gate_up_proj"].shape[0] == 8
+    # Resuming the ep2 checkpoint on ep2 x dp2 says which meshes differ.
+    err = got["foreign_error"]
+    assert err is not None and "'dp_shard': 2" in err and "'dp_shard': 4" in err, err
+    assert "expert_parallel_size" in err
 
 
 def test_routes_cross_the_http_schema_and_the_trainer_packs_them():

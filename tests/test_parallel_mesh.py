@@ -113,10 +113,10 @@ def test_vocab_parallel_log_probs_entropy_and_gradient(tmp_path):
 @pytest.mark.parametrize(
     ("tp", "sp", "mesh"),
     [
-        (2, 1, {"dp_shard": 2, "sp": 1, "tp": 2}),
-        (1, 2, {"dp_shard": 2, "sp": 2, "tp": 1}),
-        (1, 4, {"dp_shard": 1, "sp": 4, "tp": 1}),
-        (2, 2, {"dp_shard": 1, "sp": 2, "tp": 2}),
+        (2, 1, {"dp_shard": 2, "sp": 1, "tp": 2, "ep": 1}),
+        (1, 2, {"dp_shard": 2, "sp": 2, "tp": 1, "ep": 1}),
+        (1, 4, {"dp_shard": 1, "sp": 4, "tp": 1, "ep": 1}),
+        (2, 2, {"dp_shard": 1, "sp": 2, "tp": 2, "ep": 1}),
     ],
     ids=["dp2xtp2", "dp2xsp2", "sp4", "tp2xsp2_checkpointing"],
 )

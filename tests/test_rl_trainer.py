@@ -492,6 +492,60 @@ def test_killed_run_resumes_with_identical_metrics(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "axis", ["actor.tensor_parallel_size=2", "actor.ulysses_sequence_parallel_size=2"]
+)
+def test_grpo_on_a_tp_or_sp_mesh_resumes_exactly(tmp_path, axis):
+    # Two CPU ranks form one tensor- (or sequence-) parallel group: both get the same rows, the
+    # reference engine takes the actor's mesh, the weights pushed to the rollout server are
+    # gathered whole, and a checkpoint of that mesh resumes to what the uninterrupted run logs.
+    common = [
+        axis,
+        "trainer.worker_backend=local",
+        "trainer.n_gpus_per_node=2",
+        "trainer.total_steps=2",
+        "trainer.save_freq=1",
+        "actor.ppo_epochs=2",  # old log-probs recomputed: the rollout log-prob gap is reported
+        "actor.lr=0.003",
+        "data.num_train=16",
+        "data.train_batch_size=4",
+    ]
+    full = load_config("demo", _e2e_overrides(tmp_path, "full", *common))
+    RLTrainer(full).fit()
+    step_1 = tmp_path / "full" / "checkpoints" / "actor" / "global_step_1"
+    resumed_cfg = load_config(
+        "demo", _e2e_overrides(tmp_path, "resumed", *common, f"trainer.resume_mode={step_1}")
+    )
+    summary = RLTrainer(resumed_cfg).fit()
+    assert summary["resumed_from"] == str(step_1)
+
+    def comparable(path: Path) -> dict[int, dict]:
+        return {
+            r["step"]: {
+                k: v
+                for k, v in r.items()
+                if not k.startswith(("timing_s/", "perf/throughput")) and k != "time"
+            }
+            for r in _records(path)
+        }
+
+    a, b = comparable(tmp_path / "full"), comparable(tmp_path / "resumed")
+    assert sorted(a) == [1, 2] and sorted(b) == [2]
+    # Step 2 samples with the weights step 1 pushed: the server's log-probs agree with the
+    # engine's, so what it received was every whole tensor (not one rank's shard).
+    gap_a, gap_b = a[2].pop("rollout/log_prob_gap"), b[2].pop("rollout/log_prob_gap")
+    assert gap_a < 1e-4 and gap_a == pytest.approx(gap_b, abs=1e-6)
+    assert a[2]["actor/grad_norm"] > 0 and a[2] == b[2]
+    # And the exported policies of the two runs are the same tensors.
+    from safetensors.torch import load_file
+
+    (end_a,) = (tmp_path / "full" / "hf_model").glob("*.safetensors")
+    (end_b,) = (tmp_path / "resumed" / "hf_model").glob("*.safetensors")
+    wa, wb = load_file(end_a), load_file(end_b)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.slow
 def test_compute_dtype_sets_the_engines_mixed_precision(tmp_path):
     # The old log-probs are recomputed by the actor engine (two epochs); at step 1 the rollout
     # server holds the same fp32 weights, so with fp32 rollout matmuls their gap to the server's

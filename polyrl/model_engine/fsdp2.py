@@ -265,12 +265,14 @@ class FSDP2Engine(TrainingEngine):
         self._optimizer = build_optimizer(
             (p for p in model.parameters() if p not in experts), self.optimizer_config
         )
-        if experts:
+        if self._ep is not None:
             # Plain (not FSDP) tensors: their own group, so fused/foreach steps never mix them
-            # with DTensors.
-            self._optimizer.add_param_group({"params": list(experts)})
+            # with DTensors; in model order, the same on every rank.
+            self._optimizer.add_param_group({"params": list(self._ep.params)})
         self._scheduler = build_scheduler(self._optimizer, self.optimizer_config)
-        self._checkpointer = FSDP2Checkpointer(self, self._scheduler, self._lora, self._peft)
+        self._checkpointer = FSDP2Checkpointer(
+            self, self._scheduler, self._lora, self._peft, self._ep
+        )
 
     def close(self) -> None:
         """Drop the model/optimizer; the last engine on a polyrl-created group destroys it."""
@@ -321,8 +323,9 @@ class FSDP2Engine(TrainingEngine):
     def mesh_shape(self) -> dict[str, int]:
         """Sizes of the mesh axes (what a checkpoint must be resumed on)."""
         if self._pmesh is None:
-            return {"dp_shard": self.process_world_size, "sp": 1, "tp": 1}
-        return dict(zip(("dp_shard", "sp", "tp"), self._pmesh.dims.shape, strict=True))
+            return {"dp_shard": self.process_world_size, "sp": 1, "tp": 1, "ep": 1}
+        dims = self._pmesh.dims
+        return {"dp_shard": dims.dp_shard, "sp": dims.sp, "tp": dims.tp, "ep": dims.ep}
 
     @property
     def device(self) -> torch.device:
@@ -733,8 +736,6 @@ class FSDP2Engine(TrainingEngine):
     def _checkpointer_ready(self, what: str) -> FSDP2Checkpointer:
         """Return the checkpointer once parameters (and, but to export, optimizer) are here."""
         self._require_params(what)
-        if self._ep is not None:
-            raise ValueError(f"{what} is not supported with expert parallelism yet")
         if what != "export_hf" and self._optim_offloaded is not None:
             raise RuntimeError(f"{what}: optimizer state is offloaded; call reload() first")
         assert self._checkpointer is not None

@@ -44,6 +44,7 @@ from polyrl.model_engine.config import ModelSpec, config_to_dict
 from polyrl.model_engine.heads import ValueModel
 from polyrl.model_engine.lora import ADAPTER_NAME, LoraLayout, save_peft_adapter
 from polyrl.model_engine.optim import apply_configured_schedule
+from polyrl.model_engine.parallel.expert import ExpertParallel
 
 if TYPE_CHECKING:
     from polyrl.model_engine.fsdp2 import FSDP2Engine
@@ -161,8 +162,12 @@ class FSDP2Checkpointer:
     """Saves, loads and exports an initialised :class:`~polyrl.model_engine.fsdp2.FSDP2Engine`.
 
     Reads the engine's model, optimizer, configs and tensors through its public members; the LR
-    scheduler and the LoRA pieces (peft's wrapper, the adapter layout) are handed over by the
-    engine that builds it.  Every method is collective.
+    scheduler, the LoRA pieces (peft's wrapper, the adapter layout) and the expert-parallel
+    handle are handed over by the engine that builds it.  Every method is collective.
+
+    Under expert parallelism each rank's experts (plain tensors outside FSDP) and their optimizer
+    state go to ``torch.distributed.checkpoint`` as DTensors sharded over the ``ep`` ranks
+    (:meth:`~polyrl.model_engine.parallel.expert.ExpertParallel.to_checkpoint`).
     """
 
     def __init__(
@@ -171,11 +176,13 @@ class FSDP2Checkpointer:
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         lora: LoraLayout | None = None,
         peft: Any = None,
+        experts: ExpertParallel | None = None,
     ) -> None:
         self._engine = engine
         self._scheduler = scheduler
         self._lora = lora
         self._peft = peft
+        self._experts = experts
 
     def _broadcast_token(self) -> str:
         token = [uuid.uuid4().hex[:12]]
@@ -267,15 +274,19 @@ class FSDP2Checkpointer:
             engine_state.get("lora"), _lora_signature(spec, self._lora), spec, resolved
         )
         saved_shape = engine_state.get("mesh_shape")
+        saved = {"sp": 1, "tp": 1, "ep": 1, **(saved_shape or {})}
         shape = engine.mesh_shape
-        # Only tensor/sequence-parallel layouts are pinned; plain FSDP reshards on load.
-        pinned = {k: v for k, v in shape.items() if k != "dp_shard"}
-        saved_pinned = {k: v for k, v in (saved_shape or {}).items() if k != "dp_shard"}
-        if saved_pinned.get("sp", 1) != pinned["sp"] or saved_pinned.get("tp", 1) != pinned["tp"]:
+        # Plain FSDP reshards on load; tensor/sequence-parallel layouts are pinned, and under
+        # expert parallelism the whole mesh (resharding experts is untested).
+        pinned = ["sp", "tp", "ep"]
+        if shape["ep"] > 1 or saved["ep"] > 1:
+            pinned.append("dp_shard")
+        if any(saved.get(k) != shape[k] for k in pinned):
             raise ValueError(
                 f"checkpoint {resolved!r} was saved on mesh {saved_shape or 'dp only'}, this "
-                f"engine runs on mesh {shape}; resume with the same tensor_parallel_size and "
-                "ulysses_sequence_parallel_size"
+                f"engine runs on mesh {shape}; resume with the same tensor_parallel_size, "
+                "ulysses_sequence_parallel_size and expert_parallel_size (and, with expert "
+                "parallelism, the same number of ranks)"
             )
         with_optim = bool(engine_state["has_optimizer"]) and engine.checkpoint_config.load_optimizer
         reader = FileSystemReader(os.path.join(resolved, "dcp"))
@@ -283,6 +294,14 @@ class FSDP2Checkpointer:
         # Every key of the template must be in the checkpoint (DCP loads strictly); with LoRA
         # the template holds the adapter only and the frozen base stays as loaded.
         dcp.load(state, storage_reader=reader)
+        if self._experts is not None:
+            state["model"] = self._experts.from_checkpoint(state["model"])
+            if with_optim:
+                optim = state["optimizer"]
+                state["optimizer"] = {
+                    **optim,
+                    "state": self._experts.from_checkpoint(optim["state"]),
+                }
         options = self._state_dict_options(loading=True)
         if with_optim:
             set_state_dict(
@@ -340,6 +359,11 @@ class FSDP2Checkpointer:
             # ignore_frozen_params under its second name: drop everything but the adapter.
             lora = self._lora
             state["model"] = {k: v for k, v in state["model"].items() if lora.is_adapter(k)}
+        if self._experts is not None:
+            state["model"] = self._experts.to_checkpoint(state["model"])
+            if with_optim:
+                optim = state["optimizer"]
+                state["optimizer"] = {**optim, "state": self._experts.to_checkpoint(optim["state"])}
         return state
 
     # ------------------------------------------------------------------------------ export

@@ -13,7 +13,9 @@ Integration with data parallelism: the experts' parameters stay plain tensors ou
 own data shard. Ranks holding the same experts in different ``ep`` groups (the ``replicate``
 mesh) sum their expert gradients in :meth:`ExpertParallel.reduce_grads`, which the engine calls
 after backward; :meth:`ExpertParallel.grad_norm` adds the expert gradients to FSDP's norm;
-:meth:`ExpertParallel.full_tensors` gathers whole HF expert tensors for weight sync and export.
+:meth:`ExpertParallel.full_tensors` gathers whole HF expert tensors for weight sync and export;
+:meth:`ExpertParallel.to_checkpoint` shows the shards to ``torch.distributed.checkpoint`` as
+DTensors of the whole expert tensors.
 
 The mesh comes from whoever builds the device mesh: any 1-D mesh of the ranks that share one
 set of experts (e.g. the ``ep`` dimension of a ``("dp", "ep")`` mesh, consecutive ranks), and
@@ -208,6 +210,55 @@ class ExpertParallel:
         sq = sq.to(dense.device)
         dist.all_reduce(sq, group=self.ep_mesh.get_group())
         return (dense.float().pow(2) + sq).sqrt()
+
+    def to_checkpoint(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Return ``state`` with this rank's expert shards as DTensors sharded over ``ep``.
+
+        ``state`` maps fully qualified parameter names to tensors (a model state dict) or to
+        dicts of tensors (an optimizer's per-parameter state): the expert entries shaped like
+        the local shard become ``Shard(0)`` DTensors of the whole ``(E, ...)`` tensor, so
+        ``torch.distributed.checkpoint`` writes each expert once (replicas deduplicated) and
+        reads back this rank's experts. Other entries (scalars such as Adam's ``step``) pass.
+        """
+        from torch.distributed.tensor import DTensor, Shard
+
+        def wrap(value: Any, local_shape: torch.Size) -> Any:
+            if not isinstance(value, torch.Tensor) or value.shape != local_shape:
+                return value
+            shape = torch.Size((local_shape[0] * self.ep_mesh.size(), *local_shape[1:]))
+            stride = torch.empty(shape, device="meta").stride()
+            return DTensor.from_local(
+                value, self.ep_mesh, [Shard(0)], run_check=False, shape=shape, stride=stride
+            )
+
+        out = dict(state)
+        for name, param in self.names.items():
+            if name not in out:
+                continue
+            value = out[name]
+            if isinstance(value, dict):
+                out[name] = {k: wrap(v, param.shape) for k, v in value.items()}
+            else:
+                out[name] = wrap(value, param.shape)
+        return out
+
+    def from_checkpoint(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Undo :meth:`to_checkpoint`: the expert DTensors back to this rank's local shards."""
+        from torch.distributed.tensor import DTensor
+
+        def unwrap(value: Any) -> Any:
+            return value.to_local() if isinstance(value, DTensor) else value
+
+        out = dict(state)
+        for name in self.names:
+            if name not in out:
+                continue
+            value = out[name]
+            if isinstance(value, dict):
+                out[name] = {k: unwrap(v) for k, v in value.items()}
+            else:
+                out[name] = unwrap(value)
+        return out
 
     def full_tensors(
         self, named: Iterable[tuple[str, torch.Tensor]]
