@@ -35,10 +35,6 @@ def test_verl_strategy_and_megatron_sizes_map_onto_the_actor():
 def test_refusals():
     with pytest.raises(ConfigError, match="engine_backend=megatron"):
         load_config(None, ["actor.megatron.expert_model_parallel_size=2"])
-    with pytest.raises(ConfigError, match="tensor_model_parallel_size"):
-        load_config(
-            None, ["actor.engine_backend=megatron", "actor.megatron.tensor_model_parallel_size=2"]
-        )
     with pytest.raises(ConfigError):
         load_config(
             None, ["actor.engine_backend=megatron", "actor.megatron.pipeline_model_parallel_size=2"]
@@ -47,6 +43,19 @@ def test_refusals():
         ParallelismConfig(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="transformer_impl"):
         MegatronConfig(transformer_impl="apex")
+
+
+def test_the_rl_trainer_takes_megatron_tp_that_divides_the_world():
+    from polyrl.trainer.rl.checks import check_config
+
+    tp2 = ["actor.engine_backend=megatron", "actor.megatron.tensor_model_parallel_size=2"]
+    # Two ranks make one tensor-parallel replica: the dispatch gives both the same rows.
+    check_config(load_config("demo", [*tp2, "trainer.n_gpus_per_node=2"]))
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size \(2\).*world_size \(3\)"):
+        check_config(load_config("demo", [*tp2, "trainer.n_gpus_per_node=3"]))
+    ep4 = ["actor.engine_backend=megatron", "actor.megatron.expert_model_parallel_size=4"]
+    with pytest.raises(ConfigError, match=r"expert_model_parallel_size \(4\)"):
+        check_config(load_config("demo", [*ep4, "trainer.n_gpus_per_node=2"]))
 
 
 def test_the_backend_is_registered_and_needs_the_extra(tmp_path):

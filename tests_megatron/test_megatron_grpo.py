@@ -2,7 +2,10 @@
 
 A random-init tiny model on the demo's arithmetic prompts, rewarded for short answers (a signal
 it can follow from the start); 4 steps straight vs 2 steps, a checkpoint, and a resumed run to
-4: steps 3 and 4 must log the same numbers.
+4: steps 3 and 4 must log the same numbers.  At tensor-parallel size 2 (two ranks, one
+data-parallel replica) the trainer's dispatch must hand both ranks the same rows: its first step
+then matches the one-rank run's.  Whether GRPO raises the demo's own reward (accuracy after the
+SFT warm-up) is measured by ``benchmarks/megatron_grpo.py``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,13 @@ import pytest
 pytest.importorskip("megatron.core", reason="needs polyrl[megatron] (make test-megatron)")
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+#: Extra options of each tensor-parallel size: TP 2 on two ranks is one data-parallel replica.
+LAYOUTS = {
+    1: (),
+    2: ("actor.megatron.tensor_model_parallel_size=2", "trainer.n_gpus_per_node=2"),
+}
 
 
 def _train(tmp_path: Path, out: str, steps: int, *extra: str) -> dict[int, dict]:
@@ -39,12 +49,18 @@ def _train(tmp_path: Path, out: str, steps: int, *extra: str) -> dict[int, dict]
         "actor.use_kl_loss=false",
         *extra,
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCH_COMPILE_DISABLE": "1"}
+    # One torch thread per process: the two ranks and the rollout server share few cores.
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "TORCH_COMPILE_DISABLE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
     proc = subprocess.run(
         [sys.executable, "-m", "polyrl.cli", "train", "demo", *args],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=1500,
         env=env,
         cwd=tmp_path,
     )
@@ -53,13 +69,40 @@ def _train(tmp_path: Path, out: str, steps: int, *extra: str) -> dict[int, dict]
     return {r["step"]: r for r in rows if "critic/score/mean" in r}
 
 
-def test_grpo_runs_and_resumes_exactly(tmp_path):
-    straight = _train(tmp_path, "a", 4)
-    assert sorted(straight) == [1, 2, 3, 4]
-    assert all(r["actor/grad_norm"] > 0 for r in straight.values())
-    _train(tmp_path, "b", 2)
-    resumed = _train(tmp_path, "b", 4, "trainer.resume=true")
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """``straight(tp)``: the 4-step run at tensor-parallel size ``tp`` (run once per module)."""
+    runs: dict[int, tuple[Path, dict[int, dict]]] = {}
+
+    def get(tp: int) -> tuple[Path, dict[int, dict]]:
+        if tp not in runs:
+            root = tmp_path_factory.mktemp(f"grpo_tp{tp}")
+            runs[tp] = root, _train(root, "a", 4, *LAYOUTS[tp])
+        return runs[tp]
+
+    return get
+
+
+# Three trainer runs of ~70 s each on an idle 2-core machine; the default 600 s is tight.
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("tp", sorted(LAYOUTS))
+def test_grpo_runs_and_resumes_exactly(straight, tmp_path, tp):
+    root, steps = straight(tp)
+    assert sorted(steps) == [1, 2, 3, 4]
+    assert all(r["actor/grad_norm"] > 0 for r in steps.values())
+    _train(tmp_path, "b", 2, *LAYOUTS[tp])
+    resumed = _train(tmp_path, "b", 4, "trainer.resume=true", *LAYOUTS[tp])
     for step in (3, 4):
         for key in ("critic/score/mean", "actor/grad_norm", "actor/entropy", "actor/pg_loss"):
-            assert resumed[step][key] == straight[step][key], (step, key)
-    assert (tmp_path / "a" / "hf_model" / "config.json").is_file()
+            assert resumed[step][key] == steps[step][key], (step, key)
+    assert (root / "a" / "hf_model" / "config.json").is_file()
+
+
+@pytest.mark.timeout(1800)
+def test_tensor_parallel_ranks_train_on_the_same_rows(straight):
+    # Same weights, same sampled answers at step 1: the TP 2 replica must see all 32 rows
+    # (each rank its own half would give another gradient) and match one rank to rounding.
+    one, two = straight(1)[1][1], straight(2)[1][1]
+    assert two["critic/score/mean"] == one["critic/score/mean"]
+    for key in ("actor/grad_norm", "actor/entropy", "actor/pg_loss"):
+        assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), key

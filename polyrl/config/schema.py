@@ -1012,8 +1012,8 @@ class MegatronParallelConfig(ConfigGroup):
 
     tensor_model_parallel_size: int = option(
         1,
-        "Tensor-parallel ranks per model replica (ParallelismConfig.tensor_parallel_size); the "
-        "RL trainer dispatches rows per rank, so it takes 1 until its dispatch is TP-aware.",
+        "Tensor-parallel ranks per model replica (ParallelismConfig.tensor_parallel_size); they "
+        "see the same rows.",
         ge=1,
         maps_to="tensor_parallel_size",
     )
@@ -1190,13 +1190,6 @@ class ActorConfig(ConfigGroup):
                 f"{fsdp2_sizes} are the fsdp2 engine's sizes; with engine_backend=megatron set "
                 "megatron.tensor_model_parallel_size / megatron.expert_model_parallel_size",
                 key="engine_backend",
-            )
-        if self.megatron.tensor_model_parallel_size > 1:
-            raise ConfigError(
-                "the RL trainer hands each rank its own rows; tensor parallelism needs the ranks "
-                "of one replica to share them, which its dispatch does not do yet (use 1; the "
-                "engine itself runs TP > 1: polyrl.model_engine.build_engine)",
-                key="megatron.tensor_model_parallel_size",
             )
 
 

@@ -280,6 +280,16 @@ class EngineWorker(Worker):
                 self._checkpoint_config,
             )
         engine = self._engine
+        # The dispatcher hands rows out by the mesh registered in __init__; the engine sums
+        # gradients and counts tokens over its own data-parallel group. A backend whose ranks
+        # are laid out otherwise would train on wrong rows silently, so the two must agree.
+        dp_rank, dp_size, _ = self.dispatch_info(ENGINE_MESH)
+        if (engine.rank, engine.world_size) != (dp_rank, dp_size):
+            raise RuntimeError(
+                f"{self._engine_role} worker (rank {self.rank}): the engine's data-parallel rank/"
+                f"size ({engine.rank}, {engine.world_size}) differ from the dispatch mesh's "
+                f"({dp_rank}, {dp_size}); the engine must lay ranks out (dp, sp, tp), tp fastest"
+            )
         return {
             "role": self._engine_role,
             "rank": engine.rank,

@@ -224,6 +224,23 @@ def check_config(
                 "world / (tp * sp)",
                 key=f"{role}.tensor_parallel_size",
             )
+    if actor.engine_backend == "megatron":
+        # Megatron's initialize_model_parallel refuses these too, but only in the started workers.
+        mg = actor.megatron
+        tp = mg.tensor_model_parallel_size
+        if world % tp:
+            raise ConfigError(
+                f"actor.megatron.tensor_model_parallel_size ({tp}) must divide trainer.world_size "
+                f"({world}): the data-parallel size is world / tp",
+                key="actor.megatron.tensor_model_parallel_size",
+            )
+        ep, etp = mg.expert_model_parallel_size, mg.expert_tensor_parallel_size
+        if world % (ep * etp):
+            raise ConfigError(
+                f"actor.megatron.expert_model_parallel_size ({ep}) x expert_tensor_parallel_size "
+                f"({etp}) must divide trainer.world_size ({world})",
+                key="actor.megatron.expert_model_parallel_size",
+            )
     minis = run.num_mini_batches
     if (batch * cfg.rollout.n) // world < minis:
         raise ConfigError(
