@@ -281,3 +281,49 @@ def test_distillation_subtracts_the_per_token_reverse_kl():
     assert m["opd/reverse_kl"] == pytest.approx(ln2)
     with pytest.raises(ValueError, match=">= 0"):
         distill_advantages(adv, student, teacher, mask, coef=-1.0)
+
+
+def test_topk_reverse_kl_renormalises_both_on_the_teachers_support():
+    from polyrl.algo.distill import topk_reverse_kl
+
+    student = torch.log(torch.tensor([[0.3, 0.1], [0.4, 0.2]])).requires_grad_(True)
+    teacher = torch.log(torch.tensor([[0.2, 0.2], [0.2, 0.1]]))
+    kl = topk_reverse_kl(student, teacher)
+    # Row 0: q_s = (0.75, 0.25), q_T = (0.5, 0.5); row 1: the same shape on the support.
+    assert kl[0].item() == pytest.approx(0.75 * math.log(1.5) + 0.25 * math.log(0.5))
+    assert kl[1].item() == pytest.approx(0.0, abs=1e-7)
+    kl[0].backward()
+    # The gradient reaches both support tokens, in opposite directions (they compete).
+    g = student.grad[0]
+    assert g[0].item() > 0 > g[1].item()
+    with pytest.raises(ValueError, match="one shape"):
+        topk_reverse_kl(student, teacher[:, :1])
+
+
+def test_model_output_scores_candidate_tokens_like_the_sampled_ones():
+    from polyrl.model_engine.batching import MicroBatchLayout
+    from polyrl.model_engine.engine import ModelOutput
+
+    torch.manual_seed(0)
+    ids = torch.tensor([[0, 5, 3, 7, 1], [4, 2, 6, 1, 0]])
+    attn = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 0]])
+    for mode in ("pack", "identity"):
+        layout = MicroBatchLayout.build(attn, mode)
+        compute_ids = layout.to_compute(ids)
+        raw = torch.randn(*layout.compute_shape, 9)
+        out = ModelOutput(
+            kind="causal_lm",
+            raw=raw,
+            layout=layout,
+            compute_input_ids=compute_ids,
+            attention_mask=attn,
+            temperature=0.5,
+        )
+        # Candidate 0 is the token itself, candidate 1 a fixed other token.
+        candidates = torch.stack([ids, torch.full_like(ids, 8)], dim=-1)
+        got = out.log_probs_of(candidates)
+        assert torch.allclose(got[..., 0], out.log_probs, atol=1e-6)
+        # Row 0's token at column 2 is predicted by the logits of column 1 (its first token).
+        at = layout.to_batch(raw)[0, 1] / 0.5
+        assert got[0, 2, 1].item() == pytest.approx(torch.log_softmax(at, -1)[8].item(), abs=1e-6)
+        assert got[0, 1].abs().sum() == 0 and got[1, 0].abs().sum() == 0  # nothing predicts them

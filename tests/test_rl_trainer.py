@@ -769,13 +769,18 @@ def test_every_new_objective_and_rollout_mask_runs_a_grpo_step(tmp_path, mode):
         trainer.close()
 
 
+_SERVER_TOPK = ["algorithm.teacher_source=server", "algorithm.teacher_topk=4"]
+
+
 @pytest.mark.slow
 def test_on_policy_distillation_scores_the_students_tokens_with_the_teacher(tmp_path):
     from polyrl.models.tiny import build_tiny_model
 
     base = load_config("demo", ["model.tiny_size=nano"])
     reverse_kl = {}
-    for name, seed in (("same", base.seed), ("other", base.seed + 1)):
+    # The teacher as the reference engine role, and as a rollout server with the top-k loss.
+    cases = (("same", base.seed, []), ("other", base.seed + 1, _SERVER_TOPK))
+    for name, seed, source in cases:
         # The same seed builds the student's own weights: a teacher identical to the student.
         teacher = build_tiny_model(base.model.tiny_arch, tmp_path / name, size="nano", seed=seed)
         overrides = _e2e_overrides(
@@ -788,6 +793,7 @@ def test_on_policy_distillation_scores_the_students_tokens_with_the_teacher(tmp_
             "rollout.n=2",
             "algorithm.distill_coef=1.0",
             f"algorithm.teacher_model_path={teacher}",
+            *source,
         )
         trainer = RLTrainer(load_config("demo", overrides))
         try:
@@ -796,6 +802,8 @@ def test_on_policy_distillation_scores_the_students_tokens_with_the_teacher(tmp_
         finally:
             trainer.close()
         assert math.isfinite(metrics["actor/pg_loss"])
+        if source:
+            assert metrics["actor/distill_topk_kl"] > 0 and "timing_s/teacher" in metrics
         reverse_kl[name] = metrics["opd/reverse_kl"]
     # The student against itself: 0 up to rounding; against another model: clearly not.
     assert abs(reverse_kl["same"]) < 1e-4, reverse_kl

@@ -460,3 +460,34 @@ def test_pause_abort_resume(engine):
     engine.resume().result(10)
     out = run(engine, [GenerateRequest("pb", (1, 2, 3), SamplingParams(max_new_tokens=3))])
     assert len(out["pb"][0].output_ids) <= 3
+
+
+def test_prompt_logprobs_score_every_prompt_token(engine, hf_model):
+    """Prompt log-probs equal a teacher-forced forward, chunked or prefix-cached alike."""
+    # 150 tokens: three prefill chunks of SMALL's 64-token budget; asked twice, the second
+    # time the prompt's blocks sit in the prefix cache and must be computed again anyway.
+    p = prompts(1, seed=11, lo=150, hi=151)[0]
+    params = SamplingParams(max_new_tokens=2, temperature=0.7, prompt_logprobs=3, n=2)
+    outs = {}
+    for rid in ("cold", "cached"):
+        out = {}
+
+        def keep(_rid, d, out=out):
+            if d.prompt_logprobs is not None:
+                out["lp"], out["top"] = d.prompt_logprobs, d.prompt_top_logprobs
+
+        run(engine, [GenerateRequest(rid, tuple(p), params)], hook=keep)
+        outs[rid] = out
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([p])).logits[0, :-1].float() / 0.7
+    ref = token_log_probs(logits, torch.tensor(p[1:]), 1.0)
+    lsm = torch.log_softmax(logits, -1)
+    for out in outs.values():
+        assert out["lp"][0] is None and len(out["lp"]) == len(p)
+        gap = (torch.tensor(out["lp"][1:]) - ref).abs().max().item()
+        assert gap < 1e-5, gap
+        assert out["top"][0] == []
+        for i, alts in enumerate(out["top"][1:]):
+            assert [a for a, _ in alts] == lsm[i].topk(3).indices.tolist()
+    with pytest.raises(InvalidRequestError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=129)

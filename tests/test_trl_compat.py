@@ -25,6 +25,7 @@ from polyrl import (
     RLOOTrainer,
 )
 from polyrl.config import ConfigError, ConfigNote, trl_compat
+from polyrl.config.trl_compat import GKDConfig
 from polyrl.core.batch import Batch
 from polyrl.data.dataset import RLDataset
 from polyrl.data.schema import RowValidationError
@@ -408,7 +409,7 @@ def test_config_custom_function_may_be_batched_and_rows_need_only_a_prompt(tmp_p
 
 
 # ------------------------------------------------------------------ TRL's configs (args=)
-TRL_CLASSES = (GRPOConfig, RLOOConfig, DPOConfig, RewardConfig)
+TRL_CLASSES = (GRPOConfig, RLOOConfig, DPOConfig, RewardConfig, GKDConfig)
 
 
 def reward_len(completions, **kwargs):
@@ -689,3 +690,23 @@ def test_trl_dpo_quick_start_runs_with_the_import_changed(tmp_path, tiny_qwen2_d
     assert (dpo["optim"]["lr"], dpo["optim"]["lr_scheduler"]) == (1e-6, "linear")
     assert dpo["gradient_checkpointing"] and cfg["data"]["train_batch_size"] == 4
     assert cfg["trainer"]["total_steps"] == 2
+
+
+def test_gkd_names_map_onto_on_policy_distillation_and_other_objectives_are_refused():
+    args = GKDConfig(
+        lmbda=1.0,
+        beta=1.0,
+        temperature=1.0,
+        max_new_tokens=16,
+        teacher_model_name_or_path="/teacher",
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+    )
+    cfg = args.to_polyrl()
+    assert (cfg.algorithm.distill_coef, cfg.algorithm.teacher_model_path) == (1.0, "/teacher")
+    assert (cfg.rollout.n, cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size) == (1, 8, 8)
+    assert cfg.rollout.max_new_tokens == cfg.data.max_response_length == 16
+    for field, value in (("lmbda", 0.5), ("beta", 0.0), ("seq_kd", True)):
+        bad = dataclasses.replace(args, **{field: value})
+        with pytest.raises(ConfigError, match=f"GKDConfig.{field}="):
+            bad.to_polyrl()

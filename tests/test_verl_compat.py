@@ -1155,3 +1155,29 @@ def test_verls_geometry3k_vlm_line_trains(tmp_path, tiny_vl_dir):
     cfg = load_config(tmp_path / "out" / "rl_config.yaml")
     assert cfg.data.image_key == "images" and cfg.model.path == str(tiny_vl_dir)
     assert cfg.actor.kl_loss_type == "low_var_kl" and cfg.rollout.n == 4
+
+
+def test_verl_distillation_keys_map_onto_the_teacher_server_or_are_refused_by_name():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigNote)
+        cfg = load_config(
+            "grpo",
+            [
+                "distillation.enabled=true",
+                "distillation.teacher_model.model_path=http://127.0.0.1:9",
+                "distillation.distillation_loss.loss_mode=k1",
+                "distillation.distillation_loss.distillation_loss_coef=0.5",
+            ],
+        )
+        off = load_config("grpo", ["distillation.distillation_loss.distillation_loss_coef=0.5"])
+    algo = cfg.algorithm
+    assert (algo.distill_coef, algo.teacher_source) == (0.5, "server")
+    assert algo.teacher_model_path == "http://127.0.0.1:9" and algo.teacher_topk == 0
+    assert off.algorithm.distill_coef == 0.0  # not enabled: the coefficient alone turns nothing on
+    for bad, words in (
+        ("distillation.distillation_loss.loss_mode=forward_kl_topk", "forward_kl_topk"),
+        ("distillation.distillation_loss.use_task_rewards=false", "use_task_rewards"),
+        ("distillation.teacher_model.enable_resource_pool=true", "enable_resource_pool"),
+    ):
+        with pytest.raises(ConfigError, match=words):
+            load_config("grpo", [bad])

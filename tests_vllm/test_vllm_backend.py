@@ -162,6 +162,24 @@ def test_greedy_matches_hf_generate(backend: VLLMBackend, model_dir: Path, aio: 
         assert out.outputs[0].logprobs == pytest.approx(ref_lps, abs=2e-3)
 
 
+@torch.inference_mode()
+def test_prompt_logprobs_match_a_teacher_forced_forward(
+    backend: VLLMBackend, model_dir: Path, aio: Any
+) -> None:
+    """A prompt scored by vLLM (``prompt_logprobs``) equals HF's forward over it (T=1)."""
+    prompt = PROMPTS[1]
+    logits = _hf_model(str(model_dir))(torch.tensor([prompt])).logits[0, :-1].float()
+    lsm = torch.log_softmax(logits, -1)
+    ref = lsm.gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist()
+    for stream in (True, False):
+        out = aio.run(run_one(backend, prompt, stream=stream, max_new_tokens=1, prompt_logprobs=3))
+        assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+        assert out.prompt_logprobs[1:] == pytest.approx(ref, abs=2e-3)
+        assert out.prompt_top_logprobs is not None
+        for i, alts in enumerate(out.prompt_top_logprobs[1:]):
+            assert [a for a, _ in alts] == lsm[i].topk(3).indices.tolist()
+
+
 def test_seed_determinism_under_concurrency(backend: VLLMBackend, aio: Any) -> None:
     """A seed fixes the tokens whatever else is batched; samples of one request differ."""
     params = {"max_new_tokens": 10, "ignore_eos": True, "seed": 1234, "n": 2}

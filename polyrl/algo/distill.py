@@ -13,6 +13,15 @@ and on-policy distillation (Agarwal et al., 2024, GKD with student samples; Lu e
 teacher finds likelier than the student are pushed up, the others down. Added to an outcome
 advantage ``A_t`` with weight ``c``, the advantage is ``A_t - c * k_t`` (``c`` alone, with the
 outcome reward's advantage 0, is pure distillation).
+
+With the teacher's top-k distribution (its ``k`` most likely tokens ``S_t`` at each position and
+their log-probs), the signal is instead the reverse KL over that support, both distributions
+renormalised on it (:func:`topk_reverse_kl`):
+
+``KL_t = sum_{v in S_t} q_s(v) (log q_s(v) - log q_T(v))``, ``q(v) = p(v) / sum_{u in S_t} p(u)``
+
+a loss term (weight ``c``) whose gradient reaches every token of ``S_t``, not only the sampled
+one.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ import torch
 
 from polyrl.core.numerics import masked_mean
 
-__all__ = ["distill_advantages"]
+__all__ = ["distill_advantages", "topk_reverse_kl"]
 
 
 def distill_advantages(
@@ -54,3 +63,30 @@ def distill_advantages(
     }
     out = advantages - coef * k.to(advantages.dtype)
     return out, metrics
+
+
+def topk_reverse_kl(
+    student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor
+) -> torch.Tensor:
+    """Reverse KL ``KL(q_s || q_T)`` over the teacher's top-k support, per position.
+
+    Args:
+        student_log_probs: ``(..., k)`` the student's log-probs of the teacher's ``k`` tokens
+            (differentiable).
+        teacher_log_probs: ``(..., k)`` the teacher's log-probs of them.
+
+    Returns:
+        ``(...)``: ``sum_v q_s(v) (log q_s(v) - log q_T(v))`` with both renormalised over the
+        ``k`` tokens (so it is >= 0, and 0 where the two agree on the support's shape).
+
+    Raises:
+        ValueError: mismatched shapes.
+    """
+    if student_log_probs.shape != teacher_log_probs.shape or student_log_probs.dim() < 1:
+        raise ValueError(
+            "topk_reverse_kl needs two (..., k) tensors of one shape, got "
+            f"{tuple(student_log_probs.shape)} and {tuple(teacher_log_probs.shape)}"
+        )
+    qs = torch.log_softmax(student_log_probs.float(), dim=-1)
+    qt = torch.log_softmax(teacher_log_probs.detach().float(), dim=-1)
+    return (qs.exp() * (qs - qt)).sum(-1)

@@ -981,15 +981,40 @@ class AlgorithmConfig(ConfigGroup):
     )
     distill_coef: float = option(
         0.0,
-        "On-policy distillation: weight c of the teacher's per-token reverse KL in the "
-        "advantage, A_t - c (logp_student - logp_teacher) on each sampled token; 0 is off. "
-        "Needs algorithm.teacher_model_path.",
+        "On-policy distillation: weight c of the teacher's per-token reverse KL, in the "
+        "advantage, A_t - c (logp_student - logp_teacher) on each sampled token, or with "
+        "algorithm.teacher_topk as a loss term; 0 is off. Needs a teacher "
+        "(algorithm.teacher_model_path or algorithm.teachers).",
         ge=0.0,
     )
     teacher_model_path: str = option(
         "",
-        "On-policy distillation: the teacher's model directory (same tokenizer as the policy); "
-        "the reference role loads it, so KL terms to the reference are to the teacher too.",
+        "On-policy distillation: the teacher (same tokenizer as the policy). With "
+        "teacher_source=engine a model directory the reference role loads (KL terms to the "
+        "reference are then to the teacher too); with server a model directory (the run "
+        "starts a rollout server for it) or the http(s) URL of a running one.",
+    )
+    teacher_source: str = option(
+        "engine",
+        "Where the distillation teacher runs: engine (the reference model-engine role) or "
+        "server (a rollout server scoring each sample through /generate with prompt "
+        "log-probs, so a large teacher can live on its own replicas).",
+        choices=("engine", "server"),
+    )
+    teacher_topk: int = option(
+        0,
+        "On-policy distillation against the teacher's top-k distribution: k > 0 adds the "
+        "loss term c * KL(student || teacher) over the teacher's k most likely tokens at each "
+        "response position (both renormalised there) instead of the sampled-token advantage; "
+        "0 is the sampled-token estimate. Needs teacher_source=server.",
+        ge=0,
+        le=128,
+    )
+    teachers: dict[str, str] = option(
+        {},
+        "Multi-teacher distillation: data_source -> teacher (model directory or server URL); "
+        "each row is scored by its data_source's teacher, rows of other sources by "
+        "algorithm.teacher_model_path. Needs teacher_source=server.",
     )
     overlong_filter: bool = option(
         False,

@@ -1,4 +1,6 @@
-"""TRL's trainer configs (``GRPOConfig``, ``RLOOConfig``, ``DPOConfig``, ``RewardConfig``).
+"""TRL's trainer configs (``GRPOConfig``, ``RLOOConfig``, ``DPOConfig``, ``RewardConfig``, GKD).
+
+``GKDConfig`` carries TRL's on-policy distillation names over (there is no ``GKDTrainer``).
 
 A TRL script keeps its ``args=GRPOConfig(...)``: these classes take TRL's field names with TRL's
 defaults (those of TRL 1.9), and :meth:`TRLConfig.to_polyrl` turns one into a
@@ -37,6 +39,7 @@ from polyrl.config.schema import LOGGERS, ConfigError, PolyRLConfig
 
 __all__ = [
     "DPOConfig",
+    "GKDConfig",
     "GRPOConfig",
     "RLOOConfig",
     "RewardConfig",
@@ -732,6 +735,106 @@ class RewardConfig(_PairConfig):
         )
 
 
+def _only(field: str, value_ok: Any, what: str) -> Convert:
+    """Honour one value of ``field`` (nothing to set); refuse any other as another objective."""
+
+    def convert(value: Any, args: Any) -> Mapping[str, Any]:
+        if value == value_ok:
+            return {}
+        raise ConfigError(
+            f"{type(args).__name__}.{field}={value!r}: {what}; set it to {value_ok!r}", key=field
+        )
+
+    return convert
+
+
+def _gkd_batches(value: Any, args: Any) -> Mapping[str, Any]:
+    prompts = value * args.gradient_accumulation_steps  # one completion each, one update
+    return {"data.train_batch_size": prompts, "actor.ppo_mini_batch_size": prompts}
+
+
+@dataclasses.dataclass
+class GKDConfig(TRLConfig):
+    """TRL's ``GKDConfig`` (``trl.experimental.gkd``): names, meanings and defaults.
+
+    polyrl's on-policy distillation is GKD with ``lmbda=1`` (only the student's own samples)
+    and ``beta=1`` (the reverse KL): other values train another objective and are refused by
+    name. One completion per prompt makes GRPO's outcome advantage 0, so the teacher's
+    per-token reverse KL is the whole signal, as in TRL.
+    """
+
+    trainer_kind: ClassVar[str] = "opd"
+    fixed: ClassVar[Mapping[str, Any]] = {
+        "algorithm.adv_estimator": "grpo",
+        "algorithm.distill_coef": 1.0,
+        "rollout.n": 1,
+        "actor.clip_ratio_c": 0.0,
+    }
+
+    learning_rate: float = 2e-5
+    max_length: int | None = 1024
+    packing: bool = False
+    dataset_text_field: str = "text"
+    temperature: float = 0.9
+    lmbda: float = 0.5
+    beta: float = 0.5
+    max_new_tokens: int = 128
+    teacher_model_name_or_path: str | None = None
+    teacher_model_init_kwargs: dict[str, Any] | None = None
+    seq_kd: bool = False
+
+    @classmethod
+    def rows(cls) -> tuple[Row, ...]:
+        """Return the training rows, then GKD's own."""
+        return _training_rows(cls.group) + (
+            Row(
+                "per_device_train_batch_size",
+                "`data.train_batch_size` = `actor.ppo_mini_batch_size` = per_device x "
+                "gradient_accumulation_steps prompts (one process)",
+                _gkd_batches,
+            ),
+            Row("max_length", "not honoured: see `data.max_prompt_length`", None),
+            Row("packing", "not honoured (speed only: padding is always removed)", None),
+            Row("dataset_text_field", "not used: the rows' prompts are sampled", None),
+            Row(
+                "temperature",
+                "`rollout.temperature` (sampling; the KL reads both models at temperature 1)",
+                _set("rollout.temperature"),
+            ),
+            Row(
+                "lmbda",
+                "1.0 only: polyrl distils on the student's own samples (other values mix in "
+                "the dataset's completions: refused)",
+                _only(
+                    "lmbda",
+                    1.0,
+                    "lmbda < 1 mixes in the dataset's completions; polyrl distils on-policy only",
+                ),
+            ),
+            Row(
+                "beta",
+                "1.0 only: the reverse KL (other generalized-JSD mixtures are refused)",
+                _only("beta", 1.0, "beta != 1 is a generalized JSD; polyrl's is the reverse KL"),
+            ),
+            Row(
+                "max_new_tokens",
+                "`data.max_response_length`, `rollout.max_new_tokens`",
+                _set("data.max_response_length", "rollout.max_new_tokens"),
+            ),
+            Row(
+                "teacher_model_name_or_path",
+                "`algorithm.teacher_model_path` (a local model directory; None: unchanged)",
+                _unless_none("algorithm.teacher_model_path"),
+            ),
+            Row("teacher_model_init_kwargs", "not honoured: the teacher loads as the policy", None),
+            Row(
+                "seq_kd",
+                "False only (sequence-level KD on the teacher's samples is refused)",
+                _only("seq_kd", False, "seq_kd trains on the teacher's generations, not on-policy"),
+            ),
+        )
+
+
 #: ``peft.LoraConfig`` fields polyrl reads (:func:`lora_options`); any other field at a value
 #: other than peft's default is named in a note.
 _LORA_FIELDS = ("r", "lora_alpha", "lora_dropout", "target_modules", "task_type")
@@ -812,7 +915,7 @@ def with_lora(cfg: PolyRLConfig, peft_config: Any, model: Any) -> PolyRLConfig:
 def markdown_table() -> str:
     """Each config's rows as Markdown tables (TRL field, TRL default, what it sets)."""
     out = []
-    for cls in (GRPOConfig, RLOOConfig, DPOConfig, RewardConfig):
+    for cls in (GRPOConfig, RLOOConfig, DPOConfig, RewardConfig, GKDConfig):
         defaults = cls()
         lines = [
             f"### `{cls.__name__}`",

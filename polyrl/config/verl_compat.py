@@ -65,6 +65,7 @@ VERL_ONLY_ROOTS = (
     "ray_kwargs",
     "ray_init",
     "transfer_queue",
+    "distillation",
 )
 
 
@@ -241,6 +242,29 @@ def _rs_threshold(given: Mapping[str, Any], cfg: Any) -> dict[str, Any]:
     if value is None:
         value = cfg.algorithm.rollout_is_threshold
     return {"algorithm.rollout_rs_threshold": value}
+
+
+_DISTILL = "distillation"
+_DISTILL_LOSS = f"{_DISTILL}.distillation_loss"
+
+
+def _distillation(given: Mapping[str, Any], cfg: Any) -> dict[str, Any]:
+    # verl's teacher is an inference server (teacher_model.inference), like polyrl's server
+    # source; distillation_loss_coef weighs the signal (verl: only beside task rewards).
+    if given.get(f"{_DISTILL}.enabled") is not True:
+        return {}
+    coef = given.get(f"{_DISTILL_LOSS}.distillation_loss_coef", 1.0)
+    return {"algorithm.distill_coef": coef, "algorithm.teacher_source": "server"}
+
+
+def _distill_loss_mode(v: Any) -> Any:
+    if v == "k1":
+        return SKIP  # the sampled token's logp_student - logp_teacher in the advantage
+    raise VerlValueError(
+        f"distillation loss_mode {v!r} has no polyrl equivalent: polyrl's sampled-token signal "
+        "is verl's k1 as a reward (use_policy_gradient=True); its top-k signal, "
+        "algorithm.teacher_topk, is a reverse KL over the teacher's top-k, which no verl mode is"
+    )
 
 
 def _clip_ratio(given: Mapping[str, Any], cfg: Any) -> dict[str, Any]:
@@ -819,6 +843,57 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _o("trainer.default_hdfs_dir", (None,), "checkpoints go to trainer.output_dir"),
     _o("trainer.rollout_data_dir", (None,), "rollouts are not dumped"),
     _o("trainer.validation_data_dir", (None,), "validation generations are not dumped"),
+    # ---- on-policy distillation (verl's `distillation` group)
+    _d(
+        f"{_DISTILL}.enabled",
+        "algorithm.distill_coef",
+        "true: distill_coef from distillation_loss_coef (1.0) and teacher_source=server (verl's "
+        "teacher is an inference server)",
+        _distillation,
+    ),
+    _a(f"{_DISTILL}.teacher_model.model_path", "algorithm.teacher_model_path"),
+    _i(
+        f"{_DISTILL}.teacher_model.inference.*",
+        "a teacher the run starts takes the rollout.* options; a larger one: its server's URL "
+        "in algorithm.teacher_model_path",
+    ),
+    _o(
+        f"{_DISTILL}.teacher_model.enable_resource_pool",
+        (False,),
+        "no separate teacher pool: run the teacher's server on its own GPUs and give its URL",
+    ),
+    _o(f"{_DISTILL}.teacher_model.n_gpus_per_node", (0, None), "see enable_resource_pool"),
+    _o(f"{_DISTILL}.teacher_model.nnodes", (0, None), "see enable_resource_pool"),
+    _i(f"{_DISTILL}.num_workers", "teacher requests run concurrently over HTTP; " + _PERF),
+    _a(
+        f"{_DISTILL_LOSS}.loss_mode",
+        "algorithm.teacher_topk",
+        "k1 only (the sampled-token reverse KL in the advantage); other modes are refused",
+        _distill_loss_mode,
+    ),
+    _i(f"{_DISTILL_LOSS}.topk", "read by verl's top-k loss modes only, which are refused"),
+    _o(
+        f"{_DISTILL_LOSS}.use_task_rewards",
+        (True,),
+        "the task reward's advantage always stays; a reward of 0 gives pure distillation",
+    ),
+    _d(
+        f"{_DISTILL_LOSS}.distillation_loss_coef",
+        "algorithm.distill_coef",
+        "read with distillation.enabled",
+        _distillation,
+    ),
+    _o(f"{_DISTILL_LOSS}.loss_max_clamp", (None,), "the per-token KL is not clamped"),
+    _o(f"{_DISTILL_LOSS}.log_prob_min_clamp", (None,), "log-probs are not clamped"),
+    _o(
+        f"{_DISTILL_LOSS}.use_policy_gradient",
+        (True,),
+        "the sampled-token KL is a reward; the supervised top-k loss is algorithm.teacher_topk",
+    ),
+    _o(f"{_DISTILL_LOSS}.policy_loss_mode", ("vanilla",), "the actor's policy loss applies"),
+    _i(f"{_DISTILL_LOSS}.clip_ratio", "the actor's clip_ratio_low / _high apply"),
+    _i(f"{_DISTILL_LOSS}.clip_ratio_low", "the actor's clip_ratio_low applies"),
+    _i(f"{_DISTILL_LOSS}.clip_ratio_high", "the actor's clip_ratio_high applies"),
     # ---- ray, profiling, transfer
     _a("ray_kwargs.ray_init.num_cpus", "ray.num_cpus", convert=_null_to(0)),
     _a("ray_init.num_cpus", "ray.num_cpus", convert=_null_to(0)),

@@ -26,6 +26,9 @@ __all__ = [
     "PROMPT_LENGTH",
     "PRM_LOG_PROBS",
     "REF_LOG_PROBS",
+    "TEACHER_LOG_PROBS",
+    "TEACHER_TOPK_IDS",
+    "TEACHER_TOPK_LOG_PROBS",
     "RESPONSE_IDS",
     "RESPONSE_LENGTH",
     "RESPONSE_MASK",
@@ -91,6 +94,13 @@ OLD_LOG_PROBS = "old_log_probs"
 ENTROPY = "entropy"
 #: The reference model's token log-probs.
 REF_LOG_PROBS = "ref_log_probs"
+#: On-policy distillation, a teacher served by a rollout server: its token log-probs
+#: (aligned as :data:`REF_LOG_PROBS`; with the teacher as the reference role that column is it).
+TEACHER_LOG_PROBS = "teacher_log_probs"
+#: ... and its ``k`` most likely tokens at each position ``(B, T, k)`` with their log-probs: the
+#: distribution that predicted token ``t`` (top-k distillation, ``algorithm.teacher_topk``).
+TEACHER_TOPK_IDS = "teacher_topk_ids"
+TEACHER_TOPK_LOG_PROBS = "teacher_topk_log_probs"
 #: The critic's per-token values.
 VALUES = "values"
 #: PRIME's process reward model's token log-probs.

@@ -77,6 +77,9 @@ WEIGHT_RECEIVE_PATHS: tuple[str, ...] = (
 #: Upper bounds that keep one request from monopolising a server.
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
+#: Prompt log-probs may ask for more alternatives: a teacher's top-k distribution for
+#: distillation (``prompt_logprobs=k``) is read once per prompt position, not streamed.
+MAX_PROMPT_LOGPROBS = 128
 MAX_STOP_STRINGS = 16
 
 
@@ -150,6 +153,11 @@ class SamplingParams:
         top_logprobs: also return the ``k`` most likely alternatives per position (0..20).
         return_routed_experts: MoE models: also return the experts each token was routed to
             (``SampleOutput.routed_experts``), for routing replay in the trainer.
+        prompt_logprobs: ``None`` (off), or score the prompt: the log-probability of each
+            prompt token given the tokens before it (``RequestOutput.prompt_logprobs``), and
+            with ``k > 0`` also its ``k`` most likely alternatives (``prompt_top_logprobs``),
+            under ``log_softmax(logits / T)`` like ``logprobs`` (0..128). A teacher scores a
+            student's sample this way (the sample as the prompt, ``max_new_tokens=1``).
     """
 
     max_new_tokens: int | None = None
@@ -166,6 +174,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     return_routed_experts: bool = False
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, expected: str) -> InvalidRequestError:
@@ -210,6 +219,11 @@ class SamplingParams:
             raise bad("top_logprobs", f"an int in [0, {MAX_TOP_LOGPROBS}]")
         if not isinstance(self.return_routed_experts, bool):
             raise bad("return_routed_experts", "true or false")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs)
+            or not 0 <= self.prompt_logprobs <= MAX_PROMPT_LOGPROBS
+        ):
+            raise bad("prompt_logprobs", f"null (off) or an int in [0, {MAX_PROMPT_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:
@@ -245,7 +259,7 @@ class SamplingParams:
             )
         kwargs: dict[str, Any] = {}
         for key, value in data.items():
-            if value is None and key not in ("max_new_tokens", "seed"):
+            if value is None and key not in ("max_new_tokens", "seed", "prompt_logprobs"):
                 continue
             if key == "stop" and isinstance(value, str):
                 value = (value,)
@@ -264,8 +278,11 @@ class SamplingParams:
         out = dataclasses.asdict(self)
         out["stop_token_ids"] = list(self.stop_token_ids)
         out["stop"] = list(self.stop)
-        if not self.return_routed_experts:  # the default stays out of the wire format
+        # The defaults of the newer fields stay out of the wire format (other backends' bodies).
+        if not self.return_routed_experts:
             del out["return_routed_experts"]
+        if self.prompt_logprobs is None:
+            del out["prompt_logprobs"]
         return out
 
 
@@ -356,7 +373,8 @@ class SampleDelta:
     ``finish_reason`` is set on the last delta of the sample, which may carry no tokens.
     ``top_logprobs`` holds, per new token, a list of ``(token_id, logprob)`` alternatives.
     ``routed_experts`` (on the last delta, when asked) is the whole sample's, as in
-    :class:`SampleOutput`.
+    :class:`SampleOutput`. ``prompt_logprobs`` / ``prompt_top_logprobs`` (when asked) are the
+    request's, as in :class:`RequestOutput`, carried once, by a delta of sample 0.
     """
 
     index: int
@@ -369,6 +387,8 @@ class SampleDelta:
     first_weight_version: int | None = None
     cached_prompt_tokens: int = 0
     routed_experts: list[list[list[int]]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class DeltaStream:
@@ -501,11 +521,19 @@ class SampleOutput:
 
 @dataclasses.dataclass
 class RequestOutput:
-    """All samples of one finished request."""
+    """All samples of one finished request.
+
+    ``prompt_logprobs`` (when ``SamplingParams.prompt_logprobs`` asked): per prompt position,
+    the log-probability of that prompt token given the tokens before it; ``None`` at position 0
+    (nothing predicts it). ``prompt_top_logprobs`` (with ``prompt_logprobs=k > 0``): per
+    position, the ``k`` most likely tokens there as ``(id, logprob)``, best first (empty at 0).
+    """
 
     request_id: str
     prompt_ids: list[int]
     outputs: list[SampleOutput]
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def weight_version(self) -> int:
@@ -515,7 +543,7 @@ class RequestOutput:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (the ``/generate`` response body for one prompt)."""
         completion = sum(len(o.output_ids) for o in self.outputs)
-        return {
+        out: dict[str, Any] = {
             "request_id": self.request_id,
             "outputs": [o.to_dict() for o in self.outputs],
             "weight_version": self.weight_version,
@@ -527,6 +555,13 @@ class RequestOutput:
                 ),
             },
         }
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.prompt_logprobs
+        if self.prompt_top_logprobs is not None:
+            out["prompt_top_logprobs"] = [
+                [list(p) for p in pos] for pos in self.prompt_top_logprobs
+            ]
+        return out
 
 
 async def collect_outputs(
@@ -534,12 +569,17 @@ async def collect_outputs(
 ) -> RequestOutput:
     """Drain a backend's delta stream into a :class:`RequestOutput`."""
     samples = [SampleOutput(index=i) for i in range(request.params.n)]
+    out = RequestOutput(request.request_id, list(request.prompt_ids), samples)
     async for delta in deltas:
         samples[delta.index].add(delta)
+        if delta.prompt_logprobs is not None:
+            out.prompt_logprobs = delta.prompt_logprobs
+        if delta.prompt_top_logprobs is not None:
+            out.prompt_top_logprobs = delta.prompt_top_logprobs
     for s in samples:
         if request.params.logprobs and s.logprobs is None:
             s.logprobs = []
-    return RequestOutput(request.request_id, list(request.prompt_ids), samples)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -211,6 +211,32 @@ class ModelOutput:
         """Per-token entropy ``(b, T)``."""
         return self.log_probs_and_entropy()[1]
 
+    def log_probs_of(self, candidates: torch.Tensor) -> torch.Tensor:
+        """Log-probs ``(b, T, k)`` of ``k`` candidate tokens at each position (differentiable).
+
+        ``out[:, t, j] = log p(candidates[:, t, j] | tokens before t)`` at the sampling
+        temperature: the distribution :attr:`log_probs` reads token ``t`` from, at other tokens
+        (e.g. a teacher's top-k there). 0 where nothing is predicted, as in :attr:`log_probs`.
+        """
+        self._need("causal_lm", "log_probs_of")
+        b, t = self.layout.batch_shape
+        if candidates.dim() != 3 or tuple(candidates.shape[:2]) != (b, t):
+            raise ValueError(
+                f"candidates must be (b, T, k) = ({b}, {t}, k), got {tuple(candidates.shape)}"
+            )
+        # Row positions are contiguous in the (b, T) layout: the logits at t - 1 predict t.
+        prev = torch.zeros_like(candidates)
+        prev[:, :-1] = candidates[:, 1:]
+        ids = self.layout.to_compute(prev.to(self._raw.device))
+        z = self._raw.float()
+        if self.temperature != 1.0:
+            z = z / self.temperature
+        logp = z.gather(-1, ids) - torch.logsumexp(z, dim=-1, keepdim=True)
+        out = torch.zeros_like(self.layout.to_batch(logp))
+        out[:, 1:] = self.layout.to_batch(logp)[:, :-1]
+        zero = torch.zeros((), dtype=out.dtype, device=out.device)
+        return torch.where(self._predicted[..., None], out, zero)
+
     @property
     def values(self) -> torch.Tensor:
         """Per-token values ``(b, T)`` (value model only)."""

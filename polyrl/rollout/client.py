@@ -106,6 +106,10 @@ class GenerateResult:
     replica: str
     #: The prompt as the server ran it (placeholders expanded); set for image prompts only.
     prompt_ids: list[int] | None = None
+    #: With ``prompt_logprobs`` asked: each prompt token's log-prob (``None`` at position 0)
+    #: and, for ``k > 0``, the ``k`` most likely tokens per position (see ``RequestOutput``).
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @classmethod
     def from_json(cls, body: Mapping[str, Any], replica: str) -> GenerateResult:
@@ -136,6 +140,10 @@ class GenerateResult:
             usage=dict(body.get("usage", {})),
             replica=replica,
             prompt_ids=list(body["prompt_ids"]) if body.get("prompt_ids") is not None else None,
+            prompt_logprobs=body.get("prompt_logprobs"),
+            prompt_top_logprobs=None
+            if body.get("prompt_top_logprobs") is None
+            else [[(int(a), float(b)) for a, b in pos] for pos in body["prompt_top_logprobs"]],
         )
 
 

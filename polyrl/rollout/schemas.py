@@ -51,6 +51,7 @@ class SamplingParamsBody(BaseModel):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     return_routed_experts: bool | None = None
+    prompt_logprobs: int | None = None
 
 
 class GenerateBody(BaseModel):

@@ -245,9 +245,15 @@ def generate_body(
 
     Raises:
         InvalidRequestError: stop strings (a ``--skip-tokenizer-init`` server has no
-            tokenizer to match them with).
+            tokenizer to match them with); prompt log-probs (not wired for SGLang).
     """
     p = request.params
+    if p.prompt_logprobs is not None:
+        raise InvalidRequestError(
+            "the sglang backend does not return prompt log-probs; score prompts with the "
+            "native or the vllm backend",
+            param="prompt_logprobs",
+        )
     if p.stop:
         raise InvalidRequestError(
             "the sglang backend runs SGLang token-in/token-out (--skip-tokenizer-init), which "

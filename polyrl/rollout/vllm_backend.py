@@ -88,6 +88,7 @@ from typing import TYPE_CHECKING, Any
 
 from polyrl.core.dtypes import DTYPE_SIZES, FLOAT_DTYPES
 from polyrl.core.rollout_api import (
+    MAX_PROMPT_LOGPROBS,
     GenerateRequest,
     InvalidRequestError,
     ModelInfo,
@@ -463,6 +464,10 @@ class _Job(StreamJob):
         super().__init__(backend, request, max_new, stream)
         self.samples = [_Sample() for _ in range(request.params.n)]
         self.task: asyncio.Task[None] | None = None
+        # Prompt log-probs (when asked): parsed from the chunk that carries them, delivered
+        # once, on a delta of sample 0.
+        self.prompt_scores: tuple[list[float | None], list[list[tuple[int, float]]]] | None = None
+        self.prompt_scores_sent = False
 
     def start(self) -> None:
         self.task = asyncio.ensure_future(self.run())
@@ -508,6 +513,10 @@ class _Job(StreamJob):
         if p.logprobs or p.top_logprobs:
             body["logprobs"] = p.top_logprobs
             body["return_tokens_as_token_ids"] = True
+        if p.prompt_logprobs is not None:
+            # vLLM's own extension of the completions API: per prompt position a map of the
+            # prompt token and the k most likely ones to their log-probs (None at position 0).
+            body["prompt_logprobs"] = p.prompt_logprobs
         if not self.stream:
             body["stream_interval"] = b.options.buffered_stream_interval
         return body
@@ -579,6 +588,8 @@ class _Job(StreamJob):
                 f"vLLM sent sample index {index} for a request with n={len(self.samples)}"
             )
         s = self.samples[index]
+        if self.prompt_scores is None and choice.get("prompt_logprobs") is not None:
+            self.prompt_scores = self._prompt_scores(choice["prompt_logprobs"])
         if s.finished:
             return None
         version = b._weight_version
@@ -609,22 +620,62 @@ class _Job(StreamJob):
         if self.stream:
             if not ids and finish is None:
                 return None
-            return SampleDelta(
-                index=index,
-                token_ids=ids,
-                logprobs=logprobs,
-                top_logprobs=top,
-                finish_reason=finish,
-                stop_reason=stop_reason if finish else None,
-                weight_version=version,
-                first_weight_version=s.first_version,
+            return self._with_prompt_scores(
+                SampleDelta(
+                    index=index,
+                    token_ids=ids,
+                    logprobs=logprobs,
+                    top_logprobs=top,
+                    finish_reason=finish,
+                    stop_reason=stop_reason if finish else None,
+                    weight_version=version,
+                    first_weight_version=s.first_version,
+                )
             )
         s.tokens.extend(ids)
         if logprobs is not None:
             s.logprobs.extend(logprobs)
         if top is not None:
             s.top.extend(top)
-        return self._whole(index, finish) if finish is not None else None
+        return self._with_prompt_scores(self._whole(index, finish)) if finish is not None else None
+
+    def _prompt_scores(
+        self, entries: Sequence[Mapping[str, Any] | None]
+    ) -> tuple[list[float | None], list[list[tuple[int, float]]]]:
+        """Parse vLLM's ``prompt_logprobs`` into (each prompt token's log-prob, top-k lists).
+
+        Each entry maps a token id (``"123"`` or ``"token_id:123"``) to a log-prob, or to a
+        ``{"logprob", "rank", ...}`` object; it holds the prompt token itself and the ``k``
+        most likely ones (the prompt token may be an extra, ranked below ``k``).
+        """
+        k = self.request.params.prompt_logprobs or 0
+        prompt = self.request.prompt_ids
+        values: list[float | None] = []
+        tops: list[list[tuple[int, float]]] = []
+        for pos, entry in enumerate(entries):
+            if entry is None or pos == 0:
+                values.append(None)
+                tops.append([])
+                continue
+            pairs: dict[int, float] = {}
+            for key, value in entry.items():
+                m = _TOKEN_KEY.match(key) if isinstance(key, str) else None
+                tok = int(m.group(1)) if m is not None else int(key)
+                pairs[tok] = float(value["logprob"] if isinstance(value, Mapping) else value)
+            values.append(pairs.get(prompt[pos], float("nan")))
+            tops.append(sorted(pairs.items(), key=lambda p: -p[1])[:k])
+        if len(values) != len(prompt):
+            raise RolloutError(
+                f"vLLM sent {len(values)} prompt log-probs for a prompt of {len(prompt)} tokens"
+            )
+        return values, tops
+
+    def _with_prompt_scores(self, delta: SampleDelta) -> SampleDelta:
+        if delta.index == 0 and self.prompt_scores is not None and not self.prompt_scores_sent:
+            delta.prompt_logprobs, top = self.prompt_scores
+            delta.prompt_top_logprobs = top if self.request.params.prompt_logprobs else None
+            self.prompt_scores_sent = True
+        return delta
 
     @staticmethod
     def _top_k(entry: Mapping[str, float] | None, k: int) -> list[tuple[int, float]]:
@@ -732,6 +783,9 @@ class VLLMBackend(SubprocessBackend):
             self.serving_dtype(),
             "--logprobs-mode",
             o.logprobs_mode,
+            # A teacher's top-k prompt log-probs go up to MAX_PROMPT_LOGPROBS (vLLM's cap: 20).
+            "--max-logprobs",
+            str(MAX_PROMPT_LOGPROBS),
             "--worker-extension-cls",
             _EXT_CLASS,
             "--disable-uvicorn-access-log",

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from polyrl.algo.distill import topk_reverse_kl
 from polyrl.algo.kl import kl_loss as _kl_loss
 from polyrl.algo.losses import (
     get_policy_loss,
@@ -34,6 +35,7 @@ from polyrl.algo.losses import (
     value_loss,
 )
 from polyrl.algo.prime import implicit_prm_loss
+from polyrl.core.columns import TEACHER_TOPK_IDS, TEACHER_TOPK_LOG_PROBS
 from polyrl.core.numerics import agg_loss, masked_mean
 from polyrl.model_engine.engine import global_counts
 
@@ -130,6 +132,7 @@ def actor_loss(
     rollout_token_veto_threshold: float | None = None,
     policy_loss_options: Mapping[str, Any] | None = None,
     router_aux_loss_coef: float = 0.0,
+    distill_topk_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """Policy-gradient loss of one micro-batch (a registered policy loss, entropy and KL terms).
 
@@ -158,6 +161,12 @@ def actor_loss(
     ``router_aux_loss_coef`` > 0 (MoE models) adds that weight times the routers' load-balancing
     loss (:attr:`ModelOutput.router_aux_loss`), weighted by the micro-batch's share of the
     mini-batch's tokens so the micro-batches sum to its token mean; metric ``router_aux_loss``.
+
+    ``distill_topk_coef`` > 0 (on-policy distillation against a teacher's top-k distribution)
+    adds that weight times the reverse KL over the teacher's top-k tokens at each response
+    position (:func:`~polyrl.algo.distill.topk_reverse_kl`, columns ``teacher_topk_ids`` and
+    ``teacher_topk_log_probs`` ``(B, T, k)``), aggregated like the policy loss; metric
+    ``distill_topk_kl``.
     """
     _require(batch, "loss_mask", "advantages", loss="actor_loss")
     mask = batch["loss_mask"]
@@ -233,6 +242,15 @@ def actor_loss(
         loss = loss + kl_loss_coef * kl
         metrics["kl_loss"] = float(kl.detach()) * _local_scale(loss_agg_mode, mask, counts)
         metrics["kl_coef"] = kl_loss_coef
+    if distill_topk_coef > 0:
+        _require(
+            batch, TEACHER_TOPK_IDS, TEACHER_TOPK_LOG_PROBS, loss="actor_loss with teacher_topk"
+        )
+        student = output.log_probs_of(batch[TEACHER_TOPK_IDS])
+        topk_kl = topk_reverse_kl(student, batch[TEACHER_TOPK_LOG_PROBS].to(student.dtype))
+        kl = agg_loss(topk_kl, loss_mask, loss_agg_mode, horizon, **counts)
+        loss = loss + distill_topk_coef * kl
+        metrics["distill_topk_kl"] = float(kl.detach()) * _local_scale(loss_agg_mode, mask, counts)
     # Only MoE engines' outputs carry it (a user's or a test's output object need not).
     aux = getattr(output, "router_aux_loss", None) if router_aux_loss_coef > 0 else None
     if aux is not None:

@@ -458,6 +458,10 @@ class NativeEngine:
                 seq.routes = self.runner.routes.new_log(len(prompt) + max_new)
             if params.repetition_penalty != 1.0:
                 row.seen_tokens = seq.tokens
+            if i == 0 and params.prompt_logprobs is not None:
+                # Position 0 has no prediction; the rest are filled as the prompt runs.
+                seq.prompt_scores = [None] * len(prompt)
+                seq.prompt_top = [[] for _ in prompt] if params.prompt_logprobs else None
             if i > 0:
                 seq.leader = group.seqs[0]
             group.seqs.append(seq)
@@ -733,6 +737,17 @@ class NativeEngine:
         pos: list[int] = []
         slots: list[int] = []
         logits_index: list[int] = []
+        # Prompt log-probs: the rows of every scored prompt position, after the sampling rows.
+        score_index: list[int] = []
+        score_spans: list[tuple[Seq, int, int, int]] = []
+
+        def score(seq: Seq, start: int, length: int, packed_at: int) -> None:
+            # Position p's logits score prompt token p + 1.
+            count = min(start + length, seq.prompt_len - 1) - start
+            if seq.scores_prompt and count > 0:
+                score_spans.append((seq, start, count, len(score_index)))
+                score_index.extend(range(packed_at, packed_at + count))
+
         vision = self.runner.vision
         # Vision models: (t, h, w) rows of M-RoPE positions, and where image rows go.
         mrope: list[list[int]] = [[], [], []]
@@ -742,6 +757,7 @@ class NativeEngine:
             p = c.start
             if vision:
                 self._add_media(seq, len(ids), p, p + 1, mrope, media)
+            score(seq, p, 1, len(ids))
             ids.append(seq.tokens[p])
             pos.append(p)
             slots.append(seq.blocks[p // bs] * bs + p % bs)
@@ -755,6 +771,7 @@ class NativeEngine:
                 fresh_spans.append((len(ids), c.length))
             if vision:
                 self._add_media(seq, len(ids), c.start, end, mrope, media)
+            score(seq, c.start, c.length, len(ids))
             ids.extend(seq.tokens[c.start : end])
             rng = range(c.start, end)
             pos.extend(rng)
@@ -777,6 +794,8 @@ class NativeEngine:
                     table += [0] * (nb - len(row))
         # All of the step's index tensors in one tensor (one conversion, one device copy),
         # handed out as contiguous slices.
+        sampled = len(logits_index)
+        logits_index += score_index
         t, s = len(ids), len(logits_index)
         packed = torch.tensor(ids + pos + slots + logits_index + table + decode_lens)
         if dev.type != "cpu":
@@ -804,6 +823,7 @@ class NativeEngine:
             position_ids=packed[ends[0] : ends[1]].unsqueeze(0),
             logits_index=packed[ends[2] : ends[3]],
             meta=meta,
+            score_spans=[(seq, first, n, sampled + row) for seq, first, n, row in score_spans],
         )
         if vision:
             inputs.mrope_positions = torch.tensor(mrope, device=dev).view(3, 1, -1)
@@ -873,6 +893,9 @@ class NativeEngine:
         if record:
             self._store_routes(ordered, recorder.collect())
         sampling = [c for c in ordered if c.samples]
+        if inputs.score_spans:
+            self._score_prompts(inputs.score_spans, logits)
+            logits = logits[: len(sampling)]
         for c in plan:
             self.scheduler.commit(c)
         self._stats.steps_total += 1
@@ -896,6 +919,28 @@ class NativeEngine:
             self._tps_window.append((now, len(seqs)))
             while self._tps_window and now - self._tps_window[0][0] > _TPS_WINDOW_S:
                 self._tps_window.popleft()
+
+    @staticmethod
+    def _score_prompts(spans: list[tuple[Seq, int, int, int]], logits: torch.Tensor) -> None:
+        """Record the log-prob (and top alternatives) of the prompt tokens scored this step.
+
+        Under ``log_softmax(logits / T)`` in fp32 (``T`` = 1 for greedy), as sampled tokens'
+        log-probs are, without the sampling filters (top-k/p, min-p, repetition penalty).
+        """
+        for seq, first, count, row in spans:
+            params = seq.params
+            z = logits[row : row + count].float()
+            if params.temperature not in (0.0, 1.0):
+                z = z / params.temperature
+            logp = torch.log_softmax(z, dim=-1)
+            targets = torch.tensor(seq.tokens[first + 1 : first + 1 + count], device=z.device)
+            values = logp.gather(1, targets[:, None])[:, 0].tolist()
+            seq.prompt_scores[first + 1 : first + 1 + count] = values
+            if params.prompt_logprobs:
+                top = logp.topk(min(params.prompt_logprobs, logp.shape[-1]), dim=-1)
+                pairs = zip(top.indices.tolist(), top.values.tolist(), strict=True)
+                for i, (ids, vals) in enumerate(pairs):
+                    seq.prompt_top[first + 1 + i] = list(zip(ids, vals, strict=True))
 
     def _store_routes(self, ordered: list[Chunk], rows: np.ndarray) -> None:
         """Give each chunk's sequence the routes of the positions it computed this step."""
@@ -993,6 +1038,10 @@ class NativeEngine:
         )
         if finish_reason is not None and seq.routes is not None:
             delta.routed_experts = seq.routes.take(len(seq.tokens)).tolist()
+        if seq.scores_prompt:
+            delta.prompt_logprobs = seq.prompt_scores
+            delta.prompt_top_logprobs = seq.prompt_top
+            seq.prompt_scores_sent = True
         self._outbox.append((seq.group.sink, [delta]))
 
     def _finish(self, seq: Seq, reason: str, stop_reason: int | str | None) -> None:

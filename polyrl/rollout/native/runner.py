@@ -13,6 +13,7 @@ import dataclasses
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,6 +44,9 @@ class StepInputs:
         mrope_positions: ``(3, 1, T)`` multi-modal rotary positions (vision models only).
         media: ``(packed start, item, first row, end row)``: rows of an item's embeddings
             that go at packed positions from ``packed start`` on (vision models only).
+        score_spans: prompt positions scored this step (prompt log-probs):
+            ``(sequence, first position, count, first row)``; their logits rows follow the
+            sampling rows in ``logits_index``, from ``first row`` on.
     """
 
     input_ids: torch.Tensor
@@ -51,6 +55,7 @@ class StepInputs:
     meta: StepMetadata
     mrope_positions: torch.Tensor | None = None
     media: list[tuple[int, MediaItem, int, int]] = dataclasses.field(default_factory=list)
+    score_spans: list[tuple[Any, int, int, int]] = dataclasses.field(default_factory=list)
 
 
 def _model_geometry(config: object) -> tuple[int, int, int]:

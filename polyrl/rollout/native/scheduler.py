@@ -81,6 +81,17 @@ class Sequence:
         self.media: Any = None
         # The experts each position was routed to (a RouteLog), when the request asks.
         self.routes: Any = None
+        # Prompt scoring (``params.prompt_logprobs``; sample 0 of a request only): per prompt
+        # position its token's log-prob and top alternatives, filled as the prompt's chunks
+        # run and delivered once, with the sample's first delta.
+        self.prompt_scores: list[float | None] | None = None
+        self.prompt_top: list[list[tuple[int, float]]] | None = None
+        self.prompt_scores_sent = False
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the prompt's positions still need their logits (prompt log-probs asked)."""
+        return self.prompt_scores is not None and not self.prompt_scores_sent
 
     @property
     def num_output(self) -> int:
@@ -244,8 +255,9 @@ class Scheduler:
             if not self._leader_ready(seq):
                 continue
             if not seq.blocks:
-                # Leave at least one token to compute: its logits give the next token.
-                max_blocks = (len(seq.tokens) - 1) // self.block_size
+                # Leave at least one token to compute: its logits give the next token. A
+                # prompt to score is computed whole: cached blocks would skip its logits.
+                max_blocks = 0 if seq.scores_prompt else (len(seq.tokens) - 1) // self.block_size
                 salt = None
                 if seq.media is not None:
                     salt = lambda b, s=seq: s.block_salt(b, self.block_size)  # noqa: E731

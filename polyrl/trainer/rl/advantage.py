@@ -29,6 +29,7 @@ from polyrl.core.columns import (
     RESPONSE_LENGTH,
     RETURNS,
     SCORE,
+    TEACHER_LOG_PROBS,
     TOKEN_LEVEL_REWARDS,
     TOKEN_LEVEL_SCORES,
     UID,
@@ -122,8 +123,9 @@ def compute_advantages(
     ``kl_ctrl``), ``baseline`` (ReMax: the greedy response's score per row) and
     ``implicit_rewards`` (PRIME: the PRM's token rewards, see :func:`advantage_phase`). With
     ``algorithm.distill_coef`` the teacher's per-token reverse KL (``old_log_probs`` against the
-    teacher's ``ref_log_probs``) is subtracted from the advantages
-    (:func:`polyrl.algo.distill.distill_advantages`).
+    teacher's ``teacher_log_probs`` from its server, or ``ref_log_probs`` from the reference
+    role) is subtracted from the advantages (:func:`polyrl.algo.distill.distill_advantages`;
+    with ``algorithm.teacher_topk`` the actor's loss takes the signal and this only reports it).
     """
     from polyrl.algo import apply_kl_penalty, get_advantage_estimator
 
@@ -171,9 +173,13 @@ def compute_advantages(
     if algo.distill_coef > 0:
         from polyrl.algo.distill import distill_advantages
 
-        # The reference role holds the teacher: its log-probs of the student's own samples.
+        # The teacher's log-probs of the student's own samples: from its rollout server, or
+        # from the reference role that holds it. With the top-k loss the advantage keeps the
+        # task reward alone; the sampled tokens' reverse KL is still reported.
+        teacher = TEACHER_LOG_PROBS if TEACHER_LOG_PROBS in batch.tensor_keys else REF_LOG_PROBS
+        coef = 0.0 if algo.teacher_topk else algo.distill_coef
         advantages, opd_metrics = distill_advantages(
-            advantages, batch[OLD_LOG_PROBS], batch[REF_LOG_PROBS], mask, algo.distill_coef
+            advantages, batch[OLD_LOG_PROBS], batch[teacher], mask, coef
         )
         metrics.update(opd_metrics)
     batch[TOKEN_LEVEL_REWARDS] = rewards

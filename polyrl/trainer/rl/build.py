@@ -571,8 +571,8 @@ def engine_specs(
 
     With LoRA (``model.lora_rank > 0``) there is no reference spec: the reference is the actor's
     frozen base model, which the actor computes with its adapter disabled. With on-policy
-    distillation (``algorithm.distill_coef > 0``) the reference is the teacher,
-    ``algorithm.teacher_model_path``, LoRA or not.  The critic and the
+    distillation (``algorithm.distill_coef > 0``, ``teacher_source=engine``) the reference is
+    the teacher, ``algorithm.teacher_model_path``, LoRA or not.  The critic and the
     PRM train every weight of their own models (LoRA applies to the policy only).
     """
     from polyrl.controller import WorkerSpec
@@ -625,7 +625,9 @@ def engine_specs(
         return WorkerSpec(EngineWorker, kwargs={**kwargs, "checkpoint": ckpt})
 
     specs: dict[str, Any] = {"actor": trained("actor", model, engine, actor)}
-    teacher = cfg.algorithm.teacher_model_path if cfg.algorithm.distill_coef > 0 else ""
+    algo = cfg.algorithm
+    engine_teacher = algo.distill_coef > 0 and algo.teacher_source == "engine"
+    teacher = algo.teacher_model_path if engine_teacher else ""
     if use_ref and (teacher or not model.lora_rank):
         # On-policy distillation: the reference role is the teacher, a model of its own (with
         # LoRA too, where the reference is otherwise the actor's base).

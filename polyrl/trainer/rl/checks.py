@@ -15,7 +15,7 @@ from polyrl.config.schema import validate_tree
 from polyrl.trainer.common import check_devices
 from polyrl.trainer.rl.settings import RunSettings, settings_for
 
-__all__ = ["check_config", "check_engine_installed", "check_mode"]
+__all__ = ["check_config", "check_engine_installed", "check_mode", "check_teachers"]
 
 
 def check_mode(cfg: PolyRLConfig, settings: RunSettings | None = None) -> None:
@@ -163,17 +163,7 @@ def check_config(
             "expected a *ForSequenceClassification checkpoint with num_labels=1",
             key="reward.model_path",
         )
-    if algo.distill_coef > 0 and not algo.teacher_model_path:
-        raise ConfigError(
-            "on-policy distillation (algorithm.distill_coef > 0) needs the teacher's model "
-            "directory: set algorithm.teacher_model_path",
-            key="algorithm.teacher_model_path",
-        )
-    if algo.teacher_model_path and not (Path(algo.teacher_model_path) / "config.json").is_file():
-        raise ConfigError(
-            f"{algo.teacher_model_path!r} is not a Hugging Face model directory (no config.json)",
-            key="algorithm.teacher_model_path",
-        )
+    check_teachers(cfg)
     if cfg.data.curriculum != "none" and cfg.transfer.enable:
         raise ConfigError(
             "data.curriculum records each prompt's outcome in the driver; it is not supported "
@@ -296,3 +286,60 @@ def check_config(
             f"({cfg.data.max_prompt_length} prompt + {response} response tokens)",
             key="actor.max_tokens_per_micro_batch",
         )
+
+
+def _is_url(spec: str) -> bool:
+    return spec.startswith(("http://", "https://"))
+
+
+def check_teachers(cfg: PolyRLConfig) -> None:
+    """Check the on-policy distillation options (``algorithm.distill_coef`` and its teachers).
+
+    Raises:
+        ConfigError: a distillation without a teacher, a teacher that is neither a model
+            directory nor (server source) a URL, or a server-only option with the engine role.
+    """
+    algo = cfg.algorithm
+    server = algo.teacher_source == "server"
+    if algo.distill_coef > 0 and not (algo.teacher_model_path or algo.teachers):
+        raise ConfigError(
+            "on-policy distillation (algorithm.distill_coef > 0) needs a teacher: set "
+            "algorithm.teacher_model_path (or, with teacher_source=server, algorithm.teachers)",
+            key="algorithm.teacher_model_path",
+        )
+    if not server:
+        for key, value, what in (
+            ("algorithm.teachers", algo.teachers, "several teachers by data_source"),
+            ("algorithm.teacher_topk", algo.teacher_topk, "the teacher's top-k distribution"),
+        ):
+            if value:
+                raise ConfigError(
+                    f"{what} come from teacher rollout servers (their prompt log-probs), not "
+                    "from the reference engine role: set algorithm.teacher_source=server",
+                    key=key,
+                )
+    if (server or algo.teacher_topk or algo.teachers) and cfg.transfer.enable:
+        raise ConfigError(
+            "a teacher served by a rollout server scores the driver's batch; it is not "
+            "supported with transfer.enable; use teacher_source=engine or turn the queue off",
+            key="algorithm.teacher_source",
+        )
+    if server and cfg.rollout.backend == "sglang":
+        raise ConfigError(
+            "a teacher's server scores samples with prompt log-probs, which the sglang backend "
+            "does not return: run the teachers on the native or vllm backend (give their URLs)",
+            key="algorithm.teacher_source",
+        )
+    specs = [("algorithm.teacher_model_path", algo.teacher_model_path)] + [
+        (f"algorithm.teachers.{source}", spec) for source, spec in algo.teachers.items()
+    ]
+    for key, spec in specs:
+        if not spec or (server and _is_url(spec)):
+            continue
+        if not (Path(spec) / "config.json").is_file():
+            also = " or the URL of a running rollout server" if server else ""
+            raise ConfigError(
+                f"{spec!r} is not a Hugging Face model directory (no config.json); expected "
+                f"the teacher's model directory{also}",
+                key=key,
+            )

@@ -165,6 +165,8 @@ class RLTrainer:
         self._groups: list[Any] = []
         self.servers: RolloutServers | None = None
         self.producer: RolloutProducer | None = None
+        #: Distillation teachers on rollout servers (algorithm.teacher_source=server).
+        self.teachers: Any = None
         # The engine roles, set by setup(): typed handles of their worker groups.
         self.actor: ActorHandle | None = None
         self.ref: ReferenceHandle | ActorHandle | None = None
@@ -265,6 +267,12 @@ class RLTrainer:
         self.servers = start_replicas(
             cfg, self.model_dir, self._closers, self._groups, settings=run
         )
+        if cfg.algorithm.distill_coef > 0 and cfg.algorithm.teacher_source == "server":
+            from polyrl.trainer.rl.teacher import TeacherServers
+
+            self.teachers = TeacherServers(cfg, self._closers)
+            served = [f"{spec} at {', '.join(u)}" for spec, u in self.teachers.urls.items()]
+            _log(f"distillation teacher(s) on rollout servers: {'; '.join(served)}")
         urls = self.servers.urls
         self.producer = RolloutProducer.connect(
             cfg, urls, self.tokenizer, rewards, api_key=self.servers.api_key
@@ -490,6 +498,10 @@ class RLTrainer:
                 "kl_cov_coef": actor.kl_cov_coef,
             },
             "router_aux_loss_coef": actor.router_aux_loss_coef,
+            # On-policy distillation against the teacher's top-k distribution: a loss term.
+            "distill_topk_coef": self.cfg.algorithm.distill_coef
+            if self.cfg.algorithm.teacher_topk
+            else 0.0,
         }
 
     def _rollout_is(self) -> str:
@@ -549,6 +561,9 @@ class RLTrainer:
             with timer(timing, "save_wait"):
                 self.finish_save()
             # 3. old log-probs, reference log-probs, values
+            if self.teachers is not None:
+                with timer(timing, "teacher"):
+                    rows = self.teachers.score(rows, float(rows.meta.get("temperature", 1.0)))
             if self.need_old_log_probs:
                 with timer(timing, "old_log_prob"):
                     rows = plane.infer(

@@ -126,7 +126,9 @@ def resolve_settings(cfg: PolyRLConfig) -> RunSettings:
     )
     minis = batch // mini if mini else 1
     use_prm = algo.adv_estimator == "prime"
-    distill = algo.distill_coef > 0  # the teacher is the reference role; KL to it needs old
+    distill = algo.distill_coef > 0  # the reverse KL to the teacher needs the old log-probs
+    # The teacher is the reference role, unless a rollout server scores for it.
+    teacher_role = distill and algo.teacher_source == "engine"
     return RunSettings(
         training_device=training,
         compute_dtype=compute,
@@ -141,7 +143,7 @@ def resolve_settings(cfg: PolyRLConfig) -> RunSettings:
         reward_model_device=reward_device,
         use_critic=algo.adv_estimator == "gae",
         use_prm=use_prm,
-        use_ref=algo.use_kl_in_reward or cfg.actor.use_kl_loss or use_prm or distill,
+        use_ref=algo.use_kl_in_reward or cfg.actor.use_kl_loss or use_prm or teacher_role,
         num_mini_batches=minis,
         prm_mini_batches=batch // prm_mini if prm_mini else 1,
         # Old log-probs equal the current ones when each step makes exactly one optimizer
