@@ -128,3 +128,27 @@ def test_families_name_their_tower_and_refuse_others(tiny_vl_dir, tiny_smolvlm_d
     assert vision_family({"model_type": "llama"}) is None
     with pytest.raises(ValueError, match="'gemma3' is not supported; polyrl runs"):
         vision_family({"model_type": "gemma3", "vision_config": {}})
+
+
+def test_truncation_that_cuts_a_smolvlm_marker_is_refused(tiny_smolvlm_processor):
+    import io
+
+    from polyrl.core.prompts import PromptTooLongError
+    from polyrl.data.dataset import RLDataset
+
+    proc = tiny_smolvlm_processor
+    buf = io.BytesIO()
+    _image((56, 56)).save(buf, format="PNG")
+    rows = [
+        {
+            "data_source": "t",
+            "prompt": [{"role": "user", "content": "<image>How many?"}],
+            "reward_model": {"ground_truth": "1"},
+            "images": [{"bytes": buf.getvalue()}],
+        }
+    ]
+    ids = RLDataset(rows, proc.tokenizer, 256, processor=proc)[0]["input_ids"].tolist()
+    # Keep the tokens after the first tile's first marker: every image token survives.
+    first = ids.index(proc.tokenizer.convert_tokens_to_ids("<fake_token_around_image>"))
+    with pytest.raises(PromptTooLongError, match="cut its image"):
+        RLDataset(rows, proc.tokenizer, len(ids) - first - 1, processor=proc, truncation="left")

@@ -2,11 +2,12 @@
 
 :class:`VisionProcessor` is what polyrl uses where a text model uses its tokenizer. It holds the
 tokenizer and the model's image processor (``AutoImageProcessor``: the fast one when
-torchvision is installed, the Pillow one otherwise) and does the model-family part itself:
-which token stands for an image, how many tokens an image fills, and how video frames become
-temporal patches. transformers' ``AutoProcessor`` for Qwen2-VL also needs a video processor,
-which needs torchvision; doing the expansion here keeps a CPU-only install working and gives
-the same ids and pixels (a test compares them with the stock processor where it loads).
+torchvision is installed, the Pillow one otherwise) and leaves the model-family part to the
+model's :class:`~polyrl.models.vision_family.VisionFamily`: which token stands for an image,
+what one placeholder expands to, how video frames become temporal patches. transformers'
+``AutoProcessor`` for Qwen2-VL also needs a video processor, which needs torchvision (SmolVLM's
+also needs num2words); doing the expansion here keeps a CPU-only install working and gives the
+same ids and pixels (tests compare them with the stock processor's parts).
 """
 
 from __future__ import annotations

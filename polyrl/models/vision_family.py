@@ -87,7 +87,6 @@ class VisionFamily(abc.ABC):
     """
 
     model_types: tuple[str, ...] = ()
-    kinds: tuple[str, ...] = ("image",)
     mrope: bool = False
     tower_paths: tuple[str, ...] = ()
 
@@ -189,7 +188,6 @@ class Qwen2VLFamily(VisionFamily):
     """Qwen2-VL and Qwen2.5-VL: patch-merging ViT, M-RoPE, one placeholder run per item."""
 
     model_types = ("qwen2_vl",)
-    kinds = ("image", "video")
     mrope = True
     tower_paths = ("model.visual",)
     #: The processor's pixel tensor and grid of each kind of item.
@@ -351,7 +349,6 @@ class Qwen25VLFamily(Qwen2VLFamily):
     """
 
     model_types = ("qwen2_5_vl",)
-    kinds = ("image",)
 
     def process_videos(
         self, image_processor: Any, clips: Sequence[Sequence[Any]], resize: dict[str, Any]
@@ -378,7 +375,6 @@ class SmolVLMFamily(VisionFamily):
     """
 
     model_types = ("smolvlm",)
-    kinds = ("image",)
     mrope = False
     tower_paths = ("model.vision_model", "model.connector")
     FAKE_TOKEN = "<fake_token_around_image>"
@@ -394,6 +390,9 @@ class SmolVLMFamily(VisionFamily):
         self.scale_factor = int(_get(config, "scale_factor", 2))
         self.image_seq_len = (self.tile_size // self.patch_size) ** 2 // self.scale_factor**2
         self._expansions: dict[tuple[int, int], tuple[int, ...]] = {}
+        # The marker tokens' ids (bind_tokenizer): the config names only the image token.
+        self._fake_id: int | None = None
+        self._global_id: int | None = None
 
     def resize_kwargs(
         self, image_processor: Any, min_pixels: int | None, max_pixels: int | None
@@ -504,9 +503,6 @@ class SmolVLMFamily(VisionFamily):
             count += 1
             i += 1
         return ["image"] * count
-
-    _fake_id: int | None = None
-    _global_id: int | None = None
 
     def bind_tokenizer(self, tokenizer: Any) -> None:
         """Learn the marker tokens' ids (the config names only the image token)."""
