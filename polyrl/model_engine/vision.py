@@ -53,7 +53,8 @@ def vision_info(model: nn.Module) -> VisionFamily | None:
     Raises:
         ValueError: a vision model of a family polyrl does not run.
     """
-    family = vision_family(model.config)
+    config = getattr(model, "config", None)
+    family = vision_family(config) if config is not None else None
     if family is None or not family.tower_modules(model):
         return None
     return family
