@@ -87,6 +87,42 @@ def tiny_vl_processor(tiny_vl_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_5_vl_dir(tmp_path_factory):
+    """A nano qwen2_5_vl tiny vision-language model (seed 0), built once per session; read-only."""
+    from polyrl.models.tiny import build_tiny_model
+
+    return build_tiny_model("qwen2_5_vl", tmp_path_factory.mktemp("tiny") / "qwen2.5-vl-nano")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_5_vl_processor(tiny_qwen2_5_vl_dir):
+    """The :class:`~polyrl.models.processor.VisionProcessor` of ``tiny_qwen2_5_vl_dir``."""
+    from polyrl.models.processor import load_vision_processor
+
+    return load_vision_processor(tiny_qwen2_5_vl_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_smolvlm_dir(tmp_path_factory):
+    """A nano smolvlm tiny vision-language model (seed 0), built once per session; read-only.
+
+    SigLIP tiles of 32 pixels, 4 tokens each; an image's longest edge is resized to 64, so it
+    fills up to 2 x 2 tiles plus the global view.
+    """
+    from polyrl.models.tiny import build_tiny_model
+
+    return build_tiny_model("smolvlm", tmp_path_factory.mktemp("tiny") / "smolvlm-nano")
+
+
+@pytest.fixture(scope="session")
+def tiny_smolvlm_processor(tiny_smolvlm_dir):
+    """The :class:`~polyrl.models.processor.VisionProcessor` of ``tiny_smolvlm_dir``."""
+    from polyrl.models.processor import load_vision_processor
+
+    return load_vision_processor(tiny_smolvlm_dir)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_tokenizer(tiny_qwen2_dir):
     """The tokenizer of ``tiny_qwen2_dir``."""
     from polyrl.models.loader import load_tokenizer

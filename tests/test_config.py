@@ -132,7 +132,10 @@ def test_describe_lists_every_leaf_option_once():
     assert by_key["data.train_files"].type == "list[str]"
     assert by_key["data.train_files"].default == []
     assert by_key["trainer.total_steps"].type == "int"
-    assert by_key["model.tiny_arch"].type == "{qwen2,llama,qwen3,qwen3_moe,qwen2_vl}"
+    assert (
+        by_key["model.tiny_arch"].type
+        == "{qwen2,llama,qwen3,qwen3_moe,qwen2_vl,qwen2_5_vl,smolvlm}"
+    )
     assert by_key["trainer.loggers"].type.startswith("list[{console,jsonl")
     assert by_key["model.trust_remote_code"].default is False
     assert all(r.help for r in rows)

@@ -197,3 +197,23 @@ def test_a_text_critic_of_a_frozen_vlm_policy_is_not_asked_to_freeze(tiny_vl_dir
     assert _vision_freeze(policy, str(tiny_vl_dir)) == {"freeze_vision_tower": True}
     # A text-only critic, reward model or teacher has no vision tower: its engine would refuse.
     assert _vision_freeze(policy, str(tiny_qwen2_dir)) == {"freeze_vision_tower": False}
+
+
+@pytest.mark.slow
+def test_a_smolvlm_grpo_step_trains_on_images(tmp_path, tiny_smolvlm_dir):
+    # The second family end to end: data loader, rollout server, engine, one GRPO step.
+    # An image fills 2 x 2 tiles plus the global view: 20 image tokens and their markers.
+    extra = "data.max_prompt_length=64"
+    cfg = load_config("grpo_vlm", _overrides(tmp_path, "smol", tiny_smolvlm_dir, extra))
+    cfg.trainer.total_steps = 1
+    cfg.data.num_train = 4
+    RLTrainer(cfg).fit()
+    record = _records(tmp_path / "smol")[1]
+    assert record["critic/score/mean"] < 0 and record["actor/grad_norm"] > 0
+    from polyrl.models.loader import load_causal_lm
+
+    start = dict(load_causal_lm(tiny_smolvlm_dir).named_parameters())
+    trained = dict(load_causal_lm(tmp_path / "smol" / "hf_model").named_parameters())
+    tower = [k for k in start if k.startswith(("model.vision_model.", "model.connector."))]
+    # The images were in context: the update moved the vision tower too.
+    assert tower and any(not start[k].equal(trained[k]) for k in tower)

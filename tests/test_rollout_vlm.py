@@ -1,4 +1,5 @@
-"""Vision-language rollout: the native engine and the server serve a tiny Qwen2-VL."""
+"""Vision-language rollout: the native engine and the server serve a tiny Qwen2-VL (and the
+engine a tiny SmolVLM: 1-D positions, images as marker-wrapped tile runs)."""
 
 from __future__ import annotations
 
@@ -75,20 +76,72 @@ def hf_vl(tiny_vl_dir):
     return Qwen2VLForConditionalGeneration.from_pretrained(tiny_vl_dir).eval()
 
 
+@pytest.fixture(scope="module")
+def smol_engine(tiny_smolvlm_dir):
+    eng = NativeEngine(tiny_smolvlm_dir, NativeEngineConfig(**SMALL))
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf_smol(tiny_smolvlm_dir):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(tiny_smolvlm_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def q25_engine(tiny_qwen2_5_vl_dir):
+    eng = NativeEngine(tiny_qwen2_5_vl_dir, NativeEngineConfig(**SMALL))
+    eng.start()
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf_q25(tiny_qwen2_5_vl_dir):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(tiny_qwen2_5_vl_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def big_q25_proc(tiny_qwen2_5_vl_dir):
+    """Images of up to 16 tokens: several attention windows of Qwen2.5-VL's tower."""
+    from polyrl.models.processor import VisionProcessor
+
+    return VisionProcessor.from_pretrained(tiny_qwen2_5_vl_dir, max_pixels=112 * 112)
+
+
+#: Per family: the fixtures of (engine, HF model, processor) of the parity test.
+PARITY = {
+    "qwen2_vl": ("vl_engine", "hf_vl", "big_proc"),
+    "qwen2_5_vl": ("q25_engine", "hf_q25", "big_q25_proc"),
+    "smolvlm": ("smol_engine", "hf_smol", "tiny_smolvlm_processor"),
+}
+
+
 def _hf_logprobs(model, proc, ids, mm, out_ids, temperature):
     x = torch.tensor([ids + out_ids])
-    types = torch.zeros_like(x)
-    types[x == proc.token_ids["image"]] = 1
-    types[x == proc.token_ids["video"]] = 2
+    if proc.model_type == "smolvlm":
+        # The stock layout: one batch row of all the prompt's tiles.
+        media = {"pixel_values": mm.tensors["pixel_values"].unsqueeze(0)}
+    else:
+        types = torch.zeros_like(x)
+        types[x == proc.token_ids["image"]] = 1
+        types[x == proc.token_ids.get("video", -1)] = 2
+        media = {"mm_token_type_ids": types, **mm.tensors}
     with torch.no_grad():
-        logits = model(input_ids=x, mm_token_type_ids=types, **mm.tensors).logits
+        logits = model(input_ids=x, **media).logits
     logits = logits[0, len(ids) - 1 : -1]
     return token_log_probs(logits, torch.tensor(out_ids), temperature)
 
 
+@pytest.mark.parametrize("family", sorted(PARITY))
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_image_logprobs_equal_the_hf_forward(vl_engine, hf_vl, big_proc, temperature):
-    proc = big_proc
+def test_image_logprobs_equal_the_hf_forward(request, family, temperature):
+    vl_engine, hf_vl, proc = (request.getfixturevalue(name) for name in PARITY[family])
     ids, mm = _prompt(proc, [_image((200, 30, 10)), _image((0, 90, 250), (56, 112))])
     # Prefill is chunked, and chunk edges cut through image runs.
     at = [i for i, t in enumerate(ids) if t == proc.token_ids["image"]]
@@ -96,7 +149,7 @@ def test_image_logprobs_equal_the_hf_forward(vl_engine, hf_vl, big_proc, tempera
     params = SamplingParams(
         max_new_tokens=6, temperature=temperature, n=2, seed=3, logprobs=True, ignore_eos=True
     )
-    rid = f"par{temperature}"
+    rid = f"par{family}{temperature}"
     outs = run(vl_engine, [GenerateRequest(rid, tuple(ids), params, multi_modal=mm)])[rid]
     t = 1.0 if temperature == 0 else temperature
     for sample in outs:
@@ -235,6 +288,38 @@ def test_weight_update_covers_the_vision_tower(vl_engine, tiny_vl_processor):
     assert after.weight_version == version
     assert after.logprobs != before.logprobs
     vl_engine.load_weights(list(orig.items()))
+
+
+def test_smolvlm_encodes_once_salts_the_prefix_cache_and_syncs_vision_weights(
+    smol_engine, tiny_smolvlm_processor
+):
+    proc = tiny_smolvlm_processor
+    runner = smol_engine.runner
+    ids_a, mm_a = _prompt(proc, [_image((250, 0, 0)), _image((0, 250, 0), (30, 30))], "same")
+    ids_b, mm_b = _prompt(proc, [_image((0, 0, 250)), _image((0, 250, 0), (30, 30))], "same")
+    assert ids_a == ids_b and mm_a.digests != mm_b.digests
+    # The first image is cut into 2 x 2 tiles plus the global view, each run after markers.
+    assert mm_a.token_counts[0] == 5 * 4 and len(mm_a.expansions[0]) > 20
+    params = SamplingParams(max_new_tokens=4, n=3, seed=1, logprobs=True, ignore_eos=True)
+    calls = runner.vision_calls
+    a = run(smol_engine, [GenerateRequest("sa", tuple(ids_a), params, multi_modal=mm_a)])["sa"]
+    assert runner.vision_calls - calls == 2  # two images, n=3 samples: one tower call each
+    assert all(s.cached_prompt_tokens == (len(ids_a) // BS) * BS for s in a[1:])
+    b = run(smol_engine, [GenerateRequest("sb", tuple(ids_b), params, multi_modal=mm_b)])["sb"]
+    assert runner.vision_calls - calls == 3  # only b's first image is new
+    # Same ids, another first image: nothing after the text before it is shared.
+    assert b[0].cached_prompt_tokens <= ids_a.index(proc.token_ids["image"])
+    # A weight update of the connector alone reaches the image embeddings.
+    named = dict(runner.model.named_parameters())
+    orig = {n: p.detach().clone() for n, p in named.items()}
+    new = {n: (v * 1.5 + 0.01 if n.startswith("model.connector.") else v) for n, v in orig.items()}
+    one = SamplingParams(max_new_tokens=3, temperature=0, logprobs=True, ignore_eos=True)
+    before = run(smol_engine, [GenerateRequest("w0", tuple(ids_a), one, multi_modal=mm_a)])
+    smol_engine.load_weights(list(new.items()))
+    assert len(runner.embedding_cache) == 0
+    after = run(smol_engine, [GenerateRequest("w1", tuple(ids_a), one, multi_modal=mm_a)])
+    assert after["w1"][0].logprobs != before["w0"][0].logprobs
+    smol_engine.load_weights(list(orig.items()))
 
 
 # ------------------------------------------------------------------------------- the server

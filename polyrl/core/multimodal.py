@@ -41,6 +41,7 @@ __all__ = [
     "encode_png",
     "expand_placeholders",
     "image_digest",
+    "locate_media",
     "mrope_positions",
 ]
 
@@ -286,6 +287,10 @@ class MultiModalInputs:
         sources: the items themselves, encoded, in prompt order (an image: PNG bytes; a video:
             a list of PNG bytes), so a rollout server (or vLLM) can be sent the media and
             process them itself; empty when the inputs were built from tensors only.
+        expansions: per item, the token ids its placeholder becomes, for families whose
+            expansion holds other tokens than the placeholder (SmolVLM wraps each image tile's
+            run in marker tokens); empty: item ``k``'s placeholder becomes one run of
+            ``token_counts[k]`` placeholder tokens (Qwen2-VL).
     """
 
     tensors: dict[str, torch.Tensor]
@@ -293,6 +298,7 @@ class MultiModalInputs:
     digests: tuple[str, ...]
     token_counts: tuple[int, ...]
     sources: tuple[Any, ...] = ()
+    expansions: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.kinds)
@@ -300,6 +306,21 @@ class MultiModalInputs:
             raise ValueError("kinds, digests and token_counts must have one entry per item")
         if self.sources and len(self.sources) != n:
             raise ValueError("sources must be empty or have one entry per item")
+        if self.expansions and len(self.expansions) != n:
+            raise ValueError("expansions must be empty or have one entry per item")
+
+    def expansion(self, index: int, placeholder: int) -> tuple[int, ...]:
+        """Return the token ids item ``index``'s placeholder (token ``placeholder``) becomes."""
+        if self.expansions:
+            return self.expansions[index]
+        return (placeholder,) * self.token_counts[index]
+
+    @property
+    def expanded_lengths(self) -> tuple[int, ...]:
+        """How many prompt tokens each item's expanded placeholder takes, in prompt order."""
+        if self.expansions:
+            return tuple(len(e) for e in self.expansions)
+        return self.token_counts
 
     def media_payload(self) -> dict[str, list[Any]]:
         """Return the sources as the rollout API's ``images`` / ``videos`` fields (base64).
@@ -362,16 +383,21 @@ class MultiModalInputs:
             sources=tuple(s for p in parts for s in p.sources)
             if all(p.sources for p in parts)
             else (),
+            expansions=tuple(e for p in parts for e in p.expansions)
+            if any(p.expansions for p in parts)
+            else (),
         )
 
 
 def expand_placeholders(
     ids: Sequence[int], token_ids: Mapping[str, int], inputs: MultiModalInputs
 ) -> list[int]:
-    """Expand one placeholder per item to the number of tokens that item fills.
+    """Expand one placeholder per item to the tokens that item fills.
 
-    ``ids`` may already be expanded (then it is returned unchanged after the check): each run
-    of a kind's placeholder token must either be one token or exactly that item's count.
+    ``ids`` may already be expanded (then it is returned unchanged after the check): each
+    item's place holds either its placeholder token once or exactly its expansion
+    (:meth:`MultiModalInputs.expansion`: a run of ``token_counts[k]`` placeholder tokens, or
+    the family's marker-wrapped tile runs).
 
     Args:
         ids: prompt token ids.
@@ -382,39 +408,84 @@ def expand_placeholders(
         MultiModalInputError: more or fewer placeholders than items, or a run of the wrong
             length.
     """
+    return locate_media(ids, token_ids, inputs)[0]
+
+
+def locate_media(
+    ids: Sequence[int], token_ids: Mapping[str, int], inputs: MultiModalInputs
+) -> tuple[list[int], list[int]]:
+    """Expand ``ids`` like :func:`expand_placeholders`; also return where each item starts.
+
+    Returns:
+        ``(expanded ids, start of each item's expansion in them)``, items in prompt order.
+    """
+    ids = list(ids)
     by_id = {v: k for k, v in token_ids.items()}
-    runs: list[tuple[str, int, int]] = []  # (kind, start, length)
+    kinds = list(inputs.kinds)
+    # Without explicit expansions an item is one run of its placeholder: a run counts once.
+    runs = not inputs.expansions
+    out: list[int] = []
+    starts: list[int] = []
+    k = 0
     i = 0
-    while i < len(ids):
-        kind = by_id.get(ids[i])
+    n = len(ids)
+    while i < n:
+        token = ids[i]
+        if k < len(kinds):
+            exp = inputs.expansion(k, token_ids[kinds[k]])
+            end = i + len(exp)
+            # A run longer than the expansion is no match (its length is the error).
+            longer = runs and end < n and ids[end] == token
+            if exp and token == exp[0] and tuple(ids[i:end]) == exp and not longer:
+                starts.append(len(out))
+                out.extend(exp)
+                i = end
+                k += 1
+                continue
+        kind = by_id.get(token)
         if kind is None:
+            out.append(token)
             i += 1
             continue
-        j = i
-        while j < len(ids) and ids[j] == ids[i]:
-            j += 1
-        runs.append((kind, i, j - i))
-        i = j
-    found = [k for k, _, _ in runs]
-    if found != list(inputs.kinds):
+        length = 1
+        if runs:
+            while i + length < n and ids[i + length] == token:
+                length += 1
+        if k >= len(kinds) or kinds[k] != kind:
+            found = _placeholder_kinds(ids, by_id, runs)
+            raise MultiModalInputError(
+                f"the prompt has {len(found)} media placeholder(s) ({_count(found)}) but "
+                f"{len(kinds)} item(s) were given ({_count(kinds)}); "
+                "put one placeholder per image or video, in order"
+            )
+        if length != 1:
+            raise MultiModalInputError(
+                f"a {kind} placeholder run has {length} tokens; the {kind} fills "
+                f"{inputs.token_counts[k]} (send one placeholder token, or exactly that many)"
+            )
+        starts.append(len(out))
+        out.extend(inputs.expansion(k, token))
+        i += 1
+        k += 1
+    if k != len(kinds):
+        found = _placeholder_kinds(ids, by_id, runs)
         raise MultiModalInputError(
             f"the prompt has {len(found)} media placeholder(s) ({_count(found)}) but "
-            f"{len(inputs.kinds)} item(s) were given ({_count(list(inputs.kinds))}); "
+            f"{len(kinds)} item(s) were given ({_count(kinds)}); "
             "put one placeholder per image or video, in order"
         )
-    out: list[int] = []
-    last = 0
-    for (kind, start, length), count in zip(runs, inputs.token_counts, strict=True):
-        if length not in (1, count):
-            raise MultiModalInputError(
-                f"a {kind} placeholder run has {length} tokens; the {kind} fills {count} "
-                "(send one placeholder token, or exactly that many)"
-            )
-        out.extend(ids[last:start])
-        out.extend([token_ids[kind]] * count)
-        last = start + length
-    out.extend(ids[last:])
-    return out
+    return out, starts
+
+
+def _placeholder_kinds(ids: list[int], by_id: Mapping[int, str], runs: bool) -> list[str]:
+    """Return the kinds of the placeholders in ``ids`` (for error messages)."""
+    found: list[str] = []
+    prev = None
+    for t in ids:
+        if t in by_id and not (runs and t == prev):
+            found.append(by_id[t])
+        prev = t
+    return found
 
 
 def _count(kinds: list[str]) -> str:

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import Dataset
 
 from polyrl.core.columns import MULTI_MODAL
-from polyrl.core.multimodal import MultiModalInputError
+from polyrl.core.multimodal import MultiModalInputError, expand_placeholders
 
 # TRUNCATION_POLICIES and PromptTooLongError stay importable from here (polyrl.data's names).
 from polyrl.core.prompts import (  # noqa: F401
@@ -306,7 +306,7 @@ class RLDataset(Dataset):
         media = set(self.processor.token_ids.values())
         kept = sum(t in media for t in ids)
         total = sum(t in media for t in full)
-        if kept == total:
+        if kept == total and _expansions_intact(ids, self.processor.token_ids, mm):
             return ids
         # A cut image run no longer matches its pixels; refuse as "error" would.
         raise PromptTooLongError(
@@ -455,3 +455,15 @@ def collate_prompts(items: Sequence[Mapping[str, Any]], pad_token_id: int) -> Ba
         "position_ids": position_ids,
     }
     return Batch(tensors, non_tensors, meta={})
+
+
+def _expansions_intact(ids: list[int], token_ids: Mapping[str, int], mm: Any) -> bool:
+    """Return whether every item's expansion is whole in ``ids``.
+
+    SmolVLM's markers are not image tokens: a cut may keep every image token and still lose an
+    expansion's first marker.
+    """
+    try:
+        return expand_placeholders(ids, token_ids, mm) == ids
+    except MultiModalInputError:
+        return False

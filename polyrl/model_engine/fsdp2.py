@@ -104,7 +104,6 @@ from polyrl.model_engine.prefix import (
 )
 from polyrl.model_engine.vision import (
     MicroBatchMedia,
-    VisionInfo,
     column_vision_calls,
     dummy_vision_calls,
     encode_once,
@@ -115,6 +114,7 @@ from polyrl.model_engine.vision import (
     vision_info,
 )
 from polyrl.models.moe import moe_routers
+from polyrl.models.vision_family import VisionFamily
 
 __all__ = ["FSDP2Engine"]
 
@@ -151,8 +151,8 @@ class FSDP2Engine(TrainingEngine):
         self._peft: Any = None
         self._lora: LoraLayout | None = None
         self._checkpointer: FSDP2Checkpointer | None = None
-        # A vision-language model's placeholder ids and merge size (None: a text model).
-        self._vision: VisionInfo | None = None
+        # A vision-language model's family rules (None: a text model).
+        self._vision: VisionFamily | None = None
         # MoE models: routing replay, router statistics and the load-balancing loss.
         self._moe: RouterHooks | None = None
         self._ep: ExpertParallel | None = None
@@ -458,15 +458,14 @@ class FSDP2Engine(TrainingEngine):
             pos = layout.to_compute(mb["position_ids"])
             layout.check_packable(pos)
             return self._parallel.output(self.model, layout, ids, am, pos, temperature, chunk_size)
-        media = None
-        if self._vision is None:
+        media = self._media(mb)
+        if self._vision is None or not self._vision.mrope:
             pos = layout.to_compute(mb["position_ids"])
             layout.check_packable(pos)
         else:
-            # A VLM always gets (4, R, W) positions, text rows too: with 3-D (or 2-D) positions
-            # Hugging Face's Qwen2-VL finds no packed-sequence boundaries.
+            # An M-RoPE VLM always gets (4, R, W) positions, text rows too: with 3-D (or 2-D)
+            # positions Hugging Face's Qwen2-VL finds no packed-sequence boundaries.
             column = mb.non_tensors.get(MULTI_MODAL)
-            media = self._media(mb)
             per_token = mrope_position_column(
                 mb["input_ids"], am, mb["position_ids"], column, self._vision
             )
@@ -479,7 +478,9 @@ class FSDP2Engine(TrainingEngine):
                 None if routes is None else layout.to_compute(routes, fill=-1),
                 layout.to_compute(am, fill=0),
             )
-        tensors = media.tensors if media is not None else None
+        tensors = None
+        if media is not None and self._vision is not None:
+            tensors = self._vision.forward_media(media.tensors)
         extra = vision_calls_needed - vision_calls(tensors)
         with dummy_vision_calls(self.model, self._vision, extra), encode_once(self.model, media):
             raw = model_forward(

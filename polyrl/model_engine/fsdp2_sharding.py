@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from polyrl.model_engine.heads import no_split_module_classes
 from polyrl.model_engine.lora import LoraLayout, merge_lora_weight
-from polyrl.model_engine.vision import vision_tower
+from polyrl.model_engine.vision import vision_info
 
 __all__ = [
     "adapter_full_tensors",
@@ -61,7 +61,8 @@ def shard_model(
     """Shard ``model`` in place: each decoder layer one FSDP unit, then the root module.
 
     A vision-language model's vision blocks are units too (they are among its no-split module
-    classes), and so is the vision tower's patch merger, so the tower is never gathered whole.
+    classes, or its family names them), and so is the tower's projection (Qwen2-VL's patch
+    merger, SmolVLM's connector), so the tower is never gathered whole.
 
     ``ignored`` parameters stay as they are (expert-parallel shards, which FSDP must not split).
     """
@@ -69,13 +70,16 @@ def shard_model(
     kwargs = {"reshard_after_forward": reshard, "mp_policy": policy}
     if ignored:
         kwargs["ignored_params"] = ignored
+    family = vision_info(model)
+    units = family.shard_units(model) if family is not None else []
+    # A no-split module inside a family unit (SmolVLM's vision attention inside its encoder
+    # layer) is gathered with that unit, not on its own.
+    inside = {id(m) for unit in units for m in unit.modules() if m is not unit}
     for module in list(model.modules()):
-        if layer_classes and isinstance(module, layer_classes):
+        if layer_classes and isinstance(module, layer_classes) and id(module) not in inside:
             fully_shard(module, mesh=mesh, **kwargs)
-    tower = vision_tower(model)
-    merger = getattr(tower, "merger", None) if tower is not None else None
-    if isinstance(merger, torch.nn.Module):
-        fully_shard(merger, mesh=mesh, **kwargs)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, **kwargs)
     fully_shard(model, mesh=mesh, **kwargs)
     for module in model.modules():
         if isinstance(module, FSDPModule):

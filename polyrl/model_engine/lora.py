@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from polyrl.model_engine.config import ALL_LINEAR, ModelSpec
+from polyrl.model_engine.vision import vision_info
 
 __all__ = [
     "ADAPTER_NAME",
@@ -58,19 +59,14 @@ def require_peft() -> Any:
 def _linear_names(model: nn.Module) -> tuple[list[str], list[str]]:
     """Dotted names of the model's linear layers: all of them, and all but the output head."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    family = vision_info(model)
     every = [
         name
         for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and name and not _in_vision_tower(name)
+        if isinstance(m, nn.Linear) and name and not (family and family.in_tower(name))
     ]
     body = [name for name in every if model.get_submodule(name) is not head]
     return every, body
-
-
-def _in_vision_tower(name: str) -> bool:
-    # LoRA adapts the language model only: a VLM's vision tower (model.visual) keeps its weights
-    # (or is trained in full), and the rollout engines' LoRA paths cover the LM alone.
-    return name == "model.visual" or name.startswith("model.visual.")
 
 
 def resolve_target_modules(model: nn.Module, targets: list[str]) -> list[str]:
@@ -112,14 +108,16 @@ def apply_lora(model: nn.Module, spec: ModelSpec) -> Any:
     """
     peft = require_peft()
     targets = resolve_target_modules(model, list(spec.target_modules))
-    # A target name is matched as a suffix, so "proj" or "fc1" could also pick vision-tower
-    # layers: exclude the tower explicitly.
-    vision = any(_in_vision_tower(name) for name, _ in model.named_modules())
+    # LoRA adapts the language model only: a VLM's vision tower keeps its weights (or is trained
+    # in full), and the rollout engines' LoRA paths cover the LM alone. A target name is
+    # matched as a suffix, so "q_proj" or "fc1" could also pick vision-tower layers: exclude the
+    # tower explicitly.
+    family = vision_info(model)
     config = peft.LoraConfig(
         r=spec.lora_rank,
         lora_alpha=spec.lora_alpha,
         target_modules=targets,
-        exclude_modules=r"model\.visual(\..*)?" if vision else None,
+        exclude_modules=family.tower_regex if family is not None else None,
         lora_dropout=spec.lora_dropout,
         bias="none",
         task_type="CAUSAL_LM",

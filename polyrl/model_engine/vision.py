@@ -1,17 +1,19 @@
 """Vision-language models in the model engine: media inputs, M-RoPE positions, the vision tower.
 
-A Qwen2-VL-family model is a causal LM over its tokens whose image/video placeholder tokens are
-replaced by the vision tower's output.  Batches carry each row's processed media in the object
-column :data:`~polyrl.core.columns.MULTI_MODAL` (a
+A VLM is a causal LM over its tokens whose image/video placeholder tokens are replaced by the
+vision tower's output; what differs between families (Qwen2-VL, SmolVLM) comes from its
+:class:`~polyrl.models.vision_family.VisionFamily`.  Batches carry each row's processed media
+in the object column :data:`~polyrl.core.columns.MULTI_MODAL` (a
 :class:`~polyrl.core.multimodal.MultiModalInputs`, or ``None`` for a text row) and its
 ``input_ids`` hold the *expanded* placeholder runs.  For a micro-batch the engine then passes
 
 * the media tensors of its rows concatenated in row order (``None`` rows skipped): the model
   fills placeholder tokens in the order they appear in the flattened compute layout, which is row
   order for the padded, trimmed and packed layouts alike;
-* ``position_ids`` of shape ``(4, R, W)``: row 0 the ordinary per-sequence text positions (what
-  packed attention finds sequence boundaries from), rows 1-3 the ``(t, h, w)`` M-RoPE positions of
-  :func:`~polyrl.core.multimodal.mrope_positions`, computed over each row's real tokens.
+* M-RoPE families (Qwen2-VL): ``position_ids`` of shape ``(4, R, W)``: row 0 the ordinary
+  per-sequence text positions (what packed attention finds sequence boundaries from), rows 1-3
+  the ``(t, h, w)`` M-RoPE positions of :func:`~polyrl.core.multimodal.mrope_positions`,
+  computed over each row's real tokens; other families (SmolVLM) the text positions.
 
 Under FSDP each vision block is its own unit, so every rank must run the vision tower the same
 number of times per micro-batch.  A rank with fewer media calls than another (a text-only
@@ -29,11 +31,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from polyrl.core.multimodal import MEDIA_KINDS, MultiModalInputs, mrope_positions
+from polyrl.core.multimodal import MEDIA_KINDS, MultiModalInputs
+from polyrl.models.vision_family import VisionFamily, vision_family
 
 __all__ = [
     "MicroBatchMedia",
-    "VisionInfo",
     "column_vision_calls",
     "dummy_vision_calls",
     "encode_once",
@@ -42,63 +44,38 @@ __all__ = [
     "mrope_position_column",
     "vision_calls",
     "vision_info",
-    "vision_tower",
 ]
 
-#: Parameter-name prefix of the vision tower in Hugging Face's VLM classes (Qwen2-VL family).
-VISION_PREFIX = "model.visual."
 
+def vision_info(model: nn.Module) -> VisionFamily | None:
+    """Return a VLM's :class:`~polyrl.models.vision_family.VisionFamily`; ``None``: text model.
 
-def vision_tower(model: nn.Module) -> nn.Module | None:
-    """Return the vision tower (``model.model.visual``), or ``None`` for a text model."""
-    inner = getattr(model, "model", None)
-    tower = getattr(inner, "visual", None) if isinstance(inner, nn.Module) else None
-    return tower if isinstance(tower, nn.Module) else None
-
-
-@dataclass(frozen=True)
-class VisionInfo:
-    """What the engine needs to know of a VLM's config.
-
-    Attributes:
-        token_ids: placeholder token id by media kind (``{"image": ..., "video": ...}``).
-        merge_size: the vision tower's spatial patch merge factor.
-        patch_dim: values per patch row of ``pixel_values`` (channels x temporal x patch^2).
+    Raises:
+        ValueError: a vision model of a family polyrl does not run.
     """
-
-    token_ids: dict[str, int]
-    merge_size: int
-    patch_dim: int
-
-
-def vision_info(model: nn.Module) -> VisionInfo | None:
-    """Return a VLM's :class:`VisionInfo` (from its config), ``None`` for a text model."""
-    if vision_tower(model) is None:
+    config = getattr(model, "config", None)
+    family = vision_family(config) if config is not None else None
+    if family is None or not family.tower_modules(model):
         return None
-    config = model.config
-    vcfg = config.vision_config
-    token_ids = {"image": int(config.image_token_id)}
-    if getattr(config, "video_token_id", None) is not None:
-        token_ids["video"] = int(config.video_token_id)
-    patch = int(vcfg.patch_size)
-    temporal = int(getattr(vcfg, "temporal_patch_size", 1) or 1)
-    channels = int(getattr(vcfg, "in_channels", getattr(vcfg, "in_chans", 3)))
-    return VisionInfo(token_ids, int(vcfg.spatial_merge_size), channels * temporal * patch * patch)
+    return family
 
 
 def freeze_vision_tower(model: nn.Module) -> int:
     """Set ``requires_grad=False`` on every vision-tower parameter; return how many.
 
+    The tower is the family's vision encoder and its projection into the language model
+    (Qwen2-VL: ``model.visual``; SmolVLM: ``model.vision_model`` and ``model.connector``).
+
     Raises:
         ValueError: the model has no vision tower.
     """
-    tower = vision_tower(model)
-    if tower is None:
+    family = vision_info(model)
+    if family is None:
         raise ValueError(
-            f"ModelSpec.freeze_vision_tower: {type(model).__name__} has no vision tower "
-            "(model.visual); it applies to vision-language models only"
+            f"ModelSpec.freeze_vision_tower: {type(model).__name__} has no vision tower; it "
+            "applies to vision-language models only"
         )
-    params = list(tower.parameters())
+    params = [p for m in family.tower_modules(model) for p in m.parameters()]
     for param in params:
         param.requires_grad_(False)
     return len(params)
@@ -186,7 +163,9 @@ def encode_once(model: nn.Module, media: MicroBatchMedia | None) -> Iterator[Non
     inner = model.model
     wrapped_methods = []
     for kind, method in _FEATURE_METHODS.items():
-        original = getattr(inner, method)
+        original = getattr(inner, method, None)
+        if original is None:  # a family without this kind of media (SmolVLM: videos)
+            continue
         index = media.expand[kind]
 
         def wrapped(*args: Any, _original: Any = original, _index: list[int] = index, **kw: Any):
@@ -224,9 +203,9 @@ def mrope_position_column(
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
     column: Any,
-    info: VisionInfo,
+    family: VisionFamily,
 ) -> torch.Tensor:
-    """Per-token ``(b, T, 4)`` positions: text positions, then M-RoPE ``(t, h, w)``.
+    """Per-token ``(b, T, 4)`` positions of an M-RoPE family: text positions, then ``(t, h, w)``.
 
     M-RoPE positions are computed over each row's real tokens (one contiguous run, as the engine's
     batch contract requires) and are 0 on padding; text rows count up like their text positions.
@@ -240,44 +219,30 @@ def mrope_position_column(
         cols = mask[row].nonzero().view(-1)
         start, end = int(cols[0]), int(cols[-1]) + 1
         ids = input_ids[row, start:end].cpu()
-        pos, _ = mrope_positions(ids, items[row], info.token_ids, info.merge_size)
-        out[row, start:end, 1:] = pos.t().to(out.device)
+        found = family.positions(ids, items[row])
+        if found is None:
+            raise ValueError(f"{family.model_type} models use 1-D positions, not M-RoPE")
+        out[row, start:end, 1:] = found[0].t().to(out.device)
     return out
 
 
-def _vision_output(out: Any) -> torch.Tensor:
-    """Return the tensor a vision tower gave (transformers 5 wraps it in a model output)."""
-    if isinstance(out, torch.Tensor):
-        return out
-    for name in ("pooler_output", "last_hidden_state"):
-        value = getattr(out, name, None)
-        if isinstance(value, torch.Tensor):
-            return value
-    raise TypeError(f"unexpected vision tower output {type(out).__name__}")
-
-
 @contextlib.contextmanager
-def dummy_vision_calls(model: nn.Module, info: VisionInfo | None, calls: int) -> Iterator[None]:
+def dummy_vision_calls(model: nn.Module, family: VisionFamily | None, calls: int) -> Iterator[None]:
     """Context in which the model's next forward also runs its vision tower ``calls`` times.
 
-    Each run is on a one-patch-group dummy image; ``0 *`` its output sum is added to the token
+    Each run is on the family's minimal dummy input; ``0 *`` its output sum is added to the token
     embeddings, so the result is unchanged while every vision FSDP unit takes part in forward and
     backward like on a rank that encodes real media.  The runs happen inside the root module's
     forward (in a hook on the input embeddings), where FSDP has gathered the root's parameters.
     """
-    tower = vision_tower(model)
-    if calls <= 0 or tower is None or info is None:
+    if calls <= 0 or family is None or not family.tower_modules(model):
         yield
         return
-    m = info.merge_size
 
     def hook(module: nn.Module, args: Sequence[Any], output: torch.Tensor) -> torch.Tensor:
-        dtype = next(tower.parameters()).dtype
-        pixels = torch.zeros(m * m, info.patch_dim, dtype=dtype, device=output.device)
-        grid = torch.tensor([[1, m, m]], dtype=torch.long, device=output.device)
         extra = output.new_zeros(())
         for _ in range(calls):
-            extra = extra + _vision_output(tower(pixels, grid_thw=grid)).sum().to(output.dtype)
+            extra = extra + family.dummy_features(model, output.device).sum().to(output.dtype)
         return output + 0.0 * extra
 
     # The inner model's embeddings: a value model's wrapper has no get_input_embeddings.

@@ -2,11 +2,12 @@
 
 :class:`VisionProcessor` is what polyrl uses where a text model uses its tokenizer. It holds the
 tokenizer and the model's image processor (``AutoImageProcessor``: the fast one when
-torchvision is installed, the Pillow one otherwise) and does the model-family part itself:
-which token stands for an image, how many tokens an image fills, and how video frames become
-temporal patches. transformers' ``AutoProcessor`` for Qwen2-VL also needs a video processor,
-which needs torchvision; doing the expansion here keeps a CPU-only install working and gives
-the same ids and pixels (a test compares them with the stock processor where it loads).
+torchvision is installed, the Pillow one otherwise) and leaves the model-family part to the
+model's :class:`~polyrl.models.vision_family.VisionFamily`: which token stands for an image,
+what one placeholder expands to, how video frames become temporal patches. transformers'
+``AutoProcessor`` for Qwen2-VL also needs a video processor, which needs torchvision (SmolVLM's
+also needs num2words); doing the expansion here keeps a CPU-only install working and gives the
+same ids and pixels (tests compare them with the stock processor's parts).
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from polyrl.core.multimodal import (
     encode_png,
     expand_placeholders,
     image_digest,
-    mrope_positions,
 )
+from polyrl.models.vision_family import VISION_FAMILIES as FAMILIES
+from polyrl.models.vision_family import VisionFamily, vision_family
 
 __all__ = [
     "VISION_FAMILIES",
@@ -41,8 +43,8 @@ __all__ = [
     "qwen2_vl_image_processor",
 ]
 
-#: Model types whose processing this module implements (Qwen2-VL's layout and M-RoPE).
-VISION_FAMILIES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl")
+#: Model types whose processing this module implements (see :mod:`.vision_family`).
+VISION_FAMILIES: tuple[str, ...] = tuple(FAMILIES)
 
 
 def _has_torchvision() -> bool:
@@ -82,7 +84,7 @@ def is_vision_model(model_dir: str | os.PathLike[str]) -> bool:
 
 
 class VisionProcessor:
-    """Tokenizer plus image processor of a Qwen2-VL-family model.
+    """Tokenizer plus image processor of a vision-language model (a family polyrl runs).
 
     Args:
         tokenizer: the model's tokenizer (with the vision tokens).
@@ -90,7 +92,11 @@ class VisionProcessor:
         config: the model's ``config.json`` as a dict.
         min_pixels / max_pixels: bounds on an image's area after resizing (verl's
             ``data.image_min_pixels`` / ``image_max_pixels``); ``None`` keeps the processor's.
+            How a family applies them: :meth:`~.vision_family.VisionFamily.resize_kwargs`.
         limits: bounds on what is decoded at all.
+
+    Raises:
+        ValueError: a model type polyrl does not run, or pixel bounds the family refuses.
     """
 
     def __init__(
@@ -102,31 +108,25 @@ class VisionProcessor:
         max_pixels: int | None = None,
         limits: MediaLimits = DEFAULT_LIMITS,
     ):
-        model_type = config.get("model_type")
-        if model_type not in VISION_FAMILIES:
-            raise ValueError(
-                f"vision model type {model_type!r} is not supported; polyrl processes "
-                f"{', '.join(VISION_FAMILIES)}"
-            )
-        self.model_type = model_type
+        # A config.json without a vision_config is no VLM: family lookup says so by name.
+        family = vision_family(
+            {**config, "vision_config": config.get("vision_config", {})}, tokenizer
+        )
+        if family is None:  # pragma: no cover - the dict above always has a vision_config
+            raise ValueError("VisionProcessor needs a vision-language model's config")
+        #: The family's rules (placeholders, expansion, positions).
+        self.family: VisionFamily = family
+        self.model_type = family.model_type
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.limits = limits
-        vision = config.get("vision_config") or {}
-        self.merge_size = int(vision.get("spatial_merge_size", 2))
-        self.temporal_patch_size = int(vision.get("temporal_patch_size", 2))
-        self.token_ids: dict[str, int] = {
-            "image": int(config["image_token_id"]),
-            "video": int(config["video_token_id"]),
-        }
-        size = dict(getattr(image_processor, "size", {}) or {})
-        self.min_pixels = int(min_pixels or size.get("shortest_edge") or 56 * 56)
-        self.max_pixels = int(max_pixels or size.get("longest_edge") or 28 * 28 * 1280)
-        if self.min_pixels > self.max_pixels:
-            raise ValueError(
-                f"image_min_pixels ({self.min_pixels}) is larger than image_max_pixels "
-                f"({self.max_pixels})"
-            )
+        self.token_ids: dict[str, int] = dict(family.token_ids)
+        self._resize = family.resize_kwargs(image_processor, min_pixels, max_pixels)
+
+    @property
+    def merge_size(self) -> int:
+        """Qwen2-VL family: the vision tower's spatial patch merge factor."""
+        return int(getattr(self.family, "merge_size", 1))
 
     @classmethod
     def from_pretrained(
@@ -152,41 +152,16 @@ class VisionProcessor:
             image_processor = AutoImageProcessor.from_pretrained(
                 str(directory), local_files_only=True
             )
-        else:
+        elif config.get("model_type") in ("qwen2_vl", "qwen2_5_vl"):
             image_processor = qwen2_vl_image_processor()
+        else:
+            raise FileNotFoundError(
+                f"{directory} has no preprocessor_config.json: the image processor of a "
+                f"{config.get('model_type')!r} model cannot be guessed"
+            )
         return cls(tokenizer, image_processor, config, min_pixels, max_pixels, limits)
 
     # -------------------------------------------------------------------------- media
-
-    def _pixels(self, images: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.image_processor(
-            images=list(images),
-            size={"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels},
-            return_tensors="pt",
-        )
-        return out["pixel_values"].float(), out["image_grid_thw"].long()
-
-    def _video_pixels(self, frames: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        # Every frame goes through the image processor (same resize for all: the first frame's
-        # size), then consecutive frames are paired into temporal patches.
-        size = frames[0].size
-        frames = [f if f.size == size else f.resize(size) for f in frames]
-        if len(frames) % self.temporal_patch_size:
-            pad = self.temporal_patch_size - len(frames) % self.temporal_patch_size
-            frames = [*frames, *([frames[-1]] * pad)]
-        pixels, grids = self._pixels(frames)
-        _, gh, gw = grids[0].tolist()
-        n = gh * gw
-        tp = self.temporal_patch_size
-        channels = 3
-        patch = int(round((pixels.shape[1] / (channels * tp)) ** 0.5))
-        # (frames, n, C, T, p, p): the image processor repeated each frame T times.
-        framed = pixels.view(len(frames), n, channels, tp, patch, patch)[:, :, :, 0]
-        groups = framed.view(len(frames) // tp, tp, n, channels, patch, patch)
-        # -> (groups, n, C, T, p, p) flattened like the image layout.
-        video = groups.permute(0, 2, 3, 1, 4, 5).reshape(len(frames) // tp * n, -1)
-        grid = torch.tensor([[len(frames) // tp, gh, gw]], dtype=torch.long)
-        return video.contiguous(), grid
 
     def process_media(
         self,
@@ -228,18 +203,19 @@ class VisionProcessor:
         tensors: dict[str, torch.Tensor] = {}
         counts: dict[str, list[int]] = {"image": [], "video": []}
         digests: dict[str, list[str]] = {"image": [], "video": []}
-        unit = self.merge_size**2
+        expansions: list[tuple[int, ...]] | None = None
+        family = self.family
         if decoded:
-            pixels, grids = self._pixels(decoded)
-            tensors["pixel_values"] = pixels
-            tensors["image_grid_thw"] = grids
-            counts["image"] = [int(g.prod()) // unit for g in grids]
+            image_tensors, counts["image"], expansions = family.process_images(
+                self.image_processor, self.tokenizer, decoded, self._resize
+            )
+            tensors.update(image_tensors)
             digests["image"] = [image_digest(im) for im in decoded]
         if clips:
-            parts = [self._video_pixels(c) for c in clips]
-            tensors["pixel_values_videos"] = torch.cat([p for p, _ in parts])
-            tensors["video_grid_thw"] = torch.cat([g for _, g in parts])
-            counts["video"] = [int(g.prod()) // unit for _, g in parts]
+            video_tensors, counts["video"] = family.process_videos(
+                self.image_processor, clips, self._resize
+            )
+            tensors.update(video_tensors)
             digests["video"] = [
                 image_digest(c[0])[:16] + str(len(c)) + "".join(image_digest(f)[:4] for f in c)
                 for c in clips
@@ -266,20 +242,15 @@ class VisionProcessor:
             digests=tuple(flat_digests),
             token_counts=tuple(flat_counts),
             sources=tuple(flat_sources),
+            # Only image-only families have explicit expansions: they are in image order.
+            expansions=tuple(expansions) if expansions is not None else (),
         )
 
     # -------------------------------------------------------------------------- tokens
 
     def media_order(self, ids: Sequence[int]) -> list[str]:
-        """Return the kinds of the placeholder runs in ``ids``, in order."""
-        by_id = {v: k for k, v in self.token_ids.items()}
-        kinds: list[str] = []
-        prev = None
-        for t in ids:
-            if t in by_id and t != prev:
-                kinds.append(by_id[t])
-            prev = t
-        return kinds
+        """Return the kinds of the items whose placeholders ``ids`` holds, in order."""
+        return self.family.media_order(ids)
 
     def expand(self, ids: Sequence[int], inputs: MultiModalInputs | None) -> list[int]:
         """Expand the placeholders of ``ids`` for ``inputs`` (checks their number)."""
@@ -353,9 +324,12 @@ class VisionProcessor:
 
     def positions(
         self, ids: Sequence[int], inputs: MultiModalInputs | None
-    ) -> tuple[torch.Tensor, int]:
-        """Return the M-RoPE positions ``(3, len)`` and delta of one expanded sequence."""
-        return mrope_positions(ids, inputs, self.token_ids, self.merge_size)
+    ) -> tuple[torch.Tensor, int] | None:
+        """Return one expanded sequence's M-RoPE positions ``(3, len)`` and delta.
+
+        ``None``: the family uses plain 1-D positions.
+        """
+        return self.family.positions(ids, inputs)
 
     def save_pretrained(self, out_dir: str | os.PathLike[str]) -> None:
         """Write the image processor's and tokenizer's files (what ``from_pretrained`` reads)."""

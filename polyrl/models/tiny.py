@@ -42,6 +42,7 @@ from polyrl.models.tokenizer import (
     GENERIC_TOKENIZER_CLASS,
     IMAGE_PAD_TOKEN,
     PAD_TOKEN,
+    SMOLVLM_IMAGE_TOKEN,
     TOKENIZER_VOCAB_SIZE,
     VIDEO_PAD_TOKEN,
     VISION_END_TOKEN,
@@ -65,10 +66,18 @@ __all__ = [
     "tiny_tokenizer",
 ]
 
-TINY_ARCHS: tuple[str, ...] = ("qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_vl")
+TINY_ARCHS: tuple[str, ...] = (
+    "qwen2",
+    "llama",
+    "qwen3",
+    "qwen3_moe",
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "smolvlm",
+)
 
 #: Architectures with a vision tower (built with the vision tokens and an image processor).
-VISION_ARCHS: tuple[str, ...] = ("qwen2_vl",)
+VISION_ARCHS: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "smolvlm")
 
 #: Size presets. Parameter counts (tied embeddings, 1024-token vocabulary, all experts counted):
 #: nano ~0.31M, micro ~2.56M, small ~97.5M for every architecture.
@@ -100,10 +109,14 @@ _DEFAULTS: dict[str, Any] = {
     "vision_heads": 4,
     "patch_size": 14,
     "image_size": 56,
+    "tile_size": None,
 }
 _MOE_KEYS = ("experts", "experts_per_tok", "moe_intermediate")
-#: The vision tower's keys (qwen2_vl only); images are resized to about image_size**2 pixels.
+#: The vision tower's keys (vision archs only). qwen2_vl resizes images to about
+#: image_size**2 pixels; smolvlm resizes their longest edge to image_size and cuts them into
+#: tile_size tiles (patch_size 8, scale factor 2: 4 tokens per 32-pixel tile).
 _VISION_KEYS = ("vision_depth", "vision_dim", "vision_heads", "patch_size", "image_size")
+_SMOLVLM_DEFAULTS: dict[str, int] = {"patch_size": 8, "image_size": 64, "tile_size": 32}
 _INT_KEYS = (
     "hidden",
     "layers",
@@ -117,6 +130,7 @@ _INT_KEYS = (
     "experts_per_tok",
     "moe_intermediate",
     *_VISION_KEYS,
+    "tile_size",
 )
 OVERRIDE_KEYS: tuple[str, ...] = (*TINY_SIZES["nano"].keys(), *_DEFAULTS.keys())
 
@@ -153,6 +167,8 @@ def resolve_tiny_spec(
         moe_given = sorted(k for k in _MOE_KEYS if k in given)
         if moe_given:
             raise ValueError(f"{moe_given} only apply to arch 'qwen3_moe', not {arch!r}")
+    if arch != "smolvlm" and "tile_size" in given:
+        raise ValueError(f"tile_size only applies to arch 'smolvlm', not {arch!r}")
     if arch not in VISION_ARCHS:
         vision_given = sorted(k for k in _VISION_KEYS if k in given)
         if vision_given:
@@ -160,7 +176,8 @@ def resolve_tiny_spec(
                 f"{vision_given} only apply to vision archs {VISION_ARCHS}, not {arch!r}"
             )
 
-    dims: dict[str, Any] = {**TINY_SIZES[size], **_DEFAULTS, **given}
+    arch_defaults = _SMOLVLM_DEFAULTS if arch == "smolvlm" else {}
+    dims: dict[str, Any] = {**TINY_SIZES[size], **_DEFAULTS, **arch_defaults, **given}
     for key in _INT_KEYS:
         value = dims[key]
         if value is None:
@@ -210,17 +227,30 @@ def resolve_tiny_spec(
                 f"vision_dim ({dims['vision_dim']}) must be divisible by vision_heads "
                 f"({dims['vision_heads']})"
             )
-        if (dims["head_dim"] // 2) < 3:
+        if arch != "smolvlm" and (dims["head_dim"] // 2) < 3:
             raise ValueError(f"head_dim must be >= 6 for M-RoPE, got {dims['head_dim']}")
-        # Qwen2-VL merges 2x2 patches: an image side must span an even number of patches.
-        if dims["image_size"] % (2 * dims["patch_size"]):
+        # Qwen2-VL merges 2x2 patches, SmolVLM pixel-shuffles 2x2: a side (a tile's for
+        # SmolVLM) must span an even number of patches.
+        side, side_name = (
+            (dims["tile_size"], "tile_size")
+            if arch == "smolvlm"
+            else (dims["image_size"], "image_size")
+        )
+        if side % (2 * dims["patch_size"]):
             raise ValueError(
-                f"image_size ({dims['image_size']}) must be a multiple of 2 * patch_size "
+                f"{side_name} ({side}) must be a multiple of 2 * patch_size "
                 f"({2 * dims['patch_size']})"
+            )
+        if arch == "smolvlm" and dims["image_size"] % dims["tile_size"]:
+            raise ValueError(
+                f"image_size ({dims['image_size']}) must be a multiple of tile_size "
+                f"({dims['tile_size']})"
             )
     else:
         for key in _VISION_KEYS:
             dims.pop(key)
+    if arch != "smolvlm":
+        dims.pop("tile_size")
 
     return {
         "format": _SPEC_FORMAT,
@@ -239,7 +269,9 @@ def tiny_tokenizer(spec: dict[str, Any]) -> PreTrainedTokenizerFast:
         vocab_size=TOKENIZER_VOCAB_SIZE,
         reserved_tokens=dims["vocab_extra"],
         model_max_length=dims["max_position"],
-        vision=spec["arch"] in VISION_ARCHS,
+        vision=("smolvlm" if spec["arch"] == "smolvlm" else True)
+        if spec["arch"] in VISION_ARCHS
+        else False,
     )
 
 
@@ -269,8 +301,10 @@ def tiny_config(spec: dict[str, Any], tokenizer: PreTrainedTokenizerFast) -> Pre
         "tokenizer_class": GENERIC_TOKENIZER_CLASS,
         **ids,
     }
-    if arch == "qwen2_vl":
-        return _qwen2_vl_config(dims, kwargs, tokenizer)
+    if arch in ("qwen2_vl", "qwen2_5_vl"):
+        return _qwen2_vl_config(dims, kwargs, tokenizer, arch)
+    if arch == "smolvlm":
+        return _smolvlm_config(dims, kwargs, tokenizer)
     if arch != "qwen2":
         kwargs["head_dim"] = dims["head_dim"]
     if arch == "qwen3_moe":
@@ -295,7 +329,10 @@ def _mrope_section(head_dim: int) -> list[int]:
 
 
 def _qwen2_vl_config(
-    dims: dict[str, Any], text: dict[str, Any], tokenizer: PreTrainedTokenizerFast
+    dims: dict[str, Any],
+    text: dict[str, Any],
+    tokenizer: PreTrainedTokenizerFast,
+    arch: str = "qwen2_vl",
 ) -> PretrainedConfig:
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     text = {
@@ -320,8 +357,19 @@ def _qwen2_vl_config(
         "in_channels": 3,
         "initializer_range": 0.02,
     }
+    if arch == "qwen2_5_vl":
+        # Qwen2.5-VL's tower: an explicit MLP width, windowed attention (windows of 2 x 2
+        # merged patches) in every block but the last, which attends to the whole image.
+        vision = {
+            **{k: v for k, v in vision.items() if k not in ("embed_dim", "mlp_ratio")},
+            "hidden_size": dims["vision_dim"],
+            "intermediate_size": 2 * dims["vision_dim"],
+            "out_hidden_size": dims["hidden"],
+            "window_size": 2 * 2 * dims["patch_size"],
+            "fullatt_block_indexes": [dims["vision_depth"] - 1],
+        }
     return AutoConfig.for_model(
-        "qwen2_vl",
+        arch,
         text_config=text,
         vision_config=vision,
         image_token_id=ids[IMAGE_PAD_TOKEN],
@@ -337,11 +385,56 @@ def _qwen2_vl_config(
     )
 
 
+def _smolvlm_config(
+    dims: dict[str, Any], text: dict[str, Any], tokenizer: PreTrainedTokenizerFast
+) -> PretrainedConfig:
+    text = {**text, "model_type": "llama", "head_dim": dims["head_dim"]}
+    vision = {
+        "hidden_size": dims["vision_dim"],
+        "intermediate_size": 2 * dims["vision_dim"],
+        "num_hidden_layers": dims["vision_depth"],
+        "num_attention_heads": dims["vision_heads"],
+        "num_channels": 3,
+        # The vision encoder sees one tile at a time.
+        "image_size": dims["tile_size"],
+        "patch_size": dims["patch_size"],
+        "initializer_range": 0.02,
+    }
+    return AutoConfig.for_model(
+        "smolvlm",
+        text_config=text,
+        vision_config=vision,
+        scale_factor=2,
+        image_token_id=tokenizer.convert_tokens_to_ids(SMOLVLM_IMAGE_TOKEN),
+        tie_word_embeddings=dims["tie_embeddings"],
+        bos_token_id=text["bos_token_id"],
+        eos_token_id=text["eos_token_id"],
+        pad_token_id=text["pad_token_id"],
+        tokenizer_class=GENERIC_TOKENIZER_CLASS,
+        dtype="float32",
+    )
+
+
 def tiny_image_processor(spec: dict[str, Any]) -> Any:
-    """Build the image processor of a vision spec: every image resized to about image_size**2."""
+    """Build the image processor of a vision spec.
+
+    qwen2_vl: every image resized to about ``image_size**2`` pixels. smolvlm: the longest edge
+    resized to ``image_size``, then cut into ``tile_size`` tiles plus the global view (the
+    Pillow backend's class: it saves the same ``preprocessor_config.json`` as the fast one).
+    """
+    dims = spec["dims"]
+    if spec["arch"] == "smolvlm":
+        from transformers.models.smolvlm.image_processing_pil_smolvlm import (
+            SmolVLMImageProcessorPil,
+        )
+
+        return SmolVLMImageProcessorPil(
+            size={"longest_edge": dims["image_size"]},
+            max_image_size={"longest_edge": dims["tile_size"]},
+            do_image_splitting=True,
+        )
     from polyrl.models.processor import qwen2_vl_image_processor
 
-    dims = spec["dims"]
     return qwen2_vl_image_processor(
         patch_size=dims["patch_size"],
         min_pixels=dims["image_size"] ** 2,
@@ -397,6 +490,7 @@ def _reusable(directory: Path, spec: dict[str, Any]) -> bool:
 
 
 def _write_model(spec: dict[str, Any], target: Path) -> int:
+    dims = spec["dims"]
     tokenizer = tiny_tokenizer(spec)
     config = tiny_config(spec, tokenizer)
     # fork_rng keeps the caller's global RNG untouched while making init depend on seed only;
@@ -405,16 +499,26 @@ def _write_model(spec: dict[str, Any], target: Path) -> int:
         torch.manual_seed(spec["seed"])
         auto = AutoModelForImageTextToText if spec["arch"] in VISION_ARCHS else AutoModelForCausalLM
         model: PreTrainedModel = auto.from_config(config, dtype=torch.float32)
+    # The text config holds the ids (SmolVLM's top-level pad_token_id is deprecated).
+    ids_config = config.get_text_config()
     model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.pad_token_id,
+        bos_token_id=ids_config.bos_token_id,
+        eos_token_id=ids_config.eos_token_id,
+        pad_token_id=ids_config.pad_token_id,
     )
     num_params = count_parameters(model)
     model.save_pretrained(str(target))
     save_tokenizer(tokenizer, target)
     if spec["arch"] in VISION_ARCHS:
         tiny_image_processor(spec).save_pretrained(str(target))
+    if spec["arch"] == "smolvlm":
+        # What SmolVLMProcessor reads besides the image processor: the tokens per tile
+        # (AutoProcessor needs torchvision and num2words for it; polyrl does not).
+        seq_len = (dims["tile_size"] // dims["patch_size"]) ** 2 // 4
+        (target / "processor_config.json").write_text(
+            json.dumps({"image_seq_len": seq_len, "processor_class": "SmolVLMProcessor"}, indent=2)
+            + "\n"
+        )
     record = {**spec, "num_parameters": num_params}
     # Written last: its presence marks a complete directory.
     (target / SPEC_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
@@ -514,11 +618,12 @@ def _parser() -> argparse.ArgumentParser:
         ("--experts", "qwen3_moe: number of experts"),
         ("--experts-per-tok", "qwen3_moe: experts routed per token"),
         ("--moe-intermediate", "qwen3_moe: MLP width of one expert"),
-        ("--vision-depth", "qwen2_vl: vision transformer blocks"),
-        ("--vision-dim", "qwen2_vl: vision transformer width"),
-        ("--vision-heads", "qwen2_vl: vision attention heads"),
-        ("--patch-size", "qwen2_vl: patch side in pixels"),
-        ("--image-size", "qwen2_vl: side of the square images are resized to"),
+        ("--vision-depth", "vision archs: vision transformer blocks"),
+        ("--vision-dim", "vision archs: vision transformer width"),
+        ("--vision-heads", "vision archs: vision attention heads"),
+        ("--patch-size", "vision archs: patch side in pixels"),
+        ("--image-size", "vision archs: image side (smolvlm: longest edge) after resizing"),
+        ("--tile-size", "smolvlm: side of the tiles an image is cut into"),
     ):
         p.add_argument(flag, type=int, default=None, help=help_text)
     p.add_argument(

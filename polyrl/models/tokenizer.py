@@ -44,6 +44,9 @@ from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 __all__ = [
     "BOS_TOKEN",
     "CHAT_TEMPLATE",
+    "SMOLVLM_CHAT_TEMPLATE",
+    "SMOLVLM_IMAGE_TOKEN",
+    "SMOLVLM_TOKENS",
     "VISION_TOKENS",
     "VLM_CHAT_TEMPLATE",
     "ENDOFTEXT_TOKEN",
@@ -71,6 +74,17 @@ VISION_TOKENS: tuple[str, ...] = (
     VISION_END_TOKEN,
     IMAGE_PAD_TOKEN,
     VIDEO_PAD_TOKEN,
+)
+
+#: SmolVLM's (Idefics3's) vision tokens: ``<image>`` is both the placeholder and the token of
+#: every image embedding; each image tile's run follows ``<fake_token_around_image>`` and a
+#: ``<row_r_col_c>`` marker (``<global-img>`` for the downscaled whole image).
+SMOLVLM_IMAGE_TOKEN = "<image>"
+SMOLVLM_TOKENS: tuple[str, ...] = (
+    "<fake_token_around_image>",
+    SMOLVLM_IMAGE_TOKEN,
+    "<global-img>",
+    *(f"<row_{r}_col_{c}>" for r in range(1, 5) for c in range(1, 5)),
 )
 
 PAD_TOKEN = "<|pad|>"
@@ -334,7 +348,7 @@ def build_tokenizer(
     vocab_size: int = TOKENIZER_VOCAB_SIZE,
     reserved_tokens: int = 0,
     model_max_length: int = 8192,
-    vision: bool = False,
+    vision: bool | str = False,
 ) -> PreTrainedTokenizerFast:
     """Build the tiny-model tokenizer as a Hugging Face fast tokenizer with the chat template.
 
@@ -345,7 +359,9 @@ def build_tokenizer(
         model_max_length: the longest sequence the tokenizer reports as supported.
         vision: add the Qwen2-VL vision tokens (:data:`VISION_TOKENS`, after the reserved ones)
             and use :data:`VLM_CHAT_TEMPLATE`, which renders ``{"type": "image"}`` and
-            ``{"type": "video"}`` content parts as one placeholder each.
+            ``{"type": "video"}`` content parts as one placeholder each; ``"smolvlm"``: add
+            :data:`SMOLVLM_TOKENS` and render an image part as ``<image>``
+            (:data:`SMOLVLM_CHAT_TEMPLATE`).
 
     Returns:
         A tokenizer with ``padding_side="right"``, bos/eos/pad set and ``chat_template`` filled.
@@ -354,7 +370,9 @@ def build_tokenizer(
         raise ValueError(f"reserved_tokens must be an int >= 0, got {reserved_tokens!r}")
     backend = train_backend_tokenizer(vocab_size)
     reserved = [f"<|reserved_{i}|>" for i in range(reserved_tokens)]
-    added = [*reserved, *(VISION_TOKENS if vision else ())]
+    smolvlm = vision == "smolvlm"
+    vision_tokens = SMOLVLM_TOKENS if smolvlm else VISION_TOKENS if vision else ()
+    added = [*reserved, *vision_tokens]
     if added:
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in added])
     tokenizer = PreTrainedTokenizerFast(
@@ -374,7 +392,9 @@ def build_tokenizer(
         add_eos_token=False,
         model_max_length=model_max_length,
     )
-    tokenizer.chat_template = VLM_CHAT_TEMPLATE if vision else CHAT_TEMPLATE
+    tokenizer.chat_template = (
+        SMOLVLM_CHAT_TEMPLATE if smolvlm else VLM_CHAT_TEMPLATE if vision else CHAT_TEMPLATE
+    )
     return tokenizer
 
 
@@ -505,3 +525,16 @@ VLM_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
             {%- else -%}""",
 )
 assert VLM_CHAT_TEMPLATE != CHAT_TEMPLATE
+
+# The text template with SmolVLM's image part: one <image>, which the processor expands.
+SMOLVLM_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    """            {%- elif part.type == 'text' -%}
+                {{- part.text -}}
+            {%- else -%}""",
+    """            {%- elif part.type == 'text' -%}
+                {{- part.text -}}
+            {%- elif part.type == 'image' or part.type == 'image_url' -%}
+                {{- '<image>' -}}
+            {%- else -%}""",
+)
+assert SMOLVLM_CHAT_TEMPLATE != CHAT_TEMPLATE

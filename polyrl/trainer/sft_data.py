@@ -332,7 +332,7 @@ class SFTDataset:
             item.input_ids, images, videos, what=f"{where}: field {field!r}", allowed_dir="/"
         )
         mask = expand_mask(
-            item.input_ids, item.loss_mask, self.processor.token_ids, mm.token_counts
+            item.input_ids, item.loss_mask, self.processor.token_ids, mm.expanded_lengths
         )
         return TokenizedChat(ids, mask, mm)
 

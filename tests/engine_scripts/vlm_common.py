@@ -39,8 +39,8 @@ def vlm_batch(proc) -> Batch:
 def reference_log_probs(model, proc, batch: Batch) -> torch.Tensor:
     """Per-token log-probs ``(B, T)`` from the HF model's own forward, one row at a time.
 
-    Each row's real tokens alone, its media and ``mm_token_type_ids`` (the model computes its
-    own M-RoPE positions); 0 on padding and on each row's first token, like the engine.
+    Each row's real tokens alone and its media in the stock processor's layout
+    (:func:`hf_media`); 0 on padding and on each row's first token, like the engine.
     """
     ids, am = batch["input_ids"], batch["attention_mask"].bool()
     out = torch.zeros(ids.shape, dtype=torch.float32)
@@ -50,13 +50,22 @@ def reference_log_probs(model, proc, batch: Batch) -> torch.Tensor:
             cols = am[row].nonzero().view(-1)
             x = ids[row, cols].view(1, -1)
             mm = column[row]
-            kwargs = {}
-            if mm is not None:
-                types = torch.zeros_like(x)
-                types[x == proc.token_ids["image"]] = 1
-                types[x == proc.token_ids.get("video", -1)] = 2
-                kwargs = {"mm_token_type_ids": types, **mm.tensors}
+            kwargs = {} if mm is None else hf_media(proc, x, mm)
             logits = model(input_ids=x, **kwargs).logits.float()[0]
             logp = torch.log_softmax(logits[:-1], -1).gather(1, x[0, 1:, None]).squeeze(1)
             out[row, cols[1:]] = logp
     return out
+
+
+def hf_media(proc, ids: torch.Tensor, mm) -> dict:
+    """A prompt's media as transformers' own processor gives them to the model's forward.
+
+    Qwen2-VL: the tensors plus ``mm_token_type_ids`` (the model computes its own M-RoPE
+    positions). SmolVLM: ``pixel_values`` of shape ``(1, tiles, 3, S, S)``, one batch row.
+    """
+    if proc.model_type == "smolvlm":
+        return {"pixel_values": mm.tensors["pixel_values"].unsqueeze(0)}
+    types = torch.zeros_like(ids)
+    types[ids == proc.token_ids["image"]] = 1
+    types[ids == proc.token_ids.get("video", -1)] = 2
+    return {"mm_token_type_ids": types, **mm.tensors}

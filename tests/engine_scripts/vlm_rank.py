@@ -1,6 +1,7 @@
 """One rank of the world-size-2 vision-language engine check (tests/test_engine_vlm.py).
 
-Usage: ``vlm_rank.py MODEL_DIR OUT_JSON`` with RANK/WORLD_SIZE/MASTER_* in the environment.
+Usage: ``vlm_rank.py MODEL_DIR OUT_JSON [CASE,CASE...]`` with RANK/WORLD_SIZE/MASTER_* in the
+environment (default: every case).
 
 Rank 0 gets rows 0 and 3 (two samples of one image prompt: packed, its image is encoded once),
 rank 1 rows 1 and 2 (an image prompt and the text prompt): with one row per micro-batch, rank
@@ -38,6 +39,7 @@ CASES = {
 def main() -> None:
     """Run every case and write rank 0's results."""
     model_dir, out_path = sys.argv[1], sys.argv[2]
+    names = sys.argv[3].split(",") if len(sys.argv) > 3 else list(CASES)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     proc = load_vision_processor(model_dir)
@@ -49,7 +51,8 @@ def main() -> None:
 
         ref_model = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
         ref = reference_log_probs(ref_model, proc, batch)
-    for name, (spec, kwargs) in CASES.items():
+    for name in names:
+        spec, kwargs = CASES[name]
         engine = build_engine(
             ModelSpec(path=model_dir, **spec),
             EngineConfig(device="cpu", grad_clip=1e9, **kwargs),

@@ -367,9 +367,7 @@ class NativeEngine:
                         param="multi_modal",
                     )
             return None
-        return build_seq_media(
-            list(request.prompt_ids), mm, self.runner.token_ids(), self.runner.merge_size
-        )
+        return build_seq_media(list(request.prompt_ids), mm, self.runner.family)
 
     def submit(self, request: GenerateRequest, sink: Sink, stream: bool = True) -> None:
         """Queue a request; its deltas go to ``sink`` until every sample has finished.
@@ -847,8 +845,8 @@ class NativeEngine:
             return
         for row, part in zip(mrope, sm.positions(start, end), strict=True):
             row.extend(part)
-        for item, lo, hi in sm.overlapping(start, end):
-            media.append((at + item.start + lo - start, item, lo, hi))
+        for item, pos, lo, hi in sm.overlapping(start, end):
+            media.append((at + pos - start, item, lo, hi))
 
     def _group(self, chunks: list[Chunk], with_index: bool, offset: int = 0) -> AttentionGroup:
         bs = self.config.block_size

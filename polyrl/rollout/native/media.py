@@ -1,13 +1,14 @@
 """Images and videos in the native engine: per-sequence media state and the embedding cache.
 
 A vision-language request carries processed media (:class:`~polyrl.core.multimodal.
-MultiModalInputs`) and prompt ids with *expanded* placeholder runs. The engine keeps, per
-request, a :class:`SeqMedia`: where each item's run lies in the prompt, its slice of the pixel
-tensor, and the prompt's M-RoPE positions. A step then needs three things from it, for the
-tokens of the chunk it runs only (prefill may be chunked):
+MultiModalInputs`) and prompt ids with *expanded* placeholders. The engine keeps, per request, a
+:class:`SeqMedia`: where each item's expansion and its image-token runs lie in the prompt, its
+slice of the processed tensors (the family's :meth:`~polyrl.models.vision_family.VisionFamily.
+split_items`), and, for M-RoPE families, the prompt's positions. A step then needs three things
+from it, for the tokens of the chunk it runs only (prefill may be chunked):
 
-* the positions of the chunk's tokens (:meth:`SeqMedia.positions`): the prompt's precomputed
-  M-RoPE table, and ``p + delta`` on all three axes for generated tokens;
+* M-RoPE families: the positions of the chunk's tokens (:meth:`SeqMedia.positions`): the
+  prompt's precomputed table, and ``p + delta`` on all three axes for generated tokens;
 * the image embeddings of the chunk's media tokens (:meth:`SeqMedia.overlapping` gives the
   rows), taken from the :class:`EmbeddingCache` so the vision tower runs once per item, not
   once per sample or chunk;
@@ -24,25 +25,15 @@ import bisect
 import dataclasses
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 
-from polyrl.core.multimodal import (
-    MultiModalInputError,
-    MultiModalInputs,
-    expand_placeholders,
-    mrope_positions,
-)
+from polyrl.core.multimodal import MultiModalInputError, MultiModalInputs, locate_media
 from polyrl.core.rollout_api import InvalidRequestError
+from polyrl.models.vision_family import VisionFamily
 
 __all__ = ["EmbeddingCache", "MediaItem", "SeqMedia", "build_seq_media"]
-
-# The processor's pixel tensor and grid of each kind of item.
-_TENSORS = {
-    "image": ("pixel_values", "image_grid_thw"),
-    "video": ("pixel_values_videos", "video_grid_thw"),
-}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -51,25 +42,28 @@ class MediaItem:
 
     Attributes:
         kind: ``"image"`` or ``"video"``.
-        key: cache key: the content digest plus the grid (the same picture processed at
-            another resolution is another item).
-        start: prompt position of the item's first token.
-        length: tokens the item fills.
-        pixels: the item's rows of the processor's pixel tensor.
-        grid: ``(1, 3)`` its ``(t, h, w)`` patch grid.
+        key: cache key: the content digest plus the processed layout (the same picture
+            processed at another resolution is another item).
+        start: prompt position of the item's expansion's first token.
+        span: tokens of its expansion (image-token runs and the family's markers).
+        length: embedding tokens (the vision tower's output rows).
+        runs: ``(prompt position, first embedding row, rows)`` of each image-token run, in
+            order (Qwen2-VL: one run; SmolVLM: one per tile).
+        tensors: the item's part of the processed tensors, what the vision tower takes.
     """
 
     kind: str
     key: str
     start: int
+    span: int
     length: int
-    pixels: torch.Tensor
-    grid: torch.Tensor
+    runs: tuple[tuple[int, int, int], ...]
+    tensors: dict[str, torch.Tensor]
 
     @property
     def end(self) -> int:
-        """Prompt position after the item's last token."""
-        return self.start + self.length
+        """Prompt position after the item's expansion."""
+        return self.start + self.span
 
 
 class SeqMedia:
@@ -77,21 +71,31 @@ class SeqMedia:
 
     Args:
         items: the prompt's items in prompt order.
-        positions: ``(3, prompt_len)`` M-RoPE positions of the prompt.
+        prompt_len: tokens of the prompt.
+        positions: ``(3, prompt_len)`` M-RoPE positions of the prompt (``None``: the family
+            uses 1-D positions).
         delta: what generated tokens add to their index on all three axes.
     """
 
-    def __init__(self, items: list[MediaItem], positions: torch.Tensor, delta: int):
+    def __init__(
+        self,
+        items: list[MediaItem],
+        prompt_len: int,
+        positions: torch.Tensor | None = None,
+        delta: int = 0,
+    ):
         self.items = items
-        self.prompt_len = int(positions.shape[1])
+        self.prompt_len = prompt_len
         # Python lists: a step slices a few positions per sequence, tensors would cost more.
-        self._rows = [positions[i].tolist() for i in range(3)]
+        self._rows = None if positions is None else [positions[i].tolist() for i in range(3)]
         self.delta = delta
         self._starts = [it.start for it in items]
 
     def positions(self, start: int, end: int) -> list[list[int]]:
         """``(t, h, w)`` position lists of sequence positions ``start .. end-1``."""
         n = self.prompt_len
+        if self._rows is None:
+            return [list(range(start, end)) for _ in range(3)]
         rows = [r[start : min(end, n)] for r in self._rows]
         if end > n:
             tail = range(max(start, n) + self.delta, end + self.delta)
@@ -99,16 +103,28 @@ class SeqMedia:
                 r.extend(tail)
         return rows
 
-    def overlapping(self, start: int, end: int) -> list[tuple[MediaItem, int, int]]:
-        """``(item, first row, end row)`` of each item's tokens within ``start .. end-1``."""
+    def _touching(self, start: int, end: int) -> list[MediaItem]:
         out = []
         i = max(0, bisect.bisect_right(self._starts, start) - 1)
         for item in self.items[i:]:
             if item.start >= end:
                 break
-            lo, hi = max(start, item.start), min(end, item.end)
-            if lo < hi:
-                out.append((item, lo - item.start, hi - item.start))
+            if item.end > start:
+                out.append(item)
+        return out
+
+    def overlapping(self, start: int, end: int) -> list[tuple[MediaItem, int, int, int]]:
+        """``(item, position, first row, end row)`` of embedding rows within ``start .. end-1``.
+
+        ``position`` is where the first of those rows goes; one entry per image-token run
+        piece (a prefill chunk may cut a run).
+        """
+        out = []
+        for item in self._touching(start, end):
+            for pos, row, n in item.runs:
+                lo, hi = max(start, pos), min(end, pos + n)
+                if lo < hi:
+                    out.append((item, lo, row + lo - pos, row + hi - pos))
         return out
 
     def block_salt(self, block: int, block_size: int) -> tuple[str, ...]:
@@ -118,67 +134,64 @@ class SeqMedia:
         block, so a different image changes every key from its block on.
         """
         lo = block * block_size
-        return tuple(it.key for it, _, _ in self.overlapping(lo, lo + block_size))
+        return tuple(it.key for it in self._touching(lo, lo + block_size))
 
 
 def build_seq_media(
-    prompt_ids: list[int],
-    inputs: MultiModalInputs,
-    token_ids: Mapping[str, int],
-    merge_size: int,
+    prompt_ids: list[int], inputs: MultiModalInputs, family: VisionFamily
 ) -> SeqMedia:
     """Check a request's media against its (expanded) prompt and build its :class:`SeqMedia`.
 
     Raises:
         InvalidRequestError: placeholders do not match the items, or the tensors do not
-            match the grids.
+            match the items.
     """
+    token_ids = family.token_ids
     try:
-        expanded = expand_placeholders(prompt_ids, token_ids, inputs)
+        expanded, starts = locate_media(prompt_ids, token_ids, inputs)
         if expanded != list(prompt_ids):
             raise MultiModalInputError(
-                "prompt_ids must hold expanded placeholder runs (one token per image token) "
+                "prompt_ids must hold expanded placeholders (one token per image token) "
                 "when multi_modal inputs are given"
             )
-        positions, delta = mrope_positions(prompt_ids, inputs, token_ids, merge_size)
+        found = family.positions(prompt_ids, inputs)
+        parts = family.split_items(inputs)
     except MultiModalInputError as exc:
         raise InvalidRequestError(str(exc), param="multi_modal") from None
-    by_id = {v: k for k, v in token_ids.items()}
-    runs: list[tuple[int, int]] = []
-    i = 0
-    while i < len(prompt_ids):
-        if prompt_ids[i] in by_id:
-            j = i
-            while j < len(prompt_ids) and prompt_ids[j] == prompt_ids[i]:
-                j += 1
-            runs.append((i, j - i))
-            i = j
-        else:
-            i += 1
-    rows_taken = {"image": 0, "video": 0}
-    grid_taken = {"image": 0, "video": 0}
     items = []
-    for kind, digest, (start, length) in zip(inputs.kinds, inputs.digests, runs, strict=True):
-        pix_name, grid_name = _TENSORS[kind]
-        pixels, grids = inputs.tensors.get(pix_name), inputs.tensors.get(grid_name)
-        if pixels is None or grids is None or grid_taken[kind] >= len(grids):
-            raise InvalidRequestError(
-                f"multi_modal has a {kind} but no {pix_name}/{grid_name} for it",
-                param="multi_modal",
+    for k, (kind, digest, start, (tensors, shape)) in enumerate(
+        zip(inputs.kinds, inputs.digests, starts, parts, strict=True)
+    ):
+        placeholder = token_ids[kind]
+        expansion = inputs.expansion(k, placeholder)
+        runs: list[tuple[int, int, int]] = []
+        row = 0
+        i = 0
+        while i < len(expansion):
+            if expansion[i] != placeholder:
+                i += 1
+                continue
+            j = i
+            while j < len(expansion) and expansion[j] == placeholder:
+                j += 1
+            runs.append((start + i, row, j - i))
+            row += j - i
+            i = j
+        items.append(
+            MediaItem(
+                kind=kind,
+                key=f"{kind}:{digest}:{shape}",
+                start=start,
+                span=len(expansion),
+                length=row,
+                runs=tuple(runs),
+                tensors=tensors,
             )
-        grid = grids[grid_taken[kind] : grid_taken[kind] + 1]
-        rows = int(grid.prod())
-        lo = rows_taken[kind]
-        if lo + rows > pixels.shape[0]:
-            raise InvalidRequestError(
-                f"multi_modal {pix_name} has {pixels.shape[0]} rows, fewer than its grids need",
-                param="multi_modal",
-            )
-        key = f"{kind}:{digest}:{'x'.join(str(v) for v in grid[0].tolist())}"
-        items.append(MediaItem(kind, key, start, length, pixels[lo : lo + rows], grid))
-        rows_taken[kind] += rows
-        grid_taken[kind] += 1
-    return SeqMedia(items, positions, delta)
+        )
+    if found is None:
+        return SeqMedia(items, len(prompt_ids))
+    positions, delta = found
+    return SeqMedia(items, len(prompt_ids), positions, delta)
 
 
 class EmbeddingCache:

@@ -24,6 +24,7 @@ from polyrl.core.errors import WeightTransferError
 from polyrl.core.rollout_api import InvalidRequestError
 from polyrl.models.loader import load_causal_lm
 from polyrl.models.moe import moe_routers
+from polyrl.models.vision_family import VisionFamily, vision_family
 from polyrl.rollout.native.attention import ATTENTION_NAME, StepMetadata
 from polyrl.rollout.native.fast_forward import FastForward, build_fast_forward
 from polyrl.rollout.native.media import EmbeddingCache, MediaItem
@@ -97,23 +98,17 @@ class ModelRunner:
         model.eval()
         model.requires_grad_(False)
         model.set_attn_implementation(ATTENTION_NAME)
-        vision_config = getattr(model.config, "vision_config", None)
-        #: Whether the model has a vision tower (it then runs with inputs_embeds and M-RoPE).
-        self.vision = vision_config is not None and hasattr(model.config, "image_token_id")
+        #: A vision model's family rules (``None``: a text model).
+        self.family: VisionFamily | None = vision_family(model.config)
+        #: Whether the model has a vision tower (it then runs with inputs_embeds).
+        self.vision = self.family is not None
         if self.vision:
             # The vision tower attends within each image, with no KV cache: it keeps SDPA.
-            vision_config._attn_implementation = "sdpa"
+            model.config.vision_config._attn_implementation = "sdpa"
         #: Token ids a vision model must never sample: its media placeholders and markers.
-        self.media_token_ids: tuple[int, ...] = ()
-        if self.vision:
-            names = (
-                "image_token_id",
-                "video_token_id",
-                "vision_start_token_id",
-                "vision_end_token_id",
-            )
-            found = (getattr(model.config, n, None) for n in names)
-            self.media_token_ids = tuple(sorted({int(t) for t in found if t is not None}))
+        self.media_token_ids: tuple[int, ...] = (
+            self.family.suppressed_ids if self.family is not None else ()
+        )
         #: Vision-tower outputs by item, cleared by every weight change.
         self.embedding_cache = EmbeddingCache()
         #: How many times the vision tower ran (one item per call).
@@ -205,27 +200,17 @@ class ModelRunner:
 
     def token_ids(self) -> dict[str, int]:
         """Return the placeholder token id by media kind (vision models)."""
-        cfg = self.config
-        return {"image": int(cfg.image_token_id), "video": int(cfg.video_token_id)}
-
-    @property
-    def merge_size(self) -> int:
-        """The vision tower's spatial patch merge factor."""
-        return int(getattr(self.config.vision_config, "spatial_merge_size", 2))
+        return dict(self.family.token_ids) if self.family is not None else {}
 
     @torch.inference_mode()
     def encode_item(self, item: MediaItem) -> torch.Tensor:
         """Run the vision tower on one image or video; return its ``(tokens, hidden)`` rows."""
-        inner = self.model.model
-        pixels = item.pixels.to(self.device, self.dtype)
-        grid = item.grid.to(self.device)
-        if item.kind == "image":
-            out = inner.get_image_features(pixels, grid, return_dict=True)
-        else:
-            out = inner.get_video_features(pixels, grid, return_dict=True)
+        tensors = {
+            k: v.to(self.device, self.dtype if v.is_floating_point() else v.dtype)
+            for k, v in item.tensors.items()
+        }
+        emb = self.family.encode_item(self.model, item.kind, tensors)
         self.vision_calls += 1
-        emb = out.pooler_output
-        emb = emb if isinstance(emb, torch.Tensor) else torch.cat(list(emb), dim=0)
         if emb.shape[0] != item.length:
             raise InvalidRequestError(
                 f"the {item.kind} fills {item.length} tokens but the vision tower gave "
@@ -241,11 +226,13 @@ class ModelRunner:
             emb = self.embedding_cache.get(item, self.encode_item)
             # Only the rows of this chunk: a prefill chunk may cut an image's run.
             embeds[0, at : at + hi - lo] = emb[lo:hi].to(embeds.dtype)
-        mrope = inputs.mrope_positions
-        if mrope is None:
-            mrope = inputs.position_ids.view(1, 1, -1).expand(3, 1, -1)
-        # Packed layout the HF model reads: text positions first, then (t, h, w).
-        positions = torch.cat([inputs.position_ids.view(1, 1, -1), mrope], dim=0)
+        positions = inputs.position_ids
+        if self.family.mrope:
+            mrope = inputs.mrope_positions
+            if mrope is None:
+                mrope = inputs.position_ids.view(1, 1, -1).expand(3, 1, -1)
+            # Packed layout the HF model reads: text positions first, then (t, h, w).
+            positions = torch.cat([inputs.position_ids.view(1, 1, -1), mrope], dim=0)
         out = self.model(
             inputs_embeds=embeds,
             position_ids=positions,
