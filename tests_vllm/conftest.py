@@ -88,7 +88,11 @@ def backend(vllm_venv: Path, model_dir: Path, aio: Loop) -> Iterator[Any]:
     """One started :class:`VLLMBackend` shared by the tests (starting one takes ~30-60 s)."""
     from polyrl.rollout.vllm_backend import VLLMBackend
 
-    b = VLLMBackend(model_dir, vllm_venv=str(vllm_venv), dtype="float32")
+    # --enable-scale-out: the text model serves the image route too, so its test can
+    # compare it with /v1/completions (the backend adds the flag for vision models only).
+    b = VLLMBackend(
+        model_dir, vllm_venv=str(vllm_venv), dtype="float32", extra_args=("--enable-scale-out",)
+    )
     aio.run(b.start(), timeout=900)
     try:
         yield b

@@ -789,9 +789,11 @@ class VLLMBackend(SubprocessBackend):
             "--worker-extension-cls",
             _EXT_CLASS,
             "--disable-uvicorn-access-log",
-            # Serves /inference/v1/generate: token ids plus images (see vllm_generate_body).
-            "--enable-scale-out",
         ]
+        if self.media_tokens:
+            # Serves /inference/v1/generate: token ids plus images (see vllm_generate_body).
+            # Only for vision models: vLLM releases before the route do not know the flag.
+            cmd.append("--enable-scale-out")
         kv_bytes = self._kv_cache_bytes()
         if kv_bytes is not None:
             cmd += ["--kv-cache-memory-bytes", str(kv_bytes)]
