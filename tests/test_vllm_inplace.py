@@ -113,7 +113,7 @@ def test_cuda_kv_cache_tokens_without_utilization_sizes_the_cache(model_dir):
     assert "--kv-cache-memory-bytes" not in VLLMBackend(model_dir, device="cuda").command(1)
 
 
-def test_cpu_gets_no_gpu_flags_and_a_sized_kv_cache(model_dir, monkeypatch):
+def test_cpu_gets_no_gpu_flags_and_a_sized_kv_cache(model_dir, tiny_vl_dir, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")  # would override the flag in whole GiB
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
     b = VLLMBackend(
@@ -130,7 +130,9 @@ def test_cpu_gets_no_gpu_flags_and_a_sized_kv_cache(model_dir, monkeypatch):
     assert flag(cmd, "--kv-cache-memory-bytes") == str(2 * 1 * 1 * 8 * 4 * (1 << 16))
     assert flag(cmd, "--dtype") == "float32"
     assert "--enforce-eager" in cmd and "--no-enable-chunked-prefill" in cmd
-    assert "--enable-scale-out" in cmd  # serves the token-in route that carries images
+    # The token-in route that carries images: vision models only (older vLLMs lack the flag).
+    assert "--enable-scale-out" not in cmd
+    assert "--enable-scale-out" in VLLMBackend(tiny_vl_dir, device="cpu").command(1)
     env = b._environment("/ext")
     assert "VLLM_CPU_KVCACHE_SPACE" not in env
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
