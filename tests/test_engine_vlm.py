@@ -155,8 +155,9 @@ def test_the_image_is_in_context(engines, vl_dir, vl_processor, batch, reference
 #: the language model and of the vision tower.
 WORLD_2 = {
     "qwen2_vl": ("rows,packed,frozen_rows", ["language_model"], ["visual"]),
-    # SmolVLM: the rows layout meets the dummy vision calls; packing is family-independent.
-    "smolvlm": ("rows,frozen_rows", ["text_model"], ["connector", "vision_model"]),
+    # SmolVLM: the rows layout meets the dummy vision calls; packing and freezing at world
+    # size 2 are family-independent (freezing SmolVLM's tower: the world-size-1 test).
+    "smolvlm": ("rows", ["text_model"], ["connector", "vision_model"]),
 }
 
 
@@ -178,9 +179,11 @@ def test_fsdp_world_size_2_matches_the_hf_model_and_one_rank(
         assert got["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-5), name
         assert got["loss"] == pytest.approx(single["loss"], rel=1e-5), name
         assert got["moved"] == sorted(lm + tower), got  # lm_head is tied
-    frozen = results["frozen_rows"]
-    assert frozen["logp_diff"] <= 1e-5 and not set(tower) & set(frozen["moved"]), frozen
-    assert set(lm) <= set(frozen["moved"]), frozen
+    assert sorted(results) == sorted(cases.split(","))
+    frozen = results.get("frozen_rows")
+    if frozen is not None:
+        assert frozen["logp_diff"] <= 1e-5 and not set(tower) & set(frozen["moved"]), frozen
+        assert set(lm) <= set(frozen["moved"]), frozen
 
 
 def _full(engine):
