@@ -410,6 +410,30 @@ def test_client_sends_multi_modal_inputs(vl_server, tiny_vl_processor):
     assert a.outputs[0].logprobs != b.outputs[0].logprobs
 
 
+def test_client_sends_the_pixel_bounds_the_trainer_processed_with(
+    vl_server, big_proc, tiny_vl_processor
+):
+    """A data processor with non-default ``image_max_pixels`` (16 tokens an image, the model's
+    own: 4): the server, sent the bounds, expands the prompt as the trainer did."""
+    import asyncio
+
+    from polyrl.rollout.client import RolloutClient
+
+    one = _one_placeholder_prompt(big_proc)
+    ids, mm = big_proc.encode(one, images=[_image((30, 90, 150))])
+    assert mm.pixel_bounds == (None, 112 * 112)
+    assert mm.media_payload()["mm_processor_kwargs"] == {"max_pixels": 112 * 112}
+    default_ids = tiny_vl_processor.encode(one, images=[_image((30, 90, 150))])[0]
+    assert len(ids) > len(default_ids)  # the bounds matter for this image
+
+    async def go():
+        async with RolloutClient([vl_server.url]) as client:
+            params = SamplingParams(max_new_tokens=2, temperature=0)
+            return await client.generate(ids, params, multi_modal=mm)
+
+    assert asyncio.run(go()).prompt_ids == ids
+
+
 def test_server_chat_with_image_parts(vl_http):
     url = "data:image/png;base64," + _png_b64(_image((100, 0, 100)))
     msgs = [
@@ -478,6 +502,16 @@ def test_hostile_media_get_4xx_and_the_server_stays_up(vl_http, tiny_vl_processo
         },
         "images for several prompts": {"input_ids": [one, one], "images": [good]},
         "images not a list": {"input_ids": one, "images": good},
+        "upscaling pixel bounds": {
+            "input_ids": one,
+            "images": [good],
+            "mm_processor_kwargs": {"min_pixels": 10**12},
+        },
+        "unknown processor kwargs": {
+            "input_ids": one,
+            "images": [good],
+            "mm_processor_kwargs": {"do_resize": False},
+        },
     }
     expect = {
         "corrupt bytes": "not a readable image",
@@ -492,6 +526,8 @@ def test_hostile_media_get_4xx_and_the_server_stays_up(vl_http, tiny_vl_processo
         "10000-frame video": "10000 frames, more than the limit of 16",
         "images for several prompts": "single prompt",
         "images not a list": "images",
+        "upscaling pixel bounds": "mm_processor_kwargs",
+        "unknown processor kwargs": "mm_processor_kwargs",
     }
     for name, body in cases.items():
         body = {**body, "sampling_params": {"max_new_tokens": 2}}

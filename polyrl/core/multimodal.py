@@ -291,6 +291,9 @@ class MultiModalInputs:
             expansion holds other tokens than the placeholder (SmolVLM wraps each image tile's
             run in marker tokens); empty: item ``k``'s placeholder becomes one run of
             ``token_counts[k]`` placeholder tokens (Qwen2-VL).
+        pixel_bounds: the ``(min_pixels, max_pixels)`` the items were processed with
+            (``None``: the model's own); sent with the sources so that a server processing
+            them again makes the same number of tokens per image.
     """
 
     tensors: dict[str, torch.Tensor]
@@ -299,6 +302,7 @@ class MultiModalInputs:
     token_counts: tuple[int, ...]
     sources: tuple[Any, ...] = ()
     expansions: tuple[tuple[int, ...], ...] = ()
+    pixel_bounds: tuple[int | None, int | None] = (None, None)
 
     def __post_init__(self) -> None:
         n = len(self.kinds)
@@ -322,20 +326,26 @@ class MultiModalInputs:
             return tuple(len(e) for e in self.expansions)
         return self.token_counts
 
-    def media_payload(self) -> dict[str, list[Any]]:
+    def media_payload(self) -> dict[str, Any]:
         """Return the sources as the rollout API's ``images`` / ``videos`` fields (base64).
+
+        Non-default :attr:`pixel_bounds` go along as ``mm_processor_kwargs`` (vLLM's name).
 
         Raises:
             ValueError: the inputs carry no sources.
         """
         if not self.sources:
             raise ValueError("these multi-modal inputs carry no sources to send")
-        out: dict[str, list[Any]] = {"images": [], "videos": []}
+        out: dict[str, Any] = {"images": [], "videos": []}
         for kind, src in zip(self.kinds, self.sources, strict=True):
             if kind == "image":
                 out["images"].append(base64.b64encode(src).decode())
             else:
                 out["videos"].append([base64.b64encode(f).decode() for f in src])
+        bounds = dict(zip(("min_pixels", "max_pixels"), self.pixel_bounds, strict=True))
+        kwargs = {k: int(v) for k, v in bounds.items() if v is not None}
+        if kwargs:
+            out["mm_processor_kwargs"] = kwargs
         return out
 
     def __len__(self) -> int:

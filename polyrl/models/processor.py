@@ -121,7 +121,22 @@ class VisionProcessor:
         self.image_processor = image_processor
         self.limits = limits
         self.token_ids: dict[str, int] = dict(family.token_ids)
+        #: The ``(min_pixels, max_pixels)`` given (``None``: the model's own).
+        self.pixel_bounds: tuple[int | None, int | None] = (min_pixels, max_pixels)
         self._resize = family.resize_kwargs(image_processor, min_pixels, max_pixels)
+        self._resize_by_bounds: dict[tuple[int | None, int | None], Any] = {
+            self.pixel_bounds: self._resize
+        }
+
+    def _resize_for(self, bounds: tuple[int | None, int | None] | None) -> Any:
+        """Return the family's resize arguments for ``bounds`` (``None``: this processor's)."""
+        if bounds is None:
+            return self._resize
+        if bounds not in self._resize_by_bounds:
+            self._resize_by_bounds[bounds] = self.family.resize_kwargs(
+                self.image_processor, *bounds
+            )
+        return self._resize_by_bounds[bounds]
 
     @property
     def merge_size(self) -> int:
@@ -170,6 +185,7 @@ class VisionProcessor:
         order: Sequence[str] | None = None,
         what: str = "prompt",
         allowed_dir: str | os.PathLike[str] | None = None,
+        pixel_bounds: tuple[int | None, int | None] | None = None,
     ) -> MultiModalInputs | None:
         """Decode and process a prompt's images and videos.
 
@@ -179,6 +195,8 @@ class VisionProcessor:
             order: the kinds in prompt order (default: all images, then all videos).
             what: how errors name the prompt.
             allowed_dir: directory that image paths must lie in.
+            pixel_bounds: ``(min_pixels, max_pixels)`` for this call (a rollout server
+                repeating the trainer's processing); ``None``: this processor's own.
 
         Returns:
             The processed inputs, or ``None`` when there are no images and no videos.
@@ -205,15 +223,16 @@ class VisionProcessor:
         digests: dict[str, list[str]] = {"image": [], "video": []}
         expansions: list[tuple[int, ...]] | None = None
         family = self.family
+        resize = self._resize_for(pixel_bounds)
         if decoded:
             image_tensors, counts["image"], expansions = family.process_images(
-                self.image_processor, self.tokenizer, decoded, self._resize
+                self.image_processor, self.tokenizer, decoded, resize
             )
             tensors.update(image_tensors)
             digests["image"] = [image_digest(im) for im in decoded]
         if clips:
             video_tensors, counts["video"] = family.process_videos(
-                self.image_processor, clips, self._resize
+                self.image_processor, clips, resize
             )
             tensors.update(video_tensors)
             digests["video"] = [
@@ -244,6 +263,7 @@ class VisionProcessor:
             sources=tuple(flat_sources),
             # Only image-only families have explicit expansions: they are in image order.
             expansions=tuple(expansions) if expansions is not None else (),
+            pixel_bounds=self.pixel_bounds if pixel_bounds is None else pixel_bounds,
         )
 
     # -------------------------------------------------------------------------- tokens
@@ -271,8 +291,12 @@ class VisionProcessor:
         videos: Sequence[Any] = (),
         what: str = "prompt",
         allowed_dir: str | os.PathLike[str] | None = None,
+        pixel_bounds: tuple[int | None, int | None] | None = None,
     ) -> tuple[list[int], MultiModalInputs | None]:
-        """Process the media of token ids with one placeholder (or a full run) per item."""
+        """Process the media of token ids with one placeholder (or a full run) per item.
+
+        ``pixel_bounds`` as in :meth:`process_media`.
+        """
         order = self.media_order(ids)
         if (order.count("image"), order.count("video")) != (len(images), len(videos)):
             raise MultiModalInputError(
@@ -287,6 +311,7 @@ class VisionProcessor:
                 order=order if images or videos else None,
                 what=what,
                 allowed_dir=allowed_dir,
+                pixel_bounds=pixel_bounds,
             )
             if (images or videos)
             else None

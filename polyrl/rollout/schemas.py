@@ -66,6 +66,7 @@ class GenerateBody(BaseModel):
     session_id: str | None = None
     images: list[Any] | None = None
     videos: list[list[Any]] | None = None
+    mm_processor_kwargs: dict[str, int] | None = None
 
 
 class AbortBody(BaseModel):

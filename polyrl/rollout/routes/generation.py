@@ -45,7 +45,10 @@ _GENERATE_FIELDS = {
     "session_id",
     "images",
     "videos",
+    "mm_processor_kwargs",
 }
+
+_PIXEL_BOUND_KEYS = ("min_pixels", "max_pixels")
 
 
 def _media_fields(body: dict[str, Any]) -> tuple[list[Any], list[Any]]:
@@ -55,6 +58,40 @@ def _media_fields(body: dict[str, Any]) -> tuple[list[Any], list[Any]]:
     if not isinstance(videos, list) or not all(isinstance(v, list) for v in videos):
         raise InvalidRequestError("videos must be a list of frame lists", param="videos")
     return images, videos
+
+
+def _pixel_bounds(
+    body: dict[str, Any], max_image_pixels: int
+) -> tuple[int | None, int | None] | None:
+    """Return the request's ``mm_processor_kwargs`` as ``(min_pixels, max_pixels)``, or None.
+
+    A trainer whose data processor used other pixel bounds than the model's sends them, so
+    the server makes the same number of tokens per image. Both are capped at what the server
+    decodes at all: a larger bound would only upscale an image into a bigger tensor.
+    """
+    kwargs = body.get("mm_processor_kwargs")
+    if kwargs is None:
+        return None
+    if not isinstance(kwargs, dict) or set(kwargs) - set(_PIXEL_BOUND_KEYS):
+        raise InvalidRequestError(
+            f"mm_processor_kwargs takes only {', '.join(_PIXEL_BOUND_KEYS)}; got "
+            f"{sorted(kwargs) if isinstance(kwargs, dict) else type(kwargs).__name__}",
+            param="mm_processor_kwargs",
+        )
+    bounds = []
+    for key in _PIXEL_BOUND_KEYS:
+        value = kwargs.get(key)
+        ok = value is None or (
+            isinstance(value, int) and not isinstance(value, bool) and 0 < value <= max_image_pixels
+        )
+        if not ok:
+            raise InvalidRequestError(
+                f"mm_processor_kwargs.{key} must be a whole number of pixels from 1 to "
+                f"{max_image_pixels}; got {value!r}",
+                param="mm_processor_kwargs",
+            )
+        bounds.append(value)
+    return bounds[0], bounds[1]
 
 
 async def attach_media(
@@ -90,6 +127,7 @@ async def attach_media(
             param="images",
         )
     req = requests[0]
+    bounds = _pixel_bounds(body, vision.limits.max_image_pixels)
 
     def encode() -> tuple[list[int], Any]:
         return vision.encode(
@@ -98,6 +136,7 @@ async def attach_media(
             videos,
             what="request",
             allowed_dir=limits.allowed_media_dir,
+            pixel_bounds=bounds,
         )
 
     try:
@@ -107,6 +146,8 @@ async def attach_media(
             ids, mm = encode()
     except MultiModalInputError as exc:
         raise InvalidRequestError(str(exc), param="images" if images else "videos") from None
+    except ValueError as exc:  # pixel bounds the model family refuses
+        raise InvalidRequestError(str(exc), param="mm_processor_kwargs") from None
     return [dataclasses.replace(req, prompt_ids=tuple(ids), multi_modal=mm)]
 
 
