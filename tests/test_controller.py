@@ -488,6 +488,10 @@ def test_dead_and_stopped_workers_are_reported_and_shutdown_cleans_up(request, b
         with pytest.raises(WorkerDiedError) as info:
             group.fail_on(-1)
         assert info.value.rank == 0 and info.value.method == "fail_on"
+        # Where it ran, for the run's message.
+        rank0 = group.worker_info[0]
+        assert (info.value.pid, info.value.node_id) == (pids[0], rank0.node_id)
+        assert f"pid {pids[0]} on node {rank0.node_ip}" in info.value.where
         assert time.monotonic() - start < 2.0 + 3.0
     finally:
         group.shutdown()

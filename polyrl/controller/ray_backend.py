@@ -96,6 +96,10 @@ def _convert(exc: BaseException, rank: int | None, label: str) -> BaseException:
     return exc
 
 
+#: How much of the end of a rank's log :meth:`RayBackend.log_tail` reads.
+_LOG_TAIL_BYTES = 64 * 1024
+
+
 def _logs_dir() -> Path | None:
     """Return this node's Ray session log folder (``None`` when Ray does not run here)."""
     try:
@@ -328,13 +332,16 @@ class RayBackend(Backend):
         if not 0 <= rank < len(self.infos):
             return ""
         logs = _logs_dir()
-        if logs is None:
-            return ""
-        pid = self.infos[rank].pid
+        info = self.infos[rank]
+        if logs is None or info.node_id != ray.get_runtime_context().get_node_id():
+            return ""  # another node's log folder is not readable from here
         for suffix in ("err", "out"):
             lines: list[str] = []
-            for path in sorted(logs.glob(f"worker-*-{pid}.{suffix}")):
-                lines += plain_log_lines(path.read_text(errors="replace"))
+            for path in sorted(logs.glob(f"worker-*-{info.pid}.{suffix}")):
+                with path.open("rb") as f:
+                    # The end is enough, and a long run's log may be large.
+                    f.seek(max(0, f.seek(0, os.SEEK_END) - _LOG_TAIL_BYTES))
+                    lines += plain_log_lines(f.read().decode(errors="replace"))
             if lines:
                 return "\n".join(lines[-max_lines:])
         return ""
