@@ -106,3 +106,22 @@ def test_tensor_parallel_ranks_train_on_the_same_rows(straight):
     assert two["critic/score/mean"] == one["critic/score/mean"]
     for key in ("actor/grad_norm", "actor/entropy", "actor/pg_loss"):
         assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), key
+
+
+@pytest.mark.timeout(1800)
+def test_expert_parallel_grpo_matches_one_rank(tmp_path):
+    # EP ranks are data-parallel for the dense weights (their own rows); the MoE tokens travel
+    # between them. One step of the two-rank EP 2 run must match the one-rank run's.
+    moe = ("model.tiny_arch=qwen3_moe",)
+    one = _train(tmp_path, "ep1", 1, *moe)[1]
+    two = _train(
+        tmp_path,
+        "ep2",
+        1,
+        *moe,
+        "actor.megatron.expert_model_parallel_size=2",
+        "trainer.n_gpus_per_node=2",
+    )[1]
+    assert two["critic/score/mean"] == one["critic/score/mean"]
+    for key in ("actor/grad_norm", "actor/entropy", "actor/pg_loss"):
+        assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), key
