@@ -27,9 +27,11 @@ demo-vlm: $(STAMP)
 # Lint first: it takes seconds, and a broken layer contract should fail before the suite runs.
 # Two pytest workers (one per core of the CI machine), a test file per worker at a time so
 # module fixtures are shared: the end-to-end tests spend much of their time starting
-# processes and waiting on servers, which the other worker fills. PYTEST_WORKERS=0 runs serially.
+# processes and waiting on servers, which the other worker fills. The files go out in the order
+# tests/conftest.py gives them (heaviest first), not xdist's (most tests first), so that both
+# workers end on quick files together. PYTEST_WORKERS=0 runs serially.
 PYTEST_WORKERS ?= 2
-XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
+XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 test: lint
 	@$(PY) -m pytest $(XDIST) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc

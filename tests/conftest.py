@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from collections import Counter
 
 import pytest
 
@@ -14,6 +15,30 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Order the test files heaviest first: those with the most ``slow`` tests, then the most tests.
+
+    ``make test`` hands whole files to two workers in collection order (``--dist loadfile
+    --no-loadscope-reorder``). xdist's own order (most tests first) left the files of one or
+    two long end-to-end tests for last, where one worker ran them while the other sat idle;
+    ending on files of quick tests lets both workers finish together. The order inside a file
+    is kept (a stable sort on a key that is the same for all of a file's tests). Serial runs keep
+    pytest's order.
+    """
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+
+    def file_of(item: pytest.Item) -> str:
+        return item.nodeid.split("::")[0]
+
+    slow: Counter[str] = Counter()
+    tests: Counter[str] = Counter()
+    for item in items:
+        tests[file_of(item)] += 1
+        slow[file_of(item)] += item.get_closest_marker("slow") is not None
+    items.sort(key=lambda item: (-slow[file_of(item)], -tests[file_of(item)], file_of(item)))
 
 
 @pytest.fixture

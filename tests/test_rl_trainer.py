@@ -546,18 +546,16 @@ def test_grpo_on_a_tp_or_sp_mesh_resumes_exactly(tmp_path, axis):
 
 
 @pytest.mark.slow
-def test_compute_dtype_sets_the_engines_mixed_precision(tmp_path):
+def test_compute_dtype_sets_the_engines_mixed_precision(tmp_path, full_forward_steps):
     # The old log-probs are recomputed by the actor engine (two epochs); at step 1 the rollout
     # server holds the same fp32 weights, so with fp32 rollout matmuls their gap to the server's
     # log-probs is the engine's compute precision: rounding noise in fp32, bf16 rounding with
     # bfloat16 compute. rollout.matmul_dtype=auto follows the compute dtype, which changes the
     # server's log-probs (same seeds otherwise, so an ignored option would give the same gap).
-    gaps = {}
-    for dtype, rollout_matmul in (
-        ("float32", "auto"),
-        ("bfloat16", "float32"),
-        ("bfloat16", "auto"),
-    ):
+    # float32 with auto matmuls is the full_forward_steps run (its step 1 is the same as a
+    # one-step run's: the gap is measured before the first update).
+    records = {"float32-auto": full_forward_steps[0]}
+    for dtype, rollout_matmul in (("bfloat16", "float32"), ("bfloat16", "auto")):
         name = f"{dtype}-{rollout_matmul}"
         cfg = load_config(
             "demo",
@@ -572,7 +570,9 @@ def test_compute_dtype_sets_the_engines_mixed_precision(tmp_path):
             ),
         )
         RLTrainer(cfg).fit()
-        (record,) = [r for r in _records(tmp_path / name) if "critic/score/mean" in r]
+        (records[name],) = [r for r in _records(tmp_path / name) if "critic/score/mean" in r]
+    gaps = {}
+    for name, record in records.items():
         assert math.isfinite(record["actor/pg_loss"]) and math.isfinite(record["actor/grad_norm"])
         gaps[name] = record["rollout/log_prob_gap"]
     assert gaps["float32-auto"] < 1e-5 and gaps["bfloat16-float32"] > 1e-4, gaps
@@ -901,29 +901,48 @@ def test_dapo_dynamic_sampling_fills_the_batch_and_shapes_overlong_rewards(tmp_p
         trainer.close()
 
 
+def _steps(cfg, steps: int) -> list[dict]:
+    """The metrics of ``steps`` steps of a run of ``cfg`` (set up, stepped and closed here)."""
+    trainer = RLTrainer(cfg)
+    try:
+        trainer.setup()
+        return [trainer.step(step) for step in range(1, steps + 1)]
+    finally:
+        trainer.close()
+
+
+def _full_forward_overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
+    return _e2e_overrides(
+        tmp_path,
+        name,
+        "trainer.worker_backend=local",
+        "trainer.total_steps=2",
+        "actor.ppo_epochs=2",  # old log-probs are computed by the actor engine too
+        "model.compute_dtype=float32",  # what auto resolves to on CPU, said for the dtype test
+        *extra,
+    )
+
+
+@pytest.fixture(scope="module")
+def full_forward_steps(tmp_path_factory) -> list[dict]:
+    """The two steps' metrics of a local fp32 run with two PPO epochs and no prefix sharing.
+
+    The baseline of the shared-prefix and the compute-dtype tests, run once for both: each
+    compares runs that differ from it in one option.
+    """
+    tmp_path = tmp_path_factory.mktemp("full_forward")
+    cfg = load_config("demo", _full_forward_overrides(tmp_path, "full", "actor.share_prefix=false"))
+    return _steps(cfg, 2)
+
+
 @pytest.mark.slow
-def test_shared_prefix_update_gives_the_metrics_of_a_full_forward(tmp_path):
+def test_shared_prefix_update_gives_the_metrics_of_a_full_forward(tmp_path, full_forward_steps):
     """actor.share_prefix changes the positions the actor runs on, not the step's numbers."""
-    runs = {}
-    for share in (True, False):
-        cfg = load_config(
-            "demo",
-            _e2e_overrides(
-                tmp_path,
-                f"share_{share}",
-                "trainer.worker_backend=local",
-                "trainer.total_steps=2",
-                "actor.ppo_epochs=2",  # old log-probs are computed (and shared) too
-                f"actor.share_prefix={str(share).lower()}",
-            ),
-        )
-        trainer = RLTrainer(cfg)
-        try:
-            trainer.setup()
-            runs[share] = [trainer.step(step) for step in (1, 2)]
-        finally:
-            trainer.close()
-    for shared, full in zip(runs[True], runs[False], strict=True):
+    cfg = load_config(
+        "demo", _full_forward_overrides(tmp_path, "shared", "actor.share_prefix=true")
+    )
+    shared_steps = _steps(cfg, 2)
+    for shared, full in zip(shared_steps, full_forward_steps, strict=True):
         assert shared["response_length/mean"] == full["response_length/mean"]
         assert shared["critic/score/mean"] == full["critic/score/mean"]
         for key in ("actor/pg_loss", "actor/ppo_kl", "actor/entropy", "actor/grad_norm"):

@@ -682,95 +682,116 @@ def test_ray_sync_calls_from_an_async_actor_and_a_running_loop(ray_session, ray_
     ray.kill(user)
 
 
+# The acceptance test's sizes: 10,000 samples in groups of 4, 3 producers and 3 consumers.
+_GROUP_SIZE, _N_GROUPS, _N_PRODUCERS, _N_CONSUMERS = 4, 2500, 3, 3
+
+
+class _AcceptanceProducer:
+    """Puts the rows of its share of the groups, a random number of groups at a time."""
+
+    def run(self, queue, gids, seed):
+        rng = np.random.default_rng(seed)
+        pos = 0
+        while pos < len(gids):
+            k = int(rng.integers(1, 40))
+            queue.put(_group_batch(gids[pos : pos + k], _GROUP_SIZE), "acc")
+            pos = min(pos + k, len(gids))
+            time.sleep(float(rng.uniform(0, 0.01)))
+        return pos
+
+
+class _AcceptanceConsumer:
+    """Reads every sample once with the group sampler, in batches of random sizes, checking
+    that groups arrive whole and (for a fifth of the batches) that every row is what was put."""
+
+    def run(self, queue, name, seed):
+        total = _GROUP_SIZE * _N_GROUPS
+        rng = np.random.default_rng(seed)
+        ids, split, bad, got = [], 0, 0, 0
+        while got < total:
+            bs = min(int(rng.choice([8, 16, 64, 256])), total - got)
+            meta = queue.get_meta(
+                ["input_ids", "uid", "response_ids"],
+                bs,
+                "acc",
+                name,
+                sampler="group",
+                group_size=_GROUP_SIZE,
+                timeout=120,
+            )
+            data = queue.get_data(meta, list(_group_batch([0], 1).keys()))
+            counts: dict[str, int] = {}
+            for g in meta.groups:
+                counts[g] = counts.get(g, 0) + 1
+            split += sum(c != _GROUP_SIZE for c in counts.values())
+            bad += _check_group_rows(data) if rng.random() < 0.2 else 0
+            bad += sum(data["uid"][i] != g for i, g in enumerate(meta.groups))
+            ids.extend(meta.sample_ids)
+            got += len(meta)
+            time.sleep(float(rng.uniform(0, 0.01)))
+        return ids, split, bad
+
+
+@pytest.fixture(scope="module")
+def acceptance_actors(ray_session):
+    """The acceptance test's producer and consumer actors, started once for both of its runs.
+
+    Each actor's start imports torch and polyrl in a new Ray worker: most of a run's time. The
+    queue each run uses is an argument of ``run``, so both runs drive the same actors.
+    """
+    import sys
+
+    from ray import cloudpickle
+
+    ray = ray_session
+    # The actors are classes of this module, which Ray workers cannot import by name.
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    try:
+        producer, consumer = (
+            ray.remote(num_cpus=0)(cls) for cls in (_AcceptanceProducer, _AcceptanceConsumer)
+        )
+        producers = [producer.remote() for _ in range(_N_PRODUCERS)]
+        consumers = [consumer.remote() for _ in range(_N_CONSUMERS)]
+    finally:
+        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+    yield producers, consumers
+    for actor in producers + consumers:
+        ray.kill(actor)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("segments", [False, True], ids=["inline", "segments"])
-def test_ray_acceptance_concurrent_producers_and_consumers(ray_session, ray_queue, segments):
+def test_ray_acceptance_concurrent_producers_and_consumers(
+    ray_session, ray_queue, acceptance_actors, segments
+):
     """10,000 samples, 3 producer and 3 consumer actors with random timing, group sampler.
 
     ``segments``: every put, however small, travels in a shared-memory segment and is committed
     through the controller's socket (``direct_bytes=0``), so segment reuse and the socket are
     exercised under the same concurrency.
     """
-    import sys
-
-    from ray import cloudpickle
-
     from polyrl.transfer import RayTransferQueue
 
-    ray = ray_session
-    producer_queue = RayTransferQueue.connect(ray_queue.name, direct_bytes=0) if segments else None
-    # The actors call helpers of this module, which Ray workers cannot import by name.
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    try:
-        _acceptance(ray, ray_queue, producer_queue or ray_queue)
-    finally:
-        cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
-
-
-def _acceptance(ray, q, producer_queue):
-    group_size, n_groups, n_prod, n_cons = 4, 2500, 3, 3
-    total = group_size * n_groups
-
-    @ray.remote(num_cpus=0)
-    class Producer:
-        def __init__(self, queue):
-            self.q = queue
-
-        def run(self, gids, seed):
-            rng = np.random.default_rng(seed)
-            pos = 0
-            while pos < len(gids):
-                k = int(rng.integers(1, 40))
-                self.q.put(_group_batch(gids[pos : pos + k], group_size), "acc")
-                pos = min(pos + k, len(gids))
-                time.sleep(float(rng.uniform(0, 0.01)))
-            return pos
-
-    @ray.remote(num_cpus=0)
-    class Consumer:
-        def __init__(self, queue, name):
-            self.q, self.name = queue, name
-
-        def run(self, seed):
-            rng = np.random.default_rng(seed)
-            ids, split, bad, got = [], 0, 0, 0
-            while got < total:
-                bs = min(int(rng.choice([8, 16, 64, 256])), total - got)
-                meta = self.q.get_meta(
-                    ["input_ids", "uid", "response_ids"],
-                    bs,
-                    "acc",
-                    self.name,
-                    sampler="group",
-                    group_size=group_size,
-                    timeout=120,
-                )
-                data = self.q.get_data(meta, list(_group_batch([0], 1).keys()))
-                counts: dict[str, int] = {}
-                for g in meta.groups:
-                    counts[g] = counts.get(g, 0) + 1
-                split += sum(c != group_size for c in counts.values())
-                bad += _check_group_rows(data) if rng.random() < 0.2 else 0
-                bad += sum(data["uid"][i] != g for i, g in enumerate(meta.groups))
-                ids.extend(meta.sample_ids)
-                got += len(meta)
-                time.sleep(float(rng.uniform(0, 0.01)))
-            return ids, split, bad
-
-    producers = [Producer.remote(producer_queue) for _ in range(n_prod)]
-    consumers = [Consumer.remote(q, f"cons{i}") for i in range(n_cons)]
-    gids = list(range(n_groups))
+    ray, q = ray_session, ray_queue
+    producer_queue = RayTransferQueue.connect(q.name, direct_bytes=0) if segments else q
+    producers, consumers = acceptance_actors
+    total = _GROUP_SIZE * _N_GROUPS
+    gids = list(range(_N_GROUPS))
     t0 = time.monotonic()
-    crefs = [c.run.remote(100 + i) for i, c in enumerate(consumers)]
-    prefs = [p.run.remote(gids[i::n_prod], i) for i, p in enumerate(producers)]
-    assert sum(ray.get(prefs, timeout=300)) == n_groups
+    crefs = [c.run.remote(q, f"cons{i}", 100 + i) for i, c in enumerate(consumers)]
+    prefs = [
+        p.run.remote(producer_queue, gids[i::_N_PRODUCERS], i) for i, p in enumerate(producers)
+    ]
+    assert sum(ray.get(prefs, timeout=300)) == _N_GROUPS
     results = ray.get(crefs, timeout=300)
     elapsed = time.monotonic() - t0
     for ids, split, bad in results:
         assert split == 0 and bad == 0
         assert len(ids) == total and sorted(ids) == list(range(total))  # none lost or doubled
     st = q.status("acc")["partitions"]["acc"]
-    assert st["samples"] == total and st["consumers"] == {f"cons{i}": total for i in range(3)}
+    assert st["samples"] == total and st["consumers"] == {
+        f"cons{i}": total for i in range(_N_CONSUMERS)
+    }
     # Every sample's data, fetched by the driver, equals what was put.
     meta = q.get_meta(["input_ids"], None, "acc", "driver")
     data = q.get_data(meta, ["uid", "input_ids", "attention_mask", "score", "half", "text"])
@@ -780,8 +801,6 @@ def _acceptance(ray, q, producer_queue):
     after = q.storage_bytes()
     assert before > total * 12 * 8 * 2 and after == 0, (before, after)
     print(f"acceptance: {total} samples in {elapsed:.1f} s")
-    for a in producers + consumers:
-        ray.kill(a)
 
 
 @pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "object-store"])
