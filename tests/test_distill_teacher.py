@@ -115,3 +115,21 @@ def test_teacher_options_are_checked_by_name(overrides, key):
 
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         check_teachers(load_config("grpo", overrides))
+
+
+def test_streamed_generate_carries_the_prompt_log_probs_once(agent_server):
+    import json
+
+    import httpx
+
+    body = {
+        "input_ids": [5, 9, 14, 3],
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 3, "n": 2, "prompt_logprobs": 2, "seed": 1},
+    }
+    with httpx.stream("POST", f"{agent_server.url}/generate", json=body, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line[6:7] == "{"]
+    scored = [e for e in events if "prompt_logprobs" in e]
+    assert len(scored) == 1 and scored[0]["index"] == 0
+    assert scored[0]["prompt_logprobs"][0] is None and len(scored[0]["prompt_logprobs"]) == 4
+    assert [len(alts) for alts in scored[0]["prompt_top_logprobs"]] == [0, 2, 2, 2]

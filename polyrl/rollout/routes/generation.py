@@ -232,18 +232,20 @@ def generation_router(
             async def events() -> AsyncIterator[bytes]:
                 try:
                     async for d in streams[0]:
-                        yield sse(
-                            {
-                                "request_id": key,
-                                "index": d.index,
-                                "token_ids": d.token_ids,
-                                "logprobs": d.logprobs,
-                                "top_logprobs": d.top_logprobs,
-                                "finish_reason": d.finish_reason,
-                                "stop_reason": d.stop_reason,
-                                "weight_version": d.weight_version,
-                            }
-                        )
+                        event = {
+                            "request_id": key,
+                            "index": d.index,
+                            "token_ids": d.token_ids,
+                            "logprobs": d.logprobs,
+                            "top_logprobs": d.top_logprobs,
+                            "finish_reason": d.finish_reason,
+                            "stop_reason": d.stop_reason,
+                            "weight_version": d.weight_version,
+                        }
+                        if d.prompt_logprobs is not None:  # once, on a delta of sample 0
+                            event["prompt_logprobs"] = d.prompt_logprobs
+                            event["prompt_top_logprobs"] = d.prompt_top_logprobs
+                        yield sse(event)
                     yield SSE_DONE
                 finally:
                     await table.close_streams(streams, key)
