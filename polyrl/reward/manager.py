@@ -567,10 +567,10 @@ class RewardManager:
             "reward/garbage": float(statuses.count("garbage")),
             "reward/time_s": float(elapsed),
         }
-        if self._pool is not None:
-            # Since the manager started: a killed worker's item was scored again, so the run
-            # lost nothing, but it happened.
-            metrics[WORKER_DEATHS] = float(self._pool.deaths)
+        # Since the manager started: a killed worker's item was scored again, so the run lost
+        # nothing, but it happened. In-process scoring has no workers to lose: 0, so that a run's
+        # metric columns do not depend on reward.num_workers.
+        metrics[WORKER_DEATHS] = float(self._pool.deaths) if self._pool is not None else 0.0
         if n:
             metrics.update(
                 {
