@@ -107,8 +107,13 @@ def _run_concurrently(args: argparse.Namespace, out: Path, sft_dir: str, files: 
             *("--rl-steps", str(args.rl_steps), "--window", str(args.window)),
             *("--sft-model", sft_dir, "--files", *files),
         ]
-        log = (out / f"{name}.log").open("w")
-        procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        log_path = out / f"{name}.log"
+        with log_path.open("w") as log:
+            procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        # One start-up at a time: several at once on a crowded machine overrun the worker
+        # groups' start-up timeout. The trainer prints its run header once engines are up.
+        while procs[name].poll() is None and "[rl] model " not in log_path.read_text():
+            time.sleep(2)
     figures: dict = {}
     for name, proc in procs.items():
         if proc.wait() != 0:
