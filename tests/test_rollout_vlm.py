@@ -61,12 +61,17 @@ def big_proc(tiny_vl_dir):
     return VisionProcessor.from_pretrained(tiny_vl_dir, max_pixels=112 * 112)
 
 
-@pytest.fixture(scope="module")
-def vl_engine(tiny_vl_dir):
-    eng = NativeEngine(tiny_vl_dir, NativeEngineConfig(**SMALL))
+def _started_engine(model_dir):
+    """A started native engine of ``model_dir``, shut down when the fixture ends."""
+    eng = NativeEngine(model_dir, NativeEngineConfig(**SMALL))
     eng.start()
     yield eng
     eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def vl_engine(tiny_vl_dir):
+    yield from _started_engine(tiny_vl_dir)
 
 
 @pytest.fixture(scope="module")
@@ -78,10 +83,7 @@ def hf_vl(tiny_vl_dir):
 
 @pytest.fixture(scope="module")
 def smol_engine(tiny_smolvlm_dir):
-    eng = NativeEngine(tiny_smolvlm_dir, NativeEngineConfig(**SMALL))
-    eng.start()
-    yield eng
-    eng.shutdown()
+    yield from _started_engine(tiny_smolvlm_dir)
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +95,7 @@ def hf_smol(tiny_smolvlm_dir):
 
 @pytest.fixture(scope="module")
 def q25_engine(tiny_qwen2_5_vl_dir):
-    eng = NativeEngine(tiny_qwen2_5_vl_dir, NativeEngineConfig(**SMALL))
-    eng.start()
-    yield eng
-    eng.shutdown()
+    yield from _started_engine(tiny_qwen2_5_vl_dir)
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -164,19 +165,15 @@ def build_seq_media(
     ):
         placeholder = token_ids[kind]
         expansion = inputs.expansion(k, placeholder)
+        # (prompt position, first embedding row, length) of each placeholder run.
         runs: list[tuple[int, int, int]] = []
-        row = 0
-        i = 0
-        while i < len(expansion):
-            if expansion[i] != placeholder:
-                i += 1
-                continue
-            j = i
-            while j < len(expansion) and expansion[j] == placeholder:
-                j += 1
-            runs.append((start + i, row, j - i))
-            row += j - i
-            i = j
+        row = at = 0
+        for token, group in itertools.groupby(expansion):
+            length = sum(1 for _ in group)
+            if token == placeholder:
+                runs.append((start + at, row, length))
+                row += length
+            at += length
         items.append(
             MediaItem(
                 kind=kind,
