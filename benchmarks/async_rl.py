@@ -21,7 +21,6 @@ async over sync samples per second.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -102,38 +101,15 @@ def _keep_rollout_pinned(stop: threading.Event, engine_in_process: bool = True) 
 
 
 def warm_up(workdir: Path) -> tuple[str, list[str], list[str]]:
-    """Run the demo's SFT warm-up; return the checkpoint and the data files."""
-    from polyrl.config import load_config
-    from polyrl.data.tasks import write_task_splits
-    from polyrl.models.tiny import build_tiny_model
-    from polyrl.trainer.sft import run_sft
+    """Run the demo's SFT warm-up (reused when ``workdir`` holds a finished one).
 
-    cfg = load_config("demo", [f"trainer.output_dir={workdir}"])
-    done = workdir / "sft" / "hf_model"
-    train, test = workdir / "data" / "train.parquet", workdir / "data" / "test.parquet"
-    if (done / "config.json").exists() and train.exists() and test.exists():
-        return str(done), [str(train)], [str(test)]  # a warm-up this workdir already holds
-    model = build_tiny_model(
-        cfg.model.tiny_arch, workdir / "model", size=cfg.model.tiny_size, seed=cfg.seed
-    )
-    train, test = write_task_splits(
-        cfg.data.task,
-        workdir / "data",
-        cfg.data.num_train,
-        cfg.data.num_val,
-        seed=cfg.seed_for("data"),
-        **cfg.data.task_options,
-    )
-    sft_cfg = dataclasses.replace(
-        cfg,
-        model=dataclasses.replace(cfg.model, path=str(model)),
-        data=dataclasses.replace(cfg.data, task="", train_files=[str(train)], val_files=[]),
-        trainer=dataclasses.replace(
-            cfg.trainer, output_dir=str(workdir / "sft"), save_freq=0, loggers=["jsonl"]
-        ),
-        sft=dataclasses.replace(cfg.sft, export_hf=True),
-    )
-    return str(run_sft(sft_cfg)["hf_model"]), [str(train)], [str(test)]
+    Returns the warmed-up checkpoint, the train files and the held-out files.
+    """
+    from polyrl import demo
+    from polyrl.config import load_config
+
+    done = demo.warm_up(load_config("demo", [f"trainer.output_dir={workdir}"]))
+    return str(done.sft["hf_model"]), list(done.data.train_files), list(done.data.val_files)
 
 
 def run_mode(
