@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from polyrl.model_engine.megatron import cpu_patches
+from polyrl.model_engine.megatron.engine import PLAIN_KERNELS
 
 SEQ, MICRO_BATCH, MICRO_BATCHES, VOCAB = 16, 2, 2, 128
 
@@ -71,12 +72,7 @@ def _build(pp: int) -> Any:
         params_dtype=torch.float32,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        **PLAIN_KERNELS,
     )
     model = GPTModel(
         config=config,

@@ -86,6 +86,17 @@ from polyrl.model_engine.optim import apply_configured_schedule, build_optimizer
 __all__ = ["MegatronEngine"]
 
 _STATE_FORMAT = "polyrl-megatron-engine"
+
+#: ``TransformerConfig`` switches that turn Megatron's fusions off: they are CUDA kernels or
+#: torch.compile'd functions; the plain paths run anywhere and are exact.
+PLAIN_KERNELS: dict[str, bool] = {
+    "bias_activation_fusion": False,
+    "bias_dropout_fusion": False,
+    "apply_rope_fusion": False,
+    "masked_softmax_fusion": False,
+    "gradient_accumulation_fusion": False,
+    "persist_layer_norm": False,
+}
 #: Tokenizer / generation files copied next to an exported model.
 _COPIED_FILES = (
     "generation_config.json",
@@ -326,13 +337,7 @@ class MegatronEngine(TrainingEngine):
             qk_layernorm=layout.qk_norm,
             hidden_dropout=0.0,
             attention_dropout=0.0,
-            # Fusions are CUDA kernels or torch.compile'd functions; the plain paths are exact.
-            bias_activation_fusion=False,
-            bias_dropout_fusion=False,
-            apply_rope_fusion=False,
-            masked_softmax_fusion=False,
-            gradient_accumulation_fusion=False,
-            persist_layer_norm=False,
+            **PLAIN_KERNELS,
             **moe,
         )
 
