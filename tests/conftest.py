@@ -128,6 +128,26 @@ def tiny_qwen2_5_vl_processor(tiny_qwen2_5_vl_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_vl_dir(tmp_path_factory):
+    """A qwen3_vl tiny vision-language model (seed 0), built once per session; read-only.
+
+    Nano with 2 decoder layers; 16-pixel patches, images resized to about 64 x 64 (2 x 2
+    tokens); DeepStack features of the first vision block added after the first decoder layer.
+    """
+    from polyrl.models.tiny import build_tiny_model
+
+    return build_tiny_model("qwen3_vl", tmp_path_factory.mktemp("tiny") / "qwen3-vl", layers=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_vl_processor(tiny_qwen3_vl_dir):
+    """The :class:`~polyrl.models.processor.VisionProcessor` of ``tiny_qwen3_vl_dir``."""
+    from polyrl.models.processor import load_vision_processor
+
+    return load_vision_processor(tiny_qwen3_vl_dir)
+
+
+@pytest.fixture(scope="session")
 def tiny_smolvlm_dir(tmp_path_factory):
     """A nano smolvlm tiny vision-language model (seed 0), built once per session; read-only.
 

@@ -134,7 +134,7 @@ def test_describe_lists_every_leaf_option_once():
     assert by_key["trainer.total_steps"].type == "int"
     assert (
         by_key["model.tiny_arch"].type
-        == "{qwen2,llama,qwen3,qwen3_moe,qwen2_vl,qwen2_5_vl,smolvlm}"
+        == "{qwen2,llama,qwen3,qwen3_moe,qwen2_vl,qwen2_5_vl,qwen3_vl,smolvlm}"
     )
     assert by_key["trainer.loggers"].type.startswith("list[{console,jsonl")
     assert by_key["model.trust_remote_code"].default is False

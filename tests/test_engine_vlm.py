@@ -41,6 +41,7 @@ LAYOUTS = {
 FAMILIES = {
     "qwen2_vl": ("tiny_vl_dir", "tiny_vl_processor", ("model.visual.",)),
     "qwen2_5_vl": ("tiny_qwen2_5_vl_dir", "tiny_qwen2_5_vl_processor", ("model.visual.",)),
+    "qwen3_vl": ("tiny_qwen3_vl_dir", "tiny_qwen3_vl_processor", ("model.visual.",)),
     "smolvlm": (
         "tiny_smolvlm_dir",
         "tiny_smolvlm_processor",
@@ -51,8 +52,15 @@ FAMILIES = {
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "smolvlm"])
 def family(request):
-    # Qwen2.5-VL shares Qwen2-VL's engine path: only the log-prob parity runs it.
+    # Qwen2.5-VL shares Qwen2-VL's engine path: only the log-prob parity runs it. Qwen3-VL
+    # (DeepStack) runs in the parity, freezing, LoRA and export tests (WITH_QWEN3_VL).
     return request.param
+
+
+#: The module's families plus Qwen3-VL, for the tests whose path differs for DeepStack.
+WITH_QWEN3_VL = pytest.mark.parametrize(
+    "family", ["qwen2_vl", "smolvlm", "qwen3_vl"], indirect=True, scope="module"
+)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +111,9 @@ def _vlm_spec(path, **kwargs):
 @pytest.mark.parametrize(
     ("family", "layout"),
     [("qwen2_vl", layout) for layout in sorted(LAYOUTS)]
-    + [("smolvlm", "padded"), ("smolvlm", "packed"), ("qwen2_5_vl", "packed")],
+    + [("smolvlm", "padded"), ("smolvlm", "packed"), ("qwen2_5_vl", "packed")]
+    # Qwen3-VL: padded repeats row 0's image and DeepStack features for row 3 (encode_once).
+    + [("qwen3_vl", "padded"), ("qwen3_vl", "packed")],
     indirect=["family"],
 )
 def test_log_probs_with_images_equal_the_hf_models_own(engines, vl_dir, batch, reference, layout):
@@ -190,6 +200,7 @@ def _full(engine):
     return {k: v.clone() for k, v in engine.named_tensors()}
 
 
+@WITH_QWEN3_VL
 def test_freeze_vision_tower_trains_the_language_model_only(engines, family, vl_dir, batch):
     engine = engines(
         _vlm_spec(vl_dir, freeze_vision_tower=True),
@@ -200,12 +211,14 @@ def test_freeze_vision_tower_trains_the_language_model_only(engines, family, vl_
 
     # The vision tower is sharded unit by unit, like the decoder layers.
     inner = engine.model.model
-    if family == "qwen2_vl":
+    if family != "smolvlm":
         blocks, projection = inner.visual.blocks, inner.visual.merger
     else:
         blocks, projection = inner.vision_model.encoder.layers, inner.connector
     assert all(isinstance(b, FSDPModule) for b in blocks)
     assert isinstance(projection, FSDPModule)
+    if family == "qwen3_vl":
+        assert all(isinstance(m, FSDPModule) for m in inner.visual.deepstack_merger_list)
     optimised = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
     tower = [p for n, p in engine.model.named_parameters() if _in_tower(family, n)]
     assert tower and not any(id(p) in optimised or p.requires_grad for p in tower)
@@ -257,6 +270,7 @@ def _value_loss(output, mb):
     return loss, {}
 
 
+@WITH_QWEN3_VL
 def test_lora_adapts_the_language_model_only(engines, family, vl_dir, hf_model, batch, reference):
     pytest.importorskip("peft")
     engine = engines(
@@ -264,7 +278,7 @@ def test_lora_adapts_the_language_model_only(engines, family, vl_dir, hf_model, 
         EngineConfig(device="cpu", **LAYOUTS["packed"]),
         OptimizerConfig(lr=1e-2),
     )
-    lm = "model.language_model." if family == "qwen2_vl" else "model.text_model."
+    lm = "model.text_model." if family == "smolvlm" else "model.language_model."
     layers = list(engine._lora.scaling)
     assert layers and all(n.startswith(lm) for n in layers)
     trainable = [n for n, p in engine.model.named_parameters() if p.requires_grad]
@@ -277,6 +291,7 @@ def test_lora_adapts_the_language_model_only(engines, family, vl_dir, hf_model, 
     assert names == {n for n, _ in hf_model.named_parameters()}
 
 
+@WITH_QWEN3_VL
 def test_named_tensors_export_and_checkpoint_keep_the_vision_tower(
     engines, family, vl_dir, vl_processor, hf_model, batch, tmp_path
 ):

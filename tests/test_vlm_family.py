@@ -1,7 +1,8 @@
-"""The second vision-language family, SmolVLM: the tiny builder, the processor, the family rules.
+"""The other vision-language families, SmolVLM and Qwen3-VL: tiny builders, processors, rules.
 
-The engine, rollout and RL tests of SmolVLM are the Qwen2-VL ones parametrized over the family
-(tests/test_engine_vlm.py, test_rollout_vlm.py, test_rl_vlm.py).
+The engine, rollout and RL tests of SmolVLM (Qwen3-VL: engine and rollout) are the Qwen2-VL
+ones parametrized over the family (tests/test_engine_vlm.py, test_rollout_vlm.py,
+test_rl_vlm.py).
 """
 
 from __future__ import annotations
@@ -11,7 +12,12 @@ import torch
 from PIL import Image
 
 from polyrl.core.multimodal import MultiModalInputError, expand_placeholders
-from polyrl.models.vision_family import Qwen2VLFamily, SmolVLMFamily, vision_family
+from polyrl.models.vision_family import (
+    Qwen2VLFamily,
+    Qwen3VLFamily,
+    SmolVLMFamily,
+    vision_family,
+)
 
 
 def _image(size, color=(200, 40, 10)):
@@ -128,6 +134,35 @@ def test_families_name_their_tower_and_refuse_others(tiny_vl_dir, tiny_smolvlm_d
     assert vision_family({"model_type": "llama"}) is None
     with pytest.raises(ValueError, match="'gemma3' is not supported; polyrl runs"):
         vision_family({"model_type": "gemma3", "vision_config": {}})
+
+
+def test_qwen3_vl_reads_its_patches_and_deepstack_and_refuses_videos(tiny_qwen3_vl_processor):
+    proc = tiny_qwen3_vl_processor
+    family = proc.family
+    assert isinstance(family, Qwen3VLFamily) and family.mrope
+    # 16-pixel patches, two frames per temporal patch; one DeepStack layer in the tiny model.
+    assert family.patch_dim == 3 * 2 * 16 * 16 and family.deepstack_layers == 1
+    assert family.in_tower("model.visual.deepstack_merger_list.0.linear_fc1")
+    ids, mm = proc.encode([5, proc.token_ids["image"], 6], images=[_image((64, 64))])
+    # A 64 x 64 image: 4 x 4 patches, merged 2 x 2 into 4 image tokens.
+    assert mm.tensors["image_grid_thw"].tolist() == [[1, 4, 4]] and len(ids) == 2 + 4
+    with pytest.raises(MultiModalInputError, match="qwen3_vl videos are not supported"):
+        proc.process_media(videos=[[_image((64, 64))] * 2])
+
+
+def test_qwen3_vl_dummy_features_reach_every_vision_parameter(tiny_qwen3_vl_dir):
+    # The FSDP engine's dummy vision runs (a rank without media) must use the DeepStack
+    # mergers too, or their gradients' reduce-scatter would not match the other ranks'.
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_qwen3_vl_dir)
+    family = vision_family(model.config)
+    out = family.dummy_features(model, torch.device("cpu"))
+    # One merge group: one merged row plus one DeepStack row, at the language model's width.
+    assert out.shape == (2, model.config.text_config.hidden_size)
+    out.square().sum().backward()
+    no_grad = [n for n, p in model.model.visual.named_parameters() if p.grad is None]
+    assert no_grad == [], no_grad
 
 
 def test_truncation_that_cuts_a_smolvlm_marker_is_refused(tiny_smolvlm_processor):

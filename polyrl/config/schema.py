@@ -86,7 +86,16 @@ def _require_nonempty(value: str, key: str) -> None:
         raise ConfigError("must not be empty", key=key)
 
 
-TINY_ARCHS = ("qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_vl", "qwen2_5_vl", "smolvlm")
+TINY_ARCHS = (
+    "qwen2",
+    "llama",
+    "qwen3",
+    "qwen3_moe",
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "smolvlm",
+)
 TINY_SIZES = ("nano", "micro", "small")
 TASKS = (
     "",

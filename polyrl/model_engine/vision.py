@@ -156,6 +156,7 @@ def encode_once(model: nn.Module, media: MicroBatchMedia | None) -> Iterator[Non
     and needs one feature run per placeholder run.  The inner model's methods are wrapped for
     the duration to index the per-item features, so a prompt's images go through the vision
     tower once however many of its samples the micro-batch holds (the copies' gradients add).
+    Qwen3-VL's per-layer DeepStack features are repeated the same way.
     """
     if media is None or media.expand is None:
         yield
@@ -172,6 +173,10 @@ def encode_once(model: nn.Module, media: MicroBatchMedia | None) -> Iterator[Non
             out = _original(*args, **kw)
             items = out.pooler_output
             out.pooler_output = tuple(items[i] for i in _index)
+            # Qwen3-VL's DeepStack features: per layer, one entry per item like the output.
+            layers = getattr(out, "deepstack_features", None)
+            if layers is not None:
+                out.deepstack_features = [tuple(f[i] for i in _index) for f in layers]
             return out
 
         setattr(inner, method, wrapped)

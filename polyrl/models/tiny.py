@@ -73,11 +73,14 @@ TINY_ARCHS: tuple[str, ...] = (
     "qwen3_moe",
     "qwen2_vl",
     "qwen2_5_vl",
+    "qwen3_vl",
     "smolvlm",
 )
 
 #: Architectures with a vision tower (built with the vision tokens and an image processor).
-VISION_ARCHS: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "smolvlm")
+VISION_ARCHS: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "smolvlm")
+#: The Qwen-VL architectures (patch-merging tower, M-RoPE, Qwen's vision tokens).
+QWEN_VL_ARCHS: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 #: Size presets. Parameter counts (tied embeddings, 1024-token vocabulary, all experts counted):
 #: nano ~0.31M, micro ~2.56M, small ~97.5M for every architecture.
@@ -117,6 +120,8 @@ _MOE_KEYS = ("experts", "experts_per_tok", "moe_intermediate")
 #: tile_size tiles (patch_size 8, scale factor 2: 4 tokens per 32-pixel tile).
 _VISION_KEYS = ("vision_depth", "vision_dim", "vision_heads", "patch_size", "image_size")
 _SMOLVLM_DEFAULTS: dict[str, int] = {"patch_size": 8, "image_size": 64, "tile_size": 32}
+#: Qwen3-VL's patches are 16 pixels (Qwen2-VL's 14): a 64-pixel image is 2 x 2 merged tokens.
+_QWEN3_VL_DEFAULTS: dict[str, int] = {"patch_size": 16, "image_size": 64}
 _INT_KEYS = (
     "hidden",
     "layers",
@@ -176,7 +181,7 @@ def resolve_tiny_spec(
                 f"{vision_given} only apply to vision archs {VISION_ARCHS}, not {arch!r}"
             )
 
-    arch_defaults = _SMOLVLM_DEFAULTS if arch == "smolvlm" else {}
+    arch_defaults = {"smolvlm": _SMOLVLM_DEFAULTS, "qwen3_vl": _QWEN3_VL_DEFAULTS}.get(arch, {})
     dims: dict[str, Any] = {**TINY_SIZES[size], **_DEFAULTS, **arch_defaults, **given}
     for key in _INT_KEYS:
         value = dims[key]
@@ -301,7 +306,7 @@ def tiny_config(spec: dict[str, Any], tokenizer: PreTrainedTokenizerFast) -> Pre
         "tokenizer_class": GENERIC_TOKENIZER_CLASS,
         **ids,
     }
-    if arch in ("qwen2_vl", "qwen2_5_vl"):
+    if arch in QWEN_VL_ARCHS:
         return _qwen2_vl_config(dims, kwargs, tokenizer, arch)
     if arch == "smolvlm":
         return _smolvlm_config(dims, kwargs, tokenizer)
@@ -368,6 +373,22 @@ def _qwen2_vl_config(
             "window_size": 2 * 2 * dims["patch_size"],
             "fullatt_block_indexes": [dims["vision_depth"] - 1],
         }
+    if arch == "qwen3_vl":
+        # Qwen3-VL's tower: learned position embeddings resampled to each image's grid (a
+        # square table, here one image_size image's patches), and DeepStack: the first
+        # block's features, merged like the output, are added to the language model's hidden
+        # states at the image tokens after its first decoder layer. Its text model is Qwen3's
+        # (q/k norms) with interleaved M-RoPE.
+        side = dims["image_size"] // dims["patch_size"]
+        vision = {
+            **{k: v for k, v in vision.items() if k not in ("embed_dim", "mlp_ratio")},
+            "hidden_size": dims["vision_dim"],
+            "intermediate_size": 2 * dims["vision_dim"],
+            "out_hidden_size": dims["hidden"],
+            "num_position_embeddings": side * side,
+            "deepstack_visual_indexes": [0],
+        }
+        text["rope_parameters"] = {**text["rope_parameters"], "mrope_interleaved": True}
     return AutoConfig.for_model(
         arch,
         text_config=text,
@@ -418,7 +439,7 @@ def _smolvlm_config(
 def tiny_image_processor(spec: dict[str, Any]) -> Any:
     """Build the image processor of a vision spec.
 
-    qwen2_vl: every image resized to about ``image_size**2`` pixels. smolvlm: the longest edge
+    Qwen-VL archs: every image resized to about ``image_size**2`` pixels. smolvlm: the longest edge
     resized to ``image_size``, then cut into ``tile_size`` tiles plus the global view (the
     Pillow backend's class: it saves the same ``preprocessor_config.json`` as the fast one).
     """

@@ -15,8 +15,9 @@ embeddings placed at the image tokens). What a family decides is collected in a
   (:meth:`VisionFamily.positions`);
 * which modules are the vision tower (freezing, LoRA exclusion, FSDP units).
 
-Two families are implemented: Qwen2-VL (``qwen2_vl``, and ``qwen2_5_vl`` for images: a
-patch-merging ViT, M-RoPE, one placeholder run per image) and SmolVLM (``smolvlm``, transformers'
+Two families are implemented: Qwen2-VL (``qwen2_vl``, and ``qwen2_5_vl`` and ``qwen3_vl`` for
+images: a patch-merging ViT, M-RoPE, one placeholder run per image; Qwen3-VL adds DeepStack
+features, see :class:`Qwen3VLFamily`) and SmolVLM (``smolvlm``, transformers'
 ``SmolVLMForConditionalGeneration``, the Idefics3 layout: a SigLIP tower plus a pixel-shuffle
 connector, a Llama text model with 1-D positions, an image split into tiles each wrapped in
 marker tokens). :func:`vision_family` picks one from a model's config.
@@ -38,6 +39,7 @@ __all__ = [
     "VISION_FAMILIES",
     "Qwen25VLFamily",
     "Qwen2VLFamily",
+    "Qwen3VLFamily",
     "SmolVLMFamily",
     "VisionFamily",
     "vision_family",
@@ -89,6 +91,8 @@ class VisionFamily(abc.ABC):
     model_types: tuple[str, ...] = ()
     mrope: bool = False
     tower_paths: tuple[str, ...] = ()
+    #: Decoder layers that take DeepStack features (0: the family has none).
+    deepstack_layers: int = 0
 
     def __init__(self, config: Any):
         self.model_type = str(_get(config, "model_type"))
@@ -151,7 +155,11 @@ class VisionFamily(abc.ABC):
 
     @abc.abstractmethod
     def encode_item(self, model: nn.Module, kind: str, tensors: dict[str, torch.Tensor]):
-        """Run the vision tower on one item's tensors; return its ``(tokens, hidden)`` rows."""
+        """Run the vision tower on one item's tensors; return its ``(tokens, hidden)`` rows.
+
+        DeepStack families (``deepstack_layers > 0``) return ``(tokens, 1 + layers, hidden)``:
+        the input embedding, then each layer's DeepStack feature.
+        """
 
     def forward_media(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Return the arguments the Hugging Face forward takes for joined media tensors.
@@ -160,6 +168,35 @@ class VisionFamily(abc.ABC):
         engine can repeat an item for the samples sharing it).
         """
         return dict(tensors)
+
+    def forward_embeds(
+        self,
+        model: nn.Module,
+        embeds: torch.Tensor,
+        position_ids: torch.Tensor,
+        logits_index: torch.Tensor,
+        deepstack: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Run the model on a packed step's input embeddings; return ``(S, vocab)`` logits.
+
+        Args:
+            model: the causal LM wrapper.
+            embeds: ``(1, T, hidden)`` input embeddings, media rows filled in.
+            position_ids: ``(1, T)`` positions, or ``(4, 1, T)`` for M-RoPE families.
+            logits_index: ``(S,)`` packed index of the tokens whose logits are wanted.
+            deepstack: DeepStack families only: ``(visual mask (1, T), features (layers,
+                visual tokens, hidden))`` (see :class:`Qwen3VLFamily`).
+            **kwargs: passed to the forward (the attention backend's step metadata).
+        """
+        out = model(
+            inputs_embeds=embeds,
+            position_ids=position_ids,
+            use_cache=False,
+            logits_to_keep=logits_index,
+            **kwargs,
+        )
+        return out.logits[0]
 
     @abc.abstractmethod
     def dummy_features(self, model: nn.Module, device: torch.device) -> torch.Tensor:
@@ -358,6 +395,106 @@ class Qwen25VLFamily(Qwen2VLFamily):
             "qwen2_5_vl videos are not supported by polyrl yet (their temporal positions "
             "follow the frame timing); send the frames as images"
         )
+
+
+def _deepstack_output(out: Any) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Return a Qwen3-VL vision tower's merged output and its DeepStack features.
+
+    transformers 5 returns a model output with ``pooler_output`` (merged) and
+    ``deepstack_features``; earlier releases a ``(merged, features)`` tuple.
+    """
+    if isinstance(out, tuple):
+        return out[0], list(out[1])
+    return out.pooler_output, list(out.deepstack_features)
+
+
+class Qwen3VLFamily(Qwen25VLFamily):
+    """Qwen3-VL: Qwen2-VL's processing and image M-RoPE, plus DeepStack.
+
+    Differences from Qwen2.5-VL that polyrl handles: 16-pixel patches (the processor's
+    ``patch_size``, read from the config like every Qwen-VL); interleaved M-RoPE frequencies
+    (inside the model's rotary embedding: the positions themselves are Qwen2-VL's for
+    images); and DeepStack: the tower also returns, for each of
+    ``vision_config.deepstack_visual_indexes``, that block's features merged to the language
+    model's width, which the language model adds to its hidden states at the image tokens
+    after decoder layer ``0, 1, ...``.
+
+    :meth:`encode_item` therefore returns ``(tokens, 1 + layers, hidden)`` rows: the input
+    embedding, then one DeepStack feature per layer; :meth:`forward_embeds` takes the
+    per-layer features of a packed step. Videos are refused: Qwen3-VL's processor writes a
+    timestamp before every frame pair, which polyrl's prompt expansion does not.
+    """
+
+    model_types = ("qwen3_vl",)
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        #: Decoder layers after which DeepStack features are added.
+        self.deepstack_layers = len(_get(self.vision_config, "deepstack_visual_indexes", ()) or ())
+
+    def process_videos(
+        self, image_processor: Any, clips: Sequence[Sequence[Any]], resize: dict[str, Any]
+    ) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """Refuse videos (see the class docstring)."""
+        raise MultiModalInputError(
+            "qwen3_vl videos are not supported by polyrl yet (their prompt carries a "
+            "timestamp per frame); send the frames as images"
+        )
+
+    def encode_item(self, model: nn.Module, kind: str, tensors: dict[str, torch.Tensor]):
+        """Run the tower on one image; return its embedding and DeepStack rows stacked.
+
+        The tower is called directly: ``get_image_features``' return type differs between
+        transformers releases.
+        """
+        pix_name, grid_name = self.TENSORS[kind]
+        tower = self.tower_modules(model)[0]
+        pixels = tensors[pix_name].to(next(tower.parameters()).dtype)
+        merged, deepstack = _deepstack_output(tower(pixels, grid_thw=tensors[grid_name]))
+        return torch.stack([merged, *deepstack], dim=1)
+
+    def forward_embeds(
+        self,
+        model: nn.Module,
+        embeds: torch.Tensor,
+        position_ids: torch.Tensor,
+        logits_index: torch.Tensor,
+        deepstack: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Run the language model with the step's DeepStack features, then the LM head.
+
+        The language model is called directly: the top-level forward computes the DeepStack
+        inputs from pixels itself and takes none from the caller.
+        """
+        if deepstack is None:
+            return super().forward_embeds(model, embeds, position_ids, logits_index, **kwargs)
+        mask, features = deepstack
+        out = model.model.language_model(
+            inputs_embeds=embeds,
+            position_ids=position_ids,
+            use_cache=False,
+            visual_pos_masks=mask,
+            deepstack_visual_embeds=list(features),
+            **kwargs,
+        )
+        return model.lm_head(out.last_hidden_state[0, logits_index])
+
+    def dummy_features(self, model: nn.Module, device: torch.device) -> torch.Tensor:
+        """Run the tower on one merge group of zero patches: output and DeepStack rows."""
+        tower = self.tower_modules(model)[0]
+        m = self.merge_size
+        dtype = next(tower.parameters()).dtype
+        pixels = torch.zeros(m * m, self.patch_dim, dtype=dtype, device=device)
+        grid = torch.tensor([[1, m, m]], dtype=torch.long, device=device)
+        merged, deepstack = _deepstack_output(tower(pixels, grid_thw=grid))
+        # The DeepStack mergers too: every vision unit takes part in backward.
+        return torch.cat([merged, *deepstack])
+
+    def shard_units(self, model: nn.Module) -> list[nn.Module]:
+        """Return the patch merger and the DeepStack mergers."""
+        mergers = _submodule(model, "model.visual.deepstack_merger_list")
+        return [*super().shard_units(model), *(list(mergers) if mergers is not None else [])]
 
 
 class SmolVLMFamily(VisionFamily):
@@ -580,7 +717,9 @@ def _token_id(tokenizer: Any, token: str) -> int | None:
 
 #: Model types polyrl runs, by family class.
 VISION_FAMILIES: dict[str, type[VisionFamily]] = {
-    t: cls for cls in (Qwen2VLFamily, Qwen25VLFamily, SmolVLMFamily) for t in cls.model_types
+    t: cls
+    for cls in (Qwen2VLFamily, Qwen25VLFamily, Qwen3VLFamily, SmolVLMFamily)
+    for t in cls.model_types
 }
 
 
