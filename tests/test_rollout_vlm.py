@@ -113,10 +113,31 @@ def big_q25_proc(tiny_qwen2_5_vl_dir):
     return VisionProcessor.from_pretrained(tiny_qwen2_5_vl_dir, max_pixels=112 * 112)
 
 
+@pytest.fixture(scope="module")
+def q3_engine(tiny_qwen3_vl_dir):
+    yield from _started_engine(tiny_qwen3_vl_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_q3(tiny_qwen3_vl_dir):
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(tiny_qwen3_vl_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def big_q3_proc(tiny_qwen3_vl_dir):
+    """Images of up to 12 tokens: runs longer than a prefill chunk, DeepStack rows cut too."""
+    from polyrl.models.processor import VisionProcessor
+
+    return VisionProcessor.from_pretrained(tiny_qwen3_vl_dir, max_pixels=112 * 112)
+
+
 #: Per family: the fixtures of (engine, HF model, processor) of the parity test.
 PARITY = {
     "qwen2_vl": ("vl_engine", "hf_vl", "big_proc"),
     "qwen2_5_vl": ("q25_engine", "hf_q25", "big_q25_proc"),
+    "qwen3_vl": ("q3_engine", "hf_q3", "big_q3_proc"),
     "smolvlm": ("smol_engine", "hf_smol", "tiny_smolvlm_processor"),
 }
 
@@ -266,8 +287,16 @@ def test_engine_refuses_mismatched_media(vl_engine, tiny_vl_processor):
     assert ok["ok3"][0].finish_reason in ("stop", "length")
 
 
-def test_weight_update_covers_the_vision_tower(vl_engine, tiny_vl_processor):
-    proc = tiny_vl_processor
+@pytest.mark.parametrize(
+    ("family", "changed"),
+    [("qwen2_vl", "model.visual.merger"), ("qwen3_vl", "model.visual.deepstack_merger_list")],
+)
+def test_weight_update_covers_the_vision_tower(request, family, changed):
+    # Qwen3-VL: only the DeepStack mergers change; their features are cached with the image's.
+    vl_engine = request.getfixturevalue({"qwen2_vl": "vl_engine", "qwen3_vl": "q3_engine"}[family])
+    proc = request.getfixturevalue(
+        {"qwen2_vl": "tiny_vl_processor", "qwen3_vl": "tiny_qwen3_vl_processor"}[family]
+    )
     ids, mm = _prompt(proc, [_image((70, 70, 70))], "weights")
     params = SamplingParams(max_new_tokens=3, temperature=0, logprobs=True, ignore_eos=True)
     before = run(vl_engine, [GenerateRequest("w0", tuple(ids), params, multi_modal=mm)])["w0"][0]
@@ -279,7 +308,7 @@ def test_weight_update_covers_the_vision_tower(vl_engine, tiny_vl_processor):
     orig = {n: p.detach().clone() for n, p in named.items()}
     new = dict(orig)
     for n in new:
-        if n.startswith("model.visual.merger"):
+        if n.startswith(changed):
             new[n] = new[n] * 1.5 + 0.01
     version = vl_engine.load_weights(list(new.items()))
     assert len(runner.embedding_cache) == 0

@@ -222,10 +222,20 @@ class ModelRunner:
     def _forward_vision(self, inputs: StepInputs) -> torch.Tensor:
         ids = inputs.input_ids
         embeds = self.model.get_input_embeddings()(ids)
+        layers = self.family.deepstack_layers
+        # DeepStack families: per packed position, each layer's feature (zero off media rows).
+        stacked = embeds.new_zeros(layers, ids.shape[1], embeds.shape[-1]) if layers else None
+        visual = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device) if layers else None
         for at, item, lo, hi in inputs.media:
             emb = self.embedding_cache.get(item, self.encode_item)
             # Only the rows of this chunk: a prefill chunk may cut an image's run.
-            embeds[0, at : at + hi - lo] = emb[lo:hi].to(embeds.dtype)
+            rows = emb[lo:hi].to(embeds.dtype)
+            if stacked is None:
+                embeds[0, at : at + hi - lo] = rows
+                continue
+            embeds[0, at : at + hi - lo] = rows[:, 0]
+            stacked[:, at : at + hi - lo] = rows[:, 1:].transpose(0, 1)
+            visual[0, at : at + hi - lo] = True
         positions = inputs.position_ids
         if self.family.mrope:
             mrope = inputs.mrope_positions
@@ -233,14 +243,18 @@ class ModelRunner:
                 mrope = inputs.position_ids.view(1, 1, -1).expand(3, 1, -1)
             # Packed layout the HF model reads: text positions first, then (t, h, w).
             positions = torch.cat([inputs.position_ids.view(1, 1, -1), mrope], dim=0)
-        out = self.model(
-            inputs_embeds=embeds,
-            position_ids=positions,
-            use_cache=False,
-            logits_to_keep=inputs.logits_index,
+        deepstack = None
+        if stacked is not None and bool(visual.any()):
+            # The model adds features in the order of the mask's True positions.
+            deepstack = (visual, stacked[:, visual[0]])
+        return self.family.forward_embeds(
+            self.model,
+            embeds,
+            positions,
+            inputs.logits_index,
+            deepstack=deepstack,
             polyrl_step=inputs.meta,
         )
-        return out.logits[0]
 
     # ----------------------------------------------------------------------------- weights
 
