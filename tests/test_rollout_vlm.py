@@ -312,7 +312,10 @@ def test_weight_update_covers_the_vision_tower(request, family, changed):
             new[n] = new[n] * 1.5 + 0.01
     version = vl_engine.load_weights(list(new.items()))
     assert len(runner.embedding_cache) == 0
+    calls = runner.vision_calls
     after = run(vl_engine, [GenerateRequest("w1", tuple(ids), params, multi_modal=mm)])["w1"][0]
+    # One tower run gives the prompt's image embedding (and DeepStack rows) for every step.
+    assert runner.vision_calls - calls == 1
     assert after.weight_version == version
     assert after.logprobs != before.logprobs
     vl_engine.load_weights(list(orig.items()))
