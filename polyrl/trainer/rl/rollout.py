@@ -24,6 +24,7 @@ from polyrl.core.columns import (
     ACC,
     ATTENTION_MASK,
     BASELINE,
+    EPISODE,
     FINISH_REASON,
     INPUT_IDS,
     MULTI_MODAL,
@@ -416,14 +417,23 @@ class RolloutProducer:
         return batch, metrics
 
     def add_row_info(self, batch: Batch, items: Sequence[Mapping[str, Any]], n: int) -> None:
-        """Add each row's ``uid``, ``data_source``, ``ground_truth`` and ``extra_info``."""
+        """Add each row's ``uid``, ``data_source``, ``ground_truth`` and ``extra_info``.
+
+        Rows are ``n`` per item, in item order; an agent batch says each row's episode
+        (:data:`~polyrl.core.columns.EPISODE`, item ``episode // n``), since an episode split
+        into linked samples is several rows.
+        """
         from polyrl.data.dataset import ground_truth_of
 
+        if EPISODE in batch.non_tensors:
+            owner = [int(e) // n for e in batch.non_tensors[EPISODE]]
+        else:
+            owner = [i for i in range(len(items)) for _ in range(n)]
+
         def per_row(values: Sequence[Any]) -> np.ndarray:
-            out = np.empty(len(values) * n, dtype=object)
-            for i, value in enumerate(values):
-                for j in range(n):
-                    out[i * n + j] = value
+            out = np.empty(len(owner), dtype=object)
+            for row, i in enumerate(owner):
+                out[row] = values[i]
             return out
 
         batch.non_tensors.update(
@@ -569,6 +579,7 @@ class RolloutProducer:
                 **common,
                 "entrypoint": agent.entrypoint,
                 "timeout_s": agent.timeout_s,
+                "non_extending": agent.non_extending,
             },
         }
         samples = []
