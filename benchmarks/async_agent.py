@@ -37,6 +37,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from _report import report  # noqa: E402
+from _waiting_env import TOOL_CALLS  # noqa: E402
 
 MODES = ("sync", "one_step_off", "async")
 
@@ -58,12 +59,13 @@ def child(mode: str, workdir: Path, steps: int, prompts: int, n: int, producer: 
             f"trainer.imports=[{HERE / '_waiting_env.py'}]",
             "agent.enable=true",
             "agent.default_loop=env",
-            "agent.max_turns=2",
+            f"agent.max_turns={TOOL_CALLS}",
             "model.tiny_size=nano",
             f"data.train_batch_size={prompts}",
             f"rollout.n={n}",
-            "rollout.max_new_tokens=8",
-            "data.max_response_length=96",
+            "rollout.max_new_tokens=4",
+            "data.max_response_length=160",
+            "actor.use_kl_loss=false",
             "data.max_prompt_length=256",
             f"trainer.total_steps={steps}",
             "trainer.loggers=[jsonl]",
@@ -73,7 +75,7 @@ def child(mode: str, workdir: Path, steps: int, prompts: int, n: int, producer: 
             "reward.num_workers=0",
         ],
     )
-    stops = list(range(20, 1024, 3))  # the random model's turns end early: both are played
+    stops = list(range(20, 1024, 2))  # the random model stops early: short turns, all played
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, stop_token_ids=stops))
     RLTrainer(cfg).fit()
 
@@ -114,6 +116,9 @@ def main() -> None:
         seconds = sum(r["timing_s/step"] for r in records)
         result[f"{mode}_samples_per_s"] = len(records) * args.prompts * args.n / seconds
         scores[mode] = [r["critic/score/mean"] for r in records]
+        # How many episodes ran at once (each episode's peak, averaged over a step's; the
+        # largest step): about B * n in sync, up to (max_staleness + 1) * B * n in async.
+        result[f"{mode}_in_flight"] = max(r.get("env/in_flight/mean", 0.0) for r in records)
         if mode == "sync":
             gen = sum(r["timing_s/gen"] for r in records) / len(records)
             train = seconds / len(records) - gen
