@@ -221,6 +221,9 @@ def test_a_rewritten_history_splits_the_episode_into_linked_samples(
     assert sorted(got) == expected
     batch = collate_trajectories(trajs, pad_token_id=0)
     assert batch.non_tensors[EPISODE].tolist() == [0, 0, 1, 1]
+    from polyrl.trainer.rl.rollout import _episode_heads
+
+    assert _episode_heads(batch) == [0, 2]  # validation counts each episode once
 
 
 def test_linked_samples_share_their_episodes_group_advantage():

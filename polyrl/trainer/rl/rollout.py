@@ -92,6 +92,20 @@ def attach_scores(
     }
 
 
+def _episode_heads(batch: Batch) -> list[int]:
+    """Return the first row of each episode, in order (every row when none are linked)."""
+    episodes = batch.non_tensors.get(EPISODE)
+    if episodes is None:
+        return list(range(len(batch)))
+    seen: set[int] = set()
+    heads = []
+    for row, episode in enumerate(episodes):
+        if int(episode) not in seen:
+            seen.add(int(episode))
+            heads.append(row)
+    return heads
+
+
 def group_varies(values: torch.Tensor, n: int) -> torch.Tensor:
     """Per group of ``n`` consecutive rows: whether its values are not all equal.
 
@@ -670,10 +684,12 @@ class RolloutProducer:
             seed = derive_seed(cfg.seed_for("rollout"), -1, start)
             batch, _ = self.generate(items, k, cfg.rollout.val_temperature, seed)
             s, a, _ = self.score(batch)
-            scores.append(s)
-            accs.append(a)
+            # An agent episode split into linked samples counts once (they share its reward).
+            heads = _episode_heads(batch)
+            scores.append(s[heads])
+            accs.append(a[heads])
             lengths.append(batch[RESPONSE_LENGTH].float())
-            sources += list(batch.non_tensors["data_source"])
+            sources += [batch.non_tensors["data_source"][i] for i in heads]
         score = torch.cat(scores).view(-1, k)
         acc = torch.cat(accs).view(-1, k)
         out = {
