@@ -1,22 +1,28 @@
-"""Samples per second of sync, one_step_off and async GRPO when the environment waits.
+"""Samples per second of sync, one_step_off and async GRPO when the agent's tools wait.
 
-A multi-turn task whose environment takes wall time without CPU, as a remote sandbox or a web
-call does: ``reset`` and each ``step`` sleep 0.2-0.5 s (``asyncio.sleep``), two model turns per
-episode, reward ``-len(turn) / 20`` per step (dense: a tiny model moves it); it lives in
-``_waiting_env.py``, a ``trainer.imports`` plugin, so a producer process rolls it out too. The
-demo's nano model runs the same number of GRPO steps (so the same number of trained samples) in
-each ``trainer.mode``, each in a fresh child process (``async.max_staleness=2`` for ``async``;
-the two asynchronous modes with ``async.producer=process`` unless ``--producer thread``).
+The regime of agent training with remote tools: a tool-using episode of ``TOOL_CALLS`` (6)
+round-trips, each tool call (and the episode's set-up) waiting 0.3-0.5 s without CPU
+(``asyncio.sleep``), as a remote sandbox or a web call does; the model's turns are short (at
+most 4 new tokens, half the vocabulary ends a turn). Reward ``-len(turn) / 20`` per step
+(dense: a tiny model moves it). The environment lives in ``_waiting_env.py``, a
+``trainer.imports`` plugin, so a producer process rolls it out too. The demo's nano model
+(random init, no KL term: no reference model) runs the same number of GRPO steps (so the same
+number of trained samples) in each ``trainer.mode``, each in a fresh child process
+(``async.max_staleness=2`` for ``async``; the two asynchronous modes with
+``async.producer=process`` unless ``--producer thread``).
 
 Throughput is trained samples over the summed ``timing_s/step`` of the run (set-up excluded,
 the first step included: it holds the asynchronous modes' pipeline fill), as in
 ``async_rl.py``. ``bound_ratio`` is the classic overlap bound from sync's own phase costs,
 ``(gen + train) / max(gen, train)`` with ``gen = timing_s/gen`` and ``train`` the rest of the
 step, as ``async_rl.py`` measures it; with environments that wait, rollouts of consecutive
-batches can overlap one another too, so ``ratio`` may beat it. ``reward_async`` and
-``reward_sync`` are the mean scores of the second half of the steps; ``reward_noise`` is the
-standard error of sync's per-step scores over those steps (two runs whose rewards differ by
-less than about twice that are within noise). The last stdout line is the JSON result.
+batches overlap one another too (``async`` keeps up to ``max_staleness + 1`` batches of
+episodes in flight: ``<mode>_in_flight`` is the most episodes running at once that the
+episodes saw, averaged over a step's, largest step), so ``ratio`` may beat it.
+``reward_async`` and ``reward_sync`` are the mean scores of the second half of the steps;
+``reward_noise`` is the standard error of sync's per-step scores over those steps (two runs
+whose rewards differ by less than about twice that are within noise). The last stdout line is
+the JSON result.
 
     python benchmarks/async_agent.py [--steps 12] [--producer process|thread] [--workdir DIR]
 """
@@ -37,6 +43,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from _report import report  # noqa: E402
+from _waiting_env import TOOL_CALLS  # noqa: E402
 
 MODES = ("sync", "one_step_off", "async")
 
@@ -58,12 +65,13 @@ def child(mode: str, workdir: Path, steps: int, prompts: int, n: int, producer: 
             f"trainer.imports=[{HERE / '_waiting_env.py'}]",
             "agent.enable=true",
             "agent.default_loop=env",
-            "agent.max_turns=2",
+            f"agent.max_turns={TOOL_CALLS}",
             "model.tiny_size=nano",
             f"data.train_batch_size={prompts}",
             f"rollout.n={n}",
-            "rollout.max_new_tokens=8",
-            "data.max_response_length=96",
+            "rollout.max_new_tokens=4",
+            "data.max_response_length=160",
+            "actor.use_kl_loss=false",
             "data.max_prompt_length=256",
             f"trainer.total_steps={steps}",
             "trainer.loggers=[jsonl]",
@@ -73,7 +81,7 @@ def child(mode: str, workdir: Path, steps: int, prompts: int, n: int, producer: 
             "reward.num_workers=0",
         ],
     )
-    stops = list(range(20, 1024, 3))  # the random model's turns end early: both are played
+    stops = list(range(20, 1024, 2))  # the random model stops early: short turns, all played
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, stop_token_ids=stops))
     RLTrainer(cfg).fit()
 
@@ -114,6 +122,9 @@ def main() -> None:
         seconds = sum(r["timing_s/step"] for r in records)
         result[f"{mode}_samples_per_s"] = len(records) * args.prompts * args.n / seconds
         scores[mode] = [r["critic/score/mean"] for r in records]
+        # How many episodes ran at once (each episode's peak, averaged over a step's; the
+        # largest step): about B * n in sync, up to (max_staleness + 1) * B * n in async.
+        result[f"{mode}_in_flight"] = max(r.get("env/in_flight/mean", 0.0) for r in records)
         if mode == "sync":
             gen = sum(r["timing_s/gen"] for r in records) / len(records)
             train = seconds / len(records) - gen

@@ -65,6 +65,28 @@ async def rewrites(client, task):
     return 1.0
 
 
+SEGMENTS = []  # per episode of `summarises`: the server's ids of each extending chain
+
+
+async def summarises(client, task):
+    """Two calls, then a rewritten history (a summary) and one call extending it."""
+
+    async def call(msgs):
+        out = await client.chat.completions.create(model="m", messages=msgs, max_tokens=4)
+        return out.choices[0].message.content or "", _ids(out)
+
+    msgs = [{"role": "user", "content": task["question"]}]
+    reply, a = await call(msgs)
+    msgs += [{"role": "assistant", "content": reply}, {"role": "user", "content": "go on"}]
+    reply, b = await call(msgs)
+    msgs = [{"role": "user", "content": f"summary: {len(reply)} chars so far"}]
+    reply, c = await call(msgs)
+    msgs += [{"role": "assistant", "content": reply}, {"role": "user", "content": "finish"}]
+    _, d = await call(msgs)
+    SEGMENTS.append([a + b, c + d])
+    return 0.5
+
+
 async def no_reward(client, task):
     await client.chat.completions.create(
         model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2
@@ -158,12 +180,93 @@ def test_failing_hanging_and_non_extending_agents_are_counted_never_trained(
             f"openai_test_agents:{name}",
             [sample],
             timeout_s=1.0,
+            non_extending="refuse",
         )
         t.validate()
         assert t.response_ids == [] and t.reward == 0.0, name
         assert t.finish_reason == f"agent_{why}", name
         assert t.metrics["agent/failed"] == 1.0 and t.metrics[f"agent/{why}"] == 1.0, name
         assert t.prompt_ids  # the dataset's prompt: the row keeps its place in its group
+
+
+def test_a_rewritten_history_splits_the_episode_into_linked_samples(
+    agent_server, tiny_qwen2_tokenizer, agents
+):
+    from polyrl.core.columns import EPISODE
+
+    samples = [{"question": f"q{i}", "seed": 3 + i, "input_ids": [1, 2]} for i in range(2)]
+    trajs = _episodes(
+        agent_server.url, tiny_qwen2_tokenizer, "openai_test_agents:summarises", samples
+    )
+    # Each episode is two linked samples (one per extending chain), in sample order.
+    assert [t.episode for t in trajs] == [0, 0, 1, 1]
+    assert len(agents.SEGMENTS) == 2
+    expected = sorted(tuple(map(tuple, seg)) for seg in agents.SEGMENTS)
+    got = []
+    for first, second in (trajs[:2], trajs[2:]):
+        for t in (first, second):
+            assert t.reward == 0.5 and t.num_turns == 2
+            assert t.metrics["agent/linked_samples"] == 2.0 and t.metrics["agent/failed"] == 0.0
+            mask = t.response_mask
+            assert mask[0] == 1 and 0 in mask and mask[-1] == 1  # model, user msg, model
+        # The second sample's prompt is the rewritten history, not the first's context.
+        assert first.prompt_ids != second.prompt_ids
+        got.append(
+            tuple(
+                tuple(i for i, m in zip(t.response_ids, t.response_mask, strict=True) if m == 1)
+                for t in (first, second)
+            )
+        )
+    # Token for token what the server generated, each chain in its own sample.
+    assert sorted(got) == expected
+    batch = collate_trajectories(trajs, pad_token_id=0)
+    assert batch.non_tensors[EPISODE].tolist() == [0, 0, 1, 1]
+    from polyrl.trainer.rl.rollout import _episode_heads
+
+    assert _episode_heads(batch) == [0, 2]  # validation counts each episode once
+
+
+def test_linked_samples_share_their_episodes_group_advantage():
+    """A hand-built group: 4 episodes (rewards 1, 0, 1, 0) in 7 rows. The baseline counts
+    each episode once: mean 0.5, Bessel std sqrt(1/3), advantages +-0.866 on every row of an
+    episode (the row-weighted mean 5/7 would give other numbers)."""
+    import torch
+
+    from polyrl.trainer.rl.advantage import episode_advantages
+
+    episodes = [0, 0, 1, 2, 2, 2, 3]
+    reward = {0: 1.0, 1: 0.0, 2: 1.0, 3: 0.0}
+    lengths = [2, 3, 1, 4, 2, 1, 3]
+    mask = torch.zeros(7, 5)
+    rewards = torch.zeros(7, 5)
+    for row, (e, n) in enumerate(zip(episodes, lengths, strict=True)):
+        mask[row, :n] = 1
+        rewards[row, n - 1] = reward[e]  # the episode's reward on each row's last token
+    adv, returns = episode_advantages("grpo", rewards, mask, ["g"] * 7, episodes)
+    expected = {0: 0.8660254, 1: -0.8660254, 2: 0.8660254, 3: -0.8660254}
+    for row, e in enumerate(episodes):
+        assert torch.allclose(adv[row], expected[e] * mask[row], atol=1e-5), (row, adv[row])
+    assert torch.equal(adv, returns)
+    # Without links the caller estimates as usual; an estimator with no per-episode number
+    # is refused with what to do instead.
+    assert episode_advantages("grpo", rewards, mask, ["g"] * 7, list(range(7))) is None
+    with pytest.raises(ValueError, match="agent.non_extending=refuse"):
+        episode_advantages("turn_grpo", rewards, mask, ["g"] * 7, episodes)
+
+
+def test_linked_samples_refuse_estimators_without_an_episode_advantage():
+    from polyrl.config import load_config
+    from polyrl.config.options import ConfigError
+    from polyrl.trainer.rl.checks import check_linked_samples
+
+    spec = "agent.entrypoint=examples/openai_agent.py:agent"
+    with pytest.raises(ConfigError, match="algorithm.adv_estimator"):
+        check_linked_samples(load_config("grpo", [spec, "algorithm.adv_estimator=turn_grpo"]))
+    check_linked_samples(
+        load_config(
+            "grpo", [spec, "algorithm.adv_estimator=turn_grpo", "agent.non_extending=refuse"]
+        )
+    )
 
 
 def test_entrypoint_alone_makes_the_agent_the_rollout():

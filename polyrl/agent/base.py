@@ -1,6 +1,8 @@
 """The agent-loop interface: trajectories, the ``AgentLoop`` ABC, its registry and the collator.
 
-An agent loop turns one dataset sample into one :class:`Trajectory` by talking to the rollout
+An agent loop turns one dataset sample into one :class:`Trajectory` (or, for an episode whose
+model calls do not extend one another, a list of *linked samples*, one per extending chain of
+calls, sharing the episode) by talking to the rollout
 servers token-in/token-out (through a :class:`~polyrl.rollout.client.RolloutClient` or any object
 with the same ``async generate(input_ids, sampling_params, session_id=...)``). A trajectory is
 ``prompt_ids`` followed by ``response_ids``; the response interleaves model tokens (mask 1,
@@ -38,7 +40,7 @@ import numpy as np
 import torch
 
 from polyrl.core.batch import Batch
-from polyrl.core.columns import MULTI_MODAL
+from polyrl.core.columns import EPISODE, MULTI_MODAL
 from polyrl.core.multimodal import MultiModalInputs
 from polyrl.core.prompts import (
     TEXT_PROMPT_KEY,
@@ -122,6 +124,8 @@ class Trajectory:
             placeholder run, in token order (``None``: text only). Starts as the sample's own
             (the same object, shared by a prompt's ``n`` trajectories) and grows, as a new
             object, when observations or tool results add media (:meth:`append_env`).
+        episode: the index of the sample it was rolled out from in :func:`run_agent_loops`
+            (set there); the linked samples of one episode share it.
     """
 
     prompt_ids: list[int]
@@ -140,6 +144,7 @@ class Trajectory:
     agent_name: str = ""
     seed: int | None = None
     multi_modal: MultiModalInputs | None = None
+    episode: int | None = None
 
     def append_model(self, ids: Sequence[int], log_probs: Sequence[float] | None) -> None:
         """Append one model turn exactly as the server returned it (mask 1)."""
@@ -556,8 +561,10 @@ class AgentLoop(abc.ABC):
         self.processor = processor
 
     @abc.abstractmethod
-    async def run(self, sample: Mapping[str, Any], client: GenerateClient) -> Trajectory:
-        """Roll out one sample."""
+    async def run(
+        self, sample: Mapping[str, Any], client: GenerateClient
+    ) -> Trajectory | list[Trajectory]:
+        """Roll out one sample: one trajectory, or the linked samples of one episode."""
 
     def prompt_ids_of(
         self,
@@ -872,7 +879,9 @@ async def run_agent_loops(
     """Run each sample through its loop (``extra_info.agent_name`` or ``default_agent``).
 
     One loop instance per name is built with ``loop_kwargs[name]``; at most ``max_concurrency``
-    trajectories run at once. Results come back in sample order. ``processor`` (the policy's
+    trajectories run at once. Results come back in sample order, one per sample, except that a
+    loop returning an episode's linked samples (a list) gives them all, in their order; each
+    trajectory's ``episode`` is the index of its sample. ``processor`` (the policy's
     vision processor, for image observations and tool results) is given to every loop whose
     ``loop_kwargs`` do not name one; ``None`` passes nothing, so loops written before it
     keep working.
@@ -890,15 +899,21 @@ async def run_agent_loops(
             loops[name] = create_agent_loop(name, tokenizer, **args)
     gate = asyncio.Semaphore(max_concurrency)
 
-    async def one(sample: Mapping[str, Any]) -> Trajectory:
+    async def one(index: int, sample: Mapping[str, Any]) -> list[Trajectory]:
         name = agent_name_of(sample, default_agent)
         async with gate:
-            traj = await loops[name].run(sample, client)
-        traj.agent_name = name
-        traj.validate()
-        return traj
+            out = await loops[name].run(sample, client)
+        linked = out if isinstance(out, list) else [out]
+        if not linked:
+            raise ValueError(f"agent loop {name!r} returned no trajectory for sample {index}")
+        for traj in linked:
+            traj.agent_name = name
+            traj.episode = index
+            traj.validate()
+        return linked
 
-    return list(await asyncio.gather(*(one(s) for s in samples)))
+    episodes = await asyncio.gather(*(one(i, s) for i, s in enumerate(samples)))
+    return [traj for linked in episodes for traj in linked]
 
 
 # ----------------------------------------------------------------------------- collator
@@ -912,7 +927,8 @@ def collate_trajectories(trajectories: Sequence[Trajectory], pad_token_id: int) 
     mask: 0 on tool/env tokens), ``rollout_log_probs``; ``prompt_length`` and
     ``response_length`` ``(B,)``. Non-tensor columns: ``num_turns``, ``tool_calls``,
     ``tool_errors``, ``reward`` (NaN when the scorer decides), ``turn_rewards``,
-    ``finish_reason``, ``agent_name``, ``messages``; when any trajectory has media, also
+    ``finish_reason``, ``agent_name``, ``messages``, ``episode`` (:data:`~polyrl.core.columns.
+    EPISODE`: each trajectory's ``episode``, else its position); when any trajectory has media, also
     ``multi_modal`` (:data:`~polyrl.core.columns.MULTI_MODAL`: each row's
     ``Trajectory.multi_modal`` object as it is, ``None`` for text rows, so a prompt's ``n``
     rows share one object unless their turns added media). ``meta["agent_metrics"]`` holds the batch
@@ -958,6 +974,10 @@ def collate_trajectories(trajectories: Sequence[Trajectory], pad_token_id: int) 
         "finish_reason": col([t.finish_reason for t in trajectories]),
         "agent_name": col([t.agent_name for t in trajectories]),
         "messages": col([list(t.messages) for t in trajectories]),
+        EPISODE: np.array(
+            [i if t.episode is None else t.episode for i, t in enumerate(trajectories)],
+            dtype=np.int64,
+        ),
     }
     if any(t.multi_modal is not None for t in trajectories):
         # Only then: text batches keep their columns (and their concat with older batches).

@@ -25,11 +25,18 @@ call's prompt and completion (the usual chat agent that appends the reply and a 
 message), the proxy keeps one segment and the episode is one trajectory: the first call's
 prompt, then model tokens (mask 1) interleaved with the chat template's tokens for the new
 messages (mask 0). An episode whose calls do not extend one another (it rewrote or summarised
-its history, or ran two conversations) is **refused**, not split into linked samples: it is
-counted (``agent/non_extending``) and trained on as a failure (below). Splitting would need
-one reward shared over several rows of unequal groups, which GRPO's group baseline does not
-define; refusing keeps every trained token exactly what the server generated in the context
-it was generated in.
+its history, or ran two conversations) makes several segments, each a maximal chain of calls
+that extend one another (a call continues the latest segment it extends, else starts one).
+With ``non_extending="split"`` (``agent.non_extending``, the default) each segment is a
+*linked sample*: its own row, laid out as above with its first call's prompt as the prompt,
+carrying the episode's reward, and linked to the others by the episode
+(:data:`~polyrl.core.columns.EPISODE`). Every trained token is still exactly what the server
+generated, in the context it was generated in. The advantage is the episode's: the group
+baseline is taken over the ``n`` episodes, each counted once however many samples it split
+into, and every linked sample gets its episode's advantage
+(:func:`polyrl.trainer.rl.advantage.episode_advantages`), so a summarising agent's episode
+weighs as much in its group as a plain one. ``"refuse"`` instead counts the episode
+(``agent/non_extending``) and trains on it as a failure (below).
 
 Failures are never trained on: an agent that raises, exceeds ``agent.timeout_s``, makes no
 call, does not extend its calls, returns no finite reward or sends a first prompt longer than
@@ -287,14 +294,27 @@ class OpenAIAgentLoop(AgentLoop):
         tokenizer: the policy's tokenizer.
         entrypoint: ``module:function`` (or ``file.py:function``) of the agent.
         timeout_s: seconds an episode may take (it is cancelled and counted after that).
+        non_extending: ``"split"`` an episode whose calls do not extend one another into
+            linked samples, or ``"refuse"`` it (see the module docstring).
         **kwargs: :class:`~polyrl.agent.base.AgentLoop`'s (``max_turns`` is not used: the
             agent decides how many calls it makes, within the response budget).
     """
 
     name = "openai_agent"
 
-    def __init__(self, tokenizer: Any, *, entrypoint: str = "", timeout_s: float = 300.0, **kwargs):
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        entrypoint: str = "",
+        timeout_s: float = 300.0,
+        non_extending: str = "split",
+        **kwargs: Any,
+    ):
         super().__init__(tokenizer, **kwargs)
+        if non_extending not in ("split", "refuse"):
+            raise ValueError(f"non_extending must be 'split' or 'refuse', got {non_extending!r}")
+        self.non_extending = non_extending
         if not entrypoint:
             raise ValueError(
                 "the openai_agent loop needs agent.entrypoint=module:function (an async "
@@ -306,8 +326,10 @@ class OpenAIAgentLoop(AgentLoop):
         self.fn = load_entrypoint(entrypoint)
         self.timeout_s = float(timeout_s)
 
-    async def run(self, sample: Mapping[str, Any], client: GenerateClient) -> Trajectory:
-        """Run one episode; return its trajectory (or an untrainable failure row)."""
+    async def run(
+        self, sample: Mapping[str, Any], client: GenerateClient
+    ) -> Trajectory | list[Trajectory]:
+        """Run one episode; return its trajectory, its linked samples or a failure row."""
         import openai
 
         host = proxy_host(self.tokenizer, self.apply_chat_template_kwargs, self.processor)
@@ -352,22 +374,25 @@ class OpenAIAgentLoop(AgentLoop):
         calls = sum(s.num_turns for s in segments)
         if why is None and not segments:
             why = "no_calls"
-        elif why is None and len(segments) > 1:
+        elif why is None and len(segments) > 1 and self.non_extending == "refuse":
             why = "non_extending"
         if why is None and self.max_prompt_length is not None:
             if len(segments[0].prompt_ids) > self.max_prompt_length:
                 why = "prompt_too_long"
         if why is not None:
             return self._failed(sample, why, calls)
-        traj = segments[0]
-        traj.seed = route.seed
-        traj.reward = reward
-        if traj.truncate(self.max_response_length):
-            traj.finish_reason = "length"
-        traj.metrics.update({"agent/failed": 0.0, "agent/calls": float(calls)})
-        traj.metrics.update({f"agent/{w}": 0.0 for w in _FAILURES})
-        traj.metrics.update({f"agent_info/{k}": v for k, v in info.items()})
-        return traj
+        # A later segment's prompt holds at most the episode's response budget more than the
+        # first's (the bridge refuses calls past it): only the first is held to the rule.
+        for traj in segments:
+            traj.seed = route.seed
+            traj.reward = reward
+            if traj.truncate(self.max_response_length):
+                traj.finish_reason = "length"
+            traj.metrics.update({"agent/failed": 0.0, "agent/calls": float(calls)})
+            traj.metrics.update({f"agent/{w}": 0.0 for w in _FAILURES})
+            traj.metrics["agent/linked_samples"] = float(len(segments))
+            traj.metrics.update({f"agent_info/{k}": v for k, v in info.items()})
+        return segments[0] if len(segments) == 1 else segments
 
     def _failed(self, sample: Mapping[str, Any], why: str, calls: int) -> Trajectory:
         """Return the row of a failed episode: the dataset's prompt, no response, reward 0."""
@@ -381,5 +406,6 @@ class OpenAIAgentLoop(AgentLoop):
         traj.seed = sample.get("seed")
         traj.multi_modal = None
         traj.metrics.update({"agent/failed": 1.0, "agent/calls": float(calls)})
+        traj.metrics["agent/linked_samples"] = 1.0
         traj.metrics.update({f"agent/{w}": float(w == why) for w in _FAILURES})
         return traj

@@ -1291,6 +1291,13 @@ class AgentConfig(ConfigGroup):
         "(agent/timed_out) and not trained on.",
         gt=0.0,
     )
+    non_extending: str = option(
+        "split",
+        "An openai_agent episode whose calls do not extend one another: split (one linked "
+        "sample per extending chain of calls, each with the episode's reward and advantage) "
+        "or refuse (counted in agent/non_extending, not trained on).",
+        choices=("split", "refuse"),
+    )
 
     def __post_init__(self) -> None:
         # `polyrl train grpo agent.entrypoint=m:f` alone makes the agent the rollout.

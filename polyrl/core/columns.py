@@ -15,6 +15,7 @@ __all__ = [
     "ATTENTION_MASK",
     "BASELINE",
     "ENTROPY",
+    "EPISODE",
     "FINISH_REASON",
     "IMPLICIT_REWARDS",
     "INPUT_IDS",
@@ -75,6 +76,10 @@ RESPONSE_MASK = "response_mask"
 # ---------------------------------------------------------------- generation and scoring
 #: The prompt group a row belongs to (group-relative estimators normalise within it).
 UID = "uid"
+#: The episode a row came from, an int unique within its :data:`UID` group (the index of the
+#: sample in its rollout call). An agent's episode whose calls do not extend one another is
+#: several rows, its *linked samples*, sharing one episode (and one advantage).
+EPISODE = "episode"
 #: The reward of a row, ``(B,)``.
 SCORE = "score"
 #: Whether a row's answer is right, ``(B,)`` (the reward's accuracy, for metrics and DAPO).

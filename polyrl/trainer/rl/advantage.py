@@ -9,6 +9,7 @@ rollout worker runs it on the stored rows. Either way it is this code.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from polyrl.core.columns import (
     ACC,
     ADVANTAGES,
     BASELINE,
+    EPISODE,
     FINISH_REASON,
     IMPLICIT_REWARDS,
     LOSS_MASK,
@@ -113,6 +115,62 @@ def filter_overlong(batch: Batch, max_response_length: int) -> int:
     return int(cut.sum())
 
 
+#: Estimators whose advantage is one number per episode, so linked samples can share it.
+EPISODE_ESTIMATORS = ("grpo", "rloo")
+
+
+def episode_advantages(
+    estimator_name: str,
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    uids: Sequence[Any],
+    episodes: Sequence[int],
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Advantages of a batch holding linked samples (rows sharing a ``(uid, episode)``).
+
+    An agent's episode split into linked samples is several rows, each carrying the episode's
+    reward on its last token. Their advantage is the episode's: the estimator
+    (``estimator_name``, with ``kwargs``) sees each episode once -- its first row's score -- so
+    the group baseline is over the group's episodes, not weighted by how many samples each
+    split into; every row then gets its episode's advantage on its own masked tokens.
+
+    Returns ``None`` when no two rows share an episode (the caller estimates as usual).
+
+    Raises:
+        ValueError: the estimator is not an outcome estimator of one number per episode
+            (:data:`EPISODE_ESTIMATORS`).
+    """
+    from polyrl.algo import get_advantage_estimator
+
+    keys = list(zip((str(u) for u in uids), (int(e) for e in episodes), strict=True))
+    ordinal: dict[tuple[str, int], int] = {}  # an episode -> its number, in first-row order
+    owner = [ordinal.setdefault(key, len(ordinal)) for key in keys]
+    if len(ordinal) == len(keys):
+        return None
+    if estimator_name not in EPISODE_ESTIMATORS:
+        raise ValueError(
+            f"the batch holds linked samples (an agent episode split into several rows) and "
+            f"algorithm.adv_estimator={estimator_name} has no per-episode advantage; use one "
+            f"of {', '.join(EPISODE_ESTIMATORS)}, or agent.non_extending=refuse"
+        )
+    reps = [0] * len(ordinal)  # each episode's first row
+    for row in reversed(range(len(keys))):
+        reps[owner[row]] = row
+    rep_rows = torch.tensor(reps, dtype=torch.long)
+    rep_rewards = rewards[rep_rows]
+    # A full mask: each episode's advantage as one number, whatever its first row's tokens.
+    scalar, _ = get_advantage_estimator(estimator_name)(
+        rep_rewards,
+        torch.ones_like(rep_rewards),
+        index=[keys[r][0] for r in reps],
+        **kwargs,
+    )
+    per_row = scalar[:, 0][torch.tensor(owner, dtype=torch.long)]
+    out = per_row.unsqueeze(-1) * mask.to(per_row.dtype)
+    return out, out.clone()
+
+
 def compute_advantages(
     batch: Batch, cfg: PolyRLConfig, kl_ctrl: Any, baseline: torch.Tensor | None
 ) -> dict[str, float]:
@@ -161,15 +219,28 @@ def compute_advantages(
             "outcome_coef": cfg.prime.outcome_reward_coef,
             "whiten": cfg.prime.whiten_advantages,
         }
-    estimator = get_advantage_estimator(algo.adv_estimator)
-    advantages, returns = estimator(
-        rewards,
-        mask,
-        index=list(batch.non_tensors[UID]),
-        values=batch[VALUES] if VALUES in batch.tensor_keys else None,
-        baseline_rewards=baseline,
-        **kwargs,
-    )
+    linked = None
+    if EPISODE in batch.non_tensors:
+        linked = episode_advantages(
+            algo.adv_estimator,
+            rewards,
+            mask,
+            list(batch.non_tensors[UID]),
+            list(batch.non_tensors[EPISODE]),
+            **kwargs,
+        )
+    if linked is not None:
+        advantages, returns = linked
+    else:
+        estimator = get_advantage_estimator(algo.adv_estimator)
+        advantages, returns = estimator(
+            rewards,
+            mask,
+            index=list(batch.non_tensors[UID]),
+            values=batch[VALUES] if VALUES in batch.tensor_keys else None,
+            baseline_rewards=baseline,
+            **kwargs,
+        )
     if algo.distill_coef > 0:
         from polyrl.algo.distill import distill_advantages
 

@@ -15,7 +15,13 @@ from polyrl.config.schema import validate_tree
 from polyrl.trainer.common import check_devices
 from polyrl.trainer.rl.settings import RunSettings, settings_for
 
-__all__ = ["check_config", "check_engine_installed", "check_mode", "check_teachers"]
+__all__ = [
+    "check_config",
+    "check_engine_installed",
+    "check_linked_samples",
+    "check_mode",
+    "check_teachers",
+]
 
 
 def check_mode(cfg: PolyRLConfig, settings: RunSettings | None = None) -> None:
@@ -56,6 +62,38 @@ def check_mode(cfg: PolyRLConfig, settings: RunSettings | None = None) -> None:
     for bad, key, why in refused:
         if bad:
             raise ConfigError(f"trainer.mode={mode}: {why}", key=key)
+
+
+def check_linked_samples(cfg: PolyRLConfig) -> None:
+    """Refuse what cannot take an agent's linked samples (``agent.non_extending=split``).
+
+    An ``openai_agent`` episode whose calls do not extend one another becomes several rows
+    sharing one episode and one advantage: the estimator must give one number per episode,
+    the episode's reward must be its rows' one score (no per-token KL in the reward), and a
+    step's rows are no longer ``n`` per prompt (DAPO's group filter and the transfer queue's
+    rollout workers count on that).
+    """
+    from polyrl.trainer.rl.advantage import EPISODE_ESTIMATORS
+
+    agent, algo = cfg.agent, cfg.algorithm
+    if not agent.entrypoint or agent.non_extending != "split":
+        return
+    clashes = {
+        "algorithm.adv_estimator": algo.adv_estimator not in EPISODE_ESTIMATORS,
+        "algorithm.use_kl_in_reward": algo.use_kl_in_reward,
+        "algorithm.filter_groups": algo.filter_groups,
+        "transfer.enable": cfg.transfer.enable,
+    }
+    for key, clash in clashes.items():
+        if clash:
+            raise ConfigError(
+                f"cannot take linked samples (agent.non_extending=split splits an agent "
+                f"episode whose calls do not extend one another into several rows sharing its "
+                f"advantage; that needs adv_estimator in {', '.join(EPISODE_ESTIMATORS)}, no "
+                f"KL in the reward, no filter_groups, no transfer queue); change {key} or set "
+                "agent.non_extending=refuse",
+                key=key,
+            )
 
 
 def check_engine_installed(backend: str) -> None:
@@ -148,6 +186,7 @@ def check_config(
             "stream fixed prompt sets); turn one of them off",
             key="algorithm.filter_groups",
         )
+    check_linked_samples(cfg)
     run = settings_for(cfg, settings)
     check_mode(cfg, run)
     reward = cfg.reward

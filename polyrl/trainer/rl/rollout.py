@@ -24,6 +24,7 @@ from polyrl.core.columns import (
     ACC,
     ATTENTION_MASK,
     BASELINE,
+    EPISODE,
     FINISH_REASON,
     INPUT_IDS,
     MULTI_MODAL,
@@ -89,6 +90,20 @@ def attach_scores(
         for k, v in reward_metrics.items()
         if k in REWARD_METRICS or k.startswith(PER_FUNCTION_PREFIX)
     }
+
+
+def _episode_heads(batch: Batch) -> list[int]:
+    """Return the first row of each episode, in order (every row when none are linked)."""
+    episodes = batch.non_tensors.get(EPISODE)
+    if episodes is None:
+        return list(range(len(batch)))
+    seen: set[int] = set()
+    heads = []
+    for row, episode in enumerate(episodes):
+        if int(episode) not in seen:
+            seen.add(int(episode))
+            heads.append(row)
+    return heads
 
 
 def group_varies(values: torch.Tensor, n: int) -> torch.Tensor:
@@ -416,14 +431,23 @@ class RolloutProducer:
         return batch, metrics
 
     def add_row_info(self, batch: Batch, items: Sequence[Mapping[str, Any]], n: int) -> None:
-        """Add each row's ``uid``, ``data_source``, ``ground_truth`` and ``extra_info``."""
+        """Add each row's ``uid``, ``data_source``, ``ground_truth`` and ``extra_info``.
+
+        Rows are ``n`` per item, in item order; an agent batch says each row's episode
+        (:data:`~polyrl.core.columns.EPISODE`, item ``episode // n``), since an episode split
+        into linked samples is several rows.
+        """
         from polyrl.data.dataset import ground_truth_of
 
+        if EPISODE in batch.non_tensors:
+            owner = [int(e) // n for e in batch.non_tensors[EPISODE]]
+        else:
+            owner = [i for i in range(len(items)) for _ in range(n)]
+
         def per_row(values: Sequence[Any]) -> np.ndarray:
-            out = np.empty(len(values) * n, dtype=object)
-            for i, value in enumerate(values):
-                for j in range(n):
-                    out[i * n + j] = value
+            out = np.empty(len(owner), dtype=object)
+            for row, i in enumerate(owner):
+                out[row] = values[i]
             return out
 
         batch.non_tensors.update(
@@ -569,6 +593,7 @@ class RolloutProducer:
                 **common,
                 "entrypoint": agent.entrypoint,
                 "timeout_s": agent.timeout_s,
+                "non_extending": agent.non_extending,
             },
         }
         samples = []
@@ -659,10 +684,12 @@ class RolloutProducer:
             seed = derive_seed(cfg.seed_for("rollout"), -1, start)
             batch, _ = self.generate(items, k, cfg.rollout.val_temperature, seed)
             s, a, _ = self.score(batch)
-            scores.append(s)
-            accs.append(a)
+            # An agent episode split into linked samples counts once (they share its reward).
+            heads = _episode_heads(batch)
+            scores.append(s[heads])
+            accs.append(a[heads])
             lengths.append(batch[RESPONSE_LENGTH].float())
-            sources += list(batch.non_tensors["data_source"])
+            sources += [batch.non_tensors["data_source"][i] for i in heads]
         score = torch.cat(scores).view(-1, k)
         acc = torch.cat(accs).view(-1, k)
         out = {
