@@ -40,6 +40,8 @@ __all__ = ["ProducerProcess"]
 
 #: Seconds a control call (routing, flags, counters) may take before it counts as lost.
 _CALL_TIMEOUT_S = 60.0
+#: What a request sent after close() fails with.
+_STOPPED = "the rollout producer process was stopped"
 
 
 def _reply_error(exc: BaseException) -> str:
@@ -274,6 +276,8 @@ class ProducerProcess:
         self._pending: dict[int, cf.Future] = {}
         self._lock = threading.Lock()
         self._dead: str | None = None
+        # Set by close(): the child's exit that follows is the one asked for, not a crash.
+        self._closing = False
         if not parent.poll(start_timeout_s):
             self._stop()
             raise RuntimeError(f"the rollout producer process did not start in {start_timeout_s} s")
@@ -343,10 +347,13 @@ class ProducerProcess:
             try:
                 kind, call_id, payload = pickle.loads(self.conn.recv_bytes())
             except (EOFError, OSError):
-                self._fail_all(
-                    f"the rollout producer process exited (code {self._exit_code()}) with "
-                    "requests pending"
-                )
+                if self._closing:
+                    self._fail_all(_STOPPED)
+                else:
+                    self._fail_all(
+                        f"the rollout producer process exited (code {self._exit_code()}) with "
+                        "requests pending"
+                    )
                 return
             except Exception as exc:  # noqa: BLE001 - an answer that does not unpickle here
                 self._fail_all(f"unreadable answer from the rollout producer process: {exc}")
@@ -404,6 +411,7 @@ class ProducerProcess:
     # ------------------------------------------------------------------ the end
     def close(self) -> None:
         """Ask the child to close its client and reward workers and exit; stop it otherwise."""
+        self._closing = True
         if self.process.is_alive():
             try:
                 with self._lock:
@@ -421,5 +429,5 @@ class ProducerProcess:
                 break
             getattr(self.process, escalate)()
             self.process.join(timeout=2.0)
-        self._fail_all("the rollout producer process was stopped")
+        self._fail_all(_STOPPED)
         self.conn.close()
