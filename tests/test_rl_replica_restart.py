@@ -297,6 +297,7 @@ def test_on_ray_the_rank_restarts_a_lone_server_while_queue_workers_wait(tmp_pat
         line = describe_failure(lost)
         assert f"its Ray actor (rollout rank 0, pid {pid} on node " in line, line
         assert "trainer.max_restarts=0 recreates no dead worker" in line, line
+        assert f"; its log ends: rollout server of rank 0 serves {url} " in line, line
     finally:
         trainer.close()
 
