@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from polyrl.reward.pool import ScoringPool
+from polyrl.reward.pool import RewardWorkerDiedError, ScoringPool
 
 BEHAVE = ("spec", f"{Path(__file__).parent / 'fixtures' / 'reward_fns.py'}:behave")
 TIMEOUT_S = 0.5
@@ -103,6 +103,24 @@ def test_a_worker_killed_from_outside_loses_nothing(pool):
     assert scoring.deaths == 1 and scoring.pids != [before]
 
 
+def test_without_rescoring_a_worker_killed_from_outside_is_an_error_naming_it(pool):
+    # An RL run with trainer.max_restarts=0 recovers from no death: the pool says which died.
+    scoring = pool(1, chunk_size=3, timeout_s=30.0, rescore_after_death=False)
+    assert statuses(scoring.run(items("good"))) == ["ok"]  # booted
+    (before,) = scoring.pids
+    killer = threading.Timer(0.5, os.kill, (before, signal.SIGKILL))
+    killer.start()
+    with pytest.raises(RewardWorkerDiedError) as caught:
+        scoring.run(items("good", "sleep:2", "good", first=5))
+    killer.join()
+    assert str(caught.value) == (
+        f"reward worker process (pid {before}) died (killed by SIGKILL) while scoring sample 6"
+    )
+    assert scoring.deaths == 1
+    assert statuses(scoring.run(items("good"))) == ["ok"]  # a new worker scores the next run
+    assert scoring.pids != [before]
+
+
 def test_a_batch_that_hangs_everywhere_is_cut_short(pool):
     scoring = pool(2, chunk_size=1)
     before = set(scoring.pids)
@@ -161,7 +179,7 @@ def test_a_script_that_starts_a_pool_at_its_top_level_is_told_to_guard_it(tmp_pa
     import subprocess
     import sys
 
-    body = "from polyrl.reward.pool import ScoringPool\n\n"
+    body = "from polyrl.reward.pool import RewardWorkerDiedError, ScoringPool\n\n"
     unguarded = tmp_path / "unguarded.py"
     unguarded.write_text(body + "ScoringPool(1).close()\n")
     guarded = tmp_path / "guarded.py"

@@ -4,7 +4,9 @@ other, weights over a gloo ``dist`` broadcast (the code path NCCL takes between 
 Each node of ``ray.cluster_utils.Cluster`` has one logical CPU, and the engine rank and the
 replica each ask for one, so they cannot share a node. The same run on a one-node cluster (two
 CPUs; weights over shared memory) gives the baseline: the metrics of every step must be equal,
-since the transport only moves the same float32 bytes.
+since the transport only moves the same float32 bytes. After its steps the two-node run loses
+the rank on the node the driver is not on (SIGKILL): the line that tells of its death carries
+the end of that rank's log, read on its node.
 
 Ray allows one cluster per process and the test session already holds one, so each run is this
 file run as a script in a subprocess; it prints a JSON summary as its last line.
@@ -14,9 +16,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+from typing import Any
 
 import pytest
 
@@ -79,6 +83,7 @@ def _run(nodes: int, out_dir: str) -> dict:
             transport = [trainer.replicas.transport, trainer.replicas.transport_options]
             for step in range(1, 4):
                 records.append(trainer.step(step))
+            death = _kill_the_remote_rank(trainer) if nodes == 2 else None
         finally:
             trainer.close()
         alive = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
@@ -89,10 +94,39 @@ def _run(nodes: int, out_dir: str) -> dict:
             "transport": transport[0],
             "transport_backend": transport[1].get("backend"),
             "records": records,
+            "death": death,
         }
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def _kill_the_remote_rank(trainer: Any) -> dict:
+    """SIGKILL the first rank on the node the driver is not on; return how its death reads.
+
+    Both nodes are processes of this machine, so the kill is a plain one; the rank's log is the
+    other node's (its Ray log folder), read there by a task.
+    """
+    import ray
+    from waiting import wait_until
+
+    from polyrl.controller import WorkerDiedError
+    from polyrl.controller.worker_group import pid_alive
+    from polyrl.trainer.rl.supervisor import describe_failure
+
+    here = ray.get_runtime_context().get_node_id()
+    calls = [(g, "empty_cache") for g in trainer._groups]
+    calls.append((trainer.servers.group, "server_state"))
+    group, method, info = next(
+        (g, m, info) for g, m in calls for info in g.worker_info if info.node_id != here
+    )
+    os.kill(info.pid, signal.SIGKILL)
+    wait_until(lambda: not pid_alive(info.pid), "the remote rank to die", timeout=30)
+    try:
+        group.call_rank(info.rank, method, timeout=60)
+    except WorkerDiedError as exc:
+        return {"pid": info.pid, "method": method, "line": describe_failure(exc)}
+    raise AssertionError(f"{method} answered from a dead rank")
 
 
 def _start(nodes: int, out: str) -> subprocess.Popen:
@@ -141,6 +175,14 @@ def test_grpo_across_two_nodes_equals_the_one_node_run():
     # The policy moved: the runs agree on something that changes.
     assert one["records"][0]["actor/entropy"] != one["records"][2]["actor/entropy"]
     assert all(r["actor/grad_norm"] > 0 for r in one["records"])
+    # A rank of the driver's node has its log read from this machine's Ray log folder; one of
+    # the other node's, by a task on that node.
+    death = two["death"]
+    assert f"(pid {death['pid']} on node " in death["line"], death
+    assert f"died during {death['method']} (" in death["line"], death
+    # An engine rank's log ends with its model loading, a replica actor's with its server.
+    assert "; its log ends: " in death["line"], death
+    assert "Loading weights" in death["line"] or "serves http" in death["line"], death
 
 
 if __name__ == "__main__":

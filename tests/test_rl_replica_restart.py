@@ -2,7 +2,8 @@
 
 Real replica subprocesses, reward workers and engines on the nano tiny model (local worker
 backend); a replica is killed with SIGKILL at a chosen point of a step through a subclass of the
-trainer (the kill is real, the timing is the test's).
+trainer (the kill is real, the timing is the test's). A replica whose Ray *actor* is killed is
+tested in ``tests/test_rl_recovery.py``, against an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from waiting import wait_until
 
 from polyrl.config import load_config
 from polyrl.trainer.rl import RLTrainer
+from polyrl.trainer.rl.supervisor import ReplicaLostError, describe_failure
+from polyrl.trainer.run_loop import recoverable_cause
 
 pytestmark = pytest.mark.slow
 
@@ -258,6 +261,8 @@ def test_on_ray_the_rank_restarts_a_lone_server_while_queue_workers_wait(tmp_pat
     # The in-process case of the test above on Ray: the rank's actor restarts its server, and
     # the transfer queue's rollout workers, Ray actors with clients of their own, are routed
     # like the driver's (the restarted replica held out of their rotation until its push).
+    # trainer.max_restarts=0 recovers no dead worker, but a crashed server in a live actor is
+    # still restarted (rollout.max_replica_restarts); a dead actor is not recreated.
     cfg = _config(
         tmp_path,
         "trainer.worker_backend=ray",
@@ -265,6 +270,7 @@ def test_on_ray_the_rank_restarts_a_lone_server_while_queue_workers_wait(tmp_pat
         "rollout.replicas=1",
         "rollout.num_threads=1",
         "transfer.enable=true",
+        "trainer.max_restarts=0",
     )
     trainer = RLTrainer(cfg)
     try:
@@ -280,6 +286,18 @@ def test_on_ray_the_rank_restarts_a_lone_server_while_queue_workers_wait(tmp_pat
         [url] = trainer.replicas.urls
         assert httpx.get(f"{url}/health", timeout=10).json()["weight_version"] == 2
         assert all(state["alive"] for state in group.server_state())
+
+        # Now the actor itself dies (its server with it): the step fails naming it.
+        pid = group.worker_info[0].pid
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(Exception) as caught:
+            trainer.step(3)
+        lost = recoverable_cause(caught.value, (ReplicaLostError,))
+        assert lost is not None, caught.value
+        line = describe_failure(lost)
+        assert f"its Ray actor (rollout rank 0, pid {pid} on node " in line, line
+        assert "trainer.max_restarts=0 recreates no dead worker" in line, line
+        assert f"; its log ends: rollout server of rank 0 serves {url} " in line, line
     finally:
         trainer.close()
 
@@ -309,58 +327,3 @@ def test_a_hung_replica_counts_as_dead_and_its_restart_replaces_it(tiny_qwen2_di
         assert supervisor.dead() == []
     finally:
         process.stop()
-
-
-class ActorKillingTrainer(RLTrainer):
-    """Kills the Ray actor of rollout rank 0 (SIGKILL, as the OOM killer or a lost node would)
-    just before step 2: its server, a child kept alive by a lifeline, goes with it.
-
-    Records the killed pid, and before closing rank 0's pid and each replica's weight version.
-    """
-
-    killed_pid: int | None = None
-    new_pid: int | None = None
-    versions: list[int] | None = None
-
-    def step(self, step: int) -> dict[str, float]:
-        if step == 2:
-            pid = self.killed_pid = self.servers.group.worker_info[0].pid
-            os.kill(pid, signal.SIGKILL)
-            wait_until(lambda: not _alive(pid), "the replica actor to die", timeout=30)
-        return super().step(step)
-
-    def close(self) -> None:
-        if self.versions is None and self.servers is not None and self.servers.group:
-            self.new_pid = self.servers.group.worker_info[0].pid
-            self.versions = []
-            for url in self.replicas.urls:
-                try:
-                    self.versions.append(httpx.get(f"{url}/health").json()["weight_version"])
-                except httpx.HTTPError:
-                    self.versions.append(-1)  # unreachable
-        super().close()
-
-
-def _alive(pid: int) -> bool:
-    from polyrl.controller.worker_group import pid_alive
-
-    return pid_alive(pid)
-
-
-def test_on_ray_a_killed_replica_actor_is_recreated(tmp_path, ray_session):
-    cfg = _config(
-        tmp_path,
-        "trainer.worker_backend=ray",
-        "trainer.device=cpu",
-        "rollout.replicas=2",
-        "rollout.num_threads=1",
-    )
-    trainer = ActorKillingTrainer(cfg)
-    summary = trainer.fit()
-    records = _records(tmp_path)
-    assert summary["steps"] == 3 and trainer.killed_pid is not None
-    assert trainer.new_pid not in (None, trainer.killed_pid)  # a new actor serves rank 0
-    assert [r["step"] for r in records] == [1, 2, 3]
-    assert records[-1]["rollout/replica_restarts"] == 1
-    assert records[-1]["recovery/replica_actors_recreated"] == 1
-    assert trainer.versions == [3, 3]  # the new replica got every later push

@@ -718,7 +718,8 @@ class TrainerConfig(ConfigGroup):
         2,
         "RL runs: times the run rebuilds its workers and continues from its last checkpoint "
         "(from the start without one; see trainer.save_freq) after a worker dies; 0 stops at "
-        "the first death.",
+        "the first death, a rollout replica's Ray actor or a reward worker's included (a "
+        "replica's crashed server is still restarted: rollout.max_replica_restarts).",
         ge=0,
     )
     restart_backoff_s: float = option(

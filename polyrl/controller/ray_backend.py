@@ -8,6 +8,7 @@ still answers. Results stay in Ray's object store as ``ObjectRef`` handles until
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Sequence
@@ -107,6 +108,52 @@ def _logs_dir() -> Path | None:
         return Path(node.get_logs_dir_path()) if node is not None else None
     except Exception:  # noqa: BLE001 - a message without a log tail, not a failure
         return None
+
+
+#: Longest wait for the task that reads a log on another node (a lost node never answers).
+_REMOTE_LOG_TIMEOUT_S = 20.0
+
+
+def _read_log_tail(pid: int, max_lines: int) -> str:
+    """Return the last lines of the log of this node's Ray worker ``pid`` (stderr, else stdout).
+
+    Ray's own marker lines (``:actor_name:...``) and colour codes are dropped.
+    """
+    logs = _logs_dir()
+    if logs is None:
+        return ""
+    for suffix in ("err", "out"):
+        lines: list[str] = []
+        for path in sorted(logs.glob(f"worker-*-{pid}.{suffix}")):
+            with path.open("rb") as f:
+                # The end is enough, and a long run's log may be large.
+                f.seek(max(0, f.seek(0, os.SEEK_END) - _LOG_TAIL_BYTES))
+                lines += plain_log_lines(f.read().decode(errors="replace"))
+        if lines:
+            return "\n".join(lines[-max_lines:])
+    return ""
+
+
+def _remote_log_tail(node_id: str, pid: int, max_lines: int) -> str:
+    """:func:`_read_log_tail` run by a task on node ``node_id``, where that log is.
+
+    ``""`` when the node does not answer within ``_REMOTE_LOG_TIMEOUT_S`` (it was lost with
+    the worker) or the task fails.
+    """
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    reader = ray.remote(
+        num_cpus=0,  # the run's bundles may hold every CPU of the node
+        max_retries=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    )(_read_log_tail)
+    ref = reader.remote(pid, max_lines)
+    try:
+        return str(ray.get(ref, timeout=_REMOTE_LOG_TIMEOUT_S))
+    except Exception:  # noqa: BLE001 - a message without a log tail, not a failure
+        with contextlib.suppress(Exception):
+            ray.cancel(ref, force=True)
+        return ""
 
 
 def _first_line(text: str) -> str:
@@ -325,26 +372,16 @@ class RayBackend(Backend):
     def log_tail(self, rank: int, max_lines: int = 5) -> str:
         """Return the last lines of ``rank``'s actor log (stderr, else stdout) in Ray's session.
 
-        Read from this machine's Ray log folder, so only for an actor that ran on the driver's
-        node (``""`` otherwise). Ray's own marker lines (``:actor_name:...``) and colour codes
-        are dropped.
+        An actor of the driver's node: read from this machine's Ray log folder; of another
+        node: by a task Ray runs on that node (``""`` when that node is gone too). Ray's own
+        marker lines (``:actor_name:...``) and colour codes are dropped.
         """
         if not 0 <= rank < len(self.infos):
             return ""
-        logs = _logs_dir()
         info = self.infos[rank]
-        if logs is None or info.node_id != ray.get_runtime_context().get_node_id():
-            return ""  # another node's log folder is not readable from here
-        for suffix in ("err", "out"):
-            lines: list[str] = []
-            for path in sorted(logs.glob(f"worker-*-{info.pid}.{suffix}")):
-                with path.open("rb") as f:
-                    # The end is enough, and a long run's log may be large.
-                    f.seek(max(0, f.seek(0, os.SEEK_END) - _LOG_TAIL_BYTES))
-                    lines += plain_log_lines(f.read().decode(errors="replace"))
-            if lines:
-                return "\n".join(lines[-max_lines:])
-        return ""
+        if info.node_id == ray.get_runtime_context().get_node_id():
+            return _read_log_tail(info.pid, max_lines)
+        return _remote_log_tail(info.node_id, info.pid, max_lines)
 
     def shutdown(self) -> None:
         """Kill every actor (a rank stuck in a collective cannot exit gracefully)."""

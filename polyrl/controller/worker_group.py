@@ -286,6 +286,14 @@ class WorkerGroup:
         """Where each rank runs (pid, node, device), by rank."""
         return list(self._backend.infos)
 
+    def log_tail(self, rank: int, max_lines: int = 5) -> str:
+        """Return the last lines ``rank``'s process wrote to its own log (``""``: none known).
+
+        Only ``ray`` ranks have one (read on their node); local ranks write to this process's
+        streams.
+        """
+        return self._backend.log_tail(rank, max_lines)
+
     @property
     def methods(self) -> dict[str, BoundMethod]:
         """Every bound method by attribute name."""

@@ -319,6 +319,7 @@ class RewardFunctionsManager:
         timeout_s: float | None = 10.0,
         error_reward: float = 0.0,
         max_failure_fraction: float | None = None,
+        rescore_after_death: bool = True,
     ) -> None:
         from polyrl.reward.manager import RewardManager
 
@@ -336,6 +337,7 @@ class RewardFunctionsManager:
                         timeout_s=timeout_s,
                         error_reward=error_reward,
                         max_failure_fraction=max_failure_fraction,
+                        rescore_after_death=rescore_after_death,
                     )
         except BaseException:
             self.close()

@@ -7,6 +7,9 @@ garbage or kills its process yields ``error_reward`` for that sample and bumps a
 the metrics; the worker is replaced when needed and the run goes on. A worker killed from
 outside costs nothing: the sample it was scoring is scored again by its replacement (only a
 second death on it makes it an error); ``recovery/reward_worker_deaths`` counts the deaths.
+With ``rescore_after_death=False`` such a death raises
+:class:`~polyrl.reward.pool.RewardWorkerDiedError` instead (an RL run that recovers from
+nothing, ``trainer.max_restarts=0``, stops there).
 
 ``num_workers=0`` scores in the calling process instead. That is meant for debugging
 (breakpoints, tracebacks, profilers): exceptions and garbage are still caught, but no
@@ -168,6 +171,9 @@ class RewardManager:
         max_failure_fraction: Largest fraction of a batch's samples that may fail to score
             (error, timeout or garbage) before :meth:`score` raises
             :class:`RewardFailureError` instead of returning (``None``: never raise).
+        rescore_after_death: Score a sample whose worker died (killed from outside) again on
+            the worker's replacement; ``False``: :meth:`score` raises
+            :class:`~polyrl.reward.pool.RewardWorkerDiedError` instead.
 
     Workers are started in the constructor and reused; call :meth:`close` (or use the
     manager as a context manager) to stop them. Concurrent ``score`` calls from several
@@ -191,6 +197,7 @@ class RewardManager:
         chunk_size: int | None = None,
         startup_timeout_s: float = 120.0,
         max_failure_fraction: float | None = None,
+        rescore_after_death: bool = True,
     ):
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
@@ -240,6 +247,7 @@ class RewardManager:
                 startup_timeout_s=self.startup_timeout_s,
                 mp_context=mp_context,
                 chunk_size=chunk_size,
+                rescore_after_death=rescore_after_death,
             )
             if num_workers > 0
             else None

@@ -13,7 +13,9 @@ out-of-memory killer, an operator, a chaos test). So the item a worker died on i
 once, by its replacement; only when that one dies on it too is the outcome ``"error"`` (the
 scorer takes its process down). After such a double death the batch's later deaths are not
 retried, so a scorer that kills every process it runs in costs one extra start per batch.
-:attr:`ScoringPool.deaths` counts the workers that died.
+:attr:`ScoringPool.deaths` counts the workers that died. With ``rescore_after_death=False`` (an
+RL run with ``trainer.max_restarts=0``: recover from nothing) a worker that dies while scoring
+raises :class:`RewardWorkerDiedError` instead.
 
 A scorer that hangs on every item would still cost one timeout per item. When the first items
 tried in a batch (one per worker, at least two) all time out and none has finished, the scorer
@@ -44,7 +46,7 @@ from typing import Any
 
 from polyrl.reward._worker import Item, Outcome, Payload, worker_main
 
-__all__ = ["ScoringPool"]
+__all__ = ["RewardWorkerDiedError", "ScoringPool"]
 
 #: Start-up failures in a row after which the pool gives up (a scorer that cannot load).
 _MAX_BOOT_FAILURES = 3
@@ -53,6 +55,37 @@ _MAX_BOOT_FAILURES = 3
 _MIN_HUNG_ITEMS = 2
 #: Most items sent to a worker at a time when no chunk size is given.
 _MAX_CHUNK = 32
+
+
+class RewardWorkerDiedError(RuntimeError):
+    """A reward worker process died while scoring, and the pool was told not to recover.
+
+    Raised by :meth:`ScoringPool.run` with ``rescore_after_death=False``; its message is one
+    line naming the process, how it ended and the sample it was scoring.
+
+    Attributes:
+        pid: the dead worker's process id.
+        exitcode: its exit code (negative: the signal that ended it).
+    """
+
+    def __init__(self, pid: int | None, exitcode: int | None, sample: Any) -> None:
+        if exitcode is not None and exitcode < 0:
+            try:
+                how = f"killed by {signal.Signals(-exitcode).name}"
+            except ValueError:
+                how = f"killed by signal {-exitcode}"
+        else:
+            how = f"exit code {exitcode}"
+        super().__init__(
+            f"reward worker process (pid {pid}) died ({how}) while scoring sample {sample}"
+        )
+        self.pid = pid
+        self.exitcode = exitcode
+        self.sample = sample
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The constructor's arguments, not the message, so that it survives pickling.
+        return (type(self), (self.pid, self.exitcode, self.sample))
 
 
 class _Worker:
@@ -172,6 +205,8 @@ class ScoringPool:
         startup_timeout_s: Longest a new worker may take to start before :meth:`run` raises.
         mp_context: How worker processes are started: ``"spawn"`` or ``"forkserver"``.
         chunk_size: Items sent to a worker at a time (default: adaptive, at most 32).
+        rescore_after_death: Score the item of a worker that died again on its replacement
+            (``True``); ``False``: :meth:`run` raises :class:`RewardWorkerDiedError` instead.
 
     Raises:
         RuntimeError: when called from the top level of a ``__main__`` script outside an ``if
@@ -192,6 +227,7 @@ class ScoringPool:
         startup_timeout_s: float = 120.0,
         mp_context: str = "spawn",
         chunk_size: int | None = None,
+        rescore_after_death: bool = True,
     ):
         if num_workers < 1:
             raise ValueError(f"a ScoringPool needs at least one worker, got {num_workers}")
@@ -207,6 +243,7 @@ class ScoringPool:
         self.timeout_s = timeout_s
         self.startup_timeout_s = startup_timeout_s
         self.chunk_size = chunk_size
+        self.rescore_after_death = rescore_after_death
         self._custom = custom
         self._scorers: dict[str, Payload] = {}
         self._ctx = mp.get_context(mp_context)
@@ -251,6 +288,8 @@ class ScoringPool:
         retries it on a new worker).
 
         Raises:
+            RewardWorkerDiedError: A worker died while scoring and ``rescore_after_death`` is
+                off.
             RuntimeError: If a worker cannot start (its start-up failed, it took longer than
                 ``startup_timeout_s``, or workers died while starting several times in a row).
         """
@@ -419,6 +458,10 @@ class ScoringPool:
             self._drain(run, slot)  # results sent just before dying still count
             worker.proc.join(timeout=5)
             self.deaths += 1
+            if worker.chunk is not None and not self.rescore_after_death:
+                raise RewardWorkerDiedError(
+                    worker.proc.pid, worker.proc.exitcode, worker.chunk[worker.pos][0]
+                )
             if worker.chunk is not None and self._retry_current(run, slot):
                 continue
             self._fail_current(

@@ -33,6 +33,7 @@ as a :class:`LoopTrainer`; :class:`RunLoop` owns the rest of a run:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -103,7 +104,7 @@ class LoopTrainer(Protocol):
         ...
 
     def close(self) -> None:
-        """Release everything :meth:`setup` built (also after a failure)."""
+        """Release everything :meth:`setup` built (also after a failure); idempotent."""
         ...
 
     def summarize(self, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -257,8 +258,13 @@ class RunLoop:
         """
         cfg = self.cfg.trainer
         what = trainer.describe_failure(failure)
-        latest = resolve_resume_path("auto", True, self.checkpoint_root)
         if self.restarts >= cfg.max_restarts:
+            # The run ends here: closed first, a checkpoint still being written at the failure
+            # is completed, and it is the one a relaunch resumes from (closed again on the way
+            # out: closing is idempotent).
+            with contextlib.suppress(Exception):
+                trainer.close()
+            latest = resolve_resume_path("auto", True, self.checkpoint_root)
             spent = f" after {self.restarts} restart(s)" if self.restarts else ""
             where = f" (newest checkpoint {latest})" if latest else ""
             raise RunAbortedError(

@@ -21,6 +21,7 @@ A server bound to an address other than loopback requires the run's API key.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -145,7 +146,7 @@ class RolloutReplicaWorker(Worker):
             options=self.options,
             env=env,
         )
-        return self.server.start(self.start_timeout).url
+        return self._announce(self.server.start(self.start_timeout).url)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def server_command(self) -> dict[str, Any] | None:
@@ -175,7 +176,19 @@ class RolloutReplicaWorker(Worker):
         """
         if self.server is None or self.rank not in ranks:
             return None
-        return self.server.restart(timeout or self.start_timeout)
+        return self._announce(self.server.restart(timeout or self.start_timeout))
+
+    def _announce(self, url: str) -> str:
+        """Write ``url`` and the server's pid to this rank's log; return ``url``.
+
+        The line tells of the server in the actor's own log (which Ray keeps on its node), the
+        end of which the message about the actor's death quotes.
+        """
+        process = getattr(self.server, "process", None)
+        pid = process.pid if process is not None else None
+        print(f"rollout server of rank {self.rank} serves {url} (pid {pid})", file=sys.stderr)
+        sys.stderr.flush()
+        return url
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def stop_server(self) -> int | None:

@@ -470,8 +470,10 @@ def replica_supervisor(cfg: PolyRLConfig, servers: RolloutServers) -> Any:
         handles: list[Any] = [LocalReplica(p) for p in servers.processes]
     elif servers.group is not None and servers.leaders:
         plans = servers.plans or [None] * len(servers.leaders)
+        # A dead actor is a dead worker: recreated only by a run that recovers from those.
+        recreate = cfg.trainer.max_restarts > 0
         handles = [
-            RayReplica(servers.group, rank, url, plan)
+            RayReplica(servers.group, rank, url, plan, recreate=recreate)
             for rank, url, plan in zip(servers.leaders, servers.urls, plans, strict=True)
         ]
     else:

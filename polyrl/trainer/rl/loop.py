@@ -58,6 +58,7 @@ from polyrl.core.batch import Batch
 from polyrl.core.columns import OLD_LOG_PROBS, PRM_LOG_PROBS, REF_LOG_PROBS, VALUES
 from polyrl.model_engine.checkpoint import prune_checkpoints, step_dir_name
 from polyrl.reward.base import Scorer
+from polyrl.reward.pool import RewardWorkerDiedError
 from polyrl.trainer.rl.asynchronous import AheadRollout, SerialRewards
 from polyrl.trainer.rl.build import (
     RolloutServers,
@@ -797,11 +798,16 @@ class RLTrainer:
 class _RLRun:
     """:class:`RLTrainer` as the run loop's :class:`~polyrl.trainer.run_loop.RecoverableTrainer`.
 
-    Recoverable: a worker of any group that died or stopped answering, and a rollout replica
-    that could not be restarted in place.
+    Recoverable: a worker of any group that died or stopped answering, a rollout replica that
+    could not be restarted in place, and a reward worker that died while scoring (raised only
+    with ``trainer.max_restarts=0``: otherwise its sample is scored again, without a rebuild).
     """
 
-    recoverable: tuple[type[BaseException], ...] = (WorkerDiedError, ReplicaLostError)
+    recoverable: tuple[type[BaseException], ...] = (
+        WorkerDiedError,
+        ReplicaLostError,
+        RewardWorkerDiedError,
+    )
 
     def __init__(self, trainer: RLTrainer) -> None:
         self.trainer = trainer

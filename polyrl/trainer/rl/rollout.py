@@ -188,6 +188,9 @@ def reward_manager(cfg: PolyRLConfig, reward_fn: Any = None) -> Scorer:
         "timeout_s": cfg.reward.timeout_s,
         "error_reward": cfg.reward.error_reward,
         "max_failure_fraction": cfg.reward.max_failure_fraction,
+        # A run that recovers from no worker death (trainer.max_restarts=0) stops at a reward
+        # worker's too, in the same one line, rather than scoring its sample again.
+        "rescore_after_death": cfg.trainer.max_restarts > 0,
     }
     reward = cfg.reward
     mixed = bool(reward.model_path or reward.judge_template or reward.rule_weight != 1.0)

@@ -52,9 +52,11 @@ def describe_failure(error: BaseException) -> str:
     For a :class:`~polyrl.controller.WorkerDiedError` (an engine or reward-model rank: its
     call label names the role; its pid, node and last log lines when known) or a
     :class:`ReplicaLostError` (the replica's URL and the last lines of its log, folded into
-    the line, colour codes dropped); anything else by its type and first line.
+    the line, colour codes dropped), a :class:`~polyrl.reward.pool.RewardWorkerDiedError` (its
+    own line); anything else by its type and first line.
     """
     from polyrl.controller import WorkerDiedError
+    from polyrl.reward.pool import RewardWorkerDiedError
 
     if isinstance(error, WorkerDiedError):
         where = f" ({error.where})" if error.where else ""
@@ -67,6 +69,8 @@ def describe_failure(error: BaseException) -> str:
         reason = " ".join(str(error).split("; its log ends with:")[0].split())
         return reason + _log_clause(error.log_tail)
     text = " ".join(str(error).split())
+    if isinstance(error, RewardWorkerDiedError):
+        return text
     return f"{type(error).__name__}: {text}"
 
 
@@ -127,16 +131,25 @@ class RayReplica:
         plan: the :class:`~polyrl.workers.rollout_replica.ReplicaPlan` the server was started
             with (``None``: the rank's actor cannot be recreated).
         ping_s: seconds the rank's actor may take to answer a health check.
+        recreate: recreate the rank's actor when it died; ``False`` (``trainer.max_restarts=0``:
+            recover no dead worker): its restart raises :class:`ReplicaLostError` instead.
     """
 
     def __init__(
-        self, group: Any, rank: int, url: str, plan: Any = None, ping_s: float = 10.0
+        self,
+        group: Any,
+        rank: int,
+        url: str,
+        plan: Any = None,
+        ping_s: float = 10.0,
+        recreate: bool = True,
     ) -> None:
         self.group = group
         self.rank = rank
         self.url = url
         self.plan = plan
         self.ping_s = ping_s
+        self.recreate = recreate
         #: Times the rank's actor was recreated (a subset of the supervisor's restarts).
         self.recreated = 0
 
@@ -152,8 +165,20 @@ class RayReplica:
             return False
 
     def restart(self, timeout: float) -> str:
-        """Start the rank's server again (in a new actor if the old one died); return its URL."""
+        """Start the rank's server again (in a new actor if the old one died); return its URL.
+
+        Raises:
+            ReplicaLostError: the rank's actor died and may not be recreated (``recreate``).
+        """
         if self.plan is not None and not self.group.rank_alive(self.rank, self.ping_s):
+            if not self.recreate:
+                info = self.group.worker_info[self.rank]
+                raise ReplicaLostError(
+                    self.url,
+                    f"its Ray actor (rollout rank {self.rank}, pid {info.pid} on node "
+                    f"{info.node_ip}) died, and trainer.max_restarts=0 recreates no dead worker",
+                    self.group.log_tail(self.rank),
+                )
             url = self._recreate(timeout)
         else:
             url = self.group.call_rank(
@@ -278,6 +303,8 @@ class ReplicaSupervisor:
         self._silent_since.pop(index, None)
         try:
             new = handle.restart(self.restart_timeout_s)
+        except ReplicaLostError:
+            raise  # it says why itself
         except Exception as exc:
             raise ReplicaLostError(
                 old,
