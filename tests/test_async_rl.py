@@ -383,9 +383,11 @@ def test_the_producer_process_samples_and_scores_what_the_thread_producer_does(
         assert list(got.non_tensors["response_text"]) == list(want.non_tensors["response_text"])
         assert got_metrics == want_metrics
         assert child.pad_id == here.pad_id
-        # Held out of rotation with no wait for a replica: the child's request fails, named.
+        # Held out of rotation with no wait for a replica: the child's request fails, as itself.
+        from polyrl.rollout.client import NoReplicaAvailableError
+
         child.client.enable_replica(url, enabled=False)
-        with pytest.raises(RuntimeError, match="NoReplicaAvailableError"):
+        with pytest.raises(NoReplicaAvailableError, match="held out of rotation"):
             child._loop.run_until_complete(child.produce_group(item, 1, 1.0, 7))
         with pytest.raises(KeyError):
             child.client.enable_replica("http://127.0.0.1:9")
@@ -395,3 +397,26 @@ def test_the_producer_process_samples_and_scores_what_the_thread_producer_does(
     assert child.process.exitcode == 0
     with pytest.raises(RuntimeError, match="stopped"):
         asyncio.run(child.produce_group(item, 1, 1.0, 7))
+
+
+def test_a_producer_process_failure_reaches_the_trainer_as_its_own_type():
+    # The trainer's one-line stops dispatch on the type: a dead reward worker in the producer
+    # process must not arrive as a plain RuntimeError (it would end in a traceback).
+    from polyrl.reward.pool import RewardWorkerDiedError
+    from polyrl.trainer.rl.producer_process import _child_error, _portable, _reply_error
+    from polyrl.trainer.rl.supervisor import ReplicaLostError
+
+    for exc in (
+        RewardWorkerDiedError(4242, -9, 3),
+        ReplicaLostError("http://127.0.0.1:9", "restart budget spent", "last line"),
+    ):
+        try:
+            raise exc
+        except Exception as raised:  # noqa: BLE001 - formatted with its traceback
+            back = _child_error((_reply_error(raised), _portable(raised)))
+        assert type(back) is type(exc) and str(back) == str(exc)
+        assert "in the rollout producer process" in back.__notes__[0]
+    # One that does not survive pickling comes back as text, its type named.
+    local = type("LocalOnly", (Exception,), {})
+    back = _child_error((_reply_error(local("x")), _portable(local("x"))))
+    assert type(back) is RuntimeError and "LocalOnly" in str(back)

@@ -49,6 +49,30 @@ def _reply_error(exc: BaseException) -> str:
     return "".join(traceback.format_exception(exc)).rstrip()
 
 
+def _portable(exc: BaseException) -> bytes | None:
+    """Pickle ``exc`` when it survives the round trip, so the trainer raises the same type.
+
+    The trainer's recovery and its one-line stop messages (a dead reward worker, a lost replica)
+    dispatch on the exception's type; ``None`` for one that does not unpickle as itself.
+    """
+    try:
+        blob = pickle.dumps(exc, protocol=5)
+        back = pickle.loads(blob)
+    except Exception:  # noqa: BLE001 - an unpicklable exception falls back to its text
+        return None
+    return blob if type(back) is type(exc) and str(back) == str(exc) else None
+
+
+def _child_error(payload: tuple[str, bytes | None]) -> BaseException:
+    """Rebuild a failure of the child on the trainer's side: its own type where it pickled."""
+    text, blob = payload
+    if blob is not None:
+        exc = pickle.loads(blob)
+        exc.add_note(f"in the rollout producer process:\n{text}")
+        return exc
+    return RuntimeError(f"in the rollout producer process: {text}")
+
+
 class _Child:
     """The child's side: a :class:`RolloutProducer` serving the rollout thread's requests."""
 
@@ -120,7 +144,7 @@ class _Child:
             else:
                 result = await self._control(*args)
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the trainer
-            self.send(("err", call_id, _reply_error(exc)))
+            self.send(("err", call_id, (_reply_error(exc), _portable(exc))))
             return
         self.send(("ok", call_id, result))
 
@@ -365,7 +389,7 @@ class ProducerProcess:
             if kind == "ok":
                 future.set_result(payload)
             else:
-                future.set_exception(RuntimeError(f"in the rollout producer process: {payload}"))
+                future.set_exception(_child_error(payload))
 
     def _fail_all(self, reason: str) -> None:
         with self._lock:

@@ -43,7 +43,12 @@ class ReplicaLostError(RuntimeError):
             message += f"; its log ends with:\n{log_tail}"
         super().__init__(message)
         self.url = url
+        self.reason = reason
         self.log_tail = log_tail
+
+    def __reduce__(self):
+        # Rebuilt from its fields: a rollout producer process sends it to the trainer as itself.
+        return (type(self), (self.url, self.reason, self.log_tail))
 
 
 def describe_failure(error: BaseException) -> str:
