@@ -291,6 +291,16 @@ def test_rl_config_errors_name_the_option():
         RLTrainer(load_config("dapo", ["reward.overlong_buffer_len=17"]))
 
 
+def test_rl_trainer_seeds_the_policy_loss_from_the_step():
+    def seed_of(step: int) -> int:
+        trainer = RLTrainer(load_config("demo", ["actor.policy_loss=clip_cov"]))
+        return trainer._actor_loss_kwargs(step)["policy_loss_options"]["seed"]
+
+    # A resumed run (a new trainer) gives a step the seed the first run gave it (clip_cov's
+    # draws, see test_clip_cov_draws_from_its_seed_not_the_global_rng); each step its own.
+    assert seed_of(3) == seed_of(3) != seed_of(4)
+
+
 # ------------------------------------------------------------------------------ end to end
 SHORT_TEXT_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):

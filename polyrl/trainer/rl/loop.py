@@ -88,6 +88,7 @@ from polyrl.trainer.rl.metrics import (
 from polyrl.trainer.rl.producer_process import ProducerProcess
 from polyrl.trainer.rl.rollout import (
     RolloutProducer,
+    derive_seed,
     has_custom_reward,
     pad_id_of,
     response_cap,
@@ -468,7 +469,8 @@ class RLTrainer:
         """Push the actor's weights to every replica as ``version``; returns timing metrics."""
         return self.replicas.sync_weights(self.actor, version)
 
-    def _actor_loss_kwargs(self) -> dict[str, Any]:
+    def _actor_loss_kwargs(self, step: int) -> dict[str, Any]:
+        """Return the actor loss's options at ``step`` (its random draws are seeded from it)."""
         actor = self.cfg.actor
         return {
             "policy_loss": actor.policy_loss,
@@ -496,6 +498,9 @@ class RLTrainer:
                 "clip_cov_ub": actor.clip_cov_ub,
                 "kl_cov_ratio": actor.kl_cov_ratio,
                 "kl_cov_coef": actor.kl_cov_coef,
+                # A stochastic objective's (clip_cov's) draws: from the step, not the global
+                # RNG, so a resumed run draws what the uninterrupted one did.
+                "seed": derive_seed(self.cfg.seed, step),
             },
             "router_aux_loss_coef": actor.router_aux_loss_coef,
             # On-policy distillation against the teacher's top-k distribution: a loss term.
@@ -602,7 +607,7 @@ class RLTrainer:
                             self.actor.update_actor,
                             rows,
                             loss=ACTOR_LOSS,
-                            loss_kwargs=self._actor_loss_kwargs(),
+                            loss_kwargs=self._actor_loss_kwargs(step),
                             num_mini_batches=self.num_mini_batches,
                             epochs=cfg.actor.ppo_epochs,
                         )
