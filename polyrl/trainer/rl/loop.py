@@ -77,6 +77,8 @@ from polyrl.trainer.rl.generation import (
     GenerationPhase,
     QueueRollout,
     Replicas,
+    at_sampling_temperature,
+    log_prob_temperature,
     prompts_per_round,
 )
 from polyrl.trainer.rl.metrics import (
@@ -560,6 +562,10 @@ class RLTrainer:
             # 1-2. generate and score (the replicas may sleep from here until the sync); off
             # the sync mode, take a batch the rollout thread generated ahead
             rows, generated = rollout.generate(step, timing)
+            # Every engine (and teacher) computes this step's log-probs at the temperature the
+            # rollout sampled at: the importance ratio starts at 1.
+            temperature = log_prob_temperature(cfg)
+            rows = at_sampling_temperature(rows, temperature)
             metrics.update(generated)
             # The previous step's checkpoint was written while this one generated; the engines
             # are needed now (their calls queue behind the save anyway): surface its errors.
@@ -568,7 +574,7 @@ class RLTrainer:
             # 3. old log-probs, reference log-probs, values
             if self.teachers is not None:
                 with timer(timing, "teacher"):
-                    rows = self.teachers.score(rows, float(rows.meta.get("temperature", 1.0)))
+                    rows = self.teachers.score(rows, temperature)
             if self.need_old_log_probs:
                 with timer(timing, "old_log_prob"):
                     rows = plane.infer(
