@@ -255,6 +255,42 @@ def test_local_bad_input_errors():
     assert q.status("p")["partitions"]["p"]["consumers"] == {}
 
 
+def test_local_queue_served_to_other_processes_keeps_its_semantics():
+    """A client from for_processes pickles; through the queue's socket it does what the queue does.
+
+    (The rank processes of a local worker group use one: test_grpo_on_a_tp_or_sp_mesh_resumes_
+    exactly, tensor-parallel case, runs it across processes.)
+    """
+    q = LocalTransferQueue()
+    client = pickle.loads(pickle.dumps(q.for_processes()))
+    try:
+        b = _batch(6, seed=1)
+        meta = client.put(b, "p")
+        assert client.get_data(meta).equals(b)  # tensors and object columns, by value
+        assert q.get_data(q.get_meta(list(b.keys()), 6, "p", "driver")).equals(b)
+        # A consumer blocked in the queue's process is woken by a put from this side.
+        got: list[BatchMeta] = []
+        waiter = threading.Thread(
+            target=lambda: got.append(client.get_meta(["x"], 2, "later", "c", timeout=20))
+        )
+        waiter.start()
+        wait_until(lambda: len(q._cond._waiters) == 1, "the served consumer waits")
+        q.put(Batch({"x": torch.zeros(2)}), "later")
+        waiter.join(5)
+        assert got and got[0].sample_ids == (0, 1)
+        # The queue's errors reach the caller as they are.
+        with pytest.raises(TransferError, match="6 samples ready for this consumer, 7 needed"):
+            client.get_meta(["input_ids"], 7, "p", "c", timeout=0.05)
+        assert client.status("p")["storage_bytes"] == client.storage_bytes() == q.storage_bytes()
+        client.clear("p")
+        assert "p" not in q.status()["partitions"]
+    finally:
+        client.close()
+        q.close()
+    with pytest.raises(TransferError, match="cannot reach the local transfer queue"):
+        pickle.loads(pickle.dumps(client)).put(_batch(1), "p")
+
+
 # ----------------------------------------------------------------------------------------------
 # Local backend: get_meta semantics
 # ----------------------------------------------------------------------------------------------

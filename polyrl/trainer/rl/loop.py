@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -433,8 +434,12 @@ class RLTrainer:
 
         cfg = self.cfg
         queue, backend = start_transfer_queue(cfg, self._closers, settings=self.settings)
+        here = os.getpid()
         for view in {id(v): v for v in views.values()}.values():
-            view.attach_transfer_queue(queue)
+            # Ranks in processes of their own (the local backend's, world size > 1) get a
+            # client they can unpickle; an inline rank, the queue itself.
+            inline = all(info.pid == here for info in view.view.group.worker_info)
+            view.attach_transfer_queue(queue if inline else queue.for_processes())
         count = cfg.transfer.num_rollout_workers
         workers = StoreWorkers(
             count,
