@@ -503,21 +503,14 @@ def test_killed_run_resumes_with_identical_metrics(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "axis",
-    [
-        # The tensor-parallel run passes its rows through the transfer queue: a local queue
-        # the two rank processes reach through LocalTransferQueue.for_processes, and into
-        # which only the collect rank of the group puts.
-        "actor.tensor_parallel_size=2 transfer.enable=true",
-        "actor.ulysses_sequence_parallel_size=2",
-    ],
+    "axis", ["actor.tensor_parallel_size=2", "actor.ulysses_sequence_parallel_size=2"]
 )
 def test_grpo_on_a_tp_or_sp_mesh_resumes_exactly(tmp_path, axis):
     # Two CPU ranks form one tensor- (or sequence-) parallel group: both get the same rows, the
     # reference engine takes the actor's mesh, the weights pushed to the rollout server are
     # gathered whole, and a checkpoint of that mesh resumes to what the uninterrupted run logs.
     common = [
-        *axis.split(),
+        axis,
         "trainer.worker_backend=local",
         "trainer.n_gpus_per_node=2",
         "trainer.total_steps=2",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 import time
@@ -258,12 +259,34 @@ def test_local_bad_input_errors():
 def test_local_queue_served_to_other_processes_keeps_its_semantics():
     """A client from for_processes pickles; through the queue's socket it does what the queue does.
 
-    (The rank processes of a local worker group use one: test_grpo_on_a_tp_or_sp_mesh_resumes_
-    exactly, tensor-parallel case, runs it across processes.)
+    What the rank processes of a local worker group get with ``transfer.enable=true``: a child
+    process puts through one; the calls of this process go through the socket too.
     """
+    import subprocess
+    import sys
+    from pathlib import Path
+
     q = LocalTransferQueue()
+    child = (
+        "import pickle, sys, torch\n"
+        "from polyrl.core.batch import Batch\n"
+        "client = pickle.loads(sys.stdin.buffer.read())\n"
+        "client.put(Batch({'x': torch.arange(3.0)}), 'child')\n"
+    )
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
     client = pickle.loads(pickle.dumps(q.for_processes()))
     try:
+        ran = subprocess.run(
+            [sys.executable, "-c", child],
+            input=pickle.dumps(q.for_processes()),
+            env=env,
+            capture_output=True,
+            timeout=120,
+        )
+        assert ran.returncode == 0, ran.stderr.decode()
+        got = q.get_data(q.get_meta(["x"], 3, "child", "driver", timeout=5))
+        assert got["x"].tolist() == [0.0, 1.0, 2.0]
         b = _batch(6, seed=1)
         meta = client.put(b, "p")
         assert client.get_data(meta).equals(b)  # tensors and object columns, by value
