@@ -109,16 +109,37 @@ def test_clip_cov_detaches_high_covariance_tokens():
     assert logp.grad.tolist()[0] == pytest.approx([0.0, -0.5, 0.5, 0.0])
     assert loss.item() == pytest.approx((-2.0 + 2.0) / 4)
     assert m["clip_cov_frac"] == pytest.approx(0.5)
-    # floor(0.25 * 4) = 1: one of the two, drawn with the generator.
+    # floor(0.25 * 4) = 1: one of the two, drawn with the seed.
     logp, adv, mask = _cov_case()
-    gen = torch.Generator().manual_seed(0)
     loss, m = get_policy_loss("clip_cov")(
-        logp, logp.detach(), adv, mask, clip_cov_ratio=0.25, generator=gen
+        logp, logp.detach(), adv, mask, clip_cov_ratio=0.25, seed=0
     )
     loss.backward()
     zeros = [i for i, g in enumerate(logp.grad.tolist()[0]) if g == 0.0]
     assert len(zeros) == 1 and zeros[0] in (0, 3)
     assert m["clip_cov_frac"] == pytest.approx(0.25)
+
+
+def test_clip_cov_draws_from_its_seed_not_the_global_rng():
+    # 64 candidates (covariance 1.9 each as in _cov_case), 8 of them detached.
+    logp0 = torch.tensor([[-0.1, -2.0] * 64], dtype=torch.float64)
+    adv = torch.tensor([[2.0, 2.0] * 32 + [-2.0, -2.0] * 32], dtype=torch.float64)
+    mask = torch.ones_like(adv)
+
+    def detached(seed: int, global_seed: int) -> list[int]:
+        torch.manual_seed(global_seed)  # a resume's global RNG state differs from the run's
+        logp = logp0.clone().requires_grad_(True)
+        loss, _ = get_policy_loss("clip_cov")(
+            logp, logp.detach(), adv, mask, clip_cov_ratio=8 / 128, seed=seed
+        )
+        loss.backward()
+        return [i for i, g in enumerate(logp.grad[0].tolist()) if g == 0.0]
+
+    first = detached(seed=7, global_seed=0)
+    assert len(first) == 8
+    # The same seed draws the same tokens whatever the global RNG state; another seed others.
+    assert all(detached(seed=7, global_seed=g) == first for g in (1, 2, 3))
+    assert detached(seed=8, global_seed=0) != first
 
 
 def test_kl_cov_penalises_the_top_covariance_tokens():

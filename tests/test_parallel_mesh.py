@@ -182,23 +182,63 @@ def test_ulysses_masks_follow_packing_and_sliding_windows():
         assert torch.equal(ulysses._STATE.mask_for(3)[0, 0], expected(single, 3))
 
 
-def test_engine_worker_gives_sp_and_tp_peers_the_same_rows():
+def _tp2_workers(world: int) -> list:
+    """``world`` EngineWorkers of a tp=2 mesh, each as its rank would be (no model built)."""
     from polyrl.controller import worker as worker_mod
     from polyrl.model_engine import EngineConfig
-    from polyrl.workers.engine import ENGINE_MESH, EngineWorker
+    from polyrl.workers.engine import EngineWorker
 
     engine = EngineConfig(device="cpu", parallelism=ParallelismConfig(tensor_parallel_size=2))
-    infos = []
-    for rank in range(4):
+    workers = []
+    for rank in range(world):
         ctx = worker_mod._standalone_context("EngineWorker")
-        worker_mod._construction.ctx = dataclasses.replace(ctx, rank=rank, world_size=4)
+        worker_mod._construction.ctx = dataclasses.replace(ctx, rank=rank, world_size=world)
         try:
-            w = EngineWorker(role="actor", model="/unused", engine=engine)
+            workers.append(EngineWorker(role="actor", model="/unused", engine=engine))
         finally:
             worker_mod._construction.ctx = None
-        infos.append(w.dispatch_info(ENGINE_MESH))
+    return workers
+
+
+def test_engine_worker_gives_sp_and_tp_peers_the_same_rows():
+    from polyrl.workers.engine import ENGINE_MESH
+
+    infos = [w.dispatch_info(ENGINE_MESH) for w in _tp2_workers(4)]
     # (dp_rank, dp_size, is_collect): ranks 0, 1 share shard 0; 2, 3 shard 1.
     assert infos == [(0, 2, True), (0, 2, False), (1, 2, True), (1, 2, False)]
+
+
+def test_only_the_collect_rank_of_a_tp_group_puts_outputs_to_the_queue():
+    from polyrl.core.batch import Batch
+    from polyrl.core.rollout_batch import build_rollout_batch
+    from polyrl.trainer.rl.store_worker import sample_rows
+    from polyrl.transfer import LocalTransferQueue
+    from polyrl.workers.engine import ENGINE_MESH
+    from polyrl.workers.store import StepLayout, StoredRows
+
+    puts: list[tuple[str, tuple[int, ...]]] = []
+
+    class CountingQueue(LocalTransferQueue):  # a real local queue that logs its puts
+        def _put(self, batch, partition, sample_ids):
+            puts.append((partition, tuple(sample_ids or ())))
+            return super()._put(batch, partition, sample_ids)
+
+    queue = CountingQueue()
+    batch = build_rollout_batch([[3, 4]] * 4, [[5, 6, 7]] * 4, 0, [[-1.0, -2.0, -3.0]] * 4)
+    batch["score"] = batch["acc"] = torch.zeros(4)
+    queue.put(sample_rows(batch), "step-1")
+    rows = StoredRows(queue.get_meta(["prompt_ids"], 4, "step-1", "t"), StepLayout(2, 3, 0))
+    puts.clear()
+    for worker in _tp2_workers(4):  # dp 2 x tp 2: each shard computed by two ranks
+        worker.attach_transfer_queue(queue)
+        dp_rank, dp_size, _ = worker.dispatch_info(ENGINE_MESH)
+        shard = rows.__dp_chunks__(dp_size)[dp_rank]
+        # The rank's inference (the same rows give tp peers the same output).
+        worker._infer(shard, lambda got: Batch({"old_log_probs": got["input_ids"].float()}))
+    # One put per data-parallel shard (ranks 0 and 2), not one per rank.
+    assert puts == [("step-1", (0, 1)), ("step-1", (2, 3))]
+    out = queue.get_data(queue.get_meta(["old_log_probs"], 4, "step-1", "t2"))
+    assert torch.equal(out["old_log_probs"], batch["input_ids"].float())
 
 
 def test_run_config_checks_tp_times_sp_against_the_world_size():

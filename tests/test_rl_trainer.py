@@ -291,6 +291,28 @@ def test_rl_config_errors_name_the_option():
         RLTrainer(load_config("dapo", ["reward.overlong_buffer_len=17"]))
 
 
+def test_log_prob_temperature_is_the_rollouts_never_validations():
+    from polyrl.trainer.rl.generation import log_prob_temperature
+
+    def temperature(*overrides: str) -> float:
+        return log_prob_temperature(load_config("demo", list(overrides)))
+
+    assert temperature("rollout.temperature=0.7", "rollout.val_temperature=1.3") == 0.7
+    assert temperature("rollout.temperature=0.7", "rollout.val_temperature=0") == 0.7
+    # Greedy sampling: the servers report temperature-1 log-probs, the engines compute those.
+    assert temperature("rollout.temperature=0", "rollout.val_temperature=0.6") == 1.0
+
+
+def test_rl_trainer_seeds_the_policy_loss_from_the_step():
+    def seed_of(step: int) -> int:
+        trainer = RLTrainer(load_config("demo", ["actor.policy_loss=clip_cov"]))
+        return trainer._actor_loss_kwargs(step)["policy_loss_options"]["seed"]
+
+    # A resumed run (a new trainer) gives a step the seed the first run gave it (clip_cov's
+    # draws, see test_clip_cov_draws_from_its_seed_not_the_global_rng); each step its own.
+    assert seed_of(3) == seed_of(3) != seed_of(4)
+
+
 # ------------------------------------------------------------------------------ end to end
 SHORT_TEXT_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -950,14 +972,23 @@ def test_shared_prefix_update_gives_the_metrics_of_a_full_forward(tmp_path, full
         assert shared["actor/compute_tokens"] < full["actor/compute_tokens"]
 
 
-def test_grpo_step_with_the_rollout_correction_reports_its_weights(tmp_path, monkeypatch):
-    import polyrl.trainer.rl.rollout as rollout_module
+def test_grpo_step_at_a_temperature_computes_log_probs_equal_to_the_rollouts(tmp_path, monkeypatch):
+    """At rollout.temperature=0.7 the engines' log-probs are the servers' (ratio 1 at start).
 
-    # Every response's first rollout log-prob is lowered by log(3): its sequence weight
-    # exp(sum(old - rollout)) is then 3 times the true weight, which is 1 up to rounding (an
-    # fp32 rollout against an fp32 trainer). A stub that logged 1.0, an inverted ratio (1/3)
-    # or the truncated weights (2) fails; test_actor_loss_weights_advantages_by_the_rollout_
-    # correction checks the truncation's arithmetic by hand.
+    The reference engine holds the actor's initial weights: at step 1 its log-probs are the old
+    log-probs (the update's own here: one mini-batch, one epoch), computed the same way.
+
+    Also the rollout correction's metrics: every response's first rollout log-prob is lowered
+    by log(3), so its sequence weight exp(sum(old - rollout)) is 3 times the true weight, which
+    is 1 up to rounding (an fp32 rollout against an fp32 trainer, both at T=0.7). A stub that
+    logged 1.0, an inverted ratio (1/3) or the truncated weights (2) fails;
+    test_actor_loss_weights_advantages_by_the_rollout_correction checks the truncation's
+    arithmetic by hand.
+    """
+    import polyrl.trainer.rl.rollout as rollout_module
+    from polyrl.core.columns import LOSS_MASK, REF_LOG_PROBS, ROLLOUT_LOG_PROBS
+    from polyrl.model_engine.engine import TEMPERATURE_KEY
+
     def offset_batch(*args, **kwargs):
         batch = build_rollout_batch(*args, **kwargs)
         first = rollout_widths(batch)[0]  # every response starts at this column
@@ -971,15 +1002,32 @@ def test_grpo_step_with_the_rollout_correction_reports_its_weights(tmp_path, mon
         "trainer.worker_backend=local",
         "trainer.total_steps=2",
         "model.tiny_size=nano",
+        "rollout.temperature=0.7",
         "algorithm.rollout_is=sequence",
         "algorithm.rollout_is_threshold=2.0",
     )
     trainer = RLTrainer(load_config("demo", overrides))
+    seen = []
     try:
         trainer.setup()
+        advantages = trainer.plane.advantages
+
+        def spy(rows, *args):  # the step's rows, with their log-prob columns, before the update
+            seen.append(rows)
+            return advantages(rows, *args)
+
+        trainer.plane.advantages = spy
         metrics = trainer.step(1)
     finally:
         trainer.close()
+    (rows,) = seen
+    on = rows[LOSS_MASK] != 0
+    rollout = rows[ROLLOUT_LOG_PROBS].clone()
+    rollout[:, rollout_widths(rows)[0]] += math.log(3.0)  # undo the offset
+    # The tolerance of fp32 against fp32 (test_compute_dtype_sets_the_engines_mixed_precision);
+    # with the engines at T=1 the largest gap here is ~0.18.
+    assert (rows[REF_LOG_PROBS] - rollout)[on].abs().max() < 1e-5
+    assert rows.meta[TEMPERATURE_KEY] == 0.7
     # The metrics are of the weights before truncation; every one is above the threshold.
     assert metrics["actor/rollout_is_mean"] == pytest.approx(3.0, rel=1e-3)
     assert metrics["actor/rollout_is_max"] == pytest.approx(3.0, rel=1e-3)

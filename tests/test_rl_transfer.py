@@ -15,11 +15,13 @@ from polyrl.config import ConfigError, load_config
 from polyrl.core.batch import Batch
 from polyrl.core.columns import MULTI_MODAL
 from polyrl.core.rollout_batch import build_rollout_batch
+from polyrl.model_engine.engine import TEMPERATURE_KEY
 from polyrl.trainer.rl import RLTrainer
+from polyrl.trainer.rl.generation import at_sampling_temperature
 from polyrl.trainer.rl.store_worker import merge_rollout_summaries, sample_rows
 from polyrl.transfer import make_transfer_queue
 from polyrl.transfer._core import value_nbytes
-from polyrl.workers.store import StepLayout
+from polyrl.workers.store import StepLayout, StoreClient, StoredRows
 
 
 def _random_rollout(rng: random.Random, rows: int, with_masks: bool):
@@ -52,11 +54,16 @@ def test_rows_through_the_queue_rebuild_the_driver_batch_exactly(with_masks):
     width_p = max(len(p) for p in prompts)
     width_r = max(len(r) for r in responses)
     layout = StepLayout(width_p, width_r, pad_id=0)
+    # The step tags its rows with the rollout's temperature (the driver's batch in its meta).
+    stored = at_sampling_temperature(StoredRows(meta, layout, ("score", "uid")), 0.7)
+    whole = at_sampling_temperature(whole, 0.7)
     # Every data-parallel shard rebuilds exactly the driver batch's rows.
-    for shard, (lo, hi) in zip(meta.chunk(3), ((0, 4), (4, 8), (8, 12)), strict=True):
-        got = layout.load(queue, shard, ["score", "uid"])
+    shards = stored.__dp_chunks__(3)
+    for shard, (lo, hi) in zip(shards, ((0, 4), (4, 8), (8, 12)), strict=True):
+        got = StoreClient(queue).load(shard)
         for key in whole.tensor_keys:
             assert torch.equal(got[key], whole[key][lo:hi]), key
+        assert got.meta == whole.meta == {TEMPERATURE_KEY: 0.7}
         assert got["score"].tolist() == list(range(lo, hi))
         assert list(got.non_tensors["uid"]) == list(whole.non_tensors["uid"][lo:hi])
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -254,6 +254,64 @@ def test_local_bad_input_errors():
         make_transfer_queue("x")
     # The failed calls consumed nothing.
     assert q.status("p")["partitions"]["p"]["consumers"] == {}
+
+
+def test_local_queue_served_to_other_processes_keeps_its_semantics():
+    """A client from for_processes pickles; through the queue's socket it does what the queue does.
+
+    What the rank processes of a local worker group get with ``transfer.enable=true``: a child
+    process puts through one; the calls of this process go through the socket too.
+    """
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    q = LocalTransferQueue()
+    child = (
+        "import pickle, sys, torch\n"
+        "from polyrl.core.batch import Batch\n"
+        "client = pickle.loads(sys.stdin.buffer.read())\n"
+        "client.put(Batch({'x': torch.arange(3.0)}), 'child')\n"
+    )
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    client = pickle.loads(pickle.dumps(q.for_processes()))
+    try:
+        ran = subprocess.run(
+            [sys.executable, "-c", child],
+            input=pickle.dumps(q.for_processes()),
+            env=env,
+            capture_output=True,
+            timeout=120,
+        )
+        assert ran.returncode == 0, ran.stderr.decode()
+        got = q.get_data(q.get_meta(["x"], 3, "child", "driver", timeout=5))
+        assert got["x"].tolist() == [0.0, 1.0, 2.0]
+        b = _batch(6, seed=1)
+        meta = client.put(b, "p")
+        assert client.get_data(meta).equals(b)  # tensors and object columns, by value
+        assert q.get_data(q.get_meta(list(b.keys()), 6, "p", "driver")).equals(b)
+        # A consumer blocked in the queue's process is woken by a put from this side.
+        got: list[BatchMeta] = []
+        waiter = threading.Thread(
+            target=lambda: got.append(client.get_meta(["x"], 2, "later", "c", timeout=20))
+        )
+        waiter.start()
+        wait_until(lambda: len(q._cond._waiters) == 1, "the served consumer waits")
+        q.put(Batch({"x": torch.zeros(2)}), "later")
+        waiter.join(5)
+        assert got and got[0].sample_ids == (0, 1)
+        # The queue's errors reach the caller as they are.
+        with pytest.raises(TransferError, match="6 samples ready for this consumer, 7 needed"):
+            client.get_meta(["input_ids"], 7, "p", "c", timeout=0.05)
+        assert client.status("p")["storage_bytes"] == client.storage_bytes() == q.storage_bytes()
+        client.clear("p")
+        assert "p" not in q.status()["partitions"]
+    finally:
+        client.close()
+        q.close()
+    with pytest.raises(TransferError, match="cannot reach the local transfer queue"):
+        pickle.loads(pickle.dumps(client)).put(_batch(1), "p")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -810,20 +868,22 @@ def test_ray_large_blocks_are_read_from_the_producers_copy(ray_session, ray_queu
     from polyrl.transfer import RayTransferQueue
 
     q = RayTransferQueue.connect(ray_queue.name, direct_bytes=0, block_size=64, use_shm=use_shm)
-    b = _batch(100, seed=5)
-    m = q.put(b, "direct")
-    node = ray.get_runtime_context().get_node_id()
-    first_block = [i for i in range(100) if m.units[i] == m.units[0]][:10]
-    kind = ray.get(q.units[m.units[0]].get.remote("direct", first_block, ["input_ids"], node))
-    assert kind[0] == ("shm" if use_shm else "ref")
-    assert q.get_data(m).equals(b)  # mixes blocks of both units
-    assert q.get_data(m[[5, 3, 1]]).equals(b[[5, 3, 1]])  # out of order: gathered copy
-    # A field overwritten for some samples no longer comes from the original object.
-    q.put(Batch({"log_probs": torch.zeros(2, 6)}), "direct", sample_ids=[1, 2])
-    want = b.clone()
-    want["log_probs"][1:3] = 0
-    assert q.get_data(m[:10]).equals(want[:10])
-    q.clear("direct")
+    try:
+        b = _batch(100, seed=5)
+        m = q.put(b, "direct")
+        node = ray.get_runtime_context().get_node_id()
+        first_block = [i for i in range(100) if m.units[i] == m.units[0]][:10]
+        kind = ray.get(q.units[m.units[0]].get.remote("direct", first_block, ["input_ids"], node))
+        assert kind[0] == ("shm" if use_shm else "ref")
+        assert q.get_data(m).equals(b)  # mixes blocks of both units
+        assert q.get_data(m[[5, 3, 1]]).equals(b[[5, 3, 1]])  # out of order: gathered copy
+        # A field overwritten for some samples no longer comes from the original object.
+        q.put(Batch({"log_probs": torch.zeros(2, 6)}), "direct", sample_ids=[1, 2])
+        want = b.clone()
+        want["log_probs"][1:3] = 0
+        assert q.get_data(m[:10]).equals(want[:10])
+    finally:
+        q.clear("direct")
 
 
 @pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "object-store"])
@@ -845,25 +905,27 @@ def test_ray_get_meta_of_one_block_reads_the_producers_copy_directly(
         use_shm=use_shm,
         **({} if use_shm else {"fast_path": None}),
     )
-    b = _batch(40, seed=6)
-    q.put(b, "hint")
-    meta = q.get_meta(["input_ids", "log_probs"], 40, "hint", consumer="a")
-    assert (meta.partition, 0, 40) in q._hints
-    assert isinstance(q._hints[(meta.partition, 0, 40)][0], ShmBlock) == use_shm
-    assert q.get_data(meta).equals(b.select("input_ids", "log_probs"))
-    assert not q._hints  # used once
-    # After a rewrite of some samples' log_probs the shortcut is withdrawn: fresh values.
-    q.put(Batch({"log_probs": torch.ones(3, 6)}), "hint", sample_ids=[4, 5, 6])
-    meta = q.get_meta(["log_probs"], 40, "hint", consumer="b")
-    assert not q._hints
-    want = b["log_probs"].clone()
-    want[4:7] = 1
-    assert torch.equal(q.get_data(meta)["log_probs"], want)
-    # The whole block lost its shortcut (conservative); other fields still read right.
-    meta = q.get_meta(["input_ids"], 40, "hint", consumer="c")
-    assert not q._hints
-    assert torch.equal(q.get_data(meta)["input_ids"], b["input_ids"])
-    q.clear("hint")
+    try:
+        b = _batch(40, seed=6)
+        q.put(b, "hint")
+        meta = q.get_meta(["input_ids", "log_probs"], 40, "hint", consumer="a")
+        assert (meta.partition, 0, 40) in q._hints
+        assert isinstance(q._hints[(meta.partition, 0, 40)][0], ShmBlock) == use_shm
+        assert q.get_data(meta).equals(b.select("input_ids", "log_probs"))
+        assert not q._hints  # used once
+        # After a rewrite of some samples' log_probs the shortcut is withdrawn: fresh values.
+        q.put(Batch({"log_probs": torch.ones(3, 6)}), "hint", sample_ids=[4, 5, 6])
+        meta = q.get_meta(["log_probs"], 40, "hint", consumer="b")
+        assert not q._hints
+        want = b["log_probs"].clone()
+        want[4:7] = 1
+        assert torch.equal(q.get_data(meta)["log_probs"], want)
+        # The whole block lost its shortcut (conservative); other fields still read right.
+        meta = q.get_meta(["input_ids"], 40, "hint", consumer="c")
+        assert not q._hints
+        assert torch.equal(q.get_data(meta)["input_ids"], b["input_ids"])
+    finally:
+        q.clear("hint")
 
 
 def test_ray_reader_ahead_of_the_storage_unit_waits_for_the_committed_block(ray_session, ray_queue):
@@ -899,6 +961,8 @@ def test_ray_reader_ahead_of_the_storage_unit_waits_for_the_committed_block(ray_
 
 @pytest.mark.parametrize("use_shm", [True, False], ids=["shm", "object-store"])
 def test_ray_reads_survive_the_death_of_the_producer(ray_session, ray_queue, use_shm):
+    import os
+
     ray = ray_session
 
     @ray.remote(num_cpus=0)
@@ -906,27 +970,43 @@ def test_ray_reads_survive_the_death_of_the_producer(ray_session, ray_queue, use
         def put(self, queue, batch):
             return queue.put(batch, "orphan")
 
+        def pid(self):
+            return os.getpid()
+
+    from polyrl.core.shm import shm_root, sweep_dead
     from polyrl.transfer import RayTransferQueue
+    from polyrl.transfer.segments import SEGMENT_DIR_ENV, SEGMENT_PREFIX
 
     q = RayTransferQueue.connect(ray_queue.name, direct_bytes=0, use_shm=use_shm)
     b = Batch({"x": torch.arange(64 * 1024).reshape(64, 1024)}, {"s": [str(i) for i in range(64)]})
     producer = OneShot.remote()
-    meta = ray.get(producer.put.remote(q, b))
-    ray.kill(producer)
-    time.sleep(1.0)
-    # The producer owned the object (or the segment file) the unit keeps; the unit still maps
-    # it, and get_data falls back to the unit's gathered copy once the reference is lost or
-    # the dead producer's segment files were swept.
-    got = q.get_data(q.get_meta(["x", "s"], 64, "orphan", "c", timeout=10))
-    assert meta.sample_ids == tuple(range(64)) and got.equals(b)
-    if use_shm:
-        from polyrl.core.shm import sweep_dead
-        from polyrl.transfer.segments import SEGMENT_PREFIX
+    try:
+        meta = ray.get(producer.put.remote(q, b))
+        root = shm_root(SEGMENT_DIR_ENV)
+        theirs = f"{SEGMENT_PREFIX}{ray.get(producer.pid.remote())}-*"
+        files = sorted(root.glob(theirs)) if use_shm and root is not None else []
+        ray.kill(producer)
+        time.sleep(1.0)
+        # The producer owned the object (or the segment file) the unit keeps; the unit still
+        # maps it, and get_data falls back to the unit's gathered copy once the reference is
+        # lost or the dead producer's segment files were swept.
+        got = q.get_data(q.get_meta(["x", "s"], 64, "orphan", "c", timeout=10))
+        assert meta.sample_ids == tuple(range(64)) and got.equals(b)
+        if use_shm:
+            assert files, f"the producer wrote no segment {theirs} under {root}"
 
-        assert sweep_dead(Path("/dev/shm"), SEGMENT_PREFIX) >= 1  # the killed producer's file
-        again = q.get_data(q.get_meta(["x", "s"], 64, "orphan", "c2", timeout=10))
-        assert again.equals(b)  # read from the unit's mapping, not the (gone) file
-    q.clear("orphan")
+            # Swept here once the killed process is gone, or already by whoever swept first
+            # (another test process, a new pool): the dead producer's files go either way.
+            def swept() -> bool:
+                sweep_dead(root, SEGMENT_PREFIX)
+                return not any(f.exists() for f in files)
+
+            wait_until(swept, "the killed producer's segment files swept", timeout=30.0)
+            again = q.get_data(q.get_meta(["x", "s"], 64, "orphan", "c2", timeout=10))
+            assert again.equals(b)  # read from the unit's mapping, not the (gone) file
+    finally:
+        ray.kill(producer)
+        q.clear("orphan")
 
 
 def test_batch_meta_pickles_compactly_and_exactly():

@@ -223,7 +223,7 @@ def clip_cov(
     clip_cov_ratio: float = 2e-4,
     clip_cov_lb: float = 1.0,
     clip_cov_ub: float = 5.0,
-    generator: torch.Generator | None = None,
+    seed: int = 0,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float | None = 3.0,
@@ -238,9 +238,13 @@ def clip_cov(
     the gradient of a few high-covariance tokens removed: with
     ``Cov_t = (logp_t - mean logp)(A_t - mean A)`` (:func:`token_covariance`), the candidates
     are the masked tokens with ``clip_cov_lb <= Cov_t <= clip_cov_ub``; ``floor(clip_cov_ratio
-    * N)`` of them (``N`` masked tokens), drawn uniformly with ``generator``, are detached
-    (their loss term is multiplied by 0). Those tokens, confident and rewarded (or unlikely and
-    punished), are what collapses the entropy.
+    * N)`` of them (``N`` masked tokens), drawn uniformly by a generator seeded with ``seed``,
+    are detached (their loss term is multiplied by 0). Those tokens, confident and rewarded (or
+    unlikely and punished), are what collapses the entropy.
+
+    The draw never touches the global torch RNG, so a run and its resume detach the same
+    tokens: the RL trainer gives each step its own ``seed`` (from the run's ``seed`` and the
+    step number).
 
     The covariance is over the batch given: a micro-batch, when the engine splits one. Metric
     ``clip_cov_frac``: the share of masked tokens detached.
@@ -263,6 +267,7 @@ def clip_cov(
     count = min(int(clip_cov_ratio * int(on.sum())), candidates.numel())
     keep = torch.ones(on.numel(), dtype=loss_mat.dtype, device=loss_mat.device)
     if count > 0:
+        generator = torch.Generator().manual_seed(seed)
         order = torch.randperm(candidates.numel(), generator=generator)[:count]
         keep[candidates.flatten()[order.to(candidates.device)]] = 0.0
     keep = keep.view_as(loss_mat)

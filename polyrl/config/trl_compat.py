@@ -798,7 +798,7 @@ class GKDConfig(TRLConfig):
             Row("dataset_text_field", "not used: the rows' prompts are sampled", None),
             Row(
                 "temperature",
-                "`rollout.temperature` (sampling; the KL reads both models at temperature 1)",
+                "`rollout.temperature` (sampling; the KL reads both models at it too)",
                 _set("rollout.temperature"),
             ),
             Row(

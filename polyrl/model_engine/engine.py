@@ -36,7 +36,7 @@ Any other tensor / non-tensor columns (advantages, old log-probs, rewards, ...) 
 rows into the micro-batches.  ``batch.meta[ROW_GROUP_KEY]`` (default 1) keeps each run of that many
 consecutive rows together, in order, in one micro-batch: a loss that reads several rows at once (a
 DPO or reward-model pair: chosen row, then rejected row) sees all of them (each rank's share must
-hold whole groups).  ``batch.meta["temperature"]`` (default 1) is the sampling
+hold whole groups).  ``batch.meta[TEMPERATURE_KEY]`` (default 1) is the sampling
 temperature applied to log-probs and entropies.
 
 Each rank passes **its own share** of the mini-batch (the controller dispatches shares; a
@@ -87,6 +87,7 @@ __all__ = [
     "GLOBAL_SEQS_KEY",
     "GLOBAL_TOKENS_KEY",
     "ROW_GROUP_KEY",
+    "TEMPERATURE_KEY",
     "InferFn",
     "LossFn",
     "ModelOutput",
@@ -122,6 +123,9 @@ GLOBAL_TOKENS_KEY = "global_token_count"
 GLOBAL_SEQS_KEY = "global_seq_count"
 #: ``batch.meta`` key set by the caller: runs of this many consecutive rows share a micro-batch.
 ROW_GROUP_KEY = "row_group_size"
+#: ``batch.meta`` key set by the caller: log-probs and entropies are of ``softmax(logits / it)``
+#: (default 1), the distribution the rollout sampled from at that temperature.
+TEMPERATURE_KEY = "temperature"
 
 
 class ModelOutput:

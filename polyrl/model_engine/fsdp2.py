@@ -54,6 +54,7 @@ from polyrl.model_engine.distributed import (
 from polyrl.model_engine.engine import (
     GLOBAL_SEQS_KEY,
     GLOBAL_TOKENS_KEY,
+    TEMPERATURE_KEY,
     InferFn,
     LossFn,
     ModelOutput,
@@ -444,7 +445,7 @@ class FSDP2Engine(TrainingEngine):
         self, mb: Batch, plan: PrefixSplit | None = None, vision_calls_needed: int = 0
     ) -> ModelOutput:
         am = mb["attention_mask"]
-        temperature = mb.meta.get("temperature", 1.0)
+        temperature = mb.meta.get(TEMPERATURE_KEY, 1.0)
         chunk_size = self.engine_config.logprob_chunk_size
         if self._moe is not None:
             self._moe.begin()

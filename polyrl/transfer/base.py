@@ -389,6 +389,14 @@ class TransferQueue(ABC):
     def storage_bytes(self) -> int:
         """Bytes of sample data held by all storage units."""
 
+    def for_processes(self) -> TransferQueue:
+        """Return a client of this queue to give (pickled) to other processes.
+
+        This client itself where it is picklable (the Ray backend's);
+        :meth:`LocalTransferQueue.for_processes` serves its queue to this host's processes.
+        """
+        return self
+
     def close(self) -> None:
         """Release what this client started (the Ray backend kills its actors).
 

@@ -327,11 +327,16 @@ class EngineWorker(Worker):
         return self._store.load(data)
 
     def _infer(self, data: Batch | StoredRows, compute: Callable[[Batch], Batch]) -> Batch | None:
-        """Run ``compute`` on ``data``'s rows; outputs of referenced rows go back to the queue."""
+        """Run ``compute`` on ``data``'s rows; outputs of referenced rows go back to the queue.
+
+        Only the collect rank of each data-parallel group puts them: its tensor/sequence-
+        parallel peers computed the same rows (the dispatch drops their results likewise).
+        """
         out = compute(self._rows(data))
         if isinstance(data, StoredRows):
             assert self._store is not None
-            self._store.put(data, out)
+            if self.dispatch_info(ENGINE_MESH)[2]:
+                self._store.put(data, out)
             return None
         return out
 

@@ -26,6 +26,7 @@ from polyrl.core.columns import (
     ROLLOUT_LOG_PROBS,
 )
 from polyrl.core.rollout_batch import build_rollout_batch
+from polyrl.model_engine.engine import TEMPERATURE_KEY
 
 __all__ = ["RAGGED_FIELDS", "StepLayout", "StoreClient", "StoredRows"]
 
@@ -51,6 +52,8 @@ class StepLayout:
         rollout_log_probs: whether the samples carry the servers' log-probs.
         multi_modal: whether the samples carry media (the engines then fetch
             :data:`~polyrl.core.columns.MULTI_MODAL` with the tokens).
+        temperature: the sampling temperature the engines compute the rows' log-probs at
+            (``batch.meta[TEMPERATURE_KEY]`` of the rebuilt batch, as in the driver's).
     """
 
     width_prompt: int
@@ -58,12 +61,14 @@ class StepLayout:
     pad_id: int
     rollout_log_probs: bool = True
     multi_modal: bool = False
+    temperature: float = 1.0
 
     def rebuild(self, rows: Batch) -> Batch:
         """Pack fetched rows into the engine batch the driver would have built for them.
 
         Fixed-width tensor columns fetched with the rows (per-token outputs of earlier phases,
-        per-row scalars) are carried over as they are; the per-row objects too.
+        per-row scalars) are carried over as they are; the per-row objects too; the batch's
+        meta holds the layout's temperature.
         """
         batch = build_rollout_batch(
             _rows_of(rows, PROMPT_IDS),
@@ -80,6 +85,7 @@ class StepLayout:
         for key in rows.non_tensor_keys:
             if key not in RAGGED_FIELDS:
                 batch.non_tensors[key] = rows.non_tensors[key]
+        batch.meta[TEMPERATURE_KEY] = self.temperature
         return batch
 
     def fields(self, extra: Sequence[str] = ()) -> list[str]:

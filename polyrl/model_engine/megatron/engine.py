@@ -59,6 +59,7 @@ from polyrl.model_engine.distributed import (
 from polyrl.model_engine.engine import (
     GLOBAL_SEQS_KEY,
     GLOBAL_TOKENS_KEY,
+    TEMPERATURE_KEY,
     InferFn,
     LossFn,
     ModelOutput,
@@ -538,7 +539,7 @@ class MegatronEngine(TrainingEngine):
             layout=layout,
             compute_input_ids=ids,
             attention_mask=am,
-            temperature=mb.meta.get("temperature", 1.0),
+            temperature=mb.meta.get(TEMPERATURE_KEY, 1.0),
             chunk_size=self.engine_config.logprob_chunk_size,
         )
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -28,6 +29,7 @@ from polyrl.config import PolyRLConfig
 from polyrl.core.batch import Batch
 from polyrl.core.columns import ACC, BASELINE, SCORE, UID
 from polyrl.core.rollout_batch import rollout_widths, widen_rollout_batch
+from polyrl.model_engine.engine import TEMPERATURE_KEY
 from polyrl.rollout.client import NoReplicaAvailableError
 from polyrl.trainer.rl.rollout import (
     RolloutProducer,
@@ -48,6 +50,8 @@ __all__ = [
     "QueueRollout",
     "Replicas",
     "SyncGeneration",
+    "at_sampling_temperature",
+    "log_prob_temperature",
     "prompts_per_round",
     "wait_recovering",
 ]
@@ -133,6 +137,32 @@ def prompts_per_round(cfg: PolyRLConfig) -> int:
     if algo.filter_groups and algo.gen_batch_size:
         return algo.gen_batch_size
     return cfg.data.train_batch_size
+
+
+def log_prob_temperature(cfg: PolyRLConfig) -> float:
+    """Return a training step's log-prob temperature: ``rollout.temperature`` (1 when greedy).
+
+    The engines' old, reference and new log-probs (and a teacher's) must be of the distribution
+    the rollout sampled from, as the servers' own log-probs are, or the importance ratio is not
+    1 before the first update (verl divides the logits by the rollout temperature too). Greedy
+    sampling has no such distribution: the servers report temperature-1 log-probs then.
+    Validation's ``rollout.val_temperature`` never applies: no step trains on its samples.
+    """
+    temperature = cfg.rollout.temperature
+    return temperature if temperature > 0 else 1.0
+
+
+def at_sampling_temperature(rows: Any, temperature: float) -> Any:
+    """Tag a step's rows (a ``Batch`` or :class:`StoredRows`) with their log-prob temperature.
+
+    A ``Batch`` gets ``meta[TEMPERATURE_KEY]``, which the engines read; a reference to rows in
+    the transfer queue carries it in its :class:`StepLayout`, whose rebuild on each rank sets it.
+    """
+    if isinstance(rows, StoredRows):
+        layout = dataclasses.replace(rows.layout, temperature=temperature)
+        return dataclasses.replace(rows, layout=layout)
+    rows.meta[TEMPERATURE_KEY] = temperature
+    return rows
 
 
 def wait_recovering(

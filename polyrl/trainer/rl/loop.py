@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -78,6 +79,8 @@ from polyrl.trainer.rl.generation import (
     GenerationPhase,
     QueueRollout,
     Replicas,
+    at_sampling_temperature,
+    log_prob_temperature,
     prompts_per_round,
 )
 from polyrl.trainer.rl.metrics import (
@@ -89,6 +92,7 @@ from polyrl.trainer.rl.metrics import (
 from polyrl.trainer.rl.producer_process import ProducerProcess
 from polyrl.trainer.rl.rollout import (
     RolloutProducer,
+    derive_seed,
     has_custom_reward,
     pad_id_of,
     response_cap,
@@ -431,8 +435,12 @@ class RLTrainer:
 
         cfg = self.cfg
         queue, backend = start_transfer_queue(cfg, self._closers, settings=self.settings)
+        here = os.getpid()
         for view in {id(v): v for v in views.values()}.values():
-            view.attach_transfer_queue(queue)
+            # Ranks in processes of their own (the local backend's, world size > 1) get a
+            # client they can unpickle; an inline rank, the queue itself.
+            inline = all(info.pid == here for info in view.view.group.worker_info)
+            view.attach_transfer_queue(queue if inline else queue.for_processes())
         count = cfg.transfer.num_rollout_workers
         workers = StoreWorkers(
             count,
@@ -469,7 +477,8 @@ class RLTrainer:
         """Push the actor's weights to every replica as ``version``; returns timing metrics."""
         return self.replicas.sync_weights(self.actor, version)
 
-    def _actor_loss_kwargs(self) -> dict[str, Any]:
+    def _actor_loss_kwargs(self, step: int) -> dict[str, Any]:
+        """Return the actor loss's options at ``step`` (its random draws are seeded from it)."""
         actor = self.cfg.actor
         return {
             "policy_loss": actor.policy_loss,
@@ -497,6 +506,9 @@ class RLTrainer:
                 "clip_cov_ub": actor.clip_cov_ub,
                 "kl_cov_ratio": actor.kl_cov_ratio,
                 "kl_cov_coef": actor.kl_cov_coef,
+                # A stochastic objective's (clip_cov's) draws: from the step, not the global
+                # RNG, so a resumed run draws what the uninterrupted one did.
+                "seed": derive_seed(self.cfg.seed, step),
             },
             "router_aux_loss_coef": actor.router_aux_loss_coef,
             # On-policy distillation against the teacher's top-k distribution: a loss term.
@@ -556,6 +568,10 @@ class RLTrainer:
             # 1-2. generate and score (the replicas may sleep from here until the sync); off
             # the sync mode, take a batch the rollout thread generated ahead
             rows, generated = rollout.generate(step, timing)
+            # Every engine (and teacher) computes this step's log-probs at the temperature the
+            # rollout sampled at: the importance ratio starts at 1.
+            temperature = log_prob_temperature(cfg)
+            rows = at_sampling_temperature(rows, temperature)
             metrics.update(generated)
             # The previous step's checkpoint was written while this one generated; the engines
             # are needed now (their calls queue behind the save anyway): surface its errors.
@@ -564,7 +580,7 @@ class RLTrainer:
             # 3. old log-probs, reference log-probs, values
             if self.teachers is not None:
                 with timer(timing, "teacher"):
-                    rows = self.teachers.score(rows, float(rows.meta.get("temperature", 1.0)))
+                    rows = self.teachers.score(rows, temperature)
             if self.need_old_log_probs:
                 with timer(timing, "old_log_prob"):
                     rows = plane.infer(
@@ -603,7 +619,7 @@ class RLTrainer:
                             self.actor.update_actor,
                             rows,
                             loss=ACTOR_LOSS,
-                            loss_kwargs=self._actor_loss_kwargs(),
+                            loss_kwargs=self._actor_loss_kwargs(step),
                             num_mini_batches=self.num_mini_batches,
                             epochs=cfg.actor.ppo_epochs,
                         )

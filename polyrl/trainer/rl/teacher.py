@@ -152,7 +152,7 @@ class TeacherServers:
         """Add the teachers' columns (:func:`teacher_columns`) to ``batch``; return it.
 
         Log-probs are under ``log_softmax(logits / temperature)``, the temperature the engines
-        compute the step's log-probs at (``batch.meta["temperature"]``).
+        compute the step's log-probs at (``batch.meta[TEMPERATURE_KEY]``).
         """
         ids, attn = batch[INPUT_IDS], batch[ATTENTION_MASK]
         sources = batch.non_tensors.get("data_source")
