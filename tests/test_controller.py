@@ -562,6 +562,29 @@ def test_local_backend_world_of_one_runs_inline():
         group.shutdown()
 
 
+class EnvWorker(Worker):
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def env(self, name: str) -> str | None:
+        return os.environ.get(name)
+
+
+def test_local_ranks_get_the_drivers_environment_of_when_they_start(monkeypatch):
+    # CPU ranks fork from a fork server started once: each still gets the driver's environment
+    # as it is when its group starts, not the one the server started with.
+    monkeypatch.delenv("POLYRL_TEST_RANK_ENV", raising=False)
+    before = WorkerGroup(WorkerSpec(EnvWorker), world_size=2, backend="local")
+    try:
+        monkeypatch.setenv("POLYRL_TEST_RANK_ENV", "set")
+        after = WorkerGroup(WorkerSpec(EnvWorker), world_size=2, backend="local")
+        try:
+            assert after.env("POLYRL_TEST_RANK_ENV") == ["set", "set"]
+            assert before.env("POLYRL_TEST_RANK_ENV") == [None, None]
+        finally:
+            after.shutdown()
+    finally:
+        before.shutdown()
+
+
 def test_infeasible_pool_fails_with_a_clear_error(ray_session):
     pool = ResourcePool("too-big", 2, cpus_per_worker=64, ready_timeout_s=1.0)
     with pytest.raises(ResourcePoolError, match="could not reserve 2 x"):
