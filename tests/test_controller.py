@@ -564,21 +564,23 @@ def test_local_backend_world_of_one_runs_inline():
 
 class EnvWorker(Worker):
     @register(dispatch=Dispatch.ONE_TO_ALL)
-    def env(self, name: str) -> str | None:
-        return os.environ.get(name)
+    def env(self, name: str) -> tuple[str | None, int]:
+        return os.environ.get(name), torch.get_num_threads()
 
 
 def test_local_ranks_get_the_drivers_environment_of_when_they_start(monkeypatch):
     # CPU ranks fork from a fork server started once: each still gets the driver's environment
-    # as it is when its group starts, not the one the server started with.
+    # as it is when its group starts (an OpenMP thread count too), not the server's.
     monkeypatch.delenv("POLYRL_TEST_RANK_ENV", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     before = WorkerGroup(WorkerSpec(EnvWorker), world_size=2, backend="local")
     try:
         monkeypatch.setenv("POLYRL_TEST_RANK_ENV", "set")
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
         after = WorkerGroup(WorkerSpec(EnvWorker), world_size=2, backend="local")
         try:
-            assert after.env("POLYRL_TEST_RANK_ENV") == ["set", "set"]
-            assert before.env("POLYRL_TEST_RANK_ENV") == [None, None]
+            assert after.env("POLYRL_TEST_RANK_ENV") == [("set", 3)] * 2
+            assert [value for value, _ in before.env("POLYRL_TEST_RANK_ENV")] == [None, None]
         finally:
             after.shutdown()
     finally:
