@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
+import sys
 import tempfile
 import warnings
 
@@ -563,3 +565,11 @@ def test_reorder_inverse_identity(data):
     r = b.reorder(perm)
     assert r.equals(b[perm])
     assert r.reorder(np.argsort(perm)).equals(b)
+
+
+def test_the_ray_actors_that_build_no_batch_do_not_import_tensordict():
+    """tensordict imports torch._dynamo (~1.3 s of CPU), so Batch's module imports it on the
+    first Batch built: the rollout replica's actor and the transfer queue's actors start sooner."""
+    code = "import sys, polyrl.workers.rollout_replica, polyrl.transfer.ray_backend\n"
+    code += "assert 'torch' in sys.modules and 'tensordict' not in sys.modules\n"
+    subprocess.run([sys.executable, "-c", code], check=True)

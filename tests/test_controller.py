@@ -562,6 +562,31 @@ def test_local_backend_world_of_one_runs_inline():
         group.shutdown()
 
 
+class EnvWorker(Worker):
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def env(self, name: str) -> tuple[str | None, int]:
+        return os.environ.get(name), torch.get_num_threads()
+
+
+def test_local_ranks_get_the_drivers_environment_of_when_they_start(monkeypatch):
+    # CPU ranks fork from a fork server started once: each still gets the driver's environment
+    # as it is when its group starts (an OpenMP thread count too), not the server's.
+    monkeypatch.delenv("POLYRL_TEST_RANK_ENV", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = WorkerGroup(WorkerSpec(EnvWorker), world_size=2, backend="local")
+    try:
+        monkeypatch.setenv("POLYRL_TEST_RANK_ENV", "set")
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        after = WorkerGroup(WorkerSpec(EnvWorker), world_size=2, backend="local")
+        try:
+            assert after.env("POLYRL_TEST_RANK_ENV") == [("set", 3)] * 2
+            assert [value for value, _ in before.env("POLYRL_TEST_RANK_ENV")] == [None, None]
+        finally:
+            after.shutdown()
+    finally:
+        before.shutdown()
+
+
 def test_infeasible_pool_fails_with_a_clear_error(ray_session):
     pool = ResourcePool("too-big", 2, cpus_per_worker=64, ready_timeout_s=1.0)
     with pytest.raises(ResourcePoolError, match="could not reserve 2 x"):

@@ -42,7 +42,7 @@ Pieces:
   (see :mod:`polyrl.controller.futures`).
 * :class:`ResourcePool` / :class:`ResourcePoolManager` -- named bundle sets over placement
   groups, roles mapped to pools, colocation of roles in one process.
-* Backends: ``"ray"`` (default) and ``"local"`` (inline for one rank, spawned subprocesses for
+* Backends: ``"ray"`` (default) and ``"local"`` (inline for one rank, subprocesses for
   several; see :mod:`polyrl.controller.local_backend`).
 * Failures: :class:`WorkerError` (rank, method, remote traceback), :class:`WorkerDiedError`
   (dead or unresponsive process, reported within ``dead_worker_timeout_s``).

@@ -8,7 +8,8 @@ Two modes, chosen by ``local_mode``:
     initialised as a one-rank gloo group (or an existing one-rank group is reused).
 
 ``"process"`` (default for a world of two or more)
-    Each rank is a ``spawn``-ed subprocess, so ranks have separate ``torch.distributed`` states
+    Each rank is a subprocess (forked from a fork server for CPU ranks, ``spawn``-ed for GPU
+    ones; see :func:`_rank_context`), so ranks have separate ``torch.distributed`` states
     and real gloo collectives run between them (threads cannot do this: the default process
     group is per process). Arguments and results travel pickled over a pipe per rank; worker
     classes and their arguments must therefore be picklable by reference (module-level classes).
@@ -59,6 +60,33 @@ __all__ = ["LocalBackend"]
 
 _LOCAL_MODES = ("auto", "inline", "process")
 
+#: What the fork server that CPU ranks start from imports once (see :func:`_rank_context`).
+_FORKSERVER_PRELOAD = (
+    "torch",
+    "tensordict",
+    "transformers.modeling_utils",
+    "polyrl.controller.local_backend",
+)
+
+
+def _rank_context(use_gpu: bool) -> Any:
+    """Return the ``multiprocessing`` context the rank subprocesses start with.
+
+    A spawned rank imports torch and (for an engine) transformers' model code afresh: ~3.5 s of
+    CPU before it does anything. CPU ranks fork instead from a fork server (one per driver
+    process, started on first use) that imported those once, as torch's own data loaders fork
+    after importing torch; each rank gets the driver's current environment back on start
+    (:func:`_rank_main`), not the one the server started with. GPU ranks keep ``spawn``: a fork
+    server is not tried on GPUs here, and there model loading dominates the start anyway.
+    """
+    if use_gpu or sys.platform != "linux":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # Only read when the server starts; a server already running (started by this or other
+    # code) is used as it is, which is as correct, only slower.
+    ctx.set_forkserver_preload(list(_FORKSERVER_PRELOAD))
+    return ctx
+
 
 def _done(value: Any = None, error: BaseException | None = None) -> cf.Future:
     fut: cf.Future = cf.Future()
@@ -80,9 +108,15 @@ def _resolve_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple,
 # ----------------------------------------------------------------------------------------------
 # Subprocess side
 # ----------------------------------------------------------------------------------------------
-def _rank_main(conn: Any, setup_bytes: bytes) -> None:
-    """Entry point of a rank subprocess: serve calls from the driver until told to exit."""
+def _rank_main(conn: Any, setup_bytes: bytes, environ: dict[str, str]) -> None:
+    """Entry point of a rank subprocess: serve calls from the driver until told to exit.
+
+    ``environ`` is the driver's environment when the rank was created: a rank forked from the
+    fork server would otherwise have the server's (see :func:`_rank_context`).
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
+    os.environ.clear()
+    os.environ.update(environ)
     send_lock = threading.Lock()
     calls: queue.Queue = queue.Queue()
 
@@ -162,7 +196,7 @@ class _RankProcess:
         parent, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(
             target=_rank_main,
-            args=(child, pickle.dumps(setup, protocol=5)),
+            args=(child, pickle.dumps(setup, protocol=5), dict(os.environ)),
             name=f"polyrl-{setup.group_name}-rank{setup.rank}",
             daemon=False,  # a rank may start its own subprocesses (data loaders, servers)
         )
@@ -321,7 +355,7 @@ def _stop_all(ranks: list[_RankProcess], grace_s: float = 2.0) -> None:
 
 
 class LocalBackend(Backend):
-    """Ranks inline in the driver (world of one) or as spawned subprocesses."""
+    """Ranks inline in the driver (world of one) or as subprocesses (see :func:`_rank_context`)."""
 
     kind = "local"
 
@@ -392,7 +426,7 @@ class LocalBackend(Backend):
                 self.infos = [_with_backend(host.info(), backend)]
                 self.alive = True
                 return self.infos
-            ctx = mp.get_context("spawn")
+            ctx = _rank_context(pool.pins_gpu)
             self._ranks = [_RankProcess(ctx, s) for s in setups]
             self.alive = True
             deadline = time.monotonic() + start_timeout_s

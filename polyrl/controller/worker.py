@@ -323,11 +323,16 @@ class WorkerHost:
                 "LOCAL_WORLD_SIZE": setup.local_world_size,
             }.items():
                 os.environ[key] = str(value)
+        omp_threads = os.environ.get("OMP_NUM_THREADS", "")
         if setup.backend_kind == "local" and "OMP_NUM_THREADS" not in os.environ:
             # Each spawned rank would otherwise start one intra-op thread per core, so N ranks
             # on a node run N times as many threads as cores (torchrun and Ray set the count
             # per process; an explicit OMP_NUM_THREADS is the user's choice and stays).
             torch.set_num_threads(cores_per_process(setup.local_world_size))
+        elif setup.backend_kind == "local" and omp_threads.isdigit() and int(omp_threads) > 0:
+            # A rank forked from the fork server (local_backend._rank_context) has torch's
+            # OpenMP runtime set up from the server's environment: apply the driver's choice.
+            torch.set_num_threads(int(omp_threads))
         if setup.backend_kind == "ray":
             import ray
 

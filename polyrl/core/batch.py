@@ -29,14 +29,17 @@ from __future__ import annotations
 import copy
 import os
 import pickle
+import sys
 import tempfile
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict, TensorDictBase
 
 __all__ = ["Batch", "collate"]
 
@@ -71,6 +74,24 @@ _FILE_FORMAT = "polyrl.Batch"
 _FILE_VERSION = 1
 
 
+def _tensordict_class() -> type[TensorDict]:
+    """Return :class:`tensordict.TensorDict`, imported on first use.
+
+    Importing tensordict imports ``torch._dynamo`` too: about as much CPU time as torch itself
+    (~1.3 s). A process that imports this module but never builds a Batch (a transfer storage
+    unit, a rollout replica's Ray actor) starts that much sooner.
+    """
+    from tensordict import TensorDict
+
+    return TensorDict
+
+
+def _is_tensordict(value: Any) -> bool:
+    """Whether ``value`` is a TensorDict (of any kind), without importing tensordict."""
+    module = sys.modules.get("tensordict")
+    return module is not None and isinstance(value, module.TensorDictBase)
+
+
 # ----------------------------------------------------------------------------------------------
 # Column helpers
 # ----------------------------------------------------------------------------------------------
@@ -81,7 +102,7 @@ def _check_key(key: Any) -> str:
 
 
 def _as_tensor_column(key: str, value: torch.Tensor) -> torch.Tensor:
-    if isinstance(value, TensorDictBase):
+    if _is_tensordict(value):
         raise TypeError(
             f"column {key!r}: nested TensorDicts are not supported; store each tensor as its "
             "own column"
@@ -99,7 +120,7 @@ def _as_tensor_column(key: str, value: torch.Tensor) -> torch.Tensor:
 
 def _as_object_column(key: str, value: Any) -> np.ndarray:
     """Turn ``value`` into a 1-D numpy object array with one element per row."""
-    if isinstance(value, TensorDictBase):
+    if _is_tensordict(value):
         raise TypeError(f"column {key!r}: nested TensorDicts are not supported")
     if isinstance(value, str | bytes | bytearray) or isinstance(value, Mapping):
         raise TypeError(
@@ -323,14 +344,14 @@ class Batch:
 
         tensor_cols: dict[str, torch.Tensor] = {}
         if tensors is not None:
-            if not isinstance(tensors, Mapping | TensorDictBase):
+            if not (isinstance(tensors, Mapping) or _is_tensordict(tensors)):
                 raise TypeError(
                     f"tensors must be a TensorDict or a mapping of str to torch.Tensor, got "
                     f"{type(tensors).__name__}"
                 )
             for key, value in tensors.items():
                 _check_key(key)
-                if not isinstance(value, torch.Tensor | TensorDictBase):
+                if not (isinstance(value, torch.Tensor) or _is_tensordict(value)):
                     raise TypeError(
                         f"tensors[{key!r}] must be a torch.Tensor, got {type(value).__name__}; "
                         "put non-tensor data in non_tensors"
@@ -363,7 +384,7 @@ class Batch:
                 f"column length mismatch: {bad} (expected {expected}); every column must have "
                 "the same leading dimension"
             )
-        self.tensors = TensorDict(tensor_cols, batch_size=[n])
+        self.tensors = _tensordict_class()(tensor_cols, batch_size=[n])
         self.non_tensors = object_cols
         self.meta = dict(meta) if meta is not None else {}
         # A Batch built from nothing adopts the length of its first column (see __setitem__).
@@ -379,10 +400,10 @@ class Batch:
     ) -> Batch:
         """Build from already-validated columns (skips per-column conversion)."""
         out = cls.__new__(cls)
-        if isinstance(tensors, TensorDictBase):
+        if _is_tensordict(tensors):
             out.tensors = tensors
         else:
-            out.tensors = TensorDict(dict(tensors), batch_size=[length])
+            out.tensors = _tensordict_class()(dict(tensors), batch_size=[length])
         out.non_tensors = dict(non_tensors)
         out.meta = dict(meta)
         out._sized = True
@@ -447,7 +468,7 @@ class Batch:
     def __setitem__(self, key: str, value: Any) -> None:
         """Add or replace a column; tensors go to ``tensors``, anything else to ``non_tensors``."""
         _check_key(key)
-        if isinstance(value, torch.Tensor) and not isinstance(value, TensorDictBase):
+        if isinstance(value, torch.Tensor) and not _is_tensordict(value):
             column: torch.Tensor | np.ndarray = _as_tensor_column(key, value)
         else:
             column = _as_object_column(key, value)
@@ -459,7 +480,7 @@ class Batch:
             )
         if not others and m != len(self):
             # Column-less, unsized Batch: the first column defines the length.
-            self.tensors = TensorDict({}, batch_size=[m])
+            self.tensors = _tensordict_class()({}, batch_size=[m])
         self._sized = True
         if key in self.non_tensors:
             del self.non_tensors[key]
