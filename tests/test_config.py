@@ -794,6 +794,15 @@ def test_replica_options_map_the_rollout_group_onto_the_backend_options():
         load_config("demo", ["trainer.device=cpu", "model.compute_dtype=bfloat16"])
     )
     assert bf16["matmul_dtype"] == "bfloat16" and "num_threads" not in bf16
+    # vLLM's image processor is started with the trainer's pixel bounds; the native server
+    # gets them with each prompt.
+    from polyrl.rollout.vllm_backend import VLLMOptions
+
+    bounds = ["trainer.device=cpu", "data.image_max_pixels=3136"]
+    vllm = replica_options(load_config("demo", [*bounds, "rollout.backend=vllm"]))
+    assert vllm["image_max_pixels"] == 3136 and "image_min_pixels" not in vllm
+    VLLMOptions(**vllm)
+    assert "image_max_pixels" not in replica_options(load_config("demo", bounds))
 
 
 @pytest.mark.parametrize(

