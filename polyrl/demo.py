@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from polyrl.config import PolyRLConfig, load_config
+from polyrl.config import ConfigError, PolyRLConfig, load_config
 
 
 async def _sample(
@@ -317,13 +317,28 @@ def run(cfg: PolyRLConfig) -> dict[str, Any]:
     return summary
 
 
+_USAGE = """usage: python -m polyrl.demo [PRESET] [key=value ...]
+
+Run a demo preset (default: demo; demo_vlm for the vision-language one): an SFT warm-up, then
+GRPO, then one JSON line with held-out accuracy after each."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry: ``python -m polyrl.demo [PRESET] [key=value ...]``."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("-h", "--help"):
+        print(_USAGE)
+        return 0
     preset = "demo"
     if args and "=" not in args[0]:
         preset = args.pop(0)
-    run(load_config(preset, args))
+    try:
+        cfg = load_config(preset, args)
+    except ConfigError as exc:
+        # Bad input: one line naming it and what was expected, as the polyrl CLI does.
+        print(f"polyrl.demo: error: {exc}", file=sys.stderr)
+        return 2
+    run(cfg)
     return 0
 
 

@@ -92,3 +92,15 @@ def test_vlm_demo_runs_with_images_end_to_end(tmp_path):
     assert "visual_count" in proc.stdout
     records = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollout/weight_version"] for r in records if "actor/pg_loss" in r] == [0, 1]
+
+
+def test_the_demo_entry_refuses_bad_input_in_one_line(capsys):
+    from polyrl.demo import main
+
+    assert main(["--help"]) == 0
+    assert "usage: python -m polyrl.demo" in capsys.readouterr().out
+    assert main(["no_such_preset"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown preset 'no_such_preset'" in err[0]
+    assert main(["demo", "rollout.n=zero"]) == 2
+    assert "rollout.n" in capsys.readouterr().err
