@@ -249,7 +249,7 @@ def test_a_run_that_loses_each_kind_of_worker_logs_what_an_uninterrupted_run_log
     assert "; its log ends: " in line and "\x1b[" not in line, line
 
 
-def test_with_max_restarts_0_a_killed_reward_worker_stops_the_run_and_a_relaunch_resumes(
+def test_with_max_restarts_0_a_killed_reward_worker_or_engine_stops_the_run_and_relaunches_resume(
     tmp_path, uninterrupted
 ):
     # Its samples are not scored again: the run stops in one line that names the worker and
@@ -274,8 +274,21 @@ def test_with_max_restarts_0_a_killed_reward_worker_stops_the_run_and_a_relaunch
             text = path.read_text(errors="replace")
             assert "\x1b[" not in text and "pid=" not in text, path
 
-    # The same command again: it resumes from the newest checkpoint and finishes the run as
-    # the uninterrupted one did.
+    # The same command again resumes from step 2; this time its engine worker dies in step 3's
+    # update: with max_restarts=0 the run stops again, in one line naming the rank.
+    again = KillingTrainer(_config(tmp_path, "run", "trainer.max_restarts=0"), engine_at=3)
+    with pytest.raises(RunAbortedError) as caught:
+        again.fit()
+    message = str(caught.value)
+    info = again.engine_info
+    where = f"(pid {info.pid} on node {info.node_ip} (id {info.node_id[:12]}))"
+    assert "\n" not in message and "\x1b[" not in message, message
+    assert message.startswith(f"worker rank 0 {where} died during actor.update_actor ("), message
+    assert "; trainer.max_restarts=0. " in message and "global_step_2" in message, message
+    assert [r["step"] for r in _records(tmp_path / "run")] == [1, 2]
+
+    # And once more: it resumes from the newest checkpoint and finishes the run as the
+    # uninterrupted one did.
     summary = RLTrainer(_config(tmp_path, "run", "trainer.max_restarts=0")).fit()
     assert summary["steps"] == 3 and summary["resumed_from"].endswith("global_step_2")
     b = _comparable(tmp_path / "run")

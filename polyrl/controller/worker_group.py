@@ -361,7 +361,7 @@ class WorkerGroup:
         if not self._backend.alive:
             raise ControllerError(f"group {self.name!r} is shut down; cannot call {label}")
         mode = get_dispatch_mode(spec.dispatch)
-        layout = self._layout(role, spec.mesh)
+        layout = self._layout(role, spec.mesh, label)
         upstream: list[ControllerFuture] = []
         args = tuple(self._incoming(a, upstream) for a in args)
         kwargs = {k: self._incoming(v, upstream) for k, v in kwargs.items()}
@@ -425,14 +425,16 @@ class WorkerGroup:
                     counts[id(value)] = (n + 1, value)
         return {key: self._backend.put(v) for key, (n, v) in counts.items() if n > 1}
 
-    def _layout(self, role: str, mesh: str | None) -> DataParallelLayout:
+    def _layout(self, role: str, mesh: str | None, call: str) -> DataParallelLayout:
+        # ``call``: the call this layout is read for (the first of its kind), which a rank's
+        # death while answering is reported as.
         key = (role, mesh)
         if key in self._layouts:
             return self._layouts[key]
         if mesh is None:
             layout = DataParallelLayout.flat(self.world_size)
         else:
-            label = f"<mesh {mesh!r}>"
+            label = call
             watches = [
                 Watch(self._backend, r, label, self._backend.host_call(r, "mesh_info", role, mesh))
                 for r in range(self.world_size)
