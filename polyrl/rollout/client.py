@@ -57,6 +57,10 @@ _MAX_SESSIONS = 100_000
 RETRY_STATUSES = frozenset({500, 502, 503, 504})
 
 
+#: Connection pools a client spreads its requests over (see ``RolloutClient.__init__``).
+_POOL_SHARDS = 8
+
+
 class RolloutHTTPError(RolloutError):
     """A replica answered with an error status; ``status`` and the server's message are kept."""
 
@@ -210,7 +214,12 @@ class RolloutClient:
         self.retries = 0
         self._sessions: OrderedDict[str, Replica] = OrderedDict()
         self._slots = asyncio.Semaphore(max_concurrency)
-        self._http: httpx.AsyncClient | None = None
+        # Several connection pools, requests spread over them in turn: httpcore scans every
+        # connection of a pool each time it hands out one, so one pool of N connections costs
+        # O(N) CPU per request (a tool-calling run with ~100 episodes in flight spent most of
+        # its producer's CPU there); _POOL_SHARDS pools of N / _POOL_SHARDS each cost that less.
+        self._http: list[httpx.AsyncClient] = []
+        self._next_pool = 0
         self._health_task: asyncio.Task[None] | None = None
         #: Request and (non-streamed) response body bytes this client sent and received, so
         #: a benchmark can count what passes through the process that holds the client.
@@ -221,16 +230,21 @@ class RolloutClient:
 
     async def start(self) -> RolloutClient:
         """Open the HTTP connection pool and start health checks."""
-        if self._http is None:
+        if not self._http:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            self._http = httpx.AsyncClient(
-                headers=headers,
-                timeout=httpx.Timeout(self.timeout, connect=self.connect_timeout),
-                limits=httpx.Limits(
-                    max_connections=self.max_concurrency + 4 * len(self.replicas),
-                    max_keepalive_connections=self.max_concurrency,
-                ),
-            )
+            # Each pool may hold every connection (the semaphore bounds the total): a pool that
+            # happens to get long requests never makes a request wait for a connection.
+            self._http = [
+                httpx.AsyncClient(
+                    headers=headers,
+                    timeout=httpx.Timeout(self.timeout, connect=self.connect_timeout),
+                    limits=httpx.Limits(
+                        max_connections=self.max_concurrency + 4 * len(self.replicas),
+                        max_keepalive_connections=self.max_concurrency,
+                    ),
+                )
+                for _ in range(min(_POOL_SHARDS, self.max_concurrency))
+            ]
             if self.health_interval > 0:
                 self._health_task = asyncio.ensure_future(self._health_loop())
         return self
@@ -242,9 +256,9 @@ class RolloutClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
             self._health_task = None
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None
+        pools, self._http = self._http, []
+        for pool in pools:
+            await pool.aclose()
 
     async def __aenter__(self) -> RolloutClient:
         return await self.start()
@@ -253,9 +267,10 @@ class RolloutClient:
         await self.close()
 
     def _client(self) -> httpx.AsyncClient:
-        if self._http is None:
+        if not self._http:
             raise RuntimeError("RolloutClient is not started; use 'async with' or await start()")
-        return self._http
+        self._next_pool = (self._next_pool + 1) % len(self._http)
+        return self._http[self._next_pool]
 
     # -------------------------------------------------------------------------- health
 
