@@ -38,6 +38,7 @@ from polyrl.config.options import (
 )
 from polyrl.core.dtypes import FLOAT_DTYPES
 from polyrl.core.prompts import TRUNCATION_POLICIES, check_template_kwargs
+from polyrl.models.archs import TINY_ARCHS
 
 __all__ = [
     "ActorConfig",
@@ -86,16 +87,6 @@ def _require_nonempty(value: str, key: str) -> None:
         raise ConfigError("must not be empty", key=key)
 
 
-TINY_ARCHS = (
-    "qwen2",
-    "llama",
-    "qwen3",
-    "qwen3_moe",
-    "qwen2_vl",
-    "qwen2_5_vl",
-    "qwen3_vl",
-    "smolvlm",
-)
 TINY_SIZES = ("nano", "micro", "small")
 TASKS = (
     "",

@@ -36,6 +36,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from polyrl.models.archs import TINY_ARCHS
 from polyrl.models.tokenizer import (
     BOS_TOKEN,
     EOS_TOKEN,
@@ -66,16 +67,6 @@ __all__ = [
     "tiny_tokenizer",
 ]
 
-TINY_ARCHS: tuple[str, ...] = (
-    "qwen2",
-    "llama",
-    "qwen3",
-    "qwen3_moe",
-    "qwen2_vl",
-    "qwen2_5_vl",
-    "qwen3_vl",
-    "smolvlm",
-)
 
 #: Architectures with a vision tower (built with the vision tokens and an image processor).
 VISION_ARCHS: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "smolvlm")
