@@ -61,6 +61,13 @@ def big_proc(tiny_vl_dir):
     return VisionProcessor.from_pretrained(tiny_vl_dir, max_pixels=112 * 112)
 
 
+def _hf_model(model_dir):
+    """The Hugging Face model itself, in eval mode: what the parity tests compare with."""
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(model_dir).eval()
+
+
 def _started_engine(model_dir):
     """A started native engine of ``model_dir``, shut down when the fixture ends."""
     eng = NativeEngine(model_dir, NativeEngineConfig(**SMALL))
@@ -88,9 +95,7 @@ def smol_engine(tiny_smolvlm_dir):
 
 @pytest.fixture(scope="module")
 def hf_smol(tiny_smolvlm_dir):
-    from transformers import AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText.from_pretrained(tiny_smolvlm_dir).eval()
+    return _hf_model(tiny_smolvlm_dir)
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +105,7 @@ def q25_engine(tiny_qwen2_5_vl_dir):
 
 @pytest.fixture(scope="module")
 def hf_q25(tiny_qwen2_5_vl_dir):
-    from transformers import AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText.from_pretrained(tiny_qwen2_5_vl_dir).eval()
+    return _hf_model(tiny_qwen2_5_vl_dir)
 
 
 @pytest.fixture(scope="module")
@@ -120,9 +123,7 @@ def q3_engine(tiny_qwen3_vl_dir):
 
 @pytest.fixture(scope="module")
 def hf_q3(tiny_qwen3_vl_dir):
-    from transformers import AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText.from_pretrained(tiny_qwen3_vl_dir).eval()
+    return _hf_model(tiny_qwen3_vl_dir)
 
 
 @pytest.fixture(scope="module")
